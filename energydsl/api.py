@@ -1,0 +1,226 @@
+"""The Python API: `energydsl.load(path_or_text)` and the objects it returns.
+
+    spec = energydsl.load("examples/intrinsic-optimizers/mha.energy")
+    layer = spec.energy("MHA", d=16, heads=2)      # sizes as keyword arguments
+    print(layer.equations("text"))
+    results = layer.check()
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import syntax
+from .checks import CheckResult, run_checks
+from .errors import SpecError
+from .ir import Var
+from .optimizers import UpdateProgram, build_program, unhoist
+from .printing import mathml_block, show
+from .semantics import EnergyIR, lower_energy
+
+
+@dataclass
+class Equation:
+    label: str
+    lhs: str  # what is defined, as an IR-free string per format
+    rhs: object  # an IR expression
+
+
+@dataclass
+class Derived:
+    """One energy with its derivation: the IR, the update program, and how to print and check them."""
+
+    spec: EnergyIR
+    program: UpdateProgram
+    _checks: list[CheckResult] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def relations(self) -> dict[str, str]:
+        ctx = self.spec.context
+        if ctx is None:
+            return {}
+        return {ctx.index: "<i" if self.spec.indices[ctx.index].strict else "<=i"}
+
+    def equation_list(self) -> list[tuple[str, str, object]]:
+        """(label, left-hand side name, expression) for energy, gradient, update, tying and untied form."""
+        spec, prog = self.spec, self.program
+        point = prog.point.name
+        out: list[tuple[str, str, object]] = [("energy", f"{spec.energy_name}", spec.energy)]
+        if spec.via is not None:
+            out.append(("norm", spec.via[0].name, spec.via[1]))
+        out.append(("gradient", f"∇_{point} {spec.energy_name}", prog.gradient))
+        if prog.preconditioner is not None:
+            out.append(("preconditioner", "P", prog.preconditioner))
+        direction = prog.tied_direction if spec.untie_rules else prog.direction
+        out.append(("direction", "D", unhoist(direction)))
+        for a in prog.tied_assigns:
+            out.append(("update", f"{a.target.name}⁺", unhoist(a.value)))
+        if spec.untie_rules:
+            for a in prog.assigns:
+                out.append(("untied update", f"{a.target.name}⁺", unhoist(a.value)))
+        for h in prog.hoisted:
+            out.append(("computed once", h.name, h.body))
+        return out
+
+    def tying(self) -> list[str]:
+        """Parameters the derived update uses both in its scores and on its value path."""
+        from .calculus import untie as untie_fn
+        from .ir import Index, Transpose, walk
+
+        on_path: set[str] = set()
+        marker = []
+        direction = self.program.tied_direction or self.program.direction
+        for node in walk(unhoist(direction)):
+            if isinstance(node, (Index, Var, Transpose)):
+                marker.append(node)
+        params = {n for n in self.program.params}
+        for cand in set(marker):
+            base = cand
+            while isinstance(base, (Index, Transpose)):
+                base = base.a if isinstance(base, Transpose) else base.base
+            if isinstance(base, Var) and base.name in params:
+                _, hits = untie_fn(unhoist(direction), [(cand, Var("__probe", "param", cand.shape))])
+                if hits:
+                    on_path.add(show(cand))
+        scores: set[str] = set()
+        from .ir import Func, Softmax
+
+        for node in walk(unhoist(direction)):
+            if isinstance(node, (Softmax, Func)):
+                for inner in walk(node):
+                    if isinstance(inner, Var) and inner.name in params:
+                        scores.add(inner.name)
+        lines = []
+        seen: dict[str, list[str]] = {}
+        for v in sorted(on_path):
+            seen.setdefault(v.split("_")[0].rstrip("ᵀ"), []).append(v)
+        for name, forms in seen.items():
+            if name in scores:
+                lines.append(f"{name} is used in the scores and, as {' / '.join(forms)}, on the value path "
+                             "(the energy ties them; `untie` frees the value path)")
+        return lines
+
+    def equations(self, fmt: str = "text") -> str:
+        rel = self.relations()
+        spec = self.spec
+        if fmt not in ("text", "latex", "markdown", "mathml"):
+            raise SpecError(f"unknown format `{fmt}`", None, "use text, latex, markdown or mathml")
+        rows = self.equation_list()
+        header = self._header()
+        tying = self.tying()
+        if fmt == "text":
+            lines = [header]
+            for label, lhs, e in rows:
+                lines.append(f"{label:>16}  {lhs} = {show(e, 'text', rel)}")
+            for t in tying:
+                lines.append(f"{'tying':>16}  {t}")
+            lines.append(f"{'steps':>16}  {spec.optimizer.steps} × {spec.optimizer.kind}")
+            return "\n".join(lines)
+        if fmt == "mathml":
+            parts = [f"<p>{header}</p>"]
+            for label, lhs, e in rows:
+                parts.append(f"<p>{label}</p>" + mathml_block(f"<mrow><mi>{lhs}</mi><mo>=</mo>{show(e, 'mathml', rel)}"
+                                                              f"</mrow>"))
+            return "\n".join(parts)
+        lines = []
+        if fmt == "markdown":
+            lines.append(f"### {header}\n")
+        for label, lhs, e in rows:
+            tex = f"{_tex_lhs(lhs)} = {show(e, 'latex', rel)}"
+            lines.append(f"- **{label}**: $${tex}$$" if fmt == "markdown" else f"% {label}\n{tex}")
+        for t in tying:
+            lines.append(f"- **tying**: {t}" if fmt == "markdown" else f"% tying: {t}")
+        return "\n".join(lines)
+
+    def _header(self) -> str:
+        spec = self.spec
+        shape = ", ".join(str(s) for s in spec.state.shape)
+        ctx = ""
+        if spec.context is not None:
+            rel = "j < i" if spec.indices[spec.context.index].strict else "j ≤ i"
+            ctx = f"  ·  context {spec.context.name}_{spec.context.index}, {rel}"
+        dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
+        return f"{spec.name}  ·  state {spec.state.name} ∈ ℝ^[{shape}]{ctx}  ·  {dims}"
+
+    def _repr_latex_(self) -> str:
+        rel = self.relations()
+        body = " \\\\ ".join(f"\\text{{{label}}}: & {_tex_lhs(lhs)} = {show(e, 'latex', rel)}"
+                             for label, lhs, e in self.equation_list())
+        return f"$$\\begin{{aligned}}{body}\\end{{aligned}}$$"
+
+    def check(self) -> list[CheckResult]:
+        if self._checks is None:
+            self._checks = run_checks(self.program)
+        return self._checks
+
+    def equation_hash(self) -> str:
+        """A hash of the derived program and dims: identical derivations share it."""
+        text = repr([(a.target.name, unhoist(a.value).key) for a in self.program.assigns])
+        text += repr(sorted(self.spec.dims().items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _tex_lhs(lhs: str) -> str:
+    return (lhs.replace("∇_", "\\nabla_{").replace(" ", "} ", 1) if lhs.startswith("∇_") else lhs).replace(
+        "⁺", "^{+}").replace("_untied", "_{\\mathrm{untied}}")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+class Spec:
+    """A parsed `.energy` file (with its imports): declarations by name."""
+
+    def __init__(self, module: syntax.Module):
+        self.module = module
+        self.path = module.path
+
+    @property
+    def names(self) -> list[str]:
+        return self.module.names()
+
+    @property
+    def energy_names(self) -> list[str]:
+        return [n for n in self.module.names() if n in self.module.energies]
+
+    def energy(self, name: str | None = None, **dims: float) -> Derived:
+        names = self.energy_names
+        if name is None:
+            if len(names) != 1:
+                raise SpecError(f"{self.path} declares {len(names)} energies ({', '.join(names) or 'none'}); "
+                                "name one", None)
+            name = names[0]
+        decl = self.module.energies.get(name)
+        if decl is None:
+            raise SpecError(f"no energy named `{name}` in {self.path} (it has: {', '.join(names) or 'none'})", None)
+        spec = lower_energy(decl, dims)
+        return Derived(spec, build_program(spec))
+
+    def derive(self, **dims: float) -> list[Derived]:
+        """Every energy declared in the file itself (not its imports)."""
+        known = {n for e in self.energy_names for n, _ in self.module.energies[e].header}
+        unknown = sorted(set(dims) - known)
+        if unknown:
+            raise SpecError(f"`{unknown[0]}` is not a dim of any energy in {self.path} (dims: "
+                            f"{', '.join(sorted(known)) or 'none'})", None)
+        return [self.energy(n, **_dims_for(self.module.energies[n], dims)) for n in self.energy_names]
+
+    def check(self, **dims: float) -> dict[str, list[CheckResult]]:
+        return {d.name: d.check() for d in self.derive(**dims)}
+
+
+def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, float]:
+    """`--set` applies to every energy that has that dim."""
+    names = {n for n, _ in decl.header}
+    return {k: v for k, v in dims.items() if k in names}
+
+
+def load(source: str | Path) -> Spec:
+    """Parse a `.energy` file (a path) or spec text."""
+    return Spec(syntax.parse_module(source))

@@ -1,0 +1,268 @@
+"""Calculus on the tensor IR: gradients (reverse mode), directional derivatives (forward mode, for
+Hessian-vector products), and the value-path rewriting behind `untie`.
+
+Derivatives are taken symbolically, once, for symbolic dims: SymPy handles every scalar coefficient
+(dims, temperatures, step sizes), the rules below handle tensors and named indices. We never ask
+SymPy to differentiate a matrix-trace expression (its open bugs return 0 there).
+"""
+
+from __future__ import annotations
+
+from .functions import derivative
+from .ir import (
+    ZERO,
+    Add,
+    Count,
+    Diag,
+    Dot,
+    Expr,
+    Func,
+    Identity,
+    Index,
+    Inverse,
+    Let,
+    MatMul,
+    Mul,
+    Ones,
+    Outer,
+    Pos,
+    Pow,
+    Reduce,
+    Scalar,
+    ShapeError,
+    Softmax,
+    StopGrad,
+    SumAll,
+    Transpose,
+    Var,
+    add,
+    dot,
+    func,
+    is_zero,
+    matmul,
+    mul,
+    outer,
+    power,
+    rebuild,
+    reduce,
+    scalar,
+    sum_all,
+    transpose,
+)
+
+
+class NotDifferentiable(Exception):
+    """A construct with no usable derivative where one is needed (e.g. `max`)."""
+
+
+def _unbroadcast(g: Expr, target: Expr) -> Expr:
+    """A scalar that was broadcast against a tensor receives the sum of the tensor's cotangent."""
+    if not target.shape and g.shape:
+        return sum_all(g)
+    return g
+
+
+def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
+    """∇_wrt f for a scalar `f`. Free indices of the result other than `keep` are summed out."""
+    if f.shape:
+        raise ShapeError("the energy must be a scalar")
+    parts: list[Expr] = []
+
+    def visit(e: Expr, g: Expr) -> None:
+        if is_zero(g):
+            return
+        match e:
+            case Var():
+                if e.name == wrt.name and e.role == wrt.role:
+                    parts.append(g)
+            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Index():
+                return
+            case Let():
+                visit(e.body, g)
+            case Add():
+                for t in e.terms:
+                    visit(t, _unbroadcast(g, t))
+            case Mul():
+                for i, fac in enumerate(e.factors):
+                    others = mul(*(o for j, o in enumerate(e.factors) if j != i))
+                    visit(fac, _unbroadcast(mul(g, others), fac))
+            case Pow():
+                visit(e.base, mul(g, scalar(e.exponent), power(e.base, e.exponent - 1)))
+            case MatMul():
+                a, b = e.a, e.b
+                if len(a.shape) == 2 and len(b.shape) == 1:
+                    visit(b, matmul(transpose(a), g))
+                    visit(a, outer(g, b))
+                elif len(a.shape) == 1 and len(b.shape) == 2:
+                    visit(a, matmul(b, g))
+                    visit(b, outer(a, g))
+                else:
+                    visit(a, matmul(g, transpose(b)))
+                    visit(b, matmul(transpose(a), g))
+            case Dot():
+                visit(e.a, mul(g, e.b))
+                visit(e.b, mul(g, e.a))
+            case Outer():
+                visit(e.a, matmul(g, e.b))
+                visit(e.b, matmul(transpose(g), e.a))
+            case Transpose():
+                visit(e.a, transpose(g))
+            case Func():
+                visit(e.arg, mul(g, func(derivative(e.name), e.arg)))
+            case SumAll():
+                visit(e.a, mul(g, Ones(e.a.shape)))
+            case Diag():
+                raise NotDifferentiable("diag(v) is differentiable only as `diag(v) @ x`")
+            case Reduce():
+                if e.op == "sum":
+                    visit(e.body, g)
+                elif e.op == "mean":
+                    visit(e.body, mul(g, power(Count(e.index), -1)))
+                elif e.op == "logsumexp":
+                    if e.body.shape:
+                        raise ShapeError("logsumexp needs a scalar body")
+                    visit(e.body, mul(g, Softmax(e.index, e.body)))
+                elif e.op == "prod":
+                    visit(e.body, mul(g, e, power(e.body, -1)))
+                else:
+                    raise NotDifferentiable(f"`{e.op}[{e.index}]` has no gradient; use logsumexp as a smooth max")
+            case Softmax():
+                # d p_j = p_j (ds_j - Σ_l p_l ds_l): the cotangent of s is p ∘ (g - Σ p g)
+                p = e
+                visit(e.body, mul(p, add(g, mul(scalar(-1), reduce("sum", e.index, mul(p, g))))))
+            case Inverse():
+                raise NotDifferentiable("matrix inverse inside an energy")
+            case _:
+                raise NotDifferentiable(f"no derivative rule for {type(e).__name__}")
+
+    visit(f, scalar(1))
+    total: Expr = ZERO
+    for part in parts:
+        for idx in sorted(part.free - keep - wrt.free):
+            part = reduce("sum", idx, part)
+        total = add(total, part)
+    if is_zero(total) and wrt.shape:
+        return ZERO
+    return total
+
+
+def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
+    """The forward-mode derivative of `e` along `v` (d/dε e(wrt + ε v) at ε = 0)."""
+
+    def tangent(x: Expr) -> Expr:
+        match x:
+            case Var():
+                return v if (x.name == wrt.name and x.role == wrt.role) else ZERO
+            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Index():
+                return ZERO
+            case Let():
+                return tangent(x.body)
+            case Add():
+                return add(*(tangent(t) for t in x.terms))
+            case Mul():
+                terms = []
+                for i, fac in enumerate(x.factors):
+                    t = tangent(fac)
+                    if not is_zero(t):
+                        terms.append(mul(*(x.factors[:i]), t, *(x.factors[i + 1:])))
+                return add(*terms) if terms else ZERO
+            case Pow():
+                return mul(scalar(x.exponent), power(x.base, x.exponent - 1), tangent(x.base))
+            case MatMul():
+                return add(matmul(tangent(x.a), x.b), matmul(x.a, tangent(x.b)))
+            case Dot():
+                return add(dot(tangent(x.a), x.b), dot(x.a, tangent(x.b)))
+            case Outer():
+                return add(outer(tangent(x.a), x.b), outer(x.a, tangent(x.b)))
+            case Transpose():
+                return transpose(tangent(x.a))
+            case Func():
+                t = tangent(x.arg)
+                return ZERO if is_zero(t) else mul(func(derivative(x.name), x.arg), t)
+            case SumAll():
+                return sum_all(tangent(x.a))
+            case Reduce():
+                t = tangent(x.body)
+                if is_zero(t):
+                    return ZERO
+                if x.op == "sum":
+                    return reduce("sum", x.index, t)
+                if x.op == "mean":
+                    return reduce("mean", x.index, t)
+                if x.op == "logsumexp":
+                    return reduce("sum", x.index, mul(Softmax(x.index, x.body), t))
+                raise NotDifferentiable(f"`{x.op}` has no directional derivative")
+            case Softmax():
+                t = tangent(x.body)
+                if is_zero(t):
+                    return ZERO
+                return mul(x, add(t, mul(scalar(-1), reduce("sum", x.index, mul(x, t)))))
+            case Diag():
+                return Diag(tangent(x.a))
+            case _:
+                raise NotDifferentiable(f"no directional derivative rule for {type(x).__name__}")
+
+    return tangent(e)
+
+
+def substitute_var(e: Expr, name: str, role: str, value: Expr) -> Expr:
+    """Replace a variable by an expression (u := N(x), or the state by a look-ahead point)."""
+    if isinstance(e, Var):
+        return value if (e.name == name and e.role == role) else e
+    if not e.children:
+        return e
+    return rebuild(e, [substitute_var(c, name, role, value) for c in e.children])
+
+
+# ----------------------------------------------------------------------------- value path (untie)
+
+
+def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, int]:
+    """Replace pattern occurrences on the *value path* of an update direction.
+
+    The value path is reached from the root through sums, matrix products, transposes and the
+    tensor side of scalar×tensor products; it never enters a function argument, a softmax or a
+    scalar weight. Returns the rewritten expression and the number of replacements made.
+    """
+    hits = 0
+
+    def visit(x: Expr, on_path: bool) -> Expr:
+        nonlocal hits
+        if on_path:
+            for pattern, replacement in rules:
+                if x == pattern:
+                    hits += 1
+                    return replacement
+        match x:
+            case Add():
+                return add(*(visit(t, on_path) for t in x.terms))
+            case MatMul():
+                return matmul(visit(x.a, on_path), visit(x.b, on_path))
+            case Transpose():
+                return transpose(visit(x.a, on_path))
+            case Reduce() if x.op in ("sum", "mean"):
+                return reduce(x.op, x.index, visit(x.body, on_path))
+            case Mul():
+                tensor_side = [f.shape != () for f in x.factors]
+                if any(tensor_side):
+                    return mul(*(visit(f, on_path and t) for f, t in zip(x.factors, tensor_side)))
+                return x
+            case Let():
+                return x
+            case _:
+                return x
+
+    out = visit(e, True)
+    return out, hits
+
+
+def strip_scalar_coefficient(e: Expr) -> Expr:
+    """Drop a leading constant factor (absorbed by untied parameters, as in the papers)."""
+    if isinstance(e, Mul) and isinstance(e.factors[0], Scalar):
+        return mul(*e.factors[1:])
+    if isinstance(e, Add):
+        return add(*(strip_scalar_coefficient(t) for t in e.terms))
+    return e
+
+
+__all__ = ["gradient", "directional", "untie", "substitute_var", "NotDifferentiable", "strip_scalar_coefficient"]

@@ -1,0 +1,366 @@
+"""`energy check`: prove each derived update against autograd and SymPy, in float64.
+
+Checks, per energy:
+  gradient    the derived ∇F equals torch.autograd's gradient of F (several seeds)
+  sympy       `sympy.diff` of an explicit small instance agrees with the derived gradient
+  hessian     (newton) derived Hessian-vector products equal autograd's double backward
+  update      the whole update program equals the optimizer run on autograd gradients
+  causality   the update of token i ignores context tokens outside its relation
+  descent     a small step along the update lowers F; concave energies are reported
+  definite    preconditioners claimed positive-definite are; dplr may be indefinite
+  tying       untie's replacement reproduces the tied update when the new params take the tied values
+  expect      the `expect` clause holds, or a counterexample is printed
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import ir, sympy_instance
+from .calculus import directional, substitute_var
+from .instance import Instance, eval_tokens, random_instance, run_program
+from .optimizers import UpdateProgram, head_split
+
+TOL = 1e-9
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # ok | fail | warn | skip
+    detail: str
+    max_error: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "warn", "skip")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12)) if a.numel() else 0.0
+
+
+def _point_value(prog: UpdateProgram, inst: Instance, x: torch.Tensor) -> torch.Tensor:
+    spec = prog.spec
+    if prog.point is spec.state:
+        return x
+    return eval_tokens(spec, spec.via[1], inst, {spec.state.name: x})
+
+
+def _energy_at_point(prog: UpdateProgram) -> ir.Expr:
+    spec = prog.spec
+    if spec.via is not None and prog.point is spec.state:
+        return substitute_var(spec.energy, spec.via[0].name, spec.via[0].role, spec.via[1])
+    return spec.energy
+
+
+def _autograd_gradient(prog: UpdateProgram, inst: Instance, at: torch.Tensor) -> torch.Tensor:
+    p = at.clone().requires_grad_(True)
+    f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
+    (g,) = torch.autograd.grad(f.sum(), p)
+    return g
+
+
+def check_gradient(prog: UpdateProgram) -> CheckResult:
+    worst = 0.0
+    for seed in SEEDS:
+        inst = random_instance(prog, seed=seed)
+        at = _point_value(prog, inst, inst.x)
+        g_auto = _autograd_gradient(prog, inst, at)
+        g_derived = eval_tokens(prog.spec, prog.gradient, inst, {prog.point.name: at})
+        worst = max(worst, _rel(g_derived, g_auto))
+    ok = worst < TOL
+    return CheckResult("gradient", "ok" if ok else "fail",
+                       f"derived ∇F = autograd, {len(SEEDS)} seeds (rel. error {worst:.1e})", worst)
+
+
+def check_sympy(prog: UpdateProgram) -> CheckResult:
+    seq = 3
+    grads, info = sympy_instance.gradient_at(prog, seed=7, seq=seq)
+    spec = prog.spec
+    dt = torch.float64
+    tensors: dict[str, torch.Tensor] = {}
+    for name, v in info["values"].items():
+        if name.endswith("@ctx"):
+            tensors[name] = torch.tensor([[float(a) for a in tok] for tok in v], dtype=dt).unsqueeze(0)
+        elif name != prog.point.name:
+            tensors[name] = _to_tensor(v)
+    scal = {s: float(v) for s, v in info["scalars"].items()}
+    shape = tuple(spec.size(s) for s in prog.point.shape)
+    x = torch.zeros((1, seq) + shape, dtype=dt)
+    flat = torch.tensor([float(v) for v in info["point"].values()], dtype=dt)
+    x[0, info["position"]] = flat.reshape(shape)
+    ctx = tensors.pop(spec.context.name + "@ctx") if spec.context is not None else None
+    inp = None
+    if spec.input is not None:
+        inp = ctx if (spec.context is not None and spec.input.name == spec.context.name) else \
+            tensors.pop(spec.input.name).reshape((1, 1) + shape).expand(1, seq, *shape)
+    inst = Instance(tensors, scal, x, ctx, inp, seq)
+    derived = eval_tokens(spec, prog.gradient, inst, {prog.point.name: x})[0, info["position"]].reshape(-1)
+    err = _rel(derived, torch.tensor(grads, dtype=dt))
+    ok = err < 1e-8
+    return CheckResult("sympy", "ok" if ok else "fail",
+                       f"sympy.diff of an explicit instance agrees (rel. error {err:.1e})", err)
+
+
+def _to_tensor(v) -> torch.Tensor:
+    if isinstance(v, list):
+        return torch.stack([_to_tensor(a) for a in v])
+    import sympy as sp
+
+    if isinstance(v, sp.Matrix):
+        t = torch.tensor([[float(a) for a in row] for row in v.tolist()], dtype=torch.float64)
+        return t[:, 0] if v.shape[1] == 1 else t
+    return torch.tensor(float(v), dtype=torch.float64)
+
+
+def check_hessian(prog: UpdateProgram) -> CheckResult | None:
+    if prog.spec.optimizer.kind != "newton":
+        return None
+    if prog.spec.optimizer.per_head:
+        split = head_split(_energy_at_point(prog))
+        del split
+    worst = 0.0
+    for seed in SEEDS:
+        inst = random_instance(prog, seed=seed)
+        at = _point_value(prog, inst, inst.x)
+        g = torch.Generator().manual_seed(seed + 100)
+        v = torch.randn(at.shape, generator=g, dtype=at.dtype)
+        vname = "hvp_direction"
+        vvar = ir.Var(vname, "input", prog.point.shape)
+        hv_expr = directional(prog.gradient, prog.point, vvar)
+        inst.params[vname] = v
+        from .evaluate import evaluate
+        from .instance import make_env
+
+        env = make_env(prog.spec, inst, {prog.point.name: at})
+        env.tensors[vname] = v
+        hv = evaluate(hv_expr, env).tensor.expand_as(at)
+        p = at.clone().requires_grad_(True)
+        f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
+        (gr,) = torch.autograd.grad(f.sum(), p, create_graph=True)
+        (hv_auto,) = torch.autograd.grad((gr * v).sum(), p)
+        worst = max(worst, _rel(hv, hv_auto))
+    return CheckResult("hessian", "ok" if worst < TOL else "fail",
+                       f"Hessian-vector products = autograd double backward (rel. error {worst:.1e})", worst)
+
+
+def check_update(prog: UpdateProgram) -> CheckResult:
+    """Run the optimizer on autograd gradients and compare with the derived program."""
+    spec = prog.spec
+    opt = spec.optimizer
+    if opt.kind == "newton" or opt.precondition is not None:
+        parts = [p for p, on in (("newton", opt.kind == "newton"), ("preconditioner", opt.precondition)) if on]
+        return CheckResult("update", "skip", "the " + " and ".join(parts) + " step is covered by the gradient, "
+                           "hessian and definite checks, not by an autograd replay")
+    worst = 0.0
+    for seed in SEEDS:
+        inst = random_instance(prog, seed=seed)
+        eta = float(_scalar(inst, opt.hyper["eta"].symbol))
+        beta = float(_scalar(inst, opt.hyper["beta"].symbol)) if "beta" in opt.hyper else 0.0
+        x = inst.x
+        m = torch.zeros_like(x)
+        for _ in range(opt.steps):
+            if opt.kind == "gd":
+                x = x - eta * _autograd_gradient(prog, inst, _point_value(prog, inst, x))
+            else:
+                at = x - beta * m if opt.kind == "nag" else x
+                m = beta * m + _autograd_gradient(prog, inst, _point_value(prog, inst, at))
+                x = x - eta * m
+        worst = max(worst, _rel(run_program(prog, inst, tied=True), x))
+    return CheckResult("update", "ok" if worst < TOL else "fail",
+                       f"{opt.kind} × {opt.steps} step(s) on autograd gradients = derived program "
+                       f"(rel. error {worst:.1e})", worst)
+
+
+def _scalar(inst: Instance, sym) -> float:
+    v = inst.scalars[sym]
+    return float(v)
+
+
+def check_causality(prog: UpdateProgram) -> CheckResult | None:
+    spec = prog.spec
+    if spec.context is None:
+        return None
+    info = spec.indices[spec.context.index]
+    inst = random_instance(prog, seed=3, seq=6)
+    base = run_program(prog, inst, tied=True)
+    worst = 0.0
+    for cut in range(1, inst.seq_len):
+        moved = Instance(inst.params, inst.scalars, inst.x, inst.context.clone(), inst.input, inst.seq_len)
+        moved.context[:, cut:] += 1.0
+        if spec.input is not None and spec.input.name == spec.context.name:
+            moved.input = moved.context
+        out = run_program(prog, moved, tied=True)
+        # tokens i < cut may not see context tokens j >= cut (j <= i); with j < i, neither may i = cut
+        upto = cut + 1 if info.strict else cut
+        if spec.input is not None and spec.input.name == spec.context.name:
+            upto = cut  # token `cut` itself changed its own input
+        worst = max(worst, float((out[:, :upto] - base[:, :upto]).abs().max()))
+    rel = "j < i" if info.strict else "j <= i"
+    ok = worst == 0.0
+    return CheckResult("causality", "ok" if ok else "fail",
+                       f"token i ignores context outside {rel}" + ("" if ok else f" (leak {worst:.1e})"), worst)
+
+
+def check_descent(prog: UpdateProgram) -> CheckResult:
+    spec = prog.spec
+    inst = random_instance(prog, seed=4)
+    energy = spec.energy if prog.point is not spec.state else _energy_at_point(prog)
+    at = _point_value(prog, inst, inst.x)
+    f0 = eval_tokens(spec, energy, inst, {prog.point.name: at})
+    g = _autograd_gradient(prog, inst, at)
+    d = eval_tokens(spec, prog.tied_direction, inst, {spec.state.name: inst.x})
+    if prog.point is not spec.state:
+        # under `wrt u` the step is applied to x; descent is judged on F(N(x)) along −D
+        energy = _energy_at_point_state(prog)
+        f0 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x})
+    eps = 1e-6
+    x1 = inst.x - eps * d
+    f1 = eval_tokens(spec, energy if prog.point is not spec.state else spec.energy, inst,
+                     {prog.point.name: x1} if prog.point is spec.state else {spec.state.name: x1})
+    decreased = bool(((f1 - f0) <= 1e-14).all())
+    # curvature along random directions: all negative = concave, unbounded below
+    curv = []
+    for s in range(4):
+        v = torch.randn(at.shape, generator=torch.Generator().manual_seed(50 + s), dtype=at.dtype)
+        p = at.clone().requires_grad_(True)
+        f = eval_tokens(spec, _energy_at_point(prog), inst, {prog.point.name: p})
+        (gr,) = torch.autograd.grad(f.sum(), p, create_graph=True)
+        (hv,) = torch.autograd.grad((gr * v).sum(), p)
+        curv.append(float((hv * v).sum()))
+    del g
+    if not decreased:
+        return CheckResult("descent", "fail", "a small step along the update raises F for some token "
+                           "(the preconditioner or optimizer is not a descent direction here)")
+    if all(c < 0 for c in curv):
+        return CheckResult("descent", "warn", "small steps descend, but F is concave along every probed direction: "
+                           "unbounded below, no minimum (each step is one descent step, not a solve)")
+    return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
+
+
+def _energy_at_point_state(prog: UpdateProgram) -> ir.Expr:
+    spec = prog.spec
+    return substitute_var(spec.energy, spec.via[0].name, spec.via[0].role, spec.via[1])
+
+
+def check_definite(prog: UpdateProgram) -> CheckResult | None:
+    spec = prog.spec
+    kind = spec.optimizer.precondition
+    if kind is None:
+        return None
+    if kind == "covariance":
+        return CheckResult("definite", "ok", "I + τ·Cov_p(v) is positive-definite while τ ≥ 0 (Cov_p ⪰ 0); "
+                           "a learned τ < 0 may break it")
+    if prog.preconditioner is None:
+        return None
+    worst_min = float("inf")
+    for seed in range(8):
+        inst = random_instance(prog, seed=seed, scale=1.5)
+        from .evaluate import evaluate
+        from .instance import make_env
+
+        env = make_env(spec, inst, {spec.state.name: inst.x})
+        mat = evaluate(prog.preconditioner, env).tensor
+        mat = mat.reshape(-1, mat.shape[-2], mat.shape[-1])
+        eig = torch.linalg.eigvalsh((mat + mat.transpose(-1, -2)) / 2)
+        worst_min = min(worst_min, float(eig.min()))
+    if kind in ("dplr", "full"):
+        if worst_min < 0:
+            return CheckResult("definite", "warn", f"{kind} is possibly indefinite: found an eigenvalue "
+                               f"{worst_min:.3g} < 0 (diag(softplus(d)) + UVᵀ + VUᵀ is not PD by construction)")
+        return CheckResult("definite", "warn", f"{kind} is not positive-definite by construction")
+    ok = worst_min > 0
+    return CheckResult("definite", "ok" if ok else "fail",
+                       f"{kind} preconditioner positive-definite (min eigenvalue {worst_min:.3g} over 8 draws)")
+
+
+def check_tying(prog: UpdateProgram) -> CheckResult | None:
+    """Untie: with the new params set to the tied values, the untied (unscaled) update equals the tied one."""
+    spec = prog.spec
+    if not spec.untie_rules:
+        return None
+    from .calculus import untie
+
+    untied_full, _ = untie(prog.tied_direction, spec.untie_rules)
+    worst = 0.0
+    for seed in SEEDS:
+        inst = random_instance(prog, seed=seed)
+        tensors = {spec.state.name: inst.x}
+        from .evaluate import evaluate
+        from .instance import make_env
+
+        for pattern, repl in spec.untie_rules:
+            base = repl
+            idx = []
+            while isinstance(base, ir.Index):
+                idx.insert(0, base.index)
+                base = base.base
+            env = make_env(spec, inst, tensors)
+            val = evaluate(pattern, env)
+            t = val.tensor[0, 0]
+            order = [val.idx.index(i) for i in idx]
+            t = t.permute(*order, *range(len(val.idx), t.dim())) if idx else t
+            inst.params[base.name] = t
+        tied = eval_tokens(spec, prog.tied_direction, inst, tensors)
+        untied = eval_tokens(spec, untied_full, inst, tensors)
+        worst = max(worst, _rel(untied, tied))
+    return CheckResult("tying", "ok" if worst < TOL else "fail",
+                       f"untie reproduces the tied update with the new params at the tied values "
+                       f"({prog.untie_hits} replacements, rel. error {worst:.1e})", worst)
+
+
+def check_expect(prog: UpdateProgram) -> list[CheckResult]:
+    spec = prog.spec
+    out = []
+    for what, (expr, span) in spec.expects.items():
+        worst, where = 0.0, None
+        for seed in SEEDS + (5, 6):
+            inst = random_instance(prog, seed=seed)
+            if what == "update":
+                derived = run_program(prog, inst, tied=True)
+            elif what == "direction":
+                derived = eval_tokens(spec, prog.tied_direction, inst, {spec.state.name: inst.x})
+            else:
+                derived = eval_tokens(spec, prog.gradient, inst, {prog.point.name: _point_value(prog, inst, inst.x)})
+            at = {spec.state.name: inst.x}
+            if spec.via is not None:
+                at[spec.via[0].name] = _point_value(prog, inst, inst.x) if prog.point is not spec.state else \
+                    eval_tokens(spec, spec.via[1], inst, {spec.state.name: inst.x})
+            expected = eval_tokens(spec, expr, inst, at)
+            err = _rel(derived, expected.expand_as(derived))
+            if err > worst:
+                worst = err
+                flat = (derived - expected).abs().reshape(derived.shape[0], derived.shape[1], -1).amax(-1)
+                b, t = divmod(int(flat.argmax()), derived.shape[1])
+                where = (seed, b, t, derived[b, t].reshape(-1)[:4].tolist(), expected[b, t].reshape(-1)[:4].tolist())
+        if worst < 1e-8:
+            out.append(CheckResult("expect", "ok", f"`expect {what}` holds on {len(SEEDS) + 2} random instances "
+                                   f"(rel. error {worst:.1e})", worst))
+        else:
+            seed, b, t, got, exp = where
+            out.append(CheckResult("expect", "fail", f"`expect {what}` is refuted at {span}: seed {seed}, token "
+                                   f"{t}: derived {[round(v, 6) for v in got]} vs expected "
+                                   f"{[round(v, 6) for v in exp]} (rel. error {worst:.1e})", worst))
+    return out
+
+
+def run_checks(prog: UpdateProgram) -> list[CheckResult]:
+    results = [check_gradient(prog)]
+    for fn in (check_sympy, check_hessian, check_update, check_causality, check_descent, check_definite,
+               check_tying):
+        try:
+            r = fn(prog)
+        except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on
+            r = CheckResult(fn.__name__.removeprefix("check_"), "fail", f"could not run: {type(e).__name__}: {e}")
+        if r is not None:
+            results.append(r)
+    results.extend(check_expect(prog))
+    return results
+
+
+def as_json(results: list[CheckResult]) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,81 @@
+"""Errors a user can act on, with their source location.
+
+Every stage raises `SpecError` (or its subclasses) for problems in the user's input: the CLI prints
+`file:line:col: error: message`, the source line, a caret under the column and a hint, and exits
+with status 2. Anything else is an internal error: one line naming the spec, exit status 70.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Span:
+    """A position in a source text (1-based line and column)."""
+
+    file: str
+    line: int
+    column: int
+    source: str | None = field(default=None, repr=False, compare=False)  # whole text, to quote the line
+    end_column: int | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+class UserError(Exception):
+    """A problem with what the user gave us (spec, flag, file, data path): exit status 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, span: Span | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.hint = hint
+
+    def render(self) -> str:
+        """The message as printed on the terminal: location, source line with a caret, hint."""
+        lines = []
+        where = f"{self.span}: " if self.span else ""
+        lines.append(f"{where}error: {self.message}")
+        if self.span and self.span.source is not None:
+            text_lines = self.span.source.splitlines()
+            if 1 <= self.span.line <= len(text_lines):
+                src = text_lines[self.span.line - 1]
+                if len(src) > 200:  # keep megabyte-long lines readable
+                    start = max(0, self.span.column - 100)
+                    src, col = src[start : start + 200], self.span.column - start
+                else:
+                    col = self.span.column
+                width = 1
+                if self.span.end_column and self.span.end_column > self.span.column:
+                    width = min(self.span.end_column - self.span.column, max(1, len(src) - col + 1))
+                lines.append(f"  {src}")
+                lines.append("  " + " " * max(0, col - 1) + "^" * width)
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class SpecError(UserError):
+    """An error in a `.energy` spec: syntax, names, shapes, indices, differentiability."""
+
+
+class DataError(UserError):
+    """A missing or unreadable data file, an unknown dataset, an impossible size."""
+
+
+class TrainingDiverged(Exception):
+    """The loss became NaN or exploded; the last good checkpoint is kept."""
+
+    def __init__(self, step: int, loss: float, checkpoint: str | None = None):
+        where = f"; last good checkpoint kept at {checkpoint}" if checkpoint else ""
+        super().__init__(f"training diverged at step {step} (loss = {loss}){where}")
+        self.step = step
+        self.loss = loss
+        self.checkpoint = checkpoint

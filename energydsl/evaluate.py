@@ -1,0 +1,271 @@
+"""The reference interpreter: evaluates IR expressions on torch tensors.
+
+This is the ground truth every other backend is tested against, and what `energy check` uses with
+autograd. It favours clarity over speed: context reductions materialise the (i, j) grid.
+
+Layout of a value: a tensor with axes (batch, position i, *free indices in sorted order, *shape),
+where batch and position may have size 1 when a value does not depend on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy as sp
+import torch
+
+from .functions import REGISTRY, sympy_to_torch
+from .ir import (
+    Add,
+    Count,
+    Diag,
+    Dot,
+    Expr,
+    Func,
+    Identity,
+    Index,
+    IndexInfo,
+    Inverse,
+    Let,
+    MatMul,
+    Mul,
+    Ones,
+    Outer,
+    Pos,
+    Pow,
+    Reduce,
+    Scalar,
+    Softmax,
+    StopGrad,
+    SumAll,
+    Transpose,
+    Var,
+)
+
+
+@dataclass
+class Value:
+    tensor: torch.Tensor
+    idx: tuple[str, ...]  # free indices, sorted, occupying axes 2 .. 2+len(idx)
+
+
+@dataclass
+class Env:
+    """Everything an expression may refer to, for one batch of sequences."""
+
+    tensors: dict[str, torch.Tensor]  # per-token tensors are (B, T, *shape); params are their own shape
+    roles: dict[str, str]  # name -> state | leaf | context | input | param | let
+    indices: dict[str, IndexInfo]
+    scalars: dict[sp.Symbol, float | torch.Tensor]  # dims and scalar parameters by symbol
+    seq_len: int
+    cache: dict = field(default_factory=dict)
+
+
+def _align(v: Value, idx: tuple[str, ...], sizes: dict[str, int]) -> torch.Tensor:
+    """Insert singleton axes so `v` is laid out over the (sorted) index tuple `idx`."""
+    t = v.tensor
+    for pos, name in enumerate(idx):
+        if name not in v.idx:
+            t = t.unsqueeze(2 + pos)
+    return t
+
+
+def _merge(*vals: Value) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    idx = tuple(sorted(set().union(*(v.idx for v in vals))))
+    out = [_align(v, idx, {}) for v in vals]
+    return idx, out
+
+
+def _shape_rank(e: Expr) -> int:
+    return len(e.shape)
+
+
+def _pad_rank(t: torch.Tensor, have: int, want: int) -> torch.Tensor:
+    """Scalars broadcast against tensors: add trailing singleton shape axes."""
+    for _ in range(want - have):
+        t = t.unsqueeze(-1)
+    return t
+
+
+def context_mask(env: Env, index: str, device, dtype=torch.bool) -> torch.Tensor:
+    info = env.indices[index]
+    t = env.seq_len
+    i = torch.arange(t, device=device).unsqueeze(1)
+    j = torch.arange(t, device=device).unsqueeze(0)
+    return (j < i) if info.strict else (j <= i)
+
+
+def evaluate(e: Expr, env: Env) -> Value:
+    key = id(e)
+    hit = env.cache.get(key)
+    if hit is not None and hit[0] is e:
+        return hit[1]
+    out = _eval(e, env)
+    env.cache[key] = (e, out)
+    return out
+
+
+def _eval(e: Expr, env: Env) -> Value:
+    ref = next(iter(env.tensors.values()))
+    dtype, device = ref.dtype, ref.device
+    match e:
+        case Scalar():
+            v = sympy_to_torch(e.value, env.scalars)
+            return Value(torch.as_tensor(v, dtype=dtype, device=device).reshape(1, 1), ())
+        case Var():
+            t = env.tensors[e.name]
+            if e.role == "context":
+                # tokens (B, T, *shape) seen as context: (B, 1, T_j, *shape)
+                return Value(t.unsqueeze(1), (e.index,))
+            if e.role in ("param",):
+                return Value(t.reshape((1, 1) + tuple(t.shape)), ())
+            return Value(t, ())
+        case Index():
+            base = evaluate(e.base, env)
+            nb = len(base.idx)
+            t = base.tensor.movedim(2 + nb, 2)  # the indexed axis, now first of the index axes
+            idx = (e.index,) + base.idx
+            order = sorted(range(len(idx)), key=lambda p: idx[p])
+            t = t.permute(0, 1, *(2 + p for p in order), *range(2 + len(idx), t.dim()))
+            return Value(t, tuple(idx[p] for p in order))
+        case Pos():
+            t = torch.arange(env.seq_len, dtype=dtype, device=device)
+            if e.index is None:
+                return Value(t.reshape(1, -1), ())
+            return Value(t.reshape(1, 1, -1), (e.index,))
+        case Ones():
+            shape = tuple(int(sympy_to_torch(s, env.scalars)) for s in e.shape)
+            return Value(torch.ones((1, 1) + shape, dtype=dtype, device=device), ())
+        case Identity():
+            n = int(sympy_to_torch(e.size, env.scalars))
+            return Value(torch.eye(n, dtype=dtype, device=device).reshape(1, 1, n, n), ())
+        case Count():
+            info = env.indices[e.index]
+            if info.size is not None:
+                n = float(sympy_to_torch(info.size, env.scalars))
+                return Value(torch.full((1, 1), n, dtype=dtype, device=device), ())
+            c = context_mask(env, e.index, device).sum(-1).to(dtype)
+            return Value(c.reshape(1, -1), ())
+        case Add() | Mul():
+            parts = e.terms if isinstance(e, Add) else e.factors
+            vals = [evaluate(p, env) for p in parts]
+            idx, ts = _merge(*vals)
+            rank = _shape_rank(e)
+            ts = [_pad_rank(t, _shape_rank(p), rank) for t, p in zip(ts, parts)]
+            out = ts[0]
+            for t in ts[1:]:
+                out = out + t if isinstance(e, Add) else out * t
+            return Value(out, idx)
+        case Pow():
+            b = evaluate(e.base, env)
+            ex = sympy_to_torch(e.exponent, env.scalars)
+            return Value(b.tensor ** ex, b.idx)
+        case MatMul():
+            a, b = evaluate(e.a, env), evaluate(e.b, env)
+            idx, (ta, tb) = _merge(a, b)
+            if len(e.b.shape) == 1:
+                out = (ta @ tb.unsqueeze(-1)).squeeze(-1)
+            elif len(e.a.shape) == 1:
+                out = (ta.unsqueeze(-2) @ tb).squeeze(-2)
+            else:
+                out = ta @ tb
+            return Value(out, idx)
+        case Dot():
+            a, b = evaluate(e.a, env), evaluate(e.b, env)
+            idx, (ta, tb) = _merge(a, b)
+            n = len(e.a.shape)
+            return Value((ta * tb).sum(dim=tuple(range(-n, 0))), idx)
+        case Outer():
+            a, b = evaluate(e.a, env), evaluate(e.b, env)
+            idx, (ta, tb) = _merge(a, b)
+            return Value(ta.unsqueeze(-1) * tb.unsqueeze(-2), idx)
+        case Transpose():
+            a = evaluate(e.a, env)
+            return Value(a.tensor.transpose(-1, -2), a.idx)
+        case Func():
+            a = evaluate(e.arg, env)
+            return Value(REGISTRY[e.name](a.tensor), a.idx)
+        case SumAll():
+            a = evaluate(e.a, env)
+            n = len(e.a.shape)
+            return Value(a.tensor.sum(dim=tuple(range(-n, 0))), a.idx)
+        case StopGrad():
+            a = evaluate(e.a, env)
+            return Value(a.tensor.detach(), a.idx)
+        case Let():
+            return evaluate(e.body, env)
+        case Diag():
+            a = evaluate(e.a, env)
+            return Value(torch.diag_embed(a.tensor), a.idx)
+        case Inverse():
+            a = evaluate(e.a, env)
+            return Value(torch.linalg.inv(a.tensor), a.idx)
+        case Reduce() | Softmax():
+            return _reduce(e, env)
+    raise NotImplementedError(type(e).__name__)
+
+
+def _reduce(e: Reduce | Softmax, env: Env) -> Value:
+    body = evaluate(e.body, env)
+    if e.index not in body.idx:  # broadcast over the index (e.g. Σ_k of something per-k-free)
+        body = Value(body.tensor.unsqueeze(2 + sum(1 for n in body.idx if n < e.index)),
+                     tuple(sorted(body.idx + (e.index,))))
+        size = _index_size(e.index, env)
+        t = body.tensor
+        body = Value(t.expand(*[size if a == 2 + body.idx.index(e.index) else -1 for a in range(t.dim())]),
+                     body.idx)
+    axis = 2 + body.idx.index(e.index)
+    t = body.tensor
+    info = env.indices[e.index]
+    rank = len(e.body.shape)
+    mask = None
+    if info.context is not None:
+        m = context_mask(env, e.index, t.device)  # (T_i, T_j)
+        shape = [1] * t.dim()
+        shape[1], shape[axis] = m.shape[0], m.shape[1]
+        mask = m.reshape(shape)
+        if t.shape[1] == 1:
+            t = t.expand(*[m.shape[0] if a == 1 else -1 for a in range(t.dim())])
+    rest = tuple(n for n in body.idx if n != e.index)
+    if isinstance(e, Softmax):
+        s = t if mask is None else t.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=axis)
+        if mask is not None:
+            p = torch.nan_to_num(p, nan=0.0) * mask  # an empty context has no weights
+        return Value(p, body.idx)
+    if e.op == "sum":
+        out = (t if mask is None else t * _pad_rank(mask, 0, 0).to(t.dtype)).sum(axis)
+    elif e.op == "mean":
+        tm = t if mask is None else t * mask.to(t.dtype)
+        cnt = t.shape[axis] if mask is None else mask.to(t.dtype).sum(axis).clamp(min=1)
+        out = tm.sum(axis) / cnt
+    elif e.op == "logsumexp":
+        s = t if mask is None else t.masked_fill(~mask, float("-inf"))
+        out = torch.logsumexp(s, dim=axis)
+        if mask is not None:  # an empty context contributes nothing (lse := 0), keeps gradients finite
+            out = torch.where(torch.isinf(out) & (out < 0), torch.zeros_like(out), out)
+    elif e.op == "prod":
+        tm = t if mask is None else torch.where(mask, t, torch.ones_like(t))
+        out = tm.prod(axis)
+    elif e.op == "max":
+        s = t if mask is None else t.masked_fill(~mask, float("-inf"))
+        out = s.amax(axis)
+    else:
+        raise NotImplementedError(e.op)
+    del rank
+    return Value(out, rest)
+
+
+def _index_size(name: str, env: Env) -> int:
+    info = env.indices[name]
+    if info.context is not None:
+        return env.seq_len
+    return int(sympy_to_torch(info.size, env.scalars))
+
+
+def to_tokens(v: Value, e: Expr, batch: int, seq: int) -> torch.Tensor:
+    """A per-token value with no free index, expanded to (B, T, *shape)."""
+    if v.idx:
+        raise ValueError(f"value still has free indices {v.idx}")
+    t = v.tensor
+    return t.expand(batch, seq, *t.shape[2:])

@@ -1,0 +1,212 @@
+"""Element-wise functions: their SymPy formula (for derivatives, antiderivatives and printing) and a
+numerically stable torch implementation (for evaluation and generated code).
+
+A derivative is looked up in the table when a stable form is known, otherwise SymPy differentiates
+the formula. `integral(f)` asks SymPy for a closed form; when the closed form needs functions torch
+lacks (∫SiLU needs the dilogarithm), evaluation uses Gauss-Legendre quadrature whose gradient is f
+itself, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+
+X = sp.Symbol("x", real=True)
+
+
+@dataclass
+class Function:
+    name: str
+    formula: sp.Expr  # in X
+    torch_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    derivative: str | None = None  # name of the derivative's entry, when a stable one is known
+    latex: str | None = None
+    smooth: bool = True  # differentiable everywhere (abs, relu, sign are not at 0)
+    torch_src: str | None = None  # how generated code spells it; `{x}` is the argument
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.torch_fn is not None:
+            return self.torch_fn(x)
+        return sympy_to_torch(self.formula, {X: x})
+
+
+def _phi(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _npdf(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+_sig = sp.Integer(1) / (1 + sp.exp(-X))
+_Phi = (1 + sp.erf(X / sp.sqrt(2))) / 2
+_npdf_sym = sp.exp(-X**2 / 2) / sp.sqrt(2 * sp.pi)
+
+REGISTRY: dict[str, Function] = {}
+
+
+def register(fn: Function) -> Function:
+    REGISTRY[fn.name] = fn
+    return fn
+
+
+for _f in [
+    Function("exp", sp.exp(X), torch.exp, "exp", torch_src="torch.exp({x})"),
+    Function("log", sp.log(X), torch.log, "inv", torch_src="torch.log({x})"),
+    Function("inv", 1 / X, torch.reciprocal, None, torch_src="torch.reciprocal({x})"),
+    Function("sqrt", sp.sqrt(X), torch.sqrt, None, torch_src="torch.sqrt({x})"),
+    Function("abs", sp.Abs(X), torch.abs, "sign", smooth=False, torch_src="torch.abs({x})"),
+    Function("sign", sp.sign(X), torch.sign, "zero", smooth=False, torch_src="torch.sign({x})"),
+    Function("zero", sp.Integer(0) * X, torch.zeros_like, "zero", torch_src="torch.zeros_like({x})"),
+    Function("relu", sp.Max(0, X), torch.relu, "step", smooth=False, torch_src="torch.relu({x})"),
+    Function("step", sp.Heaviside(X, 0), lambda x: (x > 0).to(x.dtype), "zero", smooth=False,
+             torch_src="({x} > 0).to({x}.dtype)"),
+    Function("sigmoid", _sig, torch.sigmoid, "dsigmoid", latex="\\sigma", torch_src="torch.sigmoid({x})"),
+    Function("dsigmoid", _sig * (1 - _sig), lambda x: torch.sigmoid(x) * (1 - torch.sigmoid(x)), None,
+             latex="\\sigma'", torch_src="(torch.sigmoid({x}) * (1 - torch.sigmoid({x})))"),
+    Function("tanh", sp.tanh(X), torch.tanh, "dtanh", torch_src="torch.tanh({x})"),
+    Function("dtanh", 1 - sp.tanh(X) ** 2, lambda x: 1 - torch.tanh(x) ** 2, None, latex="\\tanh'",
+             torch_src="(1 - torch.tanh({x}) ** 2)"),
+    Function("softplus", sp.log(1 + sp.exp(X)), torch.nn.functional.softplus, "sigmoid",
+             torch_src="F.softplus({x})"),
+    Function("silu", X * _sig, torch.nn.functional.silu, "dsilu", latex="\\operatorname{SiLU}",
+             torch_src="F.silu({x})"),
+    Function("dsilu", sp.diff(X * _sig, X),
+             lambda x: torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))), None,
+             latex="\\operatorname{SiLU}'",
+             torch_src="(torch.sigmoid({x}) * (1 + {x} * (1 - torch.sigmoid({x}))))"),
+    Function("gelu", X * _Phi, lambda x: torch.nn.functional.gelu(x), "dgelu", latex="\\operatorname{GELU}",
+             torch_src="F.gelu({x})"),
+    Function("dgelu", _Phi + X * _npdf_sym, lambda x: _phi(x) + x * _npdf(x), None,
+             latex="\\operatorname{GELU}'",
+             torch_src="(0.5 * (1 + torch.erf({x} * 0.7071067811865476)) + {x} * torch.exp(-0.5 * {x} ** 2)"
+                       " * 0.3989422804014327)"),
+    Function("square", X**2, torch.square, None, torch_src="torch.square({x})"),
+    Function("identity", X, lambda x: x, "one", torch_src="{x}"),
+    Function("one", sp.Integer(1) + 0 * X, torch.ones_like, "zero", torch_src="torch.ones_like({x})"),
+]:
+    register(_f)
+
+
+def derivative(name: str) -> str:
+    """The registry name of f', creating it from SymPy's derivative when no stable form is listed."""
+    fn = REGISTRY[name]
+    if fn.derivative:
+        return fn.derivative
+    dname = f"d{name}" if not name.startswith("d") else f"{name}'"
+    if dname not in REGISTRY:
+        register(Function(dname, sp.simplify(sp.diff(fn.formula, X)), None, None,
+                          latex=(fn.latex or f"\\operatorname{{{name}}}") + "'"))
+    fn.derivative = dname
+    return dname
+
+
+# ----------------------------------------------------------------------------- antiderivatives
+
+_GL_NODES, _GL_WEIGHTS = (torch.tensor(a, dtype=torch.float64) for a in
+                          __import__("numpy").polynomial.legendre.leggauss(64))
+
+
+class _QuadratureIntegral(torch.autograd.Function):
+    """φ(x) = ∫_0^x f(t) dt by 64-point Gauss-Legendre on [0, x]; dφ/dx = f(x) exactly."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, name: str):  # type: ignore[override]
+        f = REGISTRY[name]
+        nodes = _GL_NODES.to(x.device, x.dtype)
+        weights = _GL_WEIGHTS.to(x.device, x.dtype)
+        t = x.unsqueeze(-1) * (nodes + 1) / 2
+        out = (f(t) * weights).sum(-1) * x / 2
+        ctx.save_for_backward(x)
+        ctx.fname = name
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return grad * REGISTRY[ctx.fname](x), None
+
+
+_TORCHABLE = (sp.exp, sp.log, sp.tanh, sp.erf, sp.Abs, sp.sign, sp.cosh, sp.sinh)
+
+
+def _torchable(expr: sp.Expr) -> bool:
+    for node in sp.preorder_traversal(expr):
+        if isinstance(node, sp.Function) and not isinstance(node, _TORCHABLE):
+            return False
+        if isinstance(node, (sp.Integral, sp.Piecewise)):
+            return False
+    return True
+
+
+def antiderivative(name: str) -> str:
+    """The registry name of φ with φ' = f (`integral(f)`); SymPy finds the closed form."""
+    iname = f"int_{name}"
+    if iname in REGISTRY:
+        return iname
+    f = REGISTRY[name]
+    closed = sp.integrate(f.formula, X)
+    closed = sp.simplify(closed - closed.subs(X, 0)) if closed.subs(X, 0).is_finite else closed
+    latex = f"\\textstyle\\int {f.latex or name}"
+    if _torchable(closed) and not closed.has(sp.Integral):
+        fn = Function(iname, closed, None, name, latex=latex)
+    else:
+        fn = Function(iname, closed, lambda x, _n=name: _QuadratureIntegral.apply(x, _n), name, latex=latex,
+                      torch_src=f"integral_quadrature({{x}}, {name!r})")
+    return register(fn).name
+
+
+# ----------------------------------------------------------------------------- SymPy -> torch
+
+_SP_TORCH: dict[type, Callable] = {
+    sp.exp: torch.exp, sp.log: torch.log, sp.tanh: torch.tanh, sp.erf: torch.erf, sp.Abs: torch.abs,
+    sp.sign: torch.sign, sp.cosh: torch.cosh, sp.sinh: torch.sinh, sp.sqrt: torch.sqrt,
+}
+
+
+def sympy_to_torch(expr: sp.Expr, values: dict[sp.Symbol, torch.Tensor | float]):
+    """Evaluate a SymPy expression with tensors (a tiny interpreter; `values` maps symbols)."""
+    if expr in values:
+        return values[expr]
+    if expr.is_Number or expr is sp.pi or expr is sp.E:
+        return float(expr)
+    if isinstance(expr, sp.Symbol):
+        raise KeyError(f"no value for `{expr}`")
+    args = [sympy_to_torch(a, values) for a in expr.args]
+    if isinstance(expr, sp.Add):
+        out = args[0]
+        for a in args[1:]:
+            out = out + a
+        return out
+    if isinstance(expr, sp.Mul):
+        out = args[0]
+        for a in args[1:]:
+            out = out * a
+        return out
+    if isinstance(expr, sp.Pow):
+        base, ex = args
+        if isinstance(base, float) and isinstance(ex, float):
+            return base**ex
+        return base**ex if not isinstance(base, float) else torch.as_tensor(base) ** ex
+    if isinstance(expr, sp.Max):
+        return torch.clamp(args[1], min=args[0]) if isinstance(args[0], float) else torch.maximum(*args)
+    if isinstance(expr, sp.Heaviside):
+        return (args[0] > 0).to(args[0].dtype)
+    for cls, fn in _SP_TORCH.items():
+        if isinstance(expr, cls):
+            a = args[0]
+            return fn(a if isinstance(a, torch.Tensor) else torch.tensor(a, dtype=torch.float64))
+    raise NotImplementedError(f"cannot evaluate {expr.func.__name__} with torch")
+
+
+def scalar_value(name: str, value: sp.Expr) -> sp.Expr:
+    """f(c) for a SymPy scalar c (constant folding through an element-wise function)."""
+    fn = REGISTRY.get(name)
+    if fn is None:
+        raise KeyError(name)
+    return fn.formula.subs(X, value)

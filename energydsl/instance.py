@@ -1,0 +1,189 @@
+"""Concrete instances of an energy: parameter values, inputs, and running the update program.
+
+`energy check` and the tests draw random instances here (float64, small dims) and run both the
+derived program and autograd on them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+
+from .evaluate import Env, evaluate
+from .ir import Expr, IndexInfo
+from .optimizers import UpdateProgram
+from .semantics import EnergyIR, ParamSpec
+
+
+@dataclass
+class Instance:
+    """Parameter values (constrained, as the energy sees them) and token tensors for one check."""
+
+    params: dict[str, torch.Tensor]  # non-scalar params, by name
+    scalars: dict[sp.Symbol, torch.Tensor | float]  # dims, scalar params, hyper-parameters
+    x: torch.Tensor  # (B, T, *state)
+    context: torch.Tensor | None  # (B, T, *context)
+    input: torch.Tensor | None
+    seq_len: int
+
+
+def alibi_slopes(n: int) -> torch.Tensor:
+    """ALiBi's geometric slopes 2^(-8k/n), k = 1..n (Press et al.)."""
+    return torch.tensor([2 ** (-8 * (k + 1) / n) for k in range(n)], dtype=torch.float64)
+
+
+def init_param(p: ParamSpec, sizes: list[int], generator: torch.Generator | None, dtype=torch.float64,
+               check_scale: float | None = None) -> torch.Tensor:
+    """A parameter's initial value (or a random value of moderate size when `check_scale` is set)."""
+    shape = tuple(sizes)
+    init = p.init or ("normal", [0.0, 0.02])
+    kind, args = init
+    if check_scale is not None and kind in ("normal", "zeros", "orthogonal", "uniform"):
+        return torch.randn(shape, generator=generator, dtype=dtype) * check_scale
+    if kind == "normal":
+        return torch.randn(shape, generator=generator, dtype=dtype) * args[1] + args[0]
+    if kind == "uniform":
+        return torch.rand(shape, generator=generator, dtype=dtype) * (args[1] - args[0]) + args[0]
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=dtype)
+    if kind == "ones":
+        return torch.ones(shape, dtype=dtype)
+    if kind == "eye":
+        eye = torch.eye(shape[-1], dtype=dtype)
+        return eye.expand(shape).clone()
+    if kind == "orthogonal":
+        w = torch.empty(shape, dtype=dtype)
+        torch.nn.init.orthogonal_(w.view(-1, shape[-1]) if len(shape) > 1 else w.view(1, -1))
+        return w
+    if kind == "alibi_slopes":
+        return alibi_slopes(shape[0]).to(dtype)
+    if kind == "value":
+        return torch.full(shape, float(args[0]), dtype=dtype)
+    raise ValueError(kind)
+
+
+def constrain(p: ParamSpec, raw: torch.Tensor) -> torch.Tensor:
+    """The value the energy sees from a raw (unconstrained) parameter."""
+    if p.constraint is None:
+        return raw
+    if p.constraint[0] == "interval":
+        lo, hi = p.constraint[1], p.constraint[2]
+        return lo + (hi - lo) * torch.sigmoid(raw)
+    if p.constraint[0] == "positive":
+        return torch.nn.functional.softplus(raw)
+    if p.constraint[0] == "psd":
+        return raw @ raw.transpose(-1, -2) + 1e-6 * torch.eye(raw.shape[-1], dtype=raw.dtype)
+    raise ValueError(p.constraint)
+
+
+def unconstrain(p: ParamSpec, value: torch.Tensor) -> torch.Tensor:
+    """The raw parameter whose constrained value is `value` (for initial values of constrained params)."""
+    if p.constraint is None or p.constraint[0] == "psd":
+        return value
+    if p.constraint[0] == "interval":
+        lo, hi = p.constraint[1], p.constraint[2]
+        y = ((value - lo) / (hi - lo)).clamp(1e-6, 1 - 1e-6)
+        return torch.log(y) - torch.log1p(-y)
+    if p.constraint[0] == "positive":
+        return value + torch.log(-torch.expm1(-value))
+    raise ValueError(p.constraint)
+
+
+def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: int = 0,
+                    scale: float = 0.5, dtype=torch.float64) -> Instance:
+    spec = prog.spec
+    g = torch.Generator().manual_seed(seed)
+    scalars: dict[sp.Symbol, torch.Tensor | float] = {}
+    for name, sym in spec.dim_symbols.items():
+        scalars[sym] = spec.dim_values[name]
+    for sym, value in prog.hyper_values.items():
+        scalars[sym] = float(value)
+    params: dict[str, torch.Tensor] = {}
+    for name, p in prog.params.items():
+        sizes = [spec.size(s) for s in p.shape]
+        value = init_param(p, sizes, g, dtype, check_scale=scale)
+        if p.init and p.init[0] in ("normal", "zeros", "uniform") and p.origin == "precondition":
+            value = torch.randn(tuple(sizes), generator=g, dtype=dtype) * scale
+        if p.init and p.init[0] == "value" and p.constraint is None and p.origin == "precondition":
+            value = value + 0.3 * torch.randn(tuple(sizes), generator=g, dtype=dtype)
+        if p.constraint is not None and p.constraint[0] == "psd":
+            value = constrain(p, value)
+        if not p.shape:
+            sym = spec.scalar_params.get(name) or sp.Symbol(name, real=True)
+            scalars[sym] = value.reshape(())
+            if name.startswith("opt_"):
+                scalars[prog.spec.optimizer.hyper[name[4:]].symbol] = value.reshape(())
+        else:
+            params[name] = value
+    shape = lambda s: tuple(spec.size(e) for e in s)  # noqa: E731
+    x = torch.randn((batch, seq) + shape(spec.state.shape), generator=g, dtype=dtype) * scale
+    ctx = None
+    if spec.context is not None:
+        ctx = torch.randn((batch, seq) + shape(spec.context.shape), generator=g, dtype=dtype) * scale
+    inp = None
+    if spec.input is not None:
+        inp = torch.randn((batch, seq) + shape(spec.input.shape), generator=g, dtype=dtype) * scale
+    return Instance(params, scalars, x, ctx, inp, seq)
+
+
+def make_env(spec: EnergyIR, inst: Instance, tensors: dict[str, torch.Tensor]) -> Env:
+    all_t = dict(inst.params)
+    if spec.context is not None:
+        all_t[spec.context.name] = inst.context
+    if spec.input is not None:
+        all_t[spec.input.name] = inst.input if spec.input.name != getattr(spec.context, "name", None) else inst.context
+    all_t.update(tensors)
+    indices: dict[str, IndexInfo] = dict(spec.indices)
+    return Env(all_t, {}, indices, dict(inst.scalars), inst.seq_len)
+
+
+def eval_tokens(spec: EnergyIR, e: Expr, inst: Instance, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Evaluate a per-token expression to (B, T, *shape)."""
+    env = make_env(spec, inst, tensors)
+    v = evaluate(e, env)
+    if v.idx:
+        raise ValueError(f"free indices {v.idx} left in a per-token value")
+    b, t = inst.x.shape[:2]
+    return v.tensor.expand(b, t, *v.tensor.shape[2:])
+
+
+def run_program(prog: UpdateProgram, inst: Instance, x0: torch.Tensor | None = None,
+                steps: int | None = None, tied: bool = False) -> torch.Tensor:
+    """Run the update program from x0 (default: the instance's state) for its steps.
+
+    `tied=True` runs the energy's own update (before `untie`), which is what the checks prove.
+    """
+    spec = prog.spec
+    x = inst.x if x0 is None else x0
+    tensors = {spec.state.name: x}
+    for m in prog.aux:
+        tensors[m.name] = torch.zeros_like(x)
+    env = make_env(spec, inst, tensors)
+    for _ in range(steps or prog.steps):
+        new = {}
+        for a in (prog.tied_assigns if tied else prog.assigns):
+            env.tensors.update(new)
+            _clear_step_cache(env)
+            v = evaluate(a.value, env)
+            b, t = x.shape[:2]
+            new[a.target.name] = v.tensor.expand(b, t, *v.tensor.shape[2:])
+            env.tensors[a.target.name] = new[a.target.name]
+        env.tensors.update(new)
+    return env.tensors[spec.state.name]
+
+
+def _clear_step_cache(env: Env) -> None:
+    """Keep cached hoisted values (computed once); drop everything that depends on the state."""
+    from .ir import Let
+
+    env.cache = {k: v for k, v in env.cache.items() if isinstance(v[0], Let)}
+
+
+def sizes_ok(spec: EnergyIR) -> bool:
+    try:
+        return all(math.isfinite(v) for v in spec.dims().values())
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,122 @@
+"""Fused kernels for derived updates, each beside a plain PyTorch reference.
+
+Importing this package never imports triton: the Triton module (`energydsl.kernels.attention`) is loaded on
+first use, so the compiler and the references work on machines without triton or a GPU. The functions here
+dispatch: the Triton op when `use_triton(device)` holds, the reference otherwise (same signature, same results
+up to float rounding).
+
+TRITON_INTERPRET=1 must be set before triton is first imported for the CPU interpreter to be used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
+
+from .attention_ref import (
+    energy_attention_lse_ref,
+    energy_attention_ref,
+    weighted_second_moment_ref,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+__all__ = [
+    "energy_attention",
+    "energy_attention_lse_ref",
+    "energy_attention_ref",
+    "energy_attention_with_lse",
+    "triton_available",
+    "use_triton",
+    "weighted_second_moment",
+    "weighted_second_moment_ref",
+]
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation counts as absent
+        return False
+
+
+def use_triton(device: torch.device | str | None = None) -> bool:
+    """True when the Triton kernels can run on `device`: CUDA with triton, or any device when interpreting.
+
+    Without a device: whether they can run at all (CUDA available, or the interpreter is on).
+    """
+    if not triton_available():
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return True
+    import torch
+
+    if device is None:
+        return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
+
+
+def _triton_ops() -> Any:
+    from . import attention
+
+    return attention
+
+
+def energy_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    strict: bool = False,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> Tensor:
+    """Softmax attention over derived scores: the fused kernel when possible, else the T x T reference."""
+    kw = dict(scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias)
+    if use_triton(q.device):
+        return _triton_ops().energy_attention(q, k, v, **kw)
+    return energy_attention_ref(q, k, v, **kw)
+
+
+def energy_attention_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    strict: bool = False,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(o, lse) as `energy_attention`, plus the row log-sum-exp reused by `weighted_second_moment`."""
+    kw = dict(scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias)
+    if use_triton(q.device):
+        return _triton_ops().energy_attention_with_lse(q, k, v, **kw)
+    return energy_attention_lse_ref(q, k, v, **kw)
+
+
+def weighted_second_moment(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor | None,
+    u: Tensor,
+    *,
+    scale: float,
+    strict: bool = False,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> Tensor:
+    """r_i = sum_j p_ij (v_j . u_i) v_j (second-order variants): fused kernel if possible, else reference."""
+    kw = dict(scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias)
+    if use_triton(q.device):
+        return _triton_ops().weighted_second_moment(q, k, v, lse, u, **kw)
+    return weighted_second_moment_ref(q, k, v, lse, u, **kw)

@@ -1,0 +1,918 @@
+"""Fused Triton kernels for the softmax family of derived updates (FlashAttention-2 style).
+
+One generic forward kernel and one generic pair of backward kernels, specialised by `tl.constexpr` flags,
+cover every attention-like update the compiler derives from an energy:
+
+    s_ij = scale * q_i . k_j  -  slope_h |i - j|  +  [i == j] self_bias_h  +  key_bias[b, h, j]
+    p_ij = softmax_j(s_ij) over j <= i (causal) or j < i (strict; row 0 is empty and yields 0)
+
+    energy_attention        o_i = sum_j p_ij v_j                        (first-order update)
+    weighted_second_moment  r_i = sum_j p_ij (v_j . u_i) v_j            (second-order / covariance variants)
+
+Nothing T x T is ever stored: the forward keeps a running max and sum (online softmax) and saves only o and
+the per-row log-sum-exp; the backward recomputes p_ij = exp(s_ij - lse_i) block by block. Both backward
+passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
+
+    attention:      dP_ij = dO_i . v_j                 delta_i = dO_i . o_i - dlse_i
+    second moment:  dP_ij = (u_i . v_j)(dr_i . v_j)    delta_i = dr_i . r_i
+
+(delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
+
+Execution paths (decided once, when this module is imported):
+
+* CUDA: the ops are `torch.library.triton_op`s, so `torch.compile` sees the Triton kernels and can schedule
+  around them; BLOCK_M / BLOCK_N / num_warps / num_stages are autotuned per head-dim pair and variant.
+* TRITON_INTERPRET=1 (CPU tests): `triton_op` would launch the interpreted kernel on fake tensors while
+  `torch.compile` traces, which fails, so the same functions are registered as opaque
+  `torch.library.custom_op`s with explicit fake (shape) functions; eager and compiled calls both work.
+  Blocks are fixed at 16 x 16.
+
+Gradients are wired with `register_autograd` in both cases (no separate `torch.autograd.Function`).
+Dot products use exact fp32 ("ieee") under the interpreter and for float32 inputs when
+`torch.get_float32_matmul_precision() == "highest"` (PyTorch's default); "tf32" otherwise.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton  # returns interpreted kernels unchanged under TRITON_INTERPRET=1
+
+__all__ = ["energy_attention", "energy_attention_with_lse", "weighted_second_moment"]
+
+# triton.jit reads the same variable when the kernels below are decorated, so this is the path actually taken.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_MAX_HEAD_DIM = 256  # larger tiles no longer fit in registers / shared memory
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(
+    q,
+    k,
+    offs_m,
+    offs_n,
+    T,
+    scale,
+    slope,
+    self_b,
+    kb,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32, -inf where key j is not admissible for query i."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    if HAS_ALIBI:  # linear distance penalty, one slope per head
+        s -= slope * tl.abs(i - j).to(tl.float32)
+    if HAS_SELF:  # self-affinity on the diagonal only
+        s += tl.where(i == j, self_b, 0.0)
+    if HAS_KB:  # per-key additive bias, e.g. -||k_j||^2 / (2T) turning dot products into l2 distances
+        s += kb[None, :]
+    if STRICT:
+        valid = j < i
+    else:
+        valid = j <= i
+    valid = valid & (i < T) & (j < T)
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    U,
+    LSE_IN,
+    O,
+    LSE,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query block, batch*head) program.
+
+    SECOND=False: online softmax over key blocks; writes o = acc / l and lse = m + log(l).
+    SECOND=True: p is known from LSE_IN, so no running statistics: r = sum_j (p_ij (u_i . v_j)) v_j.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < T
+    # padded head dims load as 0, which leaves every dot product unchanged
+    q = tl.load(
+        Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+        other=0.0,
+    )
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if SECOND:
+        u = tl.load(
+            U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # causality: no key after the last query of this block contributes
+    hi = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(
+            K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+            mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+            other=0.0,
+        )
+        v = tl.load(
+            V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        kb = 0.0
+        if HAS_KB:
+            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        s = _scores(
+            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
+        )
+        if SECOND:
+            p = tl.exp(s - lse[:, None])  # exact softmax weights; masked entries are exp(-inf) = 0
+            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # w_ij = u_i . v_j
+            acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no admissible key yet has m = -inf; shift by 0 there so that
+            # exp(-inf - (-inf)) never produces NaN (its p and alpha are then exactly 0)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)  # rescales what was accumulated under the old max
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+    if SECOND:
+        out = acc
+    else:
+        # rows with no admissible key (strict row 0): o = 0, lse = 0 (finite by convention)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, m_i + tl.log(l_safe)), mask=row_ok)
+    tl.store(
+        O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+    )
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    U,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    DKB,
+    DDIAG,
+    DDIST,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    NEED_KB: tl.constexpr,
+    NEED_SELF: tl.constexpr,
+    NEED_ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (key block, batch*head) program: loops over the query blocks that can see these keys.
+
+    dK_j = scale sum_i dS_ij q_i and dV_j (see module docstring) are owned by this program, and so are the
+    column reductions of dS that give the bias gradients, so every output is written once (no atomics).
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < T
+    k = tl.load(
+        K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+        mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+        other=0.0,
+    )
+    v = tl.load(
+        V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+        mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+        other=0.0,
+    )
+    slope = 0.0
+    self_b = 0.0
+    kb = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if HAS_KB:
+        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dkb = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij
+    ddiag = tl.zeros([BLOCK_N], tl.float32)  # dS_jj
+    ddist = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij |i - j|
+    # causality: queries before the block holding key start_n never see these keys
+    lo = (start_n // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, T, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        q = tl.load(
+            Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+            mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+            other=0.0,
+        )
+        do = tl.load(
+            DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+        s = _scores(
+            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
+        )
+        p = tl.exp(s - lse[:, None])  # recomputed softmax, 0 outside the mask
+        if SECOND:
+            u = tl.load(
+                U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+                other=0.0,
+            )
+            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # u_i . v_j
+            g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dr_i . v_j
+            dp = w * g
+            # v_j enters r_i twice, (u_i . v_j) v_j: dV_j = sum_i p_ij [(u_i . v_j) dr_i + (dr_i . v_j) u_i]
+            dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
+            dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+        else:
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dO_i . v_j
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])  # softmax Jacobian applied to dP
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+        if NEED_KB:
+            dkb += tl.sum(ds, 0)
+        if NEED_SELF:
+            ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+        if NEED_ALIBI:
+            ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+
+    dk = dk * scale
+    tl.store(
+        DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+    )
+    tl.store(
+        DV + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+    )
+    if NEED_KB:
+        tl.store(DKB + bh * T + offs_n, dkb, mask=col_ok)
+    if NEED_SELF:
+        tl.store(DDIAG + bh * T + offs_n, ddiag, mask=col_ok)
+    if NEED_ALIBI:
+        tl.store(DDIST + bh * T + offs_n, ddist, mask=col_ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    U,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DU,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query block, batch*head) program: dQ_i = scale sum_j dS_ij k_j.
+
+    SECOND=True also gives dU_i = sum_j p_ij (dr_i . v_j) v_j.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < T
+    q = tl.load(
+        Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+        other=0.0,
+    )
+    do = tl.load(
+        DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+        other=0.0,
+    )
+    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if SECOND:
+        u = tl.load(
+            U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        du = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    hi = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(
+            K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+            mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+            other=0.0,
+        )
+        v = tl.load(
+            V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        kb = 0.0
+        if HAS_KB:
+            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        s = _scores(
+            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
+        )
+        p = tl.exp(s - lse[:, None])
+        if SECOND:
+            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)
+            g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            dp = w * g
+            du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+
+    dq = dq * scale
+    tl.store(
+        DQ + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+    )
+    if SECOND:
+        tl.store(
+            DU + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            du.to(DU.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration: autotuned on GPU, fixed small tiles under the interpreter
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for (m, n, w, st) in shapes
+    ]
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); configs that do not fit (large fp32 tiles at head dim 128) fail
+# to compile with OutOfResources and are skipped by the autotuner.
+_FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)])
+_BWD_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1)])
+_INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+# tuned once per head-dim pair and variant (dtypes are added to the key by triton); not per sequence length
+_TUNE_KEY = ["BLOCK_DK", "BLOCK_DV", "SECOND"]
+
+
+def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
+    return kernel if _INTERPRET else triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
+
+
+_fwd = _tuned(_fwd_kernel, _FWD_CONFIGS)
+_bwd_dkdv = _tuned(_bwd_dkdv_kernel, _BWD_CONFIGS)
+_bwd_dq = _tuned(_bwd_dq_kernel, _BWD_CONFIGS)
+
+
+def _blocks() -> dict[str, int]:
+    """Tile sizes to pass explicitly: none when the autotuner chooses them."""
+    return dict(_INTERPRET_BLOCKS) if _INTERPRET else {}
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Exact fp32 dots unless PyTorch's own float32 matmul setting allows TF32 (ignored for 16-bit inputs)."""
+    if _INTERPRET or dtype != torch.float32:
+        return "ieee"
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _pad(d: int) -> int:
+    """Head dims are padded to a power of two >= 16 (tl.dot's minimum); the padding is masked out."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def _flags(
+    q: Tensor, v: Tensor, strict: bool, alibi: Tensor | None, self_b: Tensor | None, key_b: Tensor | None
+) -> dict:
+    return dict(
+        STRICT=strict,
+        HAS_ALIBI=alibi is not None,
+        HAS_SELF=self_b is not None,
+        HAS_KB=key_b is not None,
+        DOT_PREC=_dot_precision(q.dtype),
+        BLOCK_DK=_pad(q.shape[-1]),
+        BLOCK_DV=_pad(v.shape[-1]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Operator bodies (only torch ops and wrap_triton launches, as triton_op requires)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _launch_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u: Tensor | None,
+    lse_in: Tensor | None,
+    out: Tensor,
+    lse_out: Tensor | None,
+    scale: float,
+    strict: bool,
+    alibi: Tensor | None,
+    self_b: Tensor | None,
+    key_b: Tensor | None,
+) -> None:
+    B, H, T, Dqk = q.shape
+    Dv = v.shape[-1]
+    second = u is not None
+    dummy = q  # stands in for absent optional tensors; never dereferenced (its flag is off)
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+
+    wrap_triton(_fwd)[grid](
+        q,
+        k,
+        v,
+        u if second else dummy,
+        lse_in if second else dummy,
+        out,
+        dummy if second else lse_out,
+        dummy if alibi is None else alibi,
+        dummy if self_b is None else self_b,
+        dummy if key_b is None else key_b,
+        scale,
+        T,
+        H,
+        Dqk,
+        Dv,
+        SECOND=second,
+        **_flags(q, v, strict, alibi, self_b, key_b),
+        **_blocks(),
+    )
+
+
+def _energy_attention_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    strict: bool,
+    alibi_slopes: Tensor | None,
+    self_bias: Tensor | None,
+    key_bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    B, H, T, _ = q.shape
+    o = torch.empty((B, H, T, v.shape[-1]), dtype=v.dtype, device=v.device)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    _launch_fwd(q, k, v, None, None, o, lse, scale, strict, alibi_slopes, self_bias, key_bias)
+    return o, lse
+
+
+def _weighted_second_moment_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    u: Tensor,
+    scale: float,
+    strict: bool,
+    alibi_slopes: Tensor | None,
+    self_bias: Tensor | None,
+    key_bias: Tensor | None,
+) -> Tensor:
+    r = torch.empty(u.shape, dtype=v.dtype, device=v.device)
+    _launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
+    return r
+
+
+def _softmax_family_bwd(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    u: Tensor | None,
+    lse: Tensor,
+    delta: Tensor,
+    scale: float,
+    strict: bool,
+    alibi_slopes: Tensor | None,
+    self_bias: Tensor | None,
+    key_bias: Tensor | None,
+    need_alibi: bool,
+    need_self: bool,
+    need_key_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, du, d_key_bias, dS diagonal, sum_i dS_ij |i-j|); unrequested outputs are empty tensors.
+
+    The last two are per (b, h, j) partial sums, reduced to per-head gradients by the caller.
+    """
+    B, H, T, Dqk = q.shape
+    Dv = v.shape[-1]
+    second = u is not None
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    du = torch.empty_like(u) if second else q.new_empty(0)
+
+    def cols(need: bool) -> Tensor:
+        return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
+
+    dkb, ddiag, ddist = cols(need_key_bias), cols(need_self), cols(need_alibi)
+    dummy = q
+    flags = _flags(q, v, strict, alibi_slopes, self_bias, key_bias)
+    alibi = dummy if alibi_slopes is None else alibi_slopes
+    self_b = dummy if self_bias is None else self_bias
+    key_b = dummy if key_bias is None else key_bias
+
+    def grid_n(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(T, meta["BLOCK_N"]), B * H)
+
+    def grid_m(meta: dict) -> tuple[int, int]:
+        return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+
+    wrap_triton(_bwd_dkdv)[grid_n](
+        q,
+        k,
+        v,
+        u if second else dummy,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        alibi,
+        self_b,
+        key_b,
+        dkb if need_key_bias else dummy,
+        ddiag if need_self else dummy,
+        ddist if need_alibi else dummy,
+        scale,
+        T,
+        H,
+        Dqk,
+        Dv,
+        SECOND=second,
+        NEED_KB=need_key_bias,
+        NEED_SELF=need_self,
+        NEED_ALIBI=need_alibi,
+        **flags,
+        **_blocks(),
+    )
+    wrap_triton(_bwd_dq)[grid_m](
+        q,
+        k,
+        v,
+        u if second else dummy,
+        do,
+        lse,
+        delta,
+        dq,
+        du if second else dummy,
+        alibi,
+        self_b,
+        key_b,
+        scale,
+        T,
+        H,
+        Dqk,
+        Dv,
+        SECOND=second,
+        **flags,
+        **_blocks(),
+    )
+    return dq, dk, dv, du, dkb, ddiag, ddist
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Operator registration and autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+# Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops.
+def _fake_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+    B, H, T, _d = q.shape
+    return q.new_empty((B, H, T, v.shape[-1]), dtype=v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+def _fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> Tensor:
+    return u.new_empty(u.shape, dtype=v.dtype)
+
+
+def _fake_bwd(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, u: Tensor | None, *rest: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, H, T, _d = q.shape
+    need_alibi, need_self, need_kb = rest[-3:]
+
+    def cols(need: bool) -> Tensor:
+        return q.new_empty((B, H, T), dtype=torch.float32) if need else q.new_empty(0)
+
+    du = torch.empty_like(u) if u is not None else q.new_empty(0)
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        du,
+        cols(need_kb),
+        cols(need_self),
+        cols(need_alibi),
+    )
+
+
+def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """triton_op on GPU (transparent to torch.compile); an opaque custom_op under the interpreter."""
+    if _INTERPRET:
+        op = torch.library.custom_op(f"energydsl::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        return op
+    return torch.library.triton_op(f"energydsl::{name}", fn, mutates_args=())
+
+
+_attention_fwd_op = _register("energy_attention_fwd", _energy_attention_fwd, _fake_attention_fwd)
+_second_fwd_op = _register("weighted_second_moment_fwd", _weighted_second_moment_fwd, _fake_second_fwd)
+_bwd_op = _register("softmax_family_bwd", _softmax_family_bwd, _fake_bwd)
+
+
+def _bias_grads(
+    dkb: Tensor,
+    ddiag: Tensor,
+    ddist: Tensor,
+    alibi: Tensor | None,
+    self_b: Tensor | None,
+    key_b: Tensor | None,
+    need: tuple[bool, bool, bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Per-head reductions of the kernel's column sums: d slope_h = -sum dS_ij |i-j|, d self_h = sum dS_ii."""
+    need_alibi, need_self, need_kb = need
+    d_alibi = (-ddist.sum(dim=(0, 2))).to(alibi.dtype) if need_alibi else None
+    d_self = ddiag.sum(dim=(0, 2)).to(self_b.dtype) if need_self else None
+    d_kb = dkb.to(key_b.dtype) if need_kb else None
+    return d_alibi, d_self, d_kb
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, scale, strict, alibi, self_b, key_b = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, alibi, self_b, key_b)
+    ctx.scale, ctx.strict = scale, strict
+
+
+def _attention_backward(ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
+    need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
+    # FA-2 preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i;
+    # a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
+    delta = (do.float() * o.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    dq, dk, dv, _, dkb, ddiag, ddist = _bwd_op(
+        do.contiguous(), q, k, v, None, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+    )
+    return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
+
+
+def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    q, k, v, lse, u, scale, strict, alibi, self_b, key_b = inputs
+    ctx.save_for_backward(q, k, v, lse, u, output, alibi, self_b, key_b)
+    ctx.scale, ctx.strict = scale, strict
+
+
+def _second_backward(ctx: Any, dr: Tensor) -> tuple[Tensor | None, ...]:
+    q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
+    need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
+    delta = (dr.float() * r.float()).sum(-1)  # = sum_j p_ij (u_i . v_j)(dr_i . v_j)
+    dq, dk, dv, du, dkb, ddiag, ddist = _bwd_op(
+        dr.contiguous(), q, k, v, u, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+    )
+    # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
+    # biases is already in dS above, so it receives no gradient of its own.
+    return (dq, dk, dv, None, du, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
+
+
+_attention_fwd_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+_second_fwd_op.register_autograd(_second_backward, setup_context=_second_setup)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alibi_slopes: Tensor | None,
+    self_bias: Tensor | None,
+    key_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """Validate shapes early (a kernel would silently read out of bounds) and make everything contiguous."""
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"expected q, k (B, H, T, Dk) and v (B, H, T, Dv); got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dims above {_MAX_HEAD_DIM} are not supported; got {q.shape[-1]}, {v.shape[-1]}"
+        )
+    B, H, T, _ = q.shape
+    for name, t, shape in (("alibi_slopes", alibi_slopes, (H,)), ("self_bias", self_bias, (H,))):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+    if key_bias is not None and tuple(key_bias.shape) != (B, H, T):
+        raise ValueError(f"key_bias must have shape {(B, H, T)}; got {tuple(key_bias.shape)}")
+
+    def c(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.contiguous()
+
+    return q.contiguous(), k.contiguous(), v.contiguous(), c(alibi_slopes), c(self_bias), c(key_bias)
+
+
+def energy_attention_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    strict: bool = False,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(o, lse): the attention output and the per-row log-sum-exp (B, H, T) in float32; both differentiable.
+
+    lse is what `weighted_second_moment` needs to recompute the same softmax without a second online pass.
+    Rows with no admissible key (strict row 0) have o = 0 and lse = 0.
+    """
+    q, k, v, alibi_slopes, self_bias, key_bias = _check(q, k, v, alibi_slopes, self_bias, key_bias)
+    return _attention_fwd_op(q, k, v, float(scale), bool(strict), alibi_slopes, self_bias, key_bias)
+
+
+def energy_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    strict: bool = False,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> Tensor:
+    """o_i = sum_j softmax_j(s_ij) v_j with the scores of the module docstring; (B, H, T, Dv) in v's dtype.
+
+    q, k: (B, H, T, Dk); v: (B, H, T, Dv) (may be k itself); alibi_slopes, self_bias: (H,);
+    key_bias: (B, H, T).
+    Differentiable in every tensor argument.
+    """
+    o, _ = energy_attention_with_lse(
+        q, k, v, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias
+    )
+    return o
+
+
+def weighted_second_moment(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor | None,
+    u: Tensor,
+    *,
+    scale: float,
+    strict: bool = False,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> Tensor:
+    """r_i = sum_j p_ij (v_j . u_i) v_j, the softmax-weighted value covariance applied to u_i; (B, H, T, Dv).
+
+    `lse` must be the log-sum-exp of these very scores (from `energy_attention_with_lse`), or None to have it
+    recomputed. It is treated as a cache: gradients for q, k and the biases include the full softmax Jacobian
+    (as if p were recomputed from scratch) and lse itself receives none, so passing a differentiable lse does
+    not count anything twice.
+    """
+    q, k, v, alibi_slopes, self_bias, key_bias = _check(q, k, v, alibi_slopes, self_bias, key_bias)
+    if u.shape != v.shape or u.dtype != v.dtype:
+        raise ValueError(f"u must match v's shape and dtype; got {tuple(u.shape)} {u.dtype}")
+    if lse is None:
+        with torch.no_grad():
+            _, lse = _attention_fwd_op(q, k, v, float(scale), bool(strict), alibi_slopes, self_bias, key_bias)
+    elif tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse must have shape {tuple(q.shape[:3])}; got {tuple(lse.shape)}")
+    lse = lse.detach().float().contiguous()
+    return _second_fwd_op(
+        q, k, v, lse, u.contiguous(), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
+    )

@@ -1,0 +1,356 @@
+"""Optimizers: from an energy's gradient to the update program a layer runs.
+
+The program is a list of assignments executed once per optimizer step (`steps T`), after the
+context-independent ... er, state-independent values (keys, values, gates) have been hoisted out
+and computed once. Every later stage (checks, printers, code generation) reads this program.
+
+    gd        x ← x − η D(x)
+    momentum  m ← β m + D(x);   x ← x − η m
+    nag       x̃ = x − β m;  m ← β m + D(x̃);  x ← x − η m
+    newton    D = Σ_{m≤k} (I − (H + λI))^m ∇F   (truncated Neumann series; per head in the head's
+              own coordinates q = A_k x, mapped back with A_kᵀ(A_k A_kᵀ)⁻¹, as seed 004's MHA2nd1st)
+
+where D is the (preconditioned) gradient ∇F, taken at u = N(x) and applied to x under `wrt u`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from . import ir
+from .calculus import directional, gradient, strip_scalar_coefficient, substitute_var, untie
+from .errors import SpecError
+from .ir import Expr, Let, Var
+from .semantics import EnergyIR, ParamSpec
+
+SOFTPLUS_ONE = math.log(math.e - 1)  # softplus(SOFTPLUS_ONE) = 1: preconditioners start at the identity
+
+
+@dataclass
+class Assign:
+    target: Var
+    value: Expr
+
+
+@dataclass
+class UpdateProgram:
+    spec: EnergyIR
+    point: Var  # the variable the gradient is taken at (the state, or `u` under `wrt u`)
+    gradient: Expr  # ∇F in terms of `point`
+    direction: Expr  # the per-step direction D(x), in terms of the state (u := N(x) substituted)
+    assigns: list[Assign]  # one optimizer step: the layer the module runs (untied when `untie` is given)
+    aux: list[Var]  # optimizer state carried between steps (momentum), zero at the start
+    hoisted: list[Let]
+    preconditioner: Expr | None = None  # P as a matrix (or scalar), for the positive-definiteness check
+    head_index: str | None = None
+    tied_direction: Expr | None = None  # before `untie`
+    untie_hits: int = 0
+    params: dict[str, ParamSpec] = field(default_factory=dict)  # spec params + optimizer/preconditioner params
+    hyper_values: dict[sp.Symbol, sp.Expr] = field(default_factory=dict)
+    tied_assigns: list[Assign] = field(default_factory=list)  # the energy's own update (checks prove this)
+
+    @property
+    def steps(self) -> int:
+        return self.spec.optimizer.steps
+
+
+def head_split(f: Expr) -> tuple[sp.Expr, str, Expr] | None:
+    """Write F = c · Σ_k G_k when it has that form: (c, k, G_k)."""
+    coef = sp.Integer(1)
+    if isinstance(f, ir.Mul) and len(f.factors) == 2 and isinstance(f.factors[0], ir.Scalar):
+        coef, f = f.factors[0].value, f.factors[1]
+    if isinstance(f, ir.Reduce) and f.op == "sum":
+        return coef, f.index, f.body
+    return None
+
+
+def build_program(spec: EnergyIR) -> UpdateProgram:
+    opt = spec.optimizer
+    params = dict(spec.params)
+    x = spec.state
+    energy = spec.energy
+    point = x
+    if spec.via is not None:
+        u, norm_expr, _ = spec.via
+        if opt.wrt == u.name:
+            point = u
+        else:
+            energy = substitute_var(energy, u.name, u.role, norm_expr)
+
+    def at_state(e: Expr) -> Expr:
+        if point is not x:
+            return substitute_var(e, point.name, point.role, spec.via[1])
+        return e
+
+    split = head_split(energy)
+    head = split[1] if split else None
+    needs_heads = opt.per_head
+    if needs_heads and split is None:
+        raise SpecError("`per head` needs a global energy of the form c * sum[k](...) over a head index",
+                        opt.span)
+
+    grad_full = gradient(energy, point)
+    if needs_heads:
+        coef, k, g_body = split
+        per_head = _per_head_direction(spec, g_body, point, k, params)
+        direction = ir.mul(ir.Scalar(coef), ir.reduce("sum", k, per_head))
+    else:
+        direction = _newton(spec, grad_full, point) if opt.kind == "newton" else grad_full
+        direction, _ = _precondition(spec, direction, point, None, params)
+    preconditioner = _preconditioner_matrix(spec, params, head if needs_heads else None)
+    direction = at_state(direction)
+    tied = direction
+    hits = 0
+    if spec.untie_rules:
+        untied, hits = untie(direction, spec.untie_rules)
+        if hits == 0:
+            raise SpecError("untie: no pattern occurs on the value path of the derived update", opt.span or spec.span,
+                            "the left side must appear in the update exactly as written, e.g. `W1[k]^T`")
+        direction = ir.neg(strip_scalar_coefficient(ir.neg(untied)))
+
+    hyper = {h.symbol: h.value for h in opt.hyper.values()}
+    for name, h in opt.hyper.items():
+        if h.learn:
+            params[f"opt_{name}"] = ParamSpec(f"opt_{name}", (), ("value", [h.value]), None, True, opt.span,
+                                              origin="optimizer")
+    aux = [Var(f"m_{x.name}", "aux", x.shape)] if opt.kind in ("momentum", "nag") else []
+    hoisted: list[Let] = []
+    assigns = [Assign(a.target, _hoist(a.value, hoisted)) for a in _step(spec, direction, aux)]
+    tied_assigns = [Assign(a.target, _hoist(a.value, hoisted)) for a in _step(spec, tied, aux)]
+    return UpdateProgram(spec, point, grad_full, direction, assigns, aux, hoisted, preconditioner, head, tied,
+                         hits, params, hyper, tied_assigns)
+
+
+def _step(spec: EnergyIR, direction: Expr, aux: list[Var]) -> list[Assign]:
+    """One optimizer step as assignments, given the direction D(x)."""
+    opt, x = spec.optimizer, spec.state
+    eta = ir.Scalar(opt.hyper["eta"].symbol)
+    if opt.kind in ("gd", "newton"):
+        return [Assign(x, ir.add(x, ir.neg(ir.mul(eta, direction))))]
+    beta = ir.Scalar(opt.hyper["beta"].symbol)
+    m = aux[0]
+    d_at = direction
+    if opt.kind == "nag":
+        d_at = substitute_var(direction, x.name, x.role, ir.add(x, ir.neg(ir.mul(beta, m))))
+    return [Assign(m, ir.add(ir.mul(beta, m), d_at)), Assign(x, ir.add(x, ir.neg(ir.mul(eta, m))))]
+
+
+def _per_head_direction(spec: EnergyIR, g_body: Expr, point: Var, k: str,
+                        params: dict[str, ParamSpec]) -> Expr:
+    opt = spec.optimizer
+    if opt.kind == "newton":
+        lin = _linear_map(g_body, point)
+        if lin is None:
+            raise SpecError("`newton ... per head` needs each head's energy to see the state only through one "
+                            "linear map `A[k] @ z`", opt.span)
+        q = Var(f"q_{point.name}", "leaf", lin.shape[:1], None)
+        g_q_body = ir.substitute(g_body, {ir.matmul(lin, point): q})
+        gq = gradient(g_q_body, q, keep=frozenset([k]))
+        dq = _neumann(spec, gq, q)
+        dq = substitute_var(dq, q.name, q.role, ir.matmul(lin, point))
+        pinv = ir.matmul(ir.transpose(lin), ir.Inverse(ir.matmul(lin, ir.transpose(lin))))
+        d = ir.matmul(pinv, dq)
+    else:
+        d = gradient(g_body, point, keep=frozenset([k]))
+    d, _ = _precondition(spec, d, point, k, params)
+    return d
+
+
+def _linear_map(e: Expr, point: Var) -> Expr | None:
+    """The matrix A when `point` occurs in `e` only as `A @ point` (one A)."""
+    found: set[Expr] = set()
+    bare = False
+
+    def visit(x: Expr, parent_ok: bool) -> None:
+        nonlocal bare
+        if isinstance(x, ir.MatMul) and x.b == point and len(x.a.shape) == 2:
+            found.add(x.a)
+            return
+        if x == point:
+            bare = True
+            return
+        for c in x.children:
+            visit(c, True)
+
+    visit(e, True)
+    if bare or len(found) != 1:
+        return None
+    return next(iter(found))
+
+
+def _neumann(spec: EnergyIR, g: Expr, point: Var) -> Expr:
+    """Σ_{m=0}^{k} (I − (H + λI))^m g via Hessian-vector products (directional derivatives of g)."""
+    opt = spec.optimizer
+    k = int(opt.hyper["taylor"].value)
+    lam = ir.Scalar(opt.hyper["damping"].symbol)
+    r = g
+    for _ in range(k):
+        hv = directional(g, point, r)
+        r = ir.add(g, r, ir.neg(hv), ir.neg(ir.mul(lam, r)))
+    return r
+
+
+def _newton(spec: EnergyIR, g: Expr, point: Var) -> Expr:
+    return _neumann(spec, g, point)
+
+
+def _pre_params(spec: EnergyIR, head: str | None, params: dict[str, ParamSpec]) -> dict[str, Expr]:
+    """Create the preconditioner's parameters; return them indexed by the head when per head."""
+    opt = spec.optimizer
+    kind = opt.precondition
+    n = spec.state.shape[0] if spec.state.shape else sp.Integer(1)
+    lead: tuple[sp.Expr, ...] = ()
+    if head is not None:
+        lead = (spec.indices[head].size,)
+    rank = int(opt.precondition_options.get("rank", (1, True))[0])
+    shapes: dict[str, tuple[tuple, tuple]] = {}
+    if kind == "scalar":
+        shapes["P_s"] = ((), ("value", [SOFTPLUS_ONE]))
+    elif kind == "diag":
+        shapes["P_d"] = ((n,), ("value", [SOFTPLUS_ONE]))
+    elif kind == "dplr":
+        shapes["P_d"] = ((n,), ("value", [SOFTPLUS_ONE]))
+        shapes["P_U"] = ((n, rank), ("normal", [0.0, 0.02]))
+        shapes["P_V"] = ((n, rank), ("zeros", []))
+    elif kind == "psd":
+        shapes["P_d"] = ((n,), ("value", [SOFTPLUS_ONE]))
+        shapes["P_L"] = ((n, rank), ("normal", [0.0, 0.02]))
+    elif kind == "full":
+        shapes["P_M"] = ((n, n), ("eye", []))
+    elif kind == "covariance":
+        tau, learn = opt.precondition_options["tau"]
+        shapes["P_tau"] = ((), ("value", [tau]))
+    out: dict[str, Expr] = {}
+    for name, (shape, init) in shapes.items():
+        full = lead + tuple(shape)
+        learn = True if kind != "covariance" else bool(opt.precondition_options["tau"][1])
+        params[name] = ParamSpec(name, full, init, None, learn, opt.span, origin="precondition")
+        if not full:
+            sym = sp.Symbol(name, real=True)
+            spec.scalar_params[name] = sym
+            out[name] = ir.Scalar(sym)
+        else:
+            v: Expr = Var(name, "param", full)
+            out[name] = ir.Index(v, head) if head is not None else v
+    return out
+
+
+def _precondition(spec: EnergyIR, d: Expr, point: Var, head: str | None,
+                  params: dict[str, ParamSpec]) -> tuple[Expr, Expr | None]:
+    kind = spec.optimizer.precondition
+    if kind is None:
+        return d, None
+    if kind != "covariance" and len(spec.state.shape) != 1 and kind != "scalar":
+        raise SpecError(f"precondition {kind} needs a vector state", spec.optimizer.span)
+    p = _pre_params(spec, head, params)
+    sp_ = lambda e: ir.func("softplus", e)  # noqa: E731
+    if kind == "scalar":
+        return ir.mul(sp_(p["P_s"]), d), None
+    if kind == "diag":
+        return ir.mul(sp_(p["P_d"]), d), None
+    if kind == "dplr":
+        u, v = p["P_U"], p["P_V"]
+        low = ir.add(ir.matmul(u, ir.matmul(ir.transpose(v), d)), ir.matmul(v, ir.matmul(ir.transpose(u), d)))
+        return ir.add(ir.mul(sp_(p["P_d"]), d), low), None
+    if kind == "psd":
+        lo = p["P_L"]
+        return ir.add(ir.mul(sp_(p["P_d"]), d), ir.matmul(lo, ir.matmul(ir.transpose(lo), d))), None
+    if kind == "full":
+        return ir.matmul(p["P_M"], d), None
+    if kind == "covariance":
+        out, hits = _covariance(d, p["P_tau"])
+        if hits == 0:
+            raise SpecError("precondition covariance(tau) needs a softmax-weighted sum of vectors in the gradient "
+                            "(an attention energy)", spec.optimizer.span)
+        return out, None
+    raise AssertionError(kind)
+
+
+def _covariance(e: Expr, tau: Expr) -> tuple[Expr, int]:
+    """Replace each v̄ = Σ_j p_j v_j by (I + τ Cov_p(v)) v̄ = v̄ + τ (Σ_j p_j (v_j·v̄) v_j − (v̄·v̄) v̄)."""
+    hits = 0
+
+    def visit(x: Expr) -> Expr:
+        nonlocal hits
+        if isinstance(x, ir.Reduce) and x.op == "sum" and isinstance(x.body, ir.Mul) and len(x.shape) == 1:
+            weights = [f for f in x.body.factors if isinstance(f, ir.Softmax) and f.index == x.index]
+            if weights:
+                p = weights[0]
+                v = ir.mul(*(f for f in x.body.factors if f is not p))
+                if len(v.shape) == 1:
+                    hits += 1
+                    vbar = x
+                    second = ir.reduce("sum", x.index, ir.mul(p, ir.dot(v, vbar), v))
+                    cov = ir.add(second, ir.neg(ir.mul(ir.dot(vbar, vbar), vbar)))
+                    return ir.add(vbar, ir.mul(tau, cov))
+        if not x.children:
+            return x
+        return ir.rebuild(x, [visit(c) for c in x.children])
+
+    return visit(e), hits
+
+
+def _preconditioner_matrix(spec: EnergyIR, params: dict[str, ParamSpec], head: str | None) -> Expr | None:
+    """P as an explicit matrix (for checks and printing); None for data-dependent preconditioners."""
+    kind = spec.optimizer.precondition
+    if kind is None or kind == "covariance":
+        return None
+    def get(name: str) -> Expr:
+        ps = params[name]
+        if not ps.shape:
+            return ir.Scalar(spec.scalar_params[name])
+        v = Var(name, "param", ps.shape)
+        return ir.Index(v, head) if head is not None else v
+    n = spec.state.shape[0] if spec.state.shape else sp.Integer(1)
+    if kind == "scalar":
+        return ir.mul(ir.func("softplus", get("P_s")), ir.Identity(n))
+    diag = ir.Diag(ir.func("softplus", get("P_d"))) if kind in ("diag", "dplr", "psd") else None
+    if kind == "diag":
+        return diag
+    if kind == "dplr":
+        u, v = get("P_U"), get("P_V")
+        return ir.add(diag, ir.matmul(u, ir.transpose(v)), ir.matmul(v, ir.transpose(u)))
+    if kind == "psd":
+        lo = get("P_L")
+        return ir.add(diag, ir.matmul(lo, ir.transpose(lo)))
+    return get("P_M")
+
+
+def _state_dependent(e: Expr) -> bool:
+    return any(isinstance(n, Var) and n.role in ("state", "leaf", "aux") for n in ir.walk(e))
+
+
+def _worth_hoisting(e: Expr) -> bool:
+    return isinstance(e, (ir.MatMul, ir.Dot, ir.Func, ir.Outer, ir.SumAll, ir.Reduce, ir.Softmax, ir.Inverse,
+                          ir.Mul, ir.Add, ir.Pow)) and e.free != frozenset() or isinstance(e, (ir.MatMul, ir.Inverse))
+
+
+def _hoist(e: Expr, hoisted: list[Let]) -> Expr:
+    """Name the largest state-independent sub-expressions (keys, values, gates): computed once."""
+    known = {h.body: h for h in hoisted}
+
+    def visit(x: Expr) -> Expr:
+        if isinstance(x, (Var, ir.Scalar, ir.Pos, Let, ir.Index, ir.Ones, ir.Identity, ir.Count)):
+            return x
+        if not _state_dependent(x) and _worth_hoisting(x):
+            if x in known:
+                return known[x]
+            let = Let(f"c{len(hoisted)}", x)
+            hoisted.append(let)
+            known[x] = let
+            return let
+        return ir.rebuild(x, [visit(c) for c in x.children])
+
+    return visit(e)
+
+
+def unhoist(e: Expr) -> Expr:
+    """Inline hoisted values again (for printing and comparisons)."""
+    if isinstance(e, Let):
+        return unhoist(e.body)
+    if not e.children:
+        return e
+    return ir.rebuild(e, [unhoist(c) for c in e.children])

@@ -1,0 +1,355 @@
+"""Printers: IR expressions as text, LaTeX, Markdown and MathML.
+
+One small visitor walks the tree; a `Style` says how each construct looks in one format. Scalar
+coefficients are SymPy expressions and go through SymPy's own printers.
+"""
+
+from __future__ import annotations
+
+import html
+
+import sympy as sp
+
+from . import ir
+from .functions import REGISTRY
+
+GREEK = {"eta": "η", "beta": "β", "tau": "τ", "lambda": "λ", "gamma": "γ", "alpha": "α", "sigma": "σ"}
+
+
+class Style:
+    name = "text"
+
+    def scalar(self, v: sp.Expr) -> str:
+        s = sp.sstr(v)
+        for k, g in GREEK.items():
+            s = s.replace(k, g)
+        return s
+
+    def name_(self, n: str, sub: list[str]) -> str:
+        n = GREEK.get(n, n)
+        return n + ("_" + ",".join(sub) if sub else "")
+
+    def pos(self, idx: str | None) -> str:
+        return idx or "i"
+
+    def sum_(self, idx: str, rel: str, body: str) -> str:
+        return f"Σ_{{{idx}{rel}}} {body}"
+
+    def op(self, name: str, idx: str, rel: str, body: str) -> str:
+        return f"{name}_{{{idx}{rel}}}({body})"
+
+    def softmax(self, idx: str, rel: str, body: str) -> str:
+        return f"softmax_{idx}({body})"
+
+    def paren(self, s: str) -> str:
+        return f"({s})"
+
+    def join_mul(self, parts: list[str]) -> str:
+        return " ".join(parts)
+
+    def matmul(self, a: str, b: str) -> str:
+        return f"{a} {b}"
+
+    def dot(self, a: str, b: str) -> str:
+        return f"⟨{a}, {b}⟩"
+
+    def outer(self, a: str, b: str) -> str:
+        return f"{a} {b}ᵀ"
+
+    def transpose(self, a: str) -> str:
+        return f"{a}ᵀ"
+
+    def func(self, name: str, a: str) -> str:
+        return f"{name}({a})"
+
+    def power(self, a: str, e: str) -> str:
+        return f"{a}^{e}"
+
+    def inverse(self, a: str) -> str:
+        return f"({a})⁻¹"
+
+    def add(self, terms: list[str]) -> str:
+        out = terms[0]
+        for t in terms[1:]:
+            out += f" − {t[1:].lstrip()}" if t.startswith("-") else f" + {t}"
+        return out
+
+    def neg(self, s: str) -> str:
+        return "-" + s
+
+    def ones(self) -> str:
+        return "1"
+
+    def eye(self) -> str:
+        return "I"
+
+    def count(self, idx: str) -> str:
+        return f"|{idx}|"
+
+    def diag(self, a: str) -> str:
+        return f"diag({a})"
+
+    def stopgrad(self, a: str) -> str:
+        return f"sg({a})"
+
+    def sumall(self, a: str) -> str:
+        return f"Σ({a})"
+
+    def assign(self, lhs: str, rhs: str) -> str:
+        return f"{lhs} ← {rhs}"
+
+
+class LatexStyle(Style):
+    name = "latex"
+
+    def scalar(self, v: sp.Expr) -> str:
+        return sp.latex(v)
+
+    def name_(self, n: str, sub: list[str]) -> str:
+        base = {"eta": "\\eta", "beta": "\\beta", "tau": "\\tau", "lambda": "\\lambda"}.get(n)
+        if base is None:
+            head = n.rstrip("0123456789")
+            digits = n[len(head):]
+            escaped = head.replace("_", "\\_")
+            base = head if len(head) == 1 else "\\mathrm{" + escaped + "}"
+            sub = ([digits] if digits else []) + sub
+        return base + ("_{" + ",".join(sub) + "}" if sub else "")
+
+    @staticmethod
+    def _rel(rel: str) -> str:
+        return rel.replace("<=", " \\le ").replace("<", " < ") if "<=" in rel else rel.replace("<", " < ")
+
+    def sum_(self, idx, rel, body):
+        return f"\\sum_{{{idx}{self._rel(rel)}}} {body}"
+
+    def op(self, name, idx, rel, body):
+        return f"\\operatorname{{{name}}}_{{{idx}{self._rel(rel)}}}\\left({body}\\right)"
+
+    def softmax(self, idx, rel, body):
+        return f"\\operatorname{{softmax}}_{{{idx}}}\\left({body}\\right)"
+
+    def paren(self, s):
+        return f"\\left({s}\\right)"
+
+    def dot(self, a, b):
+        return f"\\langle {a}, {b} \\rangle"
+
+    def outer(self, a, b):
+        return f"{a} {b}^{{\\top}}"
+
+    def transpose(self, a):
+        return f"{a}^{{\\top}}"
+
+    def func(self, name, a):
+        fn = REGISTRY.get(name)
+        head = fn.latex if fn is not None and fn.latex else f"\\operatorname{{{name}}}"
+        return f"{head}\\left({a}\\right)"
+
+    def power(self, a, e):
+        return f"{{{a}}}^{{{e}}}"
+
+    def inverse(self, a):
+        return f"\\left({a}\\right)^{{-1}}"
+
+    def neg(self, s):
+        return "-" + s
+
+    def add(self, terms):
+        out = terms[0]
+        for t in terms[1:]:
+            out += f" - {t[1:]}" if t.startswith("-") else f" + {t}"
+        return out
+
+    def count(self, idx):
+        return f"|{idx}|"
+
+    def diag(self, a):
+        return f"\\operatorname{{diag}}\\left({a}\\right)"
+
+    def stopgrad(self, a):
+        return f"\\operatorname{{sg}}\\left({a}\\right)"
+
+    def sumall(self, a):
+        return f"\\textstyle\\sum\\left({a}\\right)"
+
+    def assign(self, lhs, rhs):
+        return f"{lhs} \\leftarrow {rhs}"
+
+
+class MathMLStyle(Style):
+    """Presentation MathML: renders in any modern browser with no network."""
+
+    name = "mathml"
+
+    def scalar(self, v):
+        return sp.mathml(v, printer="presentation")
+
+    def name_(self, n, sub):
+        base = f"<mi>{html.escape(GREEK.get(n, n))}</mi>"
+        return f"<msub>{base}<mrow><mi>{','.join(sub)}</mi></mrow></msub>" if sub else base
+
+    def pos(self, idx):
+        return f"<mi>{idx or 'i'}</mi>"
+
+    def sum_(self, idx, rel, body):
+        r = html.escape(rel.replace("<=", "≤"))
+        under = f"<mrow><mi>{idx}</mi><mo>{r[:1]}</mo><mi>{r[1:]}</mi></mrow>"
+        return f"<mrow><munder><mo>∑</mo>{under}</munder>{body}</mrow>"
+
+    def op(self, name, idx, rel, body):
+        return f"<mrow><msub><mi>{name}</mi><mi>{idx}</mi></msub><mo>(</mo>{body}<mo>)</mo></mrow>"
+
+    def softmax(self, idx, rel, body):
+        return self.op("softmax", idx, rel, body)
+
+    def paren(self, s):
+        return f"<mrow><mo>(</mo>{s}<mo>)</mo></mrow>"
+
+    def join_mul(self, parts):
+        return "<mrow>" + "<mo>&#x2062;</mo>".join(parts) + "</mrow>"
+
+    def matmul(self, a, b):
+        return f"<mrow>{a}<mo>&#x2062;</mo>{b}</mrow>"
+
+    def dot(self, a, b):
+        return f"<mrow><mo>⟨</mo>{a}<mo>,</mo>{b}<mo>⟩</mo></mrow>"
+
+    def outer(self, a, b):
+        return f"<mrow>{a}<msup>{b}<mi>⊤</mi></msup></mrow>"
+
+    def transpose(self, a):
+        return f"<msup>{a}<mi>⊤</mi></msup>"
+
+    def func(self, name, a):
+        return f"<mrow><mi>{html.escape(name)}</mi><mo>(</mo>{a}<mo>)</mo></mrow>"
+
+    def power(self, a, e):
+        return f"<msup>{a}{e}</msup>"
+
+    def inverse(self, a):
+        return f"<msup>{self.paren(a)}<mn>-1</mn></msup>"
+
+    def add(self, terms):
+        out = terms[0]
+        for t in terms[1:]:
+            if t.startswith("-"):
+                out += f"<mo>−</mo>{t[1:]}"
+            else:
+                out += f"<mo>+</mo>{t}"
+        return f"<mrow>{out}</mrow>"
+
+    def neg(self, s):
+        return "-" + s
+
+    def ones(self):
+        return "<mn>1</mn>"
+
+    def eye(self):
+        return "<mi>I</mi>"
+
+    def count(self, idx):
+        return f"<mrow><mo>|</mo><mi>{idx}</mi><mo>|</mo></mrow>"
+
+    def diag(self, a):
+        return self.func("diag", a)
+
+    def stopgrad(self, a):
+        return self.func("sg", a)
+
+    def sumall(self, a):
+        return f"<mrow><mo>∑</mo>{a}</mrow>"
+
+    def assign(self, lhs, rhs):
+        return f"<mrow>{lhs}<mo>←</mo>{rhs}</mrow>"
+
+
+STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "markdown": LatexStyle()}
+
+
+def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | None = None) -> str:
+    """Print an IR expression. `relations` maps context indices to their relation text (e.g. '<=i')."""
+    st = STYLES[style] if isinstance(style, str) else style
+    rel = relations or {}
+
+    def atomic(x: ir.Expr) -> bool:
+        return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.Func, ir.Let, ir.Transpose, ir.Dot)) or (
+            isinstance(x, ir.Scalar) and (x.value.is_Atom))
+
+    def wrap(x: ir.Expr) -> str:
+        s = p(x)
+        return s if atomic(x) else st.paren(s)
+
+    def p(x: ir.Expr) -> str:
+        match x:
+            case ir.Scalar():
+                return st.scalar(x.value)
+            case ir.Var():
+                return st.name_(x.name, [x.index] if x.index else [])
+            case ir.Index():
+                subs: list[str] = []
+                base = x
+                while isinstance(base, ir.Index):
+                    subs.insert(0, base.index)
+                    base = base.base
+                if isinstance(base, ir.Var):
+                    return st.name_(base.name, subs)
+                return st.name_(p(base), subs)
+            case ir.Let():
+                return p(x.body)
+            case ir.Pos():
+                return st.pos(x.index)
+            case ir.Ones():
+                return st.ones()
+            case ir.Identity():
+                return st.eye()
+            case ir.Count():
+                return st.count(x.index)
+            case ir.Add():
+                return st.add([p(t) for t in x.terms])
+            case ir.Mul():
+                factors = list(x.factors)
+                sign = ""
+                if isinstance(factors[0], ir.Scalar) and factors[0].value.could_extract_minus_sign():
+                    sign = "-"
+                    factors[0] = ir.Scalar(-factors[0].value)
+                    if factors[0].value == 1:
+                        factors = factors[1:]
+                parts = [wrap(f) if not isinstance(f, ir.Scalar) or f.value.is_Atom else st.paren(p(f))
+                         for f in factors]
+                out = st.join_mul(parts) if len(parts) > 1 else parts[0]
+                return st.neg(out) if sign else out
+            case ir.Pow():
+                if x.exponent == -1:
+                    return st.inverse(p(x.base)) if x.base.shape else st.power(wrap(x.base), st.scalar(sp.Integer(-1)))
+                return st.power(wrap(x.base), st.scalar(x.exponent))
+            case ir.MatMul():
+                return st.matmul(wrap(x.a), wrap(x.b))
+            case ir.Dot():
+                return st.dot(p(x.a), p(x.b))
+            case ir.Outer():
+                return st.outer(wrap(x.a), wrap(x.b))
+            case ir.Transpose():
+                return st.transpose(wrap(x.a))
+            case ir.Func():
+                return st.func(x.name, p(x.arg))
+            case ir.SumAll():
+                return st.sumall(p(x.a))
+            case ir.Reduce():
+                if x.op == "sum":
+                    return st.sum_(x.index, rel.get(x.index, ""), wrap(x.body))
+                return st.op(x.op, x.index, rel.get(x.index, ""), p(x.body))
+            case ir.Softmax():
+                return st.softmax(x.index, rel.get(x.index, ""), p(x.body))
+            case ir.StopGrad():
+                return st.stopgrad(p(x.a))
+            case ir.Diag():
+                return st.diag(p(x.a))
+            case ir.Inverse():
+                return st.inverse(p(x.a))
+        return type(x).__name__
+
+    return p(e)
+
+
+def mathml_block(body: str) -> str:
+    return f'<math xmlns="http://www.w3.org/1998/Math/MathML" display="block">{body}</math>'

@@ -1,0 +1,141 @@
+"""Search engine: explores a space of model compositions with Optuna, locally or on Ray.
+
+The engine is independent of the DSL: it only sees the `SearchSpace`/`Candidate` protocols of
+`energydsl.search.space`. Results live in an Optuna study (journal file under `runs/<study>/` by
+default, or any Optuna storage URL), which both backends write in the same format, so a search can be
+stopped, killed or moved between backends and continued, and `write_report` reads any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from energydsl.errors import UserError
+from energydsl.search.display import LiveProgress, print_leaderboard
+from energydsl.search.local import PRUNERS, make_sampler, pruning_plan, quiet_optuna, run_local
+from energydsl.search.report import (
+    default_storage_path,
+    export_best,
+    load_study,
+    open_storage,
+    summarize,
+    write_report,
+)
+from energydsl.search.space import (
+    Candidate,
+    SearchSpace,
+    SpaceRef,
+    register_space,
+    registered_spaces,
+    resolve_space,
+)
+
+__all__ = [
+    "Candidate", "SearchSpace", "SpaceRef", "register_space", "registered_spaces", "resolve_space",
+    "run_search", "open_study", "write_report", "export_best", "load_study",
+]
+
+BACKENDS = ("local", "ray")
+
+
+def open_study(storage: str, study_name: str, space: SearchSpace, ref: SpaceRef | None = None) -> optuna.Study:
+    """Create the study, or load it when it exists (a rerun continues it) after checking it is the same
+    search: same objectives, same directions."""
+    quiet_optuna()
+    names = [n for n, _ in space.objectives]
+    directions = [d for _, d in space.objectives]
+    study = optuna.create_study(storage=open_storage(storage), study_name=study_name, directions=directions,
+                                load_if_exists=True)
+    have = ["minimize" if d == optuna.study.StudyDirection.MINIMIZE else "maximize" for d in study.directions]
+    recorded = study.user_attrs.get("objectives")
+    if have != directions or (recorded is not None and recorded != names):
+        raise UserError(
+            f"study {study_name!r} in {storage} searches {recorded or '?'} ({', '.join(have)}), not "
+            f"{names} ({', '.join(directions)})",
+            hint="pick another --study name or --storage for a different search")
+    wanted: dict[str, Any] = {"objectives": names}
+    if ref is not None:
+        wanted.update(space=ref.spec, sets=dict(ref.sets))
+    for key, value in wanted.items():
+        if study.user_attrs.get(key) != value:
+            study.set_user_attr(key, value)
+    return study
+
+
+def run_search(
+    ref: SpaceRef | str,
+    *,
+    backend: str = "local",
+    trials: int | None = None,
+    timeout: float | None = None,
+    workers: int = 1,
+    storage: str | None = None,
+    study_name: str | None = None,
+    sampler: str | None = None,
+    pruner: str = "asha",
+    device: str = "cpu",
+    json: bool = False,
+    address: str | None = None,
+    gpus_per_trial: float = 0.0,
+    cpus_per_trial: float = 1.0,
+    progress: bool = True,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Run (or continue) a search until the study holds `trials` finished trials or `timeout` seconds
+    have passed (no new trial starts after it; running ones finish).
+
+    `trials` counts every finished trial, invalid and duplicate ones included (they are cheap); trials
+    lost with their worker are retried and not counted. Defaults come from the space's budget.
+    Returns a summary: completed, pruned, failed, invalid, duplicates, lost, best (params and objective
+    values; the Pareto front list with several objectives), study, storage, ..."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if pruner not in PRUNERS:
+        raise UserError(f"unknown pruner {pruner!r}; choose one of {', '.join(PRUNERS)}")
+    if workers < 1:
+        raise UserError(f"workers must be at least 1, not {workers}")
+    ref = ref if isinstance(ref, SpaceRef) else SpaceRef(str(ref))
+    quiet_optuna()
+    space = resolve_space(ref)
+    objectives = list(space.objectives)
+    name = study_name or space.name
+    storage_spec = storage or default_storage_path(name)
+    if "://" not in storage_spec:
+        storage_spec = str(Path(storage_spec).resolve())
+    target = int(trials if trials is not None else space.budget.get("trials", 20))
+    if target < 1:
+        raise UserError(f"trials must be at least 1, not {target}")
+    if timeout is None:
+        timeout = space.budget.get("timeout")
+    make_sampler(sampler, len(objectives), seed)  # unknown/unusable sampler: fail before any work
+    _, note = pruning_plan(objectives, pruner)
+    study = open_study(storage_spec, name, space, ref)
+    started = time.time()
+    deadline = started + float(timeout) if timeout else None
+    show = progress and not json
+    display = LiveProgress(storage_spec, name, target, note) if show else contextlib.nullcontext()
+    common = dict(target=target, deadline=deadline, workers=workers, sampler=sampler, pruner=pruner,
+                  device=device, seed=seed)
+    extra: dict[str, Any] = {}
+    interrupted = False
+    try:
+        with display:
+            if backend == "local":
+                extra = run_local(ref, study, storage_spec, **common)
+            else:
+                from energydsl.search.ray_backend import run_ray
+
+                extra = run_ray(ref, space, study, storage_spec, address=address, gpus_per_trial=gpus_per_trial,
+                                cpus_per_trial=cpus_per_trial, **common)
+    except KeyboardInterrupt:
+        interrupted = True
+    summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=round(time.time() - started, 3),
+                        interrupted=interrupted, notes=[note] if note else [], **extra)
+    if show:
+        print_leaderboard(study)
+    return summary

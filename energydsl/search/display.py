@@ -1,0 +1,143 @@
+"""Terminal display: a live progress panel while a search runs and a leaderboard when it ends.
+
+The panel reads the study from its own storage handle every second, so it shows the same thing
+whichever backend or however many processes are writing (and costs the workers nothing).
+Everything goes to stderr, leaving stdout to the JSON summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from energydsl.search.report import (
+    DUPLICATE_OF,
+    REASON,
+    best_of,
+    ledger,
+    objectives_of,
+    open_storage,
+    ranked,
+    trial_kind,
+)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.5g}" if isinstance(v, float) else str(v)
+
+
+def _best_text(study: optuna.Study) -> str:
+    best = best_of(study)
+    if not best:
+        return "best: -"
+    if isinstance(best, dict):
+        vals = " ".join(f"{k}={_fmt(v)}" for k, v in best.get("values", {}).items())
+        return f"best: {vals} (#{best['number']})"
+    return f"Pareto front: {len(best)} trials"
+
+
+def progress_panel(study: optuna.Study, target: int | None, started: float, note: str | None = None) -> Panel:
+    trials = study.get_trials(deepcopy=False)
+    led = ledger(trials)
+    total = target or max(led.finished, 1)
+    head = Table.grid(padding=(0, 1))
+    head.add_row(ProgressBar(total=total, completed=min(led.finished, total), width=40),
+                 Text(f"{led.finished}/{total} trials", style="bold"),
+                 Text(time.strftime("%H:%M:%S", time.gmtime(time.time() - started)), style="dim"))
+    line = Text.assemble(
+        f"running {led.running}  ",
+        ("complete ", "green"), f"{led.completed} ({led.duplicates} dup)  ",
+        ("pruned ", "yellow"), f"{led.pruned} ({led.invalid} invalid)  ",
+        ("failed ", "red"), f"{led.failed}",
+        f"  lost {led.lost}" if led.lost else "",
+    )
+    parts: list[Any] = [head, line, Text(_best_text(study))]
+    if note:
+        parts.append(Text(note, style="dim"))
+    return Panel(Group(*parts), title=f"search {study.study_name}", expand=False)
+
+
+class LiveProgress:
+    """Context manager showing `progress_panel` refreshed from the storage by a background thread."""
+
+    def __init__(self, storage_spec: str, study_name: str, target: int | None, note: str | None = None,
+                 interval: float = 1.0, console: Console | None = None) -> None:
+        self.storage_spec, self.study_name, self.target, self.note = storage_spec, study_name, target, note
+        self.interval = interval
+        self.console = console or Console(stderr=True)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = time.time()
+
+    def __enter__(self) -> LiveProgress:
+        self._thread = threading.Thread(target=self._run, name="energy-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from rich.live import Live
+
+        study = optuna.load_study(study_name=self.study_name, storage=open_storage(self.storage_spec))
+        with Live(console=self.console, refresh_per_second=4, transient=False) as live:
+            while True:
+                with contextlib.suppress(Exception):  # a display hiccup must never stop a search
+                    live.update(progress_panel(study, self.target, self._started, self.note))
+                if self._stop.wait(self.interval):
+                    with contextlib.suppress(Exception):
+                        live.update(progress_panel(study, self.target, self._started, self.note))
+                    return
+
+
+def leaderboard_table(study: optuna.Study, top: int = 10) -> Table:
+    """The top complete trials (Pareto front first with several objectives), their params and objectives."""
+    objectives = objectives_of(study)
+    order = ranked(study)[:top]
+    keys = sorted({k for t in order for k in t.params})
+    table = Table(title=f"{study.study_name}: top {len(order)} trials")
+    table.add_column("#", justify="right")
+    for name, direction in objectives:
+        table.add_column(f"{name} {'↓' if direction == 'minimize' else '↑'}", justify="right")
+    for k in keys:
+        table.add_column(k)
+    table.add_column("note")
+    for t in order:
+        note = f"= #{t.user_attrs[DUPLICATE_OF]}" if DUPLICATE_OF in t.user_attrs else ""
+        table.add_row(str(t.number), *(_fmt(v) for v in t.values), *(_fmt(t.params.get(k, "")) for k in keys),
+                      note)
+    return table
+
+
+def failures_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
+    """The most recent failed trials with their reasons, so a broken space is noticed at once."""
+    bad = [t for t in trials if t.state == TrialState.FAIL and trial_kind(t) == "error"][-top:]
+    if not bad:
+        return None
+    table = Table(title="recent failures")
+    table.add_column("#", justify="right")
+    table.add_column("reason", overflow="fold")
+    for t in bad:
+        table.add_row(str(t.number), str(t.user_attrs.get(REASON, "")))
+    return table
+
+
+def print_leaderboard(study: optuna.Study, top: int = 10, console: Console | None = None) -> None:
+    console = console or Console(stderr=True)
+    console.print(leaderboard_table(study, top))
+    fails = failures_table(study.get_trials(deepcopy=False))
+    if fails is not None:
+        console.print(fails)

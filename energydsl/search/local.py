@@ -1,0 +1,583 @@
+"""Local backend: worker processes on this machine share one Optuna study through its storage.
+
+The budget is a set of numbered WAITING "slots" added to the study up front (under a file lock), and
+a worker only ever runs a trial by atomically claiming a slot. So N workers, or several `energy search`
+commands on the same study, run exactly `trials` trials between them, and a rerun continues the study.
+A trial whose process died (kill -9, OOM killer, lost node) is found by its owner record (host, boot,
+pid, start time) or its heartbeat, marked lost and its slot put back with the same parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from energydsl.errors import UserError
+from energydsl.search.report import (
+    CURVE,
+    DUPLICATE_OF,
+    HASH,
+    HEARTBEAT,
+    KIND,
+    MATHML,
+    METRICS,
+    OWNER,
+    REASON,
+    RETRY_OF,
+    SLOT,
+    SOURCE,
+    TIMING,
+    TRACEBACK,
+    finite,
+    is_counted,
+    ledger,
+    open_storage,
+    safe_name,
+    trial_kind,
+)
+from energydsl.search.space import SearchSpace, SpaceRef, resolve_space
+
+HEARTBEAT_S = 30.0  # how often a running trial says it is alive
+STALE_AFTER_S = 180.0  # silence after which a trial owned by another host counts as lost
+MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
+SAMPLERS = ("tpe", "nsga2", "random", "cmaes", "qmc")
+PRUNERS = ("asha", "hyperband", "none")
+
+# ----------------------------------------------------------------------------- who runs a trial
+
+HOST = socket.gethostname()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+BOOT = (_read("/proc/sys/kernel/random/boot_id") or "").strip()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of a process, from /proc; None when it does not exist."""
+    text = _read(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # the command name may contain spaces and parentheses
+    return fields[0], int(fields[19])
+
+
+def owner_info() -> dict[str, Any]:
+    stat = _proc_stat(os.getpid())
+    return {"host": HOST, "boot": BOOT, "pid": os.getpid(), "start": stat[1] if stat else None}
+
+
+def pid_alive(pid: int, start: int | None) -> bool:
+    """Is the process that claimed a trial still running (not a zombie, not a reused pid)?"""
+    if os.path.isdir("/proc"):
+        stat = _proc_stat(pid)
+        return stat is not None and stat[0] not in ("Z", "X") and (start is None or stat[1] == start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_reason(t: FrozenTrial, now: float | None = None) -> str | None:
+    """Why a RUNNING trial can no longer finish, or None while its worker may still be at work."""
+    now = time.time() if now is None else now
+    owner = t.system_attrs.get(OWNER) or {}
+    if owner.get("host") == HOST:
+        if owner.get("boot") != BOOT:
+            return f"host {HOST} restarted while the trial ran"
+        if not pid_alive(int(owner["pid"]), owner.get("start")):
+            return f"worker process {owner['pid']} on {HOST} died while running this trial"
+        return None
+    last = t.system_attrs.get(HEARTBEAT) or (t.datetime_start.timestamp() if t.datetime_start else None)
+    if last is not None and now - float(last) > STALE_AFTER_S:
+        where = owner.get("host", "its worker")
+        return f"no heartbeat from {where} for {now - float(last):.0f}s"
+    return None
+
+
+class Heartbeat:
+    """A daemon thread stamping the trials this process runs, so other hosts can tell they are alive."""
+
+    def __init__(self, storage: BaseStorage, interval: float = HEARTBEAT_S) -> None:
+        self._storage, self._interval = storage, interval
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="energy-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.add(trial_id)
+        self._beat(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.discard(trial_id)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _beat(self, trial_id: int) -> None:
+        with contextlib.suppress(Exception):  # finished meanwhile, or a storage blip: the next beat retries
+            self._storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                ids = list(self._ids)
+            for tid in ids:
+                self._beat(tid)
+
+
+# ----------------------------------------------------------------------------- samplers, pruners
+
+
+def pruning_plan(objectives: list[tuple[str, str]], pruner: str) -> tuple[bool, str | None]:
+    """Whether to prune, and a note when the user asked for pruning that cannot apply."""
+    if pruner == "none":
+        return False, None
+    if len(objectives) > 1:
+        return False, "pruning disabled: Optuna pruners do not support several objectives"
+    if objectives[0][1] != "minimize":
+        return False, "pruning disabled: intermediate reports are val_loss, the objective is maximized"
+    return True, None
+
+
+def make_sampler(name: str | None, n_objectives: int, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    """TPE for one objective, NSGA-II for several, unless a name is given."""
+    import importlib.util
+
+    name = (name or ("tpe" if n_objectives == 1 else "nsga2")).lower()
+    s = optuna.samplers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if name == "tpe":
+            return s.TPESampler(seed=seed, constant_liar=True)  # liar: parallel workers spread out
+        if name == "nsga2":
+            return s.NSGAIISampler(seed=seed)
+        if name == "random":
+            return s.RandomSampler(seed=seed)
+        if name == "cmaes":
+            if n_objectives > 1:
+                raise UserError("sampler cmaes handles one objective only; use nsga2 or tpe")
+            if importlib.util.find_spec("cmaes") is None:
+                raise UserError("sampler cmaes needs the `cmaes` package (pip install cmaes)")
+            return s.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+        if name == "qmc":
+            if importlib.util.find_spec("scipy") is None:
+                raise UserError("sampler qmc needs scipy (pip install scipy)")
+            return s.QMCSampler(seed=seed, warn_independent_sampling=False)
+    raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+def make_pruner(name: str, budget: Mapping[str, Any]) -> optuna.pruners.BasePruner:
+    """ASHA (asynchronous successive halving) or Hyperband over the reported steps."""
+    if name == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=budget.get("min_steps", "auto"),
+                                                      reduction_factor=3)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=int(budget.get("min_steps", 1)),
+                                              max_resource=budget.get("steps", "auto"), reduction_factor=3)
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    raise UserError(f"unknown pruner {name!r}; choose one of {', '.join(PRUNERS)}")
+
+
+# ----------------------------------------------------------------------------- slots and recovery
+
+
+@contextlib.contextmanager
+def study_lock(storage_spec: str, study_name: str) -> Iterator[None]:
+    """Serialize budget bookkeeping between commands on this host (file lock next to the journal)."""
+    base = Path(storage_spec).parent if "://" not in storage_spec else Path("runs") / safe_name(study_name)
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / f".{safe_name(study_name)}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _busy_slots(trials: list[FrozenTrial]) -> set[int]:
+    return {t.system_attrs[SLOT] for t in trials
+            if SLOT in t.system_attrs and (t.state == TrialState.RUNNING or is_counted(t))}
+
+
+def _next_slot(trials: list[FrozenTrial]) -> int:
+    return max((int(t.system_attrs[SLOT]) for t in trials if SLOT in t.system_attrs), default=-1) + 1
+
+
+def _open_waiting(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+    """WAITING trials that still stand for unused budget (one per slot, lowest number first)."""
+    busy, seen, out = _busy_slots(trials), set(), []
+    for t in sorted((t for t in trials if t.state == TrialState.WAITING), key=lambda t: t.number):
+        slot = t.system_attrs.get(SLOT)
+        if slot is not None and (slot in busy or slot in seen):
+            continue
+        seen.add(slot)
+        out.append(t)
+    return out
+
+
+def ensure_slots(study: optuna.Study, target: int) -> int:
+    """Add WAITING slots until finished + running + waiting reaches `target`; returns how many."""
+    trials = study.get_trials(deepcopy=False)
+    led = ledger(trials)
+    missing = target - (led.finished + led.running + len(_open_waiting(trials)))
+    first = _next_slot(trials)
+    for i in range(max(missing, 0)):
+        study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, system_attrs={SLOT: first + i}))
+    return max(missing, 0)
+
+
+def abandon(study: optuna.Study, storage: BaseStorage, t: FrozenTrial, reason: str,
+            interrupted: bool = False) -> bool:
+    """Fail a trial that cannot finish and put its slot back (same parameters) for another worker.
+
+    A slot whose worker died MAX_RETRIES times is failed for good (the candidate may be what kills
+    it); interruptions are not held against it. Returns False when someone else finished it first."""
+    trials = study.get_trials(deepcopy=False)
+    slot = t.system_attrs.get(SLOT, _next_slot(trials))
+    losses = sum(1 for o in trials if o.system_attrs.get(SLOT) == slot and trial_kind(o) == "lost")
+    retry = interrupted or losses < MAX_RETRIES
+    kind = "interrupted" if interrupted else ("lost" if retry else "error")
+    try:
+        storage.set_trial_user_attr(t._trial_id, KIND, kind)
+        storage.set_trial_user_attr(t._trial_id, REASON, f"{reason}; " + (
+            "retried" if retry else f"given up after {losses + 1} lost attempts"))
+        if not storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+            return False
+    except UpdateFinishedTrialError:
+        return False
+    if retry:
+        study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, system_attrs={
+            SLOT: slot, RETRY_OF: t.number, "fixed_params": dict(t.params)}))
+    return True
+
+
+def recover_stale(study: optuna.Study, storage: BaseStorage) -> int:
+    """Abandon every RUNNING trial whose worker is gone; returns how many were put back."""
+    now, n = time.time(), 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        why = stale_reason(t, now)
+        if why and abandon(study, storage, t, why):
+            n += 1
+    return n
+
+
+def claim(study: optuna.Study, storage: BaseStorage, target: int) -> int | None:
+    """Atomically take one open slot; None when the budget is used up or being used by others."""
+    trials = study.get_trials(deepcopy=False)
+    led = ledger(trials)
+    if led.finished + led.running >= target:  # also guards slots left over from a larger earlier budget
+        return None
+    for t in _open_waiting(trials):
+        try:
+            if storage.set_trial_state_values(t._trial_id, TrialState.RUNNING):
+                return t._trial_id
+        except UpdateFinishedTrialError:
+            continue
+    return None
+
+
+# ----------------------------------------------------------------------------- one trial
+
+
+def _describe(e: BaseException) -> str:
+    msg = str(e).strip()
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _free_memory() -> None:
+    """After a failure (OOM above all) give memory back before the next trial in this process."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+
+def find_same(study: optuna.Study, equation_hash: str, number: int) -> FrozenTrial | None:
+    """An earlier finished trial with the same equations: a complete one first, else a pruned one."""
+    found = None
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if t.number == number or t.user_attrs.get(HASH) != equation_hash or trial_kind(t) == "invalid":
+            continue
+        if t.state == TrialState.COMPLETE:
+            return t
+        found = found or t
+    return found
+
+
+def candidate_info(cand: Any) -> dict[str, Any]:
+    return {HASH: str(cand.equation_hash()), SOURCE: str(cand.source()), MATHML: str(cand.equations_mathml())}
+
+
+def check_metrics(metrics: Any, names: list[str]) -> tuple[list[float] | None, dict[str, Any], str | None]:
+    """(objective values, metrics to store, reason it failed)."""
+    if not isinstance(metrics, Mapping):
+        return None, {}, f"evaluate returned {type(metrics).__name__}, expected a dict of metrics"
+    clean = {str(k): (float(v) if isinstance(v, int | float) else str(v)) for k, v in metrics.items()}
+    missing = [n for n in names if n not in metrics]
+    if missing:
+        return None, clean, f"evaluate returned no {', '.join(missing)} (objectives: {', '.join(names)})"
+    try:
+        values = [float(metrics[n]) for n in names]
+    except (TypeError, ValueError) as e:
+        return None, clean, f"objective is not a number: {e}"
+    bad = [f"{n}={v}" for n, v in zip(names, values, strict=True) if not finite(v)]
+    if bad:
+        return None, clean, f"diverged: {', '.join(bad)}"
+    return values, clean, None
+
+
+def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: SearchSpace, device: str,
+              prune: bool, heartbeat: Heartbeat | None = None) -> TrialState:
+    """Run one claimed trial: check, deduplicate, evaluate, record. Never raises for a bad candidate."""
+    t0 = time.perf_counter()
+    eval_s = 0.0
+    curve: list[list[float]] = []
+    names = [n for n, _ in space.objectives]
+    storage.set_trial_system_attr(trial_id, OWNER, owner_info())
+    if heartbeat is not None:
+        heartbeat.add(trial_id)
+    if hasattr(study, "_thread_local"):  # as Study.ask does: let the sampler see the latest trials
+        study._thread_local.cached_all_trials = None
+    trial = optuna.Trial(study, trial_id)
+
+    def finish(state: TrialState, values: list[float] | None = None, **attrs: Any) -> TrialState:
+        attrs[TIMING] = {"evaluate_s": round(eval_s, 6), "total_s": round(time.perf_counter() - t0, 6)}
+        if curve:
+            attrs.setdefault(CURVE, curve)
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        study.tell(trial, values, state=None if state == TrialState.COMPLETE else state)
+        return state
+
+    def fail(reason: str, with_tb: bool = True, kind: str = "error") -> TrialState:
+        extra = {TRACEBACK: traceback.format_exc(limit=-12)} if with_tb else {}
+        return finish(TrialState.FAIL, kind=kind, reason=reason, **extra)
+
+    try:
+        try:
+            cand = space.suggest(trial)
+        except optuna.TrialPruned as e:
+            return finish(TrialState.PRUNED, kind="invalid", reason=str(e) or "rejected while sampling")
+        except Exception as e:
+            return fail(f"suggest failed: {_describe(e)}")
+        try:
+            reason = cand.invalid_reason()
+        except Exception as e:
+            return fail(f"invalid_reason() raised {_describe(e)}")
+        if reason:
+            extra = {}
+            with contextlib.suppress(Exception):
+                extra[SOURCE] = str(cand.source())
+            return finish(TrialState.PRUNED, kind="invalid", reason=str(reason), **extra)
+        try:
+            info = candidate_info(cand)
+        except Exception as e:
+            return fail(f"describing the candidate failed: {_describe(e)}")
+        for k, v in info.items():  # recorded before training, so a crash still shows what ran
+            trial.set_user_attr(k, v)
+        same = find_same(study, info[HASH], trial.number)
+        if same is not None:
+            origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
+            curve.extend(same.user_attrs.get(CURVE) or [])
+            if prune:
+                for step, value in curve:
+                    if finite(value):
+                        trial.report(float(value), int(step))
+            attrs = {KIND: "duplicate", DUPLICATE_OF: origin, REASON: f"same equations as trial #{origin}"}
+            if same.state == TrialState.COMPLETE:
+                return finish(TrialState.COMPLETE, list(same.values), metrics=same.user_attrs.get(METRICS, {}),
+                              **attrs)
+            return finish(TrialState.PRUNED, **attrs)
+
+        def report(step: int, value: float) -> bool:
+            curve.append([int(step), float(value)])
+            if not prune or not finite(value):
+                return False
+            trial.report(float(value), int(step))
+            return trial.should_prune()
+
+        t_eval = time.perf_counter()
+        try:
+            metrics = space.evaluate(cand, report, device)
+        except optuna.TrialPruned as e:
+            eval_s = time.perf_counter() - t_eval
+            at = f" at step {curve[-1][0]}" if curve else ""
+            return finish(TrialState.PRUNED, kind="pruned", reason=str(e) or f"pruned{at}")
+        except Exception as e:
+            eval_s = time.perf_counter() - t_eval
+            _free_memory()
+            return fail(_describe(e))
+        eval_s = time.perf_counter() - t_eval
+        values, clean, why = check_metrics(metrics, names)
+        if why is not None:
+            finish_state = fail(why, with_tb=False)
+            return finish_state
+        return finish(TrialState.COMPLETE, values, kind="complete", metrics=clean)
+    except BaseException as e:  # interrupted (Ctrl-C, SIGTERM): the trial goes back to the queue
+        if not isinstance(e, Exception):
+            with contextlib.suppress(Exception):
+                abandon(study, storage, storage.get_trial(trial_id), f"interrupted ({type(e).__name__})",
+                        interrupted=True)
+        raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.discard(trial_id)
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def quiet_optuna() -> None:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def worker_loop(ref: SpaceRef, storage_spec: str, study_name: str, target: int, deadline: float | None,
+                sampler: str | None, pruner: str, device: str, seed: int | None) -> int:
+    """Claim and run trials until the budget or the deadline is reached; returns trials run here."""
+    quiet_optuna()
+    space = resolve_space(ref)
+    storage = open_storage(storage_spec)
+    objectives = list(space.objectives)
+    prune, _ = pruning_plan(objectives, pruner)
+    study = optuna.load_study(study_name=study_name, storage=storage,
+                              sampler=make_sampler(sampler, len(objectives), seed),
+                              pruner=make_pruner(pruner, space.budget) if prune else optuna.pruners.NopPruner())
+    hb = Heartbeat(storage)
+    n = 0
+    try:
+        while deadline is None or time.time() < deadline:
+            tid = claim(study, storage, target)
+            if tid is None:
+                if recover_stale(study, storage):
+                    continue
+                break
+            run_trial(study, storage, tid, space, device, prune, hb)
+            n += 1
+    finally:
+        hb.close()
+    return n
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the driver dies, so a killed search leaves no orphan workers."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _worker_entry(kwargs: dict[str, Any], threads: int) -> None:
+    """Main of a spawned worker process."""
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, _sigterm)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # N workers must not each take every core
+        os.environ.setdefault(var, str(threads))
+    try:
+        worker_loop(**kwargs)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _worker_device(device: str, index: int, workers: int) -> str:
+    if workers == 1 or device not in ("cuda", "gpu"):
+        return device
+    try:
+        import torch
+
+        count = torch.cuda.device_count()
+    except Exception:
+        count = 0
+    return f"cuda:{index % count}" if count else "cuda"
+
+
+def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: int, deadline: float | None,
+              workers: int, sampler: str | None, pruner: str, device: str, seed: int | None) -> dict[str, Any]:
+    """Run the local backend to the budget; returns extra summary fields."""
+    storage = open_storage(storage_spec)
+    with study_lock(storage_spec, study.study_name):
+        recovered = recover_stale(study, storage)
+        ensure_slots(study, target)
+
+    def kwargs(i: int) -> dict[str, Any]:
+        return {"ref": ref, "storage_spec": storage_spec, "study_name": study.study_name, "target": target,
+                "deadline": deadline, "sampler": sampler, "pruner": pruner,
+                "device": _worker_device(device, i, workers), "seed": None if seed is None else seed + 1000 * i}
+
+    if workers <= 1:
+        worker_loop(**kwargs(0))
+        return {"recovered": recovered, "workers": 1}
+    ctx = mp.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    procs: dict[int, Any] = {}
+    crashed = 0
+
+    def start(i: int) -> None:
+        p = ctx.Process(target=_worker_entry, args=(kwargs(i), threads), name=f"energy-worker-{i}", daemon=False)
+        p.start()
+        procs[i] = p
+
+    try:
+        for i in range(workers):
+            start(i)
+        while procs:
+            for i, p in list(procs.items()):
+                p.join(timeout=0.2)
+                if p.exitcode is None:
+                    continue
+                del procs[i]
+                if p.exitcode == 0:
+                    continue
+                crashed += 1  # a worker died (segfault, OOM kill): put its trial back, start another
+                recovered += recover_stale(study, storage)
+                time_left = deadline is None or time.time() < deadline
+                led = ledger(study.get_trials(deepcopy=False))
+                if time_left and crashed <= 2 * workers and led.finished + led.running < target:
+                    start(i)
+    except BaseException:
+        for p in procs.values():
+            p.join(timeout=10)
+        for p in procs.values():
+            if p.exitcode is None:
+                p.terminate()
+                p.join(timeout=5)
+        raise
+    return {"recovered": recovered, "workers": workers, "worker_crashes": crashed}

@@ -1,0 +1,312 @@
+"""Ray backend: Ray Tune runs the trials (on a cluster, with fractional GPUs); OptunaSearch samples them
+from the very Optuna study the local backend writes; ASHA stops weak ones early.
+
+The searcher works directly on the engine's storage, so a trial is RUNNING there while Ray trains it
+and every result lands in the usual format (same user attrs), whichever backend ran it. Cheap work stays
+on the driver: invalid and duplicate candidates are settled inside `suggest` and never reach Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from energydsl.errors import UserError
+from energydsl.search.local import (
+    MAX_RETRIES,
+    Heartbeat,
+    candidate_info,
+    check_metrics,
+    find_same,
+    make_sampler,
+    owner_info,
+    pruning_plan,
+    recover_stale,
+    study_lock,
+)
+from energydsl.search.report import (
+    CURVE,
+    DUPLICATE_OF,
+    HASH,
+    KIND,
+    METRICS,
+    OWNER,
+    REASON,
+    SOURCE,
+    TIMING,
+    TRACEBACK,
+    finite,
+    ledger,
+    open_storage,
+    safe_name,
+)
+from energydsl.search.space import SearchSpace, SpaceRef, resolve_space
+
+try:  # this module is imported only for the ray backend (and by Ray workers)
+    from ray.tune.search import Searcher
+    from ray.tune.search.optuna import OptunaSearch
+except ImportError:  # pragma: no cover - reported by run_ray
+    Searcher = OptunaSearch = None  # type: ignore[assignment,misc]
+
+# Keys of the config a trial gets and of the results it reports.
+PARAMS = "_energy_params"
+NUMBER = "_energy_trial"
+PROGRESS = "_energy_val_loss"  # the value ASHA watches (always val_loss, whatever the objectives)
+RKIND = "_energy_kind"  # progress | complete | pruned | error
+FINAL = "_energy_final"
+
+_SPACES: dict[str, SearchSpace] = {}  # one resolved space per Ray worker process
+
+
+def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: list[tuple[str, str]],
+               cache_root: str) -> None:
+    """Runs inside a Ray worker: rebuild the space, rebuild the candidate from its params, train."""
+    from ray import tune
+
+    trial_key = tune.get_context().get_trial_id() or f"pid{os.getpid()}"
+    cache = os.path.join(cache_root, trial_key)  # private compile caches: no races between trials
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+    key = repr((ref.spec, sorted(ref.sets.items())))
+    if key not in _SPACES:
+        _SPACES[key] = resolve_space(ref)
+    space = _SPACES[key]
+    pad = {name: math.nan for name, _ in objectives}  # Tune wants every metric in every result
+    curve: list[list[float]] = []
+
+    def report(step: int, value: float) -> bool:
+        curve.append([int(step), float(value)])
+        tune.report({**pad, PROGRESS: float(value), "step": int(step), RKIND: "progress"})
+        return False  # ASHA stops a trial by stopping its actor, not through this return value
+
+    final: dict[str, Any] = {**pad, FINAL: True, RKIND: "complete"}
+    t0 = time.perf_counter()
+    try:
+        cand = space.suggest(optuna.trial.FixedTrial(config[PARAMS]))
+        metrics = space.evaluate(cand, report, device)
+        final["_energy_metrics"] = json.dumps({k: v for k, v in dict(metrics).items()
+                                               if isinstance(v, int | float | str)})
+    except optuna.TrialPruned as e:
+        final.update({RKIND: "pruned", "_energy_reason": str(e) or "pruned"})
+    except Exception as e:
+        final.update({RKIND: "error", "_energy_reason": f"{type(e).__name__}: {e}",
+                      "_energy_traceback": traceback.format_exc(limit=-12)})
+    final.update({PROGRESS: curve[-1][1] if curve else math.nan, "_energy_curve": json.dumps(curve),
+                  "_energy_eval_s": time.perf_counter() - t0})
+    tune.report(final)
+
+
+if OptunaSearch is not None:
+
+    class StudySearch(OptunaSearch):
+        """OptunaSearch on the engine's study, with the engine's bookkeeping around each trial."""
+
+        def __init__(self, space: SearchSpace, study: optuna.Study, storage: Any, target: int,
+                     sampler: optuna.samplers.BaseSampler, prune: bool, deadline: float | None) -> None:
+            names = [n for n, _ in space.objectives]
+            modes = ["min" if d == "minimize" else "max" for _, d in space.objectives]
+            self._energy_space, self._energy_storage, self._energy_target = space, storage, target
+            self._energy_names, self._energy_prune, self._energy_deadline = names, prune, deadline
+            self._energy_curves: dict[str, list[list[float]]] = {}
+            self._energy_hb = Heartbeat(storage)
+            super().__init__(space=self._define, metric=names if len(names) > 1 else names[0],
+                             mode=modes if len(modes) > 1 else modes[0], sampler=sampler,
+                             study_name=study.study_name, storage=storage)
+
+        def _define(self, trial: Any) -> dict[str, Any]:
+            """Define-by-run: sample, then settle on the driver whatever needs no training."""
+            self._energy_storage.set_trial_system_attr(trial._trial_id, OWNER, owner_info())
+            self._energy_hb.add(trial._trial_id)
+            try:
+                cand = self._energy_space.suggest(trial)
+                reason = cand.invalid_reason()
+                if reason:
+                    with contextlib.suppress(Exception):
+                        trial.set_user_attr(SOURCE, str(cand.source()))
+                    return {RKIND: "invalid", "_energy_reason": str(reason)}
+                info = candidate_info(cand)
+            except Exception as e:
+                trial.set_user_attr(TRACEBACK, traceback.format_exc(limit=-12))
+                return {RKIND: "error", "_energy_reason": f"sampling failed: {type(e).__name__}: {e}"}
+            for k, v in info.items():
+                trial.set_user_attr(k, v)
+            same = find_same(self._ot_study, info[HASH], trial.number)
+            if same is not None:
+                return {RKIND: "duplicate", "_energy_same": same.number}
+            return {RKIND: "train"}
+
+        def _finish(self, ot_trial: Any, state: TrialState, values: list[float] | None = None,
+                    **attrs: Any) -> None:
+            for k, v in attrs.items():
+                ot_trial.set_user_attr(k, v)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._ot_study.tell(ot_trial, values, state=None if state == TrialState.COMPLETE else state)
+            self._energy_hb.discard(ot_trial._trial_id)
+
+        def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
+            while True:
+                led = ledger(self._ot_study.get_trials(deepcopy=False))
+                late = self._energy_deadline is not None and time.time() >= self._energy_deadline
+                if late or led.finished + led.running >= self._energy_target:
+                    return Searcher.FINISHED
+                config = super().suggest(trial_id)
+                ot_trial = self._ot_trials[trial_id]
+                kind = config.get(RKIND)
+                if kind == "train":
+                    return {PARAMS: dict(ot_trial.params), NUMBER: ot_trial.number}
+                del self._ot_trials[trial_id]  # settled here; ask again for the same Tune trial
+                reason = config.get("_energy_reason", "")
+                if kind == "invalid":
+                    self._finish(ot_trial, TrialState.PRUNED, kind="invalid", reason=reason)
+                elif kind == "error":
+                    self._finish(ot_trial, TrialState.FAIL, kind="error", reason=reason)
+                else:
+                    same = next(t for t in self._ot_study.get_trials(deepcopy=False)
+                                if t.number == config["_energy_same"])
+                    origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
+                    attrs = {KIND: "duplicate", DUPLICATE_OF: origin, REASON: f"same equations as trial #{origin}",
+                             CURVE: same.user_attrs.get(CURVE) or []}
+                    if same.state == TrialState.COMPLETE:
+                        self._finish(ot_trial, TrialState.COMPLETE, list(same.values),
+                                     metrics=same.user_attrs.get(METRICS, {}), **attrs)
+                    else:
+                        self._finish(ot_trial, TrialState.PRUNED, **attrs)
+
+        def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+            if result.get(RKIND) != "progress" or trial_id not in self._ot_trials:
+                return
+            curve = self._energy_curves.setdefault(trial_id, [])
+            step, value = int(result["step"]), float(result[PROGRESS])
+            if curve and step <= curve[-1][0]:
+                curve.clear()  # the trial restarted after its worker was lost
+            curve.append([step, value])
+            if self._energy_prune and finite(value):
+                with warnings.catch_warnings(), contextlib.suppress(Exception):
+                    warnings.simplefilter("ignore")
+                    self._ot_trials[trial_id].report(value, step)
+
+        def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
+                              error: bool = False) -> None:
+            ot_trial = self._ot_trials.get(trial_id)
+            if ot_trial is None or trial_id in self._completed_trials:
+                return
+            self._completed_trials.add(trial_id)
+            curve = self._energy_curves.pop(trial_id, [])
+            result = result or {}
+            if result.get(FINAL):
+                curve = json.loads(result.get("_energy_curve") or "[]") or curve
+                attrs: dict[str, Any] = {CURVE: curve, TIMING: {"evaluate_s": result.get("_energy_eval_s")}}
+                kind = result.get(RKIND)
+                if kind == "complete":
+                    metrics = json.loads(result.get("_energy_metrics") or "{}")
+                    values, clean, why = check_metrics(metrics, self._energy_names)
+                    if why is None:
+                        self._finish(ot_trial, TrialState.COMPLETE, values, kind="complete", metrics=clean, **attrs)
+                    else:
+                        self._finish(ot_trial, TrialState.FAIL, kind="error", reason=why, metrics=clean, **attrs)
+                elif kind == "pruned":
+                    self._finish(ot_trial, TrialState.PRUNED, kind="pruned", reason=result.get("_energy_reason"),
+                                 **attrs)
+                else:
+                    self._finish(ot_trial, TrialState.FAIL, kind="error", reason=result.get("_energy_reason"),
+                                 traceback=result.get("_energy_traceback", ""), **attrs)
+            elif error:
+                self._finish(ot_trial, TrialState.FAIL, kind="error", curve=curve,
+                             reason=f"Ray trial failed {MAX_RETRIES + 1} times (worker lost or crashed)")
+            elif self._energy_deadline is not None and time.time() >= self._energy_deadline:
+                self._completed_trials.discard(trial_id)  # stopped by the time limit: left for abandon()
+            else:
+                at = f" at step {curve[-1][0]}" if curve else ""
+                self._finish(ot_trial, TrialState.PRUNED, kind="pruned", curve=curve, reason=f"stopped by ASHA{at}")
+
+        def abandon_unfinished(self) -> int:
+            """Trials Ray never finished (time limit, Ctrl-C) go back to the queue for the next run."""
+            from energydsl.search.local import abandon
+
+            n = 0
+            for trial_id, ot_trial in list(self._ot_trials.items()):
+                if trial_id in self._completed_trials:
+                    continue
+                frozen = self._energy_storage.get_trial(ot_trial._trial_id)
+                if frozen.state == TrialState.RUNNING:
+                    n += abandon(self._ot_study, self._energy_storage, frozen, "the Ray run ended first",
+                                 interrupted=True)
+            self._energy_hb.close()
+            return n
+
+        def save(self, checkpoint_path: str) -> None:  # state lives in the Optuna storage, not in pickles
+            pass
+
+        def restore(self, checkpoint_path: str) -> None:
+            pass
+
+        def __getstate__(self) -> dict[str, Any]:  # Tuner pickles its config; nothing here is needed back
+            return {"_metric": self._metric, "_mode": self._mode}
+
+
+def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
+            deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
+            seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float) -> dict[str, Any]:
+    """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
+    try:
+        import ray
+        from ray import tune
+        from ray.tune.schedulers import ASHAScheduler
+    except ImportError as e:
+        raise UserError("the ray backend needs Ray Tune: pip install 'ray[tune]'") from e
+    if device.startswith("cuda") and gpus_per_trial <= 0:
+        raise UserError("device cuda on Ray needs GPUs reserved per trial", hint="pass gpus_per_trial, e.g. 0.5")
+    storage = open_storage(storage_spec)
+    with study_lock(storage_spec, study.study_name):
+        recovered = recover_stale(study, storage)
+    objectives = list(space.objectives)
+    prune, _ = pruning_plan(objectives, pruner)
+    scheduler = None
+    if prune:
+        max_t = int(space.budget.get("steps", 1000))
+        scheduler = ASHAScheduler(time_attr="step", metric=PROGRESS, mode="min", max_t=max_t,
+                                  grace_period=int(space.budget.get("min_steps") or max(1, max_t // 27)),
+                                  reduction_factor=3, brackets=3 if pruner == "hyperband" else 1,
+                                  stop_last_trials=False)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
+                     log_to_driver=False)
+    base = Path(storage_spec).parent if "://" not in storage_spec else Path("runs", safe_name(study.study_name))
+    searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
+                                      prune, deadline)
+    cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
+    trainable = tune.with_parameters(_trainable, ref=ref, device="cuda" if gpus_per_trial > 0 else device,
+                                     objectives=objectives, cache_root=cache_root)
+    trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
+    budget_s = None if deadline is None else max(1.0, deadline - time.time())
+    tuner = tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=-1,
+                                    max_concurrent_trials=workers, time_budget_s=budget_s),
+        run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
+                                  storage_path=str((base / "ray").resolve()), verbose=0,
+                                  failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
+    )
+    try:
+        tuner.fit()
+    finally:
+        requeued = searcher.abandon_unfinished()
+        if started_ray:
+            ray.shutdown()
+    return {"recovered": recovered, "requeued": requeued, "workers": workers}

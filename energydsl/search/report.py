@@ -1,0 +1,389 @@
+"""The study format both backends write, summaries of it, and the self-contained HTML report.
+
+Everything the engine knows about a trial lives in the Optuna storage (user attrs for people, system
+attrs for the engine), so `energy report` and a resumed search need nothing else: no pickles, no logs.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from energydsl.errors import UserError
+
+# --- user attrs (what a person reads in the report) ---
+KIND = "kind"  # complete | duplicate | invalid | pruned | error | lost | interrupted
+REASON = "reason"
+SOURCE = "source"
+MATHML = "equations_mathml"
+HASH = "equation_hash"
+CURVE = "curve"  # [[step, val_loss], ...]
+METRICS = "metrics"
+DUPLICATE_OF = "duplicate_of"
+TIMING = "timing"  # {"evaluate_s": ..., "total_s": ...}: the benchmark's overhead measure
+TRACEBACK = "traceback"
+# --- system attrs (engine bookkeeping) ---
+SLOT = "energy:slot"  # which of the `trials` budget slots this trial fills
+OWNER = "energy:owner"  # {"host", "boot", "pid", "start"} of the process running it
+HEARTBEAT = "energy:heartbeat"  # unix time, refreshed while running
+RETRY_OF = "energy:retry_of"
+# A lost trial (its worker died) or an interrupted one (Ctrl-C, SIGTERM) is replaced by a retry with the
+# same parameters and does not count toward the budget.
+UNCOUNTED_KINDS = frozenset({"lost", "interrupted"})
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "study"
+
+
+def default_storage_path(study_name: str) -> str:
+    """Where a study lives when no --storage is given: a journal file any local process can append to."""
+    return os.path.join("runs", safe_name(study_name), "optuna.journal")
+
+
+def open_storage(spec: str) -> BaseStorage:
+    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path."""
+    if "://" in spec:
+        kwargs: dict[str, Any] = {}
+        if spec.startswith("sqlite"):  # several processes write: wait for the lock instead of failing
+            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
+        try:
+            return optuna.storages.RDBStorage(spec, **kwargs)
+        except Exception as e:  # bad URL, missing driver, unreachable server
+            raise UserError(f"cannot open storage {spec!r}: {e}") from e
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    path = Path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(path)))
+
+
+def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
+    """Open an existing study, with a readable error listing the names that do exist."""
+    st = open_storage(storage) if isinstance(storage, str) else storage
+    if isinstance(storage, str) and "://" not in storage and not Path(storage).exists():
+        raise UserError(f"no study storage at {storage}")
+    try:
+        return optuna.load_study(study_name=study_name, storage=st)
+    except KeyError as e:
+        names = optuna.get_all_study_names(st)
+        raise UserError(f"no study {study_name!r} in {storage}; studies there: {names}") from e
+
+
+def objectives_of(study: optuna.Study) -> list[tuple[str, str]]:
+    """The (name, direction) pairs recorded when the study was created by the engine."""
+    dirs = ["minimize" if d == optuna.study.StudyDirection.MINIMIZE else "maximize" for d in study.directions]
+    names = study.user_attrs.get("objectives") or [f"value{i}" for i in range(len(dirs))]
+    return list(zip(names, dirs, strict=False))
+
+
+def trial_kind(t: FrozenTrial) -> str:
+    kind = t.user_attrs.get(KIND)
+    if kind:
+        return str(kind)
+    return {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "error"}.get(
+        t.state, t.state.name.lower()
+    )
+
+
+def is_counted(t: FrozenTrial) -> bool:
+    """Does this finished trial use up one of the `trials` budget?"""
+    return t.state in FINISHED and trial_kind(t) not in UNCOUNTED_KINDS
+
+
+@dataclass
+class Ledger:
+    """Trial counts as the engine sees them (lost/void trials are replaced, so counted apart)."""
+
+    completed: int = 0
+    pruned: int = 0
+    failed: int = 0
+    invalid: int = 0  # included in pruned
+    duplicates: int = 0  # included in completed
+    lost: int = 0  # lost or interrupted, and retried
+    running: int = 0
+    waiting: int = 0
+
+    @property
+    def finished(self) -> int:
+        return self.completed + self.pruned + self.failed
+
+
+def ledger(trials: Sequence[FrozenTrial]) -> Ledger:
+    led = Ledger()
+    for t in trials:
+        kind = trial_kind(t)
+        if t.state == TrialState.RUNNING:
+            led.running += 1
+        elif t.state == TrialState.WAITING:
+            led.waiting += 1
+        elif kind in UNCOUNTED_KINDS:
+            led.lost += 1
+        elif t.state == TrialState.COMPLETE:
+            led.completed += 1
+            led.duplicates += kind == "duplicate"
+        elif t.state == TrialState.PRUNED:
+            led.pruned += 1
+            led.invalid += kind == "invalid"
+        elif t.state == TrialState.FAIL:
+            led.failed += 1
+    return led
+
+
+def _trial_brief(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"number": t.number, "params": dict(t.params)}
+    if t.values is not None:
+        out["values"] = dict(zip(names, t.values, strict=False))
+    if DUPLICATE_OF in t.user_attrs:
+        out[DUPLICATE_OF] = t.user_attrs[DUPLICATE_OF]
+    return out
+
+
+def ranked(study: optuna.Study) -> list[FrozenTrial]:
+    """Complete trials, best first: by the objective (one) or Pareto front first, then by the first objective."""
+    objectives = objectives_of(study)
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
+    sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
+    front = {t.number for t in _pareto(done, sign)} if len(objectives) > 1 else set()
+    return sorted(done, key=lambda t: (t.number not in front, sign[0] * t.values[0], t.number))
+
+
+def _pareto(trials: Sequence[FrozenTrial], sign: Sequence[float]) -> list[FrozenTrial]:
+    pts = [[s * v for s, v in zip(sign, t.values, strict=False)] for t in trials]
+
+    def dominated(i: int) -> bool:
+        return any(
+            all(a <= b for a, b in zip(pts[j], pts[i], strict=False)) and pts[j] != pts[i]
+            for j in range(len(pts))
+        )
+
+    return [t for i, t in enumerate(trials) if not dominated(i)]
+
+
+def best_of(study: optuna.Study) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """The best trial (one objective) or the Pareto front, duplicates left out (multi-objective)."""
+    objectives = objectives_of(study)
+    names = [n for n, _ in objectives]
+    order = ranked(study)
+    if len(objectives) == 1:
+        return _trial_brief(order[0], names) if order else None
+    sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
+    front = _pareto([t for t in order if DUPLICATE_OF not in t.user_attrs], sign)
+    return [_trial_brief(t, names) for t in front]
+
+
+def summarize(study: optuna.Study, storage: str, target: int | None = None, **extra: Any) -> dict[str, Any]:
+    """The summary `run_search` returns (and the CLI prints as JSON)."""
+    led = ledger(study.get_trials(deepcopy=False))
+    out: dict[str, Any] = {"study": study.study_name, "storage": storage}
+    out.update(asdict(led))
+    out["finished"] = led.finished
+    if target is not None:
+        out["target"] = target
+    out["objectives"] = [list(o) for o in objectives_of(study)]
+    out["best"] = best_of(study)
+    out.update(extra)
+    return out
+
+
+# ----------------------------------------------------------------------------- HTML report
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
+    import plotly.graph_objects as go
+
+    objectives = objectives_of(study)
+    names = [n for n, _ in objectives]
+    trials = study.get_trials(deepcopy=False)
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+    figs: list[tuple[str, Any]] = []
+    if done and len(objectives) == 1:
+        xs = [t.number for t in done]
+        ys = [t.values[0] for t in done]
+        better = min if objectives[0][1] == "minimize" else max
+        best, run = [], None
+        for y in ys:
+            run = y if run is None else better(run, y)
+            best.append(run)
+        fig = go.Figure([go.Scatter(x=xs, y=ys, mode="markers", name=names[0]),
+                         go.Scatter(x=xs, y=best, mode="lines", name="best so far")])
+        fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title=names[0])
+        figs.append(("Optimization history", fig))
+    elif done:
+        sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
+        front = {t.number for t in _pareto(done, sign)}
+        fig = go.Figure()
+        for on_front, label in ((False, "dominated"), (True, "Pareto front")):
+            sel = [t for t in done if (t.number in front) == on_front]
+            fig.add_trace(go.Scatter(
+                x=[t.values[0] for t in sel], y=[t.values[1] for t in sel], mode="markers", name=label,
+                text=[f"trial #{t.number}" for t in sel], marker={"size": 10 if on_front else 7},
+            ))
+        title = "Pareto front" + (f" (first two of {len(names)} objectives)" if len(names) > 2 else "")
+        fig.update_layout(title=title, xaxis_title=names[0], yaxis_title=names[1])
+        figs.append(("Pareto front", fig))
+    if done:
+        dims = []
+        keys = sorted({k for t in done for k in t.params})
+        for k in keys:
+            vals = [t.params.get(k) for t in done]
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+                dims.append({"label": k, "values": vals})
+            else:
+                cats = sorted({str(v) for v in vals})
+                dims.append({"label": k, "values": [cats.index(str(v)) for v in vals],
+                             "tickvals": list(range(len(cats))), "ticktext": cats})
+        for i, n in enumerate(names):
+            dims.append({"label": n, "values": [t.values[i] for t in done]})
+        color = [t.values[0] for t in done]
+        fig = go.Figure(go.Parcoords(dimensions=dims, line={"color": color, "colorscale": "Viridis",
+                                                            "showscale": True}))
+        fig.update_layout(title="Parameters (complete trials)")
+        figs.append(("Parameters", fig))
+    curves = [t for t in trials if t.user_attrs.get(CURVE)]
+    if curves:
+        fig = go.Figure()
+        for t in curves:
+            pts = t.user_attrs[CURVE]
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], mode="lines",
+                                     name=f"#{t.number} {trial_kind(t)}", opacity=0.8))
+        fig.update_layout(title="Learning curves", xaxis_title="step", yaxis_title="val_loss")
+        figs.append(("Learning curves", fig))
+    return figs
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .5em;text-align:left}
+th{background:#f3f3f3}pre{background:#f7f7f7;padding:.6em;overflow-x:auto}
+details{margin:.4em 0;border:1px solid #ddd;padding:.3em .6em}.COMPLETE{color:#070}.PRUNED{color:#a60}
+.FAIL{color:#b00}.math{overflow-x:auto;font-size:1.1em}
+"""
+
+
+def _trial_section(t: FrozenTrial, names: Sequence[str]) -> str:
+    e = html.escape
+    ua = t.user_attrs
+    vals = ", ".join(f"{n}={_fmt(v)}" for n, v in zip(names, t.values or [], strict=False))
+    rows = "".join(f"<tr><th>{e(str(k))}</th><td>{e(_fmt(v))}</td></tr>" for k, v in sorted(t.params.items()))
+    parts = [f'<details id="trial-{t.number}"><summary>#{t.number} <span class="{t.state.name}">'
+             f"{t.state.name}</span> ({e(trial_kind(t))}) {e(vals)}</summary>"]
+    parts.append(f"<table>{rows}</table>" if rows else "<p>(no parameters)</p>")
+    if ua.get(REASON):
+        parts.append(f"<p><b>reason:</b> {e(str(ua[REASON]))}</p>")
+    if DUPLICATE_OF in ua:
+        parts.append(f'<p>same equations as <a href="#trial-{int(ua[DUPLICATE_OF])}">#{ua[DUPLICATE_OF]}</a>;'
+                     " its result was reused.</p>")
+    if ua.get(METRICS):
+        m = ", ".join(f"{e(str(k))}={e(_fmt(v))}" for k, v in sorted(ua[METRICS].items()))
+        parts.append(f"<p><b>metrics:</b> {m}</p>")
+    if ua.get(SOURCE):
+        parts.append(f"<h4>Composition</h4><pre>{e(str(ua[SOURCE]))}</pre>")
+    if ua.get(MATHML):
+        parts.append(f'<h4>Equations</h4><div class="math">{ua[MATHML]}</div>')  # MathML as-is
+    if ua.get(TRACEBACK):
+        parts.append(f"<h4>Traceback</h4><pre>{e(str(ua[TRACEBACK]))}</pre>")
+    parts.append("</details>")
+    return "\n".join(parts)
+
+
+def render_report(study: optuna.Study) -> str:
+    """The report page as a string: plotly.js is inlined once, so the file opens with no network."""
+    e = html.escape
+    objectives = objectives_of(study)
+    names = [n for n, _ in objectives]
+    trials = study.get_trials(deepcopy=False)
+    led = ledger(trials)
+    figs = _figures(study)
+    body = [f"<h1>Search report: {e(study.study_name)}</h1>"]
+    body.append(f"<p>objectives: {e(', '.join(f'{n} ({d})' for n, d in objectives))}<br>"
+                f"trials: {led.finished} finished: {led.completed} complete ({led.duplicates} duplicates), "
+                f"{led.pruned} pruned ({led.invalid} invalid), {led.failed} failed, {led.lost} lost and "
+                f"retried; {led.running} running, {led.waiting} waiting<br>"
+                f"generated {datetime.now().isoformat(timespec='seconds')}</p>")
+    for i, (title, fig) in enumerate(figs):
+        body.append(f"<h2>{e(title)}</h2>")
+        body.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), include_mathjax=False))
+    order = ranked(study)
+    if order:
+        head = "".join(f"<th>{e(n)}</th>" for n in names)
+        keys = sorted({k for t in order for k in t.params})
+        head += "".join(f"<th>{e(k)}</th>" for k in keys)
+        rows = []
+        for t in order[:50]:
+            cells = "".join(f"<td>{_fmt(v)}</td>" for v in t.values)
+            cells += "".join(f"<td>{e(_fmt(t.params.get(k, '')))}</td>" for k in keys)
+            rows.append(f'<tr><td><a href="#trial-{t.number}">#{t.number}</a></td>{cells}</tr>')
+        body.append(f"<h2>Leaderboard</h2><table><tr><th>trial</th>{head}</tr>{''.join(rows)}</table>")
+    body.append("<h2>Trials</h2>")
+    body.extend(_trial_section(t, names) for t in trials)
+    return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{e(study.study_name)}</title>"
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_report(storage: str | BaseStorage, study_name: str, out_html: str | os.PathLike[str]) -> Path:
+    """Write one self-contained HTML file (no CDN, no network) describing the whole study."""
+    study = load_study(storage, study_name)
+    out = Path(out_html)
+    _write_atomic(out, render_report(study))
+    return out
+
+
+def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
+                trial: int | None = None) -> int:
+    """Write the best trial's composition (or trial number `trial`'s) as a plain .energy file.
+
+    With several objectives "best" is the Pareto-front trial best on the first objective.
+    Returns the trial number written."""
+    study = load_study(storage, study_name)
+    if trial is None:
+        order = ranked(study)
+        if not order:
+            raise UserError(f"study {study_name!r} has no complete trial yet")
+        chosen = order[0]
+    else:
+        matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial]
+        if not matches:
+            raise UserError(f"study {study_name!r} has no trial #{trial}")
+        chosen = matches[0]
+    source = chosen.user_attrs.get(SOURCE)
+    if not source:
+        raise UserError(f"trial #{chosen.number} recorded no source")
+    text = str(source)  # as-is: the comment syntax of .energy is the DSL's business, not the engine's
+    _write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
+    return chosen.number
+
+
+def finite(x: float) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)

@@ -1,0 +1,157 @@
+"""The contract between the search engine and whatever defines a search space.
+
+The engine never looks inside a space: it asks for a `Candidate` (one filled-in composition), checks it
+cheaply, deduplicates it by the hash of its derived equations and only then pays for `evaluate`. The
+DSL implements these two protocols; `energydsl.search.toy` is a tiny stand-in used by tests.
+
+Spaces travel between processes (spawned workers, Ray actors) as a picklable `SpaceRef` and are
+rebuilt in each process by `resolve_space`, so a space object itself never needs to pickle.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from energydsl.errors import UserError
+
+if TYPE_CHECKING:
+    import optuna
+
+#: report(step, val_loss) -> True when the pruner says stop (evaluate then raises optuna.TrialPruned).
+ReportFn = Callable[[int, float], bool]
+
+DIRECTIONS = ("minimize", "maximize")
+
+
+@runtime_checkable
+class Candidate(Protocol):
+    """One point of a search space: the sampled hole values and what they derive to."""
+
+    params: dict[str, Any]  # the sampled hole values, by hole name
+
+    def invalid_reason(self) -> str | None:
+        """Parse/derive/check the candidate; None when valid. Must be cheap next to training."""
+        ...
+
+    def equation_hash(self) -> str:
+        """Identical derived equations (and training settings) give the same hash and share one result."""
+        ...
+
+    def source(self) -> str:
+        """A plain .energy text with the holes filled, so a result can be reproduced without the engine."""
+        ...
+
+    def equations_mathml(self) -> str:
+        """The derived update equations as MathML, embedded as-is in the HTML report."""
+        ...
+
+
+@runtime_checkable
+class SearchSpace(Protocol):
+    """A family of candidates plus how to score one."""
+
+    name: str
+    objectives: list[tuple[str, str]]  # e.g. [("val_loss", "minimize"), ("params", "minimize")]
+    budget: dict[str, Any]  # defaults from the spec: trials, steps, timeout, ...
+
+    def suggest(self, trial: optuna.Trial) -> Candidate:
+        """Call trial.suggest_* once per hole and return the candidate those values describe."""
+        ...
+
+    def evaluate(self, candidate: Candidate, report: ReportFn, device: str) -> dict[str, float]:
+        """Train the candidate; call report(step, val_loss) as it goes and raise optuna.TrialPruned when
+        it returns True. Return the metrics, including every objective by name."""
+        ...
+
+
+@dataclass
+class SpaceRef:
+    """A picklable way to name a space: `package.module:attr` (called with **sets) or a `.energy` path
+    (loaded by `energydsl.api.load_search(spec, **sets)`), or a name registered with `register_space`."""
+
+    spec: str
+    sets: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in sorted(self.sets.items()))
+        return f"{self.spec}{extra}"
+
+
+# name -> "module:attr": strings, not callables, so that every worker process can rebuild the space.
+_REGISTRY: dict[str, str] = {"toy": "energydsl.search.toy:make_space"}
+_IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def register_space(name: str, target: str | Callable[..., SearchSpace]) -> None:
+    """Make `name` usable as a SpaceRef spec. A callable is recorded by its import path, because the
+    registry itself is not shared with worker processes: the target must be importable there."""
+    if callable(target):
+        module, qual = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+        if not module or module == "__main__" or "<" in qual:
+            raise ValueError(f"space factory {target!r} must be a module-level function importable by workers")
+        target = f"{module}:{qual}"
+    if not _IMPORT_RE.match(target):
+        raise ValueError(f"register_space({name!r}): {target!r} is not of the form package.module:attr")
+    _REGISTRY[name] = target
+
+
+def registered_spaces() -> dict[str, str]:
+    """The registered names and the import paths they stand for."""
+    return dict(_REGISTRY)
+
+
+def is_import_path(spec: str) -> bool:
+    """True for `package.module:attr`, False for a file path such as `model.energy`."""
+    return bool(_IMPORT_RE.match(spec)) and not spec.endswith(".energy")
+
+
+def resolve_space(ref: SpaceRef | str) -> SearchSpace:
+    """Build the space a SpaceRef names, in this process. Raises UserError for what a user can fix."""
+    if isinstance(ref, str):
+        ref = SpaceRef(ref)
+    spec = _REGISTRY.get(ref.spec, ref.spec)
+    if is_import_path(spec):
+        module_name, attr = spec.split(":", 1)
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as e:
+            raise UserError(f"cannot import search space {spec!r}: {e}") from e
+        space = obj(**ref.sets) if callable(obj) else obj
+    else:
+        from energydsl.api import load_search  # lazy: the DSL side is optional for the engine
+
+        space = load_search(spec, **ref.sets)
+    check_space(space)
+    return space
+
+
+def check_space(space: Any) -> None:
+    """Fail early, with a readable message, when a space does not meet the protocol."""
+    for attr in ("name", "objectives", "budget", "suggest", "evaluate"):
+        if not hasattr(space, attr):
+            raise TypeError(f"search space {space!r} has no attribute {attr!r}")
+    objectives = list(space.objectives)
+    if not objectives:
+        raise UserError(f"search space {space.name!r} declares no objective")
+    names = [name for name, _ in objectives]
+    if len(set(names)) != len(names):
+        raise UserError(f"search space {space.name!r} repeats an objective: {names}")
+    for name, direction in objectives:
+        if direction not in DIRECTIONS:
+            raise UserError(f"objective {name!r}: direction must be minimize or maximize, not {direction!r}")
+    if not isinstance(space.budget, dict):
+        raise TypeError(f"search space {space.name!r}: budget must be a dict")
+
+
+def objective_names(space: SearchSpace) -> list[str]:
+    return [name for name, _ in space.objectives]
+
+
+def objective_directions(space: SearchSpace) -> list[str]:
+    return [direction for _, direction in space.objectives]

@@ -1,0 +1,670 @@
+"""Semantics: from the syntax tree of an `energy` declaration to its IR (`EnergyIR`).
+
+Resolves names (dims, params, lets, locals, state, input, context, positions), checks every shape
+and index, records the causal relation of the context, and inlines `local`/`let` definitions. Dims
+stay symbolic (SymPy symbols); their values (defaults or `--set` overrides) are checked for
+consistency here but are only used when something is evaluated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy as sp
+
+from . import ir
+from . import syntax as ast
+from .errors import Span, SpecError
+from .functions import antiderivative
+from .ir import Expr, IndexInfo, ShapeError, Var
+
+FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus"}
+SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye"}
+EPS = sp.Rational(1, 10**6)
+
+
+@dataclass
+class ParamSpec:
+    name: str
+    shape: tuple[sp.Expr, ...]
+    init: tuple[str, list[Any]] | None = None  # ("normal", [0, 0.02]) | ("value", Expr)
+    constraint: tuple | None = None  # ("interval", lo, hi) | ("positive",) | ("psd",)
+    learn: bool = True
+    span: Span | None = None
+    origin: str = "spec"  # spec | optimizer | precondition | untie
+
+
+@dataclass
+class Hyper:
+    """An optimizer hyper-parameter: a SymPy symbol with its initial value, learnable or fixed."""
+
+    symbol: sp.Symbol
+    value: sp.Expr
+    learn: bool
+
+
+@dataclass
+class OptimizerSpec:
+    kind: str = "gd"  # gd | momentum | nag | newton
+    hyper: dict[str, Hyper] = field(default_factory=dict)
+    steps: int = 1
+    per_head: bool = False
+    wrt: str | None = None
+    precondition: str | None = None  # scalar | diag | dplr | psd | full | covariance
+    precondition_options: dict[str, Any] = field(default_factory=dict)
+    span: Span | None = None
+
+
+@dataclass
+class EnergyIR:
+    """One optimisation stage, fully resolved. Later stages (derive, check, codegen) consume this."""
+
+    name: str
+    span: Span
+    dim_symbols: dict[str, sp.Symbol]
+    dim_values: dict[str, float]  # header dims, defaults or overrides
+    derived_dims: dict[str, sp.Expr]
+    state: Var
+    via: tuple[Var, Expr, str] | None  # (u, N(x), norm name)
+    input: Var | None
+    context: Var | None
+    indices: dict[str, IndexInfo]
+    params: dict[str, ParamSpec]
+    energy: Expr  # the global energy F, scalar, in terms of the state (or `u` when via)
+    energy_name: str
+    local_names: list[str]
+    optimizer: OptimizerSpec
+    untie_rules: list[tuple[Expr, Expr]] = field(default_factory=list)
+    expects: dict[str, tuple[Expr, Span]] = field(default_factory=dict)
+    scalar_params: dict[str, sp.Symbol] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def context_index(self) -> str | None:
+        return self.context.index if self.context else None
+
+    def dims(self) -> dict[str, float]:
+        """All dim values (header and derived)."""
+        out = dict(self.dim_values)
+        subs = {self.dim_symbols[k]: v for k, v in self.dim_values.items()}
+        for k, e in self.derived_dims.items():
+            out[k] = float(e.subs(subs))
+        return out
+
+    def size(self, e: sp.Expr) -> int:
+        subs = {self.dim_symbols[k]: v for k, v in self.dim_values.items()}
+        return int(round(float(sp.sympify(e).subs(subs))))
+
+
+class _Scope:
+    """Names visible inside one energy declaration."""
+
+    def __init__(self) -> None:
+        self.dims: dict[str, sp.Expr] = {}
+        self.lets: dict[str, tuple[list[str], Expr]] = {}
+        self.vars: dict[str, Var] = {}
+        self.params: dict[str, ParamSpec] = {}
+        self.decl_spans: dict[str, Span] = {}
+
+    def declare(self, name: str, span: Span) -> None:
+        if name in self.decl_spans:
+            raise SpecError(f"`{name}` is already defined (at {self.decl_spans[name]})", span)
+        self.decl_spans[name] = span
+
+
+def _sym(name: str) -> sp.Symbol:
+    return sp.Symbol(name, positive=True)
+
+
+def lower_energy(decl: ast.EnergyDecl, overrides: dict[str, float] | None = None,
+                 holes: dict[str, Any] | None = None) -> EnergyIR:
+    """Resolve one `energy` declaration. `overrides` sets header dims (from `--set` or keywords)."""
+    return _Lowering(decl, overrides or {}, holes or {}).run()
+
+
+class _Lowering:
+    def __init__(self, decl: ast.EnergyDecl, overrides: dict[str, float], holes: dict[str, Any]):
+        self.decl = decl
+        self.overrides = overrides
+        self.holes = holes
+        self.scope = _Scope()
+        self.indices: dict[str, IndexInfo] = {}
+        self.dim_symbols: dict[str, sp.Symbol] = {}
+        self.dim_values: dict[str, float] = {}
+        self.derived: dict[str, sp.Expr] = {}
+        self.state: Var | None = None
+        self.via: tuple[Var, Expr, str] | None = None
+        self.input: Var | None = None
+        self.context: Var | None = None
+        self.scalar_params: dict[str, sp.Symbol] = {}
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> EnergyIR:
+        d = self.decl
+        for name, node in d.header:
+            self.scope.declare(name, node.span)
+            value = self._constant(node, f"the default of `{name}`")
+            self.dim_symbols[name] = _sym(name)
+            self.scope.dims[name] = self.dim_symbols[name]
+            self.dim_values[name] = float(value)
+        for key in self.overrides:
+            if key not in self.dim_values:
+                known = ", ".join(self.dim_values) or "none"
+                raise SpecError(f"`{key}` is not a dim of energy `{d.name}` (its dims: {known})", d.span)
+            self.dim_values[key] = float(self.overrides[key])
+        by_kind: dict[str, list[ast.Clause]] = {}
+        for c in d.clauses:
+            by_kind.setdefault(c.kind, []).append(c)
+        for c in by_kind.get("dim", []):
+            self._dim(c)
+        for kind in ("state", "input", "context"):
+            if len(by_kind.get(kind, [])) > 1:
+                raise SpecError(f"an energy has at most one `{kind}`", by_kind[kind][1].span)
+        if not by_kind.get("state"):
+            raise SpecError(f"energy `{d.name}` has no `state`", d.span, "declare the variable the optimizer moves: "
+                            "`state z[d]`")
+        for c in by_kind.get("input", []):
+            self._input(c)
+        for c in by_kind.get("context", []):
+            self._context(c)
+        for c in by_kind.get("param", []):
+            self._param(c)
+        opt = self._optimizer(by_kind.get("optimizer", []))
+        self._state(by_kind["state"][0], opt)
+        for c in d.clauses:
+            if c.kind in ("let", "local"):
+                self._let(c)
+        globals_ = by_kind.get("global", [])
+        locals_ = by_kind.get("local", [])
+        if len(globals_) > 1:
+            raise SpecError("an energy has one `global`", globals_[1].span)
+        if globals_:
+            gclause = globals_[0]
+            energy = self.expr(gclause.value)
+            ename = gclause.name
+        elif len(locals_) == 1 and not locals_[0].extra.get("indices"):
+            gclause = locals_[0]
+            energy = self.scope.lets[gclause.name][1]
+            ename = gclause.name
+        else:
+            raise SpecError(f"energy `{d.name}` has no `global` energy", d.span,
+                            "add `global F = ...` combining the local energies")
+        if energy.shape:
+            raise SpecError(f"the global energy must be a scalar, but it has shape {ir.fmt_shape(energy.shape)}",
+                            gclause.span, "contract it with `.` or a reduction")
+        if energy.free:
+            idx = ", ".join(sorted(energy.free))
+            raise SpecError(f"index {idx} is used outside a reduction in the global energy", gclause.span,
+                            f"wrap it in sum[{idx}](...) or logsumexp[{idx}](...)")
+        if self.via and self.via[0].name == opt.wrt:
+            pass
+        elif opt.wrt and opt.wrt != self.state.name:
+            raise SpecError(f"`wrt {opt.wrt}`: no variable of that name (use the state or its `via` name)", opt.span)
+        untie = [self._untie_rule(r) for c in by_kind.get("untie", []) for r in c.value]
+        expects = {}
+        for c in by_kind.get("expect", []):
+            if c.name not in ("update", "gradient", "direction"):
+                raise SpecError(f"`expect {c.name}`: expected `update`, `gradient` or `direction`", c.span)
+            expects[c.name] = (self.expr(c.value), c.span)
+        return EnergyIR(
+            name=d.name, span=d.span, dim_symbols=self.dim_symbols, dim_values=self.dim_values,
+            derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,
+            indices=self.indices, params=self.scope.params, energy=energy, energy_name=ename,
+            local_names=[c.name for c in locals_], optimizer=opt, untie_rules=untie, expects=expects,
+            scalar_params=self.scalar_params, source=d.source_text,
+        )
+
+    # ------------------------------------------------------------------ clauses
+    def _constant(self, node: ast.Node, what: str) -> float:
+        e = self.expr(node)
+        if not isinstance(e, ir.Scalar) or e.value.free_symbols - set(self.dim_symbols.values()):
+            raise SpecError(f"{what} must be a number", node.span)
+        v = e.value.subs({self.dim_symbols[k]: val for k, val in self.dim_values.items()})
+        try:
+            return float(v)
+        except TypeError:
+            raise SpecError(f"{what} must be a number", node.span) from None
+
+    def _dim(self, c: ast.Clause) -> None:
+        self.scope.declare(c.name, c.span)
+        e = self.expr(c.value)
+        if not isinstance(e, ir.Scalar):
+            raise SpecError(f"dim `{c.name}` must be built from numbers and other dims", c.value.span)
+        self.derived[c.name] = e.value
+        self.scope.dims[c.name] = e.value
+        self._check_size(e.value, c.value.span, f"dim `{c.name}`")
+
+    def _check_size(self, e: sp.Expr, span: Span, what: str) -> None:
+        subs = {self.dim_symbols[k]: v for k, v in self.dim_values.items()}
+        try:
+            v = float(sp.sympify(e).subs(subs))
+        except TypeError:
+            raise SpecError(f"{what} is not a size", span) from None
+        if not math.isfinite(v) or v < 1 or abs(v - round(v)) > 1e-9:
+            given = ", ".join(f"{k}={_fmt_num(x)}" for k, x in self.dim_values.items())
+            raise SpecError(f"{what} = {e} = {_fmt_num(v)} is not a positive whole number (with {given})", span,
+                            "choose dims that divide evenly")
+
+    def _dims(self, nodes: list[ast.Node], what: str) -> tuple[sp.Expr, ...]:
+        out = []
+        for n in nodes:
+            e = self.expr(n)
+            if not isinstance(e, ir.Scalar):
+                raise SpecError(f"a size in {what} must be built from numbers and dims", n.span)
+            self._check_size(e.value, n.span, "this size")
+            out.append(e.value)
+        return tuple(out)
+
+    def _state(self, c: ast.Clause, opt: OptimizerSpec) -> None:
+        self.scope.declare(c.name, c.span)
+        shape = self._dims(c.value, "a state")
+        if len(shape) > 2:
+            raise SpecError("a state is a vector `x[d]` or a matrix `Z[dk, dv]`", c.span)
+        self.state = Var(c.name, "state", shape)
+        self.scope.vars[c.name] = self.state
+        if "via" in c.extra:
+            uname = c.extra["via"]
+            self.scope.declare(uname, c.span)
+            nexpr = self.expr(c.extra["via_expr"])
+            if not ir.same_shape(nexpr.shape, shape):
+                raise SpecError(f"`via {uname} = ...` must keep the state's shape {ir.fmt_shape(shape)}",
+                                c.extra["via_expr"].span)
+            fn = c.extra["via_expr"].func if isinstance(c.extra["via_expr"], ast.Call) else "custom"
+            u = Var(uname, "leaf", shape)
+            self.via = (u, nexpr, fn)
+            self.scope.vars[uname] = u
+
+    def _input(self, c: ast.Clause) -> None:
+        self.scope.declare(c.name, c.span)
+        self.input = Var(c.name, "input", self._dims(c.value, "an input"))
+        self.scope.vars[c.name] = self.input
+
+    def _context(self, c: ast.Clause) -> None:
+        x = c.extra
+        if x["lhs"] != x["index"] or x["rhs"] != "i":
+            raise SpecError(f"the context relation must read `{x['index']} <= i` or `{x['index']} < i`", c.span,
+                            "the token being updated is `i`; its context tokens are indexed by the context's index")
+        if self.input is not None and self.input.name == c.name:
+            pass  # input h[d] and context h[j, d] may share a name: the token's own and the others
+        else:
+            self.scope.declare(c.name, c.span)
+        idx = x["index"]
+        self.context = Var(c.name, "context", self._dims(c.value, "a context"), idx)
+        self.indices[idx] = IndexInfo(idx, context=c.name, strict=x["relation"] == "<")
+        self.scope.vars.setdefault(c.name, self.context)
+        self.context_name = c.name
+
+    def _param(self, c: ast.Clause) -> None:
+        self.scope.declare(c.name, c.span)
+        shape = self._dims(c.value, "a param")
+        spec = ParamSpec(c.name, shape, span=c.span)
+        for opt in c.extra["options"]:
+            kind = opt[0]
+            if kind == "init":
+                name, args = opt[1], opt[2]
+                if name not in ("normal", "uniform", "zeros", "ones", "orthogonal"):
+                    raise SpecError(f"unknown initialiser `{name}`", opt[3],
+                                    "use normal(mean, std), uniform(a, b), zeros(), ones() or orthogonal()")
+                spec.init = (name, [self._constant(a, "an initialiser argument") for a in args])
+            elif kind == "value":
+                spec.init = ("value", opt[1])
+            elif kind == "interval":
+                spec.constraint = ("interval", self._constant(opt[1], "a bound"), self._constant(opt[2], "a bound"))
+            elif kind == "flag":
+                if opt[1] == "fixed":
+                    spec.learn = False
+                elif opt[1] == "learn":
+                    spec.learn = True
+                else:
+                    spec.constraint = (opt[1],)
+        if spec.init and spec.init[0] == "value":
+            node = spec.init[1]
+            if isinstance(node, ast.Call) and node.func == "alibi_slopes":
+                spec.init = ("alibi_slopes", [])
+            else:
+                val = self.expr(node)
+                if not isinstance(val, ir.Scalar):
+                    raise SpecError("a param's initial value must be a number (or alibi_slopes(heads))", node.span)
+                spec.init = ("value", [val.value])
+        self.scope.params[c.name] = spec
+        if not shape:
+            sym = sp.Symbol(c.name, real=True)
+            self.scalar_params[c.name] = sym
+        else:
+            self.scope.vars[c.name] = Var(c.name, "param", shape)
+
+    def _let(self, c: ast.Clause) -> None:
+        self.scope.declare(c.name, c.span)
+        idx = list(c.extra.get("indices") or [])
+        body = self.expr(c.value)
+        extra = body.free - set(idx)
+        if extra:
+            raise SpecError(f"index {', '.join(sorted(extra))} is used in `{c.name}` but not declared in its "
+                            f"brackets", c.value.span,
+                            f"write `{c.kind} {c.name}[{', '.join(sorted(set(idx) | extra))}]"
+                            " = ...` or reduce over it")
+        self.scope.lets[c.name] = (idx, body)
+
+    def _optimizer(self, clauses: list[ast.Clause]) -> OptimizerSpec:
+        if len(clauses) > 1:
+            raise SpecError("an energy has one `optimizer`", clauses[1].span)
+        if not clauses:
+            spec = OptimizerSpec(hyper={"eta": Hyper(_hyper_symbol("eta"), sp.Integer(1), False)})
+            return spec
+        c = clauses[0]
+        call = c.value
+        if isinstance(call, ast.OptHole):
+            raise SpecError("`choice{...}` of optimizers belongs in a `search`", call.span)
+        known = {"gd": {"eta"}, "momentum": {"eta", "beta"}, "nag": {"eta", "beta"},
+                 "newton": {"eta", "taylor", "damping"}}
+        if call.name not in known:
+            raise SpecError(f"unknown optimizer `{call.name}`", call.span, "use gd, momentum, nag or newton")
+        defaults = {"eta": 1, "beta": 0.9, "taylor": 1, "damping": 0}
+        spec = OptimizerSpec(kind=call.name, span=c.span)
+        given = {k.name: k for k in call.kwargs}
+        for k in given:
+            if k not in known[call.name]:
+                raise SpecError(f"`{call.name}` has no parameter `{k}`", given[k].span,
+                                f"it takes {', '.join(sorted(known[call.name]))}")
+        for name in sorted(known[call.name]):
+            kw = given.get(name)
+            value = sp.sympify(defaults[name]) if kw is None else sp.nsimplify(self._constant(kw.value, f"`{name}`"))
+            learn = kw is not None and kw.flag == "learn"
+            spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
+        if "taylor" in spec.hyper:
+            t = spec.hyper["taylor"].value
+            if not (t.is_integer and 0 <= int(t) <= 4) or spec.hyper["taylor"].learn:
+                raise SpecError("`taylor` is the number of Neumann-series terms: a whole number 0..4", c.span)
+        mods = c.extra
+        if "steps" in mods:
+            steps = self._constant(mods["steps"], "`steps`")
+            if steps < 1 or steps != int(steps) or steps > 64:
+                raise SpecError("`steps` must be a whole number from 1 to 64", c.span)
+            spec.steps = int(steps)
+        spec.per_head = bool(mods.get("per_head"))
+        spec.wrt = mods.get("wrt")
+        pre = mods.get("precondition")
+        if pre is not None:
+            if isinstance(pre, ast.OptHole):
+                raise SpecError("`choice{...}` of preconditioners belongs in a `search`", pre.span)
+            kinds = {"scalar": set(), "diag": set(), "dplr": {"rank"}, "psd": {"rank"}, "full": set(),
+                     "covariance": {"tau"}}
+            if pre.name not in kinds:
+                raise SpecError(f"unknown preconditioner `{pre.name}`", pre.span,
+                                "use scalar, diag, dplr(rank), psd(rank), full or covariance(tau)")
+            spec.precondition = pre.name
+            for kw in pre.kwargs:
+                if kw.name not in kinds[pre.name]:
+                    raise SpecError(f"`{pre.name}` has no option `{kw.name}`", kw.span)
+                spec.precondition_options[kw.name] = (self._constant(kw.value, f"`{kw.name}`"), kw.flag != "fixed")
+            if pre.name in ("dplr", "psd"):
+                spec.precondition_options.setdefault("rank", (1.0, True))
+            if pre.name == "covariance":
+                spec.precondition_options.setdefault("tau", (0.01, True))
+        return spec
+
+    def _untie_rule(self, rule) -> tuple[Expr, Expr]:
+        lhs_node, rhs_node, span = rule
+        lhs = self.expr(lhs_node)
+        rhs_base = rhs_node
+        idx: list[str] = []
+        while isinstance(rhs_base, ast.Index):
+            idx = list(rhs_base.indices) + idx
+            rhs_base = rhs_base.base
+        if not isinstance(rhs_base, ast.Name):
+            raise SpecError("the right side of an untie rule is a new parameter, e.g. `Wo[k]`", rhs_node.span)
+        name = rhs_base.name
+        if name in self.scope.decl_spans:
+            raise SpecError(f"`{name}` already exists; untie introduces a new parameter", rhs_node.span)
+        sizes = []
+        for i in idx:
+            info = self.indices.get(i)
+            if info is None or info.size is None:
+                raise SpecError(f"index `{i}` must range over a size (like heads) in an untie rule", rhs_node.span)
+            sizes.append(info.size)
+        shape = tuple(sizes) + lhs.shape
+        self.scope.params[name] = ParamSpec(name, shape, ("normal", [0.0, 0.02]), span=span, origin="untie")
+        rhs: Expr = Var(name, "param", shape)
+        for i in idx:
+            rhs = ir.Index(rhs, i)
+        return lhs, rhs
+
+    # ------------------------------------------------------------------ expressions
+    def expr(self, n: ast.Node) -> Expr:
+        try:
+            return self._expr(n)
+        except ShapeError as e:
+            raise SpecError(str(e), n.span) from None
+
+    def _expr(self, n: ast.Node) -> Expr:
+        match n:
+            case ast.Num():
+                return ir.Scalar(sp.nsimplify(n.value) if n.value == int(n.value) or len(str(n.value)) < 8
+                                 else sp.Float(n.value))
+            case ast.Name():
+                return self._name(n)
+            case ast.Hole():
+                raise SpecError("a search hole (choice/int/float) can only be filled by `energy search`", n.span)
+            case ast.Neg():
+                return ir.neg(self.expr(n.operand))
+            case ast.Transpose():
+                return ir.transpose(self.expr(n.operand))
+            case ast.BinOp():
+                return self._binop(n)
+            case ast.Index():
+                return self._index(n)
+            case ast.Reduce():
+                return self._reduce(n)
+            case ast.Call():
+                return self._call(n)
+            case ast.Integral():
+                if n.func not in FUNCTIONS:
+                    raise SpecError(f"integral({n.func}): `{n.func}` is not an element-wise function", n.span)
+                return ir.func(antiderivative(n.func), self.expr(n.arg))
+        raise SpecError(f"unsupported expression {type(n).__name__}", n.span)
+
+    def _name(self, n: ast.Name) -> Expr:
+        name = n.name
+        s = self.scope
+        if name in s.dims:
+            return ir.Scalar(s.dims[name])
+        if name in self.scalar_params:
+            return ir.Scalar(self.scalar_params[name])
+        if name in s.lets:
+            idx, body = s.lets[name]
+            if idx:
+                raise SpecError(f"`{name}` is indexed by {', '.join(idx)}: write `{name}[{', '.join(idx)}]`", n.span)
+            return body
+        if name == "i":
+            return ir.Pos(None)
+        if name in self.indices and self.indices[name].context is not None:
+            return ir.Pos(name)
+        if name in s.vars:
+            v = s.vars[name]
+            if v.role == "context" and (self.input is None or self.input.name != name):
+                raise SpecError(f"context `{name}` must be indexed by its token index: `{name}[{v.index}]`", n.span)
+            if v.role == "context":
+                return self.input
+            return v
+        if self.via and name == self.via[0].name:
+            return self.via[0]
+        hint = None
+        known = sorted(set(s.decl_spans) | {"i"})
+        close = [k for k in known if _close(k, name)]
+        if close:
+            hint = f"did you mean `{close[0]}`?"
+        raise SpecError(f"undefined name `{name}`", n.span, hint)
+
+    def _binop(self, n: ast.BinOp) -> Expr:
+        a, b = self.expr(n.left), self.expr(n.right)
+        match n.op:
+            case "+":
+                return ir.add_broadcast(a, b)
+            case "-":
+                return ir.add_broadcast(a, ir.neg(b))
+            case "*":
+                return ir.mul(a, b)
+            case "/":
+                return ir.mul(a, ir.power(b, -1))
+            case "@":
+                return ir.matmul(a, b)
+            case ".":
+                return ir.dot(a, b)
+            case "^":
+                if b.shape:
+                    raise SpecError("an exponent must be a scalar", n.right.span)
+                if isinstance(b, ir.Scalar):
+                    return ir.power(a, b.value)
+                if a.shape or not isinstance(a, ir.Scalar):
+                    raise SpecError("a tensor power needs a constant exponent", n.right.span)
+                return ir.func("exp", ir.mul(b, ir.Scalar(sp.log(a.value))))
+        raise SpecError(f"unknown operator {n.op}", n.span)
+
+    def _index(self, n: ast.Index) -> Expr:
+        base = n.base
+        if isinstance(base, ast.Name):
+            name = base.name
+            if name in self.scope.lets:
+                idx, body = self.scope.lets[name]
+                if len(idx) != len(n.indices):
+                    raise SpecError(f"`{name}` takes {len(idx)} indices, got {len(n.indices)}", n.span)
+                return _rename(body, dict(zip(idx, n.indices)))
+            v = self.scope.vars.get(name)
+            if v is not None and v.role == "context" or (self.context is not None and name == self.context.name):
+                ctx = self.context
+                if len(n.indices) != 1:
+                    raise SpecError(f"context `{name}` takes one index", n.span)
+                i = n.indices[0]
+                if i != ctx.index:
+                    raise SpecError(f"context `{name}` is indexed by `{ctx.index}`, not `{i}`", n.span,
+                                    f"its relation is declared as `{ctx.index} <= i` or `{ctx.index} < i`")
+                return ctx
+        out = self.expr(base)
+        for i in n.indices:
+            if not out.shape:
+                raise SpecError("too many indices: this is a scalar", n.span)
+            if i == "i" or (i in self.indices and self.indices[i].context is not None):
+                raise SpecError(f"`{i}` is a token index; only the context may be indexed by it", n.span)
+            size = out.shape[0]
+            info = self.indices.get(i)
+            if info is None:
+                self.indices[i] = IndexInfo(i, size=size)
+            elif info.size is not None and sp.simplify(info.size - size) != 0:
+                raise SpecError(f"index `{i}` ranges over {info.size} elsewhere but over {size} here", n.span)
+            out = ir.Index(out, i)
+        return out
+
+    def _reduce(self, n: ast.Reduce) -> Expr:
+        body = self.expr(n.body)
+        for i in reversed(n.indices):
+            if i not in self.indices:
+                raise SpecError(f"unknown index `{i}` in {n.op}[{i}]", n.span,
+                                "an index comes from a context (`context h[j, d]`) or from indexing a param (`W[k]`)")
+            if i not in body.free:
+                raise SpecError(f"{n.op}[{i}] over an expression that does not use `{i}`", n.span)
+            if n.op == "softmax":
+                if body.shape:
+                    raise SpecError("softmax[...] takes a scalar score", n.span)
+                body = ir.Softmax(i, body)
+            else:
+                if n.op in ("logsumexp", "max") and body.shape:
+                    raise SpecError(f"{n.op}[{i}] takes a scalar body", n.span)
+                body = ir.reduce(n.op, i, body)
+        return body
+
+    def _call(self, n: ast.Call) -> Expr:
+        f, args = n.func, n.args
+        if f in FUNCTIONS:
+            if len(args) != 1:
+                raise SpecError(f"{f}(x) takes one argument", n.span)
+            return ir.func(f, self.expr(args[0]))
+        if f not in SPECIAL:
+            if f == "alibi_slopes":
+                raise SpecError("alibi_slopes(heads) is an initialiser: `param m[heads] = alibi_slopes(heads)`", n.span)
+            hint = f"known functions: {', '.join(sorted(FUNCTIONS | SPECIAL))}"
+            raise SpecError(f"unknown function `{f}`", n.span, hint)
+        vals = [self.expr(a) for a in args]
+        if f == "norm":
+            if len(vals) == 1:
+                return ir.func("sqrt", ir.dot(vals[0], vals[0]))
+            if len(vals) == 2 and isinstance(vals[1], ir.Scalar):
+                p = vals[1].value
+                return ir.power(ir.sum_all(ir.power(ir.func("abs", vals[0]), p)), 1 / p)
+            raise SpecError("norm(x) or norm(x, p) with a constant p", n.span)
+        if f in ("rmsnorm", "layernorm"):
+            if len(vals) != 1 or len(vals[0].shape) != 1:
+                raise SpecError(f"{f}(x) takes one vector", n.span)
+            x = vals[0]
+            size = x.shape[0]
+            if f == "layernorm":
+                x = ir.add_broadcast(x, ir.neg(ir.mul(ir.Scalar(1 / size), ir.sum_all(x))))
+            scale = ir.power(ir.add(ir.mul(ir.Scalar(1 / size), ir.dot(x, x)), ir.Scalar(EPS)), sp.Rational(-1, 2))
+            return ir.mul(scale, x)
+        if f == "diag":
+            if len(vals) != 1 or len(vals[0].shape) != 1:
+                raise SpecError("diag(v) takes one vector", n.span)
+            return ir.Diag(vals[0])
+        if f == "stopgrad":
+            return ir.StopGrad(vals[0])
+        if f == "outer":
+            if len(vals) != 2:
+                raise SpecError("outer(a, b) takes two vectors", n.span)
+            return ir.outer(*vals)
+        if f == "huber":
+            if len(vals) != 2 or not isinstance(vals[1], ir.Scalar):
+                raise SpecError("huber(r, delta) takes a value and a constant threshold", n.span)
+            r, delta = ir.func("abs", vals[0]), vals[1]
+            over = ir.func("relu", ir.add_broadcast(r, ir.neg(delta)))
+            clipped = ir.add(r, ir.neg(over))
+            return ir.add(ir.mul(ir.Scalar(sp.Rational(1, 2)), ir.power(clipped, 2)), ir.mul(delta, over))
+        if f in ("mean", "sum"):
+            if len(vals) != 1:
+                raise SpecError(f"{f}(x) takes one tensor; to reduce over an index write {f}[j](...)", n.span)
+            total = ir.sum_all(vals[0])
+            if f == "mean":
+                size = sp.Integer(1)
+                for s in vals[0].shape:
+                    size *= s
+                total = ir.mul(ir.Scalar(1 / size), total)
+            return total
+        if f == "eye":
+            if len(vals) != 1 or not isinstance(vals[0], ir.Scalar):
+                raise SpecError("eye(n) takes a size", n.span)
+            return ir.Identity(vals[0].value)
+        raise SpecError(f"unknown function `{f}`", n.span)
+
+
+def _hyper_symbol(name: str) -> sp.Symbol:
+    return sp.Symbol({"eta": "eta", "beta": "beta", "damping": "lambda", "taylor": "taylor"}[name], real=True)
+
+
+def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
+    """Rename free indices (a `local E[k, j]` used as `E[h, j]`)."""
+    mapping = {k: v for k, v in mapping.items() if k != v}
+    if not mapping:
+        return e
+    match e:
+        case Var() if e.index in mapping:
+            return Var(e.name, e.role, e.var_shape, mapping[e.index])
+        case ir.Pos() if e.index in mapping:
+            return ir.Pos(mapping[e.index])
+        case ir.Index():
+            return ir.Index(_rename(e.base, mapping), mapping.get(e.index, e.index))
+        case ir.Reduce() | ir.Softmax() if e.index in mapping:
+            inner = {k: v for k, v in mapping.items() if k != e.index}
+            return ir.rebuild(e, [_rename(e.body, inner)])
+    if not e.children:
+        return e
+    return ir.rebuild(e, [_rename(c, mapping) for c in e.children])
+
+
+def _close(a: str, b: str) -> bool:
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b)) <= 1 or sorted(a) == sorted(b)
+
+
+def _fmt_num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"

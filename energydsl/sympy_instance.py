@@ -1,0 +1,171 @@
+"""An explicit SymPy instance of an energy: every tensor written out element by element.
+
+`energy check` differentiates this scalar expression with plain `sympy.diff` (no matrix calculus,
+so none of SymPy's matrix-trace bugs) and compares with the derived gradient at the same point.
+"""
+
+from __future__ import annotations
+
+import random
+
+import sympy as sp
+
+from . import ir
+from .functions import REGISTRY, X
+from .optimizers import UpdateProgram
+
+
+def _rand(rng: random.Random) -> sp.Rational:
+    return sp.Rational(rng.randint(-9, 9), 10)
+
+
+def _shape(prog: UpdateProgram, shape) -> tuple[int, ...]:
+    return tuple(prog.spec.size(s) for s in shape)
+
+
+def _tensor(shape: tuple[int, ...], make) -> object:
+    if not shape:
+        return make(())
+    if len(shape) == 1:
+        return sp.Matrix(shape[0], 1, lambda a, _: make((a,)))
+    if len(shape) == 2:
+        return sp.Matrix(shape[0], shape[1], lambda a, b: make((a, b)))
+    return [_tensor(shape[1:], lambda rest, i=i: make((i,) + rest)) for i in range(shape[0])]
+
+
+def build(prog: UpdateProgram, seed: int, seq: int, position: int):
+    """Return (F as a SymPy scalar in the state symbols, state symbols, numeric values, tensors)."""
+    spec = prog.spec
+    rng = random.Random(seed)
+    values: dict[str, object] = {}
+    scal: dict[sp.Symbol, sp.Expr] = {spec.dim_symbols[k]: sp.nsimplify(v) for k, v in spec.dim_values.items()}
+    scal.update({s: v for s, v in prog.hyper_values.items()})
+    for name, p in prog.params.items():
+        if not p.shape:
+            sym = spec.scalar_params.get(name)
+            if sym is not None:
+                lo_hi = p.constraint[1:] if p.constraint and p.constraint[0] == "interval" else None
+                scal[sym] = sp.Rational(rng.randint(2, 8), 10) if lo_hi or p.constraint else _rand(rng) + 1
+            continue
+        values[name] = _tensor(_shape(prog, p.shape), lambda _i: _rand(rng))
+    point = prog.point
+    state_shape = _shape(prog, point.shape)
+    syms = _tensor(state_shape, lambda i: sp.Symbol(f"{point.name}_{'_'.join(map(str, i))}", real=True))
+    values[point.name] = syms
+    if spec.context is not None:
+        values[spec.context.name + "@ctx"] = [_tensor(_shape(prog, spec.context.shape), lambda _i: _rand(rng))
+                                             for _ in range(seq)]
+    if spec.input is not None and (spec.context is None or spec.input.name != spec.context.name):
+        values[spec.input.name] = _tensor(_shape(prog, spec.input.shape), lambda _i: _rand(rng))
+    elif spec.input is not None:
+        values[spec.input.name] = values[spec.context.name + "@ctx"][position]
+    energy = spec.energy
+    if spec.via is not None and point is spec.state:
+        from .calculus import substitute_var
+
+        energy = substitute_var(energy, spec.via[0].name, spec.via[0].role, spec.via[1])
+    f = evaluate(energy, prog, values, scal, {}, position, seq)
+    return f, syms, scal, values
+
+
+def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int], i: int, seq: int):
+    """Evaluate an IR expression to SymPy objects at token position i with index bindings."""
+    spec = prog.spec
+    ev = lambda x: evaluate(x, prog, values, scal, bind, i, seq)  # noqa: E731
+    match e:
+        case ir.Scalar():
+            return e.value.xreplace(scal)
+        case ir.Var():
+            if e.role == "context":
+                return values[e.name + "@ctx"][bind[e.index]]
+            return values[e.name]
+        case ir.Index():
+            base = ev(e.base)
+            k = bind[e.index]
+            if isinstance(base, list):
+                return base[k]
+            if isinstance(base, sp.Matrix) and base.shape[1] == 1:
+                return base[k]
+            return base.row(k).T
+        case ir.Pos():
+            return sp.Integer(i if e.index is None else bind[e.index])
+        case ir.Ones():
+            shp = _shape(prog, e.shape)
+            return sp.ones(shp[0], shp[1] if len(shp) > 1 else 1)
+        case ir.Identity():
+            return sp.eye(prog.spec.size(e.size))
+        case ir.Count():
+            info = spec.indices[e.index]
+            if info.size is not None:
+                return info.size.xreplace(scal)
+            return sp.Integer(i if info.strict else i + 1)
+        case ir.Add():
+            out = ev(e.terms[0])
+            for t in e.terms[1:]:
+                out = out + ev(t)
+            return out
+        case ir.Mul():
+            vals = [ev(f) for f in e.factors]
+            out = vals[0]
+            for v in vals[1:]:
+                if isinstance(out, sp.Matrix) and isinstance(v, sp.Matrix):
+                    out = out.multiply_elementwise(v)
+                else:
+                    out = out * v
+            return out
+        case ir.Pow():
+            b = ev(e.base)
+            ex = e.exponent.xreplace(scal)
+            return b.applyfunc(lambda a: a**ex) if isinstance(b, sp.Matrix) else b**ex
+        case ir.MatMul():
+            return ev(e.a) * ev(e.b)
+        case ir.Dot():
+            a, b = ev(e.a), ev(e.b)
+            return sum(a.multiply_elementwise(b)) if isinstance(a, sp.Matrix) else a * b
+        case ir.Outer():
+            return ev(e.a) * ev(e.b).T
+        case ir.Transpose():
+            return ev(e.a).T
+        case ir.Func():
+            fn = REGISTRY[e.name]
+            a = ev(e.arg)
+            f = lambda t: fn.formula.subs(X, t)  # noqa: E731
+            return a.applyfunc(f) if isinstance(a, sp.Matrix) else f(a)
+        case ir.SumAll():
+            return sum(ev(e.a))
+        case ir.StopGrad() | ir.Let():
+            return ev(e.a if isinstance(e, ir.StopGrad) else e.body)
+        case ir.Diag():
+            return sp.diag(*ev(e.a))
+        case ir.Inverse():
+            return ev(e.a).inv()
+        case ir.Reduce() | ir.Softmax():
+            info = spec.indices[e.index]
+            if info.context is not None:
+                rng_ = range(i) if info.strict else range(i + 1)
+            else:
+                rng_ = range(prog.spec.size(info.size))
+            terms = [evaluate(e.body, prog, values, scal, {**bind, e.index: j}, i, seq) for j in rng_]
+            if isinstance(e, ir.Softmax):
+                exps = [sp.exp(t) for t in terms]
+                return exps[bind[e.index]] / sum(exps)
+            if e.op == "sum":
+                return sum(terms[1:], terms[0]) if terms else sp.Integer(0)
+            if e.op == "mean":
+                return sum(terms[1:], terms[0]) / len(terms)
+            if e.op == "logsumexp":
+                return sp.log(sum(sp.exp(t) for t in terms)) if terms else sp.Integer(0)
+            if e.op == "prod":
+                return sp.Mul(*terms)
+    raise NotImplementedError(type(e).__name__)
+
+
+def gradient_at(prog: UpdateProgram, seed: int = 0, seq: int = 3) -> tuple[list[float], dict]:
+    """∂F/∂state by `sympy.diff` at the last position of a small explicit instance."""
+    position = seq - 1
+    f, syms, scal, values = build(prog, seed, seq, position)
+    rng = random.Random(seed + 1)
+    flat = list(syms) if isinstance(syms, sp.Matrix) else [syms]
+    point = {s: _rand(rng) for s in flat}
+    grads = [float(sp.diff(f, s).xreplace(point).evalf()) for s in flat]
+    return grads, {"point": point, "values": values, "scalars": scal, "position": position}

@@ -1,0 +1,17 @@
+"""Training and data, independent of the DSL: datasets, the training loop, checkpoints and sampling.
+
+    from energydsl.training import TrainConfig, load_dataset, train
+    data = load_dataset("shakespeare_char")
+    summary = train(model, data, TrainConfig(steps=2000), "runs/x", metadata={"context": 256})
+"""
+
+from __future__ import annotations
+
+from .data import IGNORE_INDEX, LMDataset, TaskDataset, TextDataset, download_shakespeare, load_dataset
+from .sampling import Codec, codec_from_json, load_checkpoint, sample
+from .trainer import TrainConfig, train
+
+__all__ = [
+    "IGNORE_INDEX", "Codec", "LMDataset", "TaskDataset", "TextDataset", "TrainConfig", "codec_from_json",
+    "download_shakespeare", "load_checkpoint", "load_dataset", "sample", "train",
+]

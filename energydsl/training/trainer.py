@@ -1,0 +1,453 @@
+"""The training loop: nanoGPT's train.py as a function, with checkpoints, resuming and divergence checks.
+
+`train(model, dataset, config, out_dir, metadata=...)` trains any `model(idx[B, T]) -> logits[B, T, V]`
+with AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient clipping and
+evaluation every `eval_interval` steps. In `out_dir` it keeps `last.*` (for resuming), `best.*` (the
+lowest validation loss), `metrics.jsonl` and `loss.png`. Step `s` always means "after `s` updates".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from energydsl.errors import TrainingDiverged, UserError
+
+from .data import IGNORE_INDEX, LMDataset
+from .sampling import load_checkpoint, save_checkpoint
+
+__all__ = ["TrainConfig", "configure_optimizer", "estimate_loss", "lr_at", "train"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FORMAT = 1
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters of a run; the defaults are nanoGPT's shakespeare_char recipe."""
+
+    steps: int = 5000
+    batch_size: int = 64
+    block_size: int = 256
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_interval: int = 250
+    eval_iters: int = 200
+    seed: int = 1337
+    device: str = "cpu"  # 'cpu', 'cuda', 'cuda:N' or 'auto'
+    log_interval: int = 10  # also how often the loss is checked for NaN (each check syncs the GPU)
+    dtype: str = "float32"  # 'float32', 'bfloat16' (autocast) or 'float16' (autocast + grad scaling, CUDA)
+    diverge_factor: float = 4.0  # a loss above this x the first loss (and above 2 ln V) after warmup diverged
+
+    def validate(self) -> None:
+        """Reject impossible settings with a message naming the field (they usually come from CLI flags)."""
+        positive = ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.steps < 0 or self.warmup_steps < 0:
+            raise UserError("steps and warmup_steps must not be negative")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise UserError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise UserError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"unknown dtype {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise UserError("weight_decay and grad_clip must not be negative")
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at `steps` (nanoGPT's get_lr)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / (config.warmup_steps + 1)
+    if step >= config.steps:
+        return config.min_lr
+    ratio = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (config.lr - config.min_lr)
+
+
+def configure_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only; biases and norm gains are not decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters")
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    fused = device.type == "cuda" and all(p.is_floating_point() for p in params)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas), fused=fused or None)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"unknown device {name!r}", hint="use cpu, cuda or auto") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("device 'cuda' requested but CUDA is not available", hint="use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r}", hint="use cpu, cuda or auto")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _loss(model: nn.Module, x: Tensor, y: Tensor, vocab: int) -> Tensor:
+    logits = model(x)
+    ok = isinstance(logits, Tensor) and logits.dim() == 3 and logits.shape[:2] == x.shape
+    if not ok or logits.size(-1) < vocab:  # a model bug, not a user error
+        got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(f"the model must map idx[B, T] to logits[B, T, V >= {vocab}]; for {tuple(x.shape)} "
+                         f"it returned {got}")
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+
+
+@torch.no_grad()
+def estimate_loss(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: torch.device,
+                  autocast: Any = contextlib.nullcontext) -> dict[str, float]:
+    """Mean loss over `eval_iters` batches per split; fixed generators make evaluations comparable."""
+    was_training = model.training
+    model.eval()
+    out = {}
+    for offset, split in enumerate(("train", "val"), start=1):
+        generator = torch.Generator().manual_seed(config.seed + 1_000_003 * offset)
+        total = torch.zeros((), device=device)  # summed on the device: one sync per split, not per batch
+        for _ in range(config.eval_iters):
+            x, y = dataset.get_batch(split, config.batch_size, config.block_size, generator)
+            with autocast():
+                total += _loss(model, x.to(device), y.to(device), dataset.vocab_size)
+        out[split] = total.item() / config.eval_iters
+    model.train(was_training)
+    return out
+
+
+def _jsonable(value: Any) -> Any:
+    """The value as it reads back from JSON, so metadata compares equal after a round trip."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _plot(metrics_path: Path, png_path: Path) -> None:
+    """Draw the loss curves from metrics.jsonl (Agg canvas: no display, no global pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train, strict=True), lw=0.8, alpha=0.6, label="train (running)")
+    if evals:
+        steps = [r["step"] for r in evals]
+        ax.plot(steps, [r["train_loss"] for r in evals], "o-", ms=3, label="train (eval)")
+        ax.plot(steps, [r["val_loss"] for r in evals], "o-", ms=3, label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    if train or evals:
+        ax.legend()
+    fig.tight_layout()
+    tmp = png_path.with_name(f".{png_path.name}.tmp.png")
+    fig.savefig(tmp)
+    tmp.replace(png_path)
+
+
+@dataclass
+class _RunState:
+    """What a checkpoint must carry beyond weights for a resumed run to continue exactly."""
+
+    step: int = 0
+    train_loss: float = math.nan  # from the last evaluation, like val_loss (not the running loss)
+    val_loss: float = math.nan
+    best_val_loss: float = math.inf
+    best_step: int | None = None
+    initial_loss: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class _Run:
+    """One training run's files: checkpoints, metrics and the plot (all no-ops without an out_dir)."""
+
+    def __init__(self, out_dir: Path | None, metadata: dict[str, Any], dataset: LMDataset,
+                 config: TrainConfig, params: int):
+        self.out_dir = out_dir
+        self.metadata = metadata
+        self.dataset_info = dataset.describe()
+        self.config = config
+        self.params = params
+        self.last_plot = 0.0
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = out_dir / "metrics.jsonl"
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        if self.out_dir is None or not (self.out_dir / "last.safetensors").exists():
+            return None
+        return str(self.out_dir / "last.safetensors")
+
+    def find_resumable(self) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]] | None:
+        """The last checkpoint if it is complete and was made for the same metadata and data, else None."""
+        if self.out_dir is None or not (self.out_dir / "last.json").exists():
+            return None
+        try:
+            state, sidecar = load_checkpoint(self.out_dir / "last.safetensors")
+            extra = torch.load(self.out_dir / "last.optim.pt", map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged checkpoint is reported and replaced, not fatal
+            warnings.warn(f"ignoring unreadable checkpoint in {self.out_dir}: {e}", stacklevel=3)
+            return None
+        training = sidecar.pop("training", {})
+        data = training.get("dataset", {})
+        same_data = all(data.get(k) == self.dataset_info[k] for k in ("name", "vocab_size", "codec"))
+        if sidecar != self.metadata or not same_data:
+            warnings.warn(f"{self.out_dir} holds a checkpoint of a different model or dataset; starting "
+                          "afresh and overwriting it", stacklevel=3)
+            return None
+        if extra.get("step") != training.get("step"):
+            warnings.warn(f"checkpoint files in {self.out_dir} disagree on the step; starting afresh",
+                          stacklevel=3)
+            return None
+        return state, training, extra
+
+    def start(self, resumed_step: int | None) -> None:
+        """Fresh run: empty the metrics. Resumed: drop metrics written after the checkpoint."""
+        if self.out_dir is None:
+            return
+        keep: list[str] = []
+        if resumed_step is not None and self.metrics.exists():
+            for line in self.metrics.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("step", 0) <= resumed_step:
+                        keep.append(line + "\n")
+        self.metrics.write_text("".join(keep))
+
+    def log(self, **row: Any) -> None:
+        if self.out_dir is not None:
+            with self.metrics.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def save(self, stem: str, model: nn.Module, state: _RunState, resume_state: dict[str, Any]) -> None:
+        if self.out_dir is None:
+            return
+        training = {
+            "format": FORMAT, **state.record(), "params": self.params, "config": asdict(self.config),
+            "dataset": self.dataset_info, "weights": f"{stem}.safetensors",
+            "resume_state": f"{stem}.optim.pt", "torch": torch.__version__,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        save_checkpoint(self.out_dir, stem, model, {**self.metadata, "training": training}, resume_state)
+
+    def plot(self, force: bool = False) -> None:
+        if self.out_dir is None or not (force or time.monotonic() - self.last_plot > 30):
+            return
+        self.last_plot = time.monotonic()
+        try:
+            _plot(self.metrics, self.out_dir / "loss.png")
+        except Exception as e:  # a plotting problem must never cost a training run
+            warnings.warn(f"could not draw {self.out_dir / 'loss.png'}: {e}", stacklevel=2)
+
+
+def _rng_states(generator: torch.Generator, device: torch.device) -> dict[str, Tensor]:
+    states = {"batches": generator.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def train(
+    model: nn.Module,
+    dataset: LMDataset,
+    config: TrainConfig,
+    out_dir: Path | str | None,
+    *,
+    metadata: dict[str, Any],
+    resume: bool = True,
+    progress: bool = True,
+    on_eval: Callable[[int, float], bool] | None = None,
+) -> dict[str, Any]:
+    """Train `model` on `dataset`; returns losses, steps, throughput (tokens/s, training steps only).
+
+    Resumes from `out_dir/last.*` when `resume` and the checkpoint's metadata equals `metadata`
+    (the caller's description of the model, e.g. spec source and dims). `on_eval(step, val_loss)`
+    returning True stops after that evaluation. Raises `TrainingDiverged` on a NaN/inf or exploding
+    loss, leaving the last checkpoint (saved at the previous evaluation) untouched.
+    """
+    config.validate()
+    device = _device(config.device)
+    dataset.check_block_size(config.block_size)
+    metadata = _jsonable(metadata)
+    if "training" in metadata:
+        raise UserError("metadata must not use the key 'training': the trainer writes it")
+    out_dir = Path(out_dir) if out_dir is not None else None
+    if config.dtype == "float16" and device.type != "cuda":
+        raise UserError("dtype float16 needs CUDA", hint="use bfloat16 or float32 on the CPU")
+    model.to(device)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())
+    run = _Run(out_dir, metadata, dataset, config, params)
+    optimizer = configure_optimizer(model, config, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "float16")
+    enabled = config.dtype != "float32"
+
+    def autocast() -> Any:
+        return torch.autocast(device.type, dtype=DTYPES[config.dtype], enabled=enabled)
+
+    generator = torch.Generator().manual_seed(config.seed)
+    state = _RunState()
+    found = run.find_resumable() if resume else None
+    if found is not None:
+        weights, training, extra = found
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(extra["optimizer"])
+        scaler.load_state_dict(extra["scaler"])
+        generator.set_state(extra["rng"]["batches"])
+        state = _RunState(**{f.name: training[f.name] for f in fields(_RunState)})
+    run.start(state.step if found else None)
+
+    rng_devices = [device.index] if device.type == "cuda" else []
+    precision = torch.get_float32_matmul_precision()
+    with torch.random.fork_rng(devices=rng_devices):
+        if found is not None:
+            torch.set_rng_state(extra["rng"]["torch"])
+            if "cuda" in extra["rng"] and device.type == "cuda":
+                torch.cuda.set_rng_state(extra["rng"]["cuda"], device)
+        else:  # seed only the generators fork_rng restores: the caller's RNG streams stay untouched
+            torch.random.default_generator.manual_seed(config.seed)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(config.seed)
+        if device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 matmuls, as nanoGPT
+        try:
+            result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state, run,
+                           resumed=found is not None, progress=progress, on_eval=on_eval)
+        finally:
+            torch.set_float32_matmul_precision(precision)
+    result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
+    return result
+
+
+def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: torch.device,
+          optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, autocast: Callable[[], Any],
+          generator: torch.Generator, state: _RunState, run: _Run, *, resumed: bool, progress: bool,
+          on_eval: Callable[[int, float], bool] | None) -> dict[str, Any]:
+    """The step loop; evaluation (and checkpointing) at every multiple of eval_interval and at the end."""
+    vocab = dataset.vocab_size
+    explode_floor = 2.0 * math.log(max(vocab, 2))
+    pending: list[tuple[int, Tensor]] = []  # losses not yet checked: checking syncs the GPU
+    shown = {"loss": math.nan}  # what the progress bar displays
+    start_step, step = state.step, state.step
+    train_time, started, stopped_early = 0.0, time.perf_counter(), False
+    show = progress and sys.stderr.isatty()
+    bar = tqdm(total=config.steps, initial=min(step, config.steps), disable=not show, unit="step",
+               dynamic_ncols=True, leave=False)
+
+    def check_pending() -> None:
+        values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
+        for (at, _), value in zip(pending, values, strict=True):
+            if state.initial_loss is None and math.isfinite(value):
+                state.initial_loss = value
+            exploded = (at >= config.warmup_steps and state.initial_loss is not None
+                        and value > config.diverge_factor * state.initial_loss and value > explode_floor)
+            if not math.isfinite(value) or exploded:
+                run.log(kind="diverged", step=at, loss=value)
+                run.plot(force=True)
+                bar.close()
+                raise TrainingDiverged(at, value, run.last_checkpoint)
+        if values:
+            run.log(kind="train", step=step, loss=sum(values) / len(values), lr=lr_at(step - 1, config))
+            shown["loss"] = values[-1]
+            bar.set_postfix(loss=f"{values[-1]:.4f}", val=f"{state.val_loss:.4f}", refresh=False)
+        pending.clear()
+
+    first = True
+    while True:
+        due = step % config.eval_interval == 0 or step >= config.steps
+        if due and not (first and resumed):  # a resumed run was evaluated just before it was saved
+            check_pending()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            train_time += time.perf_counter() - started
+            losses = estimate_loss(model, dataset, config, device, autocast)
+            state.step, state.train_loss, state.val_loss = step, losses["train"], losses["val"]
+            if not math.isfinite(losses["val"]):
+                run.plot(force=True)
+                raise TrainingDiverged(step, losses["val"], run.last_checkpoint)
+            improved = losses["val"] < state.best_val_loss
+            if improved:
+                state.best_val_loss, state.best_step = losses["val"], step
+            run.log(kind="eval", step=step, train_loss=losses["train"], val_loss=losses["val"],
+                    best_val_loss=state.best_val_loss, lr=lr_at(step, config))
+            resume_state = {"step": step, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                            "rng": _rng_states(generator, device)}
+            run.save("last", model, state, resume_state)
+            if improved:
+                run.save("best", model, state, resume_state)
+            run.plot()
+            bar.set_postfix(loss=f"{shown['loss']:.4f}", val=f"{losses['val']:.4f}", refresh=False)
+            if on_eval is not None and on_eval(step, losses["val"]) and step < config.steps:
+                stopped_early = True
+            started = time.perf_counter()
+        first = False
+        if step >= config.steps or stopped_early:
+            break
+        lr = lr_at(step, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = dataset.get_batch("train", config.batch_size, config.block_size, generator)
+        if device.type == "cuda":  # pinned host memory lets the copy overlap with compute (nanoGPT)
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        with autocast():
+            loss = _loss(model, x, y, vocab)
+        pending.append((step, loss.detach()))
+        scaler.scale(loss).backward()
+        if config.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        if step % config.log_interval == 0:
+            check_pending()
+    bar.close()
+    run.plot(force=True)
+    trained = step - start_step
+    return {
+        "train_loss": state.train_loss,
+        "val_loss": state.val_loss,
+        "best_val_loss": state.best_val_loss,
+        "best_step": state.best_step,
+        "steps": step,
+        "resumed_from": start_step if resumed else None,
+        "stopped_early": stopped_early,
+        "tokens_per_s": trained * config.batch_size * config.block_size / train_time if trained else 0.0,
+        "train_time_s": train_time,
+    }

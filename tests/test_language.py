@@ -1,0 +1,120 @@
+"""Parser, semantics and error messages: every bad spec gets a located message, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from energydsl import load
+from energydsl.errors import SpecError
+
+MHA = """
+energy MHA(d = 8, heads = 2) {
+  dim dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W1[heads, dh, d] ~ normal(0, 0.02)
+  param   W2[heads, dh, d] ~ normal(0, 0.02)
+  let     T = sqrt(dh)
+  local   E[k, j] = -(W1[k] @ z) . (W2[k] @ h[j])
+  global  F = -(T / heads) * sum[k]( logsumexp[j]( -E[k, j] / T ) )
+  optimizer gd(eta = 1)
+}
+"""
+
+
+def error_of(text: str) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load(text).derive()
+    return info.value
+
+
+def test_parses_and_names():
+    spec = load(MHA)
+    assert spec.energy_names == ["MHA"]
+    d = spec.energy(d=16, heads=4)
+    assert d.spec.dims()["dh"] == 4
+
+
+@pytest.mark.parametrize(
+    "text, message, line, col",
+    [
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . y\n}", "undefined name `y`", 3, 18),
+        ("energy A(d = 2) {\n  state z[d]\n  param W[3, 3]\n  global F = z . (W @ z)\n}", "inner sizes differ", 4, 19),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  global F = z . h[j]\n}",
+         "index j is used outside a reduction", 4, 3),
+        ("energy A(d = 2) {\n  state z[d]\n  global F = max[j](z)\n}", "unknown index `j`", 3, 14),
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . \n}", "unexpected `}`", 4, 1),
+        ("energy A(d = 3, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
+         "not a positive whole number", 2, 12),
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer adam(eta = 1)\n}",
+         "unknown optimizer", 4, 13),
+    ],
+)
+def test_located_errors(text, message, line, col):
+    err = error_of(text)
+    assert message in err.message
+    assert (err.span.line, err.span.column) == (line, col)
+    rendered = err.render()
+    assert f":{line}:{col}: error:" in rendered and "^" in rendered
+
+
+def test_max_is_not_differentiable():
+    text = ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+            "  global F = max[j](z . h[j])\n}")
+    with pytest.raises(Exception, match="no gradient"):
+        load(text).derive()
+
+
+def test_import_cycle(tmp_path):
+    (tmp_path / "a.energy").write_text('import "b.energy"\n')
+    (tmp_path / "b.energy").write_text('import "a.energy"\n')
+    with pytest.raises(SpecError, match="import cycle"):
+        load(str(tmp_path / "a.energy"))
+
+
+def test_import_brings_declarations(tmp_path):
+    (tmp_path / "lib.energy").write_text(MHA)
+    (tmp_path / "main.energy").write_text('import "lib.energy"\nblock B = MHA -> MHA\n')
+    spec = load(str(tmp_path / "main.energy"))
+    assert "MHA" in spec.module.energies and "B" in spec.module.blocks
+
+
+def run_cli(*args, input_file=None):
+    return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"\x00\x01\x02garbage\xff", b"energy A(d = 2) {\n  state z[d]\n  global F = " + b"(" * 300 + b"z"],
+)
+def test_cli_bad_files_exit_2(tmp_path, content):
+    path = tmp_path / "bad.energy"
+    path.write_bytes(content)
+    res = run_cli("derive", str(path))
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert "bad.energy" in res.stderr
+
+
+def test_cli_missing_file_and_bad_flag(tmp_path):
+    res = run_cli("check", str(tmp_path / "nope.energy"))
+    assert res.returncode == 2 and "no such file" in res.stderr
+    res = run_cli("derive", str(tmp_path / "nope.energy"), "--format", "pdf")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_megabyte_file_is_handled(tmp_path):
+    path = tmp_path / "big.energy"
+    path.write_text("# " + "x" * 2_000_000 + "\n" + MHA)
+    spec = load(str(path))
+    assert spec.energy_names == ["MHA"]
+
+
+def test_set_overrides_and_unknown_dim(tmp_path):
+    path = tmp_path / "mha.energy"
+    path.write_text(MHA)
+    res = run_cli("derive", str(path), "--set", "d=12", "--set", "heads=3")
+    assert res.returncode == 0 and "d=12" in res.stdout
+    res = run_cli("derive", str(path), "--set", "width=3")
+    assert res.returncode == 2 and "not a dim" in res.stderr
