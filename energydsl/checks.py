@@ -78,6 +78,8 @@ def check_gradient(prog: UpdateProgram) -> CheckResult:
 
 
 def check_sympy(prog: UpdateProgram) -> CheckResult:
+    if any(isinstance(n, ir.StopGrad) for n in ir.walk(prog.spec.energy)):
+        return CheckResult("sympy", "skip", "stopgrad has no counterpart in sympy.diff; autograd check only")
     seq = 3
     grads, info = sympy_instance.gradient_at(prog, seed=7, seq=seq)
     spec = prog.spec
@@ -233,6 +235,11 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         (hv,) = torch.autograd.grad((gr * v).sum(), p)
         curv.append(float((hv * v).sum()))
     del g
+    opt = spec.optimizer
+    if not decreased and (opt.precondition in ("dplr", "full") or opt.kind == "newton"):
+        why = f"the {opt.precondition} preconditioner is not positive-definite by construction" \
+            if opt.precondition in ("dplr", "full") else "a Newton step on a non-convex energy need not descend"
+        return CheckResult("descent", "warn", f"a small step raised F for some token here: {why}")
     if not decreased:
         return CheckResult("descent", "fail", "a small step along the update raises F for some token "
                            "(the preconditioner or optimizer is not a descent direction here)")

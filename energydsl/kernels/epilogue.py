@@ -48,7 +48,9 @@ _EW_CONFIGS = [
 ]
 _RED_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
 _RED_BLOCK = 256 if INTERPRET else 4096
-_INTERPRET_BLOCK = 256  # small, so that tests of a few hundred elements still cover several programs + masking
+_INTERPRET_BLOCK = (
+    256  # small, so that tests of a few hundred elements still cover several programs + masking
+)
 
 
 def _ew_grid(n: int) -> Any:
@@ -116,7 +118,9 @@ def _gated_bwd_kernel(
 
 @maybe_autotune(_EW_CONFIGS, key=[])
 @triton.jit
-def _momentum_fwd_kernel(x_ptr, m_ptr, f_ptr, beta_ptr, eta_ptr, x_out_ptr, m_out_ptr, N, BLOCK: tl.constexpr):
+def _momentum_fwd_kernel(
+    x_ptr, m_ptr, f_ptr, beta_ptr, eta_ptr, x_out_ptr, m_out_ptr, N, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     beta = tl.load(beta_ptr).to(tl.float32)
@@ -132,7 +136,17 @@ def _momentum_fwd_kernel(x_ptr, m_ptr, f_ptr, beta_ptr, eta_ptr, x_out_ptr, m_ou
 @maybe_autotune(_RED_CONFIGS, key=[])
 @triton.jit
 def _momentum_bwd_kernel(
-    gx_ptr, gm_ptr, m_ptr, f_ptr, beta_ptr, eta_ptr, dm_ptr, df_ptr, pbeta_ptr, peta_ptr, N,
+    gx_ptr,
+    gm_ptr,
+    m_ptr,
+    f_ptr,
+    beta_ptr,
+    eta_ptr,
+    dm_ptr,
+    df_ptr,
+    pbeta_ptr,
+    peta_ptr,
+    N,
     BLOCK: tl.constexpr,
 ):
     """gx, gm: gradients of x_new, m_new. m_new feeds x_new, so its total gradient is gm + eta gx; then
@@ -185,7 +199,9 @@ def _nesterov_bwd_kernel(g_ptr, m_ptr, beta_ptr, dm_ptr, pbeta_ptr, N, BLOCK: tl
 
 def _gated_fwd(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
     gate_pre, value = gate_pre.contiguous(), value.contiguous()
-    out = torch.empty(value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype), device=value.device)
+    out = torch.empty(
+        value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype), device=value.device
+    )
     n = out.numel()
     wrap_triton(_gated_fwd_kernel)[_ew_grid(n)](
         gate_pre, value, out, n, ACT=activation, **launch_options(BLOCK=_INTERPRET_BLOCK)
@@ -281,7 +297,9 @@ def _nesterov_fwd(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
     x, m = x.contiguous(), m.contiguous()
     out = torch.empty_like(x)
     n = x.numel()
-    wrap_triton(_nesterov_fwd_kernel)[_ew_grid(n)](x, m, beta, out, n, **launch_options(BLOCK=_INTERPRET_BLOCK))
+    wrap_triton(_nesterov_fwd_kernel)[_ew_grid(n)](
+        x, m, beta, out, n, **launch_options(BLOCK=_INTERPRET_BLOCK)
+    )
     return out
 
 
@@ -317,14 +335,23 @@ def _nesterov_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
 
 
 register_op("gated_activation_bwd", _gated_bwd, _gated_bwd_fake)
-register_op("gated_activation", _gated_fwd, _gated_fwd_fake, backward=_gated_backward, setup_context=_gated_setup)
+register_op(
+    "gated_activation", _gated_fwd, _gated_fwd_fake, backward=_gated_backward, setup_context=_gated_setup
+)
 register_op("momentum_update_bwd", _momentum_bwd, _momentum_bwd_fake)
 register_op(
-    "momentum_update", _momentum_fwd, _momentum_fwd_fake, backward=_momentum_backward, setup_context=_momentum_setup
+    "momentum_update",
+    _momentum_fwd,
+    _momentum_fwd_fake,
+    backward=_momentum_backward,
+    setup_context=_momentum_setup,
 )
 register_op("nesterov_lookahead_bwd", _nesterov_bwd, _nesterov_bwd_fake)
 register_op(
-    "nesterov_lookahead", _nesterov_fwd, _nesterov_fwd_fake, backward=_nesterov_backward,
+    "nesterov_lookahead",
+    _nesterov_fwd,
+    _nesterov_fwd_fake,
+    backward=_nesterov_backward,
     setup_context=_nesterov_setup,
 )
 
@@ -343,7 +370,9 @@ class _GatedActivationFunction(torch.autograd.Function):
 
 class _MomentumUpdateFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
+    ) -> tuple[Tensor, Tensor]:
         out = _momentum_fwd(x, m, f, beta, eta)
         _momentum_setup(ctx, (x, m, f, beta, eta), out)
         return out
@@ -391,7 +420,7 @@ def _same_shape(**tensors: Tensor) -> None:
 
 
 def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
-    """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form), with its backward fused too.
+    """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form); backward fused too.
 
     Same shapes required (no broadcasting: the op is a pure epilogue to the surrounding GEMMs); the result has
     the promoted dtype, arithmetic is fp32.

@@ -2,7 +2,7 @@
 
 * `gated_activation_ref`: value * sigma(gate_pre), the update of element-wise energies such as CEM's gated MLP
   energy E = -(W h) . phi(V u), phi = integral of sigma, whose gradient in u is V^T((W h) o sigma(V u)).
-* `momentum_update_ref`, `nesterov_lookahead_ref`: heavy-ball / Nesterov optimizer state on the residual stream.
+* `momentum_update_ref`, `nesterov_lookahead_ref`: heavy-ball / Nesterov state on the residual stream.
 
 Gradients come from autograd through these formulas.
 """

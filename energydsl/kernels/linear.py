@@ -72,10 +72,6 @@ if INTERPRET:
 else:
     OPS_BACKEND = "triton_op" if hasattr(torch.library, "triton_op") else "function"
 
-# Chunk size: fixed; 16 under the interpreter (small tiles keep it fast and test several chunks at small T),
-# 64 on GPU (flash-linear-attention's choice). Autotuning it would make numerics depend on the run.
-CHUNK = 16 if INTERPRET else 64
-
 
 def maybe_autotune(configs: list[triton.Config], key: list[str]) -> Callable[[Any], Any]:
     """`triton.autotune` on GPU; identity under the interpreter (the caller then passes fixed blocks)."""
@@ -121,13 +117,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _block_sizes(K: int, V: int) -> tuple[int, int]:
-    """Dk is padded to a power of two >= 16 and kept whole; Dv is split into blocks of at most 64
-    (32 when Dk = 128+, to bound the Dk x Dv state tile), 16 under the interpreter to exercise the split."""
+def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
+    """(C, BK, BV): chunk length, padded Dk (a power of two >= 16, kept whole) and the Dv-block.
+
+    Fixed, not autotuned (autotuning C would make the rounding depend on the run; BV sets the number of
+    dq/dk partial sums allocated before launch). Under the interpreter C = BV = 16: several chunks and
+    Dv-blocks already at test sizes. On GPU C = 64 (flash-linear-attention's choice) and BV <= 64, halved
+    for Dk >= 128 to bound the (C x Dk) and (Dk x BV) register tiles.
+    """
     BK = max(16, triton.next_power_of_2(K))
-    cap = 16 if INTERPRET else (32 if BK >= 128 else 64)
-    BV = min(max(16, triton.next_power_of_2(V)), cap)
-    return BK, BV
+    if INTERPRET:
+        C, cap = 16, 16
+    else:
+        C, cap = (64, 64) if BK <= 64 else (32, 32)
+    return C, BK, min(max(16, triton.next_power_of_2(V)), cap)
 
 
 _CONFIGS = [
@@ -332,6 +335,15 @@ def _bwd_dkv_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _launch_meta(
+    K: int, V: int, BH: int, has_decay: bool, strict: bool, dtype: torch.dtype
+) -> tuple[dict[str, Any], tuple[int, int]]:
+    """Compile-time parameters shared by the three kernels, and their grid (Dv-blocks, batch * heads)."""
+    C, BK, BV = _tile_sizes(K, V)
+    meta = dict(HAS_DECAY=has_decay, STRICT=strict, DOT_PREC=_dot_precision(dtype), C=C, BK=BK, BV=BV)
+    return meta | launch_options(num_warps=4), (triton.cdiv(V, BV), BH)
+
+
 def _linear_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
 ) -> Tensor:
@@ -341,26 +353,8 @@ def _linear_attention_fwd(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = log_decay.contiguous() if log_decay is not None else q  # dummy pointer when HAS_DECAY is off
     o = torch.empty((B, H, T, V), dtype=v.dtype, device=v.device)
-    BK, BV = _block_sizes(K, V)
-    grid = (triton.cdiv(V, BV), B * H)
-    wrap_triton(_fwd_kernel)[grid](
-        q,
-        k,
-        v,
-        g,
-        o,
-        T,
-        K,
-        V,
-        scale,
-        HAS_DECAY=log_decay is not None,
-        STRICT=strict,
-        DOT_PREC=_dot_precision(q.dtype),
-        C=CHUNK,
-        BK=BK,
-        BV=BV,
-        **launch_options(num_warps=4),
-    )
+    meta, grid = _launch_meta(K, V, B * H, log_decay is not None, strict, q.dtype)
+    wrap_triton(_fwd_kernel)[grid](q, k, v, g, o, T, K, V, scale, **meta)
     return o
 
 
@@ -385,22 +379,12 @@ def _linear_attention_bwd(
     V = v.shape[-1]
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     g = log_decay.contiguous() if log_decay is not None else q
-    BK, BV = _block_sizes(K, V)
-    NV = triton.cdiv(V, BV)
+    meta, grid = _launch_meta(K, V, B * H, log_decay is not None, strict, q.dtype)
+    NV = grid[0]
     # dq and dk are reduced over Dv-blocks: one fp32 slab per block, summed below (no atomics)
     dq_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
     dk_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
     dv = torch.empty((B, H, T, V), dtype=torch.float32, device=q.device)
-    meta = dict(
-        HAS_DECAY=log_decay is not None,
-        STRICT=strict,
-        DOT_PREC=_dot_precision(q.dtype),
-        C=CHUNK,
-        BK=BK,
-        BV=BV,
-        **launch_options(num_warps=4),
-    )
-    grid = (NV, B * H)
     wrap_triton(_bwd_dq_kernel)[grid](k, v, g, do, dq_part, T, K, V, scale, **meta)
     wrap_triton(_bwd_dkv_kernel)[grid](q, k, v, g, do, dk_part, dv, T, K, V, scale, **meta)
     dq = dq_part.sum(0)

@@ -43,7 +43,8 @@ __all__ = [
 BACKENDS = ("local", "ray")
 
 
-def open_study(storage: str, study_name: str, space: SearchSpace, ref: SpaceRef | None = None) -> optuna.Study:
+def open_study(storage: str, study_name: str, space: SearchSpace,
+               ref: SpaceRef | None = None) -> optuna.Study:
     """Create the study, or load it when it exists (a rerun continues it) after checking it is the same
     search: same objectives, same directions."""
     quiet_optuna()
@@ -130,11 +131,12 @@ def run_search(
             else:
                 from energydsl.search.ray_backend import run_ray
 
-                extra = run_ray(ref, space, study, storage_spec, address=address, gpus_per_trial=gpus_per_trial,
-                                cpus_per_trial=cpus_per_trial, **common)
+                extra = run_ray(ref, space, study, storage_spec, address=address,
+                                gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, **common)
     except KeyboardInterrupt:
         interrupted = True
-    summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=round(time.time() - started, 3),
+    elapsed = round(time.time() - started, 3)
+    summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=elapsed,
                         interrupted=interrupted, notes=[note] if note else [], **extra)
     if show:
         print_leaderboard(study)

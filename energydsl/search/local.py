@@ -15,9 +15,7 @@ import gc
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -35,7 +33,6 @@ from energydsl.search.report import (
     CURVE,
     DUPLICATE_OF,
     HASH,
-    HEARTBEAT,
     KIND,
     MATHML,
     METRICS,
@@ -46,116 +43,21 @@ from energydsl.search.report import (
     SOURCE,
     TIMING,
     TRACEBACK,
+    Heartbeat,
     finite,
     is_counted,
     ledger,
     open_storage,
+    owner_info,
     safe_name,
+    stale_reason,
     trial_kind,
 )
 from energydsl.search.space import SearchSpace, SpaceRef, resolve_space
 
-HEARTBEAT_S = 30.0  # how often a running trial says it is alive
-STALE_AFTER_S = 180.0  # silence after which a trial owned by another host counts as lost
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
 SAMPLERS = ("tpe", "nsga2", "random", "cmaes", "qmc")
 PRUNERS = ("asha", "hyperband", "none")
-
-# ----------------------------------------------------------------------------- who runs a trial
-
-HOST = socket.gethostname()
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-BOOT = (_read("/proc/sys/kernel/random/boot_id") or "").strip()
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks) of a process, from /proc; None when it does not exist."""
-    text = _read(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()  # the command name may contain spaces and parentheses
-    return fields[0], int(fields[19])
-
-
-def owner_info() -> dict[str, Any]:
-    stat = _proc_stat(os.getpid())
-    return {"host": HOST, "boot": BOOT, "pid": os.getpid(), "start": stat[1] if stat else None}
-
-
-def pid_alive(pid: int, start: int | None) -> bool:
-    """Is the process that claimed a trial still running (not a zombie, not a reused pid)?"""
-    if os.path.isdir("/proc"):
-        stat = _proc_stat(pid)
-        return stat is not None and stat[0] not in ("Z", "X") and (start is None or stat[1] == start)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stale_reason(t: FrozenTrial, now: float | None = None) -> str | None:
-    """Why a RUNNING trial can no longer finish, or None while its worker may still be at work."""
-    now = time.time() if now is None else now
-    owner = t.system_attrs.get(OWNER) or {}
-    if owner.get("host") == HOST:
-        if owner.get("boot") != BOOT:
-            return f"host {HOST} restarted while the trial ran"
-        if not pid_alive(int(owner["pid"]), owner.get("start")):
-            return f"worker process {owner['pid']} on {HOST} died while running this trial"
-        return None
-    last = t.system_attrs.get(HEARTBEAT) or (t.datetime_start.timestamp() if t.datetime_start else None)
-    if last is not None and now - float(last) > STALE_AFTER_S:
-        where = owner.get("host", "its worker")
-        return f"no heartbeat from {where} for {now - float(last):.0f}s"
-    return None
-
-
-class Heartbeat:
-    """A daemon thread stamping the trials this process runs, so other hosts can tell they are alive."""
-
-    def __init__(self, storage: BaseStorage, interval: float = HEARTBEAT_S) -> None:
-        self._storage, self._interval = storage, interval
-        self._ids: set[int] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="energy-heartbeat", daemon=True)
-        self._thread.start()
-
-    def add(self, trial_id: int) -> None:
-        with self._lock:
-            self._ids.add(trial_id)
-        self._beat(trial_id)
-
-    def discard(self, trial_id: int) -> None:
-        with self._lock:
-            self._ids.discard(trial_id)
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def _beat(self, trial_id: int) -> None:
-        with contextlib.suppress(Exception):  # finished meanwhile, or a storage blip: the next beat retries
-            self._storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            with self._lock:
-                ids = list(self._ids)
-            for tid in ids:
-                self._beat(tid)
-
 
 # ----------------------------------------------------------------------------- samplers, pruners
 
@@ -317,7 +219,7 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
-def _free_memory() -> None:
+def free_memory() -> None:
     """After a failure (OOM above all) give memory back before the next trial in this process."""
     gc.collect()
     torch = sys.modules.get("torch")
@@ -419,8 +321,8 @@ def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: S
                         trial.report(float(value), int(step))
             attrs = {KIND: "duplicate", DUPLICATE_OF: origin, REASON: f"same equations as trial #{origin}"}
             if same.state == TrialState.COMPLETE:
-                return finish(TrialState.COMPLETE, list(same.values), metrics=same.user_attrs.get(METRICS, {}),
-                              **attrs)
+                return finish(TrialState.COMPLETE, list(same.values),
+                              metrics=same.user_attrs.get(METRICS, {}), **attrs)
             return finish(TrialState.PRUNED, **attrs)
 
         def report(step: int, value: float) -> bool:
@@ -439,7 +341,7 @@ def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: S
             return finish(TrialState.PRUNED, kind="pruned", reason=str(e) or f"pruned{at}")
         except Exception as e:
             eval_s = time.perf_counter() - t_eval
-            _free_memory()
+            free_memory()
             return fail(_describe(e))
         eval_s = time.perf_counter() - t_eval
         values, clean, why = check_metrics(metrics, names)
@@ -474,9 +376,9 @@ def worker_loop(ref: SpaceRef, storage_spec: str, study_name: str, target: int, 
     storage = open_storage(storage_spec)
     objectives = list(space.objectives)
     prune, _ = pruning_plan(objectives, pruner)
-    study = optuna.load_study(study_name=study_name, storage=storage,
-                              sampler=make_sampler(sampler, len(objectives), seed),
-                              pruner=make_pruner(pruner, space.budget) if prune else optuna.pruners.NopPruner())
+    chosen = make_pruner(pruner, space.budget) if prune else optuna.pruners.NopPruner()
+    study = optuna.load_study(study_name=study_name, storage=storage, pruner=chosen,
+                              sampler=make_sampler(sampler, len(objectives), seed))
     hb = Heartbeat(storage)
     n = 0
     try:
@@ -530,7 +432,8 @@ def _worker_device(device: str, index: int, workers: int) -> str:
 
 
 def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: int, deadline: float | None,
-              workers: int, sampler: str | None, pruner: str, device: str, seed: int | None) -> dict[str, Any]:
+              workers: int, sampler: str | None, pruner: str, device: str,
+              seed: int | None) -> dict[str, Any]:
     """Run the local backend to the budget; returns extra summary fields."""
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
@@ -540,7 +443,8 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
     def kwargs(i: int) -> dict[str, Any]:
         return {"ref": ref, "storage_spec": storage_spec, "study_name": study.study_name, "target": target,
                 "deadline": deadline, "sampler": sampler, "pruner": pruner,
-                "device": _worker_device(device, i, workers), "seed": None if seed is None else seed + 1000 * i}
+                "device": _worker_device(device, i, workers),
+                "seed": None if seed is None else seed + 1000 * i}
 
     if workers <= 1:
         worker_loop(**kwargs(0))
@@ -551,7 +455,7 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
     crashed = 0
 
     def start(i: int) -> None:
-        p = ctx.Process(target=_worker_entry, args=(kwargs(i), threads), name=f"energy-worker-{i}", daemon=False)
+        p = ctx.Process(target=_worker_entry, args=(kwargs(i), threads), name=f"energy-worker-{i}")
         p.start()
         procs[i] = p
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -29,6 +30,7 @@ from energydsl.search.local import (
     candidate_info,
     check_metrics,
     find_same,
+    free_memory,
     make_sampler,
     owner_info,
     pruning_plan,
@@ -69,6 +71,14 @@ FINAL = "_energy_final"
 _SPACES: dict[str, SearchSpace] = {}  # one resolved space per Ray worker process
 
 
+def _node_id() -> str:
+    with contextlib.suppress(Exception):
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    return ""
+
+
 def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: list[tuple[str, str]],
                cache_root: str) -> None:
     """Runs inside a Ray worker: rebuild the space, rebuild the candidate from its params, train."""
@@ -103,7 +113,9 @@ def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: l
         final.update({RKIND: "error", "_energy_reason": f"{type(e).__name__}: {e}",
                       "_energy_traceback": traceback.format_exc(limit=-12)})
     final.update({PROGRESS: curve[-1][1] if curve else math.nan, "_energy_curve": json.dumps(curve),
-                  "_energy_eval_s": time.perf_counter() - t0})
+                  "_energy_eval_s": time.perf_counter() - t0, "_energy_node": _node_id()})
+    del space  # the cached space stays; the candidate and its model go before the next trial
+    free_memory()
     tune.report(final)
 
 
@@ -176,8 +188,8 @@ if OptunaSearch is not None:
                     same = next(t for t in self._ot_study.get_trials(deepcopy=False)
                                 if t.number == config["_energy_same"])
                     origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
-                    attrs = {KIND: "duplicate", DUPLICATE_OF: origin, REASON: f"same equations as trial #{origin}",
-                             CURVE: same.user_attrs.get(CURVE) or []}
+                    attrs = {KIND: "duplicate", DUPLICATE_OF: origin, CURVE: same.user_attrs.get(CURVE) or [],
+                             REASON: f"same equations as trial #{origin}"}
                     if same.state == TrialState.COMPLETE:
                         self._finish(ot_trial, TrialState.COMPLETE, list(same.values),
                                      metrics=same.user_attrs.get(METRICS, {}), **attrs)
@@ -205,20 +217,26 @@ if OptunaSearch is not None:
             self._completed_trials.add(trial_id)
             curve = self._energy_curves.pop(trial_id, [])
             result = result or {}
+            if result.get(RKIND) == "progress" and (not curve or int(result["step"]) > curve[-1][0]):
+                curve.append([int(result["step"]), float(result[PROGRESS])])  # the result ASHA stopped it on
             if result.get(FINAL):
                 curve = json.loads(result.get("_energy_curve") or "[]") or curve
-                attrs: dict[str, Any] = {CURVE: curve, TIMING: {"evaluate_s": result.get("_energy_eval_s")}}
+                attrs: dict[str, Any] = {CURVE: curve, TIMING: {"evaluate_s": result.get("_energy_eval_s")},
+                                         "ray": {"node": result.get("_energy_node"), "pid": result.get("pid"),
+                                                 "trial_id": trial_id}}
                 kind = result.get(RKIND)
                 if kind == "complete":
                     metrics = json.loads(result.get("_energy_metrics") or "{}")
                     values, clean, why = check_metrics(metrics, self._energy_names)
                     if why is None:
-                        self._finish(ot_trial, TrialState.COMPLETE, values, kind="complete", metrics=clean, **attrs)
+                        self._finish(ot_trial, TrialState.COMPLETE, values, kind="complete", metrics=clean,
+                                     **attrs)
                     else:
-                        self._finish(ot_trial, TrialState.FAIL, kind="error", reason=why, metrics=clean, **attrs)
+                        self._finish(ot_trial, TrialState.FAIL, kind="error", reason=why, metrics=clean,
+                                     **attrs)
                 elif kind == "pruned":
-                    self._finish(ot_trial, TrialState.PRUNED, kind="pruned", reason=result.get("_energy_reason"),
-                                 **attrs)
+                    self._finish(ot_trial, TrialState.PRUNED, kind="pruned",
+                                 reason=result.get("_energy_reason"), **attrs)
                 else:
                     self._finish(ot_trial, TrialState.FAIL, kind="error", reason=result.get("_energy_reason"),
                                  traceback=result.get("_energy_traceback", ""), **attrs)
@@ -229,7 +247,8 @@ if OptunaSearch is not None:
                 self._completed_trials.discard(trial_id)  # stopped by the time limit: left for abandon()
             else:
                 at = f" at step {curve[-1][0]}" if curve else ""
-                self._finish(ot_trial, TrialState.PRUNED, kind="pruned", curve=curve, reason=f"stopped by ASHA{at}")
+                self._finish(ot_trial, TrialState.PRUNED, kind="pruned", curve=curve,
+                             reason=f"stopped by ASHA{at}")
 
         def abandon_unfinished(self) -> int:
             """Trials Ray never finished (time limit, Ctrl-C) go back to the queue for the next run."""
@@ -258,7 +277,8 @@ if OptunaSearch is not None:
 
 def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
             deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
-            seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float) -> dict[str, Any]:
+            seed: int | None, address: str | None, gpus_per_trial: float,
+            cpus_per_trial: float) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
     try:
         import ray
@@ -267,7 +287,8 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
     except ImportError as e:
         raise UserError("the ray backend needs Ray Tune: pip install 'ray[tune]'") from e
     if device.startswith("cuda") and gpus_per_trial <= 0:
-        raise UserError("device cuda on Ray needs GPUs reserved per trial", hint="pass gpus_per_trial, e.g. 0.5")
+        raise UserError("device cuda on Ray needs GPUs reserved per trial",
+                        hint="pass gpus_per_trial, e.g. 0.5")
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
         recovered = recover_stale(study, storage)
@@ -287,7 +308,7 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
         else:
             ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
                      log_to_driver=False)
-    base = Path(storage_spec).parent if "://" not in storage_spec else Path("runs", safe_name(study.study_name))
+    base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent
     searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
                                       prune, deadline)
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
@@ -298,13 +319,15 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
     tuner = tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=-1,
-                                    max_concurrent_trials=workers, time_budget_s=budget_s),
+                                    max_concurrent_trials=workers, time_budget_s=budget_s,
+                                    reuse_actors=True),  # a worker pays the import of torch & co once
         run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
                                   storage_path=str((base / "ray").resolve()), verbose=0,
                                   failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
     )
     try:
-        tuner.fit()
+        with contextlib.redirect_stdout(sys.stderr):  # Tune prints tables; stdout is for the JSON summary
+            tuner.fit()
     finally:
         requeued = searcher.abandon_unfinished()
         if started_ray:

@@ -6,11 +6,15 @@ attrs for the engine), so `energy report` and a resumed search need nothing else
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
 import os
 import re
+import socket
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -153,7 +157,7 @@ def _trial_brief(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
 
 
 def ranked(study: optuna.Study) -> list[FrozenTrial]:
-    """Complete trials, best first: by the objective (one) or Pareto front first, then by the first objective."""
+    """Complete trials, best first: by the objective, or Pareto front first, then by the first objective."""
     objectives = objectives_of(study)
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
     sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
@@ -162,15 +166,17 @@ def ranked(study: optuna.Study) -> list[FrozenTrial]:
 
 
 def _pareto(trials: Sequence[FrozenTrial], sign: Sequence[float]) -> list[FrozenTrial]:
-    pts = [[s * v for s, v in zip(sign, t.values, strict=False)] for t in trials]
+    """The non-dominated trials (vectorized in blocks: the live display calls this every second)."""
+    import numpy as np
 
-    def dominated(i: int) -> bool:
-        return any(
-            all(a <= b for a, b in zip(pts[j], pts[i], strict=False)) and pts[j] != pts[i]
-            for j in range(len(pts))
-        )
-
-    return [t for i, t in enumerate(trials) if not dominated(i)]
+    if not trials:
+        return []
+    pts = np.asarray([t.values for t in trials], dtype=float) * np.asarray(sign, dtype=float)
+    dominated = np.zeros(len(pts), dtype=bool)
+    for lo in range(0, len(pts), 256):
+        blk = pts[lo : lo + 256, None, :]
+        dominated[lo : lo + 256] = ((pts[None] <= blk).all(-1) & (pts[None] < blk).any(-1)).any(1)
+    return [t for t, d in zip(trials, dominated, strict=True) if not d]
 
 
 def best_of(study: optuna.Study) -> dict[str, Any] | list[dict[str, Any]] | None:
@@ -197,6 +203,107 @@ def summarize(study: optuna.Study, storage: str, target: int | None = None, **ex
     out["best"] = best_of(study)
     out.update(extra)
     return out
+
+
+# ----------------------------------------------------------------------------- who runs a trial
+# A RUNNING trial records its owner; on the same host a dead owner is seen at once (pid, start time,
+# boot id), elsewhere by a heartbeat gone silent. That is how a killed search is recovered.
+
+HEARTBEAT_S = 30.0  # how often a running trial says it is alive
+STALE_AFTER_S = 180.0  # silence after which a trial owned by another host counts as lost
+
+HOST = socket.gethostname()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+BOOT = (_read("/proc/sys/kernel/random/boot_id") or "").strip()
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of a process, from /proc; None when it does not exist."""
+    text = _read(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()  # the command name may contain spaces and parentheses
+    return fields[0], int(fields[19])
+
+
+def owner_info() -> dict[str, Any]:
+    stat = _proc_stat(os.getpid())
+    return {"host": HOST, "boot": BOOT, "pid": os.getpid(), "start": stat[1] if stat else None}
+
+
+def pid_alive(pid: int, start: int | None) -> bool:
+    """Is the process that claimed a trial still running (not a zombie, not a reused pid)?"""
+    if os.path.isdir("/proc"):
+        stat = _proc_stat(pid)
+        return stat is not None and stat[0] not in ("Z", "X") and (start is None or stat[1] == start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_reason(t: FrozenTrial, now: float | None = None) -> str | None:
+    """Why a RUNNING trial can no longer finish, or None while its worker may still be at work."""
+    now = time.time() if now is None else now
+    owner = t.system_attrs.get(OWNER) or {}
+    if owner.get("host") == HOST:
+        if owner.get("boot") != BOOT:
+            return f"host {HOST} restarted while the trial ran"
+        if not pid_alive(int(owner["pid"]), owner.get("start")):
+            return f"worker process {owner['pid']} on {HOST} died while running this trial"
+        return None
+    last = t.system_attrs.get(HEARTBEAT) or (t.datetime_start.timestamp() if t.datetime_start else None)
+    if last is not None and now - float(last) > STALE_AFTER_S:
+        where = owner.get("host", "its worker")
+        return f"no heartbeat from {where} for {now - float(last):.0f}s"
+    return None
+
+
+class Heartbeat:
+    """A daemon thread stamping the trials this process runs, so other hosts can tell they are alive."""
+
+    def __init__(self, storage: BaseStorage, interval: float = HEARTBEAT_S) -> None:
+        self._storage, self._interval = storage, interval
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="energy-heartbeat", daemon=True)
+        self._thread.start()
+
+    def add(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.add(trial_id)
+        self._beat(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self._lock:
+            self._ids.discard(trial_id)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _beat(self, trial_id: int) -> None:
+        with contextlib.suppress(Exception):  # finished meanwhile, or a storage blip: the next beat retries
+            self._storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                ids = list(self._ids)
+            for tid in ids:
+                self._beat(tid)
 
 
 # ----------------------------------------------------------------------------- HTML report

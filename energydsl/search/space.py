@@ -92,7 +92,7 @@ def register_space(name: str, target: str | Callable[..., SearchSpace]) -> None:
     if callable(target):
         module, qual = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
         if not module or module == "__main__" or "<" in qual:
-            raise ValueError(f"space factory {target!r} must be a module-level function importable by workers")
+            raise ValueError(f"space factory {target!r}: not a module-level function workers can import")
         target = f"{module}:{qual}"
     if not _IMPORT_RE.match(target):
         raise ValueError(f"register_space({name!r}): {target!r} is not of the form package.module:attr")
