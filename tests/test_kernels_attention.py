@@ -1,0 +1,349 @@
+"""The fused softmax-family Triton ops against their explicit T x T PyTorch references.
+
+Without CUDA the kernels run under the Triton interpreter (enabled below, before triton is imported), in
+float32 with exact fp32 dot products, and are compared with the reference run in float64 through autograd:
+forward, every input gradient and every bias gradient, with a relative error max|x - ref| / max|ref| < 1e-4
+(or, for an ill-conditioned quantity, at most twice the error of the float32 PyTorch reference). The grid is
+kept small because the interpreter executes every program in Python. With CUDA the same tests run compiled,
+and the `gpu`-marked tests add long sequences in float32 and bfloat16.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+pytest.importorskip("triton")
+
+from energydsl.kernels import attention as kernels  # noqa: E402
+from energydsl.kernels import attention_ref as ref  # noqa: E402
+from energydsl.kernels import use_triton  # noqa: E402
+
+if not (CUDA or kernels._INTERPRET):
+    pytest.skip(
+        "energydsl.kernels.attention was imported before TRITON_INTERPRET=1 was set", allow_module_level=True
+    )
+
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = 1e-4  # relative, float32 kernel vs float64 reference
+
+KERNEL = {
+    "attention": kernels.energy_attention,
+    "with_lse": kernels.energy_attention_with_lse,
+    "second": kernels.weighted_second_moment,
+}
+REFERENCE = {
+    "attention": ref.energy_attention_ref,
+    "with_lse": ref.energy_attention_lse_ref,
+    "second": ref.weighted_second_moment_ref,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int
+    H: int
+    Dk: int
+    Dv: int
+    strict: bool
+    biases: str = "none"  # none | alibi | self | key | all
+    tied: bool = False  # v is k
+    B: int = 2
+
+    def has(self, bias: str) -> bool:
+        return self.biases in (bias, "all")
+
+
+def rel_err(x: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |x - ref| / max |ref|; plain max |x - ref| when the reference is identically 0."""
+    reference = reference.double()
+    err = (x.double() - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Leaf tensors (requires_grad) on DEVICE; generated in float64 so both sides see the same numbers."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, T = case.B, case.H, case.T
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    leaves = {"q": randn(B, H, T, case.Dk), "k": randn(B, H, T, case.Dk), "u": randn(B, H, T, case.Dv)}
+    if not case.tied:
+        leaves["v"] = randn(B, H, T, case.Dv)
+    if case.has("alibi"):
+        leaves["alibi_slopes"] = torch.rand(H, generator=g, dtype=torch.float64) * 0.5
+    if case.has("self"):
+        leaves["self_bias"] = randn(H)
+    if case.has("key"):
+        leaves["key_bias"] = randn(B, H, T) * 0.5
+    return {n: t.to(device=DEVICE, dtype=dtype).requires_grad_() for n, t in leaves.items()}
+
+
+def run(
+    impl: dict,
+    case: Case,
+    leaves: dict[str, torch.Tensor],
+    kind: str,
+    cot_dtype: torch.dtype = torch.float32,
+    seed: int = 1,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Outputs of one op family and the gradients of a random linear functional of them w.r.t. every leaf.
+
+    kind: "attention" (o), "with_lse" (o, lse, r = second moment fed the differentiable lse),
+    "second" (r with lse=None, i.e. recomputed inside).
+    """
+    q, k, u = leaves["q"], leaves["k"], leaves["u"]
+    v = k if case.tied else leaves["v"]
+    kw = dict(
+        scale=case.Dk**-0.5,
+        strict=case.strict,
+        alibi_slopes=leaves.get("alibi_slopes"),
+        self_bias=leaves.get("self_bias"),
+        key_bias=leaves.get("key_bias"),
+    )
+    if kind == "attention":
+        outs = [impl["attention"](q, k, v, **kw)]
+    elif kind == "with_lse":
+        o, lse = impl["with_lse"](q, k, v, **kw)
+        outs = [o, lse, impl["second"](q, k, v, lse, u, **kw)]
+    else:
+        outs = [impl["second"](q, k, v, None, u, **kw)]
+    g = torch.Generator().manual_seed(seed)
+    cots = [torch.randn(out.shape, generator=g, dtype=torch.float64).to(cot_dtype).to(out) for out in outs]
+    loss = sum((out * cot).sum() for out, cot in zip(outs, cots, strict=True))
+    names = [n for n in leaves if kind != "attention" or n != "u"]
+    grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+    return outs, {
+        n: torch.zeros_like(leaves[n]) if gr is None else gr for n, gr in zip(names, grads, strict=True)
+    }
+
+
+def check(
+    case: Case, kind: str, dtype: torch.dtype = torch.float32, tol: float = TOL, factor: float = 2.0
+) -> None:
+    """Kernel in `dtype` vs the float64 reference: every output and gradient finite and within
+    max(tol, factor * error of the PyTorch reference run in `dtype`) relative error.
+
+    The adaptive part matters only for ill-conditioned quantities: e.g. d self_bias = sum_i dS_ii can be a
+    1e-4 remainder of O(1) terms, which no float32 implementation gets to 1e-4 relative accuracy.
+    """
+    leaves = make_leaves(case, dtype)  # all three runs see the same (rounded) inputs and cotangents
+
+    def fresh(dt: torch.dtype) -> dict[str, torch.Tensor]:
+        return {n: t.detach().to(dt).requires_grad_() for n, t in leaves.items()}
+
+    outs, grads = run(KERNEL, case, fresh(dtype), kind, cot_dtype=dtype)
+    lp_outs, lp_grads = run(REFERENCE, case, fresh(dtype), kind, cot_dtype=dtype)
+    ref_outs, ref_grads = run(REFERENCE, case, fresh(torch.float64), kind, cot_dtype=dtype)
+    pairs = [
+        (f"output {i}", x, lp, r) for i, (x, lp, r) in enumerate(zip(outs, lp_outs, ref_outs, strict=True))
+    ]
+    pairs += [(f"d{n}", grads[n], lp_grads[n], ref_grads[n]) for n in grads]
+    for name, x, lp, r in pairs:
+        assert torch.isfinite(x).all(), f"{name} not finite"
+        bound = max(tol, factor * rel_err(lp, r))
+        assert rel_err(x, r) <= bound, f"{name}: rel err {rel_err(x, r):.2e} > {bound:.2e}"
+
+
+# (H, Dk, Dv) paired with the bias variants, so that every head count / head dim appears with several biases
+SHAPES = {
+    "none": (1, 16, 16),
+    "alibi": (3, 32, 24),
+    "self": (3, 16, 24),
+    "key": (1, 32, 16),
+    "all": (3, 32, 24),
+}
+
+
+@pytest.mark.parametrize("biases", list(SHAPES))
+@pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_attention_matches_reference(T: int, strict: bool, biases: str) -> None:
+    H, Dk, Dv = SHAPES[biases]
+    check(Case(T=T, H=H, Dk=Dk, Dv=Dv, strict=strict, biases=biases), "attention")
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
+@pytest.mark.parametrize("T", [7, 33])
+def test_attention_tied_values(T: int, strict: bool) -> None:
+    """v is k: the kernel returns dk and dv separately and autograd must add them into the one tensor."""
+    check(Case(T=T, H=2, Dk=32, Dv=32, strict=strict, biases="all", tied=True, B=1), "attention")
+
+
+@pytest.mark.parametrize("biases", ["none", "all"])
+@pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_lse_and_second_moment_match_reference(T: int, strict: bool, biases: str) -> None:
+    """o, lse and r fed with the differentiable lse: gradients through lse must not be counted twice."""
+    H, Dk, Dv = (2, 16, 24) if biases == "all" else (1, 32, 16)
+    check(Case(T=T, H=H, Dk=Dk, Dv=Dv, strict=strict, biases=biases), "with_lse")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
+def test_second_moment_recomputes_lse(strict: bool, tied: bool) -> None:
+    check(Case(T=33, H=1, Dk=16, Dv=16, strict=strict, biases="all", tied=tied, B=1), "second")
+
+
+@pytest.mark.skipif(CUDA, reason="on CUDA the autotuner picks the tiles")
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=lambda b: f"M{b[0]}-N{b[1]}")
+def test_unequal_query_and_key_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU configs use BLOCK_M != BLOCK_N; the causal loop bounds must hold for those too."""
+    monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
+    for strict in (False, True):
+        check(Case(T=45, H=1, Dk=16, Dv=24, strict=strict, biases="all", B=1), "with_lse")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="on CUDA the autotuner picks the tiles")
+@pytest.mark.parametrize(
+    "blocks, case",
+    [
+        ((64, 64), Case(T=130, H=2, Dk=128, Dv=128, strict=False, biases="all", B=1)),
+        ((128, 64), Case(T=200, H=1, Dk=64, Dv=80, strict=True, biases="all")),
+        ((64, 32), Case(T=97, H=2, Dk=48, Dv=16, strict=True, biases="all", B=1)),
+        ((16, 32), Case(T=70, H=1, Dk=128, Dv=128, strict=False, biases="all", B=1, tied=True)),
+    ],
+    ids=["M64-N64-d128", "M128-N64-d64x80", "M64-N32-d48x16", "M16-N32-d128-tied"],
+)
+def test_gpu_sized_tiles_interpreted(
+    blocks: tuple[int, int], case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The autotuner's tile shapes, head dims up to 128 (non powers of two too), interpreted (~70 s)."""
+    monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
+    for kind in ("attention", "with_lse", "second"):
+        check(case, kind)
+
+
+def test_strict_first_row_is_zero_and_lse_finite() -> None:
+    leaves = make_leaves(Case(T=5, H=2, Dk=16, Dv=16, strict=True, biases="all"), torch.float32)
+    o, lse = kernels.energy_attention_with_lse(
+        leaves["q"], leaves["k"], leaves["v"], scale=0.25, strict=True, key_bias=leaves["key_bias"]
+    )
+    assert torch.all(o[:, :, 0] == 0) and torch.all(lse[:, :, 0] == 0)
+    assert torch.isfinite(lse).all()
+
+
+def test_opcheck() -> None:
+    """Schema, fake (shape) functions, autograd registration and AOT dispatch of both forward ops."""
+    leaves = make_leaves(Case(T=7, H=2, Dk=16, Dv=16, strict=True, biases="all", B=1), torch.float32)
+    q, k, v, u = leaves["q"], leaves["k"], leaves["v"], leaves["u"]
+    biases = (leaves["alibi_slopes"], leaves["self_bias"], leaves["key_bias"])
+    torch.library.opcheck(torch.ops.energydsl.energy_attention_fwd.default, (q, k, v, 0.25, True, *biases))
+    _, lse = kernels.energy_attention_with_lse(q, k, v, scale=0.25, strict=True)
+    torch.library.opcheck(
+        torch.ops.energydsl.weighted_second_moment_fwd.default,
+        (q, k, v, lse.detach(), u, 0.25, True, None, biases[1], None),
+    )
+
+
+def test_torch_compile_matches_eager() -> None:
+    """A small model using both ops compiles without graph breaks and gives the eager values and gradients.
+
+    Under the interpreter the ops are opaque custom_ops and aot_eager exercises their fake functions and
+    autograd; on CUDA the triton_ops are traced into inductor.
+    """
+    leaves = make_leaves(Case(T=20, H=2, Dk=16, Dv=16, strict=False, biases="key", B=1), torch.float32)
+    args = [leaves[n] for n in ("q", "k", "v", "u", "key_bias")]
+
+    def model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, kb: torch.Tensor):
+        o, lse = kernels.energy_attention_with_lse(q, k, v, scale=0.25, key_bias=kb)
+        r = kernels.weighted_second_moment(q, k, v, lse, u, scale=0.25, key_bias=kb)
+        return (o.sin() + r).square().sum()
+
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    loss_c = compiled(*args)
+    grads_c = torch.autograd.grad(loss_c, args)
+    loss_e = model(*args)
+    grads_e = torch.autograd.grad(loss_e, args)
+    assert rel_err(loss_c, loss_e) < 1e-4
+    for gc, ge in zip(grads_c, grads_e, strict=True):
+        assert rel_err(gc, ge) < 1e-4
+
+
+def test_input_validation() -> None:
+    q = torch.zeros(1, 2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="expected q, k"):
+        kernels.energy_attention(q, q, q[:, :, :3], scale=1.0)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        kernels.energy_attention(q, q, q, scale=1.0, alibi_slopes=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="key_bias"):
+        kernels.energy_attention(q, q, q, scale=1.0, key_bias=torch.zeros(1, 2, 5, device=DEVICE))
+
+
+def test_dispatcher() -> None:
+    assert use_triton() and use_triton(DEVICE)
+
+
+def test_package_imports_and_falls_back_without_triton() -> None:
+    """energydsl.kernels imports, and its dispatching functions use the reference, when triton is absent."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # makes `import triton` fail, as if it were not installed
+        import torch
+        import energydsl.kernels as K
+        assert not K.triton_available() and not K.use_triton()
+        q = torch.randn(1, 2, 5, 16)
+        o, lse = K.energy_attention_with_lse(q, q, q, scale=0.25, strict=True)
+        r = K.weighted_second_moment(q, q, q, lse, q, scale=0.25, strict=True)
+        assert o.shape == r.shape == q.shape and torch.isfinite(r).all()
+        assert "energydsl.kernels.attention" not in sys.modules
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: long sequences, float32 and bfloat16, autotuned tiles
+# ----------------------------------------------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+GPU_CASES = [
+    Case(T=1024, H=4, Dk=64, Dv=64, strict=False, biases="all"),
+    Case(T=1000, H=2, Dk=128, Dv=96, strict=True, biases="all"),
+    Case(T=257, H=3, Dk=16, Dv=24, strict=True, biases="key", tied=False),
+    Case(T=512, H=2, Dk=64, Dv=64, strict=False, biases="alibi", tied=True),
+]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", ["attention", "with_lse"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c.T}-H{c.H}-d{c.Dk}x{c.Dv}-{c.biases}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_long_sequences(dtype: torch.dtype, case: Case, kind: str) -> None:
+    # bf16: within 3x the error of PyTorch's own bf16 computation (FlashAttention's criterion), or 2e-2
+    check(
+        case,
+        kind,
+        dtype,
+        tol=TOL if dtype == torch.float32 else 2e-2,
+        factor=2.0 if dtype == torch.float32 else 3.0,
+    )
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_tf32_dots() -> None:
+    case = Case(T=1024, H=2, Dk=64, Dv=64, strict=False, biases="all")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        check(case, "with_lse", torch.float32, tol=1e-2, factor=3.0)
+    finally:
+        torch.set_float32_matmul_precision(previous)
