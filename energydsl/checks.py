@@ -21,7 +21,7 @@ import torch
 from . import ir, sympy_instance
 from .calculus import directional, substitute_var
 from .instance import Instance, eval_tokens, random_instance, run_program
-from .optimizers import UpdateProgram, head_split
+from .optimizers import UpdateProgram
 
 TOL = 1e-9
 SEEDS = (0, 1, 2)
@@ -122,9 +122,6 @@ def _to_tensor(v) -> torch.Tensor:
 def check_hessian(prog: UpdateProgram) -> CheckResult | None:
     if prog.spec.optimizer.kind != "newton":
         return None
-    if prog.spec.optimizer.per_head:
-        split = head_split(_energy_at_point(prog))
-        del split
     worst = 0.0
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)

@@ -124,7 +124,9 @@ def main() -> None:
     argv = sys.argv[1:]
     spec_name = next((a for a in argv if a.endswith(".energy")), "the command")
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except UserError as e:
         err.print(e.render(), markup=False)
         sys.exit(2)

@@ -57,13 +57,18 @@ class UpdateProgram:
         return self.spec.optimizer.steps
 
 
-def head_split(f: Expr) -> tuple[sp.Expr, str, Expr] | None:
-    """Write F = c · Σ_k G_k when it has that form: (c, k, G_k)."""
+def head_split(f: Expr) -> tuple[Expr, str, Expr] | None:
+    """Write F = Σ_k F_k (returns (1, k, F_k)) or F = mean_k F_k (returns (1/|k|, k, F_k)).
+
+    The per-head energy F_k keeps every constant factor of the summand, so Newton per head runs on
+    the head's own energy: seed 004's F = (1/H) Σ_h F_h is written `mean[k](F_k)`.
+    """
     coef = sp.Integer(1)
     if isinstance(f, ir.Mul) and len(f.factors) == 2 and isinstance(f.factors[0], ir.Scalar):
         coef, f = f.factors[0].value, f.factors[1]
-    if isinstance(f, ir.Reduce) and f.op == "sum":
-        return coef, f.index, f.body
+    if isinstance(f, ir.Reduce) and f.op in ("sum", "mean"):
+        outer = ir.ONE if f.op == "sum" else ir.power(ir.Count(f.index), -1)
+        return outer, f.index, ir.mul(ir.Scalar(coef), f.body)
     return None
 
 
@@ -89,14 +94,14 @@ def build_program(spec: EnergyIR) -> UpdateProgram:
     head = split[1] if split else None
     needs_heads = opt.per_head
     if needs_heads and split is None:
-        raise SpecError("`per head` needs a global energy of the form c * sum[k](...) over a head index",
+        raise SpecError("`per head` needs a global energy of the form c * sum[k](...) or mean[k](...)",
                         opt.span)
 
     grad_full = gradient(energy, point)
     if needs_heads:
         coef, k, g_body = split
         per_head = _per_head_direction(spec, g_body, point, k, params)
-        direction = ir.mul(ir.Scalar(coef), ir.reduce("sum", k, per_head))
+        direction = ir.mul(coef, ir.reduce("sum", k, per_head))
     else:
         direction = _newton(spec, grad_full, point) if opt.kind == "newton" else grad_full
         direction, _ = _precondition(spec, direction, point, None, params)

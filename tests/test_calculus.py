@@ -118,3 +118,16 @@ def test_gradient_symbolic_in_dims():
         (g,) = torch.autograd.grad(f.sum(), x)
         ours = eval_tokens(derived.spec, derived.program.gradient, inst, {"z": inst.x})
         assert torch.allclose(g, ours, rtol=1e-10, atol=1e-12)
+
+
+def test_per_head_newton_is_the_pseudo_inverse_step():
+    """On a quadratic head energy one Taylor term is exact: z − Σ_k W_kᵀ(W_k W_kᵀ)⁻¹ W_k z."""
+    text = ("energy R(d = 4, heads = 2) { dim dh = d / heads  state z[d]  param W[heads, dh, d]\n"
+            "  global F = sum[k](0.5 * (W[k] @ z) . (W[k] @ z))  optimizer newton(taylor = 1, damping = 0) per head }")
+    derived = load(text).energy()
+    inst = random_instance(derived.program, seed=0)
+    ref = inst.x.clone()
+    for w in inst.params["W"]:
+        proj = w.T @ torch.linalg.inv(w @ w.T) @ w
+        ref = ref - torch.einsum("ij,btj->bti", proj, inst.x)
+    assert torch.allclose(run_program(derived.program, inst), ref, atol=1e-12)

@@ -118,3 +118,11 @@ def test_set_overrides_and_unknown_dim(tmp_path):
     assert res.returncode == 0 and "d=12" in res.stdout
     res = run_cli("derive", str(path), "--set", "width=3")
     assert res.returncode == 2 and "not a dim" in res.stderr
+
+
+def test_cli_check_exits_1_when_a_check_fails(tmp_path):
+    path = tmp_path / "bad.energy"
+    path.write_text("energy Bad(d = 2) { state z[d]  global F = 0.5 * z . z\n"
+                    "  optimizer gd(eta = 1)  expect update = z }\n")
+    res = run_cli("check", str(path))
+    assert res.returncode == 1 and "FAILED" in res.stdout

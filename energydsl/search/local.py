@@ -1,7 +1,7 @@
 """Local backend: worker processes on this machine share one Optuna study through its storage.
 
-The budget is a set of numbered WAITING "slots" added to the study up front (under a file lock), and
-a worker only ever runs a trial by atomically claiming a slot. So N workers, or several `energy search`
+The budget is handed out as numbered WAITING "slots", added a few at a time under a file lock, and a
+worker only ever runs a trial by atomically claiming a slot. So N workers, or several `energy search`
 commands on the same study, run exactly `trials` trials between them, and a rerun continues the study.
 A trial whose process died (kill -9, OOM killer, lost node) is found by its owner record (host, boot,
 pid, start time) or its heartbeat, marked lost and its slot put back with the same parameters.
@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
-import multiprocessing as mp
+import json
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -150,11 +152,16 @@ def _open_waiting(trials: list[FrozenTrial]) -> list[FrozenTrial]:
     return out
 
 
-def ensure_slots(study: optuna.Study, target: int) -> int:
-    """Add WAITING slots until finished + running + waiting reaches `target`; returns how many."""
+def ensure_slots(study: optuna.Study, target: int, ahead: int | None = None) -> int:
+    """Add WAITING slots until finished + running + waiting reaches `target` (but keep at most `ahead`
+    open ones: a slot costs a storage write, slow on SQL databases); returns how many were added.
+    Callers hold `study_lock`, so commands on this host never add the same budget twice."""
     trials = study.get_trials(deepcopy=False)
     led = ledger(trials)
-    missing = target - (led.finished + led.running + len(_open_waiting(trials)))
+    waiting = len(_open_waiting(trials))
+    missing = target - (led.finished + led.running + waiting)
+    if ahead is not None:
+        missing = min(missing, ahead - waiting)
     first = _next_slot(trials)
     for i in range(max(missing, 0)):
         study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, system_attrs={SLOT: first + i}))
@@ -369,7 +376,7 @@ def quiet_optuna() -> None:
 
 
 def worker_loop(ref: SpaceRef, storage_spec: str, study_name: str, target: int, deadline: float | None,
-                sampler: str | None, pruner: str, device: str, seed: int | None) -> int:
+                sampler: str | None, pruner: str, device: str, seed: int | None, ahead: int = 2) -> int:
     """Claim and run trials until the budget or the deadline is reached; returns trials run here."""
     quiet_optuna()
     space = resolve_space(ref)
@@ -385,7 +392,9 @@ def worker_loop(ref: SpaceRef, storage_spec: str, study_name: str, target: int, 
         while deadline is None or time.time() < deadline:
             tid = claim(study, storage, target)
             if tid is None:
-                if recover_stale(study, storage):
+                with study_lock(storage_spec, study_name):
+                    added = ensure_slots(study, target, ahead)
+                if added or recover_stale(study, storage):
                     continue
                 break
             run_trial(study, storage, tid, space, device, prune, hb)
@@ -407,16 +416,41 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _worker_entry(kwargs: dict[str, Any], threads: int) -> None:
-    """Main of a spawned worker process."""
+def _worker_entry(kwargs: dict[str, Any]) -> None:
+    """Main of a worker process: a fresh interpreter (spawn semantics) that runs `worker_loop`."""
     _die_with_parent()
     signal.signal(signal.SIGTERM, _sigterm)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # N workers must not each take every core
-        os.environ.setdefault(var, str(threads))
     try:
         worker_loop(**kwargs)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+# The worker reads the parent's sys.path (one JSON line), then its pickled arguments, from stdin. A plain
+# interpreter, unlike multiprocessing's spawn, never re-imports the caller's __main__: workers start the
+# same from a script, `python -`, a notebook or a script without a __main__ guard.
+_BOOT = ("import json, pickle, sys; path = json.loads(sys.stdin.buffer.readline()); "
+         "sys.path[:0] = [p for p in path if p not in sys.path]; "
+         "from energydsl.search.local import _worker_entry; _worker_entry(pickle.load(sys.stdin.buffer))")
+
+
+def _start_worker(kwargs: dict[str, Any], threads: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # N workers must not each take every core
+        env.setdefault(var, str(threads))
+    proc = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE, env=env)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps([p for p in sys.path if p]).encode() + b"\n" + pickle.dumps(kwargs))
+    proc.stdin.close()
+    return proc
+
+
+def worker_seed(seed: int | None, history: int, start: int) -> int | None:
+    """Deterministic for a given study history, yet different for each worker start and each resume
+    (a sampler seeded the same way would propose the same candidates again)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + history * 7_919 + start) % (2**31 - 1)
 
 
 def _worker_device(device: str, index: int, workers: int) -> str:
@@ -438,50 +472,55 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
         recovered = recover_stale(study, storage)
-        ensure_slots(study, target)
+        ensure_slots(study, target, ahead=2 * workers)
+
+    history = len(study.get_trials(deepcopy=False))
+    starts = 0
 
     def kwargs(i: int) -> dict[str, Any]:
+        nonlocal starts
+        starts += 1  # a seed per worker start and per resume: a replaced worker must not replay samples
         return {"ref": ref, "storage_spec": storage_spec, "study_name": study.study_name, "target": target,
                 "deadline": deadline, "sampler": sampler, "pruner": pruner,
-                "device": _worker_device(device, i, workers),
-                "seed": None if seed is None else seed + 1000 * i}
+                "device": _worker_device(device, i, workers), "seed": worker_seed(seed, history, starts),
+                "ahead": 2 * workers}
 
     if workers <= 1:
         worker_loop(**kwargs(0))
         return {"recovered": recovered, "workers": 1}
-    ctx = mp.get_context("spawn")
+    warn: list[str] = []
     threads = max(1, (os.cpu_count() or 1) // workers)
-    procs: dict[int, Any] = {}
+    procs: dict[int, subprocess.Popen[bytes]] = {}
     crashed = 0
-
-    def start(i: int) -> None:
-        p = ctx.Process(target=_worker_entry, args=(kwargs(i), threads), name=f"energy-worker-{i}")
-        p.start()
-        procs[i] = p
-
     try:
         for i in range(workers):
-            start(i)
+            procs[i] = _start_worker(kwargs(i), threads)
         while procs:
+            time.sleep(0.2)
             for i, p in list(procs.items()):
-                p.join(timeout=0.2)
-                if p.exitcode is None:
+                if p.poll() is None:
                     continue
                 del procs[i]
-                if p.exitcode == 0:
+                if p.returncode == 0:
                     continue
                 crashed += 1  # a worker died (segfault, OOM kill): put its trial back, start another
                 recovered += recover_stale(study, storage)
                 time_left = deadline is None or time.time() < deadline
                 led = ledger(study.get_trials(deepcopy=False))
-                if time_left and crashed <= 2 * workers and led.finished + led.running < target:
-                    start(i)
-    except BaseException:
+                if time_left and led.finished + led.running < target:
+                    if crashed <= 2 * workers:
+                        procs[i] = _start_worker(kwargs(i), threads)
+                    elif not warn:
+                        warn.append(f"{crashed} worker processes died; not replacing them any more "
+                                    "(see the lost trials' reasons); run again to continue")
+    except BaseException:  # Ctrl-C (the workers got it too) or an error here: let them hand back their trials
         for p in procs.values():
-            p.join(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
         for p in procs.values():
-            if p.exitcode is None:
+            if p.poll() is None:
                 p.terminate()
-                p.join(timeout=5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=10)
         raise
-    return {"recovered": recovered, "workers": workers, "worker_crashes": crashed}
+    return {"recovered": recovered, "workers": workers, "worker_crashes": crashed, "warnings": warn}

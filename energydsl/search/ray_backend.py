@@ -36,6 +36,7 @@ from energydsl.search.local import (
     pruning_plan,
     recover_stale,
     study_lock,
+    worker_seed,
 )
 from energydsl.search.report import (
     CURVE,
@@ -309,6 +310,7 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
             ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
                      log_to_driver=False)
     base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent
+    seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 0)
     searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
                                       prune, deadline)
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))

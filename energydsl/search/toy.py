@@ -19,9 +19,10 @@ from typing import Any
 
 import optuna
 
-MIXERS = ("ssm", "attn", "attn_alias", "bogus", "diverge")
+MIXERS = ("ssm", "attn", "attn_alias", "bogus", "diverge")  # the default choices
+KNOWN = (*MIXERS, "crash")  # crash: the worker process dies in evaluate (only ask for it with workers > 1)
 _CANON = {"attn_alias": "attn"}
-_OFFSET = {"ssm": 0.3, "attn": 0.1, "diverge": 0.0, "bogus": 0.0}
+_OFFSET = {"ssm": 0.3, "attn": 0.1, "diverge": 0.0, "bogus": 0.0, "crash": 0.0}
 
 
 @dataclass
@@ -83,6 +84,8 @@ class ToySpace:
             time.sleep(self.sleep)
             if candidate.mixer == "diverge" and step == 2:
                 raise FloatingPointError("loss diverged to nan at step 2")
+            if candidate.mixer == "crash" and step == 2:
+                os._exit(137)  # as if the OOM killer took the worker
             val = base + 1.0 / step
             if report(step, val):
                 raise optuna.TrialPruned(f"pruned at step {step}")
@@ -95,9 +98,9 @@ def make_space(mixers: str = ",".join(MIXERS), depth: str = "", lr: str = "", st
                name: str = "toy") -> ToySpace:
     """Build the toy space from string options (objectives: comma list of val_loss, params)."""
     choices = tuple(m.strip() for m in mixers.split(",") if m.strip())
-    unknown = [m for m in choices if m not in MIXERS]
+    unknown = [m for m in choices if m not in KNOWN]
     if unknown:
-        raise ValueError(f"unknown toy mixers {unknown}; known: {MIXERS}")
+        raise ValueError(f"unknown toy mixers {unknown}; known: {KNOWN}")
     objs = [(o.strip(), "minimize") for o in objectives.split(",") if o.strip()]
     return ToySpace(mixers=choices, depth=int(depth) if depth else None, lr=float(lr) if lr else None,
                     steps=int(steps), sleep=float(sleep), calls=calls or None, name=name, objectives=objs,
