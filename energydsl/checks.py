@@ -87,9 +87,12 @@ def check_sympy(prog: UpdateProgram) -> CheckResult:
     tensors: dict[str, torch.Tensor] = {}
     for name, v in info["values"].items():
         if name.endswith("@ctx"):
-            tensors[name] = torch.tensor([[float(a) for a in tok] for tok in v], dtype=dt).unsqueeze(0)
+            ctx_shape = tuple(spec.size(s) for s in spec.context.shape)
+            tensors[name] = torch.stack([_to_tensor(tok).reshape(ctx_shape) for tok in v]).unsqueeze(0)
         elif name != prog.point.name:
-            tensors[name] = _to_tensor(v)
+            declared = prog.params.get(name)
+            t = _to_tensor(v)
+            tensors[name] = t.reshape(tuple(spec.size(s) for s in declared.shape)) if declared else t
     scal = {s: float(v) for s, v in info["scalars"].items()}
     shape = tuple(spec.size(s) for s in prog.point.shape)
     x = torch.zeros((1, seq) + shape, dtype=dt)
@@ -229,8 +232,11 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         p = at.clone().requires_grad_(True)
         f = eval_tokens(spec, _energy_at_point(prog), inst, {prog.point.name: p})
         (gr,) = torch.autograd.grad(f.sum(), p, create_graph=True)
-        (hv,) = torch.autograd.grad((gr * v).sum(), p)
-        curv.append(float((hv * v).sum()))
+        if not gr.requires_grad:  # F is linear in the state: zero curvature
+            curv.append(0.0)
+            continue
+        (hv,) = torch.autograd.grad((gr * v).sum(), p, allow_unused=True)
+        curv.append(0.0 if hv is None else float((hv * v).sum()))
     del g
     opt = spec.optimizer
     if not decreased and (opt.precondition in ("dplr", "full") or opt.kind == "newton"):

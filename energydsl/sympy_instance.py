@@ -118,6 +118,8 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
             ex = e.exponent.xreplace(scal)
             return b.applyfunc(lambda a: a**ex) if isinstance(b, sp.Matrix) else b**ex
         case ir.MatMul():
+            if len(e.a.shape) == 1:  # vector @ matrix: (aᵀ M)ᵀ, kept as a column
+                return (ev(e.a).T * ev(e.b)).T
             return ev(e.a) * ev(e.b)
         case ir.Dot():
             a, b = ev(e.a), ev(e.b)

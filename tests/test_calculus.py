@@ -131,3 +131,10 @@ def test_per_head_newton_is_the_pseudo_inverse_step():
         proj = w.T @ torch.linalg.inv(w @ w.T) @ w
         ref = ref - torch.einsum("ij,btj->bti", proj, inst.x)
     assert torch.allclose(run_program(derived.program, inst), ref, atol=1e-12)
+
+
+def test_checks_handle_linear_energy_and_column_params():
+    text = ("energy L(n = 3) { state z[n]  param a[n]  param M[n, 1]\n"
+            "  global F = a . z + sum(M^T @ z) + (a @ (M @ M^T)) . z  optimizer gd(eta = 1) }")
+    results = load(text).energy().check()
+    assert all(r.ok for r in results), [r for r in results if not r.ok]

@@ -25,7 +25,7 @@ def test_example_checks(path):
         assert d.equations("latex") and d.equations("mathml")
 
 
-@pytest.mark.parametrize("family", ["intrinsic-optimizers", "cem", "nrgpt", "hopfield"])  # rmt: not yet
+@pytest.mark.parametrize("family", ["intrinsic-optimizers", "cem", "nrgpt", "rmt", "hopfield"])
 def test_every_family_has_examples(family):
     assert glob.glob(str(ROOT / "examples" / family / "*.energy")), family
 

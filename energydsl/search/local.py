@@ -251,11 +251,21 @@ def candidate_info(cand: Any) -> dict[str, Any]:
     return {HASH: str(cand.equation_hash()), SOURCE: str(cand.source()), MATHML: str(cand.equations_mathml())}
 
 
+def _plain(v: Any) -> float | str:
+    """A metric as JSON can store it (numpy and 0-d torch numbers become floats)."""
+    if isinstance(v, str):
+        return v
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
 def check_metrics(metrics: Any, names: list[str]) -> tuple[list[float] | None, dict[str, Any], str | None]:
     """(objective values, metrics to store, reason it failed)."""
     if not isinstance(metrics, Mapping):
         return None, {}, f"evaluate returned {type(metrics).__name__}, expected a dict of metrics"
-    clean = {str(k): (float(v) if isinstance(v, int | float) else str(v)) for k, v in metrics.items()}
+    clean = {str(k): _plain(v) for k, v in metrics.items()}
     missing = [n for n in names if n not in metrics]
     if missing:
         return None, clean, f"evaluate returned no {', '.join(missing)} (objectives: {', '.join(names)})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -302,36 +303,41 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
                                   grace_period=int(space.budget.get("min_steps") or max(1, max_t // 27)),
                                   reduction_factor=3, brackets=3 if pruner == "hyperband" else 1,
                                   stop_last_trials=False)
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
-                     log_to_driver=False)
     base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent
     seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 0)
-    searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
-                                      prune, deadline)
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
     trainable = tune.with_parameters(_trainable, ref=ref, device="cuda" if gpus_per_trial > 0 else device,
                                      objectives=objectives, cache_root=cache_root)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
     budget_s = None if deadline is None else max(1.0, deadline - time.time())
-    tuner = tune.Tuner(
-        trainable,
-        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=-1,
-                                    max_concurrent_trials=workers, time_budget_s=budget_s,
-                                    reuse_actors=True),  # a worker pays the import of torch & co once
-        run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
-                                  storage_path=str((base / "ray").resolve()), verbose=0,
-                                  failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
-    )
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        if address:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        else:
+            ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
+                     log_to_driver=False, logging_level=logging.WARNING)
+    tune_log = logging.getLogger("ray.tune")
+    level = tune_log.level
+    searcher = None
     try:
+        searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
+                               prune, deadline)
+        tuner = tune.Tuner(
+            trainable,
+            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=-1,
+                                        max_concurrent_trials=workers, time_budget_s=budget_s,
+                                        reuse_actors=True),  # a worker pays the import of torch & co once
+            run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
+                                      storage_path=str((base / "ray").resolve()), verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
+        )
+        tune_log.setLevel(logging.WARNING)
         with contextlib.redirect_stdout(sys.stderr):  # Tune prints tables; stdout is for the JSON summary
             tuner.fit()
     finally:
-        requeued = searcher.abandon_unfinished()
+        tune_log.setLevel(level)
+        requeued = searcher.abandon_unfinished() if searcher is not None else 0
         if started_ray:
             ray.shutdown()
     return {"recovered": recovered, "requeued": requeued, "workers": workers}

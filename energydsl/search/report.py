@@ -282,10 +282,9 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="energy-heartbeat", daemon=True)
         self._thread.start()
 
-    def add(self, trial_id: int) -> None:
+    def add(self, trial_id: int) -> None:  # first beat after one interval; datetime_start till then
         with self._lock:
             self._ids.add(trial_id)
-        self._beat(trial_id)
 
     def discard(self, trial_id: int) -> None:
         with self._lock:
