@@ -48,9 +48,8 @@ _EW_CONFIGS = [
 ]
 _RED_CONFIGS = [triton.Config({}, num_warps=4), triton.Config({}, num_warps=8)]
 _RED_BLOCK = 256 if INTERPRET else 4096
-_INTERPRET_BLOCK = (
-    256  # small, so that tests of a few hundred elements still cover several programs + masking
-)
+# interpreter blocks: small, so tests of a few hundred elements cover several programs and a masked tail
+_INTERPRET_BLOCK = 256
 
 
 def _ew_grid(n: int) -> Any:

@@ -11,7 +11,9 @@ log decay accumulated inside the chunk, b_last the chunk's total):
     S_n   = exp(b_last) S_{n-1} + sum_{j in chunk} exp(b_last - b_j) k_j v_j^T
 Every exponent is <= 0 once the causal mask is applied first, so nothing overflows. The state S (Dk x Dv) is
 carried in registers across chunks: O(T C d + T d^2) work, no T x T matrix. One program owns one
-(batch, head, Dv-block); the Dk dimension is kept whole so q_i . k_j is complete inside a program.
+(batch, head, Dv-block); the Dk dimension is kept whole so q_i . k_j is complete inside a program. (This is
+flash-linear-attention's "fused chunk" scheme: parallel over B * H * Dv-blocks, sequential over chunks. Its
+"chunk" scheme, which stores every chunk's state to parallelize over chunks too, would suit small B * H.)
 
 Backward (dO already multiplied by scale), with M_ij = mask * exp(b_i - b_j) the intra-chunk decay mask:
     dq = (M o (dO V^T)) K + exp(b) * (dO S_{n-1}^T)                     -- forward sweep, S recomputed
@@ -120,17 +122,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
     """(C, BK, BV): chunk length, padded Dk (a power of two >= 16, kept whole) and the Dv-block.
 
-    Fixed, not autotuned (autotuning C would make the rounding depend on the run; BV sets the number of
-    dq/dk partial sums allocated before launch). Under the interpreter C = BV = 16: several chunks and
-    Dv-blocks already at test sizes. On GPU C = 64 (flash-linear-attention's choice) and BV <= 64, halved
-    for Dk >= 128 to bound the (C x Dk) and (Dk x BV) register tiles.
+    Fixed, not autotuned: autotuning C would make the rounding depend on the run, and BV sets how many dq/dk
+    partial sums are allocated before launch. C = 16 everywhere. Under the interpreter BV = 16, so that tests
+    already cover several Dv-blocks. On GPU BV = 64 (32 for Dk > 64): compiled for sm_90 with ptxas (no GPU
+    at hand), C = 32/64 or wider BV spilled registers; these sizes do not spill with tf32 products (16-bit
+    inputs, or fp32 with allow_tf32) at 8 warps, while exact fp32 ("ieee", FMA) products still spill up to
+    ~2 KB in the dk/dv kernel.
     """
     BK = max(16, triton.next_power_of_2(K))
-    if INTERPRET:
-        C, cap = 16, 16
-    else:
-        C, cap = (64, 64) if BK <= 64 else (32, 32)
-    return C, BK, min(max(16, triton.next_power_of_2(V)), cap)
+    cap = 16 if INTERPRET else (64 if BK <= 64 else 32)
+    return 16, BK, min(max(16, triton.next_power_of_2(V)), cap)
 
 
 _CONFIGS = [
