@@ -17,7 +17,7 @@ import optuna
 
 from energydsl.errors import UserError
 from energydsl.search.display import LiveProgress, print_leaderboard
-from energydsl.search.local import PRUNERS, make_sampler, pruning_plan, quiet_optuna, run_local
+from energydsl.search.local import PRUNERS, SAMPLERS, make_sampler, pruning_plan, quiet_optuna, run_local
 from energydsl.search.report import (
     default_storage_path,
     export_best,
@@ -38,6 +38,7 @@ from energydsl.search.space import (
 __all__ = [
     "Candidate", "SearchSpace", "SpaceRef", "register_space", "registered_spaces", "resolve_space",
     "run_search", "open_study", "write_report", "export_best", "load_study",
+    "BACKENDS", "SAMPLERS", "PRUNERS",
 ]
 
 BACKENDS = ("local", "ray")

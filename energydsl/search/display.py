@@ -27,6 +27,7 @@ from energydsl.search.report import (
     ledger,
     objectives_of,
     open_storage,
+    pareto,
     ranked,
     trial_kind,
 )
@@ -115,8 +116,11 @@ def leaderboard_table(study: optuna.Study, top: int = 10) -> Table:
     for k in keys:
         table.add_column(k)
     table.add_column("note")
+    sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
+    front = {t.number for t in pareto(order, sign)} if len(objectives) > 1 else set()
     for t in order:
         note = f"= #{t.user_attrs[DUPLICATE_OF]}" if DUPLICATE_OF in t.user_attrs else ""
+        note = ("Pareto " if t.number in front else "") + note
         table.add_row(str(t.number), *(_fmt(v) for v in t.values), *(_fmt(t.params.get(k, "")) for k in keys),
                       note)
     return table
@@ -137,6 +141,7 @@ def failures_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
 
 def print_leaderboard(study: optuna.Study, top: int = 10, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
+    console.print()
     console.print(leaderboard_table(study, top))
     fails = failures_table(study.get_trials(deepcopy=False))
     if fails is not None:

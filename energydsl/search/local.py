@@ -32,11 +32,11 @@ from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
 from energydsl.search.report import (
+    CLAIMER,
     CURVE,
     DUPLICATE_OF,
     HASH,
     KIND,
-    MATHML,
     METRICS,
     OWNER,
     REASON,
@@ -55,10 +55,10 @@ from energydsl.search.report import (
     stale_reason,
     trial_kind,
 )
-from energydsl.search.space import SearchSpace, SpaceRef, resolve_space
+from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_space
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
-SAMPLERS = ("tpe", "nsga2", "random", "cmaes", "qmc")
+SAMPLERS = ("auto", "tpe", "nsga2", "random", "cmaes", "qmc")
 PRUNERS = ("asha", "hyperband", "none")
 
 # ----------------------------------------------------------------------------- samplers, pruners
@@ -79,7 +79,9 @@ def make_sampler(name: str | None, n_objectives: int, seed: int | None = None) -
     """TPE for one objective, NSGA-II for several, unless a name is given."""
     import importlib.util
 
-    name = (name or ("tpe" if n_objectives == 1 else "nsga2")).lower()
+    if name in (None, "", "auto"):
+        name = "tpe" if n_objectives == 1 else "nsga2"
+    name = name.lower()
     s = optuna.samplers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -209,8 +211,10 @@ def claim(study: optuna.Study, storage: BaseStorage, target: int) -> int | None:
     led = ledger(trials)
     if led.finished + led.running >= target:  # also guards slots left over from a larger earlier budget
         return None
+    me = owner_info()
     for t in _open_waiting(trials):
         try:
+            storage.set_trial_system_attr(t._trial_id, CLAIMER, me)  # may be overwritten by a racing loser
             if storage.set_trial_state_values(t._trial_id, TrialState.RUNNING):
                 return t._trial_id
         except UpdateFinishedTrialError:
@@ -245,38 +249,6 @@ def find_same(study: optuna.Study, equation_hash: str, number: int) -> FrozenTri
             return t
         found = found or t
     return found
-
-
-def candidate_info(cand: Any) -> dict[str, Any]:
-    return {HASH: str(cand.equation_hash()), SOURCE: str(cand.source()), MATHML: str(cand.equations_mathml())}
-
-
-def _plain(v: Any) -> float | str:
-    """A metric as JSON can store it (numpy and 0-d torch numbers become floats)."""
-    if isinstance(v, str):
-        return v
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-def check_metrics(metrics: Any, names: list[str]) -> tuple[list[float] | None, dict[str, Any], str | None]:
-    """(objective values, metrics to store, reason it failed)."""
-    if not isinstance(metrics, Mapping):
-        return None, {}, f"evaluate returned {type(metrics).__name__}, expected a dict of metrics"
-    clean = {str(k): _plain(v) for k, v in metrics.items()}
-    missing = [n for n in names if n not in metrics]
-    if missing:
-        return None, clean, f"evaluate returned no {', '.join(missing)} (objectives: {', '.join(names)})"
-    try:
-        values = [float(metrics[n]) for n in names]
-    except (TypeError, ValueError) as e:
-        return None, clean, f"objective is not a number: {e}"
-    bad = [f"{n}={v}" for n, v in zip(names, values, strict=True) if not finite(v)]
-    if bad:
-        return None, clean, f"diverged: {', '.join(bad)}"
-    return values, clean, None
 
 
 def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: SearchSpace, device: str,

@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-import sys
+import shutil
 import tempfile
 import time
 import traceback
@@ -28,8 +28,6 @@ from energydsl.errors import UserError
 from energydsl.search.local import (
     MAX_RETRIES,
     Heartbeat,
-    candidate_info,
-    check_metrics,
     find_same,
     free_memory,
     make_sampler,
@@ -55,7 +53,7 @@ from energydsl.search.report import (
     open_storage,
     safe_name,
 )
-from energydsl.search.space import SearchSpace, SpaceRef, resolve_space
+from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, plain, resolve_space
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
     from ray.tune.search import Searcher
@@ -106,9 +104,9 @@ def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: l
     t0 = time.perf_counter()
     try:
         cand = space.suggest(optuna.trial.FixedTrial(config[PARAMS]))
-        metrics = space.evaluate(cand, report, device)
-        final["_energy_metrics"] = json.dumps({k: v for k, v in dict(metrics).items()
-                                               if isinstance(v, int | float | str)})
+        metrics = {str(k): plain(v) for k, v in dict(space.evaluate(cand, report, device)).items()}
+        final["_energy_metrics"] = json.dumps(metrics)
+        final.update({n: metrics[n] for n in pad if isinstance(metrics.get(n), float)})
     except optuna.TrialPruned as e:
         final.update({RKIND: "pruned", "_energy_reason": str(e) or "pruned"})
     except Exception as e:
@@ -116,8 +114,9 @@ def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: l
                       "_energy_traceback": traceback.format_exc(limit=-12)})
     final.update({PROGRESS: curve[-1][1] if curve else math.nan, "_energy_curve": json.dumps(curve),
                   "_energy_eval_s": time.perf_counter() - t0, "_energy_node": _node_id()})
-    del space  # the cached space stays; the candidate and its model go before the next trial
+    cand = None  # the candidate (and whatever model it holds) goes before the next trial in this actor
     free_memory()
+    shutil.rmtree(cache, ignore_errors=True)  # compiled kernels stay loaded; thousands of trials fill disks
     tune.report(final)
 
 
@@ -150,6 +149,8 @@ if OptunaSearch is not None:
                         trial.set_user_attr(SOURCE, str(cand.source()))
                     return {RKIND: "invalid", "_energy_reason": str(reason)}
                 info = candidate_info(cand)
+            except optuna.TrialPruned as e:  # the space rejected the values while sampling
+                return {RKIND: "invalid", "_energy_reason": str(e) or "rejected while sampling"}
             except Exception as e:
                 trial.set_user_attr(TRACEBACK, traceback.format_exc(limit=-12))
                 return {RKIND: "error", "_energy_reason": f"sampling failed: {type(e).__name__}: {e}"}
@@ -245,7 +246,8 @@ if OptunaSearch is not None:
             elif error:
                 self._finish(ot_trial, TrialState.FAIL, kind="error", curve=curve,
                              reason=f"Ray trial failed {MAX_RETRIES + 1} times (worker lost or crashed)")
-            elif self._energy_deadline is not None and time.time() >= self._energy_deadline:
+            elif not self._energy_prune or (self._energy_deadline is not None
+                                            and time.time() >= self._energy_deadline):
                 self._completed_trials.discard(trial_id)  # stopped by the time limit: left for abandon()
             else:
                 at = f" at step {curve[-1][0]}" if curve else ""
@@ -333,8 +335,9 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
                                       failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
         )
         tune_log.setLevel(logging.WARNING)
-        with contextlib.redirect_stdout(sys.stderr):  # Tune prints tables; stdout is for the JSON summary
-            tuner.fit()
+        (base / "ray").mkdir(parents=True, exist_ok=True)
+        with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log):
+            tuner.fit()  # Tune prints tables: keep them off stdout (JSON) and off the live panel
     finally:
         tune_log.setLevel(level)
         requeued = searcher.abandon_unfinished() if searcher is not None else 0

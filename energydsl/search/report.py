@@ -41,6 +41,7 @@ TRACEBACK = "traceback"
 # --- system attrs (engine bookkeeping) ---
 SLOT = "energy:slot"  # which of the `trials` budget slots this trial fills
 OWNER = "energy:owner"  # {"host", "boot", "pid", "start"} of the process running it
+CLAIMER = "energy:claimer"  # the same, written just before claiming: covers a death before OWNER is set
 HEARTBEAT = "energy:heartbeat"  # unix time, refreshed while running
 RETRY_OF = "energy:retry_of"
 # A lost trial (its worker died) or an interrupted one (Ctrl-C, SIGTERM) is replaced by a retry with the
@@ -77,9 +78,9 @@ def open_storage(spec: str) -> BaseStorage:
 
 def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
     """Open an existing study, with a readable error listing the names that do exist."""
-    st = open_storage(storage) if isinstance(storage, str) else storage
     if isinstance(storage, str) and "://" not in storage and not Path(storage).exists():
-        raise UserError(f"no study storage at {storage}")
+        raise UserError(f"no study storage at {storage}")  # checked first: opening a journal creates it
+    st = open_storage(storage) if isinstance(storage, str) else storage
     try:
         return optuna.load_study(study_name=study_name, storage=st)
     except KeyError as e:
@@ -161,11 +162,11 @@ def ranked(study: optuna.Study) -> list[FrozenTrial]:
     objectives = objectives_of(study)
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
     sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
-    front = {t.number for t in _pareto(done, sign)} if len(objectives) > 1 else set()
+    front = {t.number for t in pareto(done, sign)} if len(objectives) > 1 else set()
     return sorted(done, key=lambda t: (t.number not in front, sign[0] * t.values[0], t.number))
 
 
-def _pareto(trials: Sequence[FrozenTrial], sign: Sequence[float]) -> list[FrozenTrial]:
+def pareto(trials: Sequence[FrozenTrial], sign: Sequence[float]) -> list[FrozenTrial]:
     """The non-dominated trials (vectorized in blocks: the live display calls this every second)."""
     import numpy as np
 
@@ -187,7 +188,7 @@ def best_of(study: optuna.Study) -> dict[str, Any] | list[dict[str, Any]] | None
     if len(objectives) == 1:
         return _trial_brief(order[0], names) if order else None
     sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
-    front = _pareto([t for t in order if DUPLICATE_OF not in t.user_attrs], sign)
+    front = pareto([t for t in order if DUPLICATE_OF not in t.user_attrs], sign)
     return [_trial_brief(t, names) for t in front]
 
 
@@ -211,6 +212,7 @@ def summarize(study: optuna.Study, storage: str, target: int | None = None, **ex
 
 HEARTBEAT_S = 30.0  # how often a running trial says it is alive
 STALE_AFTER_S = 180.0  # silence after which a trial owned by another host counts as lost
+OWNERLESS_AFTER_S = 60.0  # OWNER is written milliseconds after the claim; much later, nobody will
 
 HOST = socket.gethostname()
 
@@ -258,6 +260,15 @@ def stale_reason(t: FrozenTrial, now: float | None = None) -> str | None:
     """Why a RUNNING trial can no longer finish, or None while its worker may still be at work."""
     now = time.time() if now is None else now
     owner = t.system_attrs.get(OWNER) or {}
+    if not owner:  # killed between claiming and recording itself: the claimer tells who it was
+        claimer = t.system_attrs.get(CLAIMER) or {}
+        if claimer.get("host") == HOST and (claimer.get("boot") != BOOT or not pid_alive(
+                int(claimer["pid"]), claimer.get("start"))):
+            return f"worker process {claimer['pid']} on {HOST} died as it took this trial"
+        started = t.datetime_start.timestamp() if t.datetime_start else None
+        if started is not None and now - started > OWNERLESS_AFTER_S:
+            return f"no worker took ownership in {now - started:.0f}s"
+        return None
     if owner.get("host") == HOST:
         if owner.get("boot") != BOOT:
             return f"host {HOST} restarted while the trial ran"
@@ -336,7 +347,7 @@ def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
         figs.append(("Optimization history", fig))
     elif done:
         sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
-        front = {t.number for t in _pareto(done, sign)}
+        front = {t.number for t in pareto(done, sign)}
         fig = go.Figure()
         for on_front, label in ((False, "dominated"), (True, "Pareto front")):
             sel = [t for t in done if (t.number in front) == on_front]

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from energydsl.errors import UserError
+from energydsl.search.report import HASH, MATHML, SOURCE, finite
 
 if TYPE_CHECKING:
     import optuna
@@ -124,6 +126,9 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
             raise UserError(f"cannot import search space {spec!r}: {e}") from e
         space = obj(**ref.sets) if callable(obj) else obj
     else:
+        if not Path(spec).exists():
+            raise UserError(f"no search spec {spec!r}",
+                            hint="give a .energy file, a registered name or package.module:attr")
         from energydsl.api import load_search  # lazy: the DSL side is optional for the engine
 
         space = load_search(spec, **ref.sets)
@@ -155,3 +160,39 @@ def objective_names(space: SearchSpace) -> list[str]:
 
 def objective_directions(space: SearchSpace) -> list[str]:
     return [direction for _, direction in space.objectives]
+
+
+# ----------------------------------------------------------------------------- reading what a space returns
+
+
+def candidate_info(cand: Candidate) -> dict[str, str]:
+    """What the report shows of a valid candidate, keyed by the user attrs it is stored under."""
+    return {HASH: str(cand.equation_hash()), SOURCE: str(cand.source()), MATHML: str(cand.equations_mathml())}
+
+
+def plain(v: Any) -> float | str:
+    """A metric as JSON can store it (numpy and 0-d torch numbers become floats)."""
+    if isinstance(v, str):
+        return v
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def check_metrics(metrics: Any, names: list[str]) -> tuple[list[float] | None, dict[str, Any], str | None]:
+    """(objective values, metrics to store, reason it failed)."""
+    if not isinstance(metrics, Mapping):
+        return None, {}, f"evaluate returned {type(metrics).__name__}, expected a dict of metrics"
+    clean = {str(k): plain(v) for k, v in metrics.items()}
+    missing = [n for n in names if n not in metrics]
+    if missing:
+        return None, clean, f"evaluate returned no {', '.join(missing)} (objectives: {', '.join(names)})"
+    try:
+        values = [float(metrics[n]) for n in names]
+    except (TypeError, ValueError) as e:
+        return None, clean, f"objective is not a number: {e}"
+    bad = [f"{n}={v}" for n, v in zip(names, values, strict=True) if not finite(v)]
+    if bad:
+        return None, clean, f"diverged: {', '.join(bad)}"
+    return values, clean, None

@@ -1,0 +1,308 @@
+"""The search engine on the toy space: budgets, validity, deduplication, failures, resume, kill -9,
+several processes on one study, Ray (local runtime and a simulated two-node cluster), the report.
+
+Evaluate calls are counted through a file the toy appends to, since workers are other processes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from energydsl.search import (
+    SpaceRef,
+    export_best,
+    load_study,
+    open_storage,
+    resolve_space,
+    run_search,
+    write_report,
+)
+from energydsl.search.report import OWNER, ledger
+
+TOY = "energydsl.search.toy:make_space"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def toy(tmp_path: Path, **sets: object) -> SpaceRef:
+    base = {"calls": str(tmp_path / "calls.txt"), "sleep": "0.01"}
+    base.update({k: str(v) for k, v in sets.items()})
+    return SpaceRef(TOY, base)
+
+
+def search(tmp_path: Path, ref: SpaceRef, **kw: object) -> dict:
+    kw.setdefault("storage", str(tmp_path / "study.journal"))
+    kw.setdefault("study_name", "t")
+    kw.setdefault("progress", False)
+    kw.setdefault("json", True)
+    return run_search(ref, **kw)  # type: ignore[arg-type]
+
+
+def trials(tmp_path: Path, name: str = "t") -> list[optuna.trial.FrozenTrial]:
+    return load_study(str(tmp_path / "study.journal"), name).get_trials()
+
+
+def calls(tmp_path: Path) -> list[list[str]]:
+    f = tmp_path / "calls.txt"
+    return [line.split() for line in f.read_text().splitlines()] if f.exists() else []
+
+
+def test_space_ref_pickles_and_resolves(tmp_path: Path) -> None:
+    ref = toy(tmp_path)
+    space = resolve_space(pickle.loads(pickle.dumps(ref)))
+    assert space.objectives == [("val_loss", "minimize")]
+    assert resolve_space(SpaceRef("toy")).name == "toy"  # registered name
+
+
+def test_local_search_counts(tmp_path: Path) -> None:
+    s = search(tmp_path, toy(tmp_path), trials=10, pruner="none", sampler="random", seed=3)
+    ts = trials(tmp_path)
+    assert len(ts) == 10 and s["finished"] == 10
+    assert s["completed"] == sum(t.state == TrialState.COMPLETE for t in ts)
+    assert s["pruned"] == sum(t.state == TrialState.PRUNED for t in ts)
+    assert s["failed"] == sum(t.state == TrialState.FAIL for t in ts)
+    assert s["completed"] >= 1 and s["best"]["params"] and "val_loss" in s["best"]["values"]
+    for t in ts:
+        assert t.user_attrs["kind"] in {"complete", "duplicate", "invalid", "error"}
+        if t.user_attrs["kind"] == "complete":
+            assert {"source", "equations_mathml", "equation_hash", "curve", "metrics"} <= set(t.user_attrs)
+            assert len(t.user_attrs["curve"]) == 4 and t.user_attrs["metrics"]["val_loss"] == t.values[0]
+
+
+def test_invalid_candidates_are_never_evaluated(tmp_path: Path) -> None:
+    ref = toy(tmp_path, mixers="ssm,bogus")
+    s = search(tmp_path, ref, trials=10, pruner="none", sampler="random", seed=1)
+    ts = trials(tmp_path)
+    invalid = [t for t in ts if t.user_attrs.get("kind") == "invalid"]
+    assert invalid and s["invalid"] == len(invalid)
+    assert all(t.state == TrialState.PRUNED and "bogus" in t.user_attrs["reason"] for t in invalid)
+    evaluated = calls(tmp_path)
+    assert all(c[2] != "bogus" for c in evaluated)
+    assert len(evaluated) == sum(t.user_attrs.get("kind") in ("complete", "error") for t in ts)
+
+
+def test_duplicates_share_one_result(tmp_path: Path) -> None:
+    s = search(tmp_path, toy(tmp_path, mixers="attn,attn_alias", depth=2, lr=0.01), trials=5, pruner="none")
+    ts = trials(tmp_path)
+    assert len(calls(tmp_path)) == 1  # one training for five candidates with the same equations
+    assert s["completed"] == 5 and s["duplicates"] == 4
+    first = ts[0]
+    assert {t.values[0] for t in ts} == {first.values[0]}
+    assert all(t.user_attrs["duplicate_of"] == first.number for t in ts[1:])
+
+
+def test_failing_trial_is_recorded_and_study_continues(tmp_path: Path) -> None:
+    ref = toy(tmp_path, mixers="diverge,ssm")
+    s = search(tmp_path, ref, trials=8, pruner="none", sampler="random", seed=0)
+    ts = trials(tmp_path)
+    failed = [t for t in ts if t.state == TrialState.FAIL]
+    assert failed and s["failed"] == len(failed) and s["completed"] >= 1
+    assert all("diverged" in t.user_attrs["reason"] and t.user_attrs["kind"] == "error" for t in failed)
+    assert any(t.number > failed[0].number for t in ts)  # trials went on after the first failure
+
+
+def test_pruning_records_pruned_trials(tmp_path: Path) -> None:
+    s = search(tmp_path, toy(tmp_path, mixers="ssm,attn"), trials=12, pruner="asha", seed=0)
+    ts = trials(tmp_path)
+    pruned = [t for t in ts if t.user_attrs.get("kind") == "pruned"]
+    assert s["finished"] == 12 and s["pruned"] == len(pruned)
+    assert all(t.intermediate_values and len(t.user_attrs["curve"]) < 4 for t in pruned)
+
+
+def test_resume_continues_the_study(tmp_path: Path) -> None:
+    ref = toy(tmp_path)
+    search(tmp_path, ref, trials=4, pruner="none", seed=0)
+    before = {t.number: (t.state, t.values, t.params) for t in trials(tmp_path)}
+    s = search(tmp_path, ref, trials=7, pruner="none", seed=1)
+    ts = trials(tmp_path)
+    assert s["finished"] == 7 and [t.number for t in ts] == list(range(7))
+    assert {t.number: (t.state, t.values, t.params) for t in ts if t.number in before} == before
+    assert search(tmp_path, ref, trials=7)["finished"] == 7  # reached already: nothing more runs
+
+
+def test_sqlite_url_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the bookkeeping lock of a URL storage lives under ./runs/<study>/
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    ref = toy(tmp_path, mixers="ssm,attn")
+    assert run_search(ref, storage=url, study_name="q", trials=3, progress=False, json=True)["finished"] == 3
+    s = run_search(ref, storage=url, study_name="q", trials=5, progress=False, json=True)
+    ts = optuna.load_study(study_name="q", storage=url).get_trials()
+    assert s["finished"] == 5 and len(ts) == 5 and ledger(ts).finished == 5
+
+
+def test_timeout_stops_starting_trials(tmp_path: Path) -> None:
+    ref = toy(tmp_path, mixers="ssm,attn", sleep=0.05)
+    s = search(tmp_path, ref, trials=1000, timeout=1.0, pruner="none")
+    ts = trials(tmp_path)
+    assert 1 <= s["finished"] < 20 and s["running"] == 0 and s["elapsed_s"] < 5
+    assert len(ts) <= s["finished"] + 2  # only a few slots were opened ahead, not the whole budget
+    assert search(tmp_path, ref, trials=s["finished"] + 2, pruner="none")["finished"] == s["finished"] + 2
+
+
+def test_other_objectives_on_the_same_study_are_refused(tmp_path: Path) -> None:
+    from energydsl.errors import UserError
+
+    search(tmp_path, toy(tmp_path), trials=1)
+    with pytest.raises(UserError, match="searches"):
+        search(tmp_path, toy(tmp_path, objectives="val_loss,params"), trials=2)
+
+
+@pytest.mark.slow
+def test_a_candidate_that_kills_its_worker_is_retried_then_failed(tmp_path: Path) -> None:
+    s = search(tmp_path, toy(tmp_path, mixers="crash"), trials=1, workers=2, pruner="none")
+    ts = trials(tmp_path)
+    assert s["finished"] == 1 and s["failed"] == 1 and s["lost"] == 2 and s["worker_crashes"] == 3
+    assert "given up after 3 lost attempts" in ts[-1].user_attrs["reason"]
+
+
+def test_stale_trials_are_recognized(tmp_path: Path) -> None:
+    from energydsl.search.local import recover_stale
+    from energydsl.search.report import CLAIMER, owner_info, stale_reason
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = {**owner_info(), "pid": gone.pid}
+    storage = open_storage(str(tmp_path / "study.journal"))
+    study = optuna.create_study(storage=storage, study_name="t")
+    cases = {"alive": {OWNER: owner_info()}, "dead": {OWNER: dead}, "died claiming": {CLAIMER: dead},
+             "claiming": {CLAIMER: owner_info()}}
+    for attrs in cases.values():
+        study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING, system_attrs={"energy:slot": 0}))
+        t = study.get_trials()[-1]
+        for k, v in attrs.items():
+            storage.set_trial_system_attr(t._trial_id, k, v)
+        storage.set_trial_state_values(t._trial_id, TrialState.RUNNING)
+    stale = {name: stale_reason(t) is not None for name, t in zip(cases, study.get_trials(), strict=True)}
+    assert stale == {"alive": False, "dead": True, "died claiming": True, "claiming": False}
+    assert recover_stale(study, storage) == 2
+    assert [t.user_attrs.get("kind") for t in study.get_trials()[:4]] == [None, "lost", "lost", None]
+    retries = study.get_trials(states=(TrialState.WAITING,))
+    assert [t.system_attrs["energy:retry_of"] for t in retries] == [1, 2]
+
+
+def _script(tmp_path: Path, ref: SpaceRef, trials_: int, workers: int = 1) -> str:
+    return textwrap.dedent(f"""
+        from energydsl.search import SpaceRef, run_search
+        run_search(SpaceRef({ref.spec!r}, {ref.sets!r}), storage={str(tmp_path / "study.journal")!r},
+                   study_name="t", trials={trials_}, workers={workers}, pruner="none", progress=False,
+                   json=True)
+    """)
+
+
+def _spawn(tmp_path: Path, code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_kill_9_loses_no_completed_trial(tmp_path: Path) -> None:
+    ref = toy(tmp_path, mixers="ssm,attn", sleep=0.1)
+    proc = _spawn(tmp_path, _script(tmp_path, ref, 12))
+    storage = tmp_path / "study.journal"
+    deadline = time.time() + 120
+    done: dict[int, tuple] = {}
+    while time.time() < deadline:
+        if storage.exists():
+            try:
+                st = optuna.load_study(study_name="t", storage=open_storage(str(storage)))
+                done = {t.number: (t.values, t.params) for t in st.get_trials(states=(TrialState.COMPLETE,))}
+            except KeyError:
+                pass
+        if len(done) >= 3:
+            break
+        assert proc.poll() is None, "the search ended before it could be killed"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(done) >= 3
+    s = search(tmp_path, ref, trials=12, pruner="none")
+    ts = trials(tmp_path)
+    state = [(t.number, t.state.name, t.user_attrs.get("kind"), t.system_attrs) for t in ts]
+    assert s["finished"] == 12 and s["running"] == 0 and s["waiting"] == 0, state
+    now = {t.number: (t.values, t.params) for t in ts if t.state == TrialState.COMPLETE}
+    assert all(now[n] == v for n, v in done.items())  # every trial completed before the kill survived
+    lost = [t for t in ts if t.user_attrs.get("kind") == "lost"]
+    assert s["lost"] == len(lost) <= 1
+    for t in lost:  # the trial the kill interrupted ran again, with the same parameters
+        retry = [r for r in ts if r.system_attrs.get("energy:retry_of") == t.number]
+        assert len(retry) == 1 and retry[0].params == t.params and retry[0].state.is_finished()
+
+
+def test_two_commands_share_one_study_exactly(tmp_path: Path) -> None:
+    ref = toy(tmp_path, mixers="ssm,attn", sleep=0.1)
+    procs = [_spawn(tmp_path, _script(tmp_path, ref, 10)) for _ in range(2)]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    ts = trials(tmp_path)
+    assert len(ts) == 10 and sorted(t.number for t in ts) == list(range(10))
+    assert all(t.state.is_finished() for t in ts)
+    assert len(calls(tmp_path)) == 10  # no trial ran twice, none was lost
+
+
+def test_two_worker_processes_run_exactly_the_budget(tmp_path: Path) -> None:
+    ref = toy(tmp_path, mixers="ssm,attn", sleep=0.15)
+    s = search(tmp_path, ref, trials=10, workers=2, pruner="none")
+    ts = trials(tmp_path)
+    assert s["finished"] == 10 and len(ts) == 10 and len({t.number for t in ts}) == 10
+    assert len({t.system_attrs[OWNER]["pid"] for t in ts}) == 2  # both processes took trials
+    assert os.getpid() not in {t.system_attrs[OWNER]["pid"] for t in ts}
+
+
+def test_multi_objective_report_and_export(tmp_path: Path) -> None:
+    s = search(tmp_path, toy(tmp_path, objectives="val_loss,params"), trials=10, seed=2, pruner="asha")
+    assert isinstance(s["best"], list) and s["best"] and any("pruning disabled" in n for n in s["notes"])
+    out = write_report(str(tmp_path / "study.journal"), "t", tmp_path / "report.html")
+    page = out.read_text()
+    assert "Pareto front" in page and "<math" in page and "layer toy" in page
+    assert not re.search(r"<script[^>]*\bsrc\s*=\s*['\"]?(https?:)?//", page)  # no CDN: works offline
+    number = export_best(str(tmp_path / "study.journal"), "t", tmp_path / "best.energy")
+    best = next(t for t in trials(tmp_path) if t.number == number)
+    assert (tmp_path / "best.energy").read_text() == best.user_attrs["source"]
+
+
+def test_single_objective_report(tmp_path: Path) -> None:
+    search(tmp_path, toy(tmp_path), trials=6, pruner="none", seed=0)
+    page = write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").read_text()
+    assert "Optimization history" in page and "Learning curves" in page and "<math" in page
+    assert not re.search(r"<script[^>]*\bsrc\s*=", page)
+
+
+def test_ray_backend_local_runtime(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    s = search(tmp_path, toy(tmp_path, sleep=0.02), backend="ray", trials=8, workers=2, cpus_per_trial=1)
+    assert not ray.is_initialized()  # the runtime it started is shut down
+    ts = trials(tmp_path)
+    assert s["finished"] == 8 and len(ts) == 8 and ledger(ts).running == 0
+    for t in ts:
+        if t.user_attrs.get("kind") == "complete":
+            assert {"source", "equations_mathml", "curve", "metrics", "ray"} <= set(t.user_attrs)
+    trained = {t.user_attrs["equation_hash"] for t in ts if t.user_attrs.get("kind") in ("complete", "error")}
+    assert all(c[2] not in ("bogus",) for c in calls(tmp_path)) and len(calls(tmp_path)) >= len(trained)
+    assert write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").exists()
+
+
+def test_ray_two_node_cluster(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", sleep=0.3), backend="ray", trials=4, workers=2,
+                   address=cluster.address, pruner="none")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    ts = trials(tmp_path)
+    assert s["finished"] == 4 and s["completed"] == 4
+    nodes = {t.user_attrs["ray"]["node"] for t in ts if "ray" in t.user_attrs}
+    assert len(nodes) == 2  # 1 CPU per node and 2 concurrent trials: both nodes trained
