@@ -128,7 +128,7 @@ def main() -> None:
         if isinstance(code, int) and code:
             sys.exit(code)
     except UserError as e:
-        err.print(e.render(), markup=False)
+        print(e.render(), file=sys.stderr)  # plain print: never wrap a file:line:col location
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -144,8 +144,8 @@ def main() -> None:
         if isinstance(e, click.exceptions.ClickException):
             e.show()
             sys.exit(e.exit_code)
-        err.print(f"internal error while processing {spec_name}: {type(e).__name__}: {e} "
-                  "(please report this with the spec)", markup=False)
+        print(f"internal error while processing {spec_name}: {type(e).__name__}: {e} "
+              "(please report this with the spec)", file=sys.stderr)
         sys.exit(70)
 
 

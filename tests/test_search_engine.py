@@ -235,7 +235,9 @@ def test_kill_9_loses_no_completed_trial(tmp_path: Path) -> None:
     assert s["lost"] == len(lost) <= 1
     for t in lost:  # the trial the kill interrupted ran again, with the same parameters
         retry = [r for r in ts if r.system_attrs.get("energy:retry_of") == t.number]
-        assert len(retry) == 1 and retry[0].params == t.params and retry[0].state.is_finished()
+        # a trial killed while still sampling has only some params; its retry keeps them and samples the rest
+        assert len(retry) == 1 and retry[0].state.is_finished()
+        assert all(retry[0].params.get(name) == value for name, value in t.params.items())
 
 
 def test_two_commands_share_one_study_exactly(tmp_path: Path) -> None:
