@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import ir, sympy_instance
-from .calculus import directional, substitute_var
-from .instance import Instance, eval_tokens, random_instance, run_program
+from .calculus import directional, substitute_var, untie
+from .evaluate import evaluate
+from .instance import Instance, eval_tokens, make_env, random_instance, run_program
 from .optimizers import UpdateProgram
 
 TOL = 1e-9
@@ -135,9 +136,6 @@ def check_hessian(prog: UpdateProgram) -> CheckResult | None:
         vvar = ir.Var(vname, "input", prog.point.shape)
         hv_expr = directional(prog.gradient, prog.point, vvar)
         inst.params[vname] = v
-        from .evaluate import evaluate
-        from .instance import make_env
-
         env = make_env(prog.spec, inst, {prog.point.name: at})
         env.tensors[vname] = v
         hv = evaluate(hv_expr, env).tensor.expand_as(at)
@@ -270,9 +268,6 @@ def check_definite(prog: UpdateProgram) -> CheckResult | None:
     worst_min = float("inf")
     for seed in range(8):
         inst = random_instance(prog, seed=seed, scale=1.5)
-        from .evaluate import evaluate
-        from .instance import make_env
-
         env = make_env(spec, inst, {spec.state.name: inst.x})
         mat = evaluate(prog.preconditioner, env).tensor
         mat = mat.reshape(-1, mat.shape[-2], mat.shape[-1])
@@ -293,16 +288,11 @@ def check_tying(prog: UpdateProgram) -> CheckResult | None:
     spec = prog.spec
     if not spec.untie_rules:
         return None
-    from .calculus import untie
-
     untied_full, _ = untie(prog.tied_direction, spec.untie_rules)
     worst = 0.0
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
         tensors = {spec.state.name: inst.x}
-        from .evaluate import evaluate
-        from .instance import make_env
-
         for pattern, repl in spec.untie_rules:
             base = repl
             idx = []

@@ -61,7 +61,7 @@ class Env:
     cache: dict = field(default_factory=dict)
 
 
-def _align(v: Value, idx: tuple[str, ...], sizes: dict[str, int]) -> torch.Tensor:
+def _align(v: Value, idx: tuple[str, ...]) -> torch.Tensor:
     """Insert singleton axes so `v` is laid out over the (sorted) index tuple `idx`."""
     t = v.tensor
     for pos, name in enumerate(idx):
@@ -72,7 +72,7 @@ def _align(v: Value, idx: tuple[str, ...], sizes: dict[str, int]) -> torch.Tenso
 
 def _merge(*vals: Value) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     idx = tuple(sorted(set().union(*(v.idx for v in vals))))
-    out = [_align(v, idx, {}) for v in vals]
+    out = [_align(v, idx) for v in vals]
     return idx, out
 
 
@@ -217,7 +217,6 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
     axis = 2 + body.idx.index(e.index)
     t = body.tensor
     info = env.indices[e.index]
-    rank = len(e.body.shape)
     mask = None
     if info.context is not None:
         m = context_mask(env, e.index, t.device)  # (T_i, T_j)
@@ -234,7 +233,7 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
             p = torch.nan_to_num(p, nan=0.0) * mask  # an empty context has no weights
         return Value(p, body.idx)
     if e.op == "sum":
-        out = (t if mask is None else t * _pad_rank(mask, 0, 0).to(t.dtype)).sum(axis)
+        out = (t if mask is None else t * mask.to(t.dtype)).sum(axis)
     elif e.op == "mean":
         tm = t if mask is None else t * mask.to(t.dtype)
         cnt = t.shape[axis] if mask is None else mask.to(t.dtype).sum(axis).clamp(min=1)
@@ -252,7 +251,6 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
         out = s.amax(axis)
     else:
         raise NotImplementedError(e.op)
-    del rank
     return Value(out, rest)
 
 
@@ -261,11 +259,3 @@ def _index_size(name: str, env: Env) -> int:
     if info.context is not None:
         return env.seq_len
     return int(sympy_to_torch(info.size, env.scalars))
-
-
-def to_tokens(v: Value, e: Expr, batch: int, seq: int) -> torch.Tensor:
-    """A per-token value with no free index, expanded to (B, T, *shape)."""
-    if v.idx:
-        raise ValueError(f"value still has free indices {v.idx}")
-    t = v.tensor
-    return t.expand(batch, seq, *t.shape[2:])

@@ -6,7 +6,6 @@ derived program and autograd on them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import sympy as sp
@@ -180,10 +179,3 @@ def _clear_step_cache(env: Env) -> None:
     from .ir import Let
 
     env.cache = {k: v for k, v in env.cache.items() if isinstance(v[0], Let)}
-
-
-def sizes_ok(spec: EnergyIR) -> bool:
-    try:
-        return all(math.isfinite(v) for v in spec.dims().values())
-    except Exception:  # noqa: BLE001
-        return False

@@ -556,11 +556,6 @@ def reduce(op: str, index: str, body: Expr) -> Expr:
     return Reduce(op, index, body)
 
 
-def count_value(index: str, sizes: dict[str, sp.Expr]) -> sp.Expr | None:
-    """The size of a head-like index, or None for a context index (its count depends on i)."""
-    return sizes.get(index)
-
-
 @dataclass
 class IndexInfo:
     """What a named index ranges over: a dim size (heads), or a causal context (`j <= i`)."""
@@ -624,10 +619,6 @@ def rebuild(e: Expr, kids: list[Expr]) -> Expr:
         case Let():
             return Let(e.name, kids[0])
     raise TypeError(f"cannot rebuild {type(e).__name__}")
-
-
-def depends_on(e: Expr, names: set[str]) -> bool:
-    return any(isinstance(n, Var) and n.name in names for n in walk(e))
 
 
 def count_nodes(e: Expr) -> int:

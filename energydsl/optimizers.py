@@ -103,7 +103,7 @@ def build_program(spec: EnergyIR) -> UpdateProgram:
         per_head = _per_head_direction(spec, g_body, point, k, params)
         direction = ir.mul(coef, ir.reduce("sum", k, per_head))
     else:
-        direction = _newton(spec, grad_full, point) if opt.kind == "newton" else grad_full
+        direction = _neumann(spec, grad_full, point) if opt.kind == "newton" else grad_full
         direction, _ = _precondition(spec, direction, point, None, params)
     preconditioner = _preconditioner_matrix(spec, params, head if needs_heads else None)
     direction = at_state(direction)
@@ -196,10 +196,6 @@ def _neumann(spec: EnergyIR, g: Expr, point: Var) -> Expr:
         hv = directional(g, point, r)
         r = ir.add(g, r, ir.neg(hv), ir.neg(ir.mul(lam, r)))
     return r
-
-
-def _newton(spec: EnergyIR, g: Expr, point: Var) -> Expr:
-    return _neumann(spec, g, point)
 
 
 def _pre_params(spec: EnergyIR, head: str | None, params: dict[str, ParamSpec]) -> dict[str, Expr]:

@@ -198,9 +198,8 @@ class _Lowering:
             idx = ", ".join(sorted(energy.free))
             raise SpecError(f"index {idx} is used outside a reduction in the global energy", gclause.span,
                             f"wrap it in sum[{idx}](...) or logsumexp[{idx}](...)")
-        if self.via and self.via[0].name == opt.wrt:
-            pass
-        elif opt.wrt and opt.wrt != self.state.name:
+        wrt_names = {self.state.name} | ({self.via[0].name} if self.via else set())
+        if opt.wrt and opt.wrt not in wrt_names:
             raise SpecError(f"`wrt {opt.wrt}`: no variable of that name (use the state or its `via` name)", opt.span)
         untie = [self._untie_rule(r) for c in by_kind.get("untie", []) for r in c.value]
         expects = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lark
-from lark import Lark, Token, Transformer, v_args
+from lark import Lark, Transformer, v_args
 
 from .errors import Span, SpecError
 
@@ -621,7 +621,3 @@ def _load(text: str, file: str, base: Path, module: Module, stack: list[str], se
         table[item.name] = item
         if top:
             module.order.append(item.name)
-
-
-def token_span(tok: Token, file: str, text: str) -> Span:
-    return Span(file, tok.line or 1, tok.column or 1, text)
