@@ -178,16 +178,16 @@ class Spec:
     """A parsed `.energy` file (with its imports): declarations by name."""
 
     def __init__(self, module: syntax.Module):
-        self.module = module
+        self.syntax = module
         self.path = module.path
 
     @property
     def names(self) -> list[str]:
-        return self.module.names()
+        return self.syntax.names()
 
     @property
     def energy_names(self) -> list[str]:
-        return [n for n in self.module.names() if n in self.module.energies]
+        return [n for n in self.syntax.names() if n in self.syntax.energies]
 
     def energy(self, name: str | None = None, **dims: float) -> Derived:
         names = self.energy_names
@@ -196,7 +196,7 @@ class Spec:
                 raise SpecError(f"{self.path} declares {len(names)} energies ({', '.join(names) or 'none'}); "
                                 "name one", None)
             name = names[0]
-        decl = self.module.energies.get(name)
+        decl = self.syntax.energies.get(name)
         if decl is None:
             raise SpecError(f"no energy named `{name}` in {self.path} (it has: {', '.join(names) or 'none'})", None)
         spec = lower_energy(decl, dims)
@@ -204,15 +204,65 @@ class Spec:
 
     def derive(self, **dims: float) -> list[Derived]:
         """Every energy declared in the file itself (not its imports)."""
-        known = {n for e in self.energy_names for n, _ in self.module.energies[e].header}
+        known = {n for e in self.energy_names for n, _ in self.syntax.energies[e].header}
         unknown = sorted(set(dims) - known)
         if unknown:
             raise SpecError(f"`{unknown[0]}` is not a dim of any energy in {self.path} (dims: "
                             f"{', '.join(sorted(known)) or 'none'})", None)
-        return [self.energy(n, **_dims_for(self.module.energies[n], dims)) for n in self.energy_names]
+        return [self.energy(n, **_dims_for(self.syntax.energies[n], dims)) for n in self.energy_names]
 
     def check(self, **dims: float) -> dict[str, list[CheckResult]]:
         return {d.name: d.check() for d in self.derive(**dims)}
+
+
+    @property
+    def model_names(self) -> list[str]:
+        return [n for n in self.syntax.names() if n in self.syntax.models]
+
+    def model(self, name: str | None = None, backend: str = "torch", **dims: float):
+        """The language model a `model` declaration describes (`energydsl.runtime.model.LanguageModel`)."""
+        from .codegen import module_class
+        from .codegen.torch_module import flops_per_token
+        from .composition import plan_model
+        from .runtime.model import LanguageModel, StageInfo
+
+        name = self._pick(name, self.model_names, "models")
+        plan = plan_model(self.syntax, name, dims)
+        classes, infos = [], []
+        for stage in plan.stages:
+            spec = lower_energy(stage.decl, stage.dims)
+            derived = Derived(spec, build_program(spec))
+            classes.append(module_class(derived, backend))
+            infos.append(StageInfo(stage.label, derived, flops_per_token(derived.program, plan.context)))
+        return LanguageModel(plan, classes, infos)
+
+    def module(self, name: str | None = None, backend: str = "torch", **dims: float):
+        """An nn.Module for an energy (its update) or a model (a language model); `name` may be left out
+        when the file declares exactly one energy or model."""
+        from .codegen import module_class
+
+        if name is None:
+            names = self.energy_names + self.model_names
+            name = self._pick(None, names, "energies or models")
+        if name in self.syntax.models:
+            return self.model(name, backend, **dims)
+        return module_class(self.energy(name, **dims), backend)()
+
+    def plan(self, name: str | None = None, **dims: float):
+        from .composition import plan_model
+
+        return plan_model(self.syntax, self._pick(name, self.model_names, "models"), dims)
+
+    def _pick(self, name: str | None, names: list[str], what: str) -> str:
+        if name is None:
+            if len(names) != 1:
+                raise SpecError(f"{self.path} declares {len(names)} {what} ({', '.join(names) or 'none'}); "
+                                "name one", None)
+            return names[0]
+        if name not in names:
+            have = ", ".join(names) or "none"
+            raise SpecError(f"no {what.rstrip('s')} named `{name}` in {self.path} (it has: {have})", None)
+        return name
 
 
 def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, float]:

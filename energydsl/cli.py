@@ -1,4 +1,4 @@
-"""The `energy` command line: derive, check (and, as they land, compile, train, search).
+"""The `energy` command line: derive, check, compile, info, graph, train, sample, search, report.
 
 Every user error prints `file:line:col: error: ...` with the source line and a caret, exit 2.
 Anything unexpected prints one line naming the spec and exits 70: never a traceback.
@@ -117,6 +117,196 @@ def check(
         out.print(f"[{'green' if file_ok else 'red'}]{path}: {'ok' if file_ok else 'FAILED'}[/] ({seconds:.2f} s)\n")
     if not all_ok:
         raise typer.Exit(1)
+
+
+@app.command("compile")
+def compile_(
+    file: Annotated[str, typer.Argument(help="A .energy file.")],
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Which energy (default: all of them).")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="torch | triton")] = "torch",
+    sets: SetOpt = None,
+) -> None:
+    """Generate readable PyTorch modules: one nn.Module per energy, its forward the derived update."""
+    from .api import load
+    from .codegen import energy_source
+
+    spec = load(file)
+    dims = parse_sets(sets)
+    derived = [spec.energy(name, **dims)] if name else spec.derive(**dims)
+    if not derived:
+        raise UserError(f"{file} declares no energy")
+    sources = [energy_source(d, backend) for d in derived]
+    text = sources[0] if len(sources) == 1 else _join_modules(sources)
+    if output is None:
+        print(text)
+        return
+    try:
+        with open(output, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise UserError(f"cannot write {output}: {e.strerror}") from None
+    err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
+
+
+def _join_modules(sources: list[str]) -> str:
+    """Several generated modules in one file: one docstring and import block, then the classes."""
+    head, *_ = sources[0].split("\n\n\nclass ", 1)
+    classes = ["class " + s.split("\n\n\nclass ", 1)[1] for s in sources]
+    imports = sorted({ln for s in sources for ln in s.split("\n\n\nclass ", 1)[0].splitlines()
+                      if ln.startswith(("import ", "from "))} - {"from __future__ import annotations"})
+    doc = head.split('"""')[1]
+    return f'"""{doc}"""\n\nfrom __future__ import annotations\n\n' + "\n".join(imports) + "\n\n\n" + \
+        "\n\n".join(classes)
+
+
+def _model(file: str, name: str | None, sets: list[str] | None):
+    from .api import load
+
+    spec = load(file)
+    return spec, spec.model(name, **parse_sets(sets))
+
+
+@app.command()
+def info(
+    file: Annotated[str, typer.Argument(help="A .energy file with a model.")],
+    name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    sets: SetOpt = None,
+) -> None:
+    """Sizes and costs: parameters (total, non-embedding), forward FLOPs and activation memory per token."""
+    _, model = _model(file, name, sets)
+    data = model.info()
+    if as_json:
+        print(json.dumps(data))
+        return
+    table = Table(title=f"{file} · {data['model']}", title_justify="left", show_edge=False, show_header=False)
+    for key in ("params", "params_non_embedding", "flops_per_token", "activation_bytes_per_token", "layers"):
+        table.add_row(key.replace("_", " "), f"{data[key]:,}")
+    table.add_row("stages", " -> ".join(data["stages"]) + (" (shared)" if data["shared"] else ""))
+    table.add_row("dims", ", ".join(f"{k}={v}" for k, v in data["dims"].items()))
+    out.print(table)
+
+
+@app.command()
+def graph(
+    file: Annotated[str, typer.Argument(help="A .energy file with a model.")],
+    name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
+    dot: Annotated[str | None, typer.Option("--dot", help="Also write the graph as Graphviz DOT here.")] = None,
+    sets: SetOpt = None,
+) -> None:
+    """Print a model's composition (embeddings, stages per layer, norms, head) and write it as DOT."""
+    import networkx as nx
+
+    from .api import load
+    from .composition import describe
+
+    plan = load(file).plan(name, **parse_sets(sets))
+    print(describe(plan))
+    if dot:
+        g = plan.graph()
+        lines = [f'digraph "{plan.name}" {{', "  rankdir=TB;"]
+        for node, data in g.nodes(data=True):
+            lines.append(f'  "{node}" [label="{data.get("label", node)}", shape='
+                         f'{"box" if data.get("kind") == "stage" else "ellipse"}];')
+        for a, b in g.edges():
+            lines.append(f'  "{a}" -> "{b}";')
+        lines.append("}")
+        try:
+            with open(dot, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write {dot}: {e.strerror}") from None
+        err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes)")
+
+
+@app.command("train")
+def train_(
+    file: Annotated[str, typer.Argument(help="A .energy file with a model.")],
+    data: Annotated[str, typer.Option("--data", help="shakespeare_char | bytes:PATH | chars:PATH | listops | mqar")],
+    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 300,
+    name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
+    out_dir: Annotated[str | None, typer.Option("--out", help="Run directory (default runs/<model>).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
+    block_size: Annotated[int | None, typer.Option("--block-size", help="Default: the model's context.")] = None,
+    lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    eval_interval: Annotated[int, typer.Option("--eval-interval")] = 100,
+    eval_iters: Annotated[int, typer.Option("--eval-iters")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup")] = 30,
+    device: Annotated[str, typer.Option("--device", help="cpu | cuda | auto")] = "cpu",
+    seed: Annotated[int, typer.Option("--seed")] = 1337,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Ignore an existing checkpoint in --out.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a final JSON summary.")] = False,
+    sets: SetOpt = None,
+) -> None:
+    """Train a model: AdamW, warmup + cosine, clipping, best-validation checkpoint (safetensors), resumable."""
+    from pathlib import Path
+
+    from .training import TrainConfig, load_dataset, train
+
+    spec, model = _model(file, name, sets)
+    block = block_size or model.block_size
+    if block > model.block_size:
+        raise UserError(f"--block-size {block} is longer than the model's context {model.block_size}")
+    dataset = load_dataset(data, block_size=block)
+    if dataset.vocab_size > model.vocab_size:
+        raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is {model.vocab_size}",
+                        hint=f"add --set vocab={dataset.vocab_size}")
+    config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block, lr=lr, min_lr=lr / 10,
+                         warmup_steps=min(warmup, steps), eval_interval=eval_interval, eval_iters=eval_iters,
+                         device=device, seed=seed)
+    run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
+    metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file), "model": model.plan.name,
+                "dims": model.plan.dims, "context": model.block_size, "equation_hash": model.equation_hash()}
+    result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh, progress=not as_json)
+    result.setdefault("params", model.num_params())
+    result["out"] = str(run_dir)
+    if as_json:
+        print(json.dumps(result, default=str))
+    else:
+        out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
+
+
+def _spec_text(file: str) -> str:
+    try:
+        with open(file) as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {file}: {e.strerror}") from None
+
+
+@app.command()
+def sample(
+    checkpoint: Annotated[str, typer.Argument(help="A run directory or a .safetensors checkpoint.")],
+    prompt: Annotated[str, typer.Option("--prompt")] = "",
+    tokens: Annotated[int, typer.Option("--tokens", help="How many tokens to generate.")] = 200,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.8,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Generate text from a trained checkpoint (its spec and dims travel with it)."""
+    from pathlib import Path
+
+    import torch
+
+    from .api import load
+    from .training import load_dataset
+    from .training.sampling import codec_from_json, load_checkpoint
+    from .training.sampling import sample as generate
+
+    state, meta = load_checkpoint(checkpoint)
+    if "model" not in meta:
+        raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
+    path = Path(meta.get("spec_path", ""))
+    spec = load(path if path.is_file() else meta["spec_source"])
+    model = spec.model(meta["model"], **meta["dims"])
+    model.load_state_dict(state)
+    training = meta.get("training", {})
+    dataset = training.get("dataset", {})
+    codec = codec_from_json(dataset["codec"]) if "codec" in dataset else load_dataset(dataset.get("name", ""))
+    text = generate(model, codec, prompt, tokens, temperature, top_k, torch.Generator().manual_seed(seed),
+                    metadata=meta, include_prompt=True)
+    print(text)
 
 
 def main() -> None:

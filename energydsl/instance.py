@@ -179,3 +179,27 @@ def _clear_step_cache(env: Env) -> None:
     from .ir import Let
 
     env.cache = {k: v for k, v in env.cache.items() if isinstance(v[0], Let)}
+
+
+def instance_from_params(prog: UpdateProgram, raw: dict[str, torch.Tensor], x: torch.Tensor,
+                         context: torch.Tensor | None = None, input: torch.Tensor | None = None) -> Instance:
+    """The instance a generated module sees: its raw parameters (constrained here) and token tensors.
+
+    This is how generated code is tested against the reference interpreter (`run_program`).
+    """
+    spec = prog.spec
+    scalars: dict[sp.Symbol, torch.Tensor | float] = {sym: spec.dim_values[n] for n, sym in spec.dim_symbols.items()}
+    for sym, value in prog.hyper_values.items():
+        scalars[sym] = float(value)
+    params: dict[str, torch.Tensor] = {}
+    for name, p in prog.params.items():
+        value = constrain(p, raw[name])
+        if not p.shape:
+            scalars[spec.scalar_params.get(name) or sp.Symbol(name, real=True)] = value.reshape(())
+            if name.startswith("opt_"):
+                scalars[spec.optimizer.hyper[name[4:]].symbol] = value.reshape(())
+        else:
+            params[name] = value
+    ctx = (x if context is None else context) if spec.context is not None else None
+    inp = (x if input is None else input) if spec.input is not None else None
+    return Instance(params, scalars, x, ctx, inp, x.shape[1])

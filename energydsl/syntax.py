@@ -7,6 +7,7 @@ cycles reported at the offending `import`.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -436,7 +437,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def norm(self, meta, c):
-        where = "layer" if "layer" in self.text[meta.start_pos : meta.end_pos] else "stage"
+        where = "layer" if re.search(r"each\s+layer", self.text[meta.start_pos : meta.end_pos]) else "stage"
         return Clause("norm", self._span(meta), str(c[0]), where)
 
     @v_args(meta=True)

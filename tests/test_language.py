@@ -77,7 +77,7 @@ def test_import_brings_declarations(tmp_path):
     (tmp_path / "lib.energy").write_text(MHA)
     (tmp_path / "main.energy").write_text('import "lib.energy"\nblock B = MHA -> MHA\n')
     spec = load(str(tmp_path / "main.energy"))
-    assert "MHA" in spec.module.energies and "B" in spec.module.blocks
+    assert "MHA" in spec.syntax.energies and "B" in spec.syntax.blocks
 
 
 def run_cli(*args, input_file=None):

@@ -1,0 +1,69 @@
+"""Generated GPT (examples/models/gpt.energy) against a hand-written nanoGPT model.py, same run, same sizes.
+
+Prints forward+backward time per training step for both and the ratio generated / hand-written
+(target: at most 1.10). Default: nanoGPT's Shakespeare-char size on the CPU.
+
+    python benchmarks/model_vs_reference.py [--batch 8] [--context 256] [--d 384] [--layers 6] [--heads 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.reference_gpt import GPT  # noqa: E402
+from energydsl import load  # noqa: E402
+
+
+def step_time(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    logits = model(idx)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--d", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=65)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dims = dict(vocab=args.vocab, context=args.context, d=args.d, layers=args.layers, heads=args.heads)
+    generated = load(Path(__file__).resolve().parents[1] / "examples/models/gpt.energy").model(**dims).to(args.device)
+    reference = GPT(args.vocab, args.context, args.d, args.layers, args.heads).to(args.device)
+    n_gen, n_ref = generated.num_params(), sum(p.numel() for p in reference.parameters())
+    idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
+    targets = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
+    for m in (generated, reference):  # warm up
+        for _ in range(2):
+            step_time(m, idx, targets)
+    times: dict[str, list[float]] = {"generated": [], "hand-written": []}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
+        times["generated"].append(step_time(generated, idx, targets))
+        times["hand-written"].append(step_time(reference, idx, targets))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"device {args.device} · torch {torch.__version__} · threads {torch.get_num_threads()} · "
+          f"batch {args.batch} x context {args.context} · d {args.d} · layers {args.layers} · heads {args.heads}")
+    print(f"params: generated {n_gen:,} · hand-written {n_ref:,}")
+    for k, v in med.items():
+        print(f"{k:>13}: {v * 1000:8.1f} ms / step (median of {args.repeats}, forward + backward)")
+    print(f"ratio generated / hand-written: {med['generated'] / med['hand-written']:.3f} (target ≤ 1.10)")
+
+
+if __name__ == "__main__":
+    main()

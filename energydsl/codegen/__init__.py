@@ -1,0 +1,74 @@
+"""Code generation: derived update programs to PyTorch source, cached on disk and imported.
+
+    source = energy_source(derived)                    # the text `energy compile` writes
+    cls = module_class(derived)                        # generated (or found in the cache) and imported
+    layer = cls()                                      # an nn.Module
+
+The cache key is the equation hash (derived equations and dims) plus the code generator's version, so
+an unchanged spec is never regenerated, and a change to the generator invalidates old files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..api import Derived
+
+GENERATOR_VERSION = "2"
+BACKENDS = ("torch", "triton")
+
+
+def cache_dir() -> Path:
+    """$ENERGYDSL_CACHE, else ~/.cache/energydsl/codegen."""
+    env = os.environ.get("ENERGYDSL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "energydsl" / "codegen"
+
+
+def cache_key(derived: Derived, backend: str) -> str:
+    text = f"{derived.equation_hash()}|{derived.spec.name}|{backend}|{GENERATOR_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def energy_source(derived: Derived, backend: str = "torch") -> str:
+    """The generated module's source for one derived energy."""
+    from .torch_module import module_source
+
+    if backend not in BACKENDS:
+        from ..errors import UserError
+
+        raise UserError(f"unknown backend `{backend}`", hint=f"use one of {', '.join(BACKENDS)}")
+    return module_source(derived.program, derived.equation_hash(), backend=backend)
+
+
+def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
+    """Generate (or reuse from the cache) and import the module class for `derived`."""
+    key = cache_key(derived, backend)
+    mod_name = f"energydsl_generated_{key}"
+    if mod_name in sys.modules:
+        return _class_of(sys.modules[mod_name], derived)
+    path = cache_dir() / f"{derived.spec.name.lower()}_{key}.py"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(energy_source(derived, backend))
+        os.replace(tmp, path)  # atomic: concurrent workers never import a half-written file
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return _class_of(module, derived)
+
+
+def _class_of(module, derived: Derived) -> type[nn.Module]:
+    from .torch_module import class_name
+
+    return getattr(module, class_name(derived.spec.name))

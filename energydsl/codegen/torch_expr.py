@@ -1,0 +1,652 @@
+"""IR expressions to PyTorch source: the printer behind `energy compile --backend torch`.
+
+Each IR node becomes one line `tN = ...` in the generated forward. A value's layout is fixed at
+code-generation time: named leading axes (batch `@b`, query position `@i`, then the IR's free
+indices in sorted order, a context index standing for the key position) followed by its shape
+axes. Values that do not depend on the batch or the position simply lack those axes, so parameters
+stay parameters and einsum lines up everything else by axis letter.
+
+Recognised forms are lowered to better primitives than the generic masked T x T reduction:
+
+* a softmax-weighted sum over the causal context, `sum[j](softmax[j](c q.k_j + bias) * v_j)`,
+  becomes `softmax_attention` (scaled_dot_product_attention underneath);
+* a product-weighted sum `sum[j](gamma_ij (q.k_j) v_j)` with gamma = 1 or a decay a^(i-j) becomes
+  `linear_attention`, chunked, O(T d^2) instead of O(T^2);
+* any other causal sum of a value without the query position is a prefix sum (cumsum).
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .. import ir
+from ..functions import REGISTRY, X
+from ..ir import Expr, IndexInfo
+
+BATCH, POS = "@b", "@i"
+TOKEN_ROLES = ("state", "leaf", "input", "aux")
+
+
+@dataclass(frozen=True)
+class Val:
+    """A generated value: its code (a name or a Python expression) and its layout."""
+
+    code: str
+    axes: tuple[str, ...] = ()  # named leading axes, canonical order
+    rank: int = 0  # trailing shape axes
+    scalar: bool = False  # a Python number or 0-d tensor expression
+
+    @property
+    def ndim(self) -> int:
+        return len(self.axes) + self.rank
+
+
+def canonical(axes: set[str] | frozenset[str]) -> tuple[str, ...]:
+    head = [a for a in (BATCH, POS) if a in axes]
+    return tuple(head + sorted(a for a in axes if a not in (BATCH, POS)))
+
+
+# ----------------------------------------------------------------------------- scalars (SymPy) to source
+
+_SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.sqrt: "sqrt", sp.tanh: "tanh", sp.erf: "erf", sp.Abs: "abs",
+             sp.sign: "sign", sp.cosh: "cosh", sp.sinh: "sinh"}
+
+
+def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
+    """Python source for a SymPy scalar; `names` maps symbols to the tensors or numbers they stand for.
+
+    Numeric sub-expressions are folded to floats; functions of tensors use torch.
+    """
+    expr = sp.sympify(expr)
+    numbers = {s: float(v) for s, v in names.items() if _is_number(v)}
+    if numbers and expr.free_symbols & set(numbers):
+        expr = expr.subs(numbers)
+    if not (expr.free_symbols & set(names)):
+        if expr.free_symbols:
+            raise KeyError(f"no value for {sorted(map(str, expr.free_symbols))}")
+        return repr(float(expr))
+    if expr in names:
+        return names[expr]
+    if isinstance(expr, sp.Add):
+        return "(" + " + ".join(sympy_src(a, names) for a in expr.args) + ")"
+    if isinstance(expr, sp.Mul):
+        return "(" + " * ".join(sympy_src(a, names) for a in expr.args) + ")"
+    if isinstance(expr, sp.Pow):
+        return f"({sympy_src(expr.base, names)} ** {sympy_src(expr.exp, names)})"
+    if isinstance(expr, sp.Max):
+        a, b = expr.args
+        return f"torch.maximum(torch.as_tensor({sympy_src(a, names)}), torch.as_tensor({sympy_src(b, names)}))"
+    if isinstance(expr, sp.Heaviside):
+        a = sympy_src(expr.args[0], names)
+        return f"({a} > 0).to(torch.get_default_dtype())"
+    for cls, fn in _SP_FUNCS.items():
+        if isinstance(expr, cls):
+            return f"torch.{fn}(torch.as_tensor({sympy_src(expr.args[0], names)}))"
+    raise NotImplementedError(f"cannot print {expr.func.__name__} as torch code")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def function_src(name: str, x: str) -> str:
+    """Source for an element-wise function applied to the value named `x`."""
+    fn = REGISTRY[name]
+    if fn.torch_src is not None:
+        return fn.torch_src.format(x=x)
+    return sympy_src(fn.formula, {X: x})
+
+
+# ----------------------------------------------------------------------------- layout of an IR expression
+
+
+def token_axes(e: Expr, indices: dict[str, IndexInfo]) -> frozenset[str]:
+    """The named axes a value of `e` has: its free indices plus batch / query position if it depends on them."""
+    out: set[str] = set(e.free)
+    for node in ir.walk(e):
+        match node:
+            case ir.Var(role=role) if role in TOKEN_ROLES:
+                out |= {BATCH, POS}
+            case ir.Var(role="context"):
+                out.add(BATCH)
+            case ir.Pos(index=None):
+                out.add(POS)
+            case ir.Count(index=k) if indices[k].context is not None:
+                out.add(POS)
+            case ir.Reduce(index=k) | ir.Softmax(index=k) if indices[k].context is not None:
+                out.add(POS)
+    return frozenset(out)
+
+
+def simplify(e: Expr) -> Expr:
+    """Codegen-only rewrites: abs(x) * sign(x) = x (everywhere, 0 included), from d|x|²/dx."""
+    if not e.children:
+        return e
+    e = ir.rebuild(e, [simplify(c) for c in e.children])
+    if isinstance(e, ir.Mul):
+        factors = list(e.factors)
+        for a in factors:
+            if isinstance(a, ir.Func) and a.name == "abs":
+                partner = next((b for b in factors if isinstance(b, ir.Func) and b.name == "sign" and b.arg == a.arg),
+                               None)
+                if partner is not None:
+                    factors.remove(a)
+                    factors.remove(partner)
+                    return ir.mul(a.arg, *factors)
+    return e
+
+
+# ----------------------------------------------------------------------------- the emitter
+
+
+class Emitter:
+    """Prints IR expressions as a list of assignments; hoisted values go to a separate prologue."""
+
+    def __init__(self, indices: dict[str, IndexInfo], scalars: dict[sp.Symbol, str], sizes: dict[str, int],
+                 token_names: dict[str, str], lowering: bool = True):
+        self.indices = indices
+        self.scalars = scalars  # symbol -> source (number or tensor name)
+        self.sizes = sizes  # index name -> size (range indices)
+        self.token_names = token_names  # IR var name -> local variable in forward
+        self.lowering = lowering
+        self.prologue: list[str] = []  # computed once, before the optimizer's steps
+        self.body: list[str] = []
+        self.lines = self.body
+        self.count = 0
+        self.memo: dict[Expr, Val] = {}
+        self.lets: dict[str, Val] = {}
+        self.used_ops: set[str] = set()
+        self.letters = self._letters()
+        self.flops = {"prologue": 0.0, "body": 0.0}  # matmul FLOPs per token (context at full length)
+        self.context_len = 1  # T for FLOP counts (the model's context)
+
+    # -- bookkeeping
+
+    def _letters(self) -> dict[str, str]:
+        """Einsum letters for named axes (lower case); shape axes use upper case."""
+        out = {BATCH: "b", POS: "t"}
+        free = [c for c in string.ascii_lowercase if c not in "bt"]
+        for name in sorted(self.indices):
+            letter = name if len(name) == 1 and name in free else free[0]
+            free.remove(letter)
+            out[name] = letter
+        return out
+
+    def tmp(self, code: str, axes: tuple[str, ...], rank: int, comment: str = "") -> Val:
+        name = f"t{self.count}"
+        self.count += 1
+        self.lines.append(f"{name} = {code}" + (f"  # {comment}" if comment else ""))
+        return Val(name, axes, rank)
+
+    def forget(self) -> None:
+        """Drop memoised values (after the state changes); hoisted values stay."""
+        self.memo = {}
+
+    def shape_size(self, s: sp.Expr) -> int:
+        return int(round(float(sympy_src(s, self.scalars))))
+
+    def size(self, index: str) -> str:
+        info = self.indices[index]
+        return "T" if info.context is not None else str(self.sizes[index])
+
+    # -- layout helpers
+
+    def align(self, v: Val, axes: tuple[str, ...], rank: int) -> str:
+        """Code for `v` broadcast against the layout (axes, rank): insert singleton axes where it lacks one."""
+        if v.scalar:
+            return v.code
+        assert set(v.axes) <= set(axes), (v.axes, axes)
+        idx = [":" if a in v.axes else "None" for a in axes] + [":"] * v.rank + ["None"] * (rank - v.rank)
+        while idx and idx[-1] == ":":
+            idx.pop()
+        return f"{v.code}[{', '.join(idx)}]" if idx else v.code
+
+    def expand(self, v: Val, axes: tuple[str, ...]) -> Val:
+        """`v` with every axis in `axes` present (a broadcast view), shape axes unchanged."""
+        if v.axes == axes:
+            return v
+        code = self.align(v, axes, v.rank)
+        sizes = [self._axis_size(a) if a not in v.axes else "-1" for a in axes] + ["-1"] * v.rank
+        return self.tmp(f"{code}.expand({', '.join(sizes)})", axes, v.rank)
+
+    def _axis_size(self, a: str) -> str:
+        if a == BATCH:
+            return "B"
+        if a == POS:
+            return "T"
+        return self.size(a)
+
+    def count_flops(self, flops: float) -> None:
+        self.flops["prologue" if self.lines is self.prologue else "body"] += flops
+
+    def _axes_flops(self, axes: set[str]) -> float:
+        """How many times per token an op over these axes runs: a context index counts the context length
+        only next to the query position (pairs i, j); alone it is the token axis of a per-token value."""
+        n = 1.0
+        for a in axes - {BATCH, POS}:
+            if self.indices[a].context is None:
+                n *= self.sizes[a]
+            elif POS in axes:
+                n *= self.context_len
+        return n
+
+    def einsum(self, operands: list[tuple[Val, str]], out_axes: tuple[str, ...], out_shape: str,
+               comment: str = "", shape_sizes: dict[str, int] | None = None) -> Val:
+        """einsum over named axes (letters fixed per axis) and shape letters given per operand."""
+        if shape_sizes is not None:  # 2 x the product of every distinct axis size, per token
+            named = set().union(*(v.axes for v, _ in operands))
+            n = self._axes_flops(named)
+            for size in shape_sizes.values():
+                n *= size
+            self.count_flops(2 * n)
+        specs, codes = [], []
+        for v, shape_letters in operands:
+            specs.append("".join(self.letters[a] for a in v.axes) + shape_letters)
+            codes.append(v.code)
+        out = "".join(self.letters[a] for a in out_axes) + out_shape
+        return self.tmp(f"torch.einsum('{','.join(specs)}->{out}', {', '.join(codes)})", out_axes,
+                        len(out_shape), comment)
+
+    # -- the visitor
+
+    def emit(self, e: Expr) -> Val:
+        if isinstance(e, ir.Let):
+            return self.emit_let(e)
+        hit = self.memo.get(e)
+        if hit is not None:
+            return hit
+        out = self._emit(e)
+        self.memo[e] = out
+        return out
+
+    def emit_let(self, e: ir.Let) -> Val:
+        """A hoisted value: printed once into the prologue, with its name."""
+        if e.name in self.lets:
+            return self.lets[e.name]
+        saved, saved_memo = self.lines, self.memo
+        self.lines, self.memo = self.prologue, {}
+        v = self.emit(e.body)
+        if not v.scalar:
+            last = self.lines[-1] if self.lines else ""
+            if last.startswith(f"{v.code} = "):  # name the value itself rather than copying it
+                self.lines[-1] = f"{e.name} = " + last[len(v.code) + 3:]
+            else:
+                self.lines.append(f"{e.name} = {v.code}")
+            v = Val(e.name, v.axes, v.rank)
+        self.lines, self.memo = saved, saved_memo
+        self.lets[e.name] = v
+        return v
+
+    def _emit(self, e: Expr) -> Val:
+        match e:
+            case ir.Scalar():
+                return Val(sympy_src(e.value, self.scalars), scalar=True)
+            case ir.Var(role="param"):
+                return Val(self.token_names.get(e.name, e.name), (), len(e.shape))
+            case ir.Var(role="context"):
+                return Val(self.token_names[f"ctx:{e.name}"], (BATCH, e.index), len(e.shape))
+            case ir.Var():
+                return Val(self.token_names[e.name], (BATCH, POS), len(e.shape))
+            case ir.Index():
+                base = self.emit(e.base)
+                axes = canonical(set(base.axes) | {e.index})
+                src, dst = len(base.axes), axes.index(e.index)
+                code = base.code if src == dst else f"{base.code}.movedim({src}, {dst})"
+                if code == base.code:
+                    return Val(code, axes, base.rank - 1)
+                return self.tmp(code, axes, base.rank - 1)
+            case ir.Pos(index=None):
+                return Val("pos", (POS,), 0)
+            case ir.Pos(index=k):
+                return Val("pos", (k,), 0)
+            case ir.Ones():
+                return self.tmp(f"torch.ones({self._shape(e.shape)}, dtype=dt, device=dev)", (), len(e.shape))
+            case ir.Identity():
+                return self.tmp(f"torch.eye({self._dim(e.size)}, dtype=dt, device=dev)", (), 2)
+            case ir.Count(index=k):
+                info = self.indices[k]
+                if info.context is None:
+                    return Val(repr(float(self.sizes[k])), scalar=True)
+                return Val("count_strict" if info.strict else "count", (POS,), 0)
+            case ir.Add() | ir.Mul():
+                return self._elementwise(e)
+            case ir.Pow():
+                b = self.emit(e.base)
+                ex = sympy_src(e.exponent, self.scalars)
+                if b.scalar:
+                    return Val(f"({b.code} ** {ex})", scalar=True)
+                return self.tmp(f"{b.code} ** {ex}", b.axes, b.rank)
+            case ir.MatMul() | ir.Dot() | ir.Outer():
+                return self._contract(e, drop=frozenset())
+            case ir.Transpose():
+                a = self.emit(e.a)
+                return self.tmp(f"{a.code}.transpose(-1, -2)", a.axes, a.rank)
+            case ir.Func():
+                a = self.emit(e.arg)
+                if a.scalar:
+                    return Val(sympy_src(REGISTRY[e.name].formula.subs(X, sp.Symbol("_a")),
+                                         {sp.Symbol("_a"): f"torch.as_tensor({a.code})"}), scalar=True)
+                return self.tmp(function_src(e.name, a.code), a.axes, a.rank, e.name)
+            case ir.SumAll():
+                a = self.emit(e.a)
+                dims = ", ".join(str(-n - 1) for n in range(a.rank))
+                return self.tmp(f"{a.code}.sum(dim=({dims},))", a.axes, 0)
+            case ir.StopGrad():
+                a = self.emit(e.a)
+                return self.tmp(f"{a.code}.detach()", a.axes, a.rank)
+            case ir.Diag():
+                a = self.emit(e.a)
+                return self.tmp(f"torch.diag_embed({a.code})", a.axes, a.rank + 1)
+            case ir.Inverse():
+                a = self.emit(e.a)
+                return self.tmp(f"torch.linalg.inv({a.code})", a.axes, a.rank)
+            case ir.Reduce() | ir.Softmax():
+                return self._reduce(e)
+        raise NotImplementedError(f"no torch code for {type(e).__name__}")
+
+    def _dim(self, s: sp.Expr) -> str:
+        return sympy_src(s, self.scalars).replace(".0", "") if not sp.sympify(s).is_Number else str(int(s))
+
+    def _shape(self, shape: tuple) -> str:
+        return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
+
+    def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
+        parts = e.terms if isinstance(e, ir.Add) else e.factors
+        op = " + " if isinstance(e, ir.Add) else " * "
+        vals = [self.emit(p) for p in parts]
+        unit = "0.0" if isinstance(e, ir.Add) else "1.0"
+        vals = [v for v in vals if v.code != unit] or vals[:1]
+        if len(vals) == 1:
+            return vals[0]
+        if all(v.scalar for v in vals):
+            return Val("(" + op.join(v.code for v in vals) + ")", scalar=True)
+        axes = canonical(set().union(*(v.axes for v in vals)))
+        rank = len(e.shape)
+        code = op.join(self.align(v, axes, rank) for v in vals)
+        return self.tmp(code, axes, rank)
+
+    # -- contractions
+
+    def _contract(self, e: ir.MatMul | ir.Dot | ir.Outer, drop: frozenset[str]) -> Val:
+        """MatMul / Dot / Outer as one einsum; indices in `drop` are summed over in the same call."""
+        a, b = self.emit(e.a), self.emit(e.b)
+        if a.scalar or b.scalar:  # a product with a number
+            s, t = (a, b) if a.scalar else (b, a)
+            return self.tmp(f"{s.code} * {t.code}", t.axes, t.rank)
+        ra, rb = len(e.a.shape), len(e.b.shape)
+        if isinstance(e, ir.MatMul):
+            if ra == 2 and rb == 1:
+                sa, sb, so = "MN", "N", "M"
+            elif ra == 1 and rb == 2:
+                sa, sb, so = "N", "NP", "P"
+            else:
+                sa, sb, so = "MN", "NP", "MP"
+        elif isinstance(e, ir.Dot):
+            sa = sb = "MNPQ"[:ra]
+            so = ""
+        else:
+            sa, sb, so = "M", "N", "MN"
+        axes = canonical((set(a.axes) | set(b.axes)) - drop)
+        sizes = dict(zip(sa, map(self.shape_size, e.a.shape), strict=True))
+        sizes.update(zip(sb, map(self.shape_size, e.b.shape), strict=True))
+        if isinstance(e, ir.MatMul) and (sa, sb) == ("MN", "N"):
+            out = self._linear(a, b, axes, drop)
+            if out is not None:
+                n = self._axes_flops(set(a.axes) | set(b.axes)) * sizes["M"] * sizes["N"]
+                self.count_flops(2 * n)
+                return out
+        return self.einsum([(a, sa), (b, sb)], axes, so, shape_sizes=sizes)
+
+    def _linear(self, w: Val, v: Val, axes: tuple[str, ...], drop: frozenset[str]) -> Val | None:
+        """A weight (per head or not) times token vectors as one F.linear (one GEMM), when the layouts allow."""
+        if set(w.axes) & {BATCH, POS} or any(self.indices[a].context is not None for a in w.axes):
+            return None
+        if not drop and not set(w.axes) & set(v.axes) and axes == v.axes + w.axes:
+            if not w.axes:
+                return self.tmp(f"F.linear({v.code}, {w.code})", axes, 1)
+            heads = ", ".join(self.size(h) for h in w.axes)
+            flat = f"{w.code}.reshape(-1, {w.code}.shape[-1])"
+            return self.tmp(f"F.linear({v.code}, {flat}).unflatten(-1, ({heads}, -1))", axes, 1)
+        if len(w.axes) == 1 and drop == set(w.axes) and v.axes and v.axes[-1] == w.axes[0] and axes == v.axes[:-1]:
+            return self.tmp(f"F.linear({v.code}.flatten(-2), {w.code}.movedim(0, 1).flatten(1))", axes, 1,
+                            f"sum over {w.axes[0]} in one matmul")
+        return None
+
+    # -- reductions
+
+    def _reduce(self, e: ir.Reduce | ir.Softmax) -> Val:
+        info = self.indices[e.index]
+        if info.context is not None:
+            return self._context_reduce(e, info)
+        if isinstance(e, ir.Reduce) and e.op == "sum" and isinstance(e.body, (ir.MatMul, ir.Dot, ir.Outer)) \
+                and e.index in token_axes(e.body, self.indices):
+            return self._contract(e.body, drop=frozenset([e.index]))
+        body = self.emit(e.body)
+        size = self.sizes[e.index]
+        if e.index not in body.axes:  # the body does not vary with the index
+            if isinstance(e, ir.Softmax):
+                return self.tmp(f"torch.full_like({body.code}, {1 / size!r})", body.axes, body.rank)
+            code = {"sum": f"{size} * {body.code}", "mean": body.code, "max": body.code,
+                    "logsumexp": f"{body.code} + {float(sp.log(size))!r}", "prod": f"{body.code} ** {size}"}[e.op]
+            return Val(f"({code})", scalar=True) if body.scalar else self.tmp(code, body.axes, body.rank)
+        axis = body.axes.index(e.index)
+        rest = tuple(a for a in body.axes if a != e.index)
+        if isinstance(e, ir.Softmax):
+            return self.tmp(f"torch.softmax({body.code}, dim={axis})", body.axes, body.rank)
+        code = {"sum": f"{body.code}.sum({axis})", "mean": f"{body.code}.mean({axis})",
+                "logsumexp": f"torch.logsumexp({body.code}, dim={axis})", "prod": f"{body.code}.prod({axis})",
+                "max": f"{body.code}.amax({axis})"}[e.op]
+        return self.tmp(code, rest, body.rank)
+
+    def _context_reduce(self, e: ir.Reduce | ir.Softmax, info: IndexInfo) -> Val:
+        if self.lowering and isinstance(e, ir.Reduce) and e.op == "sum":
+            for lower in (self._lower_softmax_attention, self._lower_linear_attention):
+                out = lower(e, info)
+                if out is not None:
+                    return out
+        body = self.emit(e.body)
+        j = e.index
+        strict = info.strict
+        if j not in body.axes:  # a value constant over the context: reduce = count it in
+            n = "count_strict" if strict else "count"
+            axes = canonical(set(body.axes) | {POS})
+            bcode = self.align(body, axes, body.rank)
+            ccode = self.align(Val(n, (POS,), 0), axes, body.rank)
+            if isinstance(e, ir.Softmax):
+                raise NotImplementedError("softmax of a value that does not vary over the context")
+            code = {"sum": f"{bcode} * {ccode}", "mean": f"{bcode} * ({ccode} > 0)", "max": bcode,
+                    "logsumexp": f"{bcode} + torch.log({ccode}.clamp(min=1))", "prod": f"{bcode} ** {ccode}"}[e.op]
+            return self.tmp(code, axes, body.rank)
+        if POS not in body.axes and isinstance(e, ir.Reduce) and e.op in ("sum", "mean", "logsumexp"):
+            return self._prefix(e, body, strict)
+        axes = canonical(set(body.axes) | {POS})
+        full = self.expand(body, axes) if POS not in body.axes else body
+        mask = self.align(Val("mask_strict" if strict else "mask", (POS, j), 0), axes, body.rank)
+        axis = axes.index(j)
+        rest = tuple(a for a in axes if a != j)
+        if isinstance(e, ir.Softmax):
+            self.used_ops.add("masked_softmax")
+            return self.tmp(f"masked_softmax({full.code}, {mask}, dim={axis})", axes, body.rank)
+        self.used_ops.add("masked_reduce")
+        return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
+                        f"{e.op} over the causal context")
+
+    def _prefix(self, e: ir.Reduce, body: Val, strict: bool) -> Val:
+        """Σ_{j ≤ i} v_j of a value without the query position: a prefix sum along j, which becomes i."""
+        axis = body.axes.index(e.index)
+        axes = tuple(POS if a == e.index else a for a in body.axes)
+        out_axes = canonical(set(axes))
+        self.used_ops.add("prefix_reduce")
+        code = f"prefix_reduce({body.code}, dim={axis}, op={e.op!r}, strict={strict})"
+        if axes != out_axes:
+            code += f".movedim({axis}, {out_axes.index(POS)})"
+        return self.tmp(code, out_axes, body.rank, f"{e.op} over j <= i as a prefix")
+
+    # -- lowering to attention primitives
+
+    def _split(self, body: Expr, j: str) -> tuple[list[Expr], list[Expr], list[Expr]] | None:
+        """Factors of a summand: (query side: no j, key side: no query position, coupling: both)."""
+        factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
+        qs, ks, both = [], [], []
+        for f in factors:
+            ax = token_axes(f, self.indices)
+            if j not in ax:
+                qs.append(f)
+            elif POS not in ax:
+                ks.append(f)
+            else:
+                both.append(f)
+        return qs, ks, both
+
+    def _heads(self, *vals: Val, j: str | None = None) -> tuple[str, ...]:
+        return canonical(set().union(*(v.axes for v in vals)) - {BATCH, POS} - ({j} if j else set()))
+
+    def _as_bhtd(self, v: Val, heads: tuple[str, ...], pos: str) -> str:
+        """A (batch, pos, heads..., D) value as a contiguous-enough (B, H, T, D) tensor for attention ops."""
+        axes = canonical({BATCH, pos} | set(heads))
+        full = self.expand(v, axes)
+        order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(pos), len(axes)]
+        code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
+        nh = " * ".join(self.size(h) for h in heads) or "1"
+        return f"{code}.reshape(B, {nh}, T, {full.code}.shape[-1])"
+
+    def _from_bhtd(self, code: str, heads: tuple[str, ...], rank: int, comment: str) -> Val:
+        """Back from (B, H, T, D) to the layout (batch, i, heads..., D)."""
+        sizes = ", ".join(self.size(h) for h in heads)
+        axes = canonical({BATCH, POS} | set(heads))
+        if heads:
+            code = f"{code}.reshape(B, {sizes}, T, -1)"
+            n = len(heads)
+            code = f"{code}.movedim({n + 1}, 1)"
+        else:
+            code = f"{code}[:, 0]"
+        if rank == 0:
+            code += "[..., 0]"
+        return self.tmp(code, axes, rank, comment)
+
+    def _lower_softmax_attention(self, e: ir.Reduce, info: IndexInfo) -> Val | None:
+        j = e.index
+        split = self._split(e.body, j)
+        if split is None:
+            return None
+        qs, ks, both = split
+        if qs or len(both) != 1 or not isinstance(both[0], ir.Softmax) or both[0].index != j:
+            return None
+        if len(e.shape) != 1 or not ks:
+            return None
+        score = both[0].body
+        terms = list(score.terms) if isinstance(score, ir.Add) else [score]
+        coupling = [t for t in terms if POS in token_axes(t, self.indices) and j in token_axes(t, self.indices)
+                    and _state_dependent(t)]
+        if len(coupling) != 1:
+            return None
+        scale, dot = _scaled_dot(coupling[0])
+        if dot is None:
+            return None
+        if j in token_axes(dot.a, self.indices):  # written k_j . q: swap
+            dot = ir.Dot(dot.b, dot.a)
+        if len(dot.a.shape) != 1:
+            return None
+        bias_terms = [t for t in terms if t is not coupling[0]]
+        if any(_state_dependent(t) for t in bias_terms):
+            return None
+        q, k = self.emit(dot.a), self.emit(dot.b)
+        v = self.emit(ir.mul(*ks)) if len(ks) > 1 else self.emit(ks[0])
+        if POS in k.axes or POS in v.axes or j in q.axes or v.rank != 1:
+            return None
+        heads = self._heads(q, k, v, j=j)
+        if any(h not in self.sizes for h in heads):
+            return None
+        scale_src = sympy_src(scale, self.scalars)
+        bias = "None"
+        if bias_terms:
+            b = self.emit(ir.add(*bias_terms))
+            axes = canonical({BATCH, POS, j} | set(heads))
+            full = self.expand(b, axes)
+            order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
+            nh = " * ".join(self.size(h) for h in heads) or "1"
+            bias = self.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {nh}, T, T)",
+                            (), 0, "additive score bias").code
+        qc, kc, vc = (self.tmp(self._as_bhtd(t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
+        self.used_ops.add("softmax_attention")
+        n_heads = self._axes_flops(set(heads))
+        width = self.shape_size(dot.a.shape[0]) + self.shape_size(e.shape[0])
+        self.count_flops(2 * self.context_len * n_heads * width)
+        code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
+        return self._from_bhtd(code, heads, 1, "softmax-weighted sum over j: fused attention")
+
+    def _lower_linear_attention(self, e: ir.Reduce, info: IndexInfo) -> Val | None:
+        j = e.index
+        qs, ks, both = self._split(e.body, j)
+        decay = None
+        coupling = None
+        for f in both:
+            g = f.body if isinstance(f, ir.Let) else f
+            d = _decay(g, j)
+            if d is not None and decay is None:
+                decay = d
+            elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
+                coupling = g
+            else:
+                return None
+        if coupling is None or len(e.shape) > 1:
+            return None
+        a_ax = token_axes(coupling.a, self.indices)
+        qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
+        if j in token_axes(qe, self.indices) or POS in token_axes(ke, self.indices):
+            return None
+        q, k = self.emit(qe), self.emit(ke)
+        v = self.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
+        if v.scalar:
+            v = self.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
+        heads = self._heads(q, k, v, j=j)
+        if any(h not in self.sizes for h in heads):
+            return None
+        rank = v.rank
+        if rank == 0:
+            v = self.tmp(f"{v.code}[..., None]", v.axes, 1)
+        ld = "None" if decay is None else f"torch.as_tensor({sympy_src(decay, self.scalars)}, dtype=dt, device=dev)"
+        self.used_ops.add("linear_attention")
+        dv = self.shape_size(e.shape[0]) if e.shape else 1
+        self.count_flops(4 * self._axes_flops(set(heads)) * self.shape_size(qe.shape[0]) * dv)
+        qc, kc, vc = (self.tmp(self._as_bhtd(t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
+        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
+        out = self._from_bhtd(code, heads, rank, "sum over j of (q.k_j) v_j: chunked linear attention")
+        if qs:
+            rest = self.emit(ir.mul(*qs))
+            axes = canonical(set(out.axes) | set(rest.axes))
+            out = self.tmp(f"{self.align(out, axes, out.rank)} * {self.align(rest, axes, out.rank)}", axes, out.rank)
+        return out
+
+
+def _state_dependent(e: Expr) -> bool:
+    return any(isinstance(n, ir.Var) and n.role in TOKEN_ROLES for n in ir.walk(e))
+
+
+def _scaled_dot(e: Expr) -> tuple[sp.Expr, ir.Dot | None]:
+    """c * (a . b) -> (c, a . b)."""
+    if isinstance(e, ir.Dot):
+        return sp.Integer(1), e
+    if isinstance(e, ir.Mul) and len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar) \
+            and isinstance(e.factors[1], ir.Dot):
+        return e.factors[0].value, e.factors[1]
+    return sp.Integer(1), None
+
+
+def _decay(e: Expr, j: str) -> sp.Expr | None:
+    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j)."""
+    if not (isinstance(e, ir.Func) and e.name == "exp"):
+        return None
+    arg = e.arg
+    if not (isinstance(arg, ir.Mul) and len(arg.factors) == 2 and isinstance(arg.factors[0], ir.Scalar)):
+        return None
+    c, dist = arg.factors[0].value, arg.factors[1]
+    want = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
+    return c if dist == want else None

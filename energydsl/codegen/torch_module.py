@@ -1,0 +1,286 @@
+"""An energy's update program as the source of a standalone `nn.Module` (`energy compile --backend torch`).
+
+The module's forward is the derived closed-form update unrolled over the optimizer's steps; it
+contains no autograd call, so training needs first-order autograd only and `torch.compile` works on
+it. Parameters are registered raw, with their initialisers; constraints are applied in forward
+(softplus for `positive`, a scaled sigmoid for `in (lo, hi)`, L Lᵀ + εI for `psd`).
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import sympy as sp
+import torch
+
+from .. import ir
+from ..instance import unconstrain
+from ..optimizers import UpdateProgram, unhoist
+from ..printing import show
+from ..semantics import ParamSpec
+from .torch_expr import Emitter, simplify, sympy_src
+
+RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
+            "math", "nn", "x", "context", "input", "step", "delta"}
+OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce")
+
+
+def class_name(name: str) -> str:
+    out = re.sub(r"\W", "_", name)
+    return out[0].upper() + out[1:] if out else "Energy"
+
+
+def _local(name: str) -> str:
+    """A Python local for a spec name, clear of the names generated code uses itself."""
+    return f"{name}_" if name in RESERVED or re.fullmatch(r"t\d+|c\d+", name) else name
+
+
+class ModuleWriter:
+    """Writes one module's source: header, __init__ (parameters), reset_parameters, forward."""
+
+    def __init__(self, prog: UpdateProgram, equation_hash: str, backend: str = "torch", lowering: bool = True,
+                 context_len: int = 1):
+        self.prog = prog
+        self.context_len = context_len  # T for FLOP counts
+        self.flops_per_token = 0.0
+        self.backend = backend
+        self.spec = prog.spec
+        self.hash = equation_hash
+        self.lowering = lowering
+        spec = self.spec
+        self.dims = {spec.dim_symbols[k]: sp.Float(v) for k, v in spec.dim_values.items()}
+
+    def size(self, e: sp.Expr) -> int:
+        return int(round(float(sp.sympify(e).subs(self.dims))))
+
+    def number(self, e) -> float:
+        return float(sp.sympify(e).subs(self.dims))
+
+    # ------------------------------------------------------------------ parameters
+
+    def _param_lines(self) -> tuple[list[str], list[str], list[str]]:
+        """(__init__ lines, reset_parameters lines, forward lines binding constrained locals)."""
+        init, reset, bind = [], [], []
+        for p in self.prog.params.values():
+            shape = tuple(self.size(s) for s in p.shape)
+            py_shape = "(" + "".join(f"{n}, " for n in shape).rstrip(" ") + ")"
+            if p.learn:
+                init.append(f"self.{p.name} = nn.Parameter(torch.empty({py_shape}))")
+            else:
+                init.append(f"self.register_buffer({p.name!r}, torch.empty({py_shape}))")
+            reset.append(self._init_line(p, shape))
+            bind.append(f"{_local(p.name)} = {self._constrained(p)}")
+        return init, reset, bind
+
+    def _init_line(self, p: ParamSpec, shape: tuple[int, ...]) -> str:
+        kind, args = p.init or ("normal", [0.0, 0.02])
+        target = f"self.{p.name}"
+        if kind == "normal":
+            return f"{target}.normal_({self.number(args[0])!r}, {self.number(args[1])!r})"
+        if kind == "uniform":
+            return f"{target}.uniform_({self.number(args[0])!r}, {self.number(args[1])!r})"
+        if kind == "zeros":
+            return f"{target}.zero_()"
+        if kind == "ones":
+            return f"{target}.fill_({self._raw(p, 1.0)!r})"
+        if kind == "eye":
+            return f"{target}.copy_(torch.eye({shape[-1]}).expand({shape}))"
+        if kind == "orthogonal":
+            return f"nn.init.orthogonal_({target}.view(-1, {shape[-1]}))"
+        if kind == "alibi_slopes":
+            return f"{target}.copy_(alibi_slopes({shape[0]}))"
+        if kind == "value":
+            return f"{target}.fill_({self._raw(p, self.number(args[0]))!r})"
+        raise NotImplementedError(f"initialiser {kind}")
+
+    def _raw(self, p: ParamSpec, value: float) -> float:
+        """The raw parameter value whose constrained value is `value`."""
+        if p.constraint is None or p.constraint[0] == "psd":
+            return value
+        return float(unconstrain(p, torch.tensor(value, dtype=torch.float64)))
+
+    def _constrained(self, p: ParamSpec) -> str:
+        raw = f"self.{p.name}"
+        if p.constraint is None:
+            return raw
+        kind = p.constraint[0]
+        if kind == "interval":
+            lo, hi = self.number(p.constraint[1]), self.number(p.constraint[2])
+            return f"{lo!r} + {hi - lo!r} * torch.sigmoid({raw})"
+        if kind == "positive":
+            return f"F.softplus({raw})"
+        if kind == "psd":
+            n = self.size(p.shape[-1])
+            return f"{raw} @ {raw}.transpose(-1, -2) + 1e-6 * torch.eye({n}, dtype=dt, device=dev)"
+        raise NotImplementedError(kind)
+
+    def _scalars(self) -> dict[sp.Symbol, str]:
+        """SymPy symbols -> source: dims and fixed hyper-parameters as numbers, learned ones as locals."""
+        spec = self.spec
+        out: dict[sp.Symbol, str] = {sym: repr(float(v)) for sym, v in self.dims.items()}
+        for name, expr in spec.derived_dims.items():
+            out[sp.Symbol(name, positive=True)] = repr(float(sp.sympify(expr).subs(self.dims)))
+        for name, sym in spec.scalar_params.items():
+            out[sym] = _local(name)
+        for name, h in spec.optimizer.hyper.items():
+            if h.learn:
+                out[h.symbol] = _local(f"opt_{name}")
+            else:
+                out[h.symbol] = sympy_src(sp.sympify(h.value).subs(self.dims), {})
+        return out
+
+    # ------------------------------------------------------------------ forward
+
+    def _token_names(self) -> dict[str, str]:
+        spec = self.spec
+        names = {p: _local(p) for p in self.prog.params}
+        names[spec.state.name] = _local(spec.state.name)
+        for m in self.prog.aux:
+            names[m.name] = _local(m.name)
+        if spec.input is not None:
+            names[spec.input.name] = _local(spec.input.name)
+        if spec.context is not None:
+            ctx = spec.context.name
+            names[f"ctx:{ctx}"] = _local(ctx) if spec.input is None or spec.input.name != ctx else f"{ctx}_ctx"
+        return names
+
+    def forward_lines(self) -> tuple[list[str], set[str]]:
+        spec, prog = self.spec, self.prog
+        sizes = {k: self.size(info.size) for k, info in spec.indices.items() if info.size is not None}
+        names = self._token_names()
+        em = Emitter(spec.indices, self._scalars(), sizes, names, lowering=self.lowering)
+        em.context_len = self.context_len
+        steps_body: list[str] = []
+        delta_code = None
+        for a in prog.assigns:
+            value = simplify(a.value)
+            if (isinstance(value, ir.Add) and len(value.terms) == 2 and value.terms[0] == a.target
+                    and a.target == spec.state):
+                step = em.emit(value.terms[1])
+                if not step.scalar and step.axes == ("@b", "@i"):
+                    delta_code = step.code
+            v = em.emit(value)
+            target = names[a.target.name]
+            shape = tuple(self.size(s) for s in a.target.shape)
+            if v.scalar or v.axes != ("@b", "@i"):
+                code = em.align(v, ("@b", "@i"), len(shape)) if not v.scalar else v.code
+                em.lines.append(f"{target} = ({code}).expand(B, T, {', '.join(map(str, shape))})".replace(", )", ")"))
+            else:
+                em.lines.append(f"{target} = {v.code}")
+            em.forget()
+        steps_body = em.body
+        lines: list[str] = []
+        x = names[spec.state.name]
+        lines.append("B, T = x.shape[0], x.shape[1]")
+        lines.append("dev, dt = x.device, x.dtype")
+        if spec.context is not None:
+            lines.append(f"{names['ctx:' + spec.context.name]} = x if context is None else context")
+        if spec.input is not None:
+            lines.append(f"{names[spec.input.name]} = x if input is None else input")
+        text = "\n".join(em.prologue + steps_body)
+        if re.search(r"\bpos\b", text):
+            lines.append("pos = torch.arange(T, device=dev, dtype=dt)")
+        if re.search(r"\bmask(_strict)?\b", text):
+            lines.append("mask, mask_strict = causal_masks(T, dev)")
+            em.used_ops.add("causal_masks")
+        if re.search(r"\bcount\b", text):
+            lines.append("count = torch.arange(1, T + 1, device=dev, dtype=dt)")
+        if re.search(r"\bcount_strict\b", text):
+            lines.append("count_strict = torch.arange(0, T, device=dev, dtype=dt)")
+        _, _, bind = self._param_lines()
+        lines += bind
+        if em.prologue:
+            lines.append("# computed once, outside the optimizer's steps (state-independent)")
+            lines += em.prologue
+        lines.append(f"{x} = x")
+        for m in prog.aux:
+            lines.append(f"{names[m.name]} = torch.zeros_like(x)  # optimizer state, zero at the start")
+        if prog.steps == 1 and not prog.aux and len(steps_body) >= 2 and delta_code is not None:
+            # one plain step x + Δ: the displacement is available before the final add
+            lines += steps_body[:-2]
+            lines += ["if delta:", f"    return {delta_code}"]
+            lines += steps_body[-2:]
+        elif prog.steps == 1:
+            lines += steps_body
+        else:
+            lines.append(f"for step in range({prog.steps}):")
+            lines += ["    " + ln for ln in steps_body]
+        lines.append(f"return {x} - x if delta else {x}")
+        self.flops_per_token = em.flops["prologue"] + prog.steps * em.flops["body"]
+        return lines, em.used_ops
+
+    # ------------------------------------------------------------------ the file
+
+    def source(self) -> str:
+        spec, prog = self.spec, self.prog
+        cls = class_name(spec.name)
+        init, reset, _ = self._param_lines()
+        fwd, used = self.forward_lines()
+        dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
+        state_shape = tuple(self.size(s) for s in spec.state.shape)
+        rel = {spec.context.index: "<i" if spec.indices[spec.context.index].strict else "<=i"} if spec.context else {}
+        updates = "\n".join(f"    {a.target.name}⁺ = {show(unhoist(a.value), 'text', rel)}" for a in prog.assigns)
+        ops = sorted(used & (set(OPS) | {"causal_masks"}))
+        imports = ["import torch", "import torch.nn.functional as F", "from torch import nn", ""]
+        if ops:
+            imports.insert(3, f"from energydsl.runtime.ops import {', '.join(ops)}")
+        if any((p.init or ("",))[0] == "alibi_slopes" for p in prog.params.values()):
+            imports.insert(3, "from energydsl.runtime.init import alibi_slopes")
+        if "integral_quadrature" in "\n".join(fwd):
+            imports.insert(3, "from energydsl.runtime.init import integral_quadrature")
+        out = [f'"""Generated by energydsl from {spec.span.file}: energy {spec.name} ({dims}).',
+               "",
+               "Regenerate it with `energy compile`; edit the .energy spec, not this file.",
+               f"Optimizer: {prog.steps} x {spec.optimizer.kind}. The update it runs:",
+               "",
+               textwrap.indent(updates, "") or "    (none)",
+               '"""',
+               "",
+               "from __future__ import annotations",
+               "",
+               *imports,
+               "",
+               f"class {cls}(nn.Module):",
+               f'    """{spec.name}: x (batch, seq, {", ".join(map(str, state_shape))}) -> the updated states."""',
+               "",
+               f"    state_shape = {state_shape!r}",
+               f"    steps = {prog.steps}",
+               f"    equation_hash = {self.hash!r}",
+               "",
+               "    def __init__(self) -> None:",
+               "        super().__init__()",
+               *[f"        {ln}" for ln in init],
+               "        self.reset_parameters()",
+               "",
+               "    def reset_parameters(self) -> None:",
+               "        with torch.no_grad():",
+               *[f"            {ln}" for ln in reset or ["pass"]],
+               "",
+               "    def example_input(self, batch: int = 2, seq: int = 16) -> torch.Tensor:",
+               "        return torch.randn(batch, seq, *self.state_shape)",
+               "",
+               "    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,",
+               "                input: torch.Tensor | None = None, delta: bool = False) -> torch.Tensor:",
+               '        """The updated states; with delta=True their displacement (update minus x).',
+               "",
+               "        context defaults to x (the frozen tokens), input to x (each token's own input).",
+               '        """',
+               *[f"        {ln}" for ln in fwd],
+               ""]
+        return "\n".join(out)
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def module_source(prog: UpdateProgram, equation_hash: str, backend: str = "torch", lowering: bool = True) -> str:
+    return ModuleWriter(prog, equation_hash, backend, lowering).source()
+
+
+def flops_per_token(prog: UpdateProgram, context_len: int) -> float:
+    """Matmul FLOPs per token of one forward of the stage (attention at full context `context_len`)."""
+    writer = ModuleWriter(prog, "", context_len=context_len)
+    writer.forward_lines()
+    return writer.flops_per_token

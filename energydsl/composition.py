@@ -1,0 +1,279 @@
+"""Composition: `block` and `model` declarations resolved into a plan and a networkx graph.
+
+A model is a stack of layers; a layer is a pipeline of stages (`A -> B`); a stage is one energy, or
+the sum of several (`A + B`: one optimizer step on F_A + F_B). The plan fixes every size; the runtime
+(`energydsl.runtime.model`) builds the nn.Module from it, and `energy graph` prints the graph.
+
+Stage arguments are matched to the energy's header dims, positionally or by name; a header dim the
+stage does not set takes the model's dim of the same name, if there is one, else its own default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from . import syntax as ast
+from .errors import Span, SpecError
+
+NORMS = ("layernorm", "rmsnorm")
+ACROSS = {"momentum": {"beta": 0.9, "eta": 1.0}, "nag": {"beta": 0.9, "eta": 1.0}}
+
+
+@dataclass
+class StagePlan:
+    """One stage: the energies it sums, with their dims, and the declaration the runtime derives."""
+
+    label: str  # e.g. "MHA" or "NRGPTAttention+NRGPTFF"
+    energies: list[tuple[str, dict[str, float]]]
+    decl: ast.EnergyDecl  # the energy itself, or the merged sum
+    dims: dict[str, float]  # the dims passed to the (merged) declaration
+    span: Span | None = None
+
+
+@dataclass
+class ModelPlan:
+    name: str
+    dims: dict[str, float]
+    vocab: int
+    context: int
+    d: int
+    embed_positions: bool
+    stages: list[StagePlan]  # one layer
+    layers: int
+    shared: bool
+    across: tuple[str, dict[str, tuple[float, bool]]] | None  # (momentum|nag, {beta: (value, learn), eta: ...})
+    norm: tuple[str, str] | None  # (layernorm|rmsnorm, stage|layer)
+    final_norm: str | None
+    head_tied: bool
+    span: Span | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def graph(self) -> nx.DiGraph:
+        """tokens → embed → (norm →) stage → ... per layer → (final norm →) head → logits."""
+        g = nx.DiGraph(name=self.name)
+        g.add_node("tokens", kind="input")
+        g.add_node("embed", kind="embed", label="embed tokens" + (", positions" if self.embed_positions else ""))
+        g.add_edge("tokens", "embed")
+        prev = "embed"
+        for layer in range(self.layers):
+            for s, stage in enumerate(self.stages):
+                node = f"L{layer}.{stage.label}"
+                weights = "shared" if self.shared else f"layer {layer}"
+                if self.norm and (self.norm[1] == "stage" or s == 0):
+                    norm = f"L{layer}.{s}.{self.norm[0]}"
+                    g.add_node(norm, kind="norm", label=self.norm[0])
+                    g.add_edge(prev, norm)
+                    prev = norm
+                g.add_node(node, kind="stage", label=stage.label, weights=weights,
+                           energies=", ".join(n for n, _ in stage.energies))
+                g.add_edge(prev, node, across=self.across[0] if self.across else "residual")
+                prev = node
+        if self.final_norm:
+            g.add_node("final_norm", kind="norm", label=self.final_norm)
+            g.add_edge(prev, "final_norm")
+            prev = "final_norm"
+        g.add_node("head", kind="head", label="head tied" if self.head_tied else "head untied")
+        g.add_edge(prev, "head")
+        g.add_node("logits", kind="output")
+        g.add_edge("head", "logits")
+        return g
+
+
+def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
+    """A size expression over known numbers (model dims): + - * / ^, sqrt, log, exp, min, max."""
+    match node:
+        case ast.Num(value=v):
+            return float(v)
+        case ast.Name(name=n):
+            if n not in env:
+                raise SpecError(f"unknown name `{n}` in {what}", node.span,
+                                f"known here: {', '.join(sorted(env)) or 'nothing'}")
+            return env[n]
+        case ast.Neg(operand=a):
+            return -evaluate_number(a, env, what)
+        case ast.BinOp(op=op, left=a, right=b) if op in "+-*/^":
+            x, y = evaluate_number(a, env, what), evaluate_number(b, env, what)
+            if op == "/" and y == 0:
+                raise SpecError(f"division by zero in {what}", node.span)
+            return {"+": x + y, "-": x - y, "*": x * y, "/": x / y if y else 0.0, "^": x**y}[op]
+        case ast.Call(func=f, args=args) if f in ("sqrt", "log", "exp", "min", "max"):
+            vals = [evaluate_number(a, env, what) for a in args]
+            fn = {"sqrt": math.sqrt, "log": math.log, "exp": math.exp, "min": min, "max": max}[f]
+            return float(fn(*vals))
+        case ast.Hole():
+            raise SpecError(f"a search hole in {what}: holes belong in a `search` space", node.span,
+                            "run it with `energy search`, or write a number")
+    raise SpecError(f"{what} must be a number built from dims", node.span)
+
+
+def _whole(v: float, what: str, span: Span | None, low: int = 1) -> int:
+    if not math.isfinite(v) or abs(v - round(v)) > 1e-9 or round(v) < low:
+        raise SpecError(f"{what} must be a whole number ≥ {low}, got {v:g}", span)
+    return int(round(v))
+
+
+def _stage_dims(decl: ast.EnergyDecl, ref: ast.StageRef, env: dict[str, float]) -> dict[str, float]:
+    names = [n for n, _ in decl.header]
+    dims: dict[str, float] = {n: env[n] for n in names if n in env}
+    positional = [a for k, a in ref.args if k is None]
+    if len(positional) > len(names):
+        raise SpecError(f"`{ref.name}` takes at most {len(names)} dims ({', '.join(names)}), got {len(positional)}",
+                        ref.span)
+    for name, node in zip(names, positional):
+        dims[name] = evaluate_number(node, env, f"the dim `{name}` of `{ref.name}`")
+    for key, node in ref.args:
+        if key is None:
+            continue
+        if key not in names:
+            raise SpecError(f"`{ref.name}` has no dim `{key}`", node.span, f"its dims: {', '.join(names) or 'none'}")
+        dims[key] = evaluate_number(node, env, f"the dim `{key}` of `{ref.name}`")
+    return dims
+
+
+def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[str, float],
+            seen: tuple[str, ...] = ()) -> list[list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]]:
+    """A pipeline with blocks inlined: a list of stages, each a list of (energy, dims, ref) to sum."""
+    out = []
+    for summed in pipeline:
+        parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]] = []
+        for ref in summed:
+            if ref.name in module.energies:
+                decl = module.energies[ref.name]
+                parts.append((decl, _stage_dims(decl, ref, env), ref))
+            elif ref.name in module.blocks:
+                if ref.name in seen:
+                    raise SpecError(f"block `{ref.name}` refers to itself", ref.span)
+                if any(k is None for k, _ in ref.args):
+                    raise SpecError(f"arguments of block `{ref.name}` must be named (they go to every energy with "
+                                    "that dim)", ref.span)
+                inner_env = dict(env)
+                for key, node in ref.args:
+                    inner_env[key] = evaluate_number(node, env, f"`{key}` of block `{ref.name}`")
+                inner = _expand(module, module.blocks[ref.name].pipeline, inner_env, seen + (ref.name,))
+                if len(summed) > 1:
+                    if len(inner) != 1:
+                        raise SpecError(f"block `{ref.name}` is a pipeline; only single stages can be summed",
+                                        ref.span)
+                    parts += inner[0]
+                else:
+                    out += inner
+                    parts = []
+                    continue
+            else:
+                known = sorted(module.energies) + sorted(module.blocks)
+                raise SpecError(f"no energy or block named `{ref.name}`", ref.span,
+                                f"declared: {', '.join(known) or 'none'}")
+        if parts:
+            out.append(parts)
+    return out
+
+
+def _stage(parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]) -> StagePlan:
+    if len(parts) == 1:
+        decl, dims, ref = parts[0]
+        return StagePlan(decl.name, [(decl.name, dims)], decl, dims, ref.span)
+    from .merge import merge_energies
+
+    decl, dims = merge_energies([(d, dims) for d, dims, _ in parts])
+    return StagePlan("+".join(d.name for d, _, _ in parts), [(d.name, dm) for d, dm, _ in parts], decl, dims,
+                     parts[0][2].span)
+
+
+def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> ModelPlan:
+    """Resolve a `model` declaration with its dims (defaults, then overrides)."""
+    decl = module.models[name]
+    env: dict[str, float] = {}
+    for key, node in decl.header:
+        env[key] = evaluate_number(node, env, f"the default of `{key}`")
+    for key, value in overrides.items():
+        if key not in env:
+            raise SpecError(f"`{key}` is not a dim of model `{name}`", decl.span,
+                            f"its dims: {', '.join(env) or 'none'}")
+        env[key] = float(value)
+    for need in ("vocab", "context", "d"):
+        if need not in env:
+            raise SpecError(f"model `{name}` needs a `{need}` dim in its header", decl.span)
+    by_kind: dict[str, list[ast.Clause]] = {}
+    for c in decl.clauses:
+        by_kind.setdefault(c.kind, []).append(c)
+    for kind, cs in by_kind.items():
+        if len(cs) > 1:
+            raise SpecError(f"a model has one `{kind.replace('_', ' ')}` clause", cs[1].span)
+    one = {k: v[0] for k, v in by_kind.items()}
+    if "layer" not in one:
+        raise SpecError(f"model `{name}` has no `layer = ...`", decl.span)
+    stages = [_stage(p) for p in _expand(module, one["layer"].value, env)]
+    positions = False
+    if "embed" in one:
+        for what in one["embed"].value:
+            if what not in ("tokens", "positions"):
+                raise SpecError(f"cannot embed `{what}`", one["embed"].span, "use `embed tokens` or "
+                                "`embed tokens, positions`")
+        positions = "positions" in one["embed"].value
+    layers, shared = 1, False
+    if "repeat" in one:
+        c = one["repeat"]
+        layers = _whole(evaluate_number(c.value, env, "`repeat`"), "`repeat`", c.span)
+        shared = bool(c.extra.get("shared"))
+    across = None
+    if "across" in one:
+        across = _across(one["across"])
+    norm = None
+    if "norm" in one:
+        c = one["norm"]
+        if c.name not in NORMS:
+            raise SpecError(f"unknown norm `{c.name}`", c.span, f"use {' or '.join(NORMS)}")
+        norm = (c.name, c.value)
+    final = None
+    if "final_norm" in one:
+        c = one["final_norm"]
+        if c.name not in NORMS:
+            raise SpecError(f"unknown norm `{c.name}`", c.span, f"use {' or '.join(NORMS)}")
+        final = c.name
+    tied = one["head"].value == "tied" if "head" in one else True
+    vocab = _whole(env["vocab"], "`vocab`", decl.span)
+    context = _whole(env["context"], "`context`", decl.span)
+    d = _whole(env["d"], "`d`", decl.span)
+    return ModelPlan(name, env, vocab, context, d, positions, stages, layers, shared, across, norm, final, tied,
+                     decl.span)
+
+
+def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
+    call = c.value
+    if isinstance(call, ast.OptHole):
+        raise SpecError("`choice{...}` across layers belongs in a `search`", call.span)
+    if call.name == "none":
+        return None
+    if call.name not in ACROSS:
+        raise SpecError(f"unknown optimizer across layers `{call.name}`", call.span, "use momentum, nag or none")
+    hyper = {k: (v, False) for k, v in ACROSS[call.name].items()}
+    for kw in call.kwargs:
+        if kw.name not in hyper:
+            raise SpecError(f"`{call.name}` across layers has no `{kw.name}`", kw.span, "it takes beta and eta")
+        hyper[kw.name] = (evaluate_number(kw.value, {}, f"`{kw.name}`"), kw.flag == "learn")
+    return call.name, hyper
+
+
+def describe(plan: ModelPlan) -> str:
+    """A readable text rendering of the model graph (what `energy graph` prints)."""
+    lines = [f"model {plan.name}: vocab {plan.vocab}, context {plan.context}, d {plan.d}"]
+    lines.append(f"  embed tokens{', positions' if plan.embed_positions else ''}")
+    stages = " -> ".join(s.label for s in plan.stages)
+    rep = f"{plan.layers}×{' (shared weights)' if plan.shared else ''}"
+    norm = f", {plan.norm[0]} before each {plan.norm[1]}" if plan.norm else ""
+    lines.append(f"  {rep} [ {stages} ]{norm}")
+    if plan.across:
+        kind, hyper = plan.across
+        args = ", ".join(f"{k} = {v:g}{' learn' if learn else ''}" for k, (v, learn) in hyper.items())
+        lines.append(f"  across layers {kind}({args})")
+    if plan.final_norm:
+        lines.append(f"  final {plan.final_norm}")
+    lines.append(f"  head {'tied' if plan.head_tied else 'untied'}")
+    for s in plan.stages:
+        for n, dims in s.energies:
+            lines.append(f"  stage {n}: " + ", ".join(f"{k}={v:g}" for k, v in dims.items()))
+    return "\n".join(lines)
