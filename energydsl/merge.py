@@ -7,14 +7,29 @@ the first energy's (NRGPT's shared learned η: one step on the sum).
 
 from __future__ import annotations
 
+import dataclasses
+
 from . import syntax as ast
-from .errors import SpecError
+from .errors import Span, SpecError
 
 SHARED_KINDS = ("state", "context", "input", "param", "let", "local", "dim")
 
 
+def _shape(x: object) -> object:
+    """A clause's content without source positions (two files declare the same thing at different lines)."""
+    if isinstance(x, Span):
+        return None
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__,) + tuple(_shape(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if isinstance(x, (list, tuple)):
+        return tuple(_shape(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, repr(_shape(v))) for k, v in x.items()))
+    return x
+
+
 def _same(a: ast.Clause, b: ast.Clause) -> bool:
-    return (a.kind, a.name, a.value, a.extra) == (b.kind, b.name, b.value, b.extra)
+    return _shape(a) == _shape(b)
 
 
 def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]]) -> tuple[ast.EnergyDecl, dict[str, float]]:

@@ -222,3 +222,15 @@ def test_model_hole_outside_search_is_located(tmp_path: Path) -> None:
     spec.write_text((ROOT / "examples/models/gpt.energy").read_text().replace("layers = 4", "layers = int 1..3"))
     r = _run("info", str(spec))
     assert r.returncode == 2 and "m.energy:" in r.stderr and "search" in r.stderr
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples/models").glob("*.energy")))
+def test_every_model_example_trains_one_step(path: str) -> None:
+    model = energydsl.load(ROOT / path).model(context=8)
+    idx = model.example_input(2, 8)
+    logits = model(idx)
+    assert logits.shape == (2, 8, model.vocab_size)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx.reshape(-1))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
