@@ -108,7 +108,7 @@ def derivative(name: str) -> str:
 
 # ----------------------------------------------------------------------------- antiderivatives
 
-_GL_NODES, _GL_WEIGHTS = (torch.tensor(a, dtype=torch.float64) for a in
+_GL_NODES, _GL_WEIGHTS = (torch.tensor(a, dtype=torch.float64, device="cpu") for a in
                           __import__("numpy").polynomial.legendre.leggauss(64))
 
 
