@@ -15,8 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/energy check "examples/**/*.energy"
-	$(BIN)/energy derive examples/intrinsic-optimizers/mha.energy
+	$(BIN)/energy search search/quickstart.energy --storage runs/demo/optuna.journal
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check energydsl tests benchmarks

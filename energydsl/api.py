@@ -274,3 +274,10 @@ def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, floa
 def load(source: str | Path) -> Spec:
     """Parse a `.energy` file (a path) or spec text."""
     return Spec(syntax.parse_module(source))
+
+
+def load_search(path: str | Path, **sets: object):
+    """The search space of a `.energy` file's `search` declaration (`energydsl.search.dsl.load_search`)."""
+    from .search.dsl import load_search as _load_search
+
+    return _load_search(path, **sets)

@@ -309,6 +309,11 @@ def sample(
     print(text)
 
 
+from .search.cli import register as register_search  # noqa: E402  (search and report commands)
+
+register_search(app)
+
+
 def main() -> None:
     """Entry point: user errors exit 2 with a located message; internal errors exit 70 in one line."""
     argv = sys.argv[1:]

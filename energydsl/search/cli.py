@@ -1,0 +1,194 @@
+"""`energy search SPACE` and `energy report STUDY`: the search engine on the command line.
+
+`register(app)` adds both commands to the `energy` Typer app. The engine and the DSL are imported when a
+command runs, not when the CLI starts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from energydsl.errors import UserError
+
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", help="Override a search setting: KEY=VALUE (repeatable): search, data, steps, trials, timeout, lr, "
+                  "batch, block, warmup, min_lr, weight_decay, grad_clip, eval_interval, eval_iters, seed, dtype.")]
+
+
+def parse_sets(items: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key.isidentifier():
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set steps=100")
+        out[key] = value.strip()
+    return out
+
+
+def space_spec(space: str) -> str:
+    """A `.energy` path made absolute (workers, Ray actors included, may run elsewhere), else as given
+    (a registered name or package.module:attr)."""
+    from energydsl.search.space import is_import_path, registered_spaces
+
+    if space in registered_spaces() or is_import_path(space):
+        return space
+    p = Path(space)
+    if not p.exists():
+        raise UserError(f"no such search space file: {space}",
+                        hint="give a .energy file with a `search` declaration (e.g. search/quickstart.energy)")
+    if p.is_dir():
+        raise UserError(f"{space} is a directory, not a .energy file")
+    return str(p.resolve())
+
+
+def output_dir(storage: str, study: str) -> Path:
+    """Where the report and the best candidate go by default: next to the storage."""
+    from energydsl.search.report import safe_name
+
+    if "://" not in storage:
+        return Path(storage).parent
+    if storage.startswith("sqlite:///"):
+        return Path(storage.removeprefix("sqlite:///")).parent
+    return Path("runs") / safe_name(study)
+
+
+def search(
+    space: Annotated[str, typer.Argument(help="A .energy file with a `search` declaration (or a registered "
+                                              "space, or package.module:attr).")],
+    trials: Annotated[int | None, typer.Option(help="Finished trials the study should hold (default: the "
+                                                    "space's `trials`). A rerun continues the study.")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Seconds after which no new trial starts.")] = None,
+    workers: Annotated[int, typer.Option(help="Trials run at once (worker processes, or Ray trials).")] = 1,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage: a journal file or a URL such as "
+                                                     "sqlite:///runs/s.db (default runs/STUDY/optuna.journal).")
+                       ] = None,
+    study: Annotated[str | None, typer.Option(help="Study name (default: the search's name).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout (no live display).")
+                       ] = False,
+    backend: Annotated[str, typer.Option(help="local | ray")] = "local",
+    address: Annotated[str | None, typer.Option(help="Ray cluster address (ray backend), e.g. auto or "
+                                                     "HEAD_IP:6379; default a local Ray runtime.")] = None,
+    gpus_per_trial: Annotated[float, typer.Option(help="GPUs reserved per Ray trial (fractions allowed).")] = 0.0,
+    cpus_per_trial: Annotated[float, typer.Option(help="CPUs reserved per Ray trial.")] = 1.0,
+    device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N (local workers spread over the GPUs).")
+                      ] = "cpu",
+    sampler: Annotated[str, typer.Option(help="auto (TPE for one objective, NSGA-II for several) | tpe | nsga2 "
+                                              "| random | cmaes | qmc")] = "auto",
+    pruner: Annotated[str, typer.Option(help="asha | hyperband | none")] = "asha",
+    seed: Annotated[int | None, typer.Option(help="Sampler seed.")] = None,
+    report: Annotated[str | None, typer.Option(help="Where to write the HTML report (default: next to the "
+                                                    "storage, report.html).")] = None,
+    export: Annotated[str | None, typer.Option(help="Where to write the best candidate as a plain .energy file "
+                                                    "(default: next to the storage, best.energy).")] = None,
+    holes: Annotated[bool, typer.Option("--holes", help="List the space's holes and exit.")] = False,
+    sets: SetOpt = None,
+) -> None:
+    """Search a space of compositions: sample, check, deduplicate, train; report the best."""
+    from energydsl.search import export_best, run_search, write_report
+    from energydsl.search.space import SpaceRef, resolve_space
+
+    ref = SpaceRef(space_spec(space), parse_sets(sets))
+    if holes:
+        resolved = resolve_space(ref)
+        rows = resolved.describe() if hasattr(resolved, "describe") else []
+        if as_json:
+            print(json.dumps([{"name": n, "values": v, "at": w} for n, v, w in rows]))
+        else:
+            for n, v, w in rows:
+                print(f"{n:<40} {v:<40} {w}")
+        return
+    summary = run_search(ref, backend=backend, trials=trials, timeout=timeout, workers=workers, storage=storage,
+                         study_name=study, sampler=sampler, pruner=pruner, device=device, json=as_json,
+                         address=address, gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial,
+                         seed=seed)
+    where = output_dir(summary["storage"], summary["study"])
+    report_path = Path(report) if report else where / "report.html"
+    write_report(summary["storage"], summary["study"], report_path)
+    summary["report"] = str(report_path)
+    summary["best_source"] = None
+    if summary.get("completed"):
+        best_path = Path(export) if export else where / "best.energy"
+        export_best(summary["storage"], summary["study"], best_path)
+        summary["best_source"] = str(best_path)
+    if as_json:
+        print(json.dumps(summary, default=_plain))
+        return
+    err = sys.stderr
+    print(f"report: {report_path}", file=err)
+    if summary["best_source"]:
+        print(f"best candidate: {summary['best_source']}", file=err)
+    if summary.get("interrupted"):
+        print("interrupted: run the same command again to continue the study", file=err)
+
+
+def report(
+    study: Annotated[str, typer.Argument(help="A study name (its storage: --storage, else "
+                                              "runs/STUDY/optuna.journal), or a storage path or URL.")],
+    out: Annotated[str | None, typer.Option("-o", "--output", help="The HTML file (default: report.html next "
+                                                                    "to the storage).")] = None,
+    storage: Annotated[str | None, typer.Option(help="Optuna storage (journal file or URL).")] = None,
+    name: Annotated[str | None, typer.Option("--study", help="Which study, when the storage holds several.")
+                    ] = None,
+    export: Annotated[str | None, typer.Option(help="Also write the best candidate as a .energy file here.")
+                      ] = None,
+    leaderboard: Annotated[bool, typer.Option(help="Print the leaderboard too.")] = True,
+) -> None:
+    """Write a self-contained HTML report of a study (plots, leaderboard, every trial's spec and equations)."""
+    from energydsl.search import export_best, load_study, write_report
+    from energydsl.search.display import print_leaderboard
+    from energydsl.search.report import default_storage_path
+
+    store, study_name = _locate(study, storage, name, default_storage_path)
+    path = Path(out) if out else output_dir(store, study_name) / "report.html"
+    write_report(store, study_name, path)
+    if leaderboard:
+        print_leaderboard(load_study(store, study_name))
+    print(f"report: {path}", file=sys.stderr)
+    if export:
+        number = export_best(store, study_name, export)
+        print(f"best candidate (trial #{number}): {export}", file=sys.stderr)
+
+
+def _locate(study: str, storage: str | None, name: str | None, default: Any) -> tuple[str, str]:
+    """(storage, study name) from what the user gave: a study name, a journal path or a URL."""
+    import optuna
+
+    from energydsl.search.report import open_storage
+
+    if storage is None and ("://" in study or Path(study).is_file()):
+        storage, study = (study if "://" in study else str(Path(study).resolve())), ""
+    if storage is None:
+        storage = default(study)
+        if not Path(storage).exists():
+            raise UserError(f"no study {study!r} under runs/ (looked for {storage})",
+                            hint="give the storage with --storage, or the journal file itself")
+        return str(Path(storage).resolve()), name or study
+    if "://" not in storage and not Path(storage).exists():
+        raise UserError(f"no study storage at {storage}")
+    wanted = name or study
+    if wanted:
+        return storage, wanted
+    names = optuna.get_all_study_names(open_storage(storage))
+    if len(names) != 1:
+        raise UserError(f"{storage} holds {len(names)} studies ({', '.join(names) or 'none'})",
+                        hint="pick one with --study NAME")
+    return storage, names[0]
+
+
+def _plain(v: Any) -> Any:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `search` and `report` to the `energy` command line."""
+    app.command("search")(search)
+    app.command("report")(report)

@@ -1,0 +1,1004 @@
+"""Search spaces written in the language: a `.energy` file with holes and a `search` declaration.
+
+    space = load_search("search/quickstart.energy", steps="20")     # energydsl.api.load_search
+    run_search(SpaceRef("search/quickstart.energy", {"steps": "20"}))
+
+A hole is `choice{...}`, `int a..b`, `float a..b` or `float a..b log` anywhere an expression may stand
+in an `energy`, `block` or `model`, or a `choice{...}` of whole optimizers, preconditioners or
+across-layer optimizers. The `search` declaration adds holes and overrides of its own:
+
+    model M(d = choice{32, 64})            the defaults of M's header dims (M: the model trained)
+    energy E(heads = choice{2, 4})         the defaults of E's header dims
+    across layers choice{none, nag(...)}   M's `across layers` clause (`none`: no clause)
+    optimizer E: choice{gd, nag(...)}      the optimizer of E's `optimizer` clause (modifiers kept)
+    precondition E: choice{none, diag}     the preconditioner of E's optimizer (`none`: no preconditioner)
+    data NAME, steps N                     the dataset and training steps
+    train lr = float 1e-4..1e-2 log, ...   training settings (see TRAIN_KEYS)
+    objective minimize val_loss, ...       see OBJECTIVES; TPE for one, NSGA-II for several
+    trials N                               the default budget
+
+Every hole has a stable name (`Model.d`, `MHA.optimizer`, `MHA.optimizer.nag.beta`, `train.lr`): the
+Optuna parameter it is sampled as. A candidate is the file's text with every hole's source span replaced
+by the sampled value's text, the search-level overrides written into the model and energy declarations,
+imports inlined and `search` declarations dropped: a plain `.energy` file (`Candidate.source()`), which
+is what gets loaded, built, checked and trained. `docs/search.md` is the user's guide.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lark
+
+from energydsl import syntax
+from energydsl.errors import Span, SpecError, UserError
+
+OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
+              "step_time", "tokens_per_s")
+#: `train` keys (and `--set` keys) -> TrainConfig fields
+TRAIN_KEYS = {
+    "lr": "lr", "min_lr": "min_lr", "batch": "batch_size", "batch_size": "batch_size", "block": "block_size",
+    "block_size": "block_size", "warmup": "warmup_steps", "warmup_steps": "warmup_steps",
+    "weight_decay": "weight_decay", "grad_clip": "grad_clip", "eval_interval": "eval_interval",
+    "eval_iters": "eval_iters", "seed": "seed", "dtype": "dtype",
+}
+INT_SETTINGS = {"steps", "batch_size", "block_size", "warmup_steps", "eval_interval", "eval_iters", "seed", "trials"}
+STR_SETTINGS = {"data", "dtype"}
+#: the embedded defaults: small, so that a space trains on a CPU in minutes
+DEFAULTS: dict[str, Any] = {"data": "shakespeare_char", "steps": 200, "batch_size": 16, "lr": 1e-3,
+                            "weight_decay": 0.1, "grad_clip": 1.0, "eval_iters": 20, "seed": 1337,
+                            "dtype": "float32"}
+SET_KEYS = ("search", "data", "steps", "trials", "timeout", *TRAIN_KEYS)
+DEFAULT_OPTIMIZER = "gd(eta = 1)"  # what `none` means in an optimizer choice (the language's default)
+_EXPR_ATOMS = {"number", "name", "call", "reduce", "index", "integral", "choice_hole", "int_hole", "float_hole"}
+
+
+# ----------------------------------------------------------------------------- source files and positions
+
+
+@dataclass
+class _File:
+    path: str
+    text: str
+    tree: lark.Tree
+    _lines: list[int] = field(default_factory=list, repr=False)
+
+    def span(self, node: Any) -> Span:
+        start, end = _pos(node)
+        if not self._lines:
+            self._lines = [0] + [i + 1 for i, ch in enumerate(self.text) if ch == "\n"]
+        line = bisect.bisect_right(self._lines, start)
+        col = start - self._lines[line - 1] + 1
+        end_line = bisect.bisect_right(self._lines, max(start, end - 1))
+        end_col = end - self._lines[line - 1] + 1 if end_line == line else None
+        return Span(self.path, line, col, self.text, end_col)
+
+    def slice(self, node: Any) -> str:
+        s, e = _pos(node)
+        return self.text[s:e]
+
+
+def _pos(node: Any) -> tuple[int, int]:
+    if isinstance(node, lark.Token):
+        return int(node.start_pos), int(node.end_pos)
+    return int(node.meta.start_pos), int(node.meta.end_pos)
+
+
+def _kids(node: lark.Tree) -> list[Any]:
+    return [c for c in node.children if c is not None]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _read_files(path: Path) -> list[_File]:
+    """The file and everything it imports (depth first, each once): text and parse tree."""
+    syntax.parse_module(path)  # the language's own checks first: syntax, duplicates, import cycles
+    files: list[_File] = []
+    seen: set[Path] = set()
+
+    def visit(p: Path, shown: str) -> None:
+        real = p.resolve()
+        if real in seen:
+            return
+        seen.add(real)
+        text = p.read_text(encoding="utf-8")
+        f = _File(shown, text, syntax._parser().parse(text))
+        files.append(f)
+        for item in _kids(f.tree):
+            if item.data == "import_decl":
+                rel = str(item.children[0])[1:-1]
+                visit(p.parent / rel, str(Path(shown).parent / rel))
+
+    visit(path, str(path))
+    return files
+
+
+# ----------------------------------------------------------------------------- holes
+
+
+@dataclass
+class _Option:
+    label: Any  # the Optuna categorical value: a number, an optimizer name or the option's text
+    start: int
+    end: int
+    holes: list[_Hole]
+    none: bool = False
+    wrap: bool = False  # an expression that needs parentheses where it is substituted
+
+
+@dataclass
+class _Hole:
+    name: str
+    kind: str  # int | float | choice | clause
+    file: _File
+    start: int
+    end: int
+    span: Span
+    low: float = 0.0
+    high: float = 0.0
+    log: bool = False
+    options: list[_Option] = field(default_factory=list)
+    outer: tuple[int, int] | None = None  # clause holes: the clause `none` removes
+    none_text: str | None = None  # clause holes: what `none` stands for (None: remove `outer`)
+
+    @property
+    def place(self) -> tuple[int, int]:
+        return self.outer or (self.start, self.end)
+
+    def describe(self) -> str:
+        if self.kind == "int":
+            return f"int {_num(self.low)}..{_num(self.high)}"
+        if self.kind == "float":
+            return f"float {_num(self.low)}..{_num(self.high)}" + (" log" if self.log else "")
+        return "choice{" + ", ".join(str(o.label) for o in self.options) + "}"
+
+    def walk(self) -> list[_Hole]:
+        out = [self]
+        for o in self.options:
+            for h in o.holes:
+                out += h.walk()
+        return out
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def _fmt_float(v: float) -> str:
+    text = f"{v:.6g}"
+    return text if re.fullmatch(r"\d+(\.\d+)?([eE][+-]?\d+)?", text) else repr(float(v))
+
+
+class _Collector:
+    """Finds the holes under a parse-tree node and names them from where they stand."""
+
+    def __init__(self, file: _File):
+        self.file = file
+
+    def holes(self, node: Any, name: str) -> list[_Hole]:
+        if node is None or isinstance(node, lark.Token):
+            return []
+        if node.data in ("choice_hole", "int_hole", "float_hole"):
+            return [self.expr_hole(node, name)]
+        if node.data == "opt_hole":
+            return [self.clause_hole(node, name, None, None)]
+        if node.data == "opt_call":
+            return self.call_holes(node, name)
+        out: list[_Hole] = []
+        for c in _kids(node):
+            out += self.holes(c, name)
+        return out
+
+    def call_holes(self, call: lark.Tree, name: str) -> list[_Hole]:
+        out: list[_Hole] = []
+        for kw in _kids(call)[1:]:
+            out += self.holes(kw.children[1], f"{name}.{kw.children[0]}")
+        return out
+
+    def expr_hole(self, node: lark.Tree, name: str) -> _Hole:
+        f = self.file
+        s, e = _pos(node)
+        span = f.span(node)
+        if node.data == "int_hole":
+            lo, hi = float(node.children[0]), float(node.children[1])
+            if not (lo.is_integer() and hi.is_integer()) or lo > hi:
+                raise SpecError(f"`int {node.children[0]}..{node.children[1]}`: need whole numbers, low <= high",
+                                span)
+            return _Hole(name, "int", f, s, e, span, lo, hi)
+        if node.data == "float_hole":
+            lo, hi, log = float(node.children[0]), float(node.children[1]), node.children[2] is not None
+            if lo > hi or (log and lo <= 0):
+                raise SpecError(f"`{f.slice(node)}`: need low <= high" + (" and low > 0 for `log`" if log else ""),
+                                span)
+            return _Hole(name, "float", f, s, e, span, lo, hi, log)
+        options: list[_Option] = []
+        for i, opt in enumerate(_kids(node), start=1):
+            os_, oe = _pos(opt)
+            if opt.data == "number":
+                v = float(opt.children[0])
+                label: Any = int(v) if v.is_integer() and "." not in str(opt.children[0]) else v
+            else:
+                label = _norm(f.slice(opt))
+            if any(o.label == label for o in options):
+                raise SpecError(f"`{label}` is listed twice in this choice", span)
+            options.append(_Option(label, os_, oe, self.holes(opt, f"{name}.{i}"),
+                                   wrap=opt.data not in _EXPR_ATOMS))
+        return _Hole(name, "choice", f, s, e, span, options=options)
+
+    def clause_hole(self, node: lark.Tree, name: str, outer: tuple[int, int] | None,
+                    none_text: str | None) -> _Hole:
+        f = self.file
+        calls = _kids(node)
+        names = [str(c.children[0]) for c in calls]
+        unique = len(set(names)) == len(names)
+        options = []
+        for i, c in enumerate(calls):
+            label = names[i] if unique else _norm(f.slice(c))
+            if label in [o.label for o in options]:
+                raise SpecError(f"`{label}` is listed twice in this choice", f.span(c))
+            none = names[i] == "none"
+            if none and len(c.children) > 1 and c.children[1] is not None:
+                raise SpecError("`none` takes no arguments", f.span(c))
+            s, e = _pos(c)
+            options.append(_Option(label, s, e, self.call_holes(c, f"{name}.{label if unique else i + 1}"),
+                                   none=none))
+        s, e = _pos(node)
+        return _Hole(name, "clause", f, s, e, f.span(node), options=options, outer=outer, none_text=none_text)
+
+    # -- declarations --------------------------------------------------------------------------------
+
+    def optimizer_clause(self, node: lark.Tree, energy: str) -> list[_Hole]:
+        call, *mods = _kids(node)
+        out = self.optimizer_call(call, energy)
+        for m in mods:
+            out += self.modifier(m, energy)
+        return out
+
+    def optimizer_call(self, call: lark.Tree, energy: str) -> list[_Hole]:
+        if call.data == "opt_hole":
+            return [self.clause_hole(call, f"{energy}.optimizer", None, DEFAULT_OPTIMIZER)]
+        return self.call_holes(call, f"{energy}.optimizer")
+
+    def modifier(self, m: lark.Tree, energy: str) -> list[_Hole]:
+        if m.data != "precondition":
+            return self.holes(m, f"{energy}.{m.data}")
+        p = m.children[0]
+        if p.data == "opt_hole":
+            return [self.clause_hole(p, f"{energy}.precondition", _pos(m), None)]
+        return self.call_holes(p, f"{energy}.precondition")
+
+    def decl(self, node: lark.Tree) -> list[_Hole]:
+        name = str(node.children[0])
+        out: list[_Hole] = []
+        if node.data == "block_decl":
+            return self.pipeline(node.children[1], name)
+        for c in _kids(node)[1:]:
+            if c.data == "header":
+                for item in _kids(c):
+                    out += self.holes(item.children[1], f"{name}.{item.children[0]}")
+            elif c.data == "optimizer_clause":
+                out += self.optimizer_clause(c, name)
+            elif c.data == "across":
+                v = c.children[0]
+                if v.data == "opt_hole":
+                    out.append(self.clause_hole(v, f"{name}.across", _pos(c), None))
+                else:
+                    out += self.call_holes(v, f"{name}.across")
+            elif c.data == "layer":
+                out += self.pipeline(c.children[0], f"{name}.layer")
+            else:
+                first = c.children[0] if c.children else None
+                label = str(first) if isinstance(first, lark.Token) and first.type == "NAME" else (
+                    c.data.removesuffix("_clause"))
+                out += self.holes(c, f"{name}.{label}")
+        return out
+
+    def pipeline(self, node: lark.Tree, name: str) -> list[_Hole]:
+        out: list[_Hole] = []
+        for summed in _kids(node):
+            for ref in _kids(summed):
+                out += self.stage_args(ref, f"{name}.{ref.children[0]}")
+        return out
+
+    def stage_args(self, ref: lark.Tree, name: str) -> list[_Hole]:
+        out: list[_Hole] = []
+        for i, arg in enumerate(_kids(ref)[1:], start=1):
+            if arg.data == "named_arg":
+                out += self.holes(arg.children[1], f"{name}.{arg.children[0]}")
+            else:
+                out += self.holes(arg.children[0], f"{name}.{i}")
+        return out
+
+
+# ----------------------------------------------------------------------------- filling holes
+
+
+class _Filler:
+    """Samples holes (trial.suggest_*) as they are met and renders their text."""
+
+    def __init__(self, trial: Any):
+        self.trial = trial
+        self.params: dict[str, Any] = {}
+
+    def value(self, h: _Hole) -> str:
+        t = self.trial
+        if h.kind == "int":
+            v = t.suggest_int(h.name, int(h.low), int(h.high))
+            self.params[h.name] = v
+            return str(int(v))
+        if h.kind == "float":
+            v = t.suggest_float(h.name, h.low, h.high, log=h.log)
+            self.params[h.name] = v
+            return _fmt_float(float(v))
+        label = t.suggest_categorical(h.name, [o.label for o in h.options])
+        self.params[h.name] = label
+        opt = next(o for o in h.options if o.label == label and isinstance(o.label, str) == isinstance(label, str))
+        if opt.none:
+            if h.none_text is None:
+                return ""  # with `outer`: the whole clause goes
+            text = h.none_text
+        else:
+            text = _render(h.file, opt.start, opt.end, opt.holes, self)
+            if opt.wrap:
+                text = f"({text})"
+        if h.outer is not None:  # `across layers <choice>`, `, precondition <choice>`: the clause around it
+            s, e = h.outer
+            text = h.file.text[s : h.start] + text + h.file.text[h.end : e]
+        return text
+
+
+def _render(file: _File, start: int, end: int, holes: list[_Hole], filler: _Filler) -> str:
+    out, pos = [], start
+    for h in sorted(holes, key=lambda h: h.place):
+        s, e = h.place
+        if s < start or e > end:
+            continue
+        out.append(file.text[pos:s])
+        out.append(filler.value(h))
+        pos = e
+    out.append(file.text[pos:end])
+    return "".join(out)
+
+
+@dataclass
+class _Placement:
+    """Text that replaces file[start:end] in a candidate: a hole, a search-level override, a deletion."""
+
+    file: _File
+    start: int
+    end: int
+    holes: list[_Hole]  # the holes it may sample (top level)
+    render: Callable[[_Filler], str]
+    origin: str = "hole"  # hole | search | delete
+
+
+@dataclass
+class _Value:
+    """A setting or override written in the search: source text with holes, or a fixed value."""
+
+    file: _File | None = None
+    start: int = 0
+    end: int = 0
+    holes: list[_Hole] = field(default_factory=list)
+    fixed: Any = None
+
+    def text(self, filler: _Filler) -> str:
+        if self.file is None:
+            return str(self.fixed)
+        return _render(self.file, self.start, self.end, self.holes, filler)
+
+
+def _value(col: _Collector, node: Any, name: str) -> _Value:
+    s, e = _pos(node)
+    return _Value(col.file, s, e, col.holes(node, name))
+
+
+def _setting(col: _Collector, node: Any, key: str, name: str) -> _Value:
+    """A training setting: fixed (and checked now) unless it holds holes."""
+    v = _value(col, node, name)
+    if v.holes:
+        return v
+    return _Value(fixed=_convert(key, col.file.slice(node), col.file.span(node)))
+
+
+# ----------------------------------------------------------------------------- the space
+
+
+def _convert(key: str, text: str, where: Span | None) -> Any:
+    text = text.strip()
+    if key in STR_SETTINGS:
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise SpecError(f"`{key}` must be a number, got `{text}`", where) from None
+    if key in INT_SETTINGS:
+        if not v.is_integer():
+            raise SpecError(f"`{key}` must be a whole number, got `{text}`", where)
+        return int(v)
+    return v
+
+
+class DslSpace:
+    """A `search` declaration: implements `energydsl.search.space.SearchSpace`."""
+
+    def __init__(self, path: str, files: list[_File], search: lark.Tree, sets: dict[str, Any]):
+        self.path = path
+        self.files = files
+        self.search_file = files[0]
+        self.name = str(search.children[0])
+        self.placements: list[_Placement] = []
+        self.settings: dict[str, _Value] = {}
+        self.objectives: list[tuple[str, str]] = [("val_loss", "minimize")]
+        self.trials: int | None = None
+        self.model_name = ""
+        self._datasets: dict[str, Any] = {}
+        self._build(search, sets)
+        steps = self.settings.get("steps")
+        top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
+        self.budget: dict[str, Any] = {"trials": self.trials or 20, "steps": top_steps}
+        interval = self.settings.get("eval_interval")
+        if interval is None or interval.file is None:  # the pruner's first rung: the first evaluation
+            self.budget["min_steps"] = int(interval.fixed) if interval else max(1, top_steps // 4)
+        if sets.get("timeout") not in (None, ""):
+            self.budget["timeout"] = _convert("timeout", str(sets["timeout"]), None)
+
+    # -- building ------------------------------------------------------------------------------------
+
+    def _decls(self) -> dict[str, tuple[_File, lark.Tree]]:
+        out = {}
+        for f in self.files:
+            for item in _kids(f.tree):
+                if item.data in ("energy_decl", "block_decl", "model_decl"):
+                    out[str(item.children[0])] = (f, item)
+        return out
+
+    def _build(self, search: lark.Tree, sets: dict[str, Any]) -> None:
+        sf = self.search_file
+        col = _Collector(sf)
+        decls = self._decls()
+        models = [n for n, (_, t) in decls.items() if t.data == "model_decl"]
+        overrides: list[_Placement] = []
+        opt_over: dict[str, tuple[lark.Tree, Span]] = {}
+        pre_over: dict[str, tuple[lark.Tree, Span]] = {}
+        across: lark.Tree | None = None
+        seen: dict[str, Span] = {}
+        model_ref: lark.Tree | None = None
+        for clause in _kids(search)[1:]:
+            kind = clause.data
+            span = sf.span(clause)
+            key = kind
+            if kind in ("search_optimizer", "search_precondition"):
+                key = f"{kind.removeprefix('search_')} {clause.children[0]}"
+            elif kind == "search_energy":
+                key = f"energy {clause.children[0].children[0]}"
+            if key in seen:
+                raise SpecError(f"`{key.removeprefix('search_')}` is given twice in search `{self.name}` (first at "
+                                f"{seen[key]})", span)
+            seen[key] = span
+            if kind == "search_model":
+                model_ref = clause.children[0]
+            elif kind == "search_energy":
+                overrides += self._header_override(clause.children[0], "energy_decl", decls, col)
+            elif kind == "across":
+                across = clause
+            elif kind in ("search_optimizer", "search_precondition"):
+                target = str(clause.children[0])
+                if target not in decls or decls[target][1].data != "energy_decl":
+                    energies = [n for n, (_, t) in decls.items() if t.data == "energy_decl"]
+                    raise SpecError(f"no energy named `{target}`", sf.span(clause.children[0]),
+                                    f"energies: {', '.join(energies) or 'none'}")
+                (opt_over if kind == "search_optimizer" else pre_over)[target] = (clause.children[1], span)
+            elif kind == "search_data":
+                self.settings["data"] = _Value(fixed=str(clause.children[0]))
+                if clause.children[1] is not None:
+                    self.settings["steps"] = _setting(col, clause.children[1], "steps", "steps")
+            elif kind == "search_train":
+                for kw in _kids(clause):
+                    k = str(kw.children[0])
+                    if k not in TRAIN_KEYS:
+                        raise SpecError(f"unknown training setting `{k}`", sf.span(kw),
+                                        f"known: {', '.join(TRAIN_KEYS)}")
+                    if TRAIN_KEYS[k] in self.settings:
+                        raise SpecError(f"`{k}` is given twice", sf.span(kw))
+                    self.settings[TRAIN_KEYS[k]] = _setting(col, kw.children[1], TRAIN_KEYS[k], f"train.{k}")
+            elif kind == "objectives":
+                objs = []
+                for o in _kids(clause):
+                    direction, name = str(o.children[0]), str(o.children[1])
+                    if name not in OBJECTIVES:
+                        raise SpecError(f"unknown objective `{name}`", sf.span(o.children[1]),
+                                        f"known: {', '.join(OBJECTIVES)}")
+                    if name in [n for n, _ in objs]:
+                        raise SpecError(f"objective `{name}` is given twice", sf.span(o))
+                    objs.append((name, direction))
+                self.objectives = objs
+            elif kind == "trials":
+                node = clause.children[0]
+                if node.data != "number" or not float(node.children[0]).is_integer():
+                    raise SpecError("`trials` takes a whole number", sf.span(node))
+                self.trials = int(float(node.children[0]))
+        # the model trained
+        if model_ref is not None:
+            self.model_name = str(model_ref.children[0])
+            if self.model_name not in models:
+                raise SpecError(f"no model named `{self.model_name}`", sf.span(model_ref),
+                                f"models: {', '.join(models) or 'none'}")
+            overrides += self._header_override(model_ref, "model_decl", decls, col)
+        elif len(models) == 1:
+            self.model_name = models[0]
+        else:
+            raise SpecError(f"search `{self.name}` must name the model it trains" if models else
+                            f"search `{self.name}`: the file declares no `model` to train",
+                            sf.span(search.children[0]), "add `model NAME` to the search" if models else
+                            "declare a `model` (see docs/language.md)")
+        if across is not None:
+            overrides.append(self._across_override(across, decls[self.model_name], col))
+        for energy in dict.fromkeys([*opt_over, *pre_over]):
+            overrides.append(self._optimizer_override(decls[energy], opt_over.get(energy), pre_over.get(energy),
+                                                      col))
+        # the file's own holes, unless an override replaces the text they stand in
+        placements: list[_Placement] = list(overrides)
+        for f in self.files:
+            fc = _Collector(f)
+            for item in _kids(f.tree):
+                if item.data in ("search_decl", "import_decl"):
+                    s, e = _pos(item)
+                    placements.append(_Placement(f, s, e, [], lambda _f: "", "delete"))
+                    continue
+                for h in fc.decl(item):
+                    s, e = h.place
+                    if any(p.file is f and p.start <= s and e <= p.end for p in overrides):
+                        continue
+                    placements.append(_Placement(f, s, e, [h], lambda fl, h=h: fl.value(h)))
+        self.placements = placements
+        self._apply_sets(sets)
+        self._unique_names()
+
+    def _header_override(self, ref: lark.Tree, kind: str, decls: dict[str, tuple[_File, lark.Tree]],
+                         col: _Collector) -> list[_Placement]:
+        """`model M(d = ...)` / `energy E(heads = ...)`: new defaults for the declaration's header dims."""
+        sf = self.search_file
+        target = str(ref.children[0])
+        what = "model" if kind == "model_decl" else "energy"
+        if target not in decls or decls[target][1].data != kind:
+            raise SpecError(f"no {what} named `{target}`", sf.span(ref))
+        tf, decl = decls[target]
+        header = next((c for c in _kids(decl)[1:] if c.data == "header"), None)
+        items = _kids(header) if header is not None else []
+        names = [str(i.children[0]) for i in items]
+        out = []
+        for i, arg in enumerate(_kids(ref)[1:]):
+            if arg.data == "named_arg":
+                dim, node = str(arg.children[0]), arg.children[1]
+            else:
+                if i >= len(items):
+                    raise SpecError(f"{what} `{target}` has {len(items)} dims ({', '.join(names)})", sf.span(arg))
+                dim, node = names[i], arg.children[0]
+            if dim not in names:
+                raise SpecError(f"`{dim}` is not a dim of {what} `{target}`", sf.span(arg),
+                                f"its dims: {', '.join(names) or 'none'}")
+            item = items[names.index(dim)]
+            s, e = _pos(item.children[1])
+            v = _value(col, node, f"{target}.{dim}")
+            out.append(_Placement(tf, s, e, v.holes, v.text, "search"))
+        return out
+
+    def _across_override(self, clause: lark.Tree, model: tuple[_File, lark.Tree], col: _Collector) -> _Placement:
+        tf, decl = model
+        name = str(decl.children[0])
+        node = clause.children[0]
+        if node.data == "opt_hole":
+            hole = col.clause_hole(node, f"{name}.across", None, None)
+            holes = [hole]
+
+            def value(fl: _Filler) -> str:
+                return fl.value(hole)
+        else:
+            v = _value(col, node, f"{name}.across")
+            holes = v.holes
+            fixed_none = str(node.children[0]) == "none"
+
+            def value(fl: _Filler) -> str:
+                return "" if fixed_none else v.text(fl)
+        existing = next((c for c in _kids(decl)[1:] if c.data == "across"), None)
+        if existing is not None:
+            s, e = _pos(existing)
+            return _Placement(tf, s, e, holes, lambda fl: (lambda t: f"across layers {t}" if t else "")(value(fl)),
+                              "search")
+        at = _pos(decl)[1] - 1  # before the closing brace
+        return _Placement(tf, at, at, holes, lambda fl: (lambda t: f"  across layers {t}\n" if t else "")(value(fl)),
+                          "search")
+
+    def _optimizer_override(self, energy: tuple[_File, lark.Tree], opt: tuple[lark.Tree, Span] | None,
+                            pre: tuple[lark.Tree, Span] | None, col: _Collector) -> _Placement:
+        """Rebuild energy E's optimizer clause from the search's optimizer and/or preconditioner choice, the
+        clause's other parts (and their holes) kept."""
+        tf, decl = energy
+        name = str(decl.children[0])
+        tc = _Collector(tf)
+        clause = next((c for c in _kids(decl)[1:] if c.data == "optimizer_clause"), None)
+        holes: list[_Hole] = []
+        parts: list[Callable[[_Filler], str]] = []  # modifiers other than precondition
+
+        def node_value(collector: _Collector, node: lark.Tree, hole_name: str, none_text: str | None
+                       ) -> tuple[list[_Hole], Callable[[_Filler], str]]:
+            if node.data == "opt_hole":
+                h = collector.clause_hole(node, hole_name, None, none_text)
+                return [h], lambda fl: fl.value(h)
+            s, e = _pos(node)
+            hs = collector.call_holes(node, hole_name)
+            is_none = str(node.children[0]) == "none"
+            f = collector.file
+            return hs, lambda fl: (none_text or "") if is_none else _render(f, s, e, hs, fl)
+
+        call: Callable[[_Filler], str] = lambda fl: DEFAULT_OPTIMIZER
+        precond: Callable[[_Filler], str] = lambda fl: ""
+        if clause is not None:
+            first, *mods = _kids(clause)
+            hs, call = node_value(tc, first, f"{name}.optimizer", DEFAULT_OPTIMIZER)
+            holes += hs
+            for m in mods:
+                if m.data == "precondition":
+                    hs, precond = node_value(tc, m.children[0], f"{name}.precondition", None)
+                else:
+                    s, e = _pos(m)
+                    hs = tc.holes(m, f"{name}.{m.data}")
+                    parts.append(lambda fl, s=s, e=e, hs=hs: _render(tf, s, e, hs, fl))
+                holes += hs
+        if opt is not None:
+            holes = [h for h in holes if not h.name.startswith(f"{name}.optimizer")]
+            hs, call = node_value(col, opt[0], f"{name}.optimizer", DEFAULT_OPTIMIZER)
+            holes += hs
+        if pre is not None:
+            holes = [h for h in holes if not h.name.startswith(f"{name}.precondition")]
+            hs, precond = node_value(col, pre[0], f"{name}.precondition", None)
+            holes += hs
+
+        def render(fl: _Filler) -> str:
+            text = "optimizer " + call(fl) + "".join(" " + p(fl) for p in parts)
+            p = precond(fl)
+            return text + (f", precondition {p}" if p else "")
+
+        if clause is not None:
+            s, e = _pos(clause)
+            return _Placement(tf, s, e, holes, render, "search")
+        at = _pos(decl)[1] - 1
+        return _Placement(tf, at, at, holes, lambda fl: f"  {render(fl)}\n", "search")
+
+    def _apply_sets(self, sets: dict[str, Any]) -> None:
+        for key, raw in sets.items():
+            if key in ("search", "trials", "timeout"):
+                if key == "trials" and raw not in (None, ""):
+                    self.trials = _convert("trials", str(raw), None)
+                continue
+            field_ = TRAIN_KEYS.get(key, key)
+            self.settings[field_] = _Value(fixed=_convert(field_, str(raw), None))
+        for key, v in self.settings.items():
+            if v.file is None:
+                _convert(key, str(v.fixed), None)
+
+    def _unique_names(self) -> None:
+        seen: dict[str, int] = {}
+        for h in self.holes():
+            if h.name in seen:
+                seen[h.name] += 1
+                h.name = f"{h.name}#{seen[h.name]}"
+            else:
+                seen[h.name] = 1
+
+    def _max_steps(self) -> int:
+        v = self.settings.get("steps")
+        hs = v.holes if v else []
+        if len(hs) == 1 and hs[0].kind == "int" and v and (v.start, v.end) == (hs[0].start, hs[0].end):
+            return int(hs[0].high)
+        return int(DEFAULTS["steps"])
+
+    # -- the protocol ---------------------------------------------------------------------------------
+
+    def holes(self) -> list[_Hole]:
+        """Every hole, nested ones included, in sampling order (placements first, then settings)."""
+        out: list[_Hole] = []
+        for p in sorted(self.placements, key=lambda p: (self.files.index(p.file), p.start)):
+            for h in p.holes:
+                out += h.walk()
+        for v in self.settings.values():
+            for h in v.holes:
+                out += h.walk()
+        return out
+
+    def describe(self) -> list[tuple[str, str, str]]:
+        """(name, values, where) for every hole: what `energy search --holes` prints."""
+        return [(h.name, h.describe(), str(h.span)) for h in self.holes()]
+
+    def suggest(self, trial: Any) -> DslCandidate:
+        filler = _Filler(trial)
+        texts = []
+        for f in self.files:
+            ps = sorted((p for p in self.placements if p.file is f), key=lambda p: (p.start, p.end))
+            out, pos = [], 0
+            for p in ps:
+                if p.start < pos:  # overlapping edits: a bug in building the space
+                    raise AssertionError(f"overlapping edits at {f.path}:{p.start}")
+                out.append(f.text[pos:p.start])
+                out.append(p.render(filler))
+                pos = p.end
+            out.append(f.text[pos:])
+            texts.append(re.sub(r"\n[ \t]*\n(?:[ \t]*\n)+", "\n\n", "".join(out)).strip("\n"))
+        settings: dict[str, Any] = {}
+        for key, v in self.settings.items():
+            settings[key] = _convert(key, v.text(filler), None) if v.file is not None else v.fixed
+        settings = self._complete(settings)
+        return DslCandidate(self, dict(filler.params), self._assemble(texts, filler.params, settings), settings)
+
+    def _complete(self, s: dict[str, Any]) -> dict[str, Any]:
+        out = {**DEFAULTS, **s}
+        steps = int(out["steps"])
+        out.setdefault("min_lr", float(out["lr"]) / 10)
+        out["min_lr"] = min(float(out["min_lr"]), float(out["lr"]))
+        out.setdefault("warmup_steps", min(100, steps // 10))
+        out.setdefault("eval_interval", max(1, steps // 4))
+        return out
+
+    def _assemble(self, texts: list[str], params: dict[str, Any], settings: dict[str, Any]) -> str:
+        head = [f"# A candidate of search `{self.name}` ({self.path}), every hole filled:"]
+        line = "#  "
+        for k, v in params.items():
+            item = f" {k} = {_fmt_float(v) if isinstance(v, float) else v},"
+            if len(line) + len(item) > 100:
+                head.append(line.rstrip(","))
+                line = "#  "
+            line += item
+        if params:
+            head.append(line.rstrip(","))
+        parts = ["\n".join(head), texts[0]]
+        for f, t in zip(self.files[1:], texts[1:], strict=True):
+            parts.append(f"# ---- from {f.path} (imported) ----\n{t}")
+        train = ", ".join(f"{k} = {_fmt_float(v) if isinstance(v, float) else v}"
+                          for k, v in sorted(settings.items()) if k not in ("data", "steps"))
+        parts.append(f"# trained with: data {settings['data']}, steps {settings['steps']}; {train}")
+        return "\n\n".join(parts) + "\n"
+
+    def evaluate(self, candidate: DslCandidate, report: Callable[[int, float], bool], device: str
+                 ) -> dict[str, float]:
+        import optuna
+
+        from energydsl.training import TrainConfig, load_dataset, train
+
+        s = candidate.settings
+        model = candidate.model()
+        block = min(int(s.get("block_size") or model.block_size), int(model.block_size))
+        if s["data"] not in self._datasets:
+            self._datasets[s["data"]] = load_dataset(s["data"])
+        data = self._datasets[s["data"]]
+        if data.vocab_size > model.vocab_size:
+            raise UserError(f"model `{self.model_name}` has vocab {model.vocab_size}, the dataset {s['data']} "
+                            f"needs {data.vocab_size}", hint=f"set the model's vocab to {data.vocab_size}")
+        steps = int(s["steps"])
+        config = TrainConfig(
+            steps=steps, batch_size=int(s["batch_size"]), block_size=block, lr=float(s["lr"]),
+            min_lr=float(s["min_lr"]), warmup_steps=int(s["warmup_steps"]), weight_decay=float(s["weight_decay"]),
+            grad_clip=float(s["grad_clip"]), eval_interval=int(s["eval_interval"]), eval_iters=int(s["eval_iters"]),
+            seed=int(s["seed"]), device=device, dtype=str(s["dtype"]), log_interval=max(1, min(10, steps)),
+        )
+        stopped: list[tuple[int, float]] = []
+
+        def on_eval(step: int, val: float) -> bool:
+            if report(step, val):
+                stopped.append((step, val))
+                return True
+            return False
+
+        try:
+            result = train(model, data, config, None, metadata={}, progress=False, on_eval=on_eval)
+            if stopped:
+                step, val = stopped[0]
+                raise optuna.TrialPruned(f"pruned at step {step} (val_loss {val:.4f})")
+            info = model.info()
+        finally:
+            candidate.release()
+        trained = max(1, int(result["steps"]) - int(result.get("resumed_from") or 0))
+        return {
+            "val_loss": float(result["val_loss"]), "train_loss": float(result["train_loss"]),
+            "best_val_loss": float(result["best_val_loss"]), "params": float(info["params"]),
+            "params_non_embedding": float(info.get("params_non_embedding", info["params"])),
+            "flops_per_token": float(info.get("flops_per_token", math.nan)),
+            "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
+        }
+
+
+# ----------------------------------------------------------------------------- candidates
+
+_CHECKS: dict[Any, str | None] = {}  # (declaration text, dims) -> failure reason; per process
+SHRINK = (4, 8, 16, 32)  # checks run at small dims: sizes above the bound are halved while whole
+
+
+def _reason(e: BaseException) -> str:
+    """One line: the message, the candidate's source line it points at, the hint."""
+    if not isinstance(e, UserError):
+        return f"{type(e).__name__}: {e}"
+    where = ""
+    if e.span is not None and e.span.source:
+        lines = e.span.source.splitlines()
+        if 1 <= e.span.line <= len(lines) and lines[e.span.line - 1].strip():
+            where = f" (at `{_norm(lines[e.span.line - 1])[:120]}`)"
+    return f"{e.message}{where}" + (f"; hint: {e.hint}" if e.hint else "")
+
+
+def _shrink(dims: dict[str, float], bound: int) -> dict[str, float]:
+    out = {}
+    for k, v in dims.items():
+        v = float(v)
+        while v.is_integer() and v > bound and (v / 2).is_integer():
+            v /= 2
+        out[k] = v
+    return out
+
+
+def _stage_check(decl: Any, dims: dict[str, float]) -> str | None:
+    """Run `energy check` on one stage's energy at small dims (derivations are dim-independent; the
+    model was already built at the real dims). Cached by the declaration's text and dims."""
+    from energydsl.api import Derived
+    from energydsl.optimizers import build_program
+    from energydsl.semantics import lower_energy
+
+    key = (decl.name, getattr(decl, "source_text", "") or repr(decl), tuple(sorted(dims.items())))
+    if key in _CHECKS:
+        return _CHECKS[key]
+    derived, used = None, dims
+    for bound in (*SHRINK, None):
+        used = dims if bound is None else _shrink(dims, bound)
+        try:
+            spec = lower_energy(decl, used)
+            derived = Derived(spec, build_program(spec))
+            break
+        except UserError:
+            if bound is None:
+                raise
+    assert derived is not None
+    failed = [r for r in derived.check() if r.status == "fail"]
+    reason = None
+    if failed:
+        at = ", ".join(f"{k}={_num(v)}" for k, v in used.items())
+        reason = "; ".join(f"check `{r.name}` failed: {r.detail}" for r in failed) + f" (checked at {at})"
+    _CHECKS[key] = reason
+    return reason
+
+
+class DslCandidate:
+    """One filled-in spec: implements `energydsl.search.space.Candidate`."""
+
+    def __init__(self, space: DslSpace, params: dict[str, Any], text: str, settings: dict[str, Any]):
+        self.space = space
+        self.params = params
+        self.text = text
+        self.settings = settings
+        self._spec: Any = None
+        self._model: Any = None
+        self._hash: str | None = None
+        self._mathml: str | None = None
+
+    def source(self) -> str:
+        return self.text
+
+    def spec(self) -> Any:
+        if self._spec is None:
+            from energydsl.api import load
+
+            self._spec = load(self.text)
+        return self._spec
+
+    def model(self) -> Any:
+        """The language model (built once, initialised from the training seed)."""
+        if self._model is None:
+            import torch
+
+            spec = self.spec()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(self.settings["seed"]))
+                self._model = spec.model(self.space.model_name)
+        return self._model
+
+    def release(self) -> None:
+        self._model = None
+
+    def invalid_reason(self) -> str | None:
+        try:
+            model = self.model()
+        except (UserError, NotImplementedError) as e:
+            return _reason(e)
+        plan = getattr(model, "plan", None)
+        stages = [(s.label, s.decl, s.dims) for s in plan.stages] if plan is not None else []
+        try:
+            for label, decl, dims in stages:
+                why = _stage_check(decl, dims)
+                if why:
+                    return f"{label}: {why}"
+        except (UserError, NotImplementedError) as e:
+            return _reason(e)
+        return None
+
+    def equation_hash(self) -> str:
+        if self._hash is None:
+            model = self.model()
+            stages = [_derived_key(d) for d in model.derived]
+            key = {"model": model.equation_hash(), "stages": stages, "train": self.settings}
+            self._hash = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return self._hash
+
+    def equations_mathml(self) -> str:
+        if self._mathml is None:
+            model = self.model()
+            infos = getattr(model, "stage_info", None)
+            labels = [s.label for s in infos] if infos else [d.name for d in model.derived]
+            self._mathml = "\n".join(f"<h5>{label}</h5>\n{d.equations('mathml')}"
+                                     for label, d in zip(labels, model.derived, strict=False))
+        return self._mathml
+
+
+def _derived_key(d: Any) -> list[Any]:
+    """What the update equations do not show but training depends on: initial values and flags of the
+    parameters (also those an optimizer or preconditioner creates)."""
+    prog = d.program
+    params = getattr(prog, "params", None) or d.spec.params
+    out: list[Any] = [d.equation_hash()]
+    out.append(sorted((n, str(getattr(p, "shape", "")), str(getattr(p, "init", "")), str(getattr(p, "constraint", "")),
+                       bool(getattr(p, "learn", True))) for n, p in params.items()))
+    opt = d.spec.optimizer
+    out.append([opt.kind, opt.steps, opt.per_head, opt.wrt, opt.precondition,
+                sorted((k, str(v)) for k, v in opt.precondition_options.items()),
+                sorted((k, str(h.value), h.learn) for k, h in opt.hyper.items())])
+    with contextlib.suppress(Exception):
+        out.append(sorted((str(k), str(v)) for k, v in prog.hyper_values.items()))
+    return out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def load_search(path: str | Path, **sets: Any) -> DslSpace:
+    """The search space of a `.energy` file with `search` declarations.
+
+    `sets` (strings from `--set KEY=VALUE`, or Python values): `search` picks the declaration when the file
+    has several; `data`, `steps`, `trials`, `timeout` and the training settings (`lr`, `batch`, `block`,
+    `warmup`, `min_lr`, `weight_decay`, `grad_clip`, `eval_interval`, `eval_iters`, `seed`, `dtype`)
+    replace what the search says (a replaced setting is no longer a hole)."""
+    unknown = sorted(set(sets) - set(SET_KEYS))
+    if unknown:
+        raise UserError(f"unknown search setting `{unknown[0]}`", hint=f"known: {', '.join(SET_KEYS)}")
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"no search spec {str(path)!r}", hint="give a .energy file with a `search` declaration")
+    files = _read_files(p)
+    searches = [item for item in _kids(files[0].tree) if item.data == "search_decl"]
+    names = [str(s.children[0]) for s in searches]
+    if not searches:
+        raise SpecError(f"{path} declares no `search`", Span(str(path), 1, 1),
+                        "add `search NAME { ... }` (see docs/search.md)")
+    wanted = sets.get("search")
+    if wanted:
+        if wanted not in names:
+            raise UserError(f"no search named `{wanted}` in {path}", hint=f"searches: {', '.join(names)}")
+        search = searches[names.index(wanted)]
+    elif len(searches) > 1:
+        raise UserError(f"{path} declares {len(searches)} searches ({', '.join(names)})",
+                        hint="pick one with --set search=NAME")
+    else:
+        search = searches[0]
+    space = DslSpace(str(path), files, search, {k: v for k, v in sets.items() if v is not None})
+    if space.settings.get("data", _Value(fixed=DEFAULTS["data"])).fixed == "shakespeare_char":
+        from energydsl.training.data import find_shakespeare
+
+        find_shakespeare()  # a missing corpus is reported now, not as every trial failing
+    return space

@@ -1,0 +1,438 @@
+"""Search spaces written in the language (`energydsl.search.dsl`): holes and their names, filled sources,
+search-level overrides, validity before cost, deduplication, the shipped spaces and `energy search` /
+`energy report` end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import optuna
+import pytest
+
+import energydsl
+from energydsl.errors import SpecError, UserError
+from energydsl.search import load_study, run_search
+from energydsl.search.dsl import DslSpace, load_search
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory):
+    """Tiny Shakespeare when it is on disk, else a small stand-in with fewer than 65 characters."""
+    from energydsl.training.data import find_shakespeare
+
+    try:
+        find_shakespeare()
+        yield
+        return
+    except UserError:
+        pass
+    path = tmp_path_factory.mktemp("data") / "input.txt"
+    words = ["to", "be", "or", "not", "that", "is", "the", "Question", "Whether", "tis", "nobler", "in", "mind"]
+    path.write_text(" ".join(words[(i * 7) % len(words)] for i in range(40_000)) + ".\n")
+    os.environ["ENERGYDSL_SHAKESPEARE"] = str(path)
+    yield
+    os.environ.pop("ENERGYDSL_SHAKESPEARE", None)
+
+# A small, cheap space: attention and a ReLU MLP (checks take a fraction of a second at d = 4).
+TINY = """
+energy Mix(d = 4, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W1[heads, dh, d] ~ normal(0, 0.02)
+  param   W2[heads, dh, d] ~ normal(0, 0.02)
+  let     T = sqrt(dh)
+  local   s[k, j] = (W1[k] @ z) . (W2[k] @ h[j]) / T
+  global  F = -(T / heads) * sum[k](logsumexp[j](s[k, j]))
+  optimizer gd(eta = 1)
+}
+
+energy FF(d = 4, hidden = 8) {
+  state   z[d]
+  param   W1[hidden, d] ~ normal(0, 0.02)
+  global  F = -sum(integral(relu)(W1 @ z))
+  optimizer gd(eta = 1)
+}
+
+model Tiny(vocab = 65, context = 16, d = 8, layers = 1, heads = 2) {
+  embed tokens, positions
+  layer = Mix(d, heads) -> FF(d, hidden = 2 * d)
+  repeat layers
+  norm layernorm before each stage
+  final norm layernorm
+  head tied
+}
+"""
+
+SEARCH = """
+search T {
+  model Tiny(d = choice{8, 16})
+  optimizer Mix: choice{ gd(eta = 1), gd, momentum(beta = 0.5, eta = 1) }
+  data shakespeare_char, steps 4
+  train lr = float 1e-3..1e-2 log, batch = 4, eval_interval = 2, eval_iters = 1
+  objective minimize val_loss
+  trials 4
+}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "space.energy") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def fill(space: DslSpace, **params: object):
+    """The candidate for these hole values (names with dots are passed as a dict)."""
+    return space.suggest(optuna.trial.FixedTrial(dict(params)))
+
+
+def names(space: DslSpace) -> list[str]:
+    return [n for n, _, _ in space.describe()]
+
+
+# ----------------------------------------------------------------------------- holes and filled sources
+
+HOLES = """
+energy E(d = choice{4, 8}, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[heads, dh, d] ~ normal(0, float 0.01..0.1 log)
+  param   a = float 0.1..0.9
+  let     T = sqrt(dh)
+  global  F = -(T / heads) * sum[k](logsumexp[j](choice{1, 2 + 1} * (W[k] @ z) . (W[k] @ h[j]) / T))
+  optimizer choice{ gd(eta = 1), nag(beta = float 0.5..0.9, eta = 1) } steps int 1..2, precondition choice{ none, diag }
+}
+
+block B = E(d = choice{4, 8})
+
+model M(vocab = 65, context = 16, d = 8, layers = int 1..3, heads = 2) {
+  embed tokens, positions
+  layer = E(d, heads)
+  repeat layers
+  across layers choice{ none, momentum(beta = float 0.5..0.9) }
+  head tied
+}
+
+search S {
+  data shakespeare_char, steps int 2..3
+  train lr = float 1e-4..1e-2 log
+}
+"""
+
+
+def test_holes_are_named_by_where_they_stand(tmp_path: Path) -> None:
+    space = load_search(write(tmp_path, HOLES))
+    assert names(space) == [
+        "E.d", "E.W", "E.a", "E.F", "E.optimizer", "E.optimizer.nag.beta", "E.steps", "E.precondition",
+        "B.E.d", "M.layers", "M.across", "M.across.momentum.beta", "steps", "train.lr",
+    ]
+    described = dict((n, v) for n, v, _ in space.describe())
+    assert described["E.W"] == "float 0.01..0.1 log" and described["M.layers"] == "int 1..3"
+    assert described["E.precondition"] == "choice{none, diag}"
+    where = dict((n, w) for n, _, w in space.describe())
+    assert where["E.a"].endswith("space.energy:7:15")  # file:line:col of the hole itself
+    assert space.model_name == "M" and space.budget["steps"] == 3
+
+
+def test_filled_source_is_plain_energy_text(tmp_path: Path) -> None:
+    space = load_search(write(tmp_path, HOLES))
+    params = {"E.d": 8, "E.W": 0.02, "E.a": 0.5, "E.F": "2 + 1", "E.optimizer": "nag", "E.optimizer.nag.beta": 0.75,
+              "E.steps": 2, "E.precondition": "none", "B.E.d": 4, "M.layers": 2, "M.across": "momentum",
+              "M.across.momentum.beta": 0.6, "steps": 3, "train.lr": 0.001}
+    cand = fill(space, **params)
+    text = cand.source()
+    assert not any(hole in text for hole in ("choice{", "int 1", "int 2", "float 0", "search S"))
+    assert "energy E(d = 8, heads = 2)" in text
+    assert "~ normal(0, 0.02)" in text and "param   a = 0.5" in text
+    assert "(2 + 1) * (W[k] @ z)" in text  # a compound choice is parenthesised where it lands
+    assert "optimizer nag(beta = 0.75, eta = 1) steps 2\n" in text  # `none`: the precondition modifier is gone
+    assert "block B = E(d = 4)" in text and "M(vocab = 65, context = 16, d = 8, layers = 2, heads = 2)" in text
+    assert "across layers momentum(beta = 0.6)" in text
+    assert "# trained with: data shakespeare_char, steps 3;" in text and "lr = 0.001" in text
+    assert cand.settings["steps"] == 3 and cand.settings["lr"] == 0.001
+    assert cand.params == params
+    spec = energydsl.load(text)  # plain .energy: it parses and derives
+    assert spec.energy("E").spec.optimizer.kind == "nag"
+    # the other branch of each clause choice
+    params.update({"E.optimizer": "gd", "E.precondition": "diag", "M.across": "none"})
+    for key in ("E.optimizer.nag.beta", "M.across.momentum.beta"):
+        params.pop(key)
+    text = fill(space, **params).source()
+    assert "optimizer gd(eta = 1) steps 2, precondition diag" in text
+    assert "across layers" not in text
+    assert energydsl.load(text).energy("E").spec.optimizer.precondition == "diag"
+
+
+def test_search_level_overrides_are_written_into_the_declarations(tmp_path: Path) -> None:
+    text = TINY.replace("  optimizer gd(eta = 1)\n}\n\nenergy FF", "  optimizer gd(eta = 1) steps 2 per head\n}\n\n"
+                        "energy FF").replace("  optimizer gd(eta = 1)\n}\n\nmodel", "}\n\nmodel")
+    text += """
+search T {
+  model Tiny(65, 16, 16, layers = int 1..2)
+  energy FF(hidden = choice{8, 12})
+  optimizer Mix: choice{ gd(eta = 1), nag(beta = float 0.5..0.9, eta = 1) }
+  precondition Mix: choice{ none, scalar }
+  precondition FF: diag
+  across layers choice{ none, nag(beta = 0.9) }
+  data shakespeare_char, steps 4
+}
+"""
+    space = load_search(write(tmp_path, text))
+    assert names(space) == ["Mix.optimizer", "Mix.optimizer.nag.beta", "Mix.precondition", "FF.hidden",
+                            "Tiny.layers", "Tiny.across"]
+    src = fill(space, **{"Mix.optimizer": "nag", "Mix.optimizer.nag.beta": 0.5, "Mix.precondition": "scalar",
+                         "FF.hidden": 12, "Tiny.layers": 2, "Tiny.across": "nag"}).source()
+    assert "optimizer nag(beta = 0.5, eta = 1) steps 2 per head, precondition scalar" in src  # modifiers kept
+    assert "  optimizer gd(eta = 1), precondition diag\n}" in src  # FF had no optimizer clause
+    assert "energy FF(d = 4, hidden = 12)" in src
+    assert "model Tiny(vocab = 65, context = 16, d = 16, layers = 2, heads = 2)" in src  # positional: in header order
+    assert "  across layers nag(beta = 0.9)\n}" in src
+    spec = energydsl.load(src)
+    plan = spec.plan("Tiny")
+    assert plan.layers == 2 and plan.across[0] == "nag" and plan.d == 16
+    src = fill(space, **{"Mix.optimizer": "gd", "Mix.precondition": "none", "FF.hidden": 8, "Tiny.layers": 1,
+                         "Tiny.across": "none"}).source()
+    assert "optimizer gd(eta = 1) steps 2 per head\n" in src and "across layers" not in src
+
+
+def test_imports_are_inlined(tmp_path: Path) -> None:
+    write(tmp_path, TINY, "parts.energy")
+    space = load_search(write(tmp_path, 'import "parts.energy"\n' + SEARCH))
+    src = fill(space, **{"Tiny.d": 8, "Mix.optimizer": "gd", "train.lr": 0.005}).source()
+    assert 'import "' not in src and "(imported)" in src
+    assert energydsl.load(src).model_names == ["Tiny"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("objective minimize accuracy", "unknown objective `accuracy`"),
+    ("model Tiny(width = 4)", "`width` is not a dim of model `Tiny`"),
+    ("optimizer Nope: gd", "no energy named `Nope`"),
+    ("train momentum = 0.9", "unknown training setting `momentum`"),
+    ("train batch = 2.5", "`batch_size` must be a whole number"),
+    ("trials int 1..4", "`trials` takes a whole number"),
+    ("model Tiny(d = int 9..3)", "low <= high"),
+    ("model Tiny(d = float 0..1 log)", "low > 0"),
+    ("optimizer Mix: choice{ gd, gd }", "listed twice"),
+    ("across layers choice{ none(beta = 1), nag }", "`none` takes no arguments"),
+])
+def test_mistakes_in_a_search_are_located(tmp_path: Path, bad: str, message: str) -> None:
+    path = write(tmp_path, TINY + f"search T {{\n  {bad}\n}}\n")
+    with pytest.raises(SpecError) as e:
+        load_search(path)
+    assert message in e.value.message
+    assert e.value.span is not None and e.value.span.line == TINY.count("\n") + 2
+
+
+def test_which_search_and_settings(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY + SEARCH + SEARCH.replace("search T", "search U"))
+    with pytest.raises(UserError, match="declares 2 searches"):
+        load_search(path)
+    assert load_search(path, search="U").name == "U"
+    with pytest.raises(UserError, match="no search named `V`"):
+        load_search(path, search="V")
+    space = load_search(path, search="T", steps="7", lr="0.003", batch="2", trials="9", timeout="60")
+    assert space.budget == {"trials": 9, "steps": 7, "min_steps": 2, "timeout": 60.0}
+    assert "train.lr" not in names(space)  # a setting given on the command line is no longer a hole
+    cand = fill(space, **{"Tiny.d": 8, "Mix.optimizer": "gd"})
+    assert (cand.settings["steps"], cand.settings["lr"], cand.settings["batch_size"]) == (7, 0.003, 2)
+    with pytest.raises(UserError, match="unknown search setting `colour`"):
+        load_search(path, search="T", colour="red")
+    with pytest.raises(SpecError, match="declares no `search`"):
+        load_search(write(tmp_path, TINY, "plain.energy"))
+    with pytest.raises(SpecError, match="declares no `model`"):
+        load_search(write(tmp_path, TINY.split("model Tiny")[0] + "search S { trials 2 }", "nomodel.energy"))
+
+
+# ----------------------------------------------------------------------------- validity, dedup, the engine
+
+
+def test_invalid_candidates_are_pruned_with_their_reason(tmp_path: Path) -> None:
+    newton = TINY.replace("local   s[k, j] = (W1[k] @ z) . (W2[k] @ h[j]) / T",
+                          "local   s[k, j] = (W1[k] @ z) . (W2[k] @ h[j]) / T + z . z").replace(
+        "  optimizer gd(eta = 1)\n}\n\nenergy FF", "  optimizer gd(eta = 1) per head\n}\n\nenergy FF")
+    space = load_search(write(tmp_path, newton + """
+search Bad {
+  optimizer Mix: choice{ gd(eta = 1), newton(taylor = 1) }
+  precondition FF: choice{ none, covariance(tau = 0.01) }
+  model Tiny(d = choice{8, 6})
+}
+"""))
+    base = {"Mix.optimizer": "gd", "FF.precondition": "none", "Tiny.d": 8}
+    assert fill(space, **base).invalid_reason() is None
+    why = fill(space, **{**base, "FF.precondition": "covariance"}).invalid_reason()
+    assert why and "covariance(tau) needs a softmax-weighted sum" in why and "precondition covariance" in why
+    why = fill(space, **{**base, "Mix.optimizer": "newton"}).invalid_reason()
+    assert why and "needs each head's energy to see the state only through one linear map" in why
+    why = fill(space, **{**base, "Tiny.d": 6}).invalid_reason()  # 6 / heads(2) = 3, FF hidden 12: fine ...
+    assert why is None
+    space6 = load_search(write(tmp_path, TINY + "search S { model Tiny(d = 6, heads = 4) }", "shape.energy"))
+    why = fill(space6).invalid_reason()
+    assert why and "positive whole number" in why  # ... 6 / 4 heads is not
+
+
+def test_invalid_and_duplicate_candidates_cost_no_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    trained: list[str] = []
+
+    def fake_evaluate(self: DslSpace, cand, report, device):  # the engine runs workers=1 in this process
+        trained.append(cand.equation_hash())
+        report(1, 3.0)
+        return {"val_loss": 3.0 + len(trained) / 10, "params": 1.0}
+
+    monkeypatch.setattr(DslSpace, "evaluate", fake_evaluate)
+    path = write(tmp_path, TINY + """
+search D {
+  optimizer Mix: choice{ gd(eta = 1), gd, gd(eta = 2 / 2) }
+  precondition FF: choice{ none, covariance }
+  data shakespeare_char, steps 4
+  trials 8
+}
+""")
+    s = run_search(path, trials=8, storage=str(tmp_path / "s.journal"), study_name="d", progress=False, json=True,
+                   sampler="random", seed=1, pruner="none")
+    assert s["finished"] == 8
+    ts = load_study(str(tmp_path / "s.journal"), "d").get_trials()
+    kinds = [t.user_attrs["kind"] for t in ts]
+    invalid = [t for t in ts if t.user_attrs["kind"] == "invalid"]
+    assert all(t.params["FF.precondition"] == "covariance" for t in invalid)
+    assert len(invalid) == sum(t.params["FF.precondition"] == "covariance" for t in ts)
+    assert all("covariance" in t.user_attrs["reason"] for t in invalid)
+    # the three ways of writing gd(eta = 1) derive the same equations: one training run in all
+    assert len(trained) == 1 and kinds.count("complete") == 1
+    assert kinds.count("duplicate") == 8 - len(invalid) - 1
+
+
+def test_equation_hash_sees_what_training_depends_on(tmp_path: Path) -> None:
+    space = load_search(write(tmp_path, TINY + """
+search H {
+  optimizer Mix: choice{ gd(eta = 1), gd, gd(eta = 0.5), momentum(beta = 0.5 learn, eta = 1),
+                         momentum(beta = 0.9 learn, eta = 1) }
+  data shakespeare_char, steps 4
+  train lr = choice{0.001, 0.002}
+}
+"""))
+
+    def h(opt: str, lr: float = 0.001) -> str:
+        return fill(space, **{"Mix.optimizer": opt, "train.lr": lr}).equation_hash()
+
+    assert h("gd(eta = 1)") == h("gd")
+    assert h("gd(eta = 1)") != h("gd(eta = 0.5)")
+    assert h("momentum(beta = 0.5 learn, eta = 1)") != h("momentum(beta = 0.9 learn, eta = 1)")  # learned init
+    assert h("gd") != h("gd", 0.002)  # training settings too
+    cand = fill(space, **{"Mix.optimizer": "gd", "train.lr": 0.001})
+    assert cand.equations_mathml().count("<math") >= 4 and "<h5>Mix</h5>" in cand.equations_mathml()
+
+
+# ----------------------------------------------------------------------------- the shipped spaces
+
+
+def test_quickstart_space() -> None:
+    space = load_search(ROOT / "search" / "quickstart.energy")
+    assert space.name == "Quickstart" and space.objectives == [("val_loss", "minimize")]
+    assert space.budget["trials"] == 4 and space.budget["steps"] <= 100
+    assert set(names(space)) == {"TinyGPT.d", "TinyGPT.layers", "MHA.optimizer", "TinyGPT.across",
+                                 "TinyGPT.across.momentum.beta", "TinyGPT.across.nag.beta", "train.lr"}
+    cand = fill(space, **{"TinyGPT.d": 32, "TinyGPT.layers": 1, "MHA.optimizer": "momentum",
+                          "TinyGPT.across": "nag", "TinyGPT.across.nag.beta": 0.8, "train.lr": 0.003})
+    plan = energydsl.load(cand.source()).plan("TinyGPT")
+    assert plan.across[0] == "nag" and plan.d == 32
+
+
+def test_attention_zoo_space() -> None:
+    space = load_search(ROOT / "search" / "attention-zoo.energy")
+    assert space.objectives == [("val_loss", "minimize"), ("params", "minimize")]
+    assert space.budget["steps"] >= 1000
+    holes = dict((n, v) for n, v, _ in space.describe())
+    assert holes["Attention.optimizer"] == "choice{gd, momentum, nag, newton}"
+    assert holes["Attention.precondition"] == "choice{none, scalar, diag, psd, dplr, covariance}"
+    assert holes["ZooGPT.across"] == "choice{none, momentum, nag}" and "Attention.steps" in holes
+    cand = fill(space, **{"Attention.s": "-0.5 * (q[k] - key[k, j]) . (q[k] - key[k, j])", "Attention.steps": 1,
+                          "Attention.optimizer": "newton", "Attention.optimizer.newton.taylor": 1,
+                          "Attention.precondition": "none", "MLP.F": "-sum(integral(silu)(W1 @ z))",
+                          "ZooGPT.d": 384, "ZooGPT.layers": 6, "ZooGPT.heads": 8, "ZooGPT.across": "none",
+                          "train.lr": 0.001})
+    spec = energydsl.load(cand.source())
+    assert spec.energy("Attention").spec.optimizer.kind == "newton"
+    assert spec.plan("ZooGPT").d == 384
+
+
+# ----------------------------------------------------------------------------- command line
+
+CLI = ("import sys\nfrom energydsl import cli\nfrom energydsl.search.cli import register\n"
+       "if 'search' not in {c.name for c in cli.app.registered_commands}:\n    register(cli.app)\n"
+       "sys.argv[0] = 'energy'\ncli.main()\n")
+
+
+def energy(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_errors_exit_2(tmp_path: Path) -> None:
+    r = energy("search", "nope.energy", cwd=tmp_path)
+    assert r.returncode == 2 and "no such search space file" in r.stderr
+    path = write(tmp_path, TINY + "search T {\n  objective minimize accuracy\n}\n")
+    r = energy("search", path, "--json", cwd=tmp_path)
+    assert r.returncode == 2 and "unknown objective `accuracy`" in r.stderr and "space.energy:" in r.stderr
+    r = energy("search", write(tmp_path, TINY + SEARCH, "ok.energy"), "--set", "steps", cwd=tmp_path)
+    assert r.returncode == 2 and "expected KEY=VALUE" in r.stderr
+    r = energy("report", "NoSuchStudy", cwd=tmp_path)
+    assert r.returncode == 2 and "no study 'NoSuchStudy'" in r.stderr
+
+
+def test_cli_lists_holes(tmp_path: Path) -> None:
+    r = energy("search", str(ROOT / "search" / "quickstart.energy"), "--holes", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {"name": "TinyGPT.layers", "values": "int 1..2"} == {k: rows[2][k] for k in ("name", "values")}
+
+
+def test_cli_search_runs_resumes_and_reports(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY + SEARCH)
+    r = energy("search", path, "--trials", "2", "--json", "--sampler", "random", "--seed", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["finished"] == 2 and s["completed"] + s["pruned"] + s["failed"] == 2 and s["failed"] == 0
+    assert {"completed", "pruned", "failed", "best"} <= set(s)
+    run = tmp_path / "runs" / "T"
+    assert s["storage"] == str(run / "optuna.journal") and Path(s["report"]) == run / "report.html"
+    assert (run / "report.html").read_text().count("<details") == 2
+    best = Path(s["best_source"]).read_text()
+    assert "search T" not in best and energydsl.load(best).model_names == ["Tiny"]
+    r = energy("search", path, "--trials", "3", "--json", cwd=tmp_path)  # continues the same study
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["finished"] == 3 and len(load_study(s["storage"], "T").get_trials()) == 3
+    r = energy("report", "T", "-o", "out.html", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out.html").exists() and "top" in r.stderr
+    r = energy("report", str(run / "optuna.journal"), "--export", "best.energy", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (run / "report.html").exists() and (tmp_path / "best.energy").exists()
+
+
+def test_quickstart_end_to_end(tmp_path: Path) -> None:
+    """`energy search search/quickstart.energy --trials 2 --json`, then once more: the study continues."""
+    space = str(ROOT / "search" / "quickstart.energy")
+    tiny = ["--set", "steps=6", "--set", "eval_interval=3", "--set", "eval_iters=2"]
+    r = energy("search", space, "--trials", "2", "--json", *tiny, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["finished"] == 2 and s["failed"] == 0 and s["best"] is not None
+    r = energy("search", space, "--trials", "3", "--json", *tiny, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["finished"] == 3 and s["study"] == "Quickstart"
+    metrics = [t.user_attrs.get("metrics", {}) for t in load_study(s["storage"], "Quickstart").get_trials()]
+    assert any({"val_loss", "params", "flops_per_token", "step_time"} <= set(m) for m in metrics)
