@@ -255,9 +255,10 @@ class Spec:
 
     def _pick(self, name: str | None, names: list[str], what: str) -> str:
         if name is None:
+            if not names:
+                raise SpecError(f"{self.path} declares no {what.rstrip('s')}", None)
             if len(names) != 1:
-                raise SpecError(f"{self.path} declares {len(names)} {what} ({', '.join(names) or 'none'}); "
-                                "name one", None)
+                raise SpecError(f"{self.path} declares {len(names)} {what} ({', '.join(names)}); name one", None)
             return names[0]
         if name not in names:
             have = ", ".join(names) or "none"

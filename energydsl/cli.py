@@ -309,7 +309,7 @@ def sample(
     print(text)
 
 
-from .search.cli import register as register_search  # noqa: E402  (search and report commands)
+from .cli_search import register as register_search  # noqa: E402  (search and report; optuna loads lazily)
 
 register_search(app)
 

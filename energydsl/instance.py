@@ -95,11 +95,7 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
                     scale: float = 0.5, dtype=torch.float64) -> Instance:
     spec = prog.spec
     g = torch.Generator().manual_seed(seed)
-    scalars: dict[sp.Symbol, torch.Tensor | float] = {}
-    for name, sym in spec.dim_symbols.items():
-        scalars[sym] = spec.dim_values[name]
-    for sym, value in prog.hyper_values.items():
-        scalars[sym] = float(value)
+    scalars = _base_scalars(prog)
     params: dict[str, torch.Tensor] = {}
     for name, p in prog.params.items():
         sizes = [spec.size(s) for s in p.shape]
@@ -110,13 +106,7 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
             value = value + 0.3 * torch.randn(tuple(sizes), generator=g, dtype=dtype)
         if p.constraint is not None and p.constraint[0] == "psd":
             value = constrain(p, value)
-        if not p.shape:
-            sym = spec.scalar_params.get(name) or sp.Symbol(name, real=True)
-            scalars[sym] = value.reshape(())
-            if name.startswith("opt_"):
-                scalars[prog.spec.optimizer.hyper[name[4:]].symbol] = value.reshape(())
-        else:
-            params[name] = value
+        _place(prog, name, value, params, scalars)
     shape = lambda s: tuple(spec.size(e) for e in s)  # noqa: E731
     x = torch.randn((batch, seq) + shape(spec.state.shape), generator=g, dtype=dtype) * scale
     ctx = None
@@ -126,6 +116,27 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
     if spec.input is not None:
         inp = torch.randn((batch, seq) + shape(spec.input.shape), generator=g, dtype=dtype) * scale
     return Instance(params, scalars, x, ctx, inp, seq)
+
+
+def _base_scalars(prog: UpdateProgram) -> dict[sp.Symbol, torch.Tensor | float]:
+    """Dims and fixed hyper-parameters by symbol."""
+    spec = prog.spec
+    scalars: dict[sp.Symbol, torch.Tensor | float] = {sym: spec.dim_values[n] for n, sym in spec.dim_symbols.items()}
+    scalars.update({sym: float(value) for sym, value in prog.hyper_values.items()})
+    return scalars
+
+
+def _place(prog: UpdateProgram, name: str, value: torch.Tensor, params: dict[str, torch.Tensor],
+           scalars: dict[sp.Symbol, torch.Tensor | float]) -> None:
+    """A parameter's value where expressions look it up: tensors by name, scalars (and learned
+    optimizer hyper-parameters `opt_*`) by symbol."""
+    spec = prog.spec
+    if prog.params[name].shape:
+        params[name] = value
+        return
+    scalars[spec.scalar_params.get(name) or sp.Symbol(name, real=True)] = value.reshape(())
+    if name.startswith("opt_"):
+        scalars[spec.optimizer.hyper[name[4:]].symbol] = value.reshape(())
 
 
 def make_env(spec: EnergyIR, inst: Instance, tensors: dict[str, torch.Tensor]) -> Env:
@@ -188,18 +199,10 @@ def instance_from_params(prog: UpdateProgram, raw: dict[str, torch.Tensor], x: t
     This is how generated code is tested against the reference interpreter (`run_program`).
     """
     spec = prog.spec
-    scalars: dict[sp.Symbol, torch.Tensor | float] = {sym: spec.dim_values[n] for n, sym in spec.dim_symbols.items()}
-    for sym, value in prog.hyper_values.items():
-        scalars[sym] = float(value)
+    scalars = _base_scalars(prog)
     params: dict[str, torch.Tensor] = {}
     for name, p in prog.params.items():
-        value = constrain(p, raw[name])
-        if not p.shape:
-            scalars[spec.scalar_params.get(name) or sp.Symbol(name, real=True)] = value.reshape(())
-            if name.startswith("opt_"):
-                scalars[spec.optimizer.hyper[name[4:]].symbol] = value.reshape(())
-        else:
-            params[name] = value
+        _place(prog, name, constrain(p, raw[name]), params, scalars)
     ctx = (x if context is None else context) if spec.context is not None else None
     inp = (x if input is None else input) if spec.input is not None else None
     return Instance(params, scalars, x, ctx, inp, x.shape[1])

@@ -57,9 +57,8 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]]) -> tupl
             elif c.kind == "expect":
                 continue  # an expectation about one energy alone says nothing about the sum
             elif c.kind in SHARED_KINDS:
-                key = ("var" if c.kind in ("state", "context", "input") else c.kind, c.name)
-                if c.kind in ("state", "context", "input"):
-                    key = (c.kind, "")
+                # one state, context and input per energy, whatever their names; other clauses by name
+                key = (c.kind, "" if c.kind in ("state", "context", "input") else c.name)
                 if key in seen:
                     if not _same(seen[key], c):
                         raise SpecError(f"`{first.name} + {decl.name}`: `{c.kind} {c.name}` is declared differently "

@@ -234,3 +234,23 @@ def test_every_model_example_trains_one_step(path: str) -> None:
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("args,message", [
+    (["info", "examples/models/gpt.energy", "--set", "width=3"], "gpt.energy:47:7: error: `width` is not a dim"),
+    (["compile", "examples/cem/mlp.energy", "--backend", "cuda"], "unknown backend `cuda`"),
+    (["graph", "examples/cem/mlp.energy"], "declares no model"),
+    (["sample", "/no/such/run"], "checkpoint not found"),
+    (["train", "examples/models/gpt.energy", "--data", "shakespeare_char", "--block-size", "999"],
+     "longer than the model's context 64"),
+])
+def test_model_cli_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
+    r = _run(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_stage_is_located(tmp_path: Path) -> None:
+    spec = tmp_path / "m.energy"
+    spec.write_text((ROOT / "examples/models/gpt.energy").read_text().replace("-> MLP(", "-> MLPX("))
+    r = _run("info", str(spec))
+    assert r.returncode == 2 and "m.energy:49:28: error: no energy or block named `MLPX`" in r.stderr

@@ -368,9 +368,7 @@ def test_attention_zoo_space() -> None:
 
 # ----------------------------------------------------------------------------- command line
 
-CLI = ("import sys\nfrom energydsl import cli\nfrom energydsl.search.cli import register\n"
-       "if 'search' not in {c.name for c in cli.app.registered_commands}:\n    register(cli.app)\n"
-       "sys.argv[0] = 'energy'\ncli.main()\n")
+CLI = "import sys\nfrom energydsl import cli\nsys.argv[0] = 'energy'\ncli.main()\n"
 
 
 def energy(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:

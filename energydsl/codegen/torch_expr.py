@@ -491,7 +491,7 @@ class Emitter:
 
     # -- lowering to attention primitives
 
-    def _split(self, body: Expr, j: str) -> tuple[list[Expr], list[Expr], list[Expr]] | None:
+    def _split(self, body: Expr, j: str) -> tuple[list[Expr], list[Expr], list[Expr]]:
         """Factors of a summand: (query side: no j, key side: no query position, coupling: both)."""
         factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
         qs, ks, both = [], [], []
@@ -533,10 +533,7 @@ class Emitter:
 
     def _lower_softmax_attention(self, e: ir.Reduce, info: IndexInfo) -> Val | None:
         j = e.index
-        split = self._split(e.body, j)
-        if split is None:
-            return None
-        qs, ks, both = split
+        qs, ks, both = self._split(e.body, j)
         if qs or len(both) != 1 or not isinstance(both[0], ir.Softmax) or both[0].index != j:
             return None
         if len(e.shape) != 1 or not ks:

@@ -59,9 +59,9 @@ class ModuleWriter:
 
     # ------------------------------------------------------------------ parameters
 
-    def _param_lines(self) -> tuple[list[str], list[str], list[str]]:
-        """(__init__ lines, reset_parameters lines, forward lines binding constrained locals)."""
-        init, reset, bind = [], [], []
+    def _param_lines(self) -> tuple[list[str], list[str]]:
+        """(__init__ lines, reset_parameters lines)."""
+        init, reset = [], []
         for p in self.prog.params.values():
             shape = tuple(self.size(s) for s in p.shape)
             py_shape = "(" + "".join(f"{n}, " for n in shape).rstrip(" ") + ")"
@@ -70,8 +70,7 @@ class ModuleWriter:
             else:
                 init.append(f"self.register_buffer({p.name!r}, torch.empty({py_shape}))")
             reset.append(self._init_line(p, shape))
-            bind.append(f"{_local(p.name)} = {self._constrained(p)}")
-        return init, reset, bind
+        return init, reset
 
     def _init_line(self, p: ParamSpec, shape: tuple[int, ...]) -> str:
         kind, args = p.init or ("normal", [0.0, 0.02])
@@ -188,8 +187,7 @@ class ModuleWriter:
             lines.append("count = torch.arange(1, T + 1, device=dev, dtype=dt)")
         if re.search(r"\bcount_strict\b", text):
             lines.append("count_strict = torch.arange(0, T, device=dev, dtype=dt)")
-        _, _, bind = self._param_lines()
-        lines += bind
+        lines += [f"{_local(p.name)} = {self._constrained(p)}" for p in prog.params.values()]
         if em.prologue:
             lines.append("# computed once, outside the optimizer's steps (state-independent)")
             lines += em.prologue
@@ -215,7 +213,7 @@ class ModuleWriter:
     def source(self) -> str:
         spec, prog = self.spec, self.prog
         cls = class_name(spec.name)
-        init, reset, _ = self._param_lines()
+        init, reset = self._param_lines()
         fwd, used = self.forward_lines()
         dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
         state_shape = tuple(self.size(s) for s in spec.state.shape)

@@ -13,6 +13,7 @@ Kept as small as nanoGPT's model.py: everything model-specific lives in the gene
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -139,8 +140,6 @@ class LanguageModel(nn.Module):
         }
 
     def equation_hash(self) -> str:
-        import hashlib
-
         text = repr((self.plan.name, sorted(self.plan.dims.items()), self.plan.layers, self.plan.shared,
                      self.plan.across, self.plan.norm, self.plan.final_norm, self.plan.head_tied,
                      self.plan.embed_positions, [s.derived.equation_hash() for s in self.stage_info]))
