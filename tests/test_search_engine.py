@@ -308,3 +308,19 @@ def test_ray_two_node_cluster(tmp_path: Path) -> None:
     assert s["finished"] == 4 and s["completed"] == 4
     nodes = {t.user_attrs["ray"]["node"] for t in ts if "ray" in t.user_attrs}
     assert len(nodes) == 2  # 1 CPU per node and 2 concurrent trials: both nodes trained
+
+
+def test_ray_local_search_starts_its_own_runtime_beside_a_running_cluster(tmp_path: Path) -> None:
+    """Without --address the search must not attach to another cluster on the machine (two Ray tests in
+    parallel pytest workers once collided this way: "When connecting to an existing cluster, num_cpus ...")."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    other = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
+    try:
+        s = search(tmp_path, toy(tmp_path, sleep=0.02), backend="ray", trials=2, workers=2, cpus_per_trial=1,
+                   pruner="none")
+    finally:
+        ray.shutdown()
+        other.shutdown()
+    assert s["finished"] == 2

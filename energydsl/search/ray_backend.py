@@ -317,7 +317,8 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
         if address:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         else:
-            ray.init(num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
+            # "local": a runtime of our own, never a cluster someone else started on this machine
+            ray.init(address="local", num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
                      log_to_driver=False, logging_level=logging.WARNING)
     tune_log = logging.getLogger("ray.tune")
     level = tune_log.level
