@@ -4,12 +4,13 @@
     cls = module_class(derived)                        # generated (or found in the cache) and imported
     layer = cls()                                      # an nn.Module
 
-The cache key is the equation hash (derived equations and dims) plus the code generator's version, so
-an unchanged spec is never regenerated, and a change to the generator invalidates old files.
+The cache key is the equation hash (derived equations and dims) plus a hash of the code generator's own
+source, so an unchanged spec is never regenerated, and any change to the generator invalidates old files.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 
     from ..api import Derived
 
-GENERATOR_VERSION = "2"
 BACKENDS = ("torch", "triton")
 
 
@@ -32,8 +32,17 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "energydsl" / "codegen"
 
 
+@functools.cache
+def generator_version() -> str:
+    """A hash of this package's source files: what the generated text depends on besides the equations."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cache_key(derived: Derived, backend: str) -> str:
-    text = f"{derived.equation_hash()}|{derived.spec.name}|{backend}|{GENERATOR_VERSION}"
+    text = f"{derived.equation_hash()}|{derived.spec.name}|{backend}|{generator_version()}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -49,7 +58,13 @@ def energy_source(derived: Derived, backend: str = "torch") -> str:
 
 
 def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
-    """Generate (or reuse from the cache) and import the module class for `derived`."""
+    """Generate (or reuse from the cache) and import the module class for `derived`.
+
+    The triton backend needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1); without
+    either it falls back to the torch backend (same parameters, so checkpoints still load) with a notice.
+    """
+    if backend == "triton" and not _triton_runs():
+        backend = "torch"
     key = cache_key(derived, backend)
     mod_name = f"energydsl_generated_{key}"
     if mod_name in sys.modules:
@@ -72,3 +87,20 @@ def _class_of(module, derived: Derived) -> type[nn.Module]:
     from .torch_module import class_name
 
     return getattr(module, class_name(derived.spec.name))
+
+
+_NOTICE_SHOWN = False
+
+
+def _triton_runs() -> bool:
+    """Whether Triton kernels can run here; prints the fallback notice once per process when not."""
+    global _NOTICE_SHOWN
+    from ..kernels import use_triton
+
+    if use_triton():
+        return True
+    if not _NOTICE_SHOWN:
+        _NOTICE_SHOWN = True
+        print("energydsl: no CUDA device and TRITON_INTERPRET is not 1: the triton backend falls back to torch",
+              file=sys.stderr)
+    return False

@@ -9,9 +9,11 @@ stay parameters and einsum lines up everything else by axis letter.
 Recognised forms are lowered to better primitives than the generic masked T x T reduction:
 
 * a softmax-weighted sum over the causal context, `sum[j](softmax[j](c q.k_j + bias) * v_j)`,
-  becomes `softmax_attention` (scaled_dot_product_attention underneath);
+  becomes `softmax_attention` (scaled_dot_product_attention underneath), or the fused Triton kernel
+  under the triton backend;
 * a product-weighted sum `sum[j](gamma_ij (q.k_j) v_j)` with gamma = 1 or a decay a^(i-j) becomes
   `linear_attention`, chunked, O(T d^2) instead of O(T^2);
+  (both in `lowering.py`)
 * any other causal sum of a value without the query position is a prefix sum (cumsum).
 """
 
@@ -150,8 +152,9 @@ class Emitter:
     """Prints IR expressions as a list of assignments; hoisted values go to a separate prologue."""
 
     def __init__(self, indices: dict[str, IndexInfo], scalars: dict[sp.Symbol, str], sizes: dict[str, int],
-                 token_names: dict[str, str], lowering: bool = True):
+                 token_names: dict[str, str], lowering: bool = True, backend: str = "torch"):
         self.indices = indices
+        self.backend = backend  # "triton": lowered sums call the fused kernels (energydsl.kernels)
         self.scalars = scalars  # symbol -> source (number or tensor name)
         self.sizes = sizes  # index name -> size (range indices)
         self.token_names = token_names  # IR var name -> local variable in forward
@@ -338,9 +341,8 @@ class Emitter:
                 a = self.emit(e.a)
                 dims = ", ".join(str(-n - 1) for n in range(a.rank))
                 return self.tmp(f"{a.code}.sum(dim=({dims},))", a.axes, 0)
-            case ir.StopGrad():
-                a = self.emit(e.a)
-                return self.tmp(f"{a.code}.detach()", a.axes, a.rank)
+            case ir.StopGrad():  # zero derivative for the derivation only: training gradients still flow
+                return self.emit(e.a)
             case ir.Diag():
                 a = self.emit(e.a)
                 return self.tmp(f"torch.diag_embed({a.code})", a.axes, a.rank + 1)
@@ -447,10 +449,11 @@ class Emitter:
 
     def _context_reduce(self, e: ir.Reduce | ir.Softmax, info: IndexInfo) -> Val:
         if self.lowering and isinstance(e, ir.Reduce) and e.op == "sum":
-            for lower in (self._lower_softmax_attention, self._lower_linear_attention):
-                out = lower(e, info)
-                if out is not None:
-                    return out
+            from .lowering import lower_context_sum
+
+            out = lower_context_sum(self, e, info)
+            if out is not None:
+                return out
         body = self.emit(e.body)
         j = e.index
         strict = info.strict
@@ -488,162 +491,3 @@ class Emitter:
         if axes != out_axes:
             code += f".movedim({axis}, {out_axes.index(POS)})"
         return self.tmp(code, out_axes, body.rank, f"{e.op} over j <= i as a prefix")
-
-    # -- lowering to attention primitives
-
-    def _split(self, body: Expr, j: str) -> tuple[list[Expr], list[Expr], list[Expr]]:
-        """Factors of a summand: (query side: no j, key side: no query position, coupling: both)."""
-        factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
-        qs, ks, both = [], [], []
-        for f in factors:
-            ax = token_axes(f, self.indices)
-            if j not in ax:
-                qs.append(f)
-            elif POS not in ax:
-                ks.append(f)
-            else:
-                both.append(f)
-        return qs, ks, both
-
-    def _heads(self, *vals: Val, j: str | None = None) -> tuple[str, ...]:
-        return canonical(set().union(*(v.axes for v in vals)) - {BATCH, POS} - ({j} if j else set()))
-
-    def _as_bhtd(self, v: Val, heads: tuple[str, ...], pos: str) -> str:
-        """A (batch, pos, heads..., D) value as a contiguous-enough (B, H, T, D) tensor for attention ops."""
-        axes = canonical({BATCH, pos} | set(heads))
-        full = self.expand(v, axes)
-        order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(pos), len(axes)]
-        code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
-        nh = " * ".join(self.size(h) for h in heads) or "1"
-        return f"{code}.reshape(B, {nh}, T, {full.code}.shape[-1])"
-
-    def _from_bhtd(self, code: str, heads: tuple[str, ...], rank: int, comment: str) -> Val:
-        """Back from (B, H, T, D) to the layout (batch, i, heads..., D)."""
-        sizes = ", ".join(self.size(h) for h in heads)
-        axes = canonical({BATCH, POS} | set(heads))
-        if heads:
-            code = f"{code}.reshape(B, {sizes}, T, -1)"
-            n = len(heads)
-            code = f"{code}.movedim({n + 1}, 1)"
-        else:
-            code = f"{code}[:, 0]"
-        if rank == 0:
-            code += "[..., 0]"
-        return self.tmp(code, axes, rank, comment)
-
-    def _lower_softmax_attention(self, e: ir.Reduce, info: IndexInfo) -> Val | None:
-        j = e.index
-        qs, ks, both = self._split(e.body, j)
-        if qs or len(both) != 1 or not isinstance(both[0], ir.Softmax) or both[0].index != j:
-            return None
-        if len(e.shape) != 1 or not ks:
-            return None
-        score = both[0].body
-        terms = list(score.terms) if isinstance(score, ir.Add) else [score]
-        coupling = [t for t in terms if POS in token_axes(t, self.indices) and j in token_axes(t, self.indices)
-                    and _state_dependent(t)]
-        if len(coupling) != 1:
-            return None
-        scale, dot = _scaled_dot(coupling[0])
-        if dot is None:
-            return None
-        if j in token_axes(dot.a, self.indices):  # written k_j . q: swap
-            dot = ir.Dot(dot.b, dot.a)
-        if len(dot.a.shape) != 1:
-            return None
-        bias_terms = [t for t in terms if t is not coupling[0]]
-        if any(_state_dependent(t) for t in bias_terms):
-            return None
-        q, k = self.emit(dot.a), self.emit(dot.b)
-        v = self.emit(ir.mul(*ks)) if len(ks) > 1 else self.emit(ks[0])
-        if POS in k.axes or POS in v.axes or j in q.axes or v.rank != 1:
-            return None
-        heads = self._heads(q, k, v, j=j)
-        if any(h not in self.sizes for h in heads):
-            return None
-        scale_src = sympy_src(scale, self.scalars)
-        bias = "None"
-        if bias_terms:
-            b = self.emit(ir.add(*bias_terms))
-            axes = canonical({BATCH, POS, j} | set(heads))
-            full = self.expand(b, axes)
-            order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
-            nh = " * ".join(self.size(h) for h in heads) or "1"
-            bias = self.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {nh}, T, T)",
-                            (), 0, "additive score bias").code
-        qc, kc, vc = (self.tmp(self._as_bhtd(t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
-        self.used_ops.add("softmax_attention")
-        n_heads = self._axes_flops(set(heads))
-        width = self.shape_size(dot.a.shape[0]) + self.shape_size(e.shape[0])
-        self.count_flops(2 * self.context_len * n_heads * width)
-        code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
-        return self._from_bhtd(code, heads, 1, "softmax-weighted sum over j: fused attention")
-
-    def _lower_linear_attention(self, e: ir.Reduce, info: IndexInfo) -> Val | None:
-        j = e.index
-        qs, ks, both = self._split(e.body, j)
-        decay = None
-        coupling = None
-        for f in both:
-            g = f.body if isinstance(f, ir.Let) else f
-            d = _decay(g, j)
-            if d is not None and decay is None:
-                decay = d
-            elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
-                coupling = g
-            else:
-                return None
-        if coupling is None or len(e.shape) > 1:
-            return None
-        a_ax = token_axes(coupling.a, self.indices)
-        qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
-        if j in token_axes(qe, self.indices) or POS in token_axes(ke, self.indices):
-            return None
-        q, k = self.emit(qe), self.emit(ke)
-        v = self.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
-        if v.scalar:
-            v = self.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
-        heads = self._heads(q, k, v, j=j)
-        if any(h not in self.sizes for h in heads):
-            return None
-        rank = v.rank
-        if rank == 0:
-            v = self.tmp(f"{v.code}[..., None]", v.axes, 1)
-        ld = "None" if decay is None else f"torch.as_tensor({sympy_src(decay, self.scalars)}, dtype=dt, device=dev)"
-        self.used_ops.add("linear_attention")
-        dv = self.shape_size(e.shape[0]) if e.shape else 1
-        self.count_flops(4 * self._axes_flops(set(heads)) * self.shape_size(qe.shape[0]) * dv)
-        qc, kc, vc = (self.tmp(self._as_bhtd(t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
-        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
-        out = self._from_bhtd(code, heads, rank, "sum over j of (q.k_j) v_j: chunked linear attention")
-        if qs:
-            rest = self.emit(ir.mul(*qs))
-            axes = canonical(set(out.axes) | set(rest.axes))
-            out = self.tmp(f"{self.align(out, axes, out.rank)} * {self.align(rest, axes, out.rank)}", axes, out.rank)
-        return out
-
-
-def _state_dependent(e: Expr) -> bool:
-    return any(isinstance(n, ir.Var) and n.role in TOKEN_ROLES for n in ir.walk(e))
-
-
-def _scaled_dot(e: Expr) -> tuple[sp.Expr, ir.Dot | None]:
-    """c * (a . b) -> (c, a . b)."""
-    if isinstance(e, ir.Dot):
-        return sp.Integer(1), e
-    if isinstance(e, ir.Mul) and len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar) \
-            and isinstance(e.factors[1], ir.Dot):
-        return e.factors[0].value, e.factors[1]
-    return sp.Integer(1), None
-
-
-def _decay(e: Expr, j: str) -> sp.Expr | None:
-    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j)."""
-    if not (isinstance(e, ir.Func) and e.name == "exp"):
-        return None
-    arg = e.arg
-    if not (isinstance(arg, ir.Mul) and len(arg.factors) == 2 and isinstance(arg.factors[0], ir.Scalar)):
-        return None
-    c, dist = arg.factors[0].value, arg.factors[1]
-    want = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
-    return c if dist == want else None

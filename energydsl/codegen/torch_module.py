@@ -22,7 +22,7 @@ from ..semantics import ParamSpec
 from .torch_expr import Emitter, simplify, sympy_src
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
-            "math", "nn", "x", "context", "input", "step", "delta"}
+            "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
 OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce")
 
 
@@ -148,7 +148,7 @@ class ModuleWriter:
         spec, prog = self.spec, self.prog
         sizes = {k: self.size(info.size) for k, info in spec.indices.items() if info.size is not None}
         names = self._token_names()
-        em = Emitter(spec.indices, self._scalars(), sizes, names, lowering=self.lowering)
+        em = Emitter(spec.indices, self._scalars(), sizes, names, lowering=self.lowering, backend=self.backend)
         em.context_len = self.context_len
         steps_body: list[str] = []
         delta_code = None
@@ -223,6 +223,8 @@ class ModuleWriter:
         imports = ["import torch", "import torch.nn.functional as F", "from torch import nn", ""]
         if ops:
             imports.insert(3, f"from energydsl.runtime.ops import {', '.join(ops)}")
+        if "kernels" in used:  # the fused Triton kernels (energydsl/kernels/), CPU references without a GPU
+            imports.insert(3, "from energydsl import kernels")
         if any((p.init or ("",))[0] == "alibi_slopes" for p in prog.params.values()):
             imports.insert(3, "from energydsl.runtime.init import alibi_slopes")
         if "integral_quadrature" in "\n".join(fwd):

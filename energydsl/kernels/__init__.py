@@ -19,6 +19,7 @@ from .attention_ref import (
     energy_attention_ref,
     weighted_second_moment_ref,
 )
+from .linear_ref import linear_attention_parallel_ref
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +30,7 @@ __all__ = [
     "energy_attention_lse_ref",
     "energy_attention_ref",
     "energy_attention_with_lse",
+    "linear_attention",
     "triton_available",
     "use_triton",
     "weighted_second_moment",
@@ -120,3 +122,21 @@ def weighted_second_moment(
     if use_triton(q.device):
         return _triton_ops().weighted_second_moment(q, k, v, lse, u, **kw)
     return weighted_second_moment_ref(q, k, v, lse, u, **kw)
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float = 1.0,
+    log_decay: Tensor | None = None,
+    strict: bool = False,
+) -> Tensor:
+    """(Gated) linear attention: the chunked Triton kernel when possible, else the parallel reference."""
+    kw = dict(scale=scale, log_decay=log_decay, strict=strict)
+    if use_triton(q.device):
+        from .linear import linear_attention as kernel
+
+        return kernel(q, k, v, **kw)
+    return linear_attention_parallel_ref(q, k, v, **kw)

@@ -1,0 +1,416 @@
+"""Recognised context sums lowered to attention primitives (torch ops or the fused Triton kernels).
+
+The emitter (`torch_expr.Emitter`) calls `lower_context_sum` for every `sum[j](...)` over a causal
+context. Two forms are recognised, whatever the energy they were derived from:
+
+* softmax-weighted sums, `sum[j](softmax[j](s_ij) * v_j)` with
+  `s_ij = Σ_c c_c (a_c(x_i) . b_c(h_j)) + bias_ij`: one or several state/context dot products (several are
+  concatenated along the feature axis: q' = [c_1 a_1, c_2 a_2], k' = [b_1, b_2], so q'.k' = Σ_c c_c a_c.b_c)
+  and state-independent biases;
+* product-weighted sums, `sum[j](gamma_ij (a(x_i) . b(h_j)) v_j)` with gamma = 1 or a^(i - j): linear
+  attention, chunked, O(T d^2).
+
+The torch backend calls `softmax_attention` (SDPA; biases become a T x T additive mask) and the chunked
+`linear_attention` of `energydsl.runtime.ops`. The triton backend calls the fused kernels of
+`energydsl.kernels` with the kernel's flags read off the IR: causal or strict context, and each bias term
+classified as an ALiBi distance penalty (c_h |i - j|), a self-token bias (c_h [i = j]) or a per-key bias
+(no query position); terms constant over j are dropped (softmax ignores them). A score the kernel cannot
+take (an unclassified bias, head dims above 256) falls back to the torch op, which is always correct.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sympy as sp
+
+from .. import ir
+from ..functions import REGISTRY, X
+from ..ir import Expr, IndexInfo
+from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, sympy_src, token_axes
+
+if TYPE_CHECKING:
+    from .torch_expr import Emitter
+
+KERNEL_MAX_HEAD_DIM = 256  # energydsl.kernels.attention: larger tiles do not fit in registers
+
+
+def lower_context_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    """The lowered value of a context sum, or None when no primitive fits (the caller emits it generically)."""
+    return _softmax_attention(em, e, info) or _linear_attention(em, e, info)
+
+
+# ----------------------------------------------------------------------------- softmax-weighted sums
+
+
+def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    j = e.index
+    qs, ks, both = _split(em, e.body, j)
+    if qs or len(both) != 1 or not isinstance(both[0], ir.Softmax) or both[0].index != j:
+        return None
+    if len(e.shape) != 1 or not ks:
+        return None
+    score = both[0].body
+    terms = list(score.terms) if isinstance(score, ir.Add) else [score]
+    coupling = [t for t in terms if POS in token_axes(t, em.indices) and j in token_axes(t, em.indices)
+                and _state_dependent(t)]
+    # a term constant over j (the query's own norm, say) shifts every score of a row alike: softmax ignores it
+    bias_terms = [t for t in terms if t not in coupling and j in token_axes(t, em.indices)]
+    if any(_state_dependent(t) for t in bias_terms):
+        return None
+    dots = [d for t in coupling for d in (_couplings(t) or [None])]
+    if not dots or None in dots:
+        return None
+    oriented = []
+    for c, d in dots:
+        if j in token_axes(d.a, em.indices):  # written k_j . q: swap
+            d = ir.Dot(d.b, d.a)
+        if len(d.a.shape) != 1 or j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
+            return None
+        oriented.append((c, _narrow_dot(em, d, j)))
+    maps, value = _peel_maps(em, ks[0], j) if len(ks) == 1 else ([], ir.mul(*ks))
+    v = em.emit(value)
+    if POS in v.axes or v.rank != 1:
+        return None
+    parts = [(c, em.emit(d.a), em.emit(d.b)) for c, d in oriented]
+    heads = _heads(v, *(p for _, a, b in parts for p in (a, b)), j=j)
+    if any(h not in em.sizes for h in heads):
+        return None
+    width = sum(em.shape_size(d.a.shape[0]) for _, d in oriented)
+    dv = em.shape_size(value.shape[0])
+    if len(parts) == 1:
+        scale, q, k = parts[0]
+    else:  # several dot products: one attention over the concatenated features, scale folded in
+        scale = sp.Integer(1)
+        q = _concat(em, [_scaled(em, a, c) for c, a, _ in parts], {BATCH, POS} | set(heads))
+        k = _concat(em, [b for _, _, b in parts], {BATCH, j} | set(heads))
+    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (width + dv))
+    if em.backend == "triton" and max(width, dv) <= KERNEL_MAX_HEAD_DIM:
+        kinds = _bias_kinds(em, bias_terms, j, strict=info.strict)
+        if kinds is not None:
+            return _apply_maps(em, maps, _kernel_attention(em, q, k, v, scale, kinds, heads, j, info.strict))
+    scale_src = sympy_src(scale, em.scalars)
+    bias = "None"
+    if bias_terms:
+        b = em.emit(ir.add(*bias_terms))
+        axes = canonical({BATCH, POS, j} | set(heads))
+        full = em.expand(b, axes)
+        order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
+        bias = em.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {_n_heads(em, heads)}, T, T)",
+                      (), 0, "additive score bias").code
+    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
+    em.used_ops.add("softmax_attention")
+    code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
+    return _apply_maps(em, maps, _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention"))
+
+
+def _peel_maps(em: Emitter, e: Expr, j: str) -> tuple[list[Expr], Expr]:
+    """v_j = A_1 @ (A_2 @ b_j) with token-independent A's that narrow the value: ([A_1, A_2], b_j).
+
+    Σ_j p_ij (A b_j) = A Σ_j p_ij b_j, so the attention runs on the narrow b_j (CEM's tied value
+    W_Qᵀ W_K h_j: head width instead of model width) and A is applied once to its output.
+    """
+    maps: list[Expr] = []
+    while (step := _narrowing(em, e, j)) is not None:
+        maps.append(step[0])
+        e = step[1]
+    return maps, e
+
+
+def _narrow_dot(em: Emitter, d: ir.Dot, j: str) -> ir.Dot:
+    """a . (A @ b_j) = (Aᵀ a) . b_j: the score's key at the narrow width (CEM's x . (W_Qᵀ W_K h_j))."""
+    while (step := _narrowing(em, d.b, j)) is not None:
+        d = ir.Dot(ir.matmul(ir.transpose(step[0]), d.a), step[1])
+    return d
+
+
+def _narrowing(em: Emitter, e: Expr, j: str) -> tuple[Expr, Expr] | None:
+    """e = A @ b with A token-independent and b narrower than e: (A, b), b hoisted if e was; else None."""
+    body = e.body if isinstance(e, ir.Let) else e
+    if not (isinstance(body, ir.MatMul) and len(body.b.shape) == 1 and len(body.a.shape) == 2
+            and not token_axes(body.a, em.indices) & {BATCH, POS, j}
+            and em.shape_size(body.b.shape[0]) < em.shape_size(body.shape[0])):
+        return None
+    inner = body.b
+    if isinstance(e, ir.Let) and not isinstance(inner, ir.Let):  # part of a hoisted value: hoisted too
+        inner = ir.Let(f"{e.name}_v", inner)
+    return body.a, inner
+
+
+def _apply_maps(em: Emitter, maps: list[Expr], out: Val) -> Val:
+    """A_1 @ (A_2 @ out), per head where the A's carry a head axis."""
+    for a in reversed(maps):
+        m = em.emit(a)
+        rows, cols = (em.shape_size(s) for s in a.shape)
+        out = em.einsum([(m, "MN"), (out, "N")], canonical(set(m.axes) | set(out.axes)), "M",
+                        "the value map, after the attention", shape_sizes={"M": rows, "N": cols})
+    return out
+
+
+def _kernel_attention(em: Emitter, q: Val, k: Val, v: Val, scale: sp.Expr, kinds: dict[str, list[Expr]],
+                      heads: tuple[str, ...], j: str, strict: bool) -> Val:
+    """`kernels.energy_attention` with the biases the kernel computes itself (no T x T tensor anywhere)."""
+    number = _number(scale, em.scalars)
+    if number is None:  # a learned temperature: fold it into the queries
+        q = em.tmp(f"{q.code} * {sympy_src(scale, em.scalars)}", q.axes, q.rank)
+        number = 1.0
+    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
+    args = [qc, kc, vc, f"scale={number!r}", f"strict={strict}"]
+    for kind, arg, sign in (("alibi", "alibi_slopes", "-"), ("self", "self_bias", "")):
+        if kinds[kind]:
+            coef = em.emit(ir.add(*kinds[kind]))
+            args.append(f"{arg}={sign}{_per_head(em, coef, heads)}")
+    if kinds["key"]:
+        kb = em.emit(ir.add(*kinds["key"]))
+        key = em.tmp(_as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j),
+                     (), 4)
+        args.append(f"key_bias={key.code}[..., 0]")
+    em.used_ops.add("kernels")
+    code = f"kernels.energy_attention({', '.join(args)})"
+    return _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused Triton attention")
+
+
+def _couplings(e: Expr) -> list[tuple[sp.Expr, ir.Dot]] | None:
+    """A score term as a sum of c * (a . b): (c, a . b) pairs, or None if it is not one.
+
+    `stopgrad` only matters to the derivation (done by now), so it is looked through.
+    """
+    match e:
+        case ir.Dot():
+            return [(sp.Integer(1), e)]
+        case ir.StopGrad():
+            return _couplings(e.a)
+        case ir.Let():
+            return _couplings(e.body)
+        case ir.Add():
+            out: list[tuple[sp.Expr, ir.Dot]] = []
+            for t in e.terms:
+                part = _couplings(t)
+                if part is None:
+                    return None
+                out += part
+            return out
+        case ir.Mul() if len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar):
+            inner = _couplings(e.factors[1])
+            return None if inner is None else [(e.factors[0].value * c, d) for c, d in inner]
+    return None
+
+
+def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str, list[Expr]] | None:
+    """Split bias terms into the kernel's kinds: coefficients of |i - j| and [i = j], and per-key terms."""
+    kinds: dict[str, list[Expr]] = {"alibi": [], "self": [], "key": []}
+    for t in terms:
+        body = t.body if isinstance(t, ir.Let) else t
+        if POS not in token_axes(body, em.indices):
+            if token_axes(body, em.indices) - {BATCH, j} - set(em.sizes):
+                return None
+            kinds["key"].append(t)
+            continue
+        factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
+        positional = [f for f in factors if token_axes(f, em.indices) & {POS, j}]
+        coef = [f for f in factors if f not in positional]
+        if len(positional) != 1 or any(token_axes(f, em.indices) - set(em.sizes) for f in coef):
+            return None
+        kind = _distance_kind(positional[0], j, strict)
+        if kind is None:
+            return None
+        kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
+    return kinds
+
+
+_I, _J = sp.symbols("_i _j", integer=True, nonnegative=True)
+
+
+def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
+    """"alibi" if e = |i - j|, "self" if e = [i = j], on every admissible pair (i, j) of a small grid."""
+    f = _position_sympy(e, j)
+    if f is None:
+        return None
+    pairs = [(a, b) for a in range(8) for b in range(a + (0 if strict else 1))]
+    values = [complex(f.subs({_I: a, _J: b})) for a, b in pairs]
+    if all(abs(val - abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
+        return "alibi"
+    if not strict and all(abs(val - (a == b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
+        return "self"
+    return None
+
+
+def _position_sympy(e: Expr, j: str) -> sp.Expr | None:
+    """A position-only expression (positions i and j, numbers, element-wise functions) as SymPy in _i, _j."""
+    match e:
+        case ir.Pos(index=None):
+            return _I
+        case ir.Pos(index=index) if index == j:
+            return _J
+        case ir.Scalar():
+            value = sp.sympify(e.value)
+            return None if value.free_symbols else value
+        case ir.Let():
+            return _position_sympy(e.body, j)
+        case ir.Add() | ir.Mul():
+            parts = [_position_sympy(c, j) for c in e.children]
+            if any(p is None for p in parts):
+                return None
+            return sp.Add(*parts) if isinstance(e, ir.Add) else sp.Mul(*parts)
+        case ir.Pow():
+            base = _position_sympy(e.base, j)
+            return None if base is None else base ** sp.sympify(e.exponent)
+        case ir.Func() if e.name in REGISTRY:
+            arg = _position_sympy(e.arg, j)
+            return None if arg is None else REGISTRY[e.name].formula.subs(X, arg)
+    return None
+
+
+# ----------------------------------------------------------------------------- product-weighted sums
+
+
+def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    j = e.index
+    qs, ks, both = _split(em, e.body, j)
+    decay = None
+    coupling = None
+    for f in both:
+        g = f.body if isinstance(f, ir.Let) else f
+        d = _decay(g, j)
+        if d is not None and decay is None:
+            decay = d
+        elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
+            coupling = g
+        else:
+            return None
+    if coupling is None or len(e.shape) > 1:
+        return None
+    a_ax = token_axes(coupling.a, em.indices)
+    qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
+    if j in token_axes(qe, em.indices) or POS in token_axes(ke, em.indices):
+        return None
+    q, k = em.emit(qe), em.emit(ke)
+    v = em.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
+    if v.scalar:
+        v = em.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
+    heads = _heads(q, k, v, j=j)
+    if any(h not in em.sizes for h in heads):
+        return None
+    rank = v.rank
+    if rank == 0:
+        v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
+    dv = em.shape_size(e.shape[0]) if e.shape else 1
+    em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
+    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
+    ld = "None" if decay is None else f"torch.as_tensor({sympy_src(decay, em.scalars)}, dtype=dt, device=dev)"
+    if em.backend == "triton":
+        if decay is not None:  # the kernel takes one log decay per head
+            ld = f"{ld}.reshape(1).expand({_n_heads(em, heads)})"
+        em.used_ops.add("kernels")
+        code = f"kernels.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
+        comment = "sum over j of (q.k_j) v_j: chunked Triton linear attention"
+    else:
+        em.used_ops.add("linear_attention")
+        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
+        comment = "sum over j of (q.k_j) v_j: chunked linear attention"
+    out = _from_bhtd(em, code, heads, rank, comment)
+    if qs:
+        rest = em.emit(ir.mul(*qs))
+        axes = canonical(set(out.axes) | set(rest.axes))
+        out = em.tmp(f"{em.align(out, axes, out.rank)} * {em.align(rest, axes, out.rank)}", axes, out.rank)
+    return out
+
+
+def _decay(e: Expr, j: str) -> sp.Expr | None:
+    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j)."""
+    if not (isinstance(e, ir.Func) and e.name == "exp"):
+        return None
+    arg = e.arg
+    if not (isinstance(arg, ir.Mul) and len(arg.factors) == 2 and isinstance(arg.factors[0], ir.Scalar)):
+        return None
+    c, dist = arg.factors[0].value, arg.factors[1]
+    want = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
+    return c if dist == want else None
+
+
+# ----------------------------------------------------------------------------- layout helpers
+
+
+def _split(em: Emitter, body: Expr, j: str) -> tuple[list[Expr], list[Expr], list[Expr]]:
+    """Factors of a summand: (query side: no j, key side: no query position, coupling: both)."""
+    factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
+    qs, ks, both = [], [], []
+    for f in factors:
+        ax = token_axes(f, em.indices)
+        if j not in ax:
+            qs.append(f)
+        elif POS not in ax:
+            ks.append(f)
+        else:
+            both.append(f)
+    return qs, ks, both
+
+
+def _state_dependent(e: Expr) -> bool:
+    return any(isinstance(n, ir.Var) and n.role in TOKEN_ROLES for n in ir.walk(e))
+
+
+def _heads(*vals: Val, j: str | None = None) -> tuple[str, ...]:
+    return canonical(set().union(*(v.axes for v in vals)) - {BATCH, POS} - ({j} if j else set()))
+
+
+def _n_heads(em: Emitter, heads: tuple[str, ...]) -> str:
+    return " * ".join(em.size(h) for h in heads) or "1"
+
+
+def _number(e: sp.Expr, scalars: dict[sp.Symbol, str]) -> float | None:
+    """`e` as a float when every symbol in it stands for a number (not a learned tensor)."""
+    values = {}
+    for sym in sp.sympify(e).free_symbols:
+        try:
+            values[sym] = float(scalars[sym])
+        except (KeyError, ValueError):
+            return None
+    return float(sp.sympify(e).subs(values))
+
+
+def _scaled(em: Emitter, a: Val, c: sp.Expr) -> Val:
+    return a if c == 1 else em.tmp(f"{a.code} * {sympy_src(c, em.scalars)}", a.axes, a.rank)
+
+
+def _concat(em: Emitter, parts: list[Val], axes: set[str]) -> Val:
+    """Vectors with the same named axes, concatenated along the feature axis."""
+    axes_t = canonical(axes & set().union(*(p.axes for p in parts)))
+    if len(parts) == 1:
+        return parts[0]
+    codes = ", ".join(em.expand(p, axes_t).code for p in parts)
+    return em.tmp(f"torch.cat([{codes}], dim=-1)", axes_t, 1, "the score's dot products, side by side")
+
+
+def _per_head(em: Emitter, coef: Val, heads: tuple[str, ...]) -> str:
+    """A coefficient with no axes but head axes as a contiguous (H,) tensor."""
+    n = _n_heads(em, heads)
+    if coef.scalar or not coef.axes:
+        return em.tmp(f"torch.as_tensor({coef.code}, dtype=dt, device=dev).reshape(1).expand({n}).contiguous()",
+                      (), 1).code
+    full = em.expand(coef, canonical(set(heads)))
+    return em.tmp(f"{full.code}.reshape({n}).contiguous()", (), 1).code
+
+
+def _as_bhtd(em: Emitter, v: Val, heads: tuple[str, ...], pos: str) -> str:
+    """A (batch, pos, heads..., D) value as a contiguous-enough (B, H, T, D) tensor for attention ops."""
+    axes = canonical({BATCH, pos} | set(heads))
+    full = em.expand(v, axes)
+    order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(pos), len(axes)]
+    code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
+    return f"{code}.reshape(B, {_n_heads(em, heads)}, T, {full.code}.shape[-1])"
+
+
+def _from_bhtd(em: Emitter, code: str, heads: tuple[str, ...], rank: int, comment: str) -> Val:
+    """Back from (B, H, T, D) to the layout (batch, i, heads..., D)."""
+    sizes = ", ".join(em.size(h) for h in heads)
+    axes = canonical({BATCH, POS} | set(heads))
+    if heads:
+        code = f"{code}.reshape(B, {sizes}, T, -1)"
+        n = len(heads)
+        code = f"{code}.movedim({n + 1}, 1)"
+    else:
+        code = f"{code}[:, 0]"
+    if rank == 0:
+        code += "[..., 0]"
+    return em.tmp(code, axes, rank, comment)
