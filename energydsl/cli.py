@@ -136,8 +136,7 @@ def compile_(
     derived = [spec.energy(name, **dims)] if name else spec.derive(**dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
-    sources = [energy_source(d, backend) for d in derived]
-    text = sources[0] if len(sources) == 1 else _join_modules(sources)
+    text = energy_source(derived, backend)
     if output is None:
         print(text)
         return
@@ -147,17 +146,6 @@ def compile_(
     except OSError as e:
         raise UserError(f"cannot write {output}: {e.strerror}") from None
     err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
-
-
-def _join_modules(sources: list[str]) -> str:
-    """Several generated modules in one file: one docstring and import block, then the classes."""
-    head, *_ = sources[0].split("\n\n\nclass ", 1)
-    classes = ["class " + s.split("\n\n\nclass ", 1)[1] for s in sources]
-    imports = sorted({ln for s in sources for ln in s.split("\n\n\nclass ", 1)[0].splitlines()
-                      if ln.startswith(("import ", "from "))} - {"from __future__ import annotations"})
-    doc = head.split('"""')[1]
-    return f'"""{doc}"""\n\nfrom __future__ import annotations\n\n' + "\n".join(imports) + "\n\n\n" + \
-        "\n\n".join(classes)
 
 
 def _model(file: str, name: str | None, sets: list[str] | None):

@@ -46,15 +46,16 @@ def cache_key(derived: Derived, backend: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def energy_source(derived: Derived, backend: str = "torch") -> str:
-    """The generated module's source for one derived energy."""
-    from .torch_module import module_source
+def energy_source(derived: Derived | list[Derived], backend: str = "torch") -> str:
+    """The generated source for one derived energy, or one file with the modules of several."""
+    from .torch_module import ModuleWriter, file_source
 
     if backend not in BACKENDS:
         from ..errors import UserError
 
         raise UserError(f"unknown backend `{backend}`", hint=f"use one of {', '.join(BACKENDS)}")
-    return module_source(derived.program, derived.equation_hash(), backend=backend)
+    many = derived if isinstance(derived, list) else [derived]
+    return file_source([ModuleWriter(d.program, d.equation_hash(), backend) for d in many])
 
 
 def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
