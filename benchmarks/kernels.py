@@ -280,55 +280,11 @@ def _attention_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
     return cases
 
 
-def linear_attention_chunked_torch(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float = 1.0,
-    log_decay: Tensor | None = None,
-    strict: bool = False,
-    chunk: int = 64,
-) -> Tensor:
-    """(Gated) linear attention in plain PyTorch, chunkwise: O(T C d + T d^2 + (T/C)^2 d^2), no T x T matrix.
+def linear_attention_chunked_torch(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+    """The torch backend's chunked (gated) linear attention (`energydsl.runtime.ops.linear_attention`)."""
+    from energydsl.runtime.ops import linear_attention
 
-    Same contract as `energydsl.kernels.linear.linear_attention` with a per-token log_decay (B, H, T) or None.
-    Inside chunk n (b = running log decay within the chunk, b_last its total, S_n the state before chunk n):
-        o_i = scale [ sum_{j in chunk, j <= i} exp(b_i - b_j) (q_i . k_j) v_j + exp(b_i) q_i S_n ]
-        S_n = sum_{m < n} exp(sum_{m < l < n} b_last_l) sum_{j in chunk m} exp(b_last_m - b_j) k_j v_j^T
-    Decay statistics and the cross-chunk sum are fp32; the matmuls run in the input dtype.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    B, H, T, Dk = q.shape
-    Dv = v.shape[-1]
-    C = chunk
-    pad = (-T) % C
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        if log_decay is not None:
-            log_decay = F.pad(log_decay, (0, pad))
-    N = (T + pad) // C
-    qc, kc, vc = q.reshape(B, H, N, C, Dk), k.reshape(B, H, N, C, Dk), v.reshape(B, H, N, C, Dv)
-    idx = torch.arange(C, device=q.device)
-    causal = idx[:, None] > idx[None, :] if strict else idx[:, None] >= idx[None, :]
-    A = qc @ kc.transpose(-1, -2)  # (B, H, N, C, C)
-    if log_decay is None:
-        kv = (kc.transpose(-1, -2) @ vc).float()  # (B, H, N, Dk, Dv)
-        S = (kv.cumsum(2) - kv).to(q.dtype)  # exclusive prefix sum: the state before each chunk
-        o = A.masked_fill(~causal, 0.0) @ vc + qc @ S
-    else:
-        b = log_decay.float().reshape(B, H, N, C).cumsum(-1)
-        b_last = b[..., -1]  # (B, H, N)
-        M = torch.exp((b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")))
-        kv = ((kc * torch.exp(b_last[..., None] - b)[..., None].to(kc.dtype)).transpose(-1, -2) @ vc).float()
-        cum = b_last.cumsum(-1)  # W[n, m] = exp(cum[n-1] - cum[m]) for m < n
-        n = torch.arange(N, device=q.device)
-        W = ((cum - b_last)[..., :, None] - cum[..., None, :]).masked_fill(~(n[:, None] > n[None, :]), float("-inf"))
-        S = torch.einsum("bhnm,bhmkv->bhnkv", torch.exp(W), kv).to(q.dtype)
-        o = (A * M.to(A.dtype)) @ vc + (qc * torch.exp(b)[..., None].to(qc.dtype)) @ S
-    return scale * o.reshape(B, H, N * C, Dv)[:, :, :T]
+    return linear_attention(q, k, v, **kw)
 
 
 def _fla_peer() -> tuple[Impl | None, str]:

@@ -92,46 +92,44 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor,
     return out
 
 
-def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, log_decay: Tensor | None = None, strict: bool = False,
-                     chunk: int = 64) -> Tensor:
-    """o_i = Σ_{j ≤ i} a^(i-j) (q_i·k_j) v_j in chunks of C: O(T·C·d + T·d²) time, no T x T matrix.
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float = 1.0, log_decay: Tensor | None = None,
+                     strict: bool = False, chunk: int = 64) -> Tensor:
+    """o_i = scale Σ_{j ≤ i} γ_ij (q_i·k_j) v_j in chunks of C: O(T·C·d + T·d² + (T/C)²·d²), no T x T matrix.
 
-    q, k (B, H, T, Dk), v (B, H, T, Dv); log_decay = log a, a scalar (None: a = 1). Within a chunk
-    the masked C x C form, across chunks a running state S = Σ a^(·) k_j v_jᵀ (the recurrent form).
+    q, k (B, H, T, Dk), v (B, H, T, Dv). log_decay: None (γ = 1); a scalar or (H,) log a (γ_ij = a^(i−j));
+    or per token (B, H, T) (γ_ij = exp(Σ_{j<l≤i} log_decay_l), gated linear attention). Inside chunk n,
+    with b the running log decay within the chunk and S_n the state before it:
+        o_i = scale [Σ_{j in chunk, j ≤ i} exp(b_i − b_j) (q_i·k_j) v_j + exp(b_i) q_i S_n]
+    Decay statistics and the cross-chunk sum are at least float32; the matmuls run in the input dtype.
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
-    C = min(chunk, T)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if log_decay is not None and log_decay.shape != (B, H, T):
+        log_decay = log_decay.to(q.device).reshape(1, -1, 1).expand(B, H, T)  # scalar or per head
+    C = chunk
     pad = (-T) % C
     if pad:
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    n = (T + pad) // C
-    q, k, v = (t.reshape(B, H, n, C, -1) for t in (q, k, v))
+        if log_decay is not None:
+            log_decay = F.pad(log_decay, (0, pad))
+    N = (T + pad) // C
+    qc, kc, vc = q.reshape(B, H, N, C, Dk), k.reshape(B, H, N, C, Dk), v.reshape(B, H, N, C, Dv)
     idx = torch.arange(C, device=q.device)
-    allowed = (idx[None, :] < idx[:, None]) if strict else (idx[None, :] <= idx[:, None])
+    causal = idx[:, None] > idx[None, :] if strict else idx[:, None] >= idx[None, :]
+    A = qc @ kc.transpose(-1, -2)  # (B, H, N, C, C)
     if log_decay is None:
-        intra = allowed.to(q.dtype)
-        q_in, k_out, chunk_decay = q, k, None
+        kv = (kc.transpose(-1, -2) @ vc).to(acc)  # (B, H, N, Dk, Dv)
+        S = (kv.cumsum(2) - kv).to(q.dtype)  # exclusive prefix sum: the state before each chunk
+        o = A.masked_fill(~causal, 0.0) @ vc + qc @ S
     else:
-        ld = log_decay.to(q.dtype)
-        dist = (idx[:, None] - idx[None, :]).to(q.dtype)
-        intra = torch.exp((ld * dist).masked_fill(~allowed, float("-inf")))
-        pos = idx.to(q.dtype)
-        q_in = q * torch.exp(ld * pos)[:, None]  # a^c for the query at offset c
-        k_out = k * torch.exp(ld * (C - 1 - pos))[:, None]  # a^(C-1-c): decay to the chunk's end
-        chunk_decay = torch.exp(ld * C)
-    scores = (q @ k.transpose(-1, -2)) * intra  # (B, H, n, C, C)
-    out = scores @ v
-    # the state carried into each chunk: S_c = Σ over earlier chunks, decayed to the chunk's start
-    kv = k_out.transpose(-1, -2) @ v  # (B, H, n, Dk, Dv): each chunk's contribution at its end
-    states = []
-    S = q.new_zeros(B, H, Dk, Dv)
-    for c in range(n):
-        states.append(S)
-        S = (S * chunk_decay if chunk_decay is not None else S) + kv[:, :, c]
-    S_in = torch.stack(states, dim=2)  # (B, H, n, Dk, Dv)
-    if log_decay is not None:
-        # a query at offset c sees the state (at the previous chunk's end) decayed by a^(c + 1)
-        q_in = q_in * torch.exp(ld)
-    out = out + q_in @ S_in
-    return out.reshape(B, H, n * C, Dv)[:, :, :T]
+        b = log_decay.to(acc).reshape(B, H, N, C).cumsum(-1)
+        b_last = b[..., -1]  # (B, H, N)
+        M = torch.exp((b[..., :, None] - b[..., None, :]).masked_fill(~causal, float("-inf")))
+        kv = ((kc * torch.exp(b_last[..., None] - b)[..., None].to(kc.dtype)).transpose(-1, -2) @ vc).to(acc)
+        cum = b_last.cumsum(-1)  # W[n, m] = exp(cum[n-1] - cum[m]) for m < n
+        n = torch.arange(N, device=q.device)
+        W = ((cum - b_last)[..., :, None] - cum[..., None, :]).masked_fill(~(n[:, None] > n[None, :]), float("-inf"))
+        S = torch.einsum("bhnm,bhmkv->bhnkv", torch.exp(W), kv).to(q.dtype)
+        o = (A * M.to(A.dtype)) @ vc + (qc * torch.exp(b)[..., None].to(qc.dtype)) @ S
+    return scale * o.reshape(B, H, N * C, Dv)[:, :, :T]
