@@ -1,7 +1,8 @@
 """The triton backend (`load(path).module(backend="triton")`) against the torch backend, example by example.
 
 Every example energy whose derived update has a recognised context sum runs its sums in the fused kernels
-of `energydsl.kernels` (softmax family, linear and gated linear attention). Without CUDA the kernels run
+of `energydsl.kernels` (softmax family, linear and gated linear attention); products value * act(pre)
+(CEM's and NRGPT's MLPs) run in the fused gated-activation epilogue. Without CUDA the kernels run
 under the Triton interpreter (enabled below, before triton is imported), in float32 with exact fp32 dots.
 Each module is compared with the torch backend run in float64: the displacement (update minus x) and the
 gradients of a loss on it with respect to x and every parameter, relative error max|x - ref| / max|ref|
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if CUDA else "cpu"
 TOL = 1e-4
 
-# (file, energy, dims): the energies whose every context sum is lowered to a kernel
+# (file, energy, dims): energies whose context sums (or gated activations) the triton backend lowers
 LOWERED = [
     ("intrinsic-optimizers/mha.energy", "MHA", {}),
     ("intrinsic-optimizers/mha.energy", "MHA", {"heads": 1}),
@@ -53,6 +54,10 @@ LOWERED = [
     ("hopfield/modern.energy", "ModernHopfield", {}),
     ("hopfield/classical.energy", "ClassicalHopfield", {}),
     ("hopfield/energy-transformer.energy", "EnergyTransformer", {}),
+    # element-wise energies: value * act(pre) as the fused epilogue
+    ("cem/mlp.energy", "CEMMLP", {}),
+    ("cem/mlp-dplr.energy", "CEMMLPDPLR", {}),
+    ("nrgpt/ff1.energy", "NRGPTFF1", {}),
 ]
 
 

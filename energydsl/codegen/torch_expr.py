@@ -360,6 +360,10 @@ class Emitter:
         return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
+        if self.backend == "triton" and isinstance(e, ir.Mul):
+            fused = self._gated_activation(e)
+            if fused is not None:
+                return fused
         parts = e.terms if isinstance(e, ir.Add) else e.factors
         op = " + " if isinstance(e, ir.Add) else " * "
         vals = [self.emit(p) for p in parts]
@@ -373,6 +377,21 @@ class Emitter:
         rank = len(e.shape)
         code = op.join(self.align(v, axes, rank) for v in vals)
         return self.tmp(code, axes, rank)
+
+    def _gated_activation(self, e: ir.Mul) -> Val | None:
+        """value * act(pre) with equal layouts (CEM's γ ∘ SiLU(V u), a SwiGLU): the fused Triton epilogue."""
+        from ..kernels.epilogue_ref import ACTIVATIONS
+
+        if len(e.factors) != 2:
+            return None
+        for act, other in (e.factors, e.factors[::-1]):
+            if isinstance(act, ir.Func) and act.name in ACTIVATIONS and ir.same_shape(act.shape, other.shape):
+                pre, value = self.emit(act.arg), self.emit(other)
+                if not (pre.scalar or value.scalar) and pre.axes == value.axes and pre.rank == value.rank:
+                    self.used_ops.add("kernels")
+                    return self.tmp(f"kernels.gated_activation({pre.code}, {value.code}, {act.name!r})",
+                                    pre.axes, pre.rank, f"{value.code} * {act.name}({pre.code}), fused")
+        return None
 
     # -- contractions
 

@@ -19,6 +19,7 @@ from .attention_ref import (
     energy_attention_ref,
     weighted_second_moment_ref,
 )
+from .epilogue_ref import gated_activation_ref
 from .linear_ref import linear_attention_parallel_ref
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ __all__ = [
     "energy_attention_lse_ref",
     "energy_attention_ref",
     "energy_attention_with_lse",
+    "gated_activation",
     "linear_attention",
     "triton_available",
     "use_triton",
@@ -140,3 +142,12 @@ def linear_attention(
 
         return kernel(q, k, v, **kw)
     return linear_attention_parallel_ref(q, k, v, **kw)
+
+
+def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
+    """value * act(gate_pre) in one fused pass (forward and backward), else the reference."""
+    if use_triton(value.device):
+        from .epilogue import gated_activation as kernel
+
+        return kernel(gate_pre, value, activation)
+    return gated_activation_ref(gate_pre, value, activation)
