@@ -148,11 +148,11 @@ def compile_(
     err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
 
 
-def _model(file: str, name: str | None, sets: list[str] | None):
+def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch"):
     from .api import load
 
     spec = load(file)
-    return spec, spec.model(name, **parse_sets(sets))
+    return spec, spec.model(name, backend, **parse_sets(sets))
 
 
 @app.command()
@@ -222,6 +222,7 @@ def train_(
     eval_iters: Annotated[int, typer.Option("--eval-iters")] = 20,
     warmup: Annotated[int, typer.Option("--warmup")] = 30,
     device: Annotated[str, typer.Option("--device", help="cpu | cuda | auto")] = "cpu",
+    backend: Annotated[str, typer.Option("--backend", help="torch | triton (fused kernels; a GPU)")] = "torch",
     seed: Annotated[int, typer.Option("--seed")] = 1337,
     fresh: Annotated[bool, typer.Option("--fresh", help="Ignore an existing checkpoint in --out.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a final JSON summary.")] = False,
@@ -232,7 +233,7 @@ def train_(
 
     from .training import TrainConfig, load_dataset, train
 
-    spec, model = _model(file, name, sets)
+    spec, model = _model(file, name, sets, backend)
     block = block_size or model.block_size
     if block > model.block_size:
         raise UserError(f"--block-size {block} is longer than the model's context {model.block_size}")
@@ -318,15 +319,12 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         err.print("interrupted")
         sys.exit(130)
-    except Exception as e:  # click usage errors are UsageError, handled below
-        import click
-
-        if isinstance(e, click.exceptions.UsageError):
-            e.show()
-            sys.exit(2)
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:
+        # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
+        kinds = {c.__name__ for c in type(e).__mro__}
+        if "ClickException" in kinds:
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(2 if "UsageError" in kinds else e.exit_code)  # type: ignore[attr-defined]
         print(f"internal error while processing {spec_name}: {type(e).__name__}: {e} "
               "(please report this with the spec)", file=sys.stderr)
         sys.exit(70)

@@ -1,0 +1,23 @@
+"""Command-line usage errors: a clear message and exit status 2, never an internal error."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples/models/gpt.energy")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", GPT, "--steps", "1"], "Missing option '--data'"),
+    (["train", GPT, "--data", "shakespeare_char", "--steps", "x"], "Invalid value for '--steps'"),
+    (["compile", GPT, "--no-such-flag"], "No such option"),
+    (["train", GPT, "--data", "shakespeare_char", "--backend", "bogus", "--steps", "1"], "unknown backend `bogus`"),
+])
+def test_usage_errors_exit_2(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
