@@ -6,6 +6,8 @@ the sum of several (`A + B`: one optimizer step on F_A + F_B). The plan fixes ev
 
 Stage arguments are matched to the energy's header dims, positionally or by name; a header dim the
 stage does not set takes the model's dim of the same name, if there is one, else its own default.
+The residual stream is a vector [d] unless the model declares `stream [dk, dv]` (RMT's matrix per token);
+`embed ... rank R` and `head untied rank R` factorise the tables over a matrix stream (RMT eq. 18–19, 26–27).
 """
 
 from __future__ import annotations
@@ -51,12 +53,19 @@ class ModelPlan:
     head_tied: bool
     span: Span | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    stream: tuple[int, ...] = ()  # the stream's shape per token: (d,), or (dk, dv) for a matrix stream
+    embed_rank: int | None = None  # `embed ... rank R`: Σ_h w_h ⊗ W_h[s] (keys [R, dk], tables [·, R, dv])
+    head_rank: int | None = None  # the head's read rank: `head untied rank R`, or the embedding's when tied
+
+    def __post_init__(self) -> None:
+        if not self.stream:
+            self.stream = (self.d,)
 
     def graph(self) -> nx.DiGraph:
         """tokens → embed → (norm →) stage → ... per layer → (final norm →) head → logits."""
         g = nx.DiGraph(name=self.name)
         g.add_node("tokens", kind="input")
-        g.add_node("embed", kind="embed", label="embed tokens" + (", positions" if self.embed_positions else ""))
+        g.add_node("embed", kind="embed", label=self.embed_label())
         g.add_edge("tokens", "embed")
         prev = "embed"
         for layer in range(self.layers):
@@ -76,11 +85,19 @@ class ModelPlan:
             g.add_node("final_norm", kind="norm", label=self.final_norm)
             g.add_edge(prev, "final_norm")
             prev = "final_norm"
-        g.add_node("head", kind="head", label="head tied" if self.head_tied else "head untied")
+        g.add_node("head", kind="head", label=self.head_label())
         g.add_edge(prev, "head")
         g.add_node("logits", kind="output")
         g.add_edge("head", "logits")
         return g
+
+    def embed_label(self) -> str:
+        rank = f" rank {self.embed_rank}" if self.embed_rank else ""
+        return "embed tokens" + (", positions" if self.embed_positions else "") + rank
+
+    def head_label(self) -> str:
+        rank = f" rank {self.head_rank}" if self.head_rank else ""
+        return ("head tied" if self.head_tied else "head untied") + rank
 
 
 def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
@@ -186,17 +203,15 @@ def _stage(parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]) -
 def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> ModelPlan:
     """Resolve a `model` declaration with its dims (defaults, then overrides)."""
     decl = module.models[name]
-    env: dict[str, float] = {}
-    for key, node in decl.header:
-        env[key] = evaluate_number(node, env, f"the default of `{key}`")
-    for key, value in overrides.items():
-        if key not in env:
+    header = [key for key, _ in decl.header]
+    for key in overrides:
+        if key not in header:
             raise SpecError(f"`{key}` is not a dim of model `{name}`", decl.span,
-                            f"its dims: {', '.join(env) or 'none'}")
-        env[key] = float(value)
-    for need in ("vocab", "context", "d"):
-        if need not in env:
-            raise SpecError(f"model `{name}` needs a `{need}` dim in its header", decl.span)
+                            f"its dims: {', '.join(header) or 'none'}")
+    env: dict[str, float] = {}
+    for key, node in decl.header:  # in order, a set dim replacing its default: `dff = 4 * dv` follows --set dv
+        env[key] = float(overrides[key]) if key in overrides else evaluate_number(node, env,
+                                                                                   f"the default of `{key}`")
     by_kind: dict[str, list[ast.Clause]] = {}
     for c in decl.clauses:
         by_kind.setdefault(c.kind, []).append(c)
@@ -204,16 +219,22 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
         if len(cs) > 1:
             raise SpecError(f"a model has one `{kind.replace('_', ' ')}` clause", cs[1].span)
     one = {k: v[0] for k, v in by_kind.items()}
+    for need in ("vocab", "context") if "stream" in one else ("vocab", "context", "d"):
+        if need not in env:
+            raise SpecError(f"model `{name}` needs a `{need}` dim in its header", decl.span)
     if "layer" not in one:
         raise SpecError(f"model `{name}` has no `layer = ...`", decl.span)
     stages = [_stage(p) for p in _expand(module, one["layer"].value, env)]
+    stream = _stream(one.get("stream"), env, decl.span)
     positions = False
+    embed_rank = head_rank = None
     if "embed" in one:
         for what in one["embed"].value:
             if what not in ("tokens", "positions"):
                 raise SpecError(f"cannot embed `{what}`", one["embed"].span, "use `embed tokens` or "
                                 "`embed tokens, positions`")
         positions = "positions" in one["embed"].value
+        embed_rank = _rank(one["embed"], env, stream)
     layers, shared = 1, False
     if "repeat" in one:
         c = one["repeat"]
@@ -235,11 +256,38 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
             raise SpecError(f"unknown norm `{c.name}`", c.span, f"use {' or '.join(NORMS)}")
         final = c.name
     tied = one["head"].value == "tied" if "head" in one else True
+    if "head" in one:
+        head_rank = _rank(one["head"], env, stream)
+        if tied and head_rank is not None:
+            raise SpecError("a tied head reads with the embedding's own keys and tables",
+                            one["head"].extra["rank"].span,
+                            "write `head tied` (rank as the embedding's) or `head untied rank R`")
+    if tied:
+        head_rank = embed_rank
     vocab = _whole(env["vocab"], "`vocab`", decl.span)
     context = _whole(env["context"], "`context`", decl.span)
-    d = _whole(env["d"], "`d`", decl.span)
-    return ModelPlan(name, env, vocab, context, d, positions, stages, layers, shared, across, norm, final, tied,
-                     decl.span)
+    return ModelPlan(name, env, vocab, context, math.prod(stream), positions, stages, layers, shared, across, norm,
+                     final, tied, decl.span, stream=stream, embed_rank=embed_rank, head_rank=head_rank)
+
+
+def _stream(c: ast.Clause | None, env: dict[str, float], span: Span | None) -> tuple[int, ...]:
+    """The stream's shape per token: `stream [dk, dv]`, else the vector [d]."""
+    if c is None:
+        return (_whole(env["d"], "`d`", span),)
+    return tuple(_whole(evaluate_number(n, env, "the stream's shape"), "a stream axis", n.span or c.span)
+                 for n in c.value)
+
+
+def _rank(c: ast.Clause, env: dict[str, float], stream: tuple[int, ...]) -> int | None:
+    """`rank R` on `embed` or `head`: R rank-1 writes (reads) over a matrix stream [dk, dv]."""
+    node = c.extra.get("rank")
+    if node is None:
+        return None
+    if len(stream) != 2:
+        raise SpecError(f"`{c.kind} ... rank` factorises over a matrix stream, but the stream is "
+                        f"[{', '.join(map(str, stream))}]", node.span or c.span,
+                        "declare the stream's shape: `stream [dk, dv]`")
+    return _whole(evaluate_number(node, env, "the rank"), "the rank", node.span or c.span)
 
 
 def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
@@ -260,8 +308,9 @@ def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
 
 def describe(plan: ModelPlan) -> str:
     """A readable text rendering of the model graph (what `energy graph` prints)."""
-    lines = [f"model {plan.name}: vocab {plan.vocab}, context {plan.context}, d {plan.d}"]
-    lines.append(f"  embed tokens{', positions' if plan.embed_positions else ''}")
+    shape = f"stream [{', '.join(map(str, plan.stream))}]" if len(plan.stream) > 1 else f"d {plan.d}"
+    lines = [f"model {plan.name}: vocab {plan.vocab}, context {plan.context}, {shape}"]
+    lines.append(f"  {plan.embed_label()}")
     stages = " -> ".join(s.label for s in plan.stages)
     rep = f"{plan.layers}×{' (shared weights)' if plan.shared else ''}"
     norm = f", {plan.norm[0]} before each {plan.norm[1]}" if plan.norm else ""
@@ -272,7 +321,7 @@ def describe(plan: ModelPlan) -> str:
         lines.append(f"  across layers {kind}({args})")
     if plan.final_norm:
         lines.append(f"  final {plan.final_norm}")
-    lines.append(f"  head {'tied' if plan.head_tied else 'untied'}")
+    lines.append(f"  {plan.head_label()}")
     for s in plan.stages:
         for n, dims in s.energies:
             lines.append(f"  stage {n}: " + ", ".join(f"{k}={v:g}" for k, v in dims.items()))

@@ -417,8 +417,15 @@ class _ToAst(Transformer):
         return BlockDecl(str(c[0]), c[1], self._span(c[0]))
 
     @v_args(meta=True)
+    def stream(self, meta, c):
+        return Clause("stream", self._span(meta), "", c[0])
+
+    def rank_option(self, c):
+        return c[0]
+
+    @v_args(meta=True)
     def embed(self, meta, c):
-        return Clause("embed", self._span(meta), "", c[0])
+        return Clause("embed", self._span(meta), "", c[0], {"rank": c[1]})
 
     @v_args(meta=True)
     def layer(self, meta, c):
@@ -446,7 +453,7 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def head(self, meta, c):
-        return Clause("head", self._span(meta), "", str(c[0]))
+        return Clause("head", self._span(meta), "", str(c[0]), {"rank": c[1]})
 
     @v_args(meta=True)
     def model_decl(self, meta, c):

@@ -64,6 +64,53 @@ def test_info_cli_reports_the_86m_llama() -> None:
     assert json.loads(r.stdout)["params"] == 86_371_488
 
 
+RMT = "examples/models/rmt.energy"
+RMT_ROWS = [c for c in CONFIGS if c["model"] == "rmt"]
+RMT_DIMS = ("vocab", "context", "dk", "dv", "layers", "heads", "dff")
+
+
+def _rmt_norm_gains(dims: dict) -> int:
+    """The LayerNorm gains the RMT convention leaves out: 2L + 1 norms, each a dk×dv matrix."""
+    return (2 * dims["layers"] + 1) * dims["dk"] * dims["dv"]
+
+
+@pytest.mark.parametrize("cfg", RMT_ROWS, ids=[c["label"] for c in RMT_ROWS])
+def test_rmt_sizes_match_rmt_table_9(cfg: dict) -> None:
+    """Params and non-embedding params exactly, less the norm gains the convention does not count (the
+    paper's Table 7/A.1 itemisation with untied tables; 206M/305M with the Table 9 erratum, in the row)."""
+    dims = {k: cfg["dims"][k] for k in RMT_DIMS}
+    assert cfg["dims"]["R"] == dims["heads"] and dims["dff"] == 4 * dims["heads"] * dims["dv"]  # the default
+    info = _info(RMT, {k: v for k, v in dims.items() if k != "dff"})  # dff follows --set heads/dv
+    gains = _rmt_norm_gains(dims)
+    assert info["params"] - gains == cfg["exact"]["params"]
+    assert info["params_non_embedding"] - gains == cfg["exact"]["params_non_embedding"]
+    assert round(cfg["exact"]["params"] / 1e6) == int(cfg["label"].rstrip("M"))  # the paper rounds
+
+
+@pytest.mark.parametrize("cfg", RMT_ROWS, ids=[c["label"] for c in RMT_ROWS])
+def test_rmt_flops_match_table_7_term_by_term(cfg: dict) -> None:
+    """The row's flops_per_token (Table 7/A.2 with the (1 + 2L) key erratum) cannot be matched exactly: it
+    counts three things `energy info` does not. (1) The softmax, 3·R·N per layer: our convention counts
+    contractions only (as for Llama/GPT). (2) The token embedding as a one-hot matmul, 2·V·R·dv: a table
+    lookup here. (3) The attention's Σ_m p_nm v_m, 2·N·R·dv per layer: RMT's reads are dk×1 columns, so
+    codegen does not lower the attention to `scaled_dot_product_attention`; in the masked T×T form it
+    emits, that sum is a product and a `masked_reduce`, which the codegen FLOP counter leaves out (QKᵀ is
+    an einsum and is counted). Every other A.2 item is matched exactly, stage by stage, and the total
+    differs from the row by exactly those three terms."""
+    dims = {k: cfg["dims"][k] for k in RMT_DIMS}
+    L, R, dk, dv, N, V, dff = (dims[k] for k in ("layers", "heads", "dk", "dv", "context", "vocab", "dff"))
+    with torch.device("meta"):
+        model = energydsl.load(RMT).model(**dims)
+    attention, ff = (s.flops_per_token for s in model.stage_info)
+    assert attention == 6 * R * dk * dv + 2 * R * dk * dv + 2 * N * R * dv  # QKV read keys, O write keys, QKᵀ
+    assert ff == 2 * R * dk * dv + 4 * R * dv * dff + 2 * R * dk * dv  # input keys, W1/W2 core, output keys
+    total = model.info()["flops_per_token"]
+    outside = total - L * (attention + ff)
+    assert outside == 2 * 2 * R * dk * dv + 2 * R * dk * dv + 2 * V * R * dv  # w_E/w_PE writes, r_U read, W_U
+    not_counted = L * 3 * R * N + 2 * V * R * dv + L * 2 * N * R * dv  # (1), (2), (3) above
+    assert total + not_counted == cfg["exact"]["flops_per_token"]
+
+
 # ----------------------------------------------------------------------------- equivalences
 
 
@@ -153,6 +200,85 @@ def test_cem_mlp_is_a_tied_swiglu() -> None:
     x = m.example_input(2, 5).double()
     u = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(m(x), x + ((x @ m.W.T) * F.silu(u @ m.V.T)) @ m.V)
+
+
+def _paper_rmt(p: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """The RMT forward written from the paper's equations (seed 002 eq. 14–27; pre-LayerNorm over the
+    dk×dv matrix, with a gain and no bias). Parameters are named and shaped as in the paper: keys r, w ∈
+    R^dk per head h; W_E,h ∈ R^{dv×V}, W_PE,h ∈ R^{dv×N}, W1 ∈ R^{D_FF×R·dv}, W2 ∈ R^{R·dv×D_FF},
+    W_U,h ∈ R^{V×dv}."""
+    R, dv = p["W_E"].shape[:2]
+    T = idx.shape[1]
+
+    def ln(X: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(X, X.shape[-2:], gain, eps=1e-5)
+
+    X = (torch.einsum("hk,hvbn->bnkv", p["w_E"], p["W_E"][:, :, idx])  # eq. 18: Σ_h w_E,h ⊗ W_E,h S
+         + torch.einsum("hk,hvn->nkv", p["w_PE"], p["W_PE"][:, :, :T]))  # eq. 19
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for layer in range(p["r_Q"].shape[0]):
+        Xh = ln(X, p["gain"][2 * layer])
+        Q, K, V = (torch.einsum("bnkv,hk->bhnv", Xh, p[r][layer]) for r in ("r_Q", "r_K", "r_V"))  # eq. 22
+        scores = (Q @ K.transpose(-1, -2) / math.sqrt(dv)).masked_fill(~causal, float("-inf"))
+        A = torch.softmax(scores, -1) @ V  # eq. 21
+        X = X + torch.einsum("hk,bhnv->bnkv", p["w_O"][layer], A)  # eq. 20: Σ_h w_O,h ⊗ SHA_h
+        Xh = ln(X, p["gain"][2 * layer + 1])
+        X_FF = torch.einsum("bnkv,hk->bnhv", Xh, p["r_FF"][layer]).flatten(2)  # eq. 25: concat_h r_FF,h · X
+        Y = (F.gelu(X_FF @ p["W1"][layer].T) @ p["W2"][layer].T).unflatten(-1, (R, dv))  # eq. 24, unvec₁
+        X = X + torch.einsum("hk,bnhv->bnkv", p["w_FF"][layer], Y)  # eq. 23
+    Xh = ln(X, p["gain"][-1])
+    return sum(torch.einsum("bnkv,k->bnv", Xh, p["r_U"][h]) @ p["W_U"][h].T for h in range(R))  # eq. 26–27
+
+
+def test_generated_rmt_equals_the_papers_read_write_equations() -> None:
+    """Reads Ẑᵀr (eq. 22, 25, 27), rank-1 writes w ⊗ y (eq. 18–20, 23), float64; dk ≠ dv catches transposes."""
+    dims = dict(vocab=11, context=8, dk=3, dv=4, layers=2, heads=2)  # dff = 4·heads·dv = 32
+    gen = _perturbed(energydsl.load(RMT).model(**dims))
+    R, dk, dv, V, dff = 2, 3, 4, 11, 32
+    atts = [stages[0] for stages in gen.layers]
+    ffs = [stages[1] for stages in gen.layers]
+
+    def keys(mods: list, name: str) -> torch.Tensor:  # [heads, dk, 1] columns -> (layer, h, dk)
+        return torch.stack([getattr(m, name)[..., 0] for m in mods])
+
+    p = {
+        "w_E": gen.wte.keys, "W_E": gen.wte.weight.reshape(V, R, dv).permute(1, 2, 0),
+        "w_PE": gen.wpe.keys, "W_PE": gen.wpe.weight.reshape(8, R, dv).permute(1, 2, 0),
+        "r_Q": keys(atts, "a"), "r_K": keys(atts, "b"), "r_V": keys(atts, "rV"), "w_O": keys(atts, "wO"),
+        "r_FF": keys(ffs, "c"), "w_FF": keys(ffs, "wFF"),
+        "W1": torch.stack([m.W1.permute(1, 0, 2).reshape(dff, R * dv) for m in ffs]),  # [W1_1 … W1_R]
+        "W2": torch.stack([m.W2.reshape(R * dv, dff) for m in ffs]),
+        "r_U": gen.lm_head.keys, "W_U": gen.lm_head.weight.reshape(V, R, dv).transpose(0, 1),
+        "gain": torch.stack([n.weight for norms in gen.norms for n in norms] + [gen.final_norm.weight]),
+    }
+    assert p["gain"].shape == (5, dk, dv)
+    idx = torch.randint(0, V, (3, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(gen(idx), _paper_rmt(p, idx), rtol=1e-10, atol=1e-10)
+
+
+def test_a_tied_factorised_head_is_the_frobenius_product_with_each_token_embedding() -> None:
+    source = (ROOT / RMT).read_text().replace("head    untied rank heads", "head    tied")
+    model = _perturbed(energydsl.load(source).model(vocab=7, context=4, dk=3, dv=2, layers=1, heads=2))
+    assert model.lm_head is None and model.plan.head_rank == 2
+    seen = []
+    model.final_norm.register_forward_hook(lambda mod, args, out: seen.append(out))
+    idx = torch.randint(0, 7, (2, 4))
+    logits = model(idx)
+    embeddings = model.wte.write(torch.arange(7))  # (vocab, dk, dv): Σ_h w_E,h ⊗ W_E,h[s]
+    torch.testing.assert_close(logits, torch.einsum("btkv,skv->bts", seen[0], embeddings))
+
+
+def test_a_vector_stage_sees_a_matrix_stream_reshaped() -> None:
+    """A stage whose state has the stream's size but another shape runs on the stream reshaped row-major."""
+    energies = (ROOT / "examples/models/gpt.energy").read_text().split("model GPT")[0]
+    body = "  embed tokens\n  layer = MLP(d = 8)\n  norm rmsnorm before each stage\n  head tied\n}\n"
+    matrix = energydsl.load(energies + "model M(vocab = 7, context = 4, dk = 2, dv = 4) {\n  stream [dk, dv]\n"
+                            + body).model().double()
+    vector = energydsl.load(energies + "model V(vocab = 7, context = 4, d = 8) {\n" + body).model().double()
+    vector.load_state_dict({k: v.reshape(vector.state_dict()[k].shape) for k, v in matrix.state_dict().items()})
+    idx = torch.randint(0, 7, (2, 4))
+    torch.testing.assert_close(matrix(idx), vector(idx))
 
 
 @pytest.mark.parametrize("variant", ["momentum-gpt", "nag-gpt"])
@@ -247,6 +373,36 @@ def test_every_model_example_trains_one_step(path: str) -> None:
 def test_model_cli_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
     r = _run(*args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rmt_trains_from_the_cli(tmp_path: Path) -> None:
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be, that is the question. " * 200)
+    r = _run("train", RMT, "--data", f"bytes:{text}", "--steps", "2", "--json", "--set", "vocab=256",
+             "--set", "context=16", "--set", "dk=4", "--set", "dv=4", "--set", "heads=2", "--set", "layers=1",
+             "--batch-size", "4", "--eval-interval", "2", "--eval-iters", "1", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 2 and math.isfinite(result["val_loss"])
+
+
+@pytest.mark.parametrize("edits,message", [
+    ([("stream  [dk, dv]", "stream  [dk, 2 * dv]")],
+     "stage `RMTAttention` has the state [16, 16] (256 entries) but the model's stream is [16, 32] (512)"),
+    ([("  stream  [dk, dv]", "")], "model `RMT` needs a `d` dim"),
+    ([("  stream  [dk, dv]", ""), ("RMT(vocab", "RMT(d = 256, vocab")], "factorises over a matrix stream"),
+    ([("head    untied rank heads", "head    tied rank heads")], "a tied head reads with the embedding's own keys"),
+    ([("positions rank heads", "positions rank 0")], "the rank must be a whole number ≥ 1"),
+])
+def test_rmt_contract_errors_are_located(tmp_path: Path, edits: list[tuple[str, str]], message: str) -> None:
+    source = (ROOT / RMT).read_text()
+    for old, new in edits:
+        assert old in source
+        source = source.replace(old, new)
+    spec = tmp_path / "m.energy"
+    spec.write_text(source)
+    r = _run("info", str(spec))
+    assert r.returncode == 2 and message in r.stderr and "m.energy:" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_unknown_stage_is_located(tmp_path: Path) -> None:

@@ -1,12 +1,16 @@
 """The language model a `model` declaration describes, built from generated energy modules.
 
-    x = wte[idx] (+ wpe[pos])
+    x = wte[idx] (+ wpe[pos])                   x: (B, T, *stream), the stream [d] or a matrix [dk, dv]
+                                                (`embed ... rank R`: x = Σ_h w_h ⊗ W_h[idx], RMT eq. 18–19)
     for each layer, for each stage:             (one set of weights per layer, or one shared set)
-        s = norm(x)                             (with `norm ... before each stage`; else s = x)
-        f = stage(s) - s                        the stage's displacement: its derived update
+        s = norm(x)                             (with `norm ... before each stage`; else s = x), over the
+                                                whole stream of a token, with a gain of the stream's shape
+        f = stage(s) - s                        the stage's displacement: its derived update (a stage whose
+                                                state has another shape of the same size sees s reshaped)
         x = x + f                               or, across layers momentum: m = β m + f; x = x + η m
                                                 (nag: the stage runs at the look-ahead x + β m)
-    logits = head(final_norm(x))                (tied: wte as the output matrix)
+    logits = head(final_norm(x))                (tied: wte as the output matrix; `rank R`:
+                                                Σ_h W_h (xᵀ r_h), RMT eq. 26–27)
 
 Kept as small as nanoGPT's model.py: everything model-specific lives in the generated stage modules.
 """
@@ -14,6 +18,7 @@ Kept as small as nanoGPT's model.py: everything model-specific lives in the gene
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,16 +26,53 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import SpecError
+
 if TYPE_CHECKING:
     from ..api import Derived
     from ..composition import ModelPlan
 
 
-def make_norm(kind: str, d: int) -> nn.Module:
-    """A norm with a learnable gain and no bias (eps 1e-5)."""
+EMBEDDINGS = ("wte", "wpe", "lm_head")  # modules left out of params_non_embedding
+
+
+def make_norm(kind: str, shape: tuple[int, ...]) -> nn.Module:
+    """A norm over a token's whole stream (a vector or a matrix), a learnable gain of that shape, no bias
+    (eps 1e-5)."""
     if kind == "layernorm":
-        return nn.LayerNorm(d, eps=1e-5, bias=False)
-    return nn.RMSNorm(d, eps=1e-5)
+        return nn.LayerNorm(shape, eps=1e-5, bias=False)
+    return nn.RMSNorm(shape, eps=1e-5)
+
+
+class FactorisedTable(nn.Module):
+    """RMT's rank-R tables over a matrix stream [dk, dv]: a row is R data vectors W_h[s] ∈ R^dv, each
+    tied to a key w_h ∈ R^dk.
+
+    write(idx) = Σ_h w_h ⊗ W_h[idx] (the embedding, eq. 18–19); read(z) = Σ_h W_h (zᵀ w_h), the logits
+    of every row (the unembedding, eq. 26–27; read with the embedding's own keys it is ⟨z, write(s)⟩_F,
+    the tied head). Keys start at std 1/√fan_in (variance-preserving, the paper's Table 1), tables at 0.02.
+    """
+
+    def __init__(self, rows: int, rank: int, dk: int, dv: int, key_std: float):
+        super().__init__()
+        self.rank, self.dk, self.dv = rank, dk, dv
+        self.weight = nn.Parameter(torch.empty(rows, rank * dv))  # [W_1[s] … W_R[s]] per row s
+        self.keys = nn.Parameter(torch.empty(rank, dk))
+        nn.init.normal_(self.weight, 0.0, 0.02)
+        nn.init.normal_(self.keys, 0.0, key_std)
+
+    def write(self, idx: Tensor) -> Tensor:
+        """(...) -> (..., dk, dv)."""
+        return self.keys.t() @ F.embedding(idx, self.weight).unflatten(-1, (self.rank, self.dv))
+
+    def read(self, z: Tensor) -> Tensor:
+        """(..., dk, dv) -> (..., rows)."""
+        return F.linear((self.keys @ z).flatten(-2), self.weight)
+
+
+def state_shape(derived: Derived) -> tuple[int, ...]:
+    """The shape of a stage's state (per token) at its dims."""
+    return tuple(derived.spec.size(s) for s in derived.spec.state.shape)
 
 
 @dataclass
@@ -48,16 +90,37 @@ class LanguageModel(nn.Module):
         self.plan = plan
         self.stage_info = stages
         self.vocab_size, self.block_size, self.d = plan.vocab, plan.context, plan.d
-        self.wte = nn.Embedding(plan.vocab, plan.d)
-        self.wpe = nn.Embedding(plan.context, plan.d) if plan.embed_positions else None
+        self.stream = plan.stream
+        self.stage_shapes = [state_shape(s.derived) for s in stages]
+        for shape, stage in zip(self.stage_shapes, plan.stages):
+            if math.prod(shape) != plan.d:
+                raise SpecError(f"stage `{stage.label}` has the state [{', '.join(map(str, shape))}] "
+                                f"({math.prod(shape)} entries) but the model's stream is "
+                                f"[{', '.join(map(str, plan.stream))}] ({plan.d})", stage.span,
+                                "a stage's state is the stream of a token: give it the stream's shape or size")
+        self.wte: nn.Module
+        self.wpe: nn.Module | None = None
+        if plan.embed_rank:
+            R, (dk, dv) = plan.embed_rank, plan.stream
+            self.wte = FactorisedTable(plan.vocab, R, dk, dv, key_std=R**-0.5)
+            if plan.embed_positions:
+                self.wpe = FactorisedTable(plan.context, R, dk, dv, key_std=R**-0.5)
+        else:
+            self.wte = nn.Embedding(plan.vocab, plan.d)
+            self.wpe = nn.Embedding(plan.context, plan.d) if plan.embed_positions else None
         n_sets = 1 if plan.shared else plan.layers
         self.layers = nn.ModuleList(nn.ModuleList(cls() for cls in stage_classes) for _ in range(n_sets))
         n_norms = len(stage_classes) if plan.norm and plan.norm[1] == "stage" else 1
         self.norms = nn.ModuleList(
-            nn.ModuleList(make_norm(plan.norm[0], plan.d) for _ in range(n_norms)) for _ in range(n_sets)
+            nn.ModuleList(make_norm(plan.norm[0], plan.stream) for _ in range(n_norms)) for _ in range(n_sets)
         ) if plan.norm else None
-        self.final_norm = make_norm(plan.final_norm, plan.d) if plan.final_norm else None
-        self.lm_head = None if plan.head_tied else nn.Linear(plan.d, plan.vocab, bias=False)
+        self.final_norm = make_norm(plan.final_norm, plan.stream) if plan.final_norm else None
+        self.lm_head: nn.Module | None = None
+        if not plan.head_tied and plan.head_rank:
+            dk, dv = plan.stream
+            self.lm_head = FactorisedTable(plan.vocab, plan.head_rank, dk, dv, key_std=dk**-0.5)
+        elif not plan.head_tied:
+            self.lm_head = nn.Linear(plan.d, plan.vocab, bias=False)
         self.across = plan.across[0] if plan.across else None
         if plan.across:
             for name, (value, learn) in plan.across[1].items():
@@ -66,19 +129,17 @@ class LanguageModel(nn.Module):
                     self.register_parameter(f"across_{name}", nn.Parameter(t))
                 else:
                     self.register_buffer(f"across_{name}", t)
-        nn.init.normal_(self.wte.weight, 0.0, 0.02)
-        if self.wpe is not None:
-            nn.init.normal_(self.wpe.weight, 0.0, 0.02)
-        if self.lm_head is not None:
-            nn.init.normal_(self.lm_head.weight, 0.0, 0.02)
+        for table in (self.wte, self.wpe, self.lm_head):
+            if table is not None and not isinstance(table, FactorisedTable):
+                nn.init.normal_(table.weight, 0.0, 0.02)
 
     def forward(self, idx: Tensor) -> Tensor:
         B, T = idx.shape
         if T > self.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's context {self.block_size}")
-        x = self.wte(idx)
+        x = self._embed(self.wte, idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
+            x = x + self._embed(self.wpe, torch.arange(T, device=idx.device))
         m = torch.zeros_like(x) if self.across else None
         per_layer = self.plan.norm is not None and self.plan.norm[1] == "layer"
         for layer in range(self.plan.layers):
@@ -87,21 +148,36 @@ class LanguageModel(nn.Module):
             if per_layer:  # the layer's stages run on the normed stream; the layer's displacement is added
                 s0 = norms[0](x)
                 s = s0
-                for stage in stages:
-                    s = stage(s)
+                for n, stage in enumerate(stages):
+                    s = self._run(n, stage, s)
                 x, m = self._step(x, s - s0, m)
                 continue
             for n, stage in enumerate(stages):
                 at = x + self.across_beta * m if self.across == "nag" else x
                 if norms is None and self.across is None:
-                    x = stage(x)
+                    x = self._run(n, stage, x)
                     continue
                 s = norms[n](at) if norms is not None else at
-                x, m = self._step(x, stage(s, delta=True), m)
+                x, m = self._step(x, self._run(n, stage, s, delta=True), m)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+        head = self.wte if self.lm_head is None else self.lm_head
+        if isinstance(head, FactorisedTable):
+            return head.read(x)
+        return F.linear(x.flatten(2), head.weight)
+
+    def _embed(self, table: nn.Module, idx: Tensor) -> Tensor:
+        """Rows of an embedding table as streams: (...) -> (..., *stream)."""
+        if isinstance(table, FactorisedTable):
+            return table.write(idx)
+        return table(idx).unflatten(-1, self.stream)
+
+    def _run(self, n: int, stage: nn.Module, s: Tensor, delta: bool = False) -> Tensor:
+        """Stage n on the stream s (B, T, *stream), reshaped to the stage's state shape and back."""
+        shape = self.stage_shapes[n]
+        if shape == self.stream:
+            return stage(s, delta=delta)
+        return stage(s.reshape(*s.shape[:2], *shape), delta=delta).reshape(s.shape)
 
     def _step(self, x: Tensor, f: Tensor, m: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Apply a stage's displacement f: plainly (residual), or through the momentum buffer across layers."""
@@ -113,14 +189,23 @@ class LanguageModel(nn.Module):
     # ------------------------------------------------------------------ sizes and costs
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters counted once (a tied head is the embedding); non-embedding leaves out wte, wpe, lm_head."""
-        skip = {"wte.weight", "wpe.weight", "lm_head.weight"} if non_embedding else set()
-        return sum(p.numel() for n, p in self.named_parameters() if n not in skip)
+        """Parameters counted once (a tied head is the embedding); non-embedding leaves out wte, wpe, lm_head
+        (with their keys, when factorised)."""
+        return sum(p.numel() for n, p in self.named_parameters()
+                   if not (non_embedding and n.split(".")[0] in EMBEDDINGS))
 
     def flops_per_token(self) -> float:
-        """Forward matmul FLOPs per token: the stages (attention at full context), times the layers, plus the head."""
+        """Forward matmul FLOPs per token: the stages (attention at full context), times the layers, plus the
+        head; a factorised embedding adds its rank-R writes and a factorised head its reads (table lookups
+        are free)."""
         stages = sum(s.flops_per_token for s in self.stage_info)
-        return self.plan.layers * stages + 2 * self.d * self.vocab_size
+        plan = self.plan
+        embed = 2.0 * (plan.embed_rank or 0) * self.d * (2 if plan.embed_positions else 1)  # Σ_h w_h ⊗ W_h[s]
+        if plan.head_rank:  # R reads zᵀr_h, then the [vocab, R·dv] table
+            head = 2.0 * plan.head_rank * (self.d + plan.stream[1] * self.vocab_size)
+        else:
+            head = 2.0 * self.d * self.vocab_size
+        return plan.layers * stages + embed + head
 
     def activation_floats_per_token(self) -> int:
         """A rough activation-memory estimate: the stream and one displacement per stage, per layer."""
@@ -140,9 +225,11 @@ class LanguageModel(nn.Module):
         }
 
     def equation_hash(self) -> str:
-        text = repr((self.plan.name, sorted(self.plan.dims.items()), self.plan.layers, self.plan.shared,
-                     self.plan.across, self.plan.norm, self.plan.final_norm, self.plan.head_tied,
-                     self.plan.embed_positions, [s.derived.equation_hash() for s in self.stage_info]))
+        plan = self.plan
+        matrix = (plan.stream, plan.embed_rank, plan.head_rank) if len(plan.stream) > 1 else ()  # vector: as before
+        text = repr((plan.name, sorted(plan.dims.items()), plan.layers, plan.shared,
+                     plan.across, plan.norm, plan.final_norm, plan.head_tied,
+                     plan.embed_positions, [s.derived.equation_hash() for s in self.stage_info]) + matrix)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
