@@ -90,24 +90,21 @@ def test_rmt_sizes_match_rmt_table_9(cfg: dict) -> None:
 @pytest.mark.parametrize("cfg", RMT_ROWS, ids=[c["label"] for c in RMT_ROWS])
 def test_rmt_flops_match_table_7_term_by_term(cfg: dict) -> None:
     """The row's flops_per_token (Table 7/A.2 with the (1 + 2L) key erratum) cannot be matched exactly: it
-    counts three things `energy info` does not. (1) The softmax, 3·R·N per layer: our convention counts
+    counts two things `energy info` does not. (1) The softmax, 3·R·N per layer: our convention counts
     contractions only (as for Llama/GPT). (2) The token embedding as a one-hot matmul, 2·V·R·dv: a table
-    lookup here. (3) The attention's Σ_m p_nm v_m, 2·N·R·dv per layer: RMT's reads are dk×1 columns, so
-    codegen does not lower the attention to `scaled_dot_product_attention`; in the masked T×T form it
-    emits, that sum is a product and a `masked_reduce`, which the codegen FLOP counter leaves out (QKᵀ is
-    an einsum and is counted). Every other A.2 item is matched exactly, stage by stage, and the total
-    differs from the row by exactly those three terms."""
+    lookup here. Every other A.2 item is matched exactly, stage by stage (the attention's QKᵀ and Σ_m p_nm v_m
+    are counted by the lowered attention), and the total differs from the row by exactly those two terms."""
     dims = {k: cfg["dims"][k] for k in RMT_DIMS}
     L, R, dk, dv, N, V, dff = (dims[k] for k in ("layers", "heads", "dk", "dv", "context", "vocab", "dff"))
     with torch.device("meta"):
         model = energydsl.load(RMT).model(**dims)
     attention, ff = (s.flops_per_token for s in model.stage_info)
-    assert attention == 6 * R * dk * dv + 2 * R * dk * dv + 2 * N * R * dv  # QKV read keys, O write keys, QKᵀ
+    assert attention == 6 * R * dk * dv + 2 * R * dk * dv + 4 * N * R * dv  # QKV reads, O writes, QKᵀ and PV
     assert ff == 2 * R * dk * dv + 4 * R * dv * dff + 2 * R * dk * dv  # input keys, W1/W2 core, output keys
     total = model.info()["flops_per_token"]
     outside = total - L * (attention + ff)
     assert outside == 2 * 2 * R * dk * dv + 2 * R * dk * dv + 2 * V * R * dv  # w_E/w_PE writes, r_U read, W_U
-    not_counted = L * 3 * R * N + 2 * V * R * dv + L * 2 * N * R * dv  # (1), (2), (3) above
+    not_counted = L * 3 * R * N + 2 * V * R * dv  # (1) and (2) above
     assert total + not_counted == cfg["exact"]["flops_per_token"]
 
 

@@ -51,6 +51,8 @@ LOWERED = [
     ("cem/kq-diagonal-score-only.energy", "CEMKQDiagonalScoreOnly", {}),
     ("cem/kq-diagonal-exact.energy", "CEMKQDiagonalExact", {}),
     ("nrgpt/attention.energy", "NRGPTAttention", {}),  # strict context: j < i
+    ("rmt/attention.energy", "RMTAttention", {}),  # matrix state, dk x 1 reads (flattened for the kernel)
+    ("models/rmt.energy", "RMTAttention", {}),
     ("hopfield/modern.energy", "ModernHopfield", {}),
     ("hopfield/classical.energy", "ClassicalHopfield", {}),
     ("hopfield/energy-transformer.energy", "EnergyTransformer", {}),

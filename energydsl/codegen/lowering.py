@@ -48,7 +48,7 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     qs, ks, both = _split(em, e.body, j)
     if qs or len(both) != 1 or not isinstance(both[0], ir.Softmax) or both[0].index != j:
         return None
-    if len(e.shape) != 1 or not ks:
+    if not e.shape or not ks:
         return None
     score = both[0].body
     terms = list(score.terms) if isinstance(score, ir.Add) else [score]
@@ -65,19 +65,19 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     for c, d in dots:
         if j in token_axes(d.a, em.indices):  # written k_j . q: swap
             d = ir.Dot(d.b, d.a)
-        if len(d.a.shape) != 1 or j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
+        if j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
             return None
         oriented.append((c, _narrow_dot(em, d, j)))
     maps, value = _peel_maps(em, ks[0], j) if len(ks) == 1 else ([], ir.mul(*ks))
-    v = em.emit(value)
+    v = _flat(em, em.emit(value))
     if POS in v.axes or v.rank != 1:
         return None
-    parts = [(c, em.emit(d.a), em.emit(d.b)) for c, d in oriented]
+    parts = [(c, _flat(em, em.emit(d.a)), _flat(em, em.emit(d.b))) for c, d in oriented]
     heads = _heads(v, *(p for _, a, b in parts for p in (a, b)), j=j)
     if any(h not in em.sizes for h in heads):
         return None
-    width = sum(em.shape_size(d.a.shape[0]) for _, d in oriented)
-    dv = em.shape_size(value.shape[0])
+    width = sum(_numel(em, d.a.shape) for _, d in oriented)
+    dv = _numel(em, value.shape)
     if len(parts) == 1:
         scale, q, k = parts[0]
     else:  # several dot products: one attention over the concatenated features, scale folded in
@@ -88,7 +88,8 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     if em.backend == "triton" and max(width, dv) <= KERNEL_MAX_HEAD_DIM:
         kinds = _bias_kinds(em, bias_terms, j, strict=info.strict)
         if kinds is not None:
-            return _apply_maps(em, maps, _kernel_attention(em, q, k, v, scale, kinds, heads, j, info.strict))
+            out = _kernel_attention(em, q, k, v, scale, kinds, heads, j, info.strict)
+            return _unflat(em, _apply_maps(em, maps, out), e.shape)
     scale_src = sympy_src(scale, em.scalars)
     bias = "None"
     if bias_terms:
@@ -101,7 +102,8 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
     em.used_ops.add("softmax_attention")
     code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
-    return _apply_maps(em, maps, _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention"))
+    out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
+    return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 
 def _peel_maps(em: Emitter, e: Expr, j: str) -> tuple[list[Expr], Expr]:
@@ -352,6 +354,25 @@ def _state_dependent(e: Expr) -> bool:
 
 def _heads(*vals: Val, j: str | None = None) -> tuple[str, ...]:
     return canonical(set().union(*(v.axes for v in vals)) - {BATCH, POS} - ({j} if j else set()))
+
+
+def _numel(em: Emitter, shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= em.shape_size(s)
+    return n
+
+
+def _flat(em: Emitter, v: Val) -> Val:
+    """A matrix-shaped value (RMT's dk x 1 reads) as a vector: a Frobenius dot is the dot of the flattened."""
+    return em.tmp(f"{v.code}.flatten(-{v.rank})", v.axes, 1) if v.rank > 1 else v
+
+
+def _unflat(em: Emitter, v: Val, shape: tuple) -> Val:
+    if len(shape) == 1:
+        return v
+    sizes = ", ".join(str(em.shape_size(s)) for s in shape)
+    return em.tmp(f"{v.code}.unflatten(-1, ({sizes}))", v.axes, len(shape))
 
 
 def _n_heads(em: Emitter, heads: tuple[str, ...]) -> str:

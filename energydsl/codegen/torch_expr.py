@@ -496,6 +496,11 @@ class Emitter:
         if isinstance(e, ir.Softmax):
             self.used_ops.add("masked_softmax")
             return self.tmp(f"masked_softmax({full.code}, {mask}, dim={axis})", axes, body.rank)
+        if e.op == "sum" and isinstance(e.body, ir.Mul) and not body.scalar:  # Σ_j a_ij b_j: a contraction
+            n = self._axes_flops(set(axes))
+            for size in e.body.shape:
+                n *= self.shape_size(size)
+            self.count_flops(2 * n)
         self.used_ops.add("masked_reduce")
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
