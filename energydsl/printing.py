@@ -7,6 +7,7 @@ coefficients are SymPy expressions and go through SymPy's own printers.
 from __future__ import annotations
 
 import html
+import re
 
 import sympy as sp
 
@@ -20,10 +21,7 @@ class Style:
     name = "text"
 
     def scalar(self, v: sp.Expr) -> str:
-        s = sp.sstr(v)
-        for k, g in GREEK.items():
-            s = s.replace(k, g)
-        return s
+        return re.sub(r"\b(" + "|".join(GREEK) + r")\b", lambda m: GREEK[m[0]], sp.sstr(v))  # not "beta" -> "bη"
 
     def name_(self, n: str, sub: list[str]) -> str:
         n = GREEK.get(n, n)

@@ -12,6 +12,7 @@ kernel tile is partial.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -127,6 +128,14 @@ def test_bias_forms_reach_the_kernel_flags() -> None:
     assert "softmax_attention" not in src and "causal_masks" not in src
     strict = energy_source(load(ROOT / "examples/nrgpt/attention.energy").energy("NRGPTAttention"), "triton")
     assert "strict=True" in next(line for line in strict.splitlines() if "kernels.energy_attention(" in line)
+
+
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+                                       ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
+def test_momentum_step_is_one_fused_update(path: str, name: str) -> None:
+    """m = beta m + f, x = x + eta m: one `kernels.momentum_update` call per step, no separate axpys."""
+    src = energy_source(load(ROOT / "examples" / path).energy(name), "triton")
+    assert src.count("kernels.momentum_update(") == 1 and not re.search(r"m_z = t\d", src)
 
 
 def test_without_gpu_or_interpreter_falls_back_to_torch(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from .attention_ref import (
     energy_attention_ref,
     weighted_second_moment_ref,
 )
-from .epilogue_ref import gated_activation_ref
+from .epilogue_ref import gated_activation_ref, momentum_update_ref
 from .linear_ref import linear_attention_parallel_ref
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ __all__ = [
     "energy_attention_with_lse",
     "gated_activation",
     "linear_attention",
+    "momentum_update",
     "triton_available",
     "use_triton",
     "weighted_second_moment",
@@ -151,3 +152,14 @@ def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") 
 
         return kernel(gate_pre, value, activation)
     return gated_activation_ref(gate_pre, value, activation)
+
+
+def momentum_update(
+    x: Tensor, m: Tensor, f: Tensor, beta: Tensor | float, eta: Tensor | float
+) -> tuple[Tensor, Tensor]:
+    """(x + eta m', m') with m' = beta m + f, one fused pass (forward and backward), else the reference."""
+    if use_triton(x.device):
+        from .epilogue import momentum_update as kernel
+
+        return kernel(x, m, f, beta, eta)
+    return momentum_update_ref(x, m, f, beta, eta)
