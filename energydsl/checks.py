@@ -14,6 +14,8 @@ Checks, per energy:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -348,17 +350,40 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
     return out
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread, restoring the caller's setting afterwards.
+
+    The checks evaluate tiny float64 tensors (a few hundred elements). Some kernels (softmax over a
+    non-last axis and its backward) fork a parallel region even at that size, and on a busy machine
+    each fork/join waits for a descheduled worker: milliseconds per call, seconds per check run.
+    Those kernels split independent rows, and sums this small are never split, so one thread gives
+    bitwise the same results (every example's checks report identical errors) without the waits.
+    """
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_checks(prog: UpdateProgram) -> list[CheckResult]:
-    results = [check_gradient(prog)]
-    for fn in (check_sympy, check_hessian, check_update, check_causality, check_descent, check_definite,
-               check_tying):
-        try:
-            r = fn(prog)
-        except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on
-            r = CheckResult(fn.__name__.removeprefix("check_"), "fail", f"could not run: {type(e).__name__}: {e}")
-        if r is not None:
-            results.append(r)
-    results.extend(check_expect(prog))
+    with _one_thread():
+        results = [check_gradient(prog)]
+        for fn in (check_sympy, check_hessian, check_update, check_causality, check_descent, check_definite,
+                   check_tying):
+            try:
+                r = fn(prog)
+            except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on
+                r = CheckResult(fn.__name__.removeprefix("check_"), "fail",
+                                f"could not run: {type(e).__name__}: {e}")
+            if r is not None:
+                results.append(r)
+        results.extend(check_expect(prog))
     return results
 
 

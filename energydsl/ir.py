@@ -26,7 +26,12 @@ Shape = tuple[sp.Expr, ...]
 
 @dataclass(frozen=True, eq=False)
 class Expr:
-    """Base class. Equality is structural (via `key`), hashing is cached."""
+    """Base class. Equality is structural (via `key`), hashing is cached.
+
+    Nodes are immutable, so `key`, `children`, `shape` and `free` are computed once per node and kept
+    in its `__dict__` (not dataclass fields: equality and hashing are unchanged). Without this every
+    smart constructor re-walked the whole subtree to recompute shapes and free indices.
+    """
 
     @cached_property
     def key(self) -> tuple:
@@ -39,13 +44,25 @@ class Expr:
     def _fields(self) -> tuple:
         return tuple(getattr(self, f) for f in self.__dataclass_fields__)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Expr) and self.key == other.key
-
-    def __hash__(self) -> int:
+    @cached_property
+    def _hash(self) -> int:
         return hash(self.key)
 
-    @property
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return isinstance(other, Expr) and self._hash == other._hash and self.key == other.key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict:
+        """Pickle without the cached hash: string hashes differ between processes (PYTHONHASHSEED)."""
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
+    @cached_property
     def children(self) -> tuple[Expr, ...]:
         out: list[Expr] = []
         for c in self._fields():
@@ -59,7 +76,7 @@ class Expr:
     def shape(self) -> Shape:
         raise NotImplementedError
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         out: frozenset[str] = frozenset()
         for c in self.children:
@@ -77,11 +94,11 @@ class Scalar(Expr):
 
     value: sp.Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return ()
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return frozenset()
 
@@ -95,11 +112,11 @@ class Var(Expr):
     var_shape: Shape
     index: str | None = None
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.var_shape
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return frozenset([self.index]) if self.index else frozenset()
 
@@ -111,11 +128,11 @@ class Index(Expr):
     base: Expr
     index: str
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.base.shape[1:]
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return self.base.free | {self.index}
 
@@ -126,11 +143,11 @@ class Pos(Expr):
 
     index: str | None
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return ()
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return frozenset([self.index]) if self.index else frozenset()
 
@@ -139,11 +156,11 @@ class Pos(Expr):
 class Ones(Expr):
     var_shape: Shape
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.var_shape
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return frozenset()
 
@@ -152,11 +169,11 @@ class Ones(Expr):
 class Identity(Expr):
     size: sp.Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return (self.size, self.size)
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return frozenset()
 
@@ -165,7 +182,7 @@ class Identity(Expr):
 class Add(Expr):
     terms: tuple[Expr, ...]
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return max((t.shape for t in self.terms), key=len)
 
@@ -176,7 +193,7 @@ class Mul(Expr):
 
     factors: tuple[Expr, ...]
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return max((f.shape for f in self.factors), key=len)
 
@@ -186,7 +203,7 @@ class Pow(Expr):
     base: Expr
     exponent: sp.Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.base.shape
 
@@ -196,7 +213,7 @@ class MatMul(Expr):
     a: Expr
     b: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.a.shape[:-1] + self.b.shape[1:]
 
@@ -208,7 +225,7 @@ class Dot(Expr):
     a: Expr
     b: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return ()
 
@@ -218,7 +235,7 @@ class Outer(Expr):
     a: Expr
     b: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.a.shape + self.b.shape
 
@@ -227,7 +244,7 @@ class Outer(Expr):
 class Transpose(Expr):
     a: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return (self.a.shape[1], self.a.shape[0])
 
@@ -239,7 +256,7 @@ class Func(Expr):
     name: str
     arg: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.arg.shape
 
@@ -250,7 +267,7 @@ class SumAll(Expr):
 
     a: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return ()
 
@@ -263,11 +280,11 @@ class Reduce(Expr):
     index: str
     body: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.body.shape
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return self.body.free - {self.index}
 
@@ -279,7 +296,7 @@ class Softmax(Expr):
     index: str
     body: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return ()
 
@@ -290,11 +307,11 @@ class Count(Expr):
 
     index: str
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return ()
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return frozenset()
 
@@ -303,7 +320,7 @@ class Count(Expr):
 class StopGrad(Expr):
     a: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.a.shape
 
@@ -312,7 +329,7 @@ class StopGrad(Expr):
 class Diag(Expr):
     a: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return (self.a.shape[0], self.a.shape[0])
 
@@ -321,7 +338,7 @@ class Diag(Expr):
 class Inverse(Expr):
     a: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.a.shape
 
@@ -333,11 +350,11 @@ class Let(Expr):
     name: str
     body: Expr
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         return self.body.shape
 
-    @property
+    @cached_property
     def free(self) -> frozenset[str]:
         return self.body.free
 
@@ -361,7 +378,8 @@ def is_one(e: Expr) -> bool:
 
 
 def same_shape(a: Shape, b: Shape) -> bool:
-    return len(a) == len(b) and all(sp.simplify(x - y) == 0 for x, y in zip(a, b))
+    """Sizes agree as expressions in the dims (`d/heads*heads` is `d`); equal objects skip simplify."""
+    return len(a) == len(b) and all(x == y or sp.simplify(x - y) == 0 for x, y in zip(a, b))
 
 
 def fmt_shape(s: Shape) -> str:

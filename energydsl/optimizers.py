@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import sympy as sp
 
@@ -348,10 +349,26 @@ def _hoist(e: Expr, hoisted: list[Let]) -> Expr:
     return visit(e)
 
 
+@lru_cache(maxsize=64)
 def unhoist(e: Expr) -> Expr:
-    """Inline hoisted values again (for printing and comparisons)."""
-    if isinstance(e, Let):
-        return unhoist(e.body)
-    if not e.children:
-        return e
-    return ir.rebuild(e, [unhoist(c) for c in e.children])
+    """Inline hoisted values again (for printing and comparisons).
+
+    Memoised per node within a call (a hoisted value is shared by many terms) and across calls by
+    structure (printing and the tying report unhoist the same direction many times); `unhoist` is a
+    pure function of the IR, and IR nodes are immutable.
+    """
+    memo: dict[int, Expr] = {}
+
+    def visit(x: Expr) -> Expr:
+        hit = memo.get(id(x))
+        if hit is None:
+            if isinstance(x, Let):
+                hit = visit(x.body)
+            elif not x.children:
+                hit = x
+            else:
+                hit = ir.rebuild(x, [visit(c) for c in x.children])
+            memo[id(x)] = hit
+        return hit
+
+    return visit(e)

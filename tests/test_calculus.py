@@ -138,3 +138,70 @@ def test_checks_handle_linear_energy_and_column_params():
             "  global F = a . z + sum(M^T @ z) + (a @ (M @ M^T)) . z  optimizer gd(eta = 1) }")
     results = load(text).energy().check()
     assert all(r.ok for r in results), [r for r in results if not r.ok]
+
+
+@pytest.mark.parametrize("name", ["linear", "mlp", "matrix", "huber"])
+def test_sympy_line_derivative_gives_every_partial(name):
+    """The sympy check differentiates once along z = p + t·w; each partial must equal sympy.diff per element."""
+    import random
+
+    import sympy as sp
+
+    from energydsl import sympy_instance
+
+    wrt = " wrt " + ENERGIES[name].split("via ")[1].split(" ")[0] if "via" in ENERGIES[name] else ""
+    prog = load(spec_text(ENERGIES[name], "gd(eta = 1)", wrt)).energy().program
+    grads, info = sympy_instance.gradient_at(prog, seed=7, seq=3)
+    f, syms, _, _ = sympy_instance.build(prog, 7, 3, 2)
+    flat = list(syms) if isinstance(syms, sp.Matrix) else [syms]
+    rng = random.Random(8)
+    point = {s: sympy_instance._rand(rng) for s in flat}
+    assert point == info["point"]
+    per_element = [float(sp.diff(f, s).xreplace(point).evalf()) for s in flat]
+    assert grads == pytest.approx(per_element, rel=1e-13, abs=1e-13)
+
+
+def test_sympy_check_catches_a_wrong_gradient():
+    from energydsl import checks, ir
+
+    prog = load(spec_text(ENERGIES["l2"], "gd(eta = 1)")).energy().program
+    assert checks.check_sympy(prog).status == "ok"
+    prog.gradient = ir.add(prog.gradient, ir.mul(ir.scalar("1/1000"), prog.point))
+    assert checks.check_sympy(prog).status == "fail"
+
+
+def test_checks_restore_torch_threads():
+    """The checks run single-threaded (tiny tensors) and give the caller its thread count back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_checks(load(spec_text(ENERGIES["l2"], "gd(eta = 1)")).energy().program)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ir_caches_keep_structural_equality():
+    """Cached shape/free/hash: separately built equal trees are equal, and unhoist's memo changes nothing."""
+    import sympy as sp
+
+    from energydsl import ir
+    from energydsl.optimizers import unhoist
+
+    d, n = sp.Symbol("d"), sp.Symbol("n")
+
+    def build():
+        z, w, h = ir.Var("z", "state", (d,)), ir.Var("W", "param", (d, d)), ir.Var("h", "param", (n, d))
+        key = ir.Let("c0", ir.matmul(w, z))
+        return ir.add(ir.mul(ir.scalar(2), key), ir.reduce("sum", "j", ir.mul(ir.Index(h, "j"), ir.dot(z, key))))
+
+    a, b = build(), build()
+    assert a is not b and a == b and hash(a) == hash(b)
+    assert a.shape == b.shape == (d,) and a.free == frozenset() and a.children == b.children
+    assert a != ir.add(a, a)
+    plain = ir.substitute(a, {x: x.body for x in ir.walk(a) if isinstance(x, ir.Let)})
+    assert unhoist(a) == plain and unhoist(b) is unhoist(a)
+    import pickle
+
+    back = pickle.loads(pickle.dumps(a))
+    assert "_hash" not in back.__dict__ and back == a and hash(back) == hash(a)
