@@ -324,3 +324,18 @@ def test_ray_local_search_starts_its_own_runtime_beside_a_running_cluster(tmp_pa
         ray.shutdown()
         other.shutdown()
     assert s["finished"] == 2
+
+
+def test_relative_space_path_is_made_absolute_for_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ray worker runs in its own directory: `search/quickstart.energy` must reach it as an absolute path
+    (the benchmark's relative path made every Ray trial fail before); names and import paths stay as given."""
+    from energydsl.search.space import absolute
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)
+    ref = absolute(SpaceRef("search/quickstart.energy", {"steps": "2"}))
+    assert ref.spec == str(root / "search/quickstart.energy") and ref.sets == {"steps": "2"}
+    monkeypatch.chdir(tmp_path)
+    assert resolve_space(ref).name == "Quickstart"  # resolves from anywhere
+    for spec in ("toy", "energydsl.search.toy:make_space"):
+        assert absolute(SpaceRef(spec)).spec == spec

@@ -30,6 +30,7 @@ from energydsl.search.space import (
     Candidate,
     SearchSpace,
     SpaceRef,
+    absolute,
     register_space,
     registered_spaces,
     resolve_space,
@@ -102,6 +103,7 @@ def run_search(
     if workers < 1:
         raise UserError(f"workers must be at least 1, not {workers}")
     ref = ref if isinstance(ref, SpaceRef) else SpaceRef(str(ref))
+    ref = absolute(ref)  # workers (Ray's above all) may run in another directory
     quiet_optuna()
     space = resolve_space(ref)
     objectives = list(space.objectives)

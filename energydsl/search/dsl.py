@@ -848,17 +848,18 @@ def _shrink(dims: dict[str, float], bound: int) -> dict[str, float]:
 
 def _stage_check(decl: Any, dims: dict[str, float]) -> str | None:
     """Run `energy check` on one stage's energy at small dims (derivations are dim-independent; the
-    model was already built at the real dims). Cached by the declaration's text and dims."""
+    model was already built at the real dims). Cached by the declaration's text and the dims checked at."""
     from energydsl.api import Derived
     from energydsl.optimizers import build_program
     from energydsl.semantics import lower_energy
 
-    key = (decl.name, getattr(decl, "source_text", "") or repr(decl), tuple(sorted(dims.items())))
-    if key in _CHECKS:
-        return _CHECKS[key]
+    text = getattr(decl, "source_text", "") or repr(decl)
     derived, used = None, dims
     for bound in (*SHRINK, None):
         used = dims if bound is None else _shrink(dims, bound)
+        key = (decl.name, text, tuple(sorted(used.items())))  # widths that shrink alike share one check
+        if key in _CHECKS:
+            return _CHECKS[key]
         try:
             spec = lower_energy(decl, used)
             derived = Derived(spec, build_program(spec))

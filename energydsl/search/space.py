@@ -111,6 +111,13 @@ def is_import_path(spec: str) -> bool:
     return bool(_IMPORT_RE.match(spec)) and not spec.endswith(".energy")
 
 
+def absolute(ref: SpaceRef) -> SpaceRef:
+    """The same space with a `.energy` path made absolute, so that it resolves from any working directory."""
+    if ref.spec in _REGISTRY or is_import_path(ref.spec) or not Path(ref.spec).exists():
+        return ref
+    return SpaceRef(str(Path(ref.spec).resolve()), ref.sets)
+
+
 def resolve_space(ref: SpaceRef | str) -> SearchSpace:
     """Build the space a SpaceRef names, in this process. Raises UserError for what a user can fix."""
     if isinstance(ref, str):
