@@ -87,6 +87,18 @@ def test_cache_reuses_generated_file(tmp_path, monkeypatch) -> None:
     assert energy_source(derived) == files[0].read_text()
 
 
+def test_a_changed_generator_regenerates(tmp_path, monkeypatch) -> None:
+    """The cache key hashes the generator's own source: an edited generator never reuses an old file."""
+    from energydsl import codegen
+
+    monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
+    derived = energydsl.load("examples/cem/mlp.energy").energy(d=6, dv=12)
+    module_class(derived)
+    monkeypatch.setattr(codegen, "generator_version", lambda: "edited")
+    module_class(derived)
+    assert len(list(tmp_path.glob("*.py"))) == 2
+
+
 def test_generated_module_is_torch_compilable() -> None:
     module = energydsl.load("examples/intrinsic-optimizers/mha.energy").module()
     x = module.example_input(2, 8)

@@ -126,3 +126,12 @@ def test_cli_check_exits_1_when_a_check_fails(tmp_path):
                     "  optimizer gd(eta = 1)  expect update = z }\n")
     res = run_cli("check", str(path))
     assert res.returncode == 1 and "FAILED" in res.stdout
+
+
+def test_greek_hyper_parameters_print_as_whole_words() -> None:
+    """`beta` is β, not b followed by η (the printer once replaced the `eta` inside `beta`)."""
+    import sympy as sp
+
+    from energydsl.printing import Style
+
+    assert Style().scalar(sp.Symbol("beta") * sp.Symbol("eta") + sp.Symbol("zeta")) == "β*η + zeta"

@@ -25,3 +25,17 @@ def test_chunked_linear_attention_matches_parallel_form(decay: str | None, stric
     w = torch.randn_like(want)
     for a, b in zip(torch.autograd.grad((got * w).sum(), leaves), torch.autograd.grad((want * w).sum(), leaves)):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_kernel_dispatch_without_triton_uses_the_chunked_torch_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no kernel can run, `kernels.linear_attention` is the torch backend's chunked op, not the T x T one."""
+    from energydsl import kernels, runtime
+
+    monkeypatch.setattr(kernels, "use_triton", lambda device=None: False)
+    seen = []
+    real = runtime.ops.linear_attention
+    monkeypatch.setattr(runtime.ops, "linear_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    got = kernels.linear_attention(q, k, v, strict=True)
+    assert seen == [1]
+    torch.testing.assert_close(got, linear_attention_parallel_ref(q, k, v, strict=True))

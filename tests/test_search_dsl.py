@@ -434,3 +434,20 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert s["finished"] == 3 and s["study"] == "Quickstart"
     metrics = [t.user_attrs.get("metrics", {}) for t in load_study(s["storage"], "Quickstart").get_trials()]
     assert any({"val_loss", "params", "flops_per_token", "step_time"} <= set(m) for m in metrics)
+
+
+def test_widths_that_shrink_alike_share_one_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checks run at shrunk dims, so d = 32 and d = 64 prove the same derivation: it is checked once."""
+    from energydsl.api import Derived
+    from energydsl.search import dsl
+
+    decl = energydsl.load(TINY).syntax.energies["Mix"]
+    calls: list[int] = []
+    real = Derived.check
+    monkeypatch.setattr(Derived, "check", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(dsl, "_CHECKS", {})
+    assert dsl._stage_check(decl, {"d": 32.0, "heads": 2.0}) is None
+    assert dsl._stage_check(decl, {"d": 64.0, "heads": 2.0}) is None
+    assert len(calls) == 1
+    assert dsl._stage_check(decl, {"d": 6.0, "heads": 2.0}) is None  # checked at d = 6 itself: another check
+    assert len(calls) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from typing import NamedTuple
 
 import sympy as sp
 import torch
@@ -152,19 +153,19 @@ class ModuleWriter:
         em.context_len = self.context_len
         steps_body: list[str] = []
         delta_code = None
-        fused = _momentum_step(prog) if self.backend == "triton" else None
+        fused = momentum_step(prog) if self.backend == "triton" else None
         for a in prog.assigns:
             value = simplify(a.value)
-            if fused is not None and a.target == fused[0]:
-                force = em.emit(fused[2])
+            if fused is not None and a.target == fused.velocity:
+                force = em.emit(fused.force)
                 if not force.scalar and force.axes == ("@b", "@i"):
                     x_, m_ = names[spec.state.name], names[a.target.name]
-                    beta, eta = (sympy_src(c, em.scalars) for c in (fused[1], fused[3]))
+                    beta, eta = (sympy_src(c, em.scalars) for c in (fused.beta, fused.eta))
                     em.used_ops.add("kernels")
                     em.lines.append(f"{x_}, {m_} = kernels.momentum_update({x_}, {m_}, {force.code}, {beta}, {eta})"
                                     "  # m = beta m + f, x = x + eta m: one fused pass")
                     em.forget()
-                    break
+                    break  # the state's assignment, the second and last, is done too
             if (isinstance(value, ir.Add) and len(value.terms) == 2 and value.terms[0] == a.target
                     and a.target == spec.state):
                 step = em.emit(value.terms[1])
@@ -287,8 +288,17 @@ def file_source(writers: list[ModuleWriter]) -> str:
                       *classes, ""])
 
 
-def _momentum_step(prog: UpdateProgram) -> tuple[ir.Var, sp.Expr, ir.Expr, sp.Expr] | None:
-    """m = beta m + f, then x = x + eta m (momentum, Nesterov): (m, beta, f, eta) for the fused epilogue."""
+class MomentumStep(NamedTuple):
+    """m = beta m + force, then x = x + eta m: one step of momentum or Nesterov (whose force is at x + beta m)."""
+
+    velocity: ir.Var
+    beta: sp.Expr
+    force: ir.Expr
+    eta: sp.Expr
+
+
+def momentum_step(prog: UpdateProgram) -> MomentumStep | None:
+    """The program's step as a MomentumStep (for the fused epilogue), or None when it has another form."""
     state = prog.spec.state
     if len(prog.aux) != 1 or len(prog.assigns) != 2:
         return None
@@ -305,7 +315,7 @@ def _momentum_step(prog: UpdateProgram) -> tuple[ir.Var, sp.Expr, ir.Expr, sp.Ex
     if len(betas) != 1:
         return None
     force = ir.add(*(t for t in first.terms if t is not betas[0][0]))
-    return m, betas[0][1], force, eta
+    return MomentumStep(m, betas[0][1], force, eta)
 
 
 def _coefficient(e: ir.Expr, var: ir.Var) -> sp.Expr | None:
