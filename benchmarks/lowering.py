@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.model_vs_reference import step_time  # noqa: E402
 from energydsl import load  # noqa: E402
 from energydsl.codegen.torch_module import class_name, module_source  # noqa: E402
+from energydsl.errors import UserError  # noqa: E402
 from energydsl.runtime.model import LanguageModel  # noqa: E402
 
 
@@ -53,7 +54,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.manual_seed(0)
-    lowered = load(args.spec).model(context=args.context)
+    try:
+        lowered = load(args.spec).model(context=args.context)
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        raise SystemExit(2) from None
     with tempfile.TemporaryDirectory() as tmp:
         generic = generic_twin(lowered, Path(tmp))
         idx = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
