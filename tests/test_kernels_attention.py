@@ -243,7 +243,7 @@ def test_opcheck() -> None:
     torch.library.opcheck(torch.ops.energydsl.energy_attention_fwd.default, (q, k, v, 0.25, True, *biases))
     _, lse = kernels.energy_attention_with_lse(q, k, v, scale=0.25, strict=True)
     torch.library.opcheck(
-        torch.ops.energydsl.weighted_second_moment_fwd.default,
+        torch.ops.energydsl.energy_attention_second_fwd.default,
         (q, k, v, lse.detach(), u, 0.25, True, None, biases[1], None),
     )
 

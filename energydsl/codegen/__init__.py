@@ -34,9 +34,10 @@ def cache_dir() -> Path:
 
 @functools.cache
 def generator_version() -> str:
-    """A hash of this package's source files: what the generated text depends on besides the equations."""
+    """A hash of the generator's source files (this package and the kernel templates it copies from)."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    here = Path(__file__).parent
+    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 

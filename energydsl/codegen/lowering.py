@@ -11,8 +11,9 @@ context. Two forms are recognised, whatever the energy they were derived from:
   attention, chunked, O(T d^2).
 
 The torch backend calls `softmax_attention` (SDPA; biases become a T x T additive mask) and the chunked
-`linear_attention` of `energydsl.runtime.ops`. The triton backend calls the fused kernels of
-`energydsl.kernels` with the kernel's flags read off the IR: causal or strict context, and each bias term
+`linear_attention` of `energydsl.runtime.ops`. The triton backend calls Triton kernels with the kernel's
+flags read off the IR (for the softmax family, copies specialised by those flags and written into the
+generated file: `triton_source.py`): causal or strict context, and each bias term
 classified as an ALiBi distance penalty (c_h |i - j|), a self-token bias (c_h [i = j]) or a per-key bias
 (no query position); terms constant over j are dropped (softmax ignores them). A score the kernel cannot
 take (an unclassified bias, head dims above 256) falls back to the torch op, which is always correct.
@@ -28,6 +29,7 @@ from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
 from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, sympy_src, token_axes
+from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
@@ -167,9 +169,10 @@ def _kernel_attention(em: Emitter, q: Val, k: Val, v: Val, scale: sp.Expr, kinds
         key = em.tmp(_as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j),
                      (), 4)
         args.append(f"key_bias={key.code}[..., 0]")
-    em.used_ops.add("kernels")
-    code = f"kernels.energy_attention({', '.join(args)})"
-    return _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused Triton attention")
+    ops = em.kernel_set(KernelRequest.attention(strict=strict, alibi=bool(kinds["alibi"]),
+                                                self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"])))
+    code = f"{ops}.energy_attention({', '.join(args)})"
+    return _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: the Triton attention kernels above")
 
 
 def _couplings(e: Expr) -> list[tuple[sp.Expr, ir.Dot]] | None:

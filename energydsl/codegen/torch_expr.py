@@ -27,6 +27,7 @@ import sympy as sp
 from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
+from .triton_source import KernelRequest
 
 BATCH, POS = "@b", "@i"
 TOKEN_ROLES = ("state", "leaf", "input", "aux")
@@ -166,11 +167,18 @@ class Emitter:
         self.memo: dict[Expr, Val] = {}
         self.lets: dict[str, Val] = {}
         self.used_ops: set[str] = set()
+        self.kernel_requests: list[KernelRequest] = []  # triton: kernels to write into the generated file
         self.letters = self._letters()
         self.flops = {"prologue": 0.0, "body": 0.0}  # matmul FLOPs per token (context at full length)
         self.context_len = 1  # T for FLOP counts (the model's context)
 
     # -- bookkeeping
+
+    def kernel_set(self, request: KernelRequest) -> str:
+        """The name of the op set over `request`'s specialised kernels, written into the file with the class."""
+        if request not in self.kernel_requests:
+            self.kernel_requests.append(request)
+        return request.name
 
     def _letters(self) -> dict[str, str]:
         """Einsum letters for named axes (lower case); shape axes use upper case."""

@@ -18,6 +18,10 @@ passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
 
 (delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
 
+These are templates: `GENERIC` runs them with every flag chosen at launch, and the triton code generator
+(energydsl/codegen/triton_source.py) writes copies into each generated module with the flags its energy
+fixes baked in and dead branches removed, then builds an op set over them with `attention_ops`.
+
 Execution paths (decided once, when this module is imported):
 
 * CUDA: the ops are `torch.library.triton_op`s, so `torch.compile` sees the Triton kernels and can schedule
@@ -42,7 +46,18 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton  # returns interpreted kernels unchanged under TRITON_INTERPRET=1
 
-__all__ = ["energy_attention", "energy_attention_with_lse", "weighted_second_moment"]
+from . import use_triton
+from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
+
+__all__ = [
+    "GENERIC",
+    "TEMPLATES",
+    "AttentionOps",
+    "attention_ops",
+    "energy_attention",
+    "energy_attention_with_lse",
+    "weighted_second_moment",
+]
 
 # triton.jit reads the same variable when the kernels below are decorated, so this is the path actually taken.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -474,12 +489,10 @@ _TUNE_KEY = ["BLOCK_DK", "BLOCK_DV", "SECOND"]
 
 
 def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
-    return kernel if _INTERPRET else triton.autotune(configs=configs, key=_TUNE_KEY)(kernel)
-
-
-_fwd = _tuned(_fwd_kernel, _FWD_CONFIGS)
-_bwd_dkdv = _tuned(_bwd_dkdv_kernel, _BWD_CONFIGS)
-_bwd_dq = _tuned(_bwd_dq_kernel, _BWD_CONFIGS)
+    if _INTERPRET:
+        return kernel
+    # a specialised kernel (see `attention_ops`) may have SECOND baked in: tune on what is left
+    return triton.autotune(configs=configs, key=[k for k in _TUNE_KEY if k in kernel.arg_names])(kernel)
 
 
 def _blocks() -> dict[str, int]:
@@ -513,190 +526,383 @@ def _flags(
     )
 
 
+def _unbaked(meta: dict, baked: dict[str, Any]) -> dict:
+    """The constexpr arguments a kernel still takes: those baked into its source are checked, then dropped."""
+    wrong = {k: v for k, v in meta.items() if k in baked and baked[k] != v}
+    if wrong:  # the op validates its inputs first, so this is a bug in the caller, not bad user input
+        raise RuntimeError(f"kernel specialised for {baked} launched with {wrong}")
+    return {k: v for k, v in meta.items() if k not in baked}
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Operator bodies (only torch ops and wrap_triton launches, as triton_op requires)
+# The ops: one set per kernel triple, registered under its own name
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _launch_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    u: Tensor | None,
-    lse_in: Tensor | None,
-    out: Tensor,
-    lse_out: Tensor | None,
-    scale: float,
-    strict: bool,
-    alibi: Tensor | None,
-    self_b: Tensor | None,
-    key_b: Tensor | None,
-) -> None:
-    B, H, T, Dqk = q.shape
-    Dv = v.shape[-1]
-    second = u is not None
-    dummy = q  # stands in for absent optional tensors; never dereferenced (its flag is off)
+class AttentionOps:
+    """The three kernels of the softmax family, launched by torch ops registered under one name.
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-
-    wrap_triton(_fwd)[grid](
-        q,
-        k,
-        v,
-        u if second else dummy,
-        lse_in if second else dummy,
-        out,
-        dummy if second else lse_out,
-        dummy if alibi is None else alibi,
-        dummy if self_b is None else self_b,
-        dummy if key_b is None else key_b,
-        scale,
-        T,
-        H,
-        Dqk,
-        Dv,
-        SECOND=second,
-        **_flags(q, v, strict, alibi, self_b, key_b),
-        **_blocks(),
-    )
-
-
-def _energy_attention_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    scale: float,
-    strict: bool,
-    alibi_slopes: Tensor | None,
-    self_bias: Tensor | None,
-    key_bias: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    B, H, T, _ = q.shape
-    o = torch.empty((B, H, T, v.shape[-1]), dtype=v.dtype, device=v.device)
-    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-    _launch_fwd(q, k, v, None, None, o, lse, scale, strict, alibi_slopes, self_bias, key_bias)
-    return o, lse
-
-
-def _weighted_second_moment_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor,
-    u: Tensor,
-    scale: float,
-    strict: bool,
-    alibi_slopes: Tensor | None,
-    self_bias: Tensor | None,
-    key_bias: Tensor | None,
-) -> Tensor:
-    r = torch.empty(u.shape, dtype=v.dtype, device=v.device)
-    _launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
-    return r
-
-
-def _softmax_family_bwd(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    u: Tensor | None,
-    lse: Tensor,
-    delta: Tensor,
-    scale: float,
-    strict: bool,
-    alibi_slopes: Tensor | None,
-    self_bias: Tensor | None,
-    key_bias: Tensor | None,
-    need_alibi: bool,
-    need_self: bool,
-    need_key_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, du, d_key_bias, dS diagonal, sum_i dS_ij |i-j|); unrequested outputs are empty tensors.
-
-    The last two are per (b, h, j) partial sums, reduced to per-head gradients by the caller.
+    `GENERIC` below holds the templates themselves (every flag decided at launch). The triton code generator
+    writes specialised copies of the templates into each generated module, with the flags its energy fixes
+    (mask, which biases, first or second order) baked in and dead branches removed, and builds an
+    `AttentionOps` over them with `attention_ops`; `baked` records those flags so a call the copy was not made
+    for fails loudly instead of computing something else.
     """
-    B, H, T, Dqk = q.shape
-    Dv = v.shape[-1]
-    second = u is not None
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    du = torch.empty_like(u) if second else q.new_empty(0)
 
-    def cols(need: bool) -> Tensor:
-        return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
+    def __init__(self, name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any] | None = None):
+        self.name = name
+        self.baked = dict(baked or {})
+        self._fwd = _tuned(fwd, _FWD_CONFIGS)
+        self._dkdv = _tuned(dkdv, _BWD_CONFIGS)
+        self._dq = _tuned(dq, _BWD_CONFIGS)
+        self._attention_fwd_op = _register(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd)
+        self._second_fwd_op = _register(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd)
+        self._bwd_op = _register(f"{name}_bwd", self._op_bwd(), _fake_bwd)
+        self._attention_fwd_op.register_autograd(self._attention_backward, setup_context=_attention_setup)
+        self._second_fwd_op.register_autograd(self._second_backward, setup_context=_second_setup)
 
-    dkb, ddiag, ddist = cols(need_key_bias), cols(need_self), cols(need_alibi)
-    dummy = q
-    flags = _flags(q, v, strict, alibi_slopes, self_bias, key_bias)
-    alibi = dummy if alibi_slopes is None else alibi_slopes
-    self_b = dummy if self_bias is None else self_bias
-    key_b = dummy if key_bias is None else key_bias
+    # -- launches (only torch ops and wrap_triton launches, as triton_op requires) -------------------------
 
-    def grid_n(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(T, meta["BLOCK_N"]), B * H)
+    def _launch_fwd(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        u: Tensor | None,
+        lse_in: Tensor | None,
+        out: Tensor,
+        lse_out: Tensor | None,
+        scale: float,
+        strict: bool,
+        alibi: Tensor | None,
+        self_b: Tensor | None,
+        key_b: Tensor | None,
+    ) -> None:
+        B, H, T, Dqk = q.shape
+        Dv = v.shape[-1]
+        second = u is not None
+        dummy = q  # stands in for absent optional tensors; never dereferenced (its flag is off)
 
-    def grid_m(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+        def grid(meta: dict) -> tuple[int, int]:
+            return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
 
-    wrap_triton(_bwd_dkdv)[grid_n](
-        q,
-        k,
-        v,
-        u if second else dummy,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        alibi,
-        self_b,
-        key_b,
-        dkb if need_key_bias else dummy,
-        ddiag if need_self else dummy,
-        ddist if need_alibi else dummy,
-        scale,
-        T,
-        H,
-        Dqk,
-        Dv,
-        SECOND=second,
-        NEED_KB=need_key_bias,
-        NEED_SELF=need_self,
-        NEED_ALIBI=need_alibi,
-        **flags,
-        **_blocks(),
-    )
-    wrap_triton(_bwd_dq)[grid_m](
-        q,
-        k,
-        v,
-        u if second else dummy,
-        do,
-        lse,
-        delta,
-        dq,
-        du if second else dummy,
-        alibi,
-        self_b,
-        key_b,
-        scale,
-        T,
-        H,
-        Dqk,
-        Dv,
-        SECOND=second,
-        **flags,
-        **_blocks(),
-    )
-    return dq, dk, dv, du, dkb, ddiag, ddist
+        meta = dict(SECOND=second, **_flags(q, v, strict, alibi, self_b, key_b))
+        wrap_triton(self._fwd)[grid](
+            q,
+            k,
+            v,
+            u if second else dummy,
+            lse_in if second else dummy,
+            out,
+            dummy if second else lse_out,
+            dummy if alibi is None else alibi,
+            dummy if self_b is None else self_b,
+            dummy if key_b is None else key_b,
+            scale,
+            T,
+            H,
+            Dqk,
+            Dv,
+            **_unbaked(meta, self.baked),
+            **_blocks(),
+        )
 
+    def _op_attention_fwd(self) -> Callable[..., tuple[Tensor, Tensor]]:
+        def energy_attention_fwd(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            scale: float,
+            strict: bool,
+            alibi_slopes: Tensor | None,
+            self_bias: Tensor | None,
+            key_bias: Tensor | None,
+        ) -> tuple[Tensor, Tensor]:
+            B, H, T, _ = q.shape
+            o = torch.empty((B, H, T, v.shape[-1]), dtype=v.dtype, device=v.device)
+            lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+            self._launch_fwd(q, k, v, None, None, o, lse, scale, strict, alibi_slopes, self_bias, key_bias)
+            return o, lse
 
-# ----------------------------------------------------------------------------------------------------------
-# Operator registration and autograd
-# ----------------------------------------------------------------------------------------------------------
+        return energy_attention_fwd
+
+    def _op_second_fwd(self) -> Callable[..., Tensor]:
+        def weighted_second_moment_fwd(
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            lse: Tensor,
+            u: Tensor,
+            scale: float,
+            strict: bool,
+            alibi_slopes: Tensor | None,
+            self_bias: Tensor | None,
+            key_bias: Tensor | None,
+        ) -> Tensor:
+            r = torch.empty(u.shape, dtype=v.dtype, device=v.device)
+            self._launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
+            return r
+
+        return weighted_second_moment_fwd
+
+    def _op_bwd(self) -> Callable[..., tuple[Tensor, ...]]:
+        def softmax_family_bwd(
+            do: Tensor,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            u: Tensor | None,
+            lse: Tensor,
+            delta: Tensor,
+            scale: float,
+            strict: bool,
+            alibi_slopes: Tensor | None,
+            self_bias: Tensor | None,
+            key_bias: Tensor | None,
+            need_alibi: bool,
+            need_self: bool,
+            need_key_bias: bool,
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            """(dq, dk, dv, du, d_key_bias, dS diagonal, sum_i dS_ij |i-j|); unrequested outputs are empty.
+
+            The last two are per (b, h, j) partial sums, reduced to per-head gradients by the caller.
+            """
+            B, H, T, Dqk = q.shape
+            Dv = v.shape[-1]
+            second = u is not None
+            dq = torch.empty_like(q)
+            dk = torch.empty_like(k)
+            dv = torch.empty_like(v)
+            du = torch.empty_like(u) if second else q.new_empty(0)
+
+            def cols(need: bool) -> Tensor:
+                return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
+
+            dkb, ddiag, ddist = cols(need_key_bias), cols(need_self), cols(need_alibi)
+            dummy = q
+            flags = dict(SECOND=second, **_flags(q, v, strict, alibi_slopes, self_bias, key_bias))
+            alibi = dummy if alibi_slopes is None else alibi_slopes
+            self_b = dummy if self_bias is None else self_bias
+            key_b = dummy if key_bias is None else key_bias
+
+            def grid_n(meta: dict) -> tuple[int, int]:
+                return (triton.cdiv(T, meta["BLOCK_N"]), B * H)
+
+            def grid_m(meta: dict) -> tuple[int, int]:
+                return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
+
+            needs = dict(NEED_KB=need_key_bias, NEED_SELF=need_self, NEED_ALIBI=need_alibi)
+            wrap_triton(self._dkdv)[grid_n](
+                q,
+                k,
+                v,
+                u if second else dummy,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                alibi,
+                self_b,
+                key_b,
+                dkb if need_key_bias else dummy,
+                ddiag if need_self else dummy,
+                ddist if need_alibi else dummy,
+                scale,
+                T,
+                H,
+                Dqk,
+                Dv,
+                **_unbaked({**flags, **needs}, self.baked),
+                **_blocks(),
+            )
+            wrap_triton(self._dq)[grid_m](
+                q,
+                k,
+                v,
+                u if second else dummy,
+                do,
+                lse,
+                delta,
+                dq,
+                du if second else dummy,
+                alibi,
+                self_b,
+                key_b,
+                scale,
+                T,
+                H,
+                Dqk,
+                Dv,
+                **_unbaked(flags, self.baked),
+                **_blocks(),
+            )
+            return dq, dk, dv, du, dkb, ddiag, ddist
+
+        return softmax_family_bwd
+
+    # -- autograd ------------------------------------------------------------------------------------------
+
+    def _attention_backward(self, ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+        q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
+        need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
+        # FA-2 preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i;
+        # a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
+        delta = (do.float() * o.float()).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        dq, dk, dv, _, dkb, ddiag, ddist = self._bwd_op(
+            do.contiguous(), q, k, v, None, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+        )
+        return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
+
+    def _second_backward(self, ctx: Any, dr: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
+        need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
+        delta = (dr.float() * r.float()).sum(-1)  # = sum_j p_ij (u_i . v_j)(dr_i . v_j)
+        dq, dk, dv, du, dkb, ddiag, ddist = self._bwd_op(
+            dr.contiguous(), q, k, v, u, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+        )
+        # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
+        # biases is already in dS above, so it receives no gradient of its own.
+        return (dq, dk, dv, None, du, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def _check(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        strict: bool,
+        second: bool,
+        alibi_slopes: Tensor | None,
+        self_bias: Tensor | None,
+        key_bias: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """Validate shapes early (a kernel would silently read out of bounds) and make everything contiguous."""
+        if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+            raise ValueError(
+                f"expected q, k (B, H, T, Dk) and v (B, H, T, Dv); got {q.shape}, {k.shape}, {v.shape}"
+            )
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+            raise ValueError(
+                f"head dims above {_MAX_HEAD_DIM} are not supported; got {q.shape[-1]}, {v.shape[-1]}"
+            )
+        B, H, T, _ = q.shape
+        for name, t, shape in (("alibi_slopes", alibi_slopes, (H,)), ("self_bias", self_bias, (H,))):
+            if t is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
+        if key_bias is not None and tuple(key_bias.shape) != (B, H, T):
+            raise ValueError(f"key_bias must have shape {(B, H, T)}; got {tuple(key_bias.shape)}")
+        call = dict(SECOND=second, STRICT=strict, HAS_ALIBI=alibi_slopes is not None,
+                    HAS_SELF=self_bias is not None, HAS_KB=key_bias is not None)
+        wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
+        if wrong:
+            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+
+        def c(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.contiguous()
+
+        return q.contiguous(), k.contiguous(), v.contiguous(), c(alibi_slopes), c(self_bias), c(key_bias)
+
+    def energy_attention_with_lse(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        strict: bool = False,
+        alibi_slopes: Tensor | None = None,
+        self_bias: Tensor | None = None,
+        key_bias: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(o, lse): the attention output and the per-row log-sum-exp (B, H, T) in float32; both differentiable.
+
+        lse is what `weighted_second_moment` needs to recompute the same softmax without a second online pass.
+        Rows with no admissible key (strict row 0) have o = 0 and lse = 0.
+        """
+        q, k, v, alibi_slopes, self_bias, key_bias = self._check(
+            q, k, v, strict, False, alibi_slopes, self_bias, key_bias
+        )
+        if not use_triton(q.device):  # e.g. a generated module moved to the CPU without the interpreter
+            return energy_attention_lse_ref(
+                q, k, v, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias,
+                key_bias=key_bias,
+            )
+        return self._attention_fwd_op(q, k, v, float(scale), bool(strict), alibi_slopes, self_bias, key_bias)
+
+    def energy_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        strict: bool = False,
+        alibi_slopes: Tensor | None = None,
+        self_bias: Tensor | None = None,
+        key_bias: Tensor | None = None,
+    ) -> Tensor:
+        """o_i = sum_j softmax_j(s_ij) v_j with the scores of the module docstring; (B, H, T, Dv) in v's dtype.
+
+        q, k: (B, H, T, Dk); v: (B, H, T, Dv) (may be k itself); alibi_slopes, self_bias: (H,);
+        key_bias: (B, H, T).
+        Differentiable in every tensor argument.
+        """
+        o, _ = self.energy_attention_with_lse(
+            q, k, v, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias,
+            key_bias=key_bias,
+        )
+        return o
+
+    def weighted_second_moment(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor | None,
+        u: Tensor,
+        *,
+        scale: float,
+        strict: bool = False,
+        alibi_slopes: Tensor | None = None,
+        self_bias: Tensor | None = None,
+        key_bias: Tensor | None = None,
+    ) -> Tensor:
+        """r_i = sum_j p_ij (v_j . u_i) v_j, the softmax-weighted value covariance applied to u_i; (B, H, T, Dv).
+
+        `lse` must be the log-sum-exp of these very scores (from `energy_attention_with_lse`), or None to have
+        it recomputed. It is treated as a cache: gradients for q, k and the biases include the full softmax
+        Jacobian (as if p were recomputed from scratch) and lse itself receives none, so passing a
+        differentiable lse does not count anything twice.
+        """
+        q, k, v, alibi_slopes, self_bias, key_bias = self._check(
+            q, k, v, strict, True, alibi_slopes, self_bias, key_bias
+        )
+        if u.shape != v.shape or u.dtype != v.dtype:
+            raise ValueError(f"u must match v's shape and dtype; got {tuple(u.shape)} {u.dtype}")
+        if not use_triton(q.device):
+            return weighted_second_moment_ref(
+                q, k, v, lse, u, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias,
+                key_bias=key_bias,
+            )
+        if lse is None:
+            if self.baked.get("SECOND") is not None:  # a specialised copy cannot run the first pass too
+                raise ValueError(f"{self.name} needs the lse of the first-order attention")
+            with torch.no_grad():
+                _, lse = self._attention_fwd_op(
+                    q, k, v, float(scale), bool(strict), alibi_slopes, self_bias, key_bias
+                )
+        elif tuple(lse.shape) != tuple(q.shape[:3]):
+            raise ValueError(f"lse must have shape {tuple(q.shape[:3])}; got {tuple(lse.shape)}")
+        lse = lse.detach().float().contiguous()
+        return self._second_fwd_op(
+            q, k, v, lse, u.contiguous(), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
+        )
 
 
 # Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops.
@@ -739,11 +945,6 @@ def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any]) -> An
     return torch.library.triton_op(f"energydsl::{name}", fn, mutates_args=())
 
 
-_attention_fwd_op = _register("energy_attention_fwd", _energy_attention_fwd, _fake_attention_fwd)
-_second_fwd_op = _register("weighted_second_moment_fwd", _weighted_second_moment_fwd, _fake_second_fwd)
-_bwd_op = _register("softmax_family_bwd", _softmax_family_bwd, _fake_bwd)
-
-
 def _bias_grads(
     dkb: Tensor,
     ddiag: Tensor,
@@ -768,151 +969,34 @@ def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Te
     ctx.scale, ctx.strict = scale, strict
 
 
-def _attention_backward(ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
-    need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
-    # FA-2 preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i;
-    # a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
-    delta = (do.float() * o.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    dq, dk, dv, _, dkb, ddiag, ddist = _bwd_op(
-        do.contiguous(), q, k, v, None, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
-    )
-    return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
-
-
 def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     q, k, v, lse, u, scale, strict, alibi, self_b, key_b = inputs
     ctx.save_for_backward(q, k, v, lse, u, output, alibi, self_b, key_b)
     ctx.scale, ctx.strict = scale, strict
 
 
-def _second_backward(ctx: Any, dr: Tensor) -> tuple[Tensor | None, ...]:
-    q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
-    need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
-    delta = (dr.float() * r.float()).sum(-1)  # = sum_j p_ij (u_i . v_j)(dr_i . v_j)
-    dq, dk, dv, du, dkb, ddiag, ddist = _bwd_op(
-        dr.contiguous(), q, k, v, u, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
-    )
-    # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
-    # biases is already in dS above, so it receives no gradient of its own.
-    return (dq, dk, dv, None, du, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
-
-
-_attention_fwd_op.register_autograd(_attention_backward, setup_context=_attention_setup)
-_second_fwd_op.register_autograd(_second_backward, setup_context=_second_setup)
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Public API
+# The generic set (the templates, every flag chosen at launch) and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
+TEMPLATES = (_scores, _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)
+"""What the code generator specialises: the helper first, then the forward and the two backward kernels."""
 
-def _check(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    alibi_slopes: Tensor | None,
-    self_bias: Tensor | None,
-    key_bias: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """Validate shapes early (a kernel would silently read out of bounds) and make everything contiguous."""
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(
-            f"expected q, k (B, H, T, Dk) and v (B, H, T, Dv); got {q.shape}, {k.shape}, {v.shape}"
-        )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
-        raise ValueError(
-            f"head dims above {_MAX_HEAD_DIM} are not supported; got {q.shape[-1]}, {v.shape[-1]}"
-        )
-    B, H, T, _ = q.shape
-    for name, t, shape in (("alibi_slopes", alibi_slopes, (H,)), ("self_bias", self_bias, (H,))):
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}; got {tuple(t.shape)}")
-    if key_bias is not None and tuple(key_bias.shape) != (B, H, T):
-        raise ValueError(f"key_bias must have shape {(B, H, T)}; got {tuple(key_bias.shape)}")
-
-    def c(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.contiguous()
-
-    return q.contiguous(), k.contiguous(), v.contiguous(), c(alibi_slopes), c(self_bias), c(key_bias)
+_SETS: dict[str, AttentionOps] = {}
 
 
-def energy_attention_with_lse(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float,
-    strict: bool = False,
-    alibi_slopes: Tensor | None = None,
-    self_bias: Tensor | None = None,
-    key_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """(o, lse): the attention output and the per-row log-sum-exp (B, H, T) in float32; both differentiable.
+def attention_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any]) -> AttentionOps:
+    """The op set over a specialised kernel triple, registered once per process under `energydsl::{name}_*`.
 
-    lse is what `weighted_second_moment` needs to recompute the same softmax without a second online pass.
-    Rows with no admissible key (strict row 0) have o = 0 and lse = 0.
+    A generated module imported twice (or two modules with the same equation hash) defines the same kernels
+    again; the first registration is kept, as torch.library names cannot be registered twice.
     """
-    q, k, v, alibi_slopes, self_bias, key_bias = _check(q, k, v, alibi_slopes, self_bias, key_bias)
-    return _attention_fwd_op(q, k, v, float(scale), bool(strict), alibi_slopes, self_bias, key_bias)
+    if name not in _SETS:
+        _SETS[name] = AttentionOps(name, fwd, dkdv, dq, baked)
+    return _SETS[name]
 
 
-def energy_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float,
-    strict: bool = False,
-    alibi_slopes: Tensor | None = None,
-    self_bias: Tensor | None = None,
-    key_bias: Tensor | None = None,
-) -> Tensor:
-    """o_i = sum_j softmax_j(s_ij) v_j with the scores of the module docstring; (B, H, T, Dv) in v's dtype.
-
-    q, k: (B, H, T, Dk); v: (B, H, T, Dv) (may be k itself); alibi_slopes, self_bias: (H,);
-    key_bias: (B, H, T).
-    Differentiable in every tensor argument.
-    """
-    o, _ = energy_attention_with_lse(
-        q, k, v, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias
-    )
-    return o
-
-
-def weighted_second_moment(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lse: Tensor | None,
-    u: Tensor,
-    *,
-    scale: float,
-    strict: bool = False,
-    alibi_slopes: Tensor | None = None,
-    self_bias: Tensor | None = None,
-    key_bias: Tensor | None = None,
-) -> Tensor:
-    """r_i = sum_j p_ij (v_j . u_i) v_j, the softmax-weighted value covariance applied to u_i; (B, H, T, Dv).
-
-    `lse` must be the log-sum-exp of these very scores (from `energy_attention_with_lse`), or None to have it
-    recomputed. It is treated as a cache: gradients for q, k and the biases include the full softmax Jacobian
-    (as if p were recomputed from scratch) and lse itself receives none, so passing a differentiable lse does
-    not count anything twice.
-    """
-    q, k, v, alibi_slopes, self_bias, key_bias = _check(q, k, v, alibi_slopes, self_bias, key_bias)
-    if u.shape != v.shape or u.dtype != v.dtype:
-        raise ValueError(f"u must match v's shape and dtype; got {tuple(u.shape)} {u.dtype}")
-    if lse is None:
-        with torch.no_grad():
-            _, lse = _attention_fwd_op(q, k, v, float(scale), bool(strict), alibi_slopes, self_bias, key_bias)
-    elif tuple(lse.shape) != tuple(q.shape[:3]):
-        raise ValueError(f"lse must have shape {tuple(q.shape[:3])}; got {tuple(lse.shape)}")
-    lse = lse.detach().float().contiguous()
-    return _second_fwd_op(
-        q, k, v, lse, u.contiguous(), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
-    )
+GENERIC = AttentionOps("energy_attention", _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)
+energy_attention_with_lse = GENERIC.energy_attention_with_lse
+energy_attention = GENERIC.energy_attention
+weighted_second_moment = GENERIC.weighted_second_moment

@@ -1,0 +1,183 @@
+"""Triton kernels written into a generated module: the family templates specialised for one energy.
+
+The fused kernels of `energydsl.kernels` are templates with `tl.constexpr` switches (causal or strict mask,
+ALiBi slope, self-token bias, per-key bias, first- or second-order pass). What an energy fixes is known when
+its update is lowered, so the triton backend writes a copy of each template into the generated file with
+those switches replaced by their values and the branches they turn off removed: the kernels a reader finds
+in `energy compile --backend triton -o out.py` compute this energy's scores and nothing else.
+
+    request = KernelRequest.attention(strict=True, alibi=True, self_bias=False, key_bias=False)
+    kernel_source([request])      # the @triton.jit kernels and the op set the generated forward calls
+
+The specialisation is a small pass over the templates' Python AST (comments do not survive it; the
+templates in energydsl/kernels/ keep them). Runtime switches (dtype-dependent dot precision, which bias
+gradients are needed, tile sizes) stay `tl.constexpr` parameters.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KernelRequest", "kernel_source", "specialise"]
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """One specialisation of a kernel family: the family and its baked constexpr values."""
+
+    family: str
+    baked: tuple[tuple[str, Any], ...]
+
+    @staticmethod
+    def attention(strict: bool, alibi: bool, self_bias: bool, key_bias: bool) -> KernelRequest:
+        """The softmax family's first-order pass (energy_attention) with these score terms."""
+        baked = dict(STRICT=strict, HAS_ALIBI=alibi, HAS_SELF=self_bias, HAS_KB=key_bias, SECOND=False)
+        # a term that is absent has no gradient either
+        baked.update({need: False for has, need in _NEEDS.items() if not baked[has]})
+        return KernelRequest("attention", tuple(baked.items()))
+
+    @property
+    def name(self) -> str:
+        """The op set's identifier in the generated file (and its torch.library prefix)."""
+        return f"{self.family}_{self.tag}"
+
+    @property
+    def tag(self) -> str:
+        """Short and stable: the family, its baked values and the templates' own source."""
+        text = repr((self.family, self.baked, _templates_hash(self.family)))
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+_NEEDS = {"HAS_ALIBI": "NEED_ALIBI", "HAS_SELF": "NEED_SELF", "HAS_KB": "NEED_KB"}
+
+
+def _templates(family: str) -> tuple[Any, ...]:
+    if family == "attention":
+        from ..kernels import attention
+
+        return attention.TEMPLATES
+    raise ValueError(f"no kernel templates for family {family!r}")
+
+
+def _templates_hash(family: str) -> str:
+    src = "".join(_python_source(t) for t in _templates(family))
+    return hashlib.sha256(src.encode()).hexdigest()[:12]
+
+
+def _python_source(fn: Any) -> str:
+    """The source of a @triton.jit function (JITFunction and the interpreter's wrapper both keep `.fn`)."""
+    return textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
+
+
+def kernel_source(requests: list[KernelRequest]) -> list[str]:
+    """The lines of the kernels section: for each request its specialised templates and its op set."""
+    lines: list[str] = []
+    for req in dict.fromkeys(requests):  # each specialisation once, in first-use order
+        templates = _templates(req.family)
+        names = {t.__name__: f"{t.__name__}_{req.tag}" for t in templates}
+        baked = dict(req.baked)
+        flags = ", ".join(f"{k}={v}" for k, v in req.baked if not k.startswith("NEED_"))
+        lines += [f"# --- {req.family} kernels for {flags}: energydsl/kernels/{req.family}.py specialised",
+                  ""]
+        for t in templates:
+            lines += [specialise(t, baked, names, templates), "", ""]
+        fwd, dkdv, dq = (names[t.__name__] for t in templates[1:])
+        lines += [f"{req.name} = attention_ops({req.name!r}, {fwd}, {dkdv}, {dq}, {baked!r})", "", ""]
+    return lines
+
+
+def specialise(fn: Any, constants: dict[str, Any], names: dict[str, str], siblings: tuple[Any, ...] = ()) -> str:
+    """`fn`'s source with the parameters in `constants` replaced by their values and dead branches removed.
+
+    `names` renames `fn` and the `siblings` it calls (templates specialised alongside it); the arguments a
+    sibling no longer takes are dropped where it is called.
+    """
+    tree = ast.parse(_python_source(fn))
+    func = tree.body[0]
+    assert isinstance(func, ast.FunctionDef)
+    func.args.args = [a for a in func.args.args if a.arg not in constants]
+    func.name = names.get(func.name, func.name)
+    callees = {names[t.__name__]: list(inspect.signature(getattr(t, "fn", t)).parameters)
+               for t in siblings if t.__name__ in names}
+    _Specialiser(constants, names, callees).visit(func)
+    for node in ast.walk(func):  # a block whose every statement was a removed branch
+        if getattr(node, "body", None) == []:
+            node.body = [ast.Pass()]
+    ast.fix_missing_locations(func)
+    return ast.unparse(func)
+
+
+class _NotConstant(Exception):
+    pass
+
+
+def _value(node: ast.expr) -> Any:
+    """The value of an expression built from constants with not / and / or / == / !=, else _NotConstant."""
+    match node:
+        case ast.Constant(value=v):
+            return v
+        case ast.UnaryOp(op=ast.Not(), operand=x):
+            return not _value(x)
+        case ast.BoolOp(op=ast.And(), values=xs):
+            return all(_value(x) for x in xs)
+        case ast.BoolOp(op=ast.Or(), values=xs):
+            return any(_value(x) for x in xs)
+        case ast.Compare(left=a, ops=[ast.Eq()], comparators=[b]):
+            return _value(a) == _value(b)
+        case ast.Compare(left=a, ops=[ast.NotEq()], comparators=[b]):
+            return _value(a) != _value(b)
+    raise _NotConstant
+
+
+class _Specialiser(ast.NodeTransformer):
+    def __init__(self, constants: dict[str, Any], names: dict[str, str], callees: dict[str, list[str]]):
+        self.constants, self.names, self.callees = constants, names, callees
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if isinstance(node.ctx, ast.Load) and node.id in self.constants:
+            return ast.copy_location(ast.Constant(self.constants[node.id]), node)
+        return node
+
+    def visit_If(self, node: ast.If) -> Any:
+        self.generic_visit(node)
+        try:
+            taken = node.body if _value(node.test) else node.orelse
+        except _NotConstant:
+            return node
+        return taken or None  # a list splices the branch in; None removes the statement
+
+    def visit_BoolOp(self, node: ast.BoolOp) -> ast.expr:
+        """`True and x` is x, `False and x` is False (dually for or), so half-known tests still simplify."""
+        self.generic_visit(node)
+        absorbing = isinstance(node.op, ast.Or)  # the value that decides the whole expression
+        kept = []
+        for x in node.values:
+            try:
+                if bool(_value(x)) == absorbing:
+                    return ast.Constant(absorbing)
+            except _NotConstant:
+                kept.append(x)
+        if not kept:
+            return ast.Constant(not absorbing)
+        return kept[0] if len(kept) == 1 else ast.BoolOp(op=node.op, values=kept)
+
+    def visit_IfExp(self, node: ast.IfExp) -> ast.expr:
+        self.generic_visit(node)
+        try:
+            return node.body if _value(node.test) else node.orelse
+        except _NotConstant:
+            return node
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Name) and node.func.id in self.names:
+            node.func.id = self.names[node.func.id]
+            params = self.callees[node.func.id]
+            node.args = [a for p, a in zip(params, node.args, strict=False) if p not in self.constants]
+            node.keywords = [k for k in node.keywords if k.arg not in self.constants]
+        return node

@@ -1,0 +1,151 @@
+"""Kernels written into generated files: the templates of energydsl/kernels specialised per energy.
+
+`energy compile --backend triton -o out.py` must give a file whose @triton.jit kernels (forward and both
+backward passes) compute this energy's scores only, and which runs on its own: imported from disk, its
+module equals the torch backend in float64 (values and gradients). Without CUDA the kernels run under the
+Triton interpreter, enabled before triton is first imported.
+"""
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+pytest.importorskip("triton")
+
+from energydsl import load  # noqa: E402
+from energydsl.codegen import energy_source, module_class  # noqa: E402
+from energydsl.codegen.triton_source import KernelRequest, specialise  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _import(path: Path, name: str) -> object:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _kernels(src: str) -> dict[str, str]:
+    """name -> source of each @triton.jit function in a generated file."""
+    parts = src.split("@triton.jit\ndef ")[1:]
+    return {p.split("(", 1)[0]: p.split("\n\n\n", 1)[0] for p in parts}
+
+
+@pytest.mark.parametrize("path,name,has,lacks", [
+    # ALiBi and the self-token bias on a causal mask; no per-key bias
+    ("cem/alibi.energy", "CEMAlibiAttention", ["tl.abs(i - j)", "i == j", "valid = j <= i"],
+     ["kb[None, :]", "valid = j < i"]),
+    # a strict mask and no bias at all
+    ("nrgpt/attention.energy", "NRGPTAttention", ["valid = j < i"], ["tl.abs(i - j)", "i == j", "j <= i"]),
+])
+def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name: str, has: list[str],
+                                                 lacks: list[str]) -> None:
+    """The written file holds forward and backward kernels with this energy's score terms and no others."""
+    out = tmp_path / "out.py"
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "compile", str(ROOT / "examples" / path),
+                           "--backend", "triton", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    src = out.read_text()
+    kernels = _kernels(src)
+    assert {k.rsplit("_", 1)[0] for k in kernels} == {"_scores", "_fwd_kernel", "_bwd_dkdv_kernel",
+                                                     "_bwd_dq_kernel"}
+    scores = next(v for k, v in kernels.items() if k.startswith("_scores"))
+    for text in has:
+        assert text in scores, text
+    for text in lacks:
+        assert text not in scores, text
+    # every switch the energy fixes is gone from the kernels' code; runtime ones (dot precision, tiles) remain
+    names = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    names |= {a.arg for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) for a in n.args.args}
+    assert not names & {"STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB"}
+    assert {"DOT_PREC", "BLOCK_M"} <= names
+
+
+@pytest.mark.parametrize("path,name", [("cem/alibi.energy", "CEMAlibiAttention"),
+                                       ("nrgpt/attention.energy", "NRGPTAttention")])
+def test_written_file_runs_and_matches_torch_backend(tmp_path: Path, path: str, name: str) -> None:
+    """Imported from disk, the written module's displacement and gradients equal the float64 torch backend."""
+    derived = load(ROOT / "examples" / path).energy(name)
+    out = tmp_path / f"{name.lower()}_written.py"
+    out.write_text(energy_source(derived, "triton"))
+    written = getattr(_import(out, f"written_{name}"), type(module_class(derived, "torch")()).__name__)
+    torch.manual_seed(0)
+    ref = module_class(derived, "torch")().double().to(DEVICE)
+    tri = written().to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    x = ref.example_input(2, 13).to(DEVICE)
+    w = torch.randn(x.shape, device=DEVICE, dtype=torch.float64)
+    got_x, want_x = x.float().requires_grad_(), x.double().requires_grad_()
+    got, want = tri(got_x, delta=True), ref(want_x, delta=True)
+    assert _rel(got, want) < 1e-4
+    g = torch.autograd.grad((got * w.float()).sum(), [got_x, *tri.parameters()])
+    r = torch.autograd.grad((want * w).sum(), [want_x, *ref.parameters()])
+    for label, a, b in zip(["x"] + [n for n, _ in ref.named_parameters()], g, r):
+        assert _rel(a, b) < 1e-3, label
+
+
+def test_one_specialisation_per_file() -> None:
+    """Two energies with the same score terms share one kernel section; the op sets are named by content."""
+    spec = load(ROOT / "examples/intrinsic-optimizers/mha.energy")
+    src = energy_source([spec.energy("MHA"), spec.energy("MHA", heads=1)], "triton")
+    assert src.count("@triton.jit") == 4
+    req = KernelRequest.attention(strict=False, alibi=False, self_bias=False, key_bias=False)
+    assert f"{req.name} = attention_ops(" in src
+    assert req.tag != KernelRequest.attention(strict=True, alibi=False, self_bias=False, key_bias=False).tag
+
+
+def test_a_specialised_set_refuses_calls_it_was_not_made_for() -> None:
+    """A copy baked without a strict mask must not silently run a strict call."""
+    derived = load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy("MHA")
+    module = sys.modules[module_class(derived, "triton").__module__]
+    req = KernelRequest.attention(strict=False, alibi=False, self_bias=False, key_bias=False)
+    ops = getattr(module, req.name)
+    q = torch.randn(1, 1, 5, 4, device=DEVICE)
+    assert ops.energy_attention(q, q, q, scale=0.5).shape == q.shape
+    with pytest.raises(ValueError, match="STRICT=True"):
+        ops.energy_attention(q, q, q, scale=0.5, strict=True)
+
+
+def _template(x, FLAG, MODE, OTHER):  # a plain function stands in for a kernel template
+    y = x
+    if FLAG:
+        y = y + 1
+    else:
+        y = y - 1
+    if not FLAG and MODE == "double":
+        y = y * 2
+    if FLAG and OTHER > 0:
+        y = y + OTHER
+    z = 10 if MODE != "double" else 20
+    return y + z
+
+
+@pytest.mark.parametrize("flag", [True, False])
+@pytest.mark.parametrize("mode", ["double", "single"])
+def test_specialise_folds_branches_and_keeps_the_rest(flag: bool, mode: str) -> None:
+    """Baking some parameters gives a function equal to the template on every remaining input."""
+    src = specialise(_template, {"FLAG": flag, "MODE": mode}, {"_template": "baked"})
+    assert "FLAG" not in src and "MODE" not in src and "def baked(x, OTHER)" in src
+    scope: dict = {}
+    exec(src, scope)  # noqa: S102 - the test's own template
+    for x in (0, 3):
+        for other in (-1, 2):
+            assert scope["baked"](x, other) == _template(x, flag, mode, other)
