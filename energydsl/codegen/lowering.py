@@ -1,7 +1,8 @@
 """Recognised context sums lowered to attention primitives (torch ops or the fused Triton kernels).
 
 The emitter (`torch_expr.Emitter`) calls `lower_context_sum` for every `sum[j](...)` over a causal
-context. Two forms are recognised, whatever the energy they were derived from:
+context. Two first-order forms are recognised here, whatever the energy they were derived from (the
+second-order sums of covariance and Newton-Taylor updates are in `second_order.py`, built on these):
 
 * softmax-weighted sums, `sum[j](softmax[j](s_ij) * v_j)` with
   `s_ij = Σ_c c_c (a_c(x_i) . b_c(h_j)) + bias_ij`: one or several state/context dot products (several are
@@ -21,6 +22,7 @@ take (an unclassified bias, head dims above 256) falls back to the torch op, whi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import sympy as sp
@@ -39,7 +41,9 @@ KERNEL_MAX_HEAD_DIM = 256  # energydsl.kernels.attention: larger tiles do not fi
 
 def lower_context_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     """The lowered value of a context sum, or None when no primitive fits (the caller emits it generically)."""
-    return _softmax_attention(em, e, info) or _linear_attention(em, e, info)
+    from .second_order import second_order_sum  # it builds on the first-order forms below
+
+    return _softmax_attention(em, e, info) or _linear_attention(em, e, info) or second_order_sum(em, e, info)
 
 
 # ----------------------------------------------------------------------------- softmax-weighted sums
@@ -52,7 +56,49 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
         return None
     if not e.shape or not ks:
         return None
-    score = both[0].body
+    plan = _score_terms(em, both[0], j)
+    if plan is None:
+        return None
+    maps, value = _peel_maps(em, ks[0], j) if len(ks) == 1 else ([], ir.mul(*ks))
+    v = _flat(em, em.emit(value))
+    if POS in v.axes or v.rank != 1:
+        return None
+    sc, heads = _emit_scores(em, *plan, j, also=(v,))
+    if any(h not in em.sizes for h in heads):
+        return None
+    dv = _numel(em, value.shape)
+    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dv))
+    if em.backend == "triton" and max(sc.width, dv) <= KERNEL_MAX_HEAD_DIM:
+        kinds = _bias_kinds(em, list(sc.bias_terms), j, strict=info.strict)
+        if kinds is not None:
+            out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0])
+            return _unflat(em, _apply_maps(em, maps, out), e.shape)
+    scale_src = sympy_src(sc.scale, em.scalars)
+    bias = _score_bias(em, sc, heads, j) or "None"
+    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((sc.q, POS), (sc.k, j), (v, j)))
+    em.used_ops.add("softmax_attention")
+    code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
+    out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
+    return _unflat(em, _apply_maps(em, maps, out), e.shape)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The operands of a softmax's scores: s_ij = scale q_i·k_j + Σ bias_terms (terms constant over j dropped)."""
+
+    q: Val
+    k: Val
+    scale: sp.Expr
+    bias_terms: tuple[Expr, ...]
+    width: int  # of q and k
+
+
+def _score_terms(em: Emitter, sm: ir.Softmax, j: str) -> tuple[list[tuple[sp.Expr, ir.Dot]], list[Expr]] | None:
+    """(couplings c·(a_i · b_j), bias terms) of a softmax's scores, or None if they are not of that form.
+
+    Emits nothing, so a score that does not fit leaves no dead code behind.
+    """
+    score = sm.body
     terms = list(score.terms) if isinstance(score, ir.Add) else [score]
     coupling = [t for t in terms if POS in token_axes(t, em.indices) and j in token_axes(t, em.indices)
                 and _state_dependent(t)]
@@ -70,42 +116,41 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
         if j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
             return None
         oriented.append((c, _narrow_dot(em, d, j)))
-    maps, value = _peel_maps(em, ks[0], j) if len(ks) == 1 else ([], ir.mul(*ks))
-    v = _flat(em, em.emit(value))
-    if POS in v.axes or v.rank != 1:
-        return None
+    return oriented, bias_terms
+
+
+def _emit_scores(em: Emitter, oriented: list[tuple[sp.Expr, ir.Dot]], bias_terms: list[Expr], j: str,
+                 also: tuple[Val, ...] = ()) -> tuple[Scores, tuple[str, ...]]:
+    """The scores' q and k (several dots: one dot of concatenated features), and the head axes of q, k and
+    `also` (the value the attention will carry)."""
     parts = [(c, _flat(em, em.emit(d.a)), _flat(em, em.emit(d.b))) for c, d in oriented]
-    heads = _heads(v, *(p for _, a, b in parts for p in (a, b)), j=j)
-    if any(h not in em.sizes for h in heads):
-        return None
+    heads = _heads(*also, *(p for _, a, b in parts for p in (a, b)), j=j)
     width = sum(_numel(em, d.a.shape) for _, d in oriented)
-    dv = _numel(em, value.shape)
     if len(parts) == 1:
         scale, q, k = parts[0]
     else:  # several dot products: one attention over the concatenated features, scale folded in
         scale = sp.Integer(1)
         q = _concat(em, [_scaled(em, a, c) for c, a, _ in parts], {BATCH, POS} | set(heads))
         k = _concat(em, [b for _, _, b in parts], {BATCH, j} | set(heads))
-    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (width + dv))
-    if em.backend == "triton" and max(width, dv) <= KERNEL_MAX_HEAD_DIM:
-        kinds = _bias_kinds(em, bias_terms, j, strict=info.strict)
-        if kinds is not None:
-            out = _kernel_attention(em, q, k, v, scale, kinds, heads, j, info.strict)
-            return _unflat(em, _apply_maps(em, maps, out), e.shape)
-    scale_src = sympy_src(scale, em.scalars)
-    bias = "None"
-    if bias_terms:
-        b = em.emit(ir.add(*bias_terms))
-        axes = canonical({BATCH, POS, j} | set(heads))
-        full = em.expand(b, axes)
-        order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
-        bias = em.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {_n_heads(em, heads)}, T, T)",
-                      (), 0, "additive score bias").code
-    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
-    em.used_ops.add("softmax_attention")
-    code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
-    out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
-    return _unflat(em, _apply_maps(em, maps, out), e.shape)
+    return Scores(q, k, scale, tuple(bias_terms), width), heads
+
+
+def score_operands(em: Emitter, sm: ir.Softmax, j: str) -> Scores | None:
+    """The scores of `sm` as `_softmax_attention` reads them (for sums that reuse its softmax)."""
+    plan = _score_terms(em, sm, j)
+    return None if plan is None else _emit_scores(em, *plan, j)[0]
+
+
+def _score_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str) -> str | None:
+    """The bias terms as one (B, H, T, T) tensor (the torch ops' additive mask), or None if there are none."""
+    if not sc.bias_terms:
+        return None
+    b = em.emit(ir.add(*sc.bias_terms))
+    axes = canonical({BATCH, POS, j} | set(heads))
+    full = em.expand(b, axes)
+    order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
+    return em.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {_n_heads(em, heads)}, T, T)",
+                  (), 0, "additive score bias").code
 
 
 def _peel_maps(em: Emitter, e: Expr, j: str) -> tuple[list[Expr], Expr]:
@@ -151,28 +196,69 @@ def _apply_maps(em: Emitter, maps: list[Expr], out: Val) -> Val:
     return out
 
 
-def _kernel_attention(em: Emitter, q: Val, k: Val, v: Val, scale: sp.Expr, kinds: dict[str, list[Expr]],
-                      heads: tuple[str, ...], j: str, strict: bool) -> Val:
-    """`kernels.energy_attention` with the biases the kernel computes itself (no T x T tensor anywhere)."""
-    number = _number(scale, em.scalars)
+def _kernel_attention(em: Emitter, sc: Scores, v: Val, kinds: dict[str, list[Expr]], heads: tuple[str, ...],
+                      j: str, strict: bool, sm: ir.Softmax) -> Val:
+    """The attention kernels (written into the file) with the biases they compute themselves: no T x T tensor.
+
+    The call is recorded, so that a second moment over the same scores can reuse its log-sum-exp.
+    """
+    from .second_order import canonical_softmax
+
+    qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
+    vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
+    ops = em.kernel_set(KernelRequest.attention(strict=strict, alibi=bool(kinds["alibi"]),
+                                                self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"])))
+    args = [qc, kc, vc, *keywords]
+    code = f"{ops}.energy_attention({', '.join(args)})"
+    out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: the Triton attention kernels above")
+    step_cache(em)[("attention call", canonical_softmax(em, sm, j), strict)] = AttentionCall(
+        em.lines, code, ops, args, heads)
+    return out
+
+
+def kernel_score_args(em: Emitter, sc: Scores, kinds: dict[str, list[Expr]], heads: tuple[str, ...], j: str,
+                      strict: bool) -> tuple[str, str, list[str]]:
+    """q, k and the keyword arguments (scale, mask, biases) of a softmax-family kernel call for these scores."""
+    number = _number(sc.scale, em.scalars)
+    q = sc.q
     if number is None:  # a learned temperature: fold it into the queries
-        q = em.tmp(f"{q.code} * {sympy_src(scale, em.scalars)}", q.axes, q.rank)
+        q = em.tmp(f"{q.code} * {sympy_src(sc.scale, em.scalars)}", q.axes, q.rank)
         number = 1.0
-    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
-    args = [qc, kc, vc, f"scale={number!r}", f"strict={strict}"]
+    qc, kc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (sc.k, j)))
+    keywords = [f"scale={number!r}", f"strict={strict}"]
     for kind, arg, sign in (("alibi", "alibi_slopes", "-"), ("self", "self_bias", "")):
         if kinds[kind]:
-            coef = em.emit(ir.add(*kinds[kind]))
-            args.append(f"{arg}={sign}{_per_head(em, coef, heads)}")
+            keywords.append(f"{arg}={sign}{_per_head(em, em.emit(ir.add(*kinds[kind])), heads)}")
     if kinds["key"]:
         kb = em.emit(ir.add(*kinds["key"]))
         key = em.tmp(_as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j),
                      (), 4)
-        args.append(f"key_bias={key.code}[..., 0]")
-    ops = em.kernel_set(KernelRequest.attention(strict=strict, alibi=bool(kinds["alibi"]),
-                                                self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"])))
-    code = f"{ops}.energy_attention({', '.join(args)})"
-    return _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: the Triton attention kernels above")
+        keywords.append(f"key_bias={key.code}[..., 0]")
+    return qc, kc, keywords
+
+
+@dataclass
+class AttentionCall:
+    """A first-order kernel call already emitted, whose row log-sum-exp a second moment can reuse."""
+
+    lines: list[str]  # the list it was emitted into (prologue or body)
+    call: str  # `ops.energy_attention(args)`, exactly as in the line
+    ops: str  # the op set the method is called on
+    args: list[str]  # its arguments: q, k, v, then keywords
+    heads: tuple[str, ...]
+    lse: str | None = None  # set once the call is rewritten to return the log-sum-exp too
+
+
+_STEP_CACHE = ("lowering: per-step cache",)
+
+
+def step_cache(em: Emitter) -> dict:
+    """Entries that live as long as the emitter's memo.
+
+    The memo is dropped when the state changes (`forget`) and is a separate one inside hoisted values
+    (`emit_let`), so a recorded kernel call or weight matrix is only reused where its value is still valid.
+    """
+    return em.memo.setdefault(_STEP_CACHE, {})
 
 
 def _couplings(e: Expr) -> list[tuple[sp.Expr, ir.Dot]] | None:
@@ -306,9 +392,9 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     if em.backend == "triton":
         if decay is not None:  # the kernel takes one log decay per head
             ld = f"{ld}.reshape(1).expand({_n_heads(em, heads)})"
-        em.used_ops.add("kernels")
-        code = f"kernels.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
-        comment = "sum over j of (q.k_j) v_j: chunked Triton linear attention"
+        ops = em.kernel_set(KernelRequest.linear(strict=info.strict, decay=decay is not None))
+        code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
+        comment = "sum over j of (q.k_j) v_j: the chunked Triton linear-attention kernels above"
     else:
         em.used_ops.add("linear_attention")
         code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"

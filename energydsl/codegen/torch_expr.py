@@ -14,6 +14,9 @@ Recognised forms are lowered to better primitives than the generic masked T x T 
 * a product-weighted sum `sum[j](gamma_ij (q.k_j) v_j)` with gamma = 1 or a decay a^(i-j) becomes
   `linear_attention`, chunked, O(T d^2) instead of O(T^2);
   (both in `lowering.py`)
+* a second-order sum `sum[j](p_ij (u.x_j) y_j)` (covariance preconditioners, Newton with a Taylor
+  inverse; centred or l2-score forms are multiplied out first) becomes a weighted second moment from
+  the T x T weights, or the fused Triton kernel sharing the attention's log-sum-exp (`second_order.py`);
 * any other causal sum of a value without the query position is a prefix sum (cumsum).
 """
 

@@ -21,7 +21,7 @@ from ..optimizers import UpdateProgram, unhoist
 from ..printing import show
 from ..semantics import ParamSpec
 from .torch_expr import Emitter, simplify, sympy_src
-from .triton_source import KernelRequest, kernel_source
+from .triton_source import KernelRequest, kernel_imports, kernel_source
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
             "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
@@ -240,9 +240,7 @@ class ModuleWriter:
             imports.insert(3, f"from energydsl.runtime.ops import {', '.join(ops)}")
         if "kernels" in used:  # the fused Triton kernels (energydsl/kernels/), CPU references without a GPU
             imports.insert(3, "from energydsl import kernels")
-        if self.kernel_requests:  # kernels specialised for this energy, written into the file below
-            imports += ["import triton", "import triton.language as tl",
-                        "from energydsl.kernels.attention import attention_ops"]
+        imports += kernel_imports(self.kernel_requests)  # kernels specialised for this energy (below)
         if any((p.init or ("",))[0] == "alibi_slopes" for p in prog.params.values()):
             imports.insert(3, "from energydsl.runtime.init import alibi_slopes")
         if "integral_quadrature" in "\n".join(fwd):

@@ -9,21 +9,26 @@ in `energy compile --backend triton -o out.py` compute this energy's scores and 
     request = KernelRequest.attention(strict=True, alibi=True, self_bias=False, key_bias=False)
     kernel_source([request])      # the @triton.jit kernels and the op set the generated forward calls
 
-The specialisation is a small pass over the templates' Python AST (comments do not survive it; the
-templates in energydsl/kernels/ keep them). Runtime switches (dtype-dependent dot precision, which bias
+The specialisation is a small pass over the templates' Python AST, read from the kernel modules' source
+files (so generating needs no triton; comments do not survive it, the templates in energydsl/kernels/
+keep them). Runtime switches (dtype-dependent dot precision, which bias
 gradients are needed, tile sizes) stay `tl.constexpr` parameters.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import hashlib
 import inspect
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["KernelRequest", "kernel_source", "specialise"]
+__all__ = ["FAMILIES", "KernelRequest", "kernel_imports", "kernel_source", "specialise"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,11 @@ class KernelRequest:
         baked.update({need: False for has, need in _NEEDS.items() if not baked[has]})
         return KernelRequest("attention", tuple(baked.items()))
 
+    @staticmethod
+    def linear(strict: bool, decay: bool) -> KernelRequest:
+        """Chunkwise linear attention, with or without a decay gate."""
+        return KernelRequest("linear", (("HAS_DECAY", decay), ("STRICT", strict)))
+
     @property
     def name(self) -> str:
         """The op set's identifier in the generated file (and its torch.library prefix)."""
@@ -56,54 +66,83 @@ class KernelRequest:
 _NEEDS = {"HAS_ALIBI": "NEED_ALIBI", "HAS_SELF": "NEED_SELF", "HAS_KB": "NEED_KB"}
 
 
-def _templates(family: str) -> tuple[Any, ...]:
-    if family == "attention":
-        from ..kernels import attention
+@dataclass(frozen=True)
+class Family:
+    """Where a family's templates live (energydsl/kernels/<module>.py) and what the generated file calls."""
 
-        return attention.TEMPLATES
-    raise ValueError(f"no kernel templates for family {family!r}")
+    module: str
+    builder: str  # the op-set constructor the module exports, taking the kernels in `kernels` order
+    helpers: tuple[str, ...]  # @triton.jit functions the kernels call
+    kernels: tuple[str, ...]  # the launched kernels
 
 
+FAMILIES = {
+    "attention": Family("attention", "attention_ops", ("_scores",),
+                        ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
+    "linear": Family("linear", "linear_attention_ops", (), ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")),
+}
+
+
+@functools.cache
+def _definitions(module: str) -> dict[str, ast.FunctionDef]:
+    """The top-level functions of energydsl/kernels/<module>.py, read as text: generating a file for the
+    triton backend needs no triton (and no GPU) on this machine."""
+    tree = ast.parse((Path(__file__).resolve().parent.parent / "kernels" / f"{module}.py").read_text())
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def _templates(family: str) -> dict[str, ast.FunctionDef]:
+    fam = FAMILIES[family]
+    defs = _definitions(fam.module)
+    return {name: defs[name] for name in (*fam.helpers, *fam.kernels)}
+
+
+@functools.cache
 def _templates_hash(family: str) -> str:
-    src = "".join(_python_source(t) for t in _templates(family))
+    src = "".join(ast.unparse(t) for t in _templates(family).values())
     return hashlib.sha256(src.encode()).hexdigest()[:12]
 
 
-def _python_source(fn: Any) -> str:
-    """The source of a @triton.jit function (JITFunction and the interpreter's wrapper both keep `.fn`)."""
-    return textwrap.dedent(inspect.getsource(getattr(fn, "fn", fn)))
+def kernel_imports(requests: list[KernelRequest]) -> list[str]:
+    """The import lines the kernels section needs."""
+    if not requests:
+        return []
+    families = [FAMILIES[f] for f in dict.fromkeys(r.family for r in requests)]
+    return ["import triton", "import triton.language as tl",
+            *(f"from energydsl.kernels.{fam.module} import {fam.builder}" for fam in families)]
 
 
 def kernel_source(requests: list[KernelRequest]) -> list[str]:
     """The lines of the kernels section: for each request its specialised templates and its op set."""
     lines: list[str] = []
     for req in dict.fromkeys(requests):  # each specialisation once, in first-use order
+        fam = FAMILIES[req.family]
         templates = _templates(req.family)
-        names = {t.__name__: f"{t.__name__}_{req.tag}" for t in templates}
+        names = {name: f"{name}_{req.tag}" for name in templates}
         baked = dict(req.baked)
         flags = ", ".join(f"{k}={v}" for k, v in req.baked if not k.startswith("NEED_"))
-        lines += [f"# --- {req.family} kernels for {flags}: energydsl/kernels/{req.family}.py specialised",
-                  ""]
-        for t in templates:
+        lines += [f"# --- {req.family} kernels for {flags}: energydsl/kernels/{fam.module}.py specialised", ""]
+        for t in templates.values():
             lines += [specialise(t, baked, names, templates), "", ""]
-        fwd, dkdv, dq = (names[t.__name__] for t in templates[1:])
-        lines += [f"{req.name} = attention_ops({req.name!r}, {fwd}, {dkdv}, {dq}, {baked!r})", "", ""]
+        kernels = ", ".join(names[k] for k in fam.kernels)
+        lines += [f"{req.name} = {fam.builder}({req.name!r}, {kernels}, {baked!r})", "", ""]
     return lines
 
 
-def specialise(fn: Any, constants: dict[str, Any], names: dict[str, str], siblings: tuple[Any, ...] = ()) -> str:
+def specialise(fn: ast.FunctionDef | Callable[..., Any], constants: dict[str, Any], names: dict[str, str],
+               siblings: dict[str, ast.FunctionDef] | None = None) -> str:
     """`fn`'s source with the parameters in `constants` replaced by their values and dead branches removed.
 
     `names` renames `fn` and the `siblings` it calls (templates specialised alongside it); the arguments a
-    sibling no longer takes are dropped where it is called.
+    sibling no longer takes are dropped where it is called. `fn` is a parsed definition or a plain function.
     """
-    tree = ast.parse(_python_source(fn))
-    func = tree.body[0]
-    assert isinstance(func, ast.FunctionDef)
+    if not isinstance(fn, ast.FunctionDef):
+        fn = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        assert isinstance(fn, ast.FunctionDef)
+    func = copy.deepcopy(fn)  # the parsed templates are cached: never edit them in place
     func.args.args = [a for a in func.args.args if a.arg not in constants]
     func.name = names.get(func.name, func.name)
-    callees = {names[t.__name__]: list(inspect.signature(getattr(t, "fn", t)).parameters)
-               for t in siblings if t.__name__ in names}
+    callees = {names[n]: [a.arg for a in d.args.args] for n, d in (siblings or {}).items() if n in names}
     _Specialiser(constants, names, callees).visit(func)
     for node in ast.walk(func):  # a block whose every statement was a removed branch
         if getattr(node, "body", None) == []:

@@ -51,7 +51,6 @@ from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 
 __all__ = [
     "GENERIC",
-    "TEMPLATES",
     "AttentionOps",
     "attention_ops",
     "energy_attention",
@@ -978,9 +977,6 @@ def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # The generic set (the templates, every flag chosen at launch) and specialised ones
 # ----------------------------------------------------------------------------------------------------------
-
-TEMPLATES = (_scores, _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)
-"""What the code generator specialises: the helper first, then the forward and the two backward kernels."""
 
 _SETS: dict[str, AttentionOps] = {}
 

@@ -32,7 +32,7 @@ How the op is run (decided once at import, see `OPS_BACKEND`):
   registered as opaque `torch.library.custom_op`s with explicit fake implementations instead.
 * "function": a plain `torch.autograd.Function` over the same launchers, for torch builds without
   `torch.library.triton_op` (torch < 2.6). Tests switch to it by setting `OPS_BACKEND`.
-Tensors that no kernel can take (CPU without the interpreter) go to the O(T^2) reference in `linear_ref`.
+Tensors that no kernel can take (CPU without the interpreter) go to the torch backend's chunked op.
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from energydsl.kernels.linear_ref import linear_attention_parallel_ref
-
 try:  # torch >= 2.6; the name must stay `wrap_triton` for triton_op's kernel discovery
     from torch.library import wrap_triton
 except ImportError:  # pragma: no cover - old torch: launch the kernel directly
@@ -56,7 +54,16 @@ except ImportError:  # pragma: no cover - old torch: launch the kernel directly
         return kernel
 
 
-__all__ = ["INTERPRET", "OPS_BACKEND", "linear_attention", "maybe_autotune", "register_op"]
+__all__ = [
+    "GENERIC",
+    "INTERPRET",
+    "OPS_BACKEND",
+    "LinearAttentionOps",
+    "linear_attention",
+    "linear_attention_ops",
+    "maybe_autotune",
+    "register_op",
+]
 
 
 def _interpreting() -> bool:
@@ -150,7 +157,6 @@ _KEY = ["K", "V", "HAS_DECAY", "STRICT", "C", "BK", "BV"]
 # ----------------------------------------------------------------------------------------------------------
 
 
-@maybe_autotune(_CONFIGS, _KEY)
 @triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, o_ptr,
@@ -206,7 +212,6 @@ def _fwd_kernel(
         tl.store(p_o + row0 * V, (o * scale).to(o_ptr.dtype.element_ty), mask=mask_tv)
 
 
-@maybe_autotune(_CONFIGS, _KEY)
 @triton.jit
 def _bwd_dq_kernel(
     k_ptr, v_ptr, g_ptr, do_ptr, dq_ptr,
@@ -260,7 +265,6 @@ def _bwd_dq_kernel(
         tl.store(p_dq + row0 * K, dq, mask=mask_tk)
 
 
-@maybe_autotune(_CONFIGS, _KEY)
 @triton.jit
 def _bwd_dkv_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, dk_ptr, dv_ptr,
@@ -332,7 +336,7 @@ def _bwd_dkv_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`)
+# The ops: one set per kernel triple, registered under its own name
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -345,59 +349,147 @@ def _launch_meta(
     return meta | launch_options(num_warps=4), (triton.cdiv(V, BV), BH)
 
 
-def _linear_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
-) -> Tensor:
-    """o = scale * sum_{j<=i} gamma_ij (q_i . k_j) v_j; log_decay, if given, is per token (B, H, T)."""
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g = log_decay.contiguous() if log_decay is not None else q  # dummy pointer when HAS_DECAY is off
-    o = torch.empty((B, H, T, V), dtype=v.dtype, device=v.device)
-    meta, grid = _launch_meta(K, V, B * H, log_decay is not None, strict, q.dtype)
-    wrap_triton(_fwd_kernel)[grid](q, k, v, g, o, T, K, V, scale, **meta)
-    return o
+class LinearAttentionOps:
+    """The three chunkwise kernels, launched by torch ops registered under one name.
+
+    `GENERIC` below runs the templates themselves (HAS_DECAY and STRICT chosen at launch). The triton code
+    generator writes copies with the energy's decay and mask baked in (energydsl/codegen/triton_source.py)
+    and builds a set over them with `linear_attention_ops`; `baked` records those values, and a call that
+    needs others is refused.
+    """
+
+    def __init__(self, name: str, fwd: Any, dq: Any, dkv: Any, baked: dict[str, Any] | None = None):
+        self.name = name
+        self.baked = dict(baked or {})
+        self._fwd, self._dq, self._dkv = (
+            maybe_autotune(_CONFIGS, [k for k in _KEY if k in kernel.arg_names])(kernel) for kernel in (fwd, dq, dkv)
+        )
+        self._bwd_op = register_op(f"{name}_bwd", self._bwd_impl(), _linear_attention_bwd_fake)
+        self._fwd_op = register_op(
+            f"{name}_fwd",
+            self._fwd_impl(),
+            _linear_attention_fwd_fake,
+            backward=self._backward_op,
+            setup_context=_setup_context,
+        )
+
+    def _meta(self, K: int, V: int, BH: int, has_decay: bool, strict: bool, dtype: torch.dtype) -> tuple:
+        meta, grid = _launch_meta(K, V, BH, has_decay, strict, dtype)
+        return {k: v for k, v in meta.items() if k not in self.baked}, grid
+
+    # -- launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`) -----
+
+    def _fwd_impl(self) -> Callable[..., Tensor]:
+        def linear_attention_fwd(
+            q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
+        ) -> Tensor:
+            """o = scale * sum_{j<=i} gamma_ij (q_i . k_j) v_j; log_decay, if given, is per token (B, H, T)."""
+            B, H, T, K = q.shape
+            V = v.shape[-1]
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            g = log_decay.contiguous() if log_decay is not None else q  # dummy pointer when HAS_DECAY is off
+            o = torch.empty((B, H, T, V), dtype=v.dtype, device=v.device)
+            meta, grid = self._meta(K, V, B * H, log_decay is not None, strict, q.dtype)
+            wrap_triton(self._fwd)[grid](q, k, v, g, o, T, K, V, scale, **meta)
+            return o
+
+        return linear_attention_fwd
+
+    def _bwd_impl(self) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
+        def linear_attention_bwd(
+            do: Tensor,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            log_decay: Tensor | None,
+            scale: float,
+            strict: bool,
+            need_dg: bool,
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            """(dq, dk, dv, d log_decay); the last is empty when there is no decay or it is not needed."""
+            B, H, T, K = q.shape
+            V = v.shape[-1]
+            q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+            g = log_decay.contiguous() if log_decay is not None else q
+            meta, grid = self._meta(K, V, B * H, log_decay is not None, strict, q.dtype)
+            NV = grid[0]
+            # dq and dk are reduced over Dv-blocks: one fp32 slab per block, summed below (no atomics)
+            dq_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
+            dk_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
+            dv = torch.empty((B, H, T, V), dtype=torch.float32, device=q.device)
+            wrap_triton(self._dq)[grid](k, v, g, do, dq_part, T, K, V, scale, **meta)
+            wrap_triton(self._dkv)[grid](q, k, v, g, do, dk_part, dv, T, K, V, scale, **meta)
+            dq = dq_part.sum(0)
+            dk = dk_part.sum(0)
+            if log_decay is not None and need_dg:
+                # d g_s = sum_{t >= s} (q_t . dq_t - k_t . dk_t): a reverse cumulative sum over time. g_0 decays
+                # nothing (gamma_ij sums g from j+1 on), so d g_0 is exactly 0 rather than a full sum's rounding.
+                r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
+                dg = torch.nn.functional.pad(r[..., 1:].flip(-1).cumsum(-1).flip(-1), (1, 0)).to(log_decay.dtype)
+            else:
+                dg = q.new_empty((0,))
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg
+
+        return linear_attention_bwd
+
+    def _backward_op(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
+        return _backward_with(self._bwd_op, ctx, do)
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def linear_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float = 1.0,
+        log_decay: Tensor | None = None,
+        strict: bool = False,
+    ) -> Tensor:
+        """(Gated) linear attention o_i = scale * sum_{j<=i} gamma_ij (q_i . k_j) v_j (j < i if `strict`).
+
+        q, k: (B, H, T, Dk); v: (B, H, T, Dv), may be `k` itself. log_decay: None (gamma = 1), (B, H, T)
+        per-token log decays (gamma_ij = exp(sum_{s=j+1}^{i} log_decay_s)), or (H,) per-head
+        (gamma_ij = a_h^(i-j)); it must be <= 0 for the chunked form to be overflow-free. Differentiable in
+        q, k, v and log_decay.
+        """
+        if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+            raise ValueError(
+                f"expected q, k (B,H,T,Dk) and v (B,H,T,Dv); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+        if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+            raise ValueError("q, k and v must share dtype and device")
+        call = dict(HAS_DECAY=log_decay is not None, STRICT=strict)
+        wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
+        if wrong:
+            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        B, H, T, _ = q.shape
+        if log_decay is not None:
+            if log_decay.shape == (H,):
+                # per head: every step decays by a_h; the expand's backward sums d log_decay over (b, t)
+                log_decay = log_decay.view(1, H, 1).expand(B, H, T)
+            elif log_decay.shape != (B, H, T):
+                raise ValueError(
+                    f"log_decay must be (B,H,T)={(B, H, T)} or (H,)={(H,)}; got {tuple(log_decay.shape)}"
+                )
+            log_decay = log_decay.to(q.device)
+        if not (INTERPRET or q.is_cuda):  # no kernel can take these tensors: the torch backend's chunked op
+            from ..runtime.ops import linear_attention as chunked
+
+            return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
+        if T == 0:
+            return v.new_empty(v.shape)
+        if OPS_BACKEND == "function":
+            return _LinearAttentionFunction.apply(self, q, k, v, log_decay, float(scale), bool(strict))
+        return self._fwd_op(q, k, v, log_decay, float(scale), bool(strict))
 
 
 def _linear_attention_fwd_fake(
     q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
 ) -> Tensor:
     return v.new_empty((*q.shape[:3], v.shape[-1]))
-
-
-def _linear_attention_bwd(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor | None,
-    scale: float,
-    strict: bool,
-    need_dg: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, d log_decay); the last is empty when there is no decay or it is not needed."""
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
-    g = log_decay.contiguous() if log_decay is not None else q
-    meta, grid = _launch_meta(K, V, B * H, log_decay is not None, strict, q.dtype)
-    NV = grid[0]
-    # dq and dk are reduced over Dv-blocks: one fp32 slab per block, summed below (no atomics)
-    dq_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
-    dk_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
-    dv = torch.empty((B, H, T, V), dtype=torch.float32, device=q.device)
-    wrap_triton(_bwd_dq_kernel)[grid](k, v, g, do, dq_part, T, K, V, scale, **meta)
-    wrap_triton(_bwd_dkv_kernel)[grid](q, k, v, g, do, dk_part, dv, T, K, V, scale, **meta)
-    dq = dq_part.sum(0)
-    dk = dk_part.sum(0)
-    if log_decay is not None and need_dg:
-        # d g_s = sum_{t >= s} (q_t . dq_t - k_t . dk_t): a reverse cumulative sum over time. g_0 decays
-        # nothing (gamma_ij sums g from j+1 on), so d g_0 is exactly 0 rather than the rounding of a full sum.
-        r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
-        dg = torch.nn.functional.pad(r[..., 1:].flip(-1).cumsum(-1).flip(-1), (1, 0)).to(log_decay.dtype)
-    else:
-        dg = q.new_empty((0,))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg
 
 
 def _linear_attention_bwd_fake(
@@ -428,77 +520,43 @@ def _backward_with(bwd: Callable[..., tuple[Tensor, ...]], ctx: Any, do: Tensor)
     return dq, dk, dv, (dg if need_dg else None), None, None
 
 
-def _backward_op(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-    return _backward_with(torch.ops.energydsl.linear_attention_bwd, ctx, do)
-
-
-_bwd_op = register_op("linear_attention_bwd", _linear_attention_bwd, _linear_attention_bwd_fake)
-_fwd_op = register_op(
-    "linear_attention_fwd",
-    _linear_attention_fwd,
-    _linear_attention_fwd_fake,
-    backward=_backward_op,
-    setup_context=_setup_context,
-)
-
-
 class _LinearAttentionFunction(torch.autograd.Function):
     """The same launchers without torch.library (OPS_BACKEND == "function")."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
+        ctx: Any,
+        ops: LinearAttentionOps,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        log_decay: Tensor | None,
+        scale: float,
+        strict: bool,
     ) -> Tensor:
-        o = _linear_attention_fwd(q, k, v, log_decay, scale, strict)
+        o = ops._fwd_impl()(q, k, v, log_decay, scale, strict)
         _setup_context(ctx, (q, k, v, log_decay, scale, strict), o)
+        ctx.ops = ops
         return o
 
     @staticmethod
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-        return _backward_with(_linear_attention_bwd, ctx, do)
+        return (None, *_backward_with(ctx.ops._bwd_impl(), ctx, do))
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Public API
+# The generic set and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
+_SETS: dict[str, LinearAttentionOps] = {}
 
-def linear_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    scale: float = 1.0,
-    log_decay: Tensor | None = None,
-    strict: bool = False,
-) -> Tensor:
-    """(Gated) linear attention o_i = scale * sum_{j<=i} gamma_ij (q_i . k_j) v_j (j < i if `strict`).
 
-    q, k: (B, H, T, Dk); v: (B, H, T, Dv), may be `k` itself. log_decay: None (gamma = 1), (B, H, T) per-token
-    log decays (gamma_ij = exp(sum_{s=j+1}^{i} log_decay_s)), or (H,) per-head (gamma_ij = a_h^(i-j)); it must
-    be <= 0 for the chunked form to be overflow-free. Differentiable in q, k, v and log_decay.
-    """
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(
-            f"expected q, k (B,H,T,Dk) and v (B,H,T,Dv); got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("q, k and v must share dtype and device")
-    B, H, T, _ = q.shape
-    if log_decay is not None:
-        if log_decay.shape == (H,):
-            # per head: every step decays by a_h; the expand's backward sums d log_decay over (b, t)
-            log_decay = log_decay.view(1, H, 1).expand(B, H, T)
-        elif log_decay.shape != (B, H, T):
-            raise ValueError(
-                f"log_decay must be (B,H,T)={(B, H, T)} or (H,)={(H,)}; got {tuple(log_decay.shape)}"
-            )
-        log_decay = log_decay.to(q.device)
-    if not (INTERPRET or q.is_cuda):  # no kernel can take these tensors: plain torch
-        return linear_attention_parallel_ref(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
-    if T == 0:
-        return v.new_empty(v.shape)
-    if OPS_BACKEND == "function":
-        return _LinearAttentionFunction.apply(q, k, v, log_decay, float(scale), bool(strict))
-    return torch.ops.energydsl.linear_attention_fwd(q, k, v, log_decay, float(scale), bool(strict))
+def linear_attention_ops(name: str, fwd: Any, dq: Any, dkv: Any, baked: dict[str, Any]) -> LinearAttentionOps:
+    """The op set over a specialised kernel triple, registered once per process under `energydsl::{name}_*`."""
+    if name not in _SETS:
+        _SETS[name] = LinearAttentionOps(name, fwd, dq, dkv, baked)
+    return _SETS[name]
+
+
+GENERIC = LinearAttentionOps("linear_attention", _fwd_kernel, _bwd_dq_kernel, _bwd_dkv_kernel)
+linear_attention = GENERIC.linear_attention

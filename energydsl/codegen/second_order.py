@@ -1,0 +1,348 @@
+"""Second-order context sums: the covariance and Newton-Taylor updates of seed 004 (MHA2nd1st, LightMHA2nd1st).
+
+Second-order and covariance-preconditioned updates (seed 004's MHA2nd1st, LightMHA2nd1st) weight a context
+sum by the attention's own softmax and by a dot product of a query-side vector with the key side:
+
+    r_i = Σ_j p_ij (u_i · x_j) y_j        (x = y: `kernels.weighted_second_moment`)
+
+A centred form (d_ij = k_j - k̄_i, scores -|q_i - k_j|²/2T) is a sum of such terms once multiplied out, so a
+summand that fits no primitive as written is expanded into monomials, each rewritten as a recognised sum:
+
+    Σ_j p_ij a_i            = a_i (Σ_j p_ij: 1, or 0 on the empty strict row)
+    Σ_j p_ij a_i b_j        = a_i Σ_j p_ij b_j              (first order: attention)
+    Σ_j p_ij s_j (u_i·x_j)  = u_i · Σ_j p_ij s_j x_j         (first order)
+    Σ_j p_ij (u_i·x_j) y_j                                  (second moment)
+
+Scores are expanded alike (|q - k|² = |q|² - 2 q·k + |k|²: |q|² is constant over j and dropped, |k|² is a
+per-key bias), so every term of one update shares one canonical softmax, one first-order attention and, in
+the triton backend, its row log-sum-exp. The torch backend computes the second moment from the T x T
+weights per head, (p ∘ (U Xᵀ)) Y: no T x T x d tensor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sympy as sp
+
+from .. import ir
+from ..ir import Expr, IndexInfo
+from .lowering import (  # the first-order forms this builds on, and their shape helpers
+    KERNEL_MAX_HEAD_DIM,
+    AttentionCall,
+    Scores,
+    _as_bhtd,
+    _bias_kinds,
+    _flat,
+    _from_bhtd,
+    _heads,
+    _n_heads,
+    _numel,
+    _split,
+    _unflat,
+    kernel_score_args,
+    score_operands,
+    step_cache,
+)
+from .torch_expr import BATCH, POS, Val, canonical, sympy_src, token_axes
+
+if TYPE_CHECKING:
+    from .torch_expr import Emitter
+
+_MAX_MONOMIALS = 64  # a summand that multiplies out to more terms stays in the generic form
+Monomial = tuple[sp.Expr, Expr]  # coefficient, product of factors that are not sums (ir.ONE for none)
+def _shared_lse(em: Emitter, sm: ir.Softmax, strict: bool, heads: tuple[str, ...]) -> AttentionCall | None:
+    """The first-order call over the same scores, rewritten once to return its log-sum-exp as well."""
+    rec = step_cache(em).get(("attention call", sm, strict))
+    if rec is None or rec.lines is not em.lines or rec.heads != heads:
+        return None
+    if rec.lse is None:
+        n = next((n for n, line in enumerate(rec.lines) if rec.call in line), None)
+        if n is None:
+            return None
+        o, lse = _fresh(em), _fresh(em)
+        rec.lines[n] = rec.lines[n].replace(rec.call, o, 1)
+        rec.lines.insert(n, f"{o}, {lse} = {rec.ops}.energy_attention_with_lse({', '.join(rec.args)})"
+                            "  # the attention and its row log-sum-exp, which the second moment reuses")
+        rec.lse = lse
+    return rec
+
+
+def second_order_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    """A softmax-weighted sum no first-order primitive took: a second moment, Σ_j p_ij, or expanded terms."""
+    if not _own_softmaxes(e.body, e.index):
+        return None
+    return _second_moment(em, e, info) or _softmax_mass(em, e, info) or _expanded_sum(em, e, info)
+
+
+def _own_softmaxes(e: Expr, j: str) -> list[ir.Softmax]:
+    """The softmaxes over j in e, not counting those of nested sums over j (which shadow it)."""
+    if isinstance(e, ir.Softmax) and e.index == j:
+        return [e]
+    if isinstance(e, ir.Reduce) and e.index == j:
+        return []
+    return [s for c in e.children for s in _own_softmaxes(c, j)]
+
+
+def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    """Σ_j p_ij (u_i·x_j) y_j: the fused kernel when x = y (triton), else (p ∘ (U Xᵀ)) Y from T x T weights."""
+    j = e.index
+    qs, ks, both = _split(em, e.body, j)
+    if len(both) != 2 or not ks or not e.shape:
+        return None
+    sm = next((f for f in both if isinstance(f, ir.Softmax) and f.index == j), None)
+    dot = _unwrap(both[1] if both[0] is sm else both[0])
+    if sm is None or not isinstance(dot, ir.Dot):
+        return None
+    u, x = (dot.b, dot.a) if j in token_axes(dot.a, em.indices) else (dot.a, dot.b)
+    if token_axes(u, em.indices) & {POS, j} != {POS} or token_axes(x, em.indices) & {POS, j} != {j}:
+        return None
+    value = ir.mul(*ks)
+    uv, xv, yv = (_flat(em, em.emit(t)) for t in (u, x, value))  # u first: its own sums are emitted before
+    if any(v.scalar or v.rank != 1 for v in (uv, xv, yv)) or POS in yv.axes:
+        return None
+    sm = canonical_softmax(em, sm, j)
+    sc = score_operands(em, sm, j)
+    if sc is None:
+        return None
+    heads = _heads(sc.q, sc.k, uv, xv, yv, j=j)
+    if any(h not in em.sizes for h in heads):
+        return None
+    dx, dy = _numel(em, x.shape), _numel(em, value.shape)
+    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dx + dy))
+    out = None
+    if em.backend == "triton" and x == value and max(sc.width, dx) <= KERNEL_MAX_HEAD_DIM:
+        out = _kernel_second_moment(em, sc, sm, uv, xv, heads, j, info.strict)
+    if out is None:
+        out = _torch_second_moment(em, sc, sm, uv, xv, yv if x != value else None, heads, j, info.strict)
+    out = _unflat(em, out, e.shape)
+    if qs:
+        rest = em.emit(ir.mul(*qs))
+        axes = canonical(set(out.axes) | set(rest.axes))
+        out = em.tmp(f"{em.align(out, axes, out.rank)} * {em.align(rest, axes, out.rank)}", axes, out.rank)
+    return out
+
+
+def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Val, heads: tuple[str, ...],
+                          j: str, strict: bool) -> Val | None:
+    """`kernels.weighted_second_moment`, with the scores (and lse) of the attention over them when emitted."""
+    kinds = _bias_kinds(em, list(sc.bias_terms), j, strict)
+    if kinds is None:
+        return None
+    shared = _shared_lse(em, sm, strict, heads)
+    if shared is not None:  # exactly the attention's score operands: its lse is these scores' lse
+        qc, kc, keywords, lse = shared.args[0], shared.args[1], shared.args[3:], shared.lse
+    else:
+        qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
+        lse = "None"  # the kernel computes it
+    uc = em.tmp(_as_bhtd(em, u, heads, POS), (), 4).code
+    vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
+    em.used_ops.add("kernels")
+    code = f"kernels.weighted_second_moment({qc}, {kc}, {vc}, {lse}, {uc}, {', '.join(keywords)})"
+    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.v_j) v_j: fused Triton second moment")
+
+
+def _torch_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Val, y: Val | None,
+                         heads: tuple[str, ...], j: str, strict: bool) -> Val:
+    """(p ∘ (U Xᵀ)) Y per head: T x T weights, no T x T x d tensor. y None: y = x."""
+    p = _softmax_weights(em, sc, sm, heads, j, strict)
+    uc, xc = em.tmp(_as_bhtd(em, u, heads, POS), (), 4).code, em.tmp(_as_bhtd(em, x, heads, j), (), 4).code
+    yc = xc if y is None else em.tmp(_as_bhtd(em, y, heads, j), (), 4).code
+    code = f"(({p} * ({uc} @ {xc}.transpose(-1, -2))) @ {yc})"
+    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.x_j) y_j: second moment from the weights")
+
+
+def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, ...], j: str, strict: bool) -> str:
+    """p_ij as a (B, H, T, T) tensor, once per softmax (and step)."""
+    key = ("softmax weights", sm, strict, heads)
+    hit = step_cache(em).get(key)
+    if hit is not None:
+        return hit
+    qc, kc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((sc.q, POS), (sc.k, j)))
+    scores = f"{sympy_src(sc.scale, em.scalars)} * ({qc} @ {kc}.transpose(-1, -2))"
+    if sc.bias_terms:
+        b = em.emit(ir.add(*sc.bias_terms))
+        axes = canonical({BATCH, POS, j} | set(heads))
+        full = em.expand(b, axes)
+        order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
+        bias = em.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {_n_heads(em, heads)}, T, T)",
+                      (), 0, "additive score bias")
+        scores += f" + {bias.code}"
+    em.used_ops.add("masked_softmax")
+    p = em.tmp(f"masked_softmax({scores}, {'mask_strict' if strict else 'mask'}, dim=-1)", (), 4,
+               "softmax weights p_ij (B, H, T, T)")
+    step_cache(em)[key] = p.code
+    return p.code
+
+
+def _softmax_mass(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    """Σ_j p_ij = 1, or 0 on the strict context's empty row i = 0."""
+    body = _unwrap(e.body)
+    if not (isinstance(body, ir.Softmax) and body.index == e.index):
+        return None
+    if not info.strict:
+        return Val("1.0", scalar=True)
+    return em.tmp("(count_strict > 0).to(dt)", (POS,), 0, "sum over j < i of softmax weights")
+
+
+def _expanded_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    """The summand multiplied out, each monomial's sum a recognised form; None if one is not."""
+    j = e.index
+    active = step_cache(em).setdefault("expanding", set())
+    if e in active:
+        return None
+    monomials = _expand(em, e.body, j)
+    if monomials is None:
+        return None
+    terms = [_monomial_sum(em, c, m, j) for c, m in monomials]
+    if any(t is None for t in terms):
+        return None
+    new = ir.add(*terms)
+    if new == e:
+        return None
+    active.add(e)
+    try:
+        return em.emit(new)
+    finally:
+        active.discard(e)
+
+
+def _monomial_sum(em: Emitter, c: sp.Expr, m: Expr, j: str) -> Expr | None:
+    """c Σ_j m as a product of factors outside the sum and one recognised sum, or None."""
+    p, coupling, keys = None, None, []
+    for f in m.factors if isinstance(m, ir.Mul) else [m]:
+        ax = token_axes(f, em.indices)
+        if j not in ax:
+            continue  # query side or constant: ir.reduce moves it out of the sum
+        if isinstance(f, ir.Softmax) and f.index == j and p is None:
+            p = f
+        elif POS not in ax:
+            keys.append(f)
+        elif isinstance(f, ir.Dot) and coupling is None and _coupling(em, f, j) is not None:
+            coupling = f
+        else:
+            return None
+    if p is None and coupling is not None:
+        return None
+    total = ir.reduce("sum", j, m)
+    if coupling is not None and not ir.mul(*keys).shape:  # Σ_j p s_j (u·x_j) = u · Σ_j p s_j x_j
+        u, x = _coupling(em, coupling, j)
+        rest = [f for f in m.factors if f is not coupling and f not in keys and f is not p] \
+            if isinstance(m, ir.Mul) else []
+        total = ir.mul(*rest, ir.dot(u, ir.reduce("sum", j, ir.mul(p, *keys, x))))
+    return ir.mul(ir.Scalar(c), total)
+
+
+def _coupling(em: Emitter, d: ir.Dot, j: str) -> tuple[Expr, Expr] | None:
+    """(u, x) for d = u_i · x_j (either order), u on the query side only and x on the key side only."""
+    for u, x in ((d.a, d.b), (d.b, d.a)):
+        if token_axes(u, em.indices) & {POS, j} == {POS} and token_axes(x, em.indices) & {POS, j} == {j}:
+            return u, x
+    return None
+
+
+def canonical_softmax(em: Emitter, sm: ir.Softmax, j: str) -> ir.Softmax:
+    """The softmax over its multiplied-out score, terms constant over j dropped (softmax ignores them)."""
+    monomials = _expand(em, sm.body, j)
+    if monomials is None:
+        return sm
+    kept = [ir.mul(ir.Scalar(c), m) for c, m in monomials if j in token_axes(m, em.indices)]
+    return ir.Softmax(j, ir.add(*kept)) if kept else sm
+
+
+def _expand(em: Emitter, e: Expr, j: str) -> list[Monomial] | None:
+    """e as Σ c_n m_n, like terms collected; None if it cannot be multiplied out (or has too many terms).
+
+    Only what mixes the query position and the context index is multiplied out: sums, products, dot
+    products and token-independent matrices; anything on one side only is kept whole.
+    """
+    raw = _expand_raw(em, e, j)
+    if raw is None:
+        return None
+    out: dict[Expr, sp.Expr] = {}
+    for c, m in raw:
+        out[m] = out.get(m, sp.Integer(0)) + c
+    return [(c, m) for m, c in out.items() if c != 0]
+
+
+def _expand_raw(em: Emitter, e: Expr, j: str) -> list[Monomial] | None:
+    if isinstance(e, ir.Scalar):
+        return [(e.value, ir.ONE)]
+    if isinstance(e, ir.Softmax) and e.index == j:
+        return [(sp.Integer(1), canonical_softmax(em, e, j))]
+    ax = token_axes(e, em.indices)
+    if POS not in ax or j not in ax:
+        return [(sp.Integer(1), e)]
+    parts: list[list[Monomial] | None]
+    match e:
+        case ir.Let() | ir.StopGrad():
+            return _expand(em, e.children[0], j)
+        case ir.Add():
+            parts = [_expand(em, t, j) for t in e.terms]
+            if any(p is None for p in parts):
+                return None
+            return [mono for p in parts for mono in p]
+        case ir.Mul():
+            out: list[Monomial] = [(sp.Integer(1), ir.ONE)]
+            for f in e.factors:
+                part = _expand(em, f, j)
+                if part is None or len(out) * len(part) > _MAX_MONOMIALS:
+                    return None
+                out = [(c * d, ir.mul(m, n)) for c, m in out for d, n in part]
+            return out
+        case ir.Dot():
+            a, b = _expand(em, e.a, j), _expand(em, e.b, j)
+            if a is None or b is None or len(a) * len(b) > _MAX_MONOMIALS:
+                return None
+            return [(c * d, _dot_monomial(em, m, n, j)) for c, m in a for d, n in b]
+        case ir.MatMul():
+            fixed = [s for s in (e.a, e.b) if not token_axes(s, em.indices) & {BATCH, POS, j}]
+            if not fixed:
+                return None
+            side = e.b if fixed[0] is e.a else e.a
+            part = _expand(em, side, j)
+            if part is None:
+                return None
+            out = []
+            for c, m in part:
+                scalars, vec = _scalars_and_rest(m)
+                prod = ir.matmul(fixed[0], vec) if fixed[0] is e.a else ir.matmul(vec, fixed[0])
+                out.append((c, ir.mul(*scalars, prod)))
+            return out
+    return None
+
+
+def _dot_monomial(em: Emitter, m: Expr, n: Expr, j: str) -> Expr:
+    """m · n for monomials: scalar factors out, query side first (one dot for u·x and x·u)."""
+    sm, a = _scalars_and_rest(m)
+    sn, b = _scalars_and_rest(n)
+
+    def side(t: Expr) -> int:
+        ax = token_axes(t, em.indices)
+        return 0 if j not in ax and POS in ax else 2 if POS not in ax and j in ax else 1
+
+    sa, sb = side(a), side(b)
+    if sb < sa or (sa == sb and str(b.key) < str(a.key)):
+        a, b = b, a
+    return ir.mul(*sm, *sn, ir.dot(a, b))
+
+
+def _scalars_and_rest(m: Expr) -> tuple[list[Expr], Expr]:
+    """A monomial's scalar-shaped factors and the product of the others."""
+    factors = list(m.factors) if isinstance(m, ir.Mul) else [m]
+    scalars = [f for f in factors if not f.shape]
+    rest = [f for f in factors if f.shape]
+    return (scalars, ir.mul(*rest)) if rest else ([], m)
+
+
+def _unwrap(e: Expr) -> Expr:
+    while isinstance(e, (ir.Let, ir.StopGrad)):
+        e = e.children[0]
+    return e
+
+
+def _fresh(em: Emitter) -> str:
+    """A new temporary's name (for a line written without `em.tmp`)."""
+    name = f"t{em.count}"
+    em.count += 1
+    return name

@@ -1,0 +1,156 @@
+"""Second-order context sums (seed 004's covariance and Newton preconditioners) lowered without T x T x d.
+
+LightMHA2nd1st's b_i = Σ_j p_ij (v_j·v̄_i) v_j and MHA2nd1st's centred Σ_j p_ij d_ij (d_ij·g_i), d_ij = k_j - k̄_i
+(with l2-distance scores), are lowered by `energydsl.codegen.second_order`: in the torch backend to
+(p ∘ (U Xᵀ)) Y from the T x T weights per head, in the triton backend to `kernels.weighted_second_moment`
+reusing the row log-sum-exp of the first-order attention over the same scores. Each lowered module is
+compared with the generic masked T x T (x d) form in float64 (the displacement and the gradients with respect
+to x and every parameter), and the triton backend (under the Triton interpreter without CUDA) with the torch
+backend, as in `tests/test_triton_backend.py`. Sequence length 13 (odd: partial kernel tiles); 1 and 2 heads;
+a strict context (j < i) and an untied value (x_j != y_j: the torch form in both backends) as spec variants.
+SoftmaxAttentionL2 (first order only, Σ_j p_ij (z_i - k_j) with l2 scores) is lowered by the same expansion.
+"""
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import energydsl  # noqa: E402
+from energydsl.codegen import energy_source  # noqa: E402
+from energydsl.codegen.torch_module import module_source  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda" if CUDA else "cpu"
+LIGHT = (ROOT / "examples/intrinsic-optimizers/light-mha2nd1st.energy").read_text()
+NEWTON = (ROOT / "examples/intrinsic-optimizers/mha2nd1st.energy").read_text()
+L2 = (ROOT / "examples/intrinsic-optimizers/softmax-attention-l2.energy").read_text()
+
+# (id, spec text, dims, the triton backend's second moment: the fused "kernel", the "torch" form, or None)
+CASES = [
+    ("light-h1", LIGHT, {"heads": 1}, "kernel"),
+    ("light-h2", LIGHT, {"heads": 2}, "kernel"),
+    ("light-strict", LIGHT.replace("where j <= i", "where j < i"), {}, "kernel"),
+    ("light-untied", LIGHT.replace("  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "torch"),
+    ("newton-h1", NEWTON, {"heads": 1}, "kernel"),
+    ("newton-h2", NEWTON, {"heads": 2}, "kernel"),
+    ("newton-strict", NEWTON.replace("where j <= i", "where j < i"), {}, "kernel"),
+    ("l2-first-order", L2, {}, None),
+]
+IDS = [c[0] for c in CASES]
+
+
+def _class(src: str, path: Path) -> type[torch.nn.Module]:
+    """The module class of generated source, imported from a file (triton.jit reads its kernels' source).
+
+    Not `module_class`: its cache key (the equation hash) does not tell `j < i` from `j <= i`, so a strict
+    variant would get the causal energy's cached module.
+    """
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return next(v for v in vars(module).values() if isinstance(v, type) and issubclass(v, torch.nn.Module)
+                and v is not torch.nn.Module)
+
+
+def _perturb(module: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """Weights large enough for peaked softmaxes and a visible second-order term (the 0.02 init is nearly flat)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+def _run(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """The displacement and the gradients of <w, displacement> w.r.t. x and every parameter."""
+    x = x.clone().requires_grad_()
+    out = module(x, delta=True)
+    params = list(module.parameters())
+    grads = torch.autograd.grad((out * w.to(out.dtype)).sum(), [x, *params], allow_unused=True)
+    return [out.detach()] + [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, [x, *params])]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("case,text,dims,second", CASES, ids=IDS)
+def test_lowered_equals_generic(case: str, text: str, dims: dict, second: str | None, tmp_path: Path) -> None:
+    derived = energydsl.load(text).energy(**dims)
+    lowered = module_source(derived.program, derived.equation_hash(), lowering=True)
+    generic = module_source(derived.program, derived.equation_hash(), lowering=False)
+    assert ("second moment from the weights" in lowered) == (second is not None)
+    assert "masked_reduce" not in lowered  # no masked T x T (x d) reduction is left
+    assert "masked_reduce" in generic
+    torch.manual_seed(0)
+    a = _perturb(_class(lowered, tmp_path / "gen_lowered.py")().double(), 0.5)
+    b = _class(generic, tmp_path / "gen_generic.py")().double()
+    b.load_state_dict(a.state_dict())
+    x = a.example_input(2, 13).double()
+    w = torch.randn(x.shape, dtype=torch.float64)
+    labels = ["delta", "x"] + [n for n, _ in a.named_parameters()]
+    for label, got, want in zip(labels, _run(a, x, w), _run(b, x, w), strict=True):
+        assert want.abs().max() > 0, label
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=lambda m, label=label: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("case,text,dims,second", CASES, ids=IDS)
+def test_triton_backend_matches_torch_backend(case: str, text: str, dims: dict, second: str | None,
+                                              tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    derived = energydsl.load(text).energy(**dims)
+    src = energy_source(derived, "triton")
+    assert ".energy_attention" in src and "masked_reduce" not in src
+    if second == "kernel":  # the fused kernel, on the log-sum-exp of the attention over the same scores
+        lse = re.search(r"(\w+), (\w+) = \w+\.energy_attention_with_lse\(", src)
+        call = re.search(r"kernels\.weighted_second_moment\((\w+), (\w+), (\w+), (\w+), ", src)
+        assert lse and call and call.group(4) == lse.group(2), "the second moment does not reuse the attention's lse"
+    else:  # x_j != y_j (the kernel's r_i = Σ_j p_ij (u_i·v_j) v_j does not apply), or no second moment at all
+        assert "weighted_second_moment" not in src and "energy_attention_with_lse" not in src
+        assert ("second moment from the weights" in src) == (second == "torch")
+    _compare(case, src, energy_source(derived, "torch"), tmp_path)
+
+
+def _compare(case: str, triton_src: str, torch_src: str, tmp_path: Path) -> None:
+    """The triton module in float32 against the torch one in float64, as `tests/test_triton_backend.py`."""
+    tri_cls, torch_cls = _class(triton_src, tmp_path / "gen_triton.py"), _class(torch_src, tmp_path / "gen_torch.py")
+    torch.manual_seed(0)
+    ref = _perturb(torch_cls(), 0.5).to(DEVICE)
+    tri, base = tri_cls().to(DEVICE), torch_cls().to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    base.load_state_dict(ref.state_dict())
+    x = ref.example_input(2, 13).to(DEVICE)
+    w = torch.randn(x.shape, device=DEVICE)
+    want = _run(ref.double(), x.double(), w)
+    got = _run(tri.float(), x.float(), w)
+    fp32 = _run(base.float(), x.float(), w)
+    labels = ["delta", "x"] + [n for n, _ in ref.named_parameters()]
+    for label, g, r, b in zip(labels, got, want, fp32, strict=True):
+        assert r.abs().max() > 0, label
+        err, floor = _rel(g, r), _rel(b, r)
+        assert err <= max(1e-4, 4 * floor), f"{case} {label}: {err:.2e} (float32 torch: {floor:.2e})"
+
+
+@pytest.mark.parametrize("case", ["light-strict", "newton-h2"])
+def test_kernel_second_moment_without_a_shared_lse(case: str, tmp_path: Path, monkeypatch) -> None:
+    """No first-order call over the same scores to share: the kernel gets its own score arguments, lse=None."""
+    pytest.importorskip("triton")
+    from energydsl.codegen import second_order
+
+    _, text, dims, _ = next(c for c in CASES if c[0] == case)
+    derived = energydsl.load(text).energy(**dims)
+    monkeypatch.setattr(second_order, "_shared_lse", lambda *args: None)
+    src = energy_source(derived, "triton")
+    call = re.search(r"kernels\.weighted_second_moment\((\w+), (\w+), (\w+), None, (\w+), ", src)
+    assert call and "energy_attention_with_lse" not in src
+    _compare(case, src, energy_source(derived, "torch"), tmp_path)
