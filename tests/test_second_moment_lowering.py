@@ -2,7 +2,7 @@
 
 LightMHA2nd1st's b_i = Σ_j p_ij (v_j·v̄_i) v_j and MHA2nd1st's centred Σ_j p_ij d_ij (d_ij·g_i), d_ij = k_j - k̄_i
 (with l2-distance scores), are lowered by `energydsl.codegen.second_order`: in the torch backend to
-(p ∘ (U Xᵀ)) Y from the T x T weights per head, in the triton backend to `kernels.weighted_second_moment`
+(p ∘ (U Xᵀ)) Y from the T x T weights per head, in the triton backend to the second-moment kernels written into the file
 reusing the row log-sum-exp of the first-order attention over the same scores. Each lowered module is
 compared with the generic masked T x T (x d) form in float64 (the displacement and the gradients with respect
 to x and every parameter), and the triton backend (under the Triton interpreter without CUDA) with the torch
@@ -113,7 +113,7 @@ def test_triton_backend_matches_torch_backend(case: str, text: str, dims: dict, 
     assert ".energy_attention" in src and "masked_reduce" not in src
     if second == "kernel":  # the fused kernel, on the log-sum-exp of the attention over the same scores
         lse = re.search(r"(\w+), (\w+) = \w+\.energy_attention_with_lse\(", src)
-        call = re.search(r"kernels\.weighted_second_moment\((\w+), (\w+), (\w+), (\w+), ", src)
+        call = re.search(r"attention_\w+\.weighted_second_moment\((\w+), (\w+), (\w+), (\w+), ", src)
         assert lse and call and call.group(4) == lse.group(2), "the second moment does not reuse the attention's lse"
     else:  # x_j != y_j (the kernel's r_i = Σ_j p_ij (u_i·v_j) v_j does not apply), or no second moment at all
         assert "weighted_second_moment" not in src and "energy_attention_with_lse" not in src
@@ -143,7 +143,8 @@ def _compare(case: str, triton_src: str, torch_src: str, tmp_path: Path) -> None
 
 @pytest.mark.parametrize("case", ["light-strict", "newton-h2"])
 def test_kernel_second_moment_without_a_shared_lse(case: str, tmp_path: Path, monkeypatch) -> None:
-    """No first-order call over the same scores to share: the kernel gets its own score arguments, lse=None."""
+    """No first-order call over the same scores to share: the second moment gets its own score arguments and
+    a first pass of the specialised attention for the lse."""
     pytest.importorskip("triton")
     from energydsl.codegen import second_order
 
@@ -151,6 +152,8 @@ def test_kernel_second_moment_without_a_shared_lse(case: str, tmp_path: Path, mo
     derived = energydsl.load(text).energy(**dims)
     monkeypatch.setattr(second_order, "_shared_lse", lambda *args: None)
     src = energy_source(derived, "triton")
-    call = re.search(r"kernels\.weighted_second_moment\((\w+), (\w+), (\w+), None, (\w+), ", src)
-    assert call and "energy_attention_with_lse" not in src
+    lse = re.search(r"(\w+) = \w+\.energy_attention_with_lse\((\w+), (\w+), (\w+), .*\)\[1\]", src)
+    call = re.search(r"attention_\w+\.weighted_second_moment\((\w+), (\w+), (\w+), (\w+), ", src)
+    assert lse and call and call.group(4) == lse.group(1)
+    assert lse.group(2, 3, 4) == call.group(1, 2, 3)  # the same scores and values
     _compare(case, src, energy_source(derived, "torch"), tmp_path)

@@ -45,6 +45,7 @@ from .lowering import (  # the first-order forms this builds on, and their shape
     step_cache,
 )
 from .torch_expr import BATCH, POS, Val, canonical, sympy_src, token_axes
+from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
@@ -125,21 +126,25 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
 
 def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Val, heads: tuple[str, ...],
                           j: str, strict: bool) -> Val | None:
-    """`kernels.weighted_second_moment`, with the scores (and lse) of the attention over them when emitted."""
+    """The second-moment pass of the attention kernels (written into the file), over the scores and lse of
+    the first-order attention when it was emitted, else over its own scores and a first pass for the lse."""
     kinds = _bias_kinds(em, list(sc.bias_terms), j, strict)
     if kinds is None:
         return None
+    terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]))
     shared = _shared_lse(em, sm, strict, heads)
+    vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
     if shared is not None:  # exactly the attention's score operands: its lse is these scores' lse
         qc, kc, keywords, lse = shared.args[0], shared.args[1], shared.args[3:], shared.lse
     else:
         qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
-        lse = "None"  # the kernel computes it
+        first = em.kernel_set(KernelRequest.attention(**terms))
+        lse = em.tmp(f"{first}.energy_attention_with_lse({qc}, {kc}, {vc}, {', '.join(keywords)})[1]", (), 0,
+                     "the row log-sum-exp of these scores (first pass)").code
     uc = em.tmp(_as_bhtd(em, u, heads, POS), (), 4).code
-    vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
-    em.used_ops.add("kernels")
-    code = f"kernels.weighted_second_moment({qc}, {kc}, {vc}, {lse}, {uc}, {', '.join(keywords)})"
-    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.v_j) v_j: fused Triton second moment")
+    ops = em.kernel_set(KernelRequest.attention(**terms, second=True))
+    code = f"{ops}.weighted_second_moment({qc}, {kc}, {vc}, {lse}, {uc}, {', '.join(keywords)})"
+    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.v_j) v_j: the Triton second-moment kernels above")
 
 
 def _torch_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Val, y: Val | None,

@@ -39,9 +39,10 @@ class KernelRequest:
     baked: tuple[tuple[str, Any], ...]
 
     @staticmethod
-    def attention(strict: bool, alibi: bool, self_bias: bool, key_bias: bool) -> KernelRequest:
-        """The softmax family's first-order pass (energy_attention) with these score terms."""
-        baked = dict(STRICT=strict, HAS_ALIBI=alibi, HAS_SELF=self_bias, HAS_KB=key_bias, SECOND=False)
+    def attention(strict: bool, alibi: bool, self_bias: bool, key_bias: bool, second: bool = False) -> KernelRequest:
+        """The softmax family with these score terms: the first-order pass (energy_attention), or with
+        `second` the weighted second moment over a given lse."""
+        baked = dict(STRICT=strict, HAS_ALIBI=alibi, HAS_SELF=self_bias, HAS_KB=key_bias, SECOND=second)
         # a term that is absent has no gradient either
         baked.update({need: False for has, need in _NEEDS.items() if not baked[has]})
         return KernelRequest("attention", tuple(baked.items()))
