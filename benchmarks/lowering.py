@@ -7,6 +7,10 @@ for both, the ratio lowered / generic, and the largest relative difference of th
 
     python benchmarks/lowering.py                                    # CEM, context 256, batch 4
     python benchmarks/lowering.py --spec examples/models/rmt.energy --context 128
+    python benchmarks/lowering.py --spec examples/intrinsic-optimizers/mha2nd1st.energy --set d=64 heads=4
+
+A file without a model times its (first) energy as one layer instead: forward+backward of a loss on the
+layer's displacement, same weights on both sides.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import importlib.util
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,18 +51,46 @@ def generic_twin(model: LanguageModel, workdir: Path) -> LanguageModel:
     return twin
 
 
+def generic_layer(layer: torch.nn.Module, derived, workdir: Path) -> torch.nn.Module:
+    """The same energy's layer generated with lowering off, with `layer`'s weights."""
+    path = workdir / "generic_layer.py"
+    path.write_text(module_source(derived.program, derived.equation_hash(), lowering=False))
+    spec = importlib.util.spec_from_file_location("generic_layer", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    twin = getattr(module, class_name(derived.spec.name))()
+    twin.load_state_dict(layer.state_dict())
+    return twin
+
+
+def layer_step_time(layer: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    (layer(x, delta=True) * w).sum().backward()
+    layer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=str(ROOT / "examples/models/cem.energy"))
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="dims of a single energy")
     args = ap.parse_args()
     torch.manual_seed(0)
     try:
-        lowered = load(args.spec).model(context=args.context)
+        spec = load(args.spec)
+        dims = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.set)}
+        if not spec.model_names:
+            return layer_main(spec, dims, args)
+        lowered = spec.model(context=args.context)
     except UserError as e:
         print(e.render(), file=sys.stderr)
+        raise SystemExit(2) from None
+    except ValueError:
+        print(f"error: --set takes NAME=NUMBER pairs; got {args.set}", file=sys.stderr)
         raise SystemExit(2) from None
     with tempfile.TemporaryDirectory() as tmp:
         generic = generic_twin(lowered, Path(tmp))
@@ -76,6 +109,33 @@ def main() -> None:
     print(f"  generic  {times['generic'] * 1e3:9.1f} ms   (masked T x T form, the peer)")
     print(f"  ratio lowered / generic: {times['lowered'] / times['generic']:.3f}   "
           f"max relative logit difference {diff:.1e}")
+
+
+def layer_main(spec, dims: dict[str, float], args: argparse.Namespace) -> None:
+    """One energy's layer, lowered against generic (the file declares no model)."""
+    derived = spec.energy(None, **dims)
+    lowered = spec.module(None, **dims)
+    with torch.no_grad():  # away from the tiny init, so that the softmax is not uniform
+        for p in lowered.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    with tempfile.TemporaryDirectory() as tmp:
+        generic = generic_layer(lowered, derived, Path(tmp))
+        x = lowered.example_input(args.batch, args.context)
+        w = torch.randn(x.shape)
+        with torch.no_grad():
+            a, b = lowered(x, delta=True), generic(x, delta=True)
+        diff = ((a - b).abs().max() / b.abs().max()).item()
+        times = {}
+        for label, m in (("lowered", lowered), ("generic", generic)):
+            layer_step_time(m, x, w)  # warm-up
+            times[label] = statistics.median(layer_step_time(m, x, w) for _ in range(args.repeats))
+    shown = ", ".join(f"{k}={v:g}" for k, v in derived.spec.dims().items())
+    print(f"{Path(args.spec).name}: {derived.spec.name}({shown}), context {args.context}, batch {args.batch}, "
+          f"{torch.get_num_threads()} threads, fwd+bwd median of {args.repeats}")
+    print(f"  lowered  {times['lowered'] * 1e3:9.1f} ms")
+    print(f"  generic  {times['generic'] * 1e3:9.1f} ms   (masked T x T form, the peer)")
+    print(f"  ratio lowered / generic: {times['lowered'] / times['generic']:.3f}   "
+          f"max relative difference {diff:.1e}")
 
 
 if __name__ == "__main__":

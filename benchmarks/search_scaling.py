@@ -4,6 +4,11 @@ scaling efficiency, and the engine's own overhead (time not spent inside `evalua
     python benchmarks/search_scaling.py                       # toy space, 1 s per trial
     python benchmarks/search_scaling.py --set sleep=0.5 --trials 24 --no-ray
     python benchmarks/search_scaling.py --space path/to/model.energy --set steps=200
+    python benchmarks/search_scaling.py --space search/quickstart.energy --cold-checks
+
+Check verdicts are kept on disk between processes and runs (`energydsl.search.stagecheck`), so by default
+a case may find the energies checked by an earlier case or run; `--cold-checks` gives every case an empty
+check cache, as when a space is searched for the first time.
 
 Two rates are printed: "wall" counts everything from the call to the summary (process start-up,
 imports, Ray start-up), "steady" only the span from the first trial's start to the last one's end.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -23,7 +29,7 @@ from typing import Any
 
 from optuna.trial import TrialState
 
-from energydsl.search import SpaceRef, load_study, run_search
+from energydsl.search import SpaceRef, load_study, run_search, stagecheck
 from energydsl.search.report import TIMING, trial_kind
 
 TOY = "energydsl.search.toy:make_space"
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ray", action="store_true")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--dir", default=None, help="where the studies go (default: a temporary directory)")
+    ap.add_argument("--cold-checks", action="store_true",
+                    help="every case starts with no check verdicts, on disk or in this process")
     args = ap.parse_args(argv)
     sets = dict(s.split("=", 1) for s in args.set)
     if args.space == TOY:  # 1 s of "training" per trial, no invalid or duplicate candidates
@@ -75,16 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     cases = [("local-1", "local", 1), (f"local-{args.workers}", "local", args.workers)]
     if not args.no_ray:
         cases.append((f"ray-{args.workers}", "ray", args.workers))
-    rows = [run_case(label, ref, backend, w, args.trials, root) for label, backend, w in cases]
+    rows = []
+    for label, backend, w in cases:
+        if args.cold_checks:  # workers inherit the variable; this process (1 worker, Ray's driver) forgets
+            os.environ["ENERGYDSL_CHECK_CACHE"] = str(root / f"{label}-checks")
+            stagecheck.forget()
+        rows.append(run_case(label, ref, backend, w, args.trials, root))
     base = rows[0]
     for r in rows:
         r["efficiency_wall"] = round(r["tph_wall"] / (base["tph_wall"] * r["workers"]), 3)
         r["efficiency_steady"] = round(r["tph_steady"] / (base["tph_steady"] * r["workers"]), 3)
     if args.json:
-        json.dump({"space": str(ref), "results": rows}, sys.stdout, indent=1)
+        json.dump({"space": str(ref), "cold_checks": args.cold_checks, "results": rows}, sys.stdout, indent=1)
         print()
         return 0
-    print(f"space: {ref}   trials per case: {args.trials}   studies in {root}")
+    cold = "   (cold checks)" if args.cold_checks else ""
+    print(f"space: {ref}   trials per case: {args.trials}   studies in {root}{cold}")
     head = ["case", "trials", "wall_s", "tph_wall", "tph_steady", "efficiency_wall", "efficiency_steady",
             "overhead_trial", "overhead_run"]
     print("  ".join(f"{h:>17}" for h in head))

@@ -8,13 +8,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import syntax
 from .checks import CheckResult, run_checks
-from .errors import SpecError
+from .errors import Span, SpecError
 from .ir import Var
 from .optimizers import UpdateProgram, build_program, unhoist
 from .printing import mathml_block, show
@@ -34,7 +38,11 @@ class Derived:
 
     spec: EnergyIR
     program: UpdateProgram
-    _checks: list[CheckResult] | None = field(default=None, repr=False)
+    _checks: list[CheckResult] | None = field(default=None, repr=False, compare=False)
+    # results that depend on the derivation only, kept because `derive` shares one Derived between users
+    _hash: str | None = field(default=None, repr=False, compare=False)
+    _formatted: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    _flops: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -106,10 +114,15 @@ class Derived:
         return lines
 
     def equations(self, fmt: str = "text") -> str:
-        rel = self.relations()
-        spec = self.spec
         if fmt not in ("text", "latex", "markdown", "mathml"):
             raise SpecError(f"unknown format `{fmt}`", None, "use text, latex, markdown or mathml")
+        if fmt not in self._formatted:
+            self._formatted[fmt] = self._equations(fmt)
+        return self._formatted[fmt]
+
+    def _equations(self, fmt: str) -> str:
+        rel = self.relations()
+        spec = self.spec
         rows = self.equation_list()
         header = self._header()
         tying = self.tying()
@@ -159,10 +172,29 @@ class Derived:
         return self._checks
 
     def equation_hash(self) -> str:
-        """A hash of the derived program and dims: identical derivations share it."""
-        text = repr([(a.target.name, unhoist(a.value).key) for a in self.program.assigns])
-        text += repr(sorted(self.spec.dims().items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        """A hash of everything the generated layer depends on: identical layers share it.
+
+        The update's equations, and what they do not show: the number of steps, the context's mask
+        (j < i or j <= i), the parameters (shapes, initialisers, constraints, learned or fixed), the
+        optimizer's hyper-parameters and the dims."""
+        if self._hash is None:
+            prog = self.program
+            params = [(p.name, tuple(map(str, p.shape)), repr(p.init), repr(p.constraint), p.learn)
+                      for p in prog.params.values()]
+            text = repr([(a.target.name, unhoist(a.value).key) for a in prog.assigns])
+            text += repr((prog.steps, sorted(self.relations().items()), params,
+                          sorted((str(k), str(v)) for k, v in prog.hyper_values.items())))
+            text += repr(sorted(self.spec.dims().items()))
+            self._hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return self._hash
+
+    def flops_per_token(self, context: int) -> float:
+        """Matmul FLOPs per token of one forward of the stage at full context (see `codegen`)."""
+        if context not in self._flops:
+            from .codegen.torch_module import flops_per_token
+
+            self._flops[context] = flops_per_token(self.program, context)
+        return self._flops[context]
 
 
 def _tex_lhs(lhs: str) -> str:
@@ -222,19 +254,19 @@ class Spec:
     def model(self, name: str | None = None, backend: str = "torch", **dims: float):
         """The language model a `model` declaration describes (`energydsl.runtime.model.LanguageModel`)."""
         from .codegen import module_class
-        from .codegen.torch_module import flops_per_token
         from .composition import plan_model
+        from .kernels import use_triton
         from .runtime.model import LanguageModel, StageInfo
 
         name = self._pick(name, self.model_names, "models")
         plan = plan_model(self.syntax, name, dims)
         classes, infos = [], []
         for stage in plan.stages:
-            spec = lower_energy(stage.decl, stage.dims)
-            derived = Derived(spec, build_program(spec))
+            derived = derive(stage.decl, stage.dims)
             classes.append(module_class(derived, backend))
-            infos.append(StageInfo(stage.label, derived, flops_per_token(derived.program, plan.context)))
-        return LanguageModel(plan, classes, infos)
+            infos.append(StageInfo(stage.label, derived, derived.flops_per_token(plan.context)))
+        fused = backend == "triton" and use_triton()  # as module_class: no kernels here means plain torch
+        return LanguageModel(plan, classes, infos, fused_momentum=fused)
 
     def module(self, name: str | None = None, backend: str = "torch", **dims: float):
         """An nn.Module for an energy (its update) or a model (a language model); `name` may be left out
@@ -264,6 +296,62 @@ class Spec:
             have = ", ".join(names) or "none"
             raise SpecError(f"no {what.rstrip('s')} named `{name}` in {self.path} (it has: {have})", None)
         return name
+
+
+# ----------------------------------------------------------------------------- shared derivations
+
+DERIVE_MEMO_SIZE = 256  # derivations kept per process (a search builds a few per trial, mostly the same)
+_DERIVED: OrderedDict[tuple[Any, ...], Derived] = OrderedDict()
+_DERIVED_LOCK = threading.Lock()  # Ray may run trials in threads of one process
+
+
+def declaration_key(decl: syntax.EnergyDecl) -> tuple[Any, ...]:
+    """Everything `lower_energy(decl, dims)` depends on besides the dims: the declaration's text and the
+    position of every node in it. Declarations with equal keys lower to equal IRs down to the spans
+    (file:line:col) that error messages and `expect` counterexamples cite, so they can share one."""
+    spans: list[tuple[str, int, int, int | None]] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, Span):
+            spans.append((x.file, x.line, x.column, x.end_column))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(decl)
+    # a declaration built in code (no text) is told apart by its whole tree
+    return (decl.name, decl.source_text or repr(decl), tuple(spans))
+
+
+def derive(decl: syntax.EnergyDecl, dims: dict[str, float] | None = None) -> Derived:
+    """`lower_energy` + `build_program`, memoised in this process by `declaration_key` and the dims.
+
+    A search builds every candidate from fresh text, but most candidates repeat an energy another one
+    had, at the same place: they share its Derived (and what it caches: checks, hash, printed
+    equations). Only successes are kept; a failing declaration raises afresh, with its own spans. The
+    shared IR's `Span.source` is the first user's whole text, which agrees with this one's on every line
+    of the declaration (the key fixes their text and positions). Nothing downstream changes a Derived
+    beyond its caches of what it derives."""
+    dims = dict(dims or {})
+    key = (declaration_key(decl), tuple(sorted((k, float(v)) for k, v in dims.items())))
+    with _DERIVED_LOCK:
+        hit = _DERIVED.get(key)
+        if hit is not None:
+            _DERIVED.move_to_end(key)
+            return hit
+    spec = lower_energy(decl, dims)
+    derived = Derived(spec, build_program(spec))
+    with _DERIVED_LOCK:
+        derived = _DERIVED.setdefault(key, derived)  # a racing thread's result wins: one object per key
+        while len(_DERIVED) > DERIVE_MEMO_SIZE:
+            _DERIVED.popitem(last=False)
+    return derived
 
 
 def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, float]:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any
 
 from . import syntax as ast
 from .errors import Span, SpecError
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 NORMS = ("layernorm", "rmsnorm")
 ACROSS = {"momentum": {"beta": 0.9, "eta": 1.0}, "nag": {"beta": 0.9, "eta": 1.0}}
@@ -63,6 +64,8 @@ class ModelPlan:
 
     def graph(self) -> nx.DiGraph:
         """tokens → embed → (norm →) stage → ... per layer → (final norm →) head → logits."""
+        import networkx as nx  # only here: importing it costs a search worker ~0.1 s
+
         g = nx.DiGraph(name=self.name)
         g.add_node("tokens", kind="input")
         g.add_node("embed", kind="embed", label=self.embed_label())

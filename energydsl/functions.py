@@ -9,7 +9,9 @@ itself, exactly.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -144,14 +146,39 @@ def _torchable(expr: sp.Expr) -> bool:
     return True
 
 
+def _closed_form_integral(formula: sp.Expr) -> sp.Expr:
+    """∫_0^x formula (the indefinite integral where it has no finite value at 0), kept on disk.
+
+    SymPy takes 0.3-0.6 s for ∫GELU, in every process that meets it (each search worker, each CLI run);
+    the result depends only on the formula and SymPy's version, so it is stored under the codegen cache
+    (`$ENERGYDSL_CACHE`) as `srepr` text. A file that cannot be read or written is recomputed."""
+    from .codegen import cache_dir
+
+    key = hashlib.sha256(f"{sp.__version__}|{sp.srepr(formula)}".encode()).hexdigest()[:20]
+    path = cache_dir() / "integrals" / f"{key}.txt"
+    try:
+        return sp.sympify(path.read_text())
+    except (OSError, sp.SympifyError, SyntaxError, TypeError, ValueError):
+        pass
+    closed = sp.integrate(formula, X)
+    closed = sp.simplify(closed - closed.subs(X, 0)) if closed.subs(X, 0).is_finite else closed
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(sp.srepr(closed))
+        os.replace(tmp, path)  # whole or not at all: concurrent workers never read half a file
+    except OSError:
+        pass
+    return closed
+
+
 def antiderivative(name: str) -> str:
     """The registry name of φ with φ' = f (`integral(f)`); SymPy finds the closed form."""
     iname = f"int_{name}"
     if iname in REGISTRY:
         return iname
     f = REGISTRY[name]
-    closed = sp.integrate(f.formula, X)
-    closed = sp.simplify(closed - closed.subs(X, 0)) if closed.subs(X, 0).is_finite else closed
+    closed = _closed_form_integral(f.formula)
     latex = f"\\textstyle\\int {f.latex or name}"
     if _torchable(closed) and not closed.has(sp.Integral):
         fn = Function(iname, closed, None, name, latex=latex)

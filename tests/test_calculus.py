@@ -205,3 +205,23 @@ def test_ir_caches_keep_structural_equality():
 
     back = pickle.loads(pickle.dumps(a))
     assert "_hash" not in back.__dict__ and back == a and hash(back) == hash(a)
+
+
+def test_closed_form_integrals_are_kept_on_disk(tmp_path, monkeypatch) -> None:
+    """∫f is computed by SymPy once per machine: a second process reads the same expression back, and a
+    damaged file is recomputed, not trusted."""
+    import sympy as sp
+
+    from energydsl.functions import REGISTRY, X, _closed_form_integral
+
+    monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
+    formula = REGISTRY["gelu"].formula
+    fresh = _closed_form_integral(formula)
+    files = list((tmp_path / "integrals").glob("*.txt"))
+    assert len(files) == 1
+    assert _closed_form_integral(formula) == fresh  # read back from the file, structurally equal
+    assert sp.simplify(sp.diff(fresh, X) - formula) == 0
+    files[0].write_text(sp.srepr(X**3))  # what is on disk is what is used (no SymPy integration)
+    assert _closed_form_integral(formula) == X**3
+    files[0].write_text("Mul(Symbol('x'), ")  # a torn write
+    assert _closed_form_integral(formula) == fresh

@@ -142,3 +142,33 @@ def test_prefix_reduce_equals_masked_reduce(op: str, strict: bool) -> None:
     full = x[:, None].expand(2, 6, 6, 3)  # (b, i, j, d)
     ref = masked_reduce(full, mask[None, :, :, None], dim=2, op=op)
     torch.testing.assert_close(prefix_reduce(x, dim=1, op=op, strict=strict), ref)
+
+
+_HASH_BASE = """
+energy E(d = 4) {
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.02)
+  global  F = -logsumexp[j](z . (W @ h[j]))
+  optimizer gd(eta = 1)
+}
+"""
+
+
+@pytest.mark.parametrize("change", [
+    ("j <= i", "j < i"),                       # the mask: the equations print alike
+    ("gd(eta = 1)", "gd(eta = 1) steps 2"),    # the number of steps
+    ("normal(0, 0.02)", "normal(0, 0.5)"),     # the initialiser
+])
+def test_equation_hash_tells_apart_what_the_equations_do_not_show(tmp_path, change) -> None:
+    """The codegen cache and the search's deduplication key on the equation hash: layers that differ in
+    mask, steps or initialisation must not share it (nor, therefore, a cached module)."""
+    a, b = tmp_path / "a.energy", tmp_path / "b.energy"
+    a.write_text(_HASH_BASE)
+    b.write_text(_HASH_BASE.replace(*change))
+    da, db = energydsl.load(a).energy("E"), energydsl.load(b).energy("E")
+    assert da.equation_hash() != db.equation_hash()
+    assert module_class(da) is not module_class(db)
+    same = tmp_path / "same.energy"
+    same.write_text("# the same layer, laid out otherwise\n" + _HASH_BASE.replace("  global", "  global "))
+    assert energydsl.load(same).energy("E").equation_hash() == da.equation_hash()

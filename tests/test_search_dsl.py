@@ -41,6 +41,19 @@ def corpus(tmp_path_factory: pytest.TempPathFactory):
     yield
     os.environ.pop("ENERGYDSL_SHAKESPEARE", None)
 
+
+@pytest.fixture(autouse=True, scope="module")
+def check_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Check verdicts of this module's own (also for `energy search` subprocesses): none read from earlier
+    runs, none left in the user's cache. tests/test_search_cache.py tests the cache itself."""
+    old = os.environ.get("ENERGYDSL_CHECK_CACHE")
+    os.environ["ENERGYDSL_CHECK_CACHE"] = str(tmp_path_factory.mktemp("checks"))
+    yield
+    if old is None:
+        os.environ.pop("ENERGYDSL_CHECK_CACHE", None)
+    else:
+        os.environ["ENERGYDSL_CHECK_CACHE"] = old
+
 # A small, cheap space: attention and a ReLU MLP (checks take a fraction of a second at d = 4).
 TINY = """
 energy Mix(d = 4, heads = 2) {
@@ -435,19 +448,3 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     metrics = [t.user_attrs.get("metrics", {}) for t in load_study(s["storage"], "Quickstart").get_trials()]
     assert any({"val_loss", "params", "flops_per_token", "step_time"} <= set(m) for m in metrics)
 
-
-def test_widths_that_shrink_alike_share_one_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checks run at shrunk dims, so d = 32 and d = 64 prove the same derivation: it is checked once."""
-    from energydsl.api import Derived
-    from energydsl.search import dsl
-
-    decl = energydsl.load(TINY).syntax.energies["Mix"]
-    calls: list[int] = []
-    real = Derived.check
-    monkeypatch.setattr(Derived, "check", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    monkeypatch.setattr(dsl, "_CHECKS", {})
-    assert dsl._stage_check(decl, {"d": 32.0, "heads": 2.0}) is None
-    assert dsl._stage_check(decl, {"d": 64.0, "heads": 2.0}) is None
-    assert len(calls) == 1
-    assert dsl._stage_check(decl, {"d": 6.0, "heads": 2.0}) is None  # checked at d = 6 itself: another check
-    assert len(calls) == 2

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from ..errors import SpecError
 
 if TYPE_CHECKING:
@@ -85,9 +86,11 @@ class StageInfo:
 class LanguageModel(nn.Module):
     """A causal language model: idx (B, T) -> logits (B, T, vocab)."""
 
-    def __init__(self, plan: ModelPlan, stage_classes: list[type[nn.Module]], stages: list[StageInfo]):
+    def __init__(self, plan: ModelPlan, stage_classes: list[type[nn.Module]], stages: list[StageInfo],
+                 fused_momentum: bool = False):
         super().__init__()
         self.plan = plan
+        self.fused_momentum = fused_momentum  # triton backend: the step across layers is one kernel pass
         self.stage_info = stages
         self.vocab_size, self.block_size, self.d = plan.vocab, plan.context, plan.d
         self.stream = plan.stream
@@ -183,6 +186,8 @@ class LanguageModel(nn.Module):
         """Apply a stage's displacement f: plainly (residual), or through the momentum buffer across layers."""
         if self.across is None:
             return x + f, m
+        if self.fused_momentum:
+            return kernels.momentum_update(x, m, f, self.across_beta, self.across_eta)
         m = self.across_beta * m + f
         return x + self.across_eta * m, m
 

@@ -41,6 +41,7 @@ import lark
 
 from energydsl import syntax
 from energydsl.errors import Span, SpecError, UserError
+from energydsl.search.stagecheck import stage_check
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
@@ -820,9 +821,6 @@ class DslSpace:
 
 # ----------------------------------------------------------------------------- candidates
 
-_CHECKS: dict[Any, str | None] = {}  # (declaration text, dims) -> failure reason; per process
-SHRINK = (4, 8, 16, 32)  # checks run at small dims: sizes above the bound are halved while whole
-
 
 def _reason(e: BaseException) -> str:
     """One line: the message, the candidate's source line it points at, the hint."""
@@ -834,47 +832,6 @@ def _reason(e: BaseException) -> str:
         if 1 <= e.span.line <= len(lines) and lines[e.span.line - 1].strip():
             where = f" (at `{_norm(lines[e.span.line - 1])[:120]}`)"
     return f"{e.message}{where}" + (f"; hint: {e.hint}" if e.hint else "")
-
-
-def _shrink(dims: dict[str, float], bound: int) -> dict[str, float]:
-    out = {}
-    for k, v in dims.items():
-        v = float(v)
-        while v.is_integer() and v > bound and (v / 2).is_integer():
-            v /= 2
-        out[k] = v
-    return out
-
-
-def _stage_check(decl: Any, dims: dict[str, float]) -> str | None:
-    """Run `energy check` on one stage's energy at small dims (derivations are dim-independent; the
-    model was already built at the real dims). Cached by the declaration's text and the dims checked at."""
-    from energydsl.api import Derived
-    from energydsl.optimizers import build_program
-    from energydsl.semantics import lower_energy
-
-    text = getattr(decl, "source_text", "") or repr(decl)
-    derived, used = None, dims
-    for bound in (*SHRINK, None):
-        used = dims if bound is None else _shrink(dims, bound)
-        key = (decl.name, text, tuple(sorted(used.items())))  # widths that shrink alike share one check
-        if key in _CHECKS:
-            return _CHECKS[key]
-        try:
-            spec = lower_energy(decl, used)
-            derived = Derived(spec, build_program(spec))
-            break
-        except UserError:
-            if bound is None:
-                raise
-    assert derived is not None
-    failed = [r for r in derived.check() if r.status == "fail"]
-    reason = None
-    if failed:
-        at = ", ".join(f"{k}={_num(v)}" for k, v in used.items())
-        reason = "; ".join(f"check `{r.name}` failed: {r.detail}" for r in failed) + f" (checked at {at})"
-    _CHECKS[key] = reason
-    return reason
 
 
 class DslCandidate:
@@ -923,7 +880,7 @@ class DslCandidate:
         stages = [(s.label, s.decl, s.dims) for s in plan.stages] if plan is not None else []
         try:
             for label, decl, dims in stages:
-                why = _stage_check(decl, dims)
+                why = stage_check(decl, dims)
                 if why:
                     return f"{label}: {why}"
         except (UserError, NotImplementedError) as e:

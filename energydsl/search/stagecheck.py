@@ -1,0 +1,168 @@
+"""Validity checks of a candidate's stages (`energy check` at small dims), remembered in this process and
+on disk.
+
+Why: checking an energy the search has not seen yet costs a few hundred milliseconds (SymPy
+differentiates an explicit instance), more than all the rest of a trial's own work. Candidates repeat the
+same few energies, and every worker process and every rerun of a study would check them again. A verdict
+is a pure function of the declaration (its text and the position of every node: `api.declaration_key`,
+so a reason that cites `file:line:col` is right for the candidate that reads it), the dims it is checked
+at, and the code that derives and checks; it is stored under a hash of all of them, so a changed compiler,
+torch or SymPy never reads an old verdict. Files are written whole (rename), so concurrent workers are
+safe: at worst two of them check the same energy once each.
+
+`ENERGYDSL_CHECK_CACHE` names the directory (default: `checks/` under the code generator's cache,
+`$ENERGYDSL_CACHE` or `~/.cache/energydsl/codegen`); `off` keeps verdicts in memory only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from energydsl.errors import UserError
+
+SHRINK = (4, 8, 16, 32)  # checks run at small dims: sizes above the bound are halved while whole
+FORMAT = 1  # of the files; part of the hash
+_OFF = ("", "0", "off", "no", "false", "none")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What checking one energy at one set of dims found."""
+
+    fits: bool  # False: the energy does not derive at these (shrunk) dims; the next bound is tried
+    reason: str | None = None  # why the candidate is invalid; None when every check passed
+
+
+_MEMORY: dict[str, Verdict] = {}  # digest -> verdict, this process
+
+
+def cache_dir() -> Path | None:
+    """Where verdicts are kept across processes; None when `ENERGYDSL_CHECK_CACHE` is `off`."""
+    env = os.environ.get("ENERGYDSL_CHECK_CACHE")
+    if env is not None:
+        return None if env.strip().lower() in _OFF else Path(env)
+    from energydsl.codegen import cache_dir as codegen_dir
+
+    return codegen_dir() / "checks"
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of what a verdict depends on besides the declaration: the modules that parse, derive and
+    check (the package's top level; codegen, runtime, training and search play no part), this module,
+    the grammar, and the torch and SymPy versions."""
+    import sympy
+    import torch
+
+    from energydsl.syntax import GRAMMAR_PATH
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256(f"{FORMAT}|{torch.__version__}|{sympy.__version__}".encode())
+    for path in [*sorted(root.glob("*.py")), Path(__file__).resolve(), GRAMMAR_PATH]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def forget() -> None:
+    """Drop this process's verdicts (the disk keeps its own): for benchmarks of a first search."""
+    _MEMORY.clear()
+
+
+def shrink(dims: dict[str, float], bound: int) -> dict[str, float]:
+    """Halve every size above `bound` while it stays whole."""
+    out = {}
+    for k, v in dims.items():
+        v = float(v)
+        while v.is_integer() and v > bound and (v / 2).is_integer():
+            v /= 2
+        out[k] = v
+    return out
+
+
+def _digest(decl_key: tuple[Any, ...], dims: dict[str, float]) -> str:
+    text = repr((code_version(), decl_key, tuple(sorted((k, float(v)) for k, v in dims.items()))))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _lookup(digest: str) -> Verdict | None:
+    found = _MEMORY.get(digest)
+    if found is not None:
+        return found
+    where = cache_dir()
+    if where is None:
+        return None
+    try:
+        data = json.loads((where / f"{digest}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("fits"), bool):
+        return None
+    reason = data.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        return None
+    found = _MEMORY.setdefault(digest, Verdict(data["fits"], reason))
+    return found
+
+
+def _remember(digest: str, verdict: Verdict, name: str, dims: dict[str, float]) -> None:
+    _MEMORY[digest] = verdict
+    where = cache_dir()
+    if where is None:
+        return
+    record = {"format": FORMAT, "energy": name, "dims": dims, "fits": verdict.fits, "reason": verdict.reason}
+    tmp = where / f"{digest}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:  # a cache that cannot be written is only slower
+        where.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, where / f"{digest}.json")  # whole or not at all, for readers in other processes
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def stage_check(decl: Any, dims: dict[str, float]) -> str | None:
+    """Run `energy check` on one stage's energy at small dims; the failure reason, or None.
+
+    Derivations do not depend on the sizes, and the model was already built at the real dims, so the
+    checks run with every size above 4 halved while it stays whole (then above 8, 16, 32, and last the
+    real dims, when the smaller ones do not fit the energy); widths that shrink alike share one check.
+    A declaration that does not derive even at its real dims raises its own `UserError`."""
+    from energydsl.api import declaration_key, derive
+
+    key = declaration_key(decl)
+    derived, used, digest = None, dims, ""
+    for bound in (*SHRINK, None):
+        used = dims if bound is None else shrink(dims, bound)
+        digest = _digest(key, used)
+        known = _lookup(digest)
+        if known is not None and known.fits:
+            return known.reason
+        if known is not None and bound is not None:
+            continue  # known not to derive at these dims
+        try:
+            derived = derive(decl, used)
+            break
+        except UserError:
+            if bound is None:
+                raise
+            _remember(digest, Verdict(False), decl.name, used)
+    assert derived is not None
+    failed = [r for r in derived.check() if r.status == "fail"]
+    reason = None
+    if failed:
+        at = ", ".join(f"{k}={_num(v)}" for k, v in used.items())
+        reason = "; ".join(f"check `{r.name}` failed: {r.detail}" for r in failed) + f" (checked at {at})"
+    _remember(digest, Verdict(True, reason), decl.name, used)
+    return reason
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
