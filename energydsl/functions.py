@@ -146,28 +146,39 @@ def _torchable(expr: sp.Expr) -> bool:
     return True
 
 
+_INTEGRAL_FORMAT = 2  # of the files below; part of their names
+
+
 def _closed_form_integral(formula: sp.Expr) -> sp.Expr:
     """∫_0^x formula (the indefinite integral where it has no finite value at 0), kept on disk.
 
-    SymPy takes 0.3-0.6 s for ∫GELU, in every process that meets it (each search worker, each CLI run);
-    the result depends only on the formula and SymPy's version, so it is stored under the codegen cache
-    (`$ENERGYDSL_CACHE`) as `srepr` text. A file that cannot be read or written is recomputed."""
+    SymPy takes 0.2-0.6 s for ∫GELU or ∫SiLU, in every process that meets it (each search worker, each CLI
+    run); the result depends only on the formula and SymPy's version, so it is stored under the codegen
+    cache (`$ENERGYDSL_CACHE`) as `srepr` text, when that text reads back as the same expression. A file
+    that cannot be read or written is recomputed."""
     from .codegen import cache_dir
 
-    key = hashlib.sha256(f"{sp.__version__}|{sp.srepr(formula)}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{_INTEGRAL_FORMAT}|{sp.__version__}|{sp.srepr(formula)}".encode()).hexdigest()[:20]
     path = cache_dir() / "integrals" / f"{key}.txt"
     try:
-        return sp.sympify(path.read_text())
+        kept = sp.sympify(path.read_text())
+        if isinstance(kept, sp.Expr) and kept.free_symbols <= {X}:
+            return kept
     except (OSError, sp.SympifyError, SyntaxError, TypeError, ValueError):
         pass
     closed = sp.integrate(formula, X)
     closed = sp.simplify(closed - closed.subs(X, 0)) if closed.subs(X, 0).is_finite else closed
+    # what SymPy leaves unevaluated (∫SiLU) as a plain Integral, the class its text reads back as
+    closed = closed.replace(lambda e: isinstance(e, sp.Integral), lambda e: sp.Integral(*e.args))
+    text = sp.srepr(closed)
     try:
+        if sp.sympify(text) != closed:  # a form whose text does not read back: not kept
+            return closed
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(sp.srepr(closed))
+        tmp.write_text(text)
         os.replace(tmp, path)  # whole or not at all: concurrent workers never read half a file
-    except OSError:
+    except (OSError, sp.SympifyError, SyntaxError, TypeError, ValueError):
         pass
     return closed
 
