@@ -26,21 +26,36 @@ is what gets loaded, built, checked and trained. `docs/search.md` is the user's 
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lark
 
-from energydsl import syntax
 from energydsl.errors import Span, SpecError, UserError
+from energydsl.search.holes import (  # source files, holes and filling them
+    DEFAULT_OPTIMIZER,
+    _Collector,
+    _convert,
+    _File,
+    _Filler,
+    _fmt_float,
+    _Hole,
+    _kids,
+    _norm,
+    _Placement,
+    _pos,
+    _read_files,
+    _render,
+    _setting,
+    _Value,
+    _value,
+)
 from energydsl.search.stagecheck import stage_check
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
@@ -52,383 +67,14 @@ TRAIN_KEYS = {
     "weight_decay": "weight_decay", "grad_clip": "grad_clip", "eval_interval": "eval_interval",
     "eval_iters": "eval_iters", "seed": "seed", "dtype": "dtype",
 }
-INT_SETTINGS = {"steps", "batch_size", "block_size", "warmup_steps", "eval_interval", "eval_iters", "seed", "trials"}
-STR_SETTINGS = {"data", "dtype"}
 #: the embedded defaults: small, so that a space trains on a CPU in minutes
 DEFAULTS: dict[str, Any] = {"data": "shakespeare_char", "steps": 200, "batch_size": 16, "lr": 1e-3,
                             "weight_decay": 0.1, "grad_clip": 1.0, "eval_iters": 20, "seed": 1337,
                             "dtype": "float32"}
 SET_KEYS = ("search", "data", "steps", "trials", "timeout", *TRAIN_KEYS)
-DEFAULT_OPTIMIZER = "gd(eta = 1)"  # what `none` means in an optimizer choice (the language's default)
-_EXPR_ATOMS = {"number", "name", "call", "reduce", "index", "integral", "choice_hole", "int_hole", "float_hole"}
-
-
-# ----------------------------------------------------------------------------- source files and positions
-
-
-@dataclass
-class _File:
-    path: str
-    text: str
-    tree: lark.Tree
-    _lines: list[int] = field(default_factory=list, repr=False)
-
-    def span(self, node: Any) -> Span:
-        start, end = _pos(node)
-        if not self._lines:
-            self._lines = [0] + [i + 1 for i, ch in enumerate(self.text) if ch == "\n"]
-        line = bisect.bisect_right(self._lines, start)
-        col = start - self._lines[line - 1] + 1
-        end_line = bisect.bisect_right(self._lines, max(start, end - 1))
-        end_col = end - self._lines[line - 1] + 1 if end_line == line else None
-        return Span(self.path, line, col, self.text, end_col)
-
-    def slice(self, node: Any) -> str:
-        s, e = _pos(node)
-        return self.text[s:e]
-
-
-def _pos(node: Any) -> tuple[int, int]:
-    if isinstance(node, lark.Token):
-        return int(node.start_pos), int(node.end_pos)
-    return int(node.meta.start_pos), int(node.meta.end_pos)
-
-
-def _kids(node: lark.Tree) -> list[Any]:
-    return [c for c in node.children if c is not None]
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _read_files(path: Path) -> list[_File]:
-    """The file and everything it imports (depth first, each once): text and parse tree."""
-    syntax.parse_module(path)  # the language's own checks first: syntax, duplicates, import cycles
-    files: list[_File] = []
-    seen: set[Path] = set()
-
-    def visit(p: Path, shown: str) -> None:
-        real = p.resolve()
-        if real in seen:
-            return
-        seen.add(real)
-        text = p.read_text(encoding="utf-8")
-        f = _File(shown, text, syntax._parser().parse(text))
-        files.append(f)
-        for item in _kids(f.tree):
-            if item.data == "import_decl":
-                rel = str(item.children[0])[1:-1]
-                visit(p.parent / rel, str(Path(shown).parent / rel))
-
-    visit(path, str(path))
-    return files
-
-
-# ----------------------------------------------------------------------------- holes
-
-
-@dataclass
-class _Option:
-    label: Any  # the Optuna categorical value: a number, an optimizer name or the option's text
-    start: int
-    end: int
-    holes: list[_Hole]
-    none: bool = False
-    wrap: bool = False  # an expression that needs parentheses where it is substituted
-
-
-@dataclass
-class _Hole:
-    name: str
-    kind: str  # int | float | choice | clause
-    file: _File
-    start: int
-    end: int
-    span: Span
-    low: float = 0.0
-    high: float = 0.0
-    log: bool = False
-    options: list[_Option] = field(default_factory=list)
-    outer: tuple[int, int] | None = None  # clause holes: the clause `none` removes
-    none_text: str | None = None  # clause holes: what `none` stands for (None: remove `outer`)
-
-    @property
-    def place(self) -> tuple[int, int]:
-        return self.outer or (self.start, self.end)
-
-    def describe(self) -> str:
-        if self.kind == "int":
-            return f"int {_num(self.low)}..{_num(self.high)}"
-        if self.kind == "float":
-            return f"float {_num(self.low)}..{_num(self.high)}" + (" log" if self.log else "")
-        return "choice{" + ", ".join(str(o.label) for o in self.options) + "}"
-
-    def walk(self) -> list[_Hole]:
-        out = [self]
-        for o in self.options:
-            for h in o.holes:
-                out += h.walk()
-        return out
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
-
-
-def _fmt_float(v: float) -> str:
-    text = f"{v:.6g}"
-    return text if re.fullmatch(r"\d+(\.\d+)?([eE][+-]?\d+)?", text) else repr(float(v))
-
-
-class _Collector:
-    """Finds the holes under a parse-tree node and names them from where they stand."""
-
-    def __init__(self, file: _File):
-        self.file = file
-
-    def holes(self, node: Any, name: str) -> list[_Hole]:
-        if node is None or isinstance(node, lark.Token):
-            return []
-        if node.data in ("choice_hole", "int_hole", "float_hole"):
-            return [self.expr_hole(node, name)]
-        if node.data == "opt_hole":
-            return [self.clause_hole(node, name, None, None)]
-        if node.data == "opt_call":
-            return self.call_holes(node, name)
-        out: list[_Hole] = []
-        for c in _kids(node):
-            out += self.holes(c, name)
-        return out
-
-    def call_holes(self, call: lark.Tree, name: str) -> list[_Hole]:
-        out: list[_Hole] = []
-        for kw in _kids(call)[1:]:
-            out += self.holes(kw.children[1], f"{name}.{kw.children[0]}")
-        return out
-
-    def expr_hole(self, node: lark.Tree, name: str) -> _Hole:
-        f = self.file
-        s, e = _pos(node)
-        span = f.span(node)
-        if node.data == "int_hole":
-            lo, hi = float(node.children[0]), float(node.children[1])
-            if not (lo.is_integer() and hi.is_integer()) or lo > hi:
-                raise SpecError(f"`int {node.children[0]}..{node.children[1]}`: need whole numbers, low <= high",
-                                span)
-            return _Hole(name, "int", f, s, e, span, lo, hi)
-        if node.data == "float_hole":
-            lo, hi, log = float(node.children[0]), float(node.children[1]), node.children[2] is not None
-            if lo > hi or (log and lo <= 0):
-                raise SpecError(f"`{f.slice(node)}`: need low <= high" + (" and low > 0 for `log`" if log else ""),
-                                span)
-            return _Hole(name, "float", f, s, e, span, lo, hi, log)
-        options: list[_Option] = []
-        for i, opt in enumerate(_kids(node), start=1):
-            os_, oe = _pos(opt)
-            if opt.data == "number":
-                v = float(opt.children[0])
-                label: Any = int(v) if v.is_integer() and "." not in str(opt.children[0]) else v
-            else:
-                label = _norm(f.slice(opt))
-            if any(o.label == label for o in options):
-                raise SpecError(f"`{label}` is listed twice in this choice", span)
-            options.append(_Option(label, os_, oe, self.holes(opt, f"{name}.{i}"),
-                                   wrap=opt.data not in _EXPR_ATOMS))
-        return _Hole(name, "choice", f, s, e, span, options=options)
-
-    def clause_hole(self, node: lark.Tree, name: str, outer: tuple[int, int] | None,
-                    none_text: str | None) -> _Hole:
-        f = self.file
-        calls = _kids(node)
-        names = [str(c.children[0]) for c in calls]
-        unique = len(set(names)) == len(names)
-        options = []
-        for i, c in enumerate(calls):
-            label = names[i] if unique else _norm(f.slice(c))
-            if label in [o.label for o in options]:
-                raise SpecError(f"`{label}` is listed twice in this choice", f.span(c))
-            none = names[i] == "none"
-            if none and len(c.children) > 1 and c.children[1] is not None:
-                raise SpecError("`none` takes no arguments", f.span(c))
-            s, e = _pos(c)
-            options.append(_Option(label, s, e, self.call_holes(c, f"{name}.{label if unique else i + 1}"),
-                                   none=none))
-        s, e = _pos(node)
-        return _Hole(name, "clause", f, s, e, f.span(node), options=options, outer=outer, none_text=none_text)
-
-    # -- declarations --------------------------------------------------------------------------------
-
-    def optimizer_clause(self, node: lark.Tree, energy: str) -> list[_Hole]:
-        call, *mods = _kids(node)
-        out = self.optimizer_call(call, energy)
-        for m in mods:
-            out += self.modifier(m, energy)
-        return out
-
-    def optimizer_call(self, call: lark.Tree, energy: str) -> list[_Hole]:
-        if call.data == "opt_hole":
-            return [self.clause_hole(call, f"{energy}.optimizer", None, DEFAULT_OPTIMIZER)]
-        return self.call_holes(call, f"{energy}.optimizer")
-
-    def modifier(self, m: lark.Tree, energy: str) -> list[_Hole]:
-        if m.data != "precondition":
-            return self.holes(m, f"{energy}.{m.data}")
-        p = m.children[0]
-        if p.data == "opt_hole":
-            return [self.clause_hole(p, f"{energy}.precondition", _pos(m), None)]
-        return self.call_holes(p, f"{energy}.precondition")
-
-    def decl(self, node: lark.Tree) -> list[_Hole]:
-        name = str(node.children[0])
-        out: list[_Hole] = []
-        if node.data == "block_decl":
-            return self.pipeline(node.children[1], name)
-        for c in _kids(node)[1:]:
-            if c.data == "header":
-                for item in _kids(c):
-                    out += self.holes(item.children[1], f"{name}.{item.children[0]}")
-            elif c.data == "optimizer_clause":
-                out += self.optimizer_clause(c, name)
-            elif c.data == "across":
-                v = c.children[0]
-                if v.data == "opt_hole":
-                    out.append(self.clause_hole(v, f"{name}.across", _pos(c), None))
-                else:
-                    out += self.call_holes(v, f"{name}.across")
-            elif c.data == "layer":
-                out += self.pipeline(c.children[0], f"{name}.layer")
-            else:
-                first = c.children[0] if c.children else None
-                label = str(first) if isinstance(first, lark.Token) and first.type == "NAME" else (
-                    c.data.removesuffix("_clause"))
-                out += self.holes(c, f"{name}.{label}")
-        return out
-
-    def pipeline(self, node: lark.Tree, name: str) -> list[_Hole]:
-        out: list[_Hole] = []
-        for summed in _kids(node):
-            for ref in _kids(summed):
-                out += self.stage_args(ref, f"{name}.{ref.children[0]}")
-        return out
-
-    def stage_args(self, ref: lark.Tree, name: str) -> list[_Hole]:
-        out: list[_Hole] = []
-        for i, arg in enumerate(_kids(ref)[1:], start=1):
-            if arg.data == "named_arg":
-                out += self.holes(arg.children[1], f"{name}.{arg.children[0]}")
-            else:
-                out += self.holes(arg.children[0], f"{name}.{i}")
-        return out
-
-
-# ----------------------------------------------------------------------------- filling holes
-
-
-class _Filler:
-    """Samples holes (trial.suggest_*) as they are met and renders their text."""
-
-    def __init__(self, trial: Any):
-        self.trial = trial
-        self.params: dict[str, Any] = {}
-
-    def value(self, h: _Hole) -> str:
-        t = self.trial
-        if h.kind == "int":
-            v = t.suggest_int(h.name, int(h.low), int(h.high))
-            self.params[h.name] = v
-            return str(int(v))
-        if h.kind == "float":
-            v = t.suggest_float(h.name, h.low, h.high, log=h.log)
-            self.params[h.name] = v
-            return _fmt_float(float(v))
-        label = t.suggest_categorical(h.name, [o.label for o in h.options])
-        self.params[h.name] = label
-        opt = next(o for o in h.options if o.label == label and isinstance(o.label, str) == isinstance(label, str))
-        if opt.none:
-            if h.none_text is None:
-                return ""  # with `outer`: the whole clause goes
-            text = h.none_text
-        else:
-            text = _render(h.file, opt.start, opt.end, opt.holes, self)
-            if opt.wrap:
-                text = f"({text})"
-        if h.outer is not None:  # `across layers <choice>`, `, precondition <choice>`: the clause around it
-            s, e = h.outer
-            text = h.file.text[s : h.start] + text + h.file.text[h.end : e]
-        return text
-
-
-def _render(file: _File, start: int, end: int, holes: list[_Hole], filler: _Filler) -> str:
-    out, pos = [], start
-    for h in sorted(holes, key=lambda h: h.place):
-        s, e = h.place
-        if s < start or e > end:
-            continue
-        out.append(file.text[pos:s])
-        out.append(filler.value(h))
-        pos = e
-    out.append(file.text[pos:end])
-    return "".join(out)
-
-
-@dataclass
-class _Placement:
-    """Text that replaces file[start:end] in a candidate: a hole, a search-level override, a deletion."""
-
-    file: _File
-    start: int
-    end: int
-    holes: list[_Hole]  # the holes it may sample (top level)
-    render: Callable[[_Filler], str]
-    origin: str = "hole"  # hole | search | delete
-
-
-@dataclass
-class _Value:
-    """A setting or override written in the search: source text with holes, or a fixed value."""
-
-    file: _File | None = None
-    start: int = 0
-    end: int = 0
-    holes: list[_Hole] = field(default_factory=list)
-    fixed: Any = None
-
-    def text(self, filler: _Filler) -> str:
-        if self.file is None:
-            return str(self.fixed)
-        return _render(self.file, self.start, self.end, self.holes, filler)
-
-
-def _value(col: _Collector, node: Any, name: str) -> _Value:
-    s, e = _pos(node)
-    return _Value(col.file, s, e, col.holes(node, name))
-
-
-def _setting(col: _Collector, node: Any, key: str, name: str) -> _Value:
-    """A training setting: fixed (and checked now) unless it holds holes."""
-    v = _value(col, node, name)
-    if v.holes:
-        return v
-    return _Value(fixed=_convert(key, col.file.slice(node), col.file.span(node)))
 
 
 # ----------------------------------------------------------------------------- the space
-
-
-def _convert(key: str, text: str, where: Span | None) -> Any:
-    text = text.strip()
-    if key in STR_SETTINGS:
-        return text
-    try:
-        v = float(text)
-    except ValueError:
-        raise SpecError(f"`{key}` must be a number, got `{text}`", where) from None
-    if key in INT_SETTINGS:
-        if not v.is_integer():
-            raise SpecError(f"`{key}` must be a whole number, got `{text}`", where)
-        return int(v)
-    return v
 
 
 class DslSpace:
