@@ -69,18 +69,20 @@ _NEEDS = {"HAS_ALIBI": "NEED_ALIBI", "HAS_SELF": "NEED_SELF", "HAS_KB": "NEED_KB
 
 @dataclass(frozen=True)
 class Family:
-    """Where a family's templates live (energydsl/kernels/<module>.py) and what the generated file calls."""
+    """Where a family's templates live and what the generated file calls (modules of energydsl/kernels/)."""
 
-    module: str
-    builder: str  # the op-set constructor the module exports, taking the kernels in `kernels` order
+    templates: str  # the module whose text holds the @triton.jit templates
+    ops: str  # the module exporting the op-set constructor
+    builder: str  # that constructor, taking the kernels in `kernels` order
     helpers: tuple[str, ...]  # @triton.jit functions the kernels call
     kernels: tuple[str, ...]  # the launched kernels
 
 
 FAMILIES = {
-    "attention": Family("attention", "attention_ops", ("_scores",),
+    "attention": Family("attention_kernels", "attention", "attention_ops", ("_scores",),
                         ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
-    "linear": Family("linear", "linear_attention_ops", (), ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")),
+    "linear": Family("linear", "linear", "linear_attention_ops", (),
+                     ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")),
 }
 
 
@@ -94,7 +96,7 @@ def _definitions(module: str) -> dict[str, ast.FunctionDef]:
 
 def _templates(family: str) -> dict[str, ast.FunctionDef]:
     fam = FAMILIES[family]
-    defs = _definitions(fam.module)
+    defs = _definitions(fam.templates)
     return {name: defs[name] for name in (*fam.helpers, *fam.kernels)}
 
 
@@ -110,7 +112,7 @@ def kernel_imports(requests: list[KernelRequest]) -> list[str]:
         return []
     families = [FAMILIES[f] for f in dict.fromkeys(r.family for r in requests)]
     return ["import triton", "import triton.language as tl",
-            *(f"from energydsl.kernels.{fam.module} import {fam.builder}" for fam in families)]
+            *(f"from energydsl.kernels.{fam.ops} import {fam.builder}" for fam in families)]
 
 
 def kernel_source(requests: list[KernelRequest]) -> list[str]:
@@ -122,7 +124,7 @@ def kernel_source(requests: list[KernelRequest]) -> list[str]:
         names = {name: f"{name}_{req.tag}" for name in templates}
         baked = dict(req.baked)
         flags = ", ".join(f"{k}={v}" for k, v in req.baked if not k.startswith("NEED_"))
-        lines += [f"# --- {req.family} kernels for {flags}: energydsl/kernels/{fam.module}.py specialised", ""]
+        lines += [f"# --- {req.family} kernels for {flags}: energydsl/kernels/{fam.templates}.py specialised", ""]
         for t in templates.values():
             lines += [specialise(t, baked, names, templates), "", ""]
         kernels = ", ".join(names[k] for k in fam.kernels)

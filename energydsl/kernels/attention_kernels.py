@@ -1,0 +1,430 @@
+"""The Triton kernels of the softmax family (FlashAttention-2 style): templates, launched by `attention.py`.
+
+One generic forward kernel and one generic pair of backward kernels, specialised by `tl.constexpr` flags,
+cover every attention-like update the compiler derives from an energy:
+
+    s_ij = scale * q_i . k_j  -  slope_h |i - j|  +  [i == j] self_bias_h  +  key_bias[b, h, j]
+    p_ij = softmax_j(s_ij) over j <= i (causal) or j < i (strict; row 0 is empty and yields 0)
+
+    energy_attention        o_i = sum_j p_ij v_j                        (first-order update)
+    weighted_second_moment  r_i = sum_j p_ij (v_j . u_i) v_j            (second-order / covariance variants)
+
+Nothing T x T is ever stored: the forward keeps a running max and sum (online softmax) and saves only o and
+the per-row log-sum-exp; the backward recomputes p_ij = exp(s_ij - lse_i) block by block. Both backward
+passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
+
+    attention:      dP_ij = dO_i . v_j                 delta_i = dO_i . o_i - dlse_i
+    second moment:  dP_ij = (u_i . v_j)(dr_i . v_j)    delta_i = dr_i . r_i
+
+(delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
+
+These are templates: `attention.GENERIC` launches them with every flag chosen at launch, and the triton
+code generator (energydsl/codegen/triton_source.py) reads this file's text and writes copies into each
+generated module with the flags its energy fixes baked in and dead branches removed.
+"""
+
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(
+    q,
+    k,
+    offs_m,
+    offs_n,
+    T,
+    scale,
+    slope,
+    self_b,
+    kb,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32, -inf where key j is not admissible for query i."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+    i = offs_m[:, None]
+    j = offs_n[None, :]
+    if HAS_ALIBI:  # linear distance penalty, one slope per head
+        s -= slope * tl.abs(i - j).to(tl.float32)
+    if HAS_SELF:  # self-affinity on the diagonal only
+        s += tl.where(i == j, self_b, 0.0)
+    if HAS_KB:  # per-key additive bias, e.g. -||k_j||^2 / (2T) turning dot products into l2 distances
+        s += kb[None, :]
+    if STRICT:
+        valid = j < i
+    else:
+        valid = j <= i
+    valid = valid & (i < T) & (j < T)
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    U,
+    LSE_IN,
+    O,
+    LSE,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query block, batch*head) program.
+
+    SECOND=False: online softmax over key blocks; writes o = acc / l and lse = m + log(l).
+    SECOND=True: p is known from LSE_IN, so no running statistics: r = sum_j (p_ij (u_i . v_j)) v_j.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < T
+    # padded head dims load as 0, which leaves every dot product unchanged
+    q = tl.load(
+        Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+        other=0.0,
+    )
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if SECOND:
+        u = tl.load(
+            U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # causality: no key after the last query of this block contributes
+    hi = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(
+            K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+            mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+            other=0.0,
+        )
+        v = tl.load(
+            V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        kb = 0.0
+        if HAS_KB:
+            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        s = _scores(
+            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
+        )
+        if SECOND:
+            p = tl.exp(s - lse[:, None])  # exact softmax weights; masked entries are exp(-inf) = 0
+            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # w_ij = u_i . v_j
+            acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no admissible key yet has m = -inf; shift by 0 there so that
+            # exp(-inf - (-inf)) never produces NaN (its p and alpha are then exactly 0)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)  # rescales what was accumulated under the old max
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+    if SECOND:
+        out = acc
+    else:
+        # rows with no admissible key (strict row 0): o = 0, lse = 0 (finite by convention)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, m_i + tl.log(l_safe)), mask=row_ok)
+    tl.store(
+        O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+    )
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    U,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    DKB,
+    DDIAG,
+    DDIST,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    NEED_KB: tl.constexpr,
+    NEED_SELF: tl.constexpr,
+    NEED_ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (key block, batch*head) program: loops over the query blocks that can see these keys.
+
+    dK_j = scale sum_i dS_ij q_i and dV_j (see module docstring) are owned by this program, and so are the
+    column reductions of dS that give the bias gradients, so every output is written once (no atomics).
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < T
+    k = tl.load(
+        K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+        mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+        other=0.0,
+    )
+    v = tl.load(
+        V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+        mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+        other=0.0,
+    )
+    slope = 0.0
+    self_b = 0.0
+    kb = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if HAS_KB:
+        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dkb = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij
+    ddiag = tl.zeros([BLOCK_N], tl.float32)  # dS_jj
+    ddist = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij |i - j|
+    # causality: queries before the block holding key start_n never see these keys
+    lo = (start_n // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, T, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        q = tl.load(
+            Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+            mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+            other=0.0,
+        )
+        do = tl.load(
+            DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+        s = _scores(
+            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
+        )
+        p = tl.exp(s - lse[:, None])  # recomputed softmax, 0 outside the mask
+        if SECOND:
+            u = tl.load(
+                U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+                other=0.0,
+            )
+            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # u_i . v_j
+            g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dr_i . v_j
+            dp = w * g
+            # v_j enters r_i twice, (u_i . v_j) v_j: dV_j = sum_i p_ij [(u_i . v_j) dr_i + (dr_i . v_j) u_i]
+            dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
+            dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+        else:
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dO_i . v_j
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])  # softmax Jacobian applied to dP
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+        if NEED_KB:
+            dkb += tl.sum(ds, 0)
+        if NEED_SELF:
+            ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+        if NEED_ALIBI:
+            ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+
+    dk = dk * scale
+    tl.store(
+        DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+    )
+    tl.store(
+        DV + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+    )
+    if NEED_KB:
+        tl.store(DKB + bh * T + offs_n, dkb, mask=col_ok)
+    if NEED_SELF:
+        tl.store(DDIAG + bh * T + offs_n, ddiag, mask=col_ok)
+    if NEED_ALIBI:
+        tl.store(DDIST + bh * T + offs_n, ddist, mask=col_ok)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    U,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DU,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query block, batch*head) program: dQ_i = scale sum_j dS_ij k_j.
+
+    SECOND=True also gives dU_i = sum_j p_ij (dr_i . v_j) v_j.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < T
+    q = tl.load(
+        Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+        other=0.0,
+    )
+    do = tl.load(
+        DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+        other=0.0,
+    )
+    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if SECOND:
+        u = tl.load(
+            U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        du = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    hi = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(
+            K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+            mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+            other=0.0,
+        )
+        v = tl.load(
+            V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+            other=0.0,
+        )
+        kb = 0.0
+        if HAS_KB:
+            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        s = _scores(
+            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
+        )
+        p = tl.exp(s - lse[:, None])
+        if SECOND:
+            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)
+            g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            dp = w * g
+            du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+
+    dq = dq * scale
+    tl.store(
+        DQ + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+    )
+    if SECOND:
+        tl.store(
+            DU + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            du.to(DU.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+        )
