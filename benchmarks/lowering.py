@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.model_vs_reference import step_time  # noqa: E402
 from energydsl import load  # noqa: E402
+from energydsl.api import Derived  # noqa: E402
 from energydsl.codegen.torch_module import class_name, module_source  # noqa: E402
 from energydsl.errors import UserError  # noqa: E402
 from energydsl.runtime.model import LanguageModel  # noqa: E402
@@ -51,7 +52,7 @@ def generic_twin(model: LanguageModel, workdir: Path) -> LanguageModel:
     return twin
 
 
-def generic_layer(layer: torch.nn.Module, derived, workdir: Path) -> torch.nn.Module:
+def generic_layer(layer: torch.nn.Module, derived: Derived, workdir: Path) -> torch.nn.Module:
     """The same energy's layer generated with lowering off, with `layer`'s weights."""
     path = workdir / "generic_layer.py"
     path.write_text(module_source(derived.program, derived.equation_hash(), lowering=False))
@@ -77,21 +78,25 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="dims of a single energy")
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="dims (of the model or the energy)")
     args = ap.parse_args()
     torch.manual_seed(0)
     try:
-        spec = load(args.spec)
         dims = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.set)}
-        if not spec.model_names:
-            return layer_main(spec, dims, args)
-        lowered = spec.model(context=args.context)
-    except UserError as e:
-        print(e.render(), file=sys.stderr)
-        raise SystemExit(2) from None
     except ValueError:
         print(f"error: --set takes NAME=NUMBER pairs; got {args.set}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        spec = load(args.spec)
+        if not spec.model_names:  # a single energy: its layer
+            derived, lowered = spec.energy(None, **dims), spec.module(None, **dims)
+        else:
+            lowered = spec.model(**{"context": args.context, **dims})
+    except UserError as e:
+        print(e.render(), file=sys.stderr)
+        raise SystemExit(2) from None
+    if not spec.model_names:
+        return layer_main(derived, lowered, args)
     with tempfile.TemporaryDirectory() as tmp:
         generic = generic_twin(lowered, Path(tmp))
         idx = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
@@ -111,10 +116,8 @@ def main() -> None:
           f"max relative logit difference {diff:.1e}")
 
 
-def layer_main(spec, dims: dict[str, float], args: argparse.Namespace) -> None:
+def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namespace) -> None:
     """One energy's layer, lowered against generic (the file declares no model)."""
-    derived = spec.energy(None, **dims)
-    lowered = spec.module(None, **dims)
     with torch.no_grad():  # away from the tiny init, so that the softmax is not uniform
         for p in lowered.parameters():
             p.add_(0.5 * torch.randn_like(p))

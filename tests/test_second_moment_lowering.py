@@ -157,3 +157,22 @@ def test_kernel_second_moment_without_a_shared_lse(case: str, tmp_path: Path, mo
     assert lse and call and call.group(4) == lse.group(1)
     assert lse.group(2, 3, 4) == call.group(1, 2, 3)  # the same scores and values
     _compare(case, src, energy_source(derived, "torch"), tmp_path)
+
+
+def test_lowering_benchmark_times_a_single_energy_and_rejects_bad_dims() -> None:
+    """`benchmarks/lowering.py` on a file without a model times its layer (lowered vs generic, same weights:
+    the outputs agree); a malformed or unknown `--set` is a message and exit 2."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "benchmarks/lowering.py"),
+              "--spec", str(root / "examples/intrinsic-optimizers/light-mha2nd1st.energy"),
+              "--context", "12", "--batch", "1", "--repeats", "1"]
+    ok = subprocess.run(script, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    diff = float(re.search(r"max relative difference (\S+)", ok.stdout).group(1))
+    assert diff < 1e-4
+    for bad, said in ((["--set", "d"], "NAME=NUMBER"), (["--set", "nope=3"], "`nope` is not a dim")):
+        proc = subprocess.run(script + bad, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr

@@ -106,10 +106,8 @@ def _flags(
 
 
 def _unbaked(meta: dict, baked: dict[str, Any]) -> dict:
-    """The constexpr arguments a kernel still takes: those baked into its source are checked, then dropped."""
-    wrong = {k: v for k, v in meta.items() if k in baked and baked[k] != v}
-    if wrong:  # the op validates its inputs first, so this is a bug in the caller, not bad user input
-        raise RuntimeError(f"kernel specialised for {baked} launched with {wrong}")
+    """The constexpr arguments a kernel still takes: those baked into its source are dropped (`_check`
+    has refused any call whose flags differ from them)."""
     return {k: v for k, v in meta.items() if k not in baked}
 
 
