@@ -14,6 +14,11 @@ Families, and what each kernel is compared with (the peer; ratios are kernel / p
     (the peer), and SDPA with a materialised additive mask (memory-efficient backend);
   - second-moment (`weighted_second_moment`, lse cached by an untimed first pass): no library has this op,
     so ratios are against the plain PyTorch reference.
+* attention-wide (`attention.GENERIC_WIDE`, the feature-tiled kernels), q, k (B, H, T, Dk), v (B, H, T, Dv):
+  CEM's attention with its exact diagonal term (examples/models/cem.energy at d = 768, 12 heads: scores over
+  d/heads + d = 832 concatenated features, values 64 wide), ALiBi and a self bias, causal. No fused library
+  op takes 832-wide scores with these biases: the peer is SDPA with the materialised additive (B, H, T, T)
+  mask (memory-efficient backend), which is also what the torch backend runs.
 * linear (`energydsl.kernels.linear`), plain and gated (per-token log decay): flash-linear-attention's
   `chunk_simple_gla` when `fla` is importable; otherwise ("fla not installed") a chunked PyTorch
   implementation in this file (C = 64, no T x T matrix; checked against the reference by --interpret-smoke).
@@ -59,7 +64,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILIES = ("attention", "linear", "epilogue")
+FAMILIES = ("attention", "attention-wide", "linear", "epilogue")
 NO_CUDA = (
     "no CUDA device: GPU benchmarks skipped (the kernels are tested on the CPU under TRITON_INTERPRET=1 by "
     "pytest; `--interpret-smoke` checks this script's cases there)"
@@ -82,16 +87,21 @@ LINEAR_SHAPES = [
     (8, 8, 4096, 128, "bf16"),
     (8, 16, 2048, 64, "fp32"),
 ]
+# (B, H, T, Dk, Dv, dtype)
+WIDE_SHAPES = [(4, 12, 2048, 832, 64, "bf16"), (4, 12, 4096, 832, 64, "bf16")]
 EPILOGUE_SHAPES = [((8, 2048, 4096), "bf16"), ((8, 4096, 4096), "bf16"), ((8, 2048, 4096), "fp32")]
 QUICK = {
     "attention": [(8, 8, 1024, 64, "bf16")],
+    "attention-wide": [(2, 12, 1024, 832, 64, "bf16")],
     "linear": [(8, 8, 1024, 64, "bf16")],
     "epilogue": [((8, 1024, 4096), "bf16")],
 }
-FULL = {"attention": ATTENTION_SHAPES, "linear": LINEAR_SHAPES, "epilogue": EPILOGUE_SHAPES}
+FULL = {"attention": ATTENTION_SHAPES, "attention-wide": WIDE_SHAPES, "linear": LINEAR_SHAPES,
+        "epilogue": EPILOGUE_SHAPES}
 # tiny shapes for the interpreter: T not a multiple of the 16-wide tiles, n not one of the 256-element blocks
 SMOKE = {
     "attention": [(1, 2, 40, 16, "fp32")],
+    "attention-wide": [(1, 2, 21, 40, 24, "fp32")],  # several 16-wide feature tiles under the interpreter
     "linear": [(1, 2, 40, 16, "fp32")],
     "epilogue": [((3, 333), "fp32")],
 }
@@ -146,40 +156,59 @@ def _randn(shape: Sequence[int], gen: torch.Generator, dtype: torch.dtype, devic
     return torch.randn(*shape, generator=gen, device=device).to(dtype).requires_grad_()
 
 
+_BIASES = ("alibi_slopes", "self_bias", "key_bias")
+
+
+def _biases(x: dict[str, Any]) -> dict[str, Any]:
+    return {k: x[k] for k in _BIASES if k in x}
+
+
+def _dense_mask(x: dict[str, Any]) -> Tensor:
+    """The additive (B, H, T, T) mask a user would build for these scores: the biases in x, -inf above the
+    diagonal."""
+    import torch
+
+    q = x["q"]
+    i = torch.arange(q.shape[2], device=q.device)
+    bias = torch.zeros((), device=q.device)
+    if "alibi_slopes" in x:
+        bias = bias - x["alibi_slopes"].float()[None, :, None, None] * (i[:, None] - i[None, :]).abs().float()
+    if "self_bias" in x:
+        bias = bias + x["self_bias"].float()[None, :, None, None] * (i[:, None] == i[None, :]).float()
+    if "key_bias" in x:
+        bias = bias + x["key_bias"].float()[:, :, None, :]
+    return bias.masked_fill(i[None, :] > i[:, None], float("-inf")).to(q.dtype)
+
+
+def _sdpa(backend: str, with_mask: bool) -> Callable[[dict[str, Any]], Tensor]:
+    """scaled_dot_product_attention pinned to `backend` on a GPU: causal flag, or the dense bias mask."""
+
+    def fn(x: dict[str, Any]) -> Tensor:
+        import torch.nn.functional as F
+
+        q, k, v = x["q"], x["k"], x["v"]
+        kw: dict[str, Any] = {"attn_mask": _dense_mask(x)} if with_mask else {"is_causal": True}
+        if not q.is_cuda:  # --interpret-smoke: checks the call, whichever CPU backend runs it
+            return F.scaled_dot_product_attention(q, k, v, scale=x["scale"], **kw)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, scale=x["scale"], **kw)
+
+    return fn
+
+
 def _attention_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
     import torch
-    import torch.nn.functional as F
 
     from energydsl.kernels import attention as K
     from energydsl.kernels.attention_ref import energy_attention_ref, weighted_second_moment_ref
 
-    def biases(x: dict[str, Any]) -> dict[str, Any]:
-        return {k: x[k] for k in ("alibi_slopes", "key_bias") if k in x}
-
     def kernel(x: dict[str, Any]) -> Tensor:
-        return K.energy_attention(x["q"], x["k"], x["v"], scale=x["scale"], **biases(x))
+        return K.energy_attention(x["q"], x["k"], x["v"], scale=x["scale"], **_biases(x))
 
     def reference(x: dict[str, Any]) -> Tensor:
-        return energy_attention_ref(x["q"], x["k"], x["v"], scale=x["scale"], **biases(x))
-
-    def sdpa(backend: str, with_mask: bool) -> Callable[[dict[str, Any]], Tensor]:
-        def fn(x: dict[str, Any]) -> Tensor:
-            q, k, v = x["q"], x["k"], x["v"]
-            kw: dict[str, Any] = {"is_causal": True}
-            if with_mask:  # the additive (B, H, T, T) mask a user would build for these scores
-                T = q.shape[2]
-                i = torch.arange(T, device=q.device)
-                dist = (i[:, None] - i[None, :]).abs().float()
-                bias = -x["alibi_slopes"].float()[None, :, None, None] * dist + x["key_bias"].float()[:, :, None, :]
-                kw = {"attn_mask": bias.masked_fill(i[None, :] > i[:, None], float("-inf")).to(q.dtype)}
-            if not q.is_cuda:  # --interpret-smoke: checks the call, whichever CPU backend runs it
-                return F.scaled_dot_product_attention(q, k, v, scale=x["scale"], **kw)
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel(getattr(SDPBackend, backend)):
-                return F.scaled_dot_product_attention(q, k, v, scale=x["scale"], **kw)
-
-        return fn
+        return energy_attention_ref(x["q"], x["k"], x["v"], scale=x["scale"], **_biases(x))
 
     def flex() -> Impl:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -236,7 +265,7 @@ def _attention_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
         causal_peer = Impl(
             "sdpa[flash]" if flash_ok else "sdpa[mem-efficient]",
             "peer",
-            sdpa("FLASH_ATTENTION" if flash_ok else "EFFICIENT_ATTENTION", with_mask=False),
+            _sdpa("FLASH_ATTENTION" if flash_ok else "EFFICIENT_ATTENTION", with_mask=False),
         )
         cases.append(
             Case(
@@ -259,7 +288,7 @@ def _attention_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
                     Impl("triton", "kernel", kernel),
                     Impl("torch ref", "reference", reference),
                     flex(),
-                    Impl("sdpa+mask[mem-efficient]", "peer", sdpa("EFFICIENT_ATTENTION", with_mask=True)),
+                    Impl("sdpa+mask[mem-efficient]", "peer", _sdpa("EFFICIENT_ATTENTION", with_mask=True)),
                 ],
                 uses_compile=True,
             )
@@ -278,6 +307,48 @@ def _attention_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
             )
         )
     return cases
+
+
+def _wide_attention_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
+    """CEM's attention with the exact diagonal term: wide scores, narrow values, ALiBi and a self bias."""
+    import torch
+
+    from energydsl.kernels import attention as K
+    from energydsl.kernels.attention_ref import energy_attention_ref
+
+    def kernel(x: dict[str, Any]) -> Tensor:  # the wide kernels at any width (the smoke shape is narrow)
+        return K.GENERIC_WIDE.energy_attention(x["q"], x["k"], x["v"], scale=x["scale"], **_biases(x))
+
+    def reference(x: dict[str, Any]) -> Tensor:
+        return energy_attention_ref(x["q"], x["k"], x["v"], scale=x["scale"], **_biases(x))
+
+    def inputs(B: int, H: int, T: int, Dk: int, Dv: int) -> Callable[[Any, str], dict[str, Any]]:
+        def make(dtype: torch.dtype, device: str) -> dict[str, Any]:
+            gen = _generator(device)
+            x: dict[str, Any] = {n: _randn((B, H, T, d), gen, dtype, device) for n, d in (("q", Dk), ("k", Dk),
+                                                                                       ("v", Dv))}
+            x["scale"] = Dk**-0.5
+            x["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device=device)
+            x["self_bias"] = torch.full((H,), 0.5, device=device)
+            return x
+
+        return make
+
+    return [
+        Case(
+            "attention-wide",
+            "cem-diagonal",
+            {"B": B, "H": H, "T": T, "dk": Dk, "dv": Dv},
+            dt,
+            inputs(B, H, T, Dk, Dv),
+            [
+                Impl("triton (wide)", "kernel", kernel),
+                Impl("torch ref", "reference", reference),
+                Impl("sdpa+mask[mem-efficient]", "peer", _sdpa("EFFICIENT_ATTENTION", with_mask=True)),
+            ],
+        )
+        for B, H, T, Dk, Dv, dt in shapes
+    ]
 
 
 def linear_attention_chunked_torch(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
@@ -430,6 +501,8 @@ def _epilogue_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
 def build_cases(family: str, shapes: list[tuple], *, cuda: bool) -> tuple[list[Case], str]:
     if family == "attention":
         return _attention_cases(shapes, cuda=cuda), ""
+    if family == "attention-wide":
+        return _wide_attention_cases(shapes, cuda=cuda), ""
     if family == "linear":
         return _linear_cases(shapes, cuda=cuda)
     return _epilogue_cases(shapes, cuda=cuda), ""

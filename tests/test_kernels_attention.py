@@ -40,6 +40,11 @@ KERNEL = {
     "with_lse": kernels.energy_attention_with_lse,
     "second": kernels.weighted_second_moment,
 }
+WIDE = {  # the feature-tiled kernels (any width; the module-level functions take them above 256)
+    "attention": kernels.GENERIC_WIDE.energy_attention,
+    "with_lse": kernels.GENERIC_WIDE.energy_attention_with_lse,
+    "second": kernels.GENERIC_WIDE.weighted_second_moment,
+}
 REFERENCE = {
     "attention": ref.energy_attention_ref,
     "with_lse": ref.energy_attention_lse_ref,
@@ -130,7 +135,8 @@ def run(
 
 
 def check(
-    case: Case, kind: str, dtype: torch.dtype = torch.float32, tol: float = TOL, factor: float = 2.0
+    case: Case, kind: str, dtype: torch.dtype = torch.float32, tol: float = TOL, factor: float = 2.0,
+    impl: dict | None = None,
 ) -> None:
     """Kernel in `dtype` vs the float64 reference: every output and gradient finite and within
     max(tol, factor * error of the PyTorch reference run in `dtype`) relative error.
@@ -143,7 +149,7 @@ def check(
     def fresh(dt: torch.dtype) -> dict[str, torch.Tensor]:
         return {n: t.detach().to(dt).requires_grad_() for n, t in leaves.items()}
 
-    outs, grads = run(KERNEL, case, fresh(dtype), kind, cot_dtype=dtype)
+    outs, grads = run(impl or KERNEL, case, fresh(dtype), kind, cot_dtype=dtype)
     lp_outs, lp_grads = run(REFERENCE, case, fresh(dtype), kind, cot_dtype=dtype)
     ref_outs, ref_grads = run(REFERENCE, case, fresh(torch.float64), kind, cot_dtype=dtype)
     pairs = [
@@ -226,6 +232,36 @@ def test_gpu_sized_tiles_interpreted(
         check(case, kind)
 
 
+# (Dk, Dv) for the wide kernels, whose feature tile is 16 under the interpreter: several key tiles with a
+# masked tail and fewer value tiles, the reverse, and one width (tied values)
+WIDE_WIDTHS = {"dk40-dv24": (40, 24, False), "dk16-dv36": (16, 36, False), "tied-d40": (40, 40, True)}
+
+
+@pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
+@pytest.mark.parametrize("widths", list(WIDE_WIDTHS))
+@pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
+def test_wide_kernels_match_reference(strict: bool, widths: str, kind: str) -> None:
+    """The feature-tiled kernels: every output and gradient, every bias, two heads, several row blocks (on a
+    GPU the tile is 64 wide: GPU_CASES has the wide widths)."""
+    dk, dv, tied = WIDE_WIDTHS[widths]
+    check(Case(T=21, H=2, Dk=dk, Dv=dv, strict=strict, biases="all", tied=tied, B=1), kind, impl=WIDE)
+
+
+def test_wide_widths_take_the_wide_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above 256 features the module-level functions run GENERIC_WIDE (the narrow set refuses such widths)."""
+    if not CUDA:  # few, wide tiles: the interpreter runs every program in Python
+        monkeypatch.setattr(kernels, "FEATURE_TILE", 128)
+    case = Case(T=5, H=1, Dk=300, Dv=24, strict=False, biases="key", B=1)
+    leaves = make_leaves(case, torch.float32)
+    with pytest.raises(ValueError, match="wide kernels"):
+        kernels.GENERIC.energy_attention(leaves["q"], leaves["k"], leaves["v"], scale=0.1)
+    calls = []
+    monkeypatch.setattr(kernels.GENERIC_WIDE, "_launch_fwd",
+                        lambda *a, _f=kernels.GENERIC_WIDE._launch_fwd: calls.append(1) or _f(*a))
+    check(case, "with_lse")
+    assert calls, "the wide kernels were not launched"
+
+
 def test_strict_first_row_is_zero_and_lse_finite() -> None:
     leaves = make_leaves(Case(T=5, H=2, Dk=16, Dv=16, strict=True, biases="all"), torch.float32)
     o, lse = kernels.energy_attention_with_lse(
@@ -235,31 +271,37 @@ def test_strict_first_row_is_zero_and_lse_finite() -> None:
     assert torch.isfinite(lse).all()
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("ops", [kernels.GENERIC, kernels.GENERIC_WIDE], ids=["narrow", "wide"])
+def test_opcheck(ops: kernels.AttentionOps) -> None:
     """Schema, fake (shape) functions, autograd registration and AOT dispatch of both forward ops."""
-    leaves = make_leaves(Case(T=7, H=2, Dk=16, Dv=16, strict=True, biases="all", B=1), torch.float32)
+    leaves = make_leaves(Case(T=7, H=2, Dk=24, Dv=16, strict=True, biases="all", B=1), torch.float32)
     q, k, v, u = leaves["q"], leaves["k"], leaves["v"], leaves["u"]
     biases = (leaves["alibi_slopes"], leaves["self_bias"], leaves["key_bias"])
-    torch.library.opcheck(torch.ops.energydsl.energy_attention_fwd.default, (q, k, v, 0.25, True, *biases))
-    _, lse = kernels.energy_attention_with_lse(q, k, v, scale=0.25, strict=True)
+    namespace = torch.ops.energydsl
+    torch.library.opcheck(getattr(namespace, f"{ops.name}_fwd").default, (q, k, v, 0.25, True, *biases))
+    _, lse = ops.energy_attention_with_lse(q, k, v, scale=0.25, strict=True)
     torch.library.opcheck(
-        torch.ops.energydsl.energy_attention_second_fwd.default,
+        getattr(namespace, f"{ops.name}_second_fwd").default,
         (q, k, v, lse.detach(), u, 0.25, True, None, biases[1], None),
     )
 
 
-def test_torch_compile_matches_eager() -> None:
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_torch_compile_matches_eager(wide: bool) -> None:
     """A small model using both ops compiles without graph breaks and gives the eager values and gradients.
 
     Under the interpreter the ops are opaque custom_ops and aot_eager exercises their fake functions and
-    autograd; on CUDA the triton_ops are traced into inductor.
+    autograd; on CUDA the triton_ops are traced into inductor. `wide`: the feature-tiled kernels (a third
+    grid axis), at widths of two tiles under the interpreter.
     """
-    leaves = make_leaves(Case(T=20, H=2, Dk=16, Dv=16, strict=False, biases="key", B=1), torch.float32)
+    ops = kernels.GENERIC_WIDE if wide else kernels.GENERIC
+    dk = 24 if wide else 16
+    leaves = make_leaves(Case(T=20, H=2, Dk=dk, Dv=dk, strict=False, biases="key", B=1), torch.float32)
     args = [leaves[n] for n in ("q", "k", "v", "u", "key_bias")]
 
     def model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: torch.Tensor, kb: torch.Tensor):
-        o, lse = kernels.energy_attention_with_lse(q, k, v, scale=0.25, key_bias=kb)
-        r = kernels.weighted_second_moment(q, k, v, lse, u, scale=0.25, key_bias=kb)
+        o, lse = ops.energy_attention_with_lse(q, k, v, scale=0.25, key_bias=kb)
+        r = ops.weighted_second_moment(q, k, v, lse, u, scale=0.25, key_bias=kb)
         return (o.sin() + r).square().sum()
 
     compiled = torch.compile(model, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
@@ -318,6 +360,9 @@ GPU_CASES = [
     Case(T=1000, H=2, Dk=128, Dv=96, strict=True, biases="all"),
     Case(T=257, H=3, Dk=16, Dv=24, strict=True, biases="key", tied=False),
     Case(T=512, H=2, Dk=64, Dv=64, strict=False, biases="alibi", tied=True),
+    # wider than 256: the feature-tiled kernels (CEM's exact diagonal term at d = 768, 12 heads; a tied one)
+    Case(T=1000, H=2, Dk=832, Dv=64, strict=False, biases="all"),
+    Case(T=300, H=2, Dk=300, Dv=300, strict=True, biases="all", tied=True),
 ]
 
 

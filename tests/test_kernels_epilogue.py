@@ -178,6 +178,19 @@ def test_torch_compile() -> None:
         assert rel_err(a, b) < TOL
 
 
+def test_op_sets_are_registered_once_per_name() -> None:
+    """A generated module imported twice builds its op sets twice: the first registration is kept, as
+    torch.library refuses a name it already holds."""
+    from energydsl.kernels import epilogue_kernels as K
+
+    gated = E.gated_activation_ops("gated_twice", K._gated_fwd_kernel, K._gated_bwd_kernel, {})
+    assert E.gated_activation_ops("gated_twice", K._gated_fwd_kernel, K._gated_bwd_kernel, {}) is gated
+    momentum = E.momentum_ops("momentum_twice", K._momentum_fwd_kernel, K._momentum_bwd_kernel, {})
+    assert E.momentum_ops("momentum_twice", K._momentum_fwd_kernel, K._momentum_bwd_kernel, {}) is momentum
+    x = randn(5, seed=14)
+    torch.testing.assert_close(gated.gated_activation(x, x, "relu"), gated_activation_ref(x, x, "relu"))
+
+
 def test_errors() -> None:
     a, b = torch.zeros(3), torch.zeros(4)
     with pytest.raises(ValueError, match="unknown activation"):
@@ -247,6 +260,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from energydsl.kernels import epilogue as E
+from energydsl.kernels import epilogue_kernels as K
 
 assert not E.INTERPRET
 
@@ -254,22 +268,22 @@ assert not E.INTERPRET
 def build(kernel, ptrs, consts, dt):
     sig = {p: "*fp32" if p.startswith(("beta", "eta", "pbeta", "peta")) else "*" + dt for p in ptrs}
     sig |= {"N": "i32"} | {c: "constexpr" for c in consts}
-    src = ASTSource(kernel.fn, sig, constexprs=consts)
+    src = ASTSource(kernel, sig, constexprs=consts)  # the templates: plain @triton.jit functions
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
 
 for dt in ("fp32", "bf16"):
     for act in E.ACTIVATIONS:
-        build(E._gated_fwd_kernel, ["gate_ptr", "value_ptr", "out_ptr"], dict(ACT=act, BLOCK=2048), dt)
+        build(K._gated_fwd_kernel, ["gate_ptr", "value_ptr", "out_ptr"], dict(ACT=act, BLOCK=2048), dt)
         ptrs = ["gate_ptr", "value_ptr", "dout_ptr", "dgate_ptr", "dvalue_ptr"]
-        build(E._gated_bwd_kernel, ptrs, dict(ACT=act, BLOCK=2048), dt)
+        build(K._gated_bwd_kernel, ptrs, dict(ACT=act, BLOCK=2048), dt)
     ptrs = ["x_ptr", "m_ptr", "f_ptr", "beta_ptr", "eta_ptr", "x_out_ptr", "m_out_ptr"]
-    build(E._momentum_fwd_kernel, ptrs, dict(BLOCK=2048), dt)
+    build(K._momentum_fwd_kernel, ptrs, dict(BLOCK=2048), dt)
     ptrs = ["gx_ptr", "gm_ptr", "m_ptr", "f_ptr", "beta_ptr", "eta_ptr", "dm_ptr", "df_ptr"]
     ptrs += ["pbeta_ptr", "peta_ptr"]
-    build(E._momentum_bwd_kernel, ptrs, dict(BLOCK=4096), dt)
-    build(E._nesterov_fwd_kernel, ["x_ptr", "m_ptr", "beta_ptr", "out_ptr"], dict(BLOCK=2048), dt)
-    build(E._nesterov_bwd_kernel, ["g_ptr", "m_ptr", "beta_ptr", "dm_ptr", "pbeta_ptr"], dict(BLOCK=4096), dt)
+    build(K._momentum_bwd_kernel, ptrs, dict(BLOCK=4096), dt)
+    build(K._nesterov_fwd_kernel, ["x_ptr", "m_ptr", "beta_ptr", "out_ptr"], dict(BLOCK=2048), dt)
+    build(K._nesterov_bwd_kernel, ["g_ptr", "m_ptr", "beta_ptr", "dm_ptr", "pbeta_ptr"], dict(BLOCK=4096), dt)
 print("compiled")
 """
 

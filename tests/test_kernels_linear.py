@@ -330,7 +330,7 @@ for name, (dt, prec), (K, V), (decay, strict) in itertools.product(
     sig = {p: "*fp32" if p in ("g_ptr", "dq_ptr", "dk_ptr", "dv_ptr") else "*" + dt for p in ptrs[name]}
     consts = dict(HAS_DECAY=decay, STRICT=strict, DOT_PREC=prec, C=C, BK=BK, BV=BV)
     sig |= scalars | {c: "constexpr" for c in consts}
-    src = ASTSource(getattr(L, name).fn, sig, constexprs=consts)
+    src = ASTSource(getattr(L, name), sig, constexprs=consts)  # the templates: plain @triton.jit functions
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
 print("compiled")
 """

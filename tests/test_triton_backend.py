@@ -2,7 +2,8 @@
 
 Every example energy whose derived update has a recognised context sum runs its sums in the fused kernels
 of `energydsl.kernels` (softmax family, linear and gated linear attention); products value * act(pre)
-(CEM's and NRGPT's MLPs) run in the fused gated-activation epilogue. Without CUDA the kernels run
+(CEM's and NRGPT's MLPs) run in the fused gated-activation epilogue, momentum steps in the fused momentum
+update; all of them are copies written into the generated file. Without CUDA the kernels run
 under the Triton interpreter (enabled below, before triton is imported), in float32 with exact fp32 dots.
 Each module is compared with the torch backend run in float64: the displacement (update minus x) and the
 gradients of a loss on it with respect to x and every parameter, relative error max|x - ref| / max|ref|
@@ -29,6 +30,7 @@ pytest.importorskip("triton")
 
 from energydsl import load  # noqa: E402
 from energydsl.codegen import energy_source, module_class  # noqa: E402
+from energydsl.codegen.triton_source import KernelRequest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if CUDA else "cpu"
@@ -80,7 +82,34 @@ def _run(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> list[torc
 @pytest.mark.parametrize("path,name,dims", LOWERED, ids=[f"{n}{d or ''}" for _, n, d in LOWERED])
 def test_kernels_match_torch_backend(path: str, name: str, dims: dict) -> None:
     derived = load(ROOT / "examples" / path).energy(name, **dims)
-    assert "kernels." in energy_source(derived, "triton"), "the triton backend did not lower this energy"
+    assert "@triton.jit" in energy_source(derived, "triton"), "the triton backend did not lower this energy"
+    _compare_backends(derived, name)
+
+
+# CEM's exact diagonal term at widths above 256: the score's concatenated features are d wide
+# (kq-diagonal-exact: keys and values d wide) or d/heads + d (the model's attention, with ALiBi and self bias)
+WIDE = [
+    ("cem/kq-diagonal-exact.energy", "CEMKQDiagonalExact", {"d": 264}),
+    ("models/cem.energy", "CEMAttention", {"d": 256, "heads": 4}),
+    ("intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st", {"d": 264, "heads": 1}),  # second moment
+]
+
+
+@pytest.mark.parametrize("path,name,dims", WIDE, ids=[n for _, n, _ in WIDE])
+def test_wide_features_take_the_wide_kernels(path: str, name: str, dims: dict,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from energydsl.kernels import attention
+
+    if not CUDA:  # a few wide feature tiles: the interpreter runs every program in Python
+        monkeypatch.setattr(attention, "FEATURE_TILE", 128)
+    derived = load(ROOT / "examples" / path).energy(name, **dims)
+    source = energy_source(derived, "triton")
+    assert "@triton.jit\ndef _fwd_wide_kernel_" in source and "= attention_wide_ops(" in source
+    _compare_backends(derived, name)
+
+
+def _compare_backends(derived: object, name: str) -> None:
+    """The triton module against the torch backend in float64: displacement and every gradient."""
     torch.manual_seed(0)
     ref = module_class(derived, "torch")().to(DEVICE)
     tri = module_class(derived, "triton")().to(DEVICE)
@@ -133,9 +162,11 @@ def test_bias_forms_reach_the_kernel_flags() -> None:
 @pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
                                        ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
 def test_momentum_step_is_one_fused_update(path: str, name: str) -> None:
-    """m = beta m + f, x = x + eta m: one `kernels.momentum_update` call per step, no separate axpys."""
+    """m = beta m + f, x = x + eta m: one call per step of the momentum kernels written into the file, no
+    separate axpys."""
     src = energy_source(load(ROOT / "examples" / path).energy(name), "triton")
-    assert src.count("kernels.momentum_update(") == 1 and not re.search(r"m_z = t\d", src)
+    assert src.count(".momentum_update(") == 1 and not re.search(r"m_z = t\d", src)
+    assert src.count(f"{KernelRequest.momentum().name}.momentum_update(") == 1
 
 
 def test_without_gpu_or_interpreter_falls_back_to_torch(tmp_path: Path) -> None:

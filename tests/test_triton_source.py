@@ -1,5 +1,5 @@
 """Kernels written into generated files: the templates of energydsl/kernels specialised per energy
-(the softmax family and the linear-attention family).
+(the softmax family, the linear-attention family, the gated-activation and momentum epilogues).
 
 `energy compile --backend triton -o out.py` must give a file whose @triton.jit kernels (forward and both
 backward passes) compute this energy's scores only, and which runs on its own: imported from disk, its
@@ -25,7 +25,8 @@ pytest.importorskip("triton")
 
 from energydsl import load  # noqa: E402
 from energydsl.codegen import energy_source, module_class  # noqa: E402
-from energydsl.codegen.triton_source import KernelRequest, specialise  # noqa: E402
+from energydsl.codegen.triton_source import KernelRequest, kernel_imports, kernel_source, specialise  # noqa: E402
+from energydsl.kernels.epilogue_ref import ACTIVATIONS, gated_activation_ref  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if CUDA else "cpu"
@@ -92,7 +93,10 @@ def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name:
 @pytest.mark.parametrize("path,name", [("cem/alibi.energy", "CEMAlibiAttention"),
                                        ("nrgpt/attention.energy", "NRGPTAttention"),
                                        ("intrinsic-optimizers/gated-linear-attention.energy",
-                                        "GatedLinearAttention")])
+                                        "GatedLinearAttention"),
+                                       ("cem/mlp.energy", "CEMMLP"),  # gated SiLU
+                                       ("nrgpt/ff1.energy", "NRGPTFF1"),  # gated GELU
+                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA")])  # + momentum
 def test_written_file_runs_and_matches_torch_backend(tmp_path: Path, path: str, name: str) -> None:
     """Imported from disk, the written module's displacement and gradients equal the float64 torch backend."""
     derived = load(ROOT / "examples" / path).energy(name)
@@ -136,6 +140,91 @@ def test_a_specialised_set_refuses_calls_it_was_not_made_for() -> None:
         ops.energy_attention(q, q, q, scale=0.5, strict=True)
 
 
+# the formula each activation leaves in a gated copy (`_act_and_grad`, energydsl/kernels/epilogue_kernels.py)
+FORMULAS = {"silu": "y = x * s", "gelu": "tl.math.erf(", "sigmoid": "y = tl.sigmoid(x)",
+            "relu": "tl.maximum(x, 0.0)", "tanh": "tl.sigmoid(2.0 * x)", "identity": "tl.full(x.shape, 1.0"}
+
+
+@pytest.mark.parametrize("path,name,act", [("cem/mlp.energy", "CEMMLP", "silu"),
+                                           ("nrgpt/ff1.energy", "NRGPTFF1", "gelu")])
+def test_gated_activation_kernels_are_written_for_the_energys_activation(path: str, name: str, act: str) -> None:
+    """value * act(pre) runs on gated kernels written into the file, with that activation's formula only."""
+    src = energy_source(load(ROOT / "examples" / path).energy(name), "triton")
+    kernels = _kernels(src)
+    assert {k.rsplit("_", 1)[0] for k in kernels} == {"_act_and_grad", "_gated_fwd_kernel", "_gated_bwd_kernel"}
+    for other, formula in FORMULAS.items():
+        assert (formula in src) == (other == act), other
+    if act == "silu":
+        assert "gelu" not in src and "erf" not in src
+    names = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
+    names |= {a.arg for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) for a in n.args.args}
+    assert "ACT" not in names
+    ops = KernelRequest.gated(act).name
+    assert f"{ops} = gated_activation_ops(" in src and f"{ops}.gated_activation(" in src
+    assert "from energydsl import kernels" not in src  # no call left to the package's generic ops
+
+
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+                                       ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
+def test_momentum_kernels_are_written_into_the_file(path: str, name: str) -> None:
+    """The fused step m = beta m + f, x = x + eta m runs on momentum kernels written into the file."""
+    src = energy_source(load(ROOT / "examples" / path).energy(name), "triton")
+    kernels = _kernels(src)
+    momentum = {k.rsplit("_", 1)[0]: v for k, v in kernels.items() if k.startswith("_momentum")}
+    assert set(momentum) == {"_momentum_fwd_kernel", "_momentum_bwd_kernel"}
+    assert "m_new = beta * m + f" in momentum["_momentum_fwd_kernel"]
+    ops = KernelRequest.momentum().name
+    assert f"{ops} = momentum_ops(" in src and f"{ops}.momentum_update(" in src
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_each_gated_specialisation_computes_its_activation_and_only_it(tmp_path: Path, act: str) -> None:
+    """A copy baked for `act` equals the reference (values and both gradients) and refuses another activation
+    (a SiLU copy called with 'gelu' would otherwise return SiLU)."""
+    req = KernelRequest.gated(act)
+    path = tmp_path / f"gated_{act}.py"
+    path.write_text("\n".join([*kernel_imports([req]), "", "", *kernel_source([req])]))
+    ops = getattr(_import(path, f"gated_{act}_{req.tag}"), req.name)
+    gen = torch.Generator().manual_seed(0)
+    gate, value, up = (s * torch.randn(3, 333, generator=gen) for s in (3.0, 1.0, 1.0))  # several programs
+    gate, value, up = gate.to(DEVICE).requires_grad_(), value.to(DEVICE).requires_grad_(), up.to(DEVICE)
+    got = ops.gated_activation(gate, value, act)
+    want = gated_activation_ref(gate.double(), value.double(), act)
+    assert got.dtype == torch.float32 and _rel(got, want) < 1e-5
+    g = torch.autograd.grad((got * up).sum(), [gate, value])
+    r = torch.autograd.grad((want * up.double()).sum(), [gate, value])
+    for a, b in zip(g, r):
+        assert _rel(a, b) < 1e-5
+    other = "gelu" if act == "silu" else "silu"
+    with pytest.raises(ValueError, match=f"specialised for .*ACT={other}"):
+        ops.gated_activation(gate, value, other)
+
+
+def _chain(x, MODE):  # an if/elif chain on a string, as `_act_and_grad`'s on ACT
+    if MODE == "add":
+        y = x + 1
+    elif MODE == "mul":
+        y = x * 3
+    elif MODE != "neg":
+        y = x - 5
+    else:
+        y = -x
+    return y
+
+
+@pytest.mark.parametrize("mode", ["add", "mul", "neg", "other"])
+def test_specialise_folds_elif_chains_on_strings(mode: str) -> None:
+    """`==` / `!=` on a baked string keep one branch of an elif chain and remove the others."""
+    src = specialise(_chain, {"MODE": mode}, {"_chain": "baked"})
+    fn = ast.parse(src).body[0]
+    assert not any(isinstance(n, ast.If) for n in ast.walk(fn)) and "MODE" not in src
+    assert len(fn.body) == 2  # the kept assignment and the return
+    scope: dict = {}
+    exec(src, scope)  # noqa: S102 - the test's own template
+    for x in (0, 2):
+        assert scope["baked"](x) == _chain(x, mode)
+
+
 def _template(x, FLAG, MODE, OTHER):  # a plain function stands in for a kernel template
     y = x
     if FLAG:
@@ -177,10 +266,12 @@ def test_generating_needs_no_triton() -> None:
     assert proc.stdout.strip() == "4"
 
 
-def test_generated_module_runs_under_torch_compile() -> None:
+@pytest.mark.parametrize("path,name", [("cem/alibi.energy", "CEMAlibiAttention"), ("cem/mlp.energy", "CEMMLP"),
+                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA")])
+def test_generated_module_runs_under_torch_compile(path: str, name: str) -> None:
     """The specialised op sets are registered torch.library ops (with fake kernels under the interpreter),
     so torch.compile traces a generated layer instead of breaking on the Triton launch."""
-    derived = load(ROOT / "examples/cem/alibi.energy").energy("CEMAlibiAttention")
+    derived = load(ROOT / "examples" / path).energy(name)
     torch.manual_seed(0)
     layer = module_class(derived, "triton")().to(DEVICE)
     x = layer.example_input(2, 13).to(DEVICE)

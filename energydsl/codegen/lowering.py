@@ -16,8 +16,9 @@ The torch backend calls `softmax_attention` (SDPA; biases become a T x T additiv
 flags read off the IR (for the softmax family, copies specialised by those flags and written into the
 generated file: `triton_source.py`): causal or strict context, and each bias term
 classified as an ALiBi distance penalty (c_h |i - j|), a self-token bias (c_h [i = j]) or a per-key bias
-(no query position); terms constant over j are dropped (softmax ignores them). A score the kernel cannot
-take (an unclassified bias, head dims above 256) falls back to the torch op, which is always correct.
+(no query position); terms constant over j are dropped (softmax ignores them). Feature widths above 256 take
+the feature-tiled (wide) copies of the kernels. A score the kernel cannot take (an unclassified bias) falls
+back to the torch op, which is always correct.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .triton_source import KernelRequest
 if TYPE_CHECKING:
     from .torch_expr import Emitter
 
-KERNEL_MAX_HEAD_DIM = 256  # energydsl.kernels.attention: larger tiles do not fit in registers
+KERNEL_MAX_HEAD_DIM = 256  # energydsl.kernels.attention.MAX_HEAD_DIM: wider features take the wide kernels
 
 
 def lower_context_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
@@ -68,10 +69,11 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
         return None
     dv = _numel(em, value.shape)
     em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dv))
-    if em.backend == "triton" and max(sc.width, dv) <= KERNEL_MAX_HEAD_DIM:
+    if em.backend == "triton":
         kinds = _bias_kinds(em, list(sc.bias_terms), j, strict=info.strict)
         if kinds is not None:
-            out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0])
+            wide = max(sc.width, dv) > KERNEL_MAX_HEAD_DIM
+            out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0], wide)
             return _unflat(em, _apply_maps(em, maps, out), e.shape)
     scale_src = sympy_src(sc.scale, em.scalars)
     bias = _score_bias(em, sc, heads, j) or "None"
@@ -197,7 +199,7 @@ def _apply_maps(em: Emitter, maps: list[Expr], out: Val) -> Val:
 
 
 def _kernel_attention(em: Emitter, sc: Scores, v: Val, kinds: dict[str, list[Expr]], heads: tuple[str, ...],
-                      j: str, strict: bool, sm: ir.Softmax) -> Val:
+                      j: str, strict: bool, sm: ir.Softmax, wide: bool) -> Val:
     """The attention kernels (written into the file) with the biases they compute themselves: no T x T tensor.
 
     The call is recorded, so that a second moment over the same scores can reuse its log-sum-exp.
@@ -207,7 +209,8 @@ def _kernel_attention(em: Emitter, sc: Scores, v: Val, kinds: dict[str, list[Exp
     qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
     vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
     ops = em.kernel_set(KernelRequest.attention(strict=strict, alibi=bool(kinds["alibi"]),
-                                                self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"])))
+                                                self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),
+                                                wide=wide))
     args = [qc, kc, vc, *keywords]
     code = f"{ops}.energy_attention({', '.join(args)})"
     out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: the Triton attention kernels above")

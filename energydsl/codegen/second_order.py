@@ -112,8 +112,9 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     dx, dy = _numel(em, x.shape), _numel(em, value.shape)
     em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dx + dy))
     out = None
-    if em.backend == "triton" and x == value and max(sc.width, dx) <= KERNEL_MAX_HEAD_DIM:
-        out = _kernel_second_moment(em, sc, sm, uv, xv, heads, j, info.strict)
+    if em.backend == "triton" and x == value:
+        wide = max(sc.width, dx) > KERNEL_MAX_HEAD_DIM
+        out = _kernel_second_moment(em, sc, sm, uv, xv, heads, j, info.strict, wide)
     if out is None:
         out = _torch_second_moment(em, sc, sm, uv, xv, yv if x != value else None, heads, j, info.strict)
     out = _unflat(em, out, e.shape)
@@ -125,13 +126,14 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
 
 
 def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Val, heads: tuple[str, ...],
-                          j: str, strict: bool) -> Val | None:
+                          j: str, strict: bool, wide: bool) -> Val | None:
     """The second-moment pass of the attention kernels (written into the file), over the scores and lse of
     the first-order attention when it was emitted, else over its own scores and a first pass for the lse."""
     kinds = _bias_kinds(em, list(sc.bias_terms), j, strict)
     if kinds is None:
         return None
-    terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]))
+    terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),
+                 wide=wide)
     shared = _shared_lse(em, sm, strict, heads)
     vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
     if shared is not None:  # exactly the attention's score operands: its lse is these scores' lse

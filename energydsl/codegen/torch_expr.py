@@ -390,7 +390,8 @@ class Emitter:
         return self.tmp(code, axes, rank)
 
     def _gated_activation(self, e: ir.Mul) -> Val | None:
-        """value * act(pre) with equal layouts (CEM's γ ∘ SiLU(V u), a SwiGLU): the fused Triton epilogue."""
+        """value * act(pre) with equal layouts (CEM's γ ∘ SiLU(V u), a SwiGLU): the fused Triton epilogue, its
+        kernels written into the generated file with the activation baked in."""
         from ..kernels.epilogue_ref import ACTIVATIONS
 
         if len(e.factors) != 2:
@@ -399,8 +400,8 @@ class Emitter:
             if isinstance(act, ir.Func) and act.name in ACTIVATIONS and ir.same_shape(act.shape, other.shape):
                 pre, value = self.emit(act.arg), self.emit(other)
                 if not (pre.scalar or value.scalar) and pre.axes == value.axes and pre.rank == value.rank:
-                    self.used_ops.add("kernels")
-                    return self.tmp(f"kernels.gated_activation({pre.code}, {value.code}, {act.name!r})",
+                    ops = self.kernel_set(KernelRequest.gated(act.name))  # kernels written into the file
+                    return self.tmp(f"{ops}.gated_activation({pre.code}, {value.code}, {act.name!r})",
                                     pre.axes, pre.rank, f"{value.code} * {act.name}({pre.code}), fused")
         return None
 

@@ -162,8 +162,8 @@ class ModuleWriter:
                 if not force.scalar and force.axes == ("@b", "@i"):
                     x_, m_ = names[spec.state.name], names[a.target.name]
                     beta, eta = (sympy_src(c, em.scalars) for c in (fused.beta, fused.eta))
-                    em.used_ops.add("kernels")
-                    em.lines.append(f"{x_}, {m_} = kernels.momentum_update({x_}, {m_}, {force.code}, {beta}, {eta})"
+                    ops = em.kernel_set(KernelRequest.momentum())  # kernels written into the file
+                    em.lines.append(f"{x_}, {m_} = {ops}.momentum_update({x_}, {m_}, {force.code}, {beta}, {eta})"
                                     "  # m = beta m + f, x = x + eta m: one fused pass")
                     em.forget()
                     break  # the state's assignment, the second and last, is done too
@@ -238,9 +238,8 @@ class ModuleWriter:
         imports = ["import torch", "import torch.nn.functional as F", "from torch import nn"]
         if ops:
             imports.insert(3, f"from energydsl.runtime.ops import {', '.join(ops)}")
-        if "kernels" in used:  # the fused Triton kernels (energydsl/kernels/), CPU references without a GPU
-            imports.insert(3, "from energydsl import kernels")
-        imports += kernel_imports(self.kernel_requests)  # kernels specialised for this energy (below)
+        # the fused Triton kernels, written below specialised for this energy, and their op-set constructors
+        imports += kernel_imports(self.kernel_requests)
         if any((p.init or ("",))[0] == "alibi_slopes" for p in prog.params.values()):
             imports.insert(3, "from energydsl.runtime.init import alibi_slopes")
         if "integral_quadrature" in "\n".join(fwd):

@@ -1,7 +1,8 @@
 """Triton kernels written into a generated module: the family templates specialised for one energy.
 
 The fused kernels of `energydsl.kernels` are templates with `tl.constexpr` switches (causal or strict mask,
-ALiBi slope, self-token bias, per-key bias, first- or second-order pass). What an energy fixes is known when
+ALiBi slope, self-token bias, per-key bias, first- or second-order pass, decay gate, the gated epilogue's
+activation). What an energy fixes is known when
 its update is lowered, so the triton backend writes a copy of each template into the generated file with
 those switches replaced by their values and the branches they turn off removed: the kernels a reader finds
 in `energy compile --backend triton -o out.py` compute this energy's scores and nothing else.
@@ -39,18 +40,30 @@ class KernelRequest:
     baked: tuple[tuple[str, Any], ...]
 
     @staticmethod
-    def attention(strict: bool, alibi: bool, self_bias: bool, key_bias: bool, second: bool = False) -> KernelRequest:
+    def attention(strict: bool, alibi: bool, self_bias: bool, key_bias: bool, second: bool = False,
+                  wide: bool = False) -> KernelRequest:
         """The softmax family with these score terms: the first-order pass (energy_attention), or with
-        `second` the weighted second moment over a given lse."""
+        `second` the weighted second moment over a given lse; `wide`: the feature-tiled kernels (widths
+        above 256)."""
         baked = dict(STRICT=strict, HAS_ALIBI=alibi, HAS_SELF=self_bias, HAS_KB=key_bias, SECOND=second)
         # a term that is absent has no gradient either
         baked.update({need: False for has, need in _NEEDS.items() if not baked[has]})
-        return KernelRequest("attention", tuple(baked.items()))
+        return KernelRequest("attention_wide" if wide else "attention", tuple(baked.items()))
 
     @staticmethod
     def linear(strict: bool, decay: bool) -> KernelRequest:
         """Chunkwise linear attention, with or without a decay gate."""
         return KernelRequest("linear", (("HAS_DECAY", decay), ("STRICT", strict)))
+
+    @staticmethod
+    def gated(activation: str) -> KernelRequest:
+        """The gated-activation epilogue value * act(pre) for one activation (its formula alone is kept)."""
+        return KernelRequest("gated", (("ACT", activation),))
+
+    @staticmethod
+    def momentum() -> KernelRequest:
+        """The fused momentum step m = beta m + f, x = x + eta m (nothing to bake: beta and eta are tensors)."""
+        return KernelRequest("momentum", ())
 
     @property
     def name(self) -> str:
@@ -71,7 +84,7 @@ _NEEDS = {"HAS_ALIBI": "NEED_ALIBI", "HAS_SELF": "NEED_SELF", "HAS_KB": "NEED_KB
 class Family:
     """Where a family's templates live and what the generated file calls (modules of energydsl/kernels/)."""
 
-    templates: str  # the module whose text holds the @triton.jit templates
+    templates: tuple[str, ...]  # the modules whose text holds the @triton.jit templates
     ops: str  # the module exporting the op-set constructor
     builder: str  # that constructor, taking the kernels in `kernels` order
     helpers: tuple[str, ...]  # @triton.jit functions the kernels call
@@ -79,10 +92,19 @@ class Family:
 
 
 FAMILIES = {
-    "attention": Family("attention_kernels", "attention", "attention_ops", ("_scores",),
+    "attention": Family(("attention_kernels",), "attention", "attention_ops", ("_scores",),
                         ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
-    "linear": Family("linear", "linear", "linear_attention_ops", (),
+    # feature widths above 256 (CEM's exact diagonal term): the same scores, every feature axis tiled
+    "attention_wide": Family(("attention_kernels", "attention_wide_kernels"), "attention", "attention_wide_ops",
+                             ("_scores", "_tile_dots"),
+                             ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
+    "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")),
+    # the element-wise epilogues: value * act(pre) with ACT baked in; the heavy-ball step as it is
+    "gated": Family(("epilogue_kernels",), "epilogue", "gated_activation_ops", ("_act_and_grad",),
+                    ("_gated_fwd_kernel", "_gated_bwd_kernel")),
+    "momentum": Family(("epilogue_kernels",), "epilogue", "momentum_ops", (),
+                       ("_momentum_fwd_kernel", "_momentum_bwd_kernel")),
 }
 
 
@@ -96,7 +118,7 @@ def _definitions(module: str) -> dict[str, ast.FunctionDef]:
 
 def _templates(family: str) -> dict[str, ast.FunctionDef]:
     fam = FAMILIES[family]
-    defs = _definitions(fam.templates)
+    defs = {name: d for module in fam.templates for name, d in _definitions(module).items()}
     return {name: defs[name] for name in (*fam.helpers, *fam.kernels)}
 
 
@@ -124,7 +146,9 @@ def kernel_source(requests: list[KernelRequest]) -> list[str]:
         names = {name: f"{name}_{req.tag}" for name in templates}
         baked = dict(req.baked)
         flags = ", ".join(f"{k}={v}" for k, v in req.baked if not k.startswith("NEED_"))
-        lines += [f"# --- {req.family} kernels for {flags}: energydsl/kernels/{fam.templates}.py specialised", ""]
+        where = ", ".join(f"energydsl/kernels/{m}.py" for m in fam.templates)
+        what = f"{req.family} kernels for {flags}: {where} specialised" if flags else f"{req.family} kernels: {where}"
+        lines += [f"# --- {what}", ""]
         for t in templates.values():
             lines += [specialise(t, baked, names, templates), "", ""]
         kernels = ", ".join(names[k] for k in fam.kernels)

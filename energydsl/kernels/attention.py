@@ -6,6 +6,8 @@
 with p_ij the softmax of the scores documented in `attention_kernels.py`. `GENERIC` runs the kernel
 templates with every flag chosen at launch; the triton code generator writes specialised copies into each
 generated module (energydsl/codegen/triton_source.py) and builds an op set over them with `attention_ops`.
+Feature widths above 256 (CEM's exact diagonal term) run the tiled templates of `attention_wide_kernels.py`
+(`GENERIC_WIDE`, `attention_wide_ops`); the module-level functions choose by width.
 Execution paths (decided once, when this module is imported):
 
 * CUDA: the ops are `torch.library.triton_op`s, so `torch.compile` sees the Triton kernels and can schedule
@@ -32,11 +34,15 @@ from torch.library import wrap_triton  # returns interpreted kernels unchanged u
 from . import use_triton
 from .attention_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
+from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
 
 __all__ = [
     "GENERIC",
+    "GENERIC_WIDE",
+    "MAX_HEAD_DIM",
     "AttentionOps",
     "attention_ops",
+    "attention_wide_ops",
     "energy_attention",
     "energy_attention_with_lse",
     "weighted_second_moment",
@@ -44,7 +50,7 @@ __all__ = [
 
 # triton.jit reads the same variable when the kernels are decorated, so this is the path actually taken.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_MAX_HEAD_DIM = 256  # larger tiles no longer fit in registers / shared memory
+MAX_HEAD_DIM = 256  # the widest whole tile; wider features take the tiled (wide) kernels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -63,15 +69,20 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)])
 _BWD_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1)])
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
-# tuned once per head-dim pair and variant (dtypes are added to the key by triton); not per sequence length
-_TUNE_KEY = ["BLOCK_DK", "BLOCK_DV", "SECOND"]
+# tuned once per head-dim pair (padded for the narrow kernels) and variant (dtypes are added to the key by
+# triton); not per sequence length
+_TUNE_KEYS = {False: ["BLOCK_DK", "BLOCK_DV", "SECOND"], True: ["D_QK", "D_V", "SECOND"]}
+# the wide kernels' feature tile: small under the interpreter, so that tests at small widths cover several
+# tiles and a masked tail; not tuned on a GPU (it sets the grid's third axis)
+FEATURE_TILE = 16 if _INTERPRET else 64
 
 
-def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
+def _tuned(kernel: Any, configs: list[triton.Config], wide: bool) -> Any:
     if _INTERPRET:
         return kernel
     # a specialised kernel (see `attention_ops`) may have SECOND baked in: tune on what is left
-    return triton.autotune(configs=configs, key=[k for k in _TUNE_KEY if k in kernel.arg_names])(kernel)
+    key = [k for k in _TUNE_KEYS[wide] if k in kernel.arg_names]
+    return triton.autotune(configs=configs, key=key)(kernel)
 
 
 def _blocks() -> dict[str, int]:
@@ -92,7 +103,7 @@ def _pad(d: int) -> int:
 
 
 def _flags(
-    q: Tensor, v: Tensor, strict: bool, alibi: Tensor | None, self_b: Tensor | None, key_b: Tensor | None
+    q: Tensor, strict: bool, alibi: Tensor | None, self_b: Tensor | None, key_b: Tensor | None
 ) -> dict:
     return dict(
         STRICT=strict,
@@ -100,8 +111,6 @@ def _flags(
         HAS_SELF=self_b is not None,
         HAS_KB=key_b is not None,
         DOT_PREC=_dot_precision(q.dtype),
-        BLOCK_DK=_pad(q.shape[-1]),
-        BLOCK_DV=_pad(v.shape[-1]),
     )
 
 
@@ -123,15 +132,18 @@ class AttentionOps:
     writes specialised copies of the templates into each generated module, with the flags its energy fixes
     (mask, which biases, first or second order) baked in and dead branches removed, and builds an
     `AttentionOps` over them with `attention_ops`; `baked` records those flags so a call the copy was not made
-    for fails loudly instead of computing something else.
+    for fails loudly instead of computing something else. `wide` sets hold the feature-tiled kernels of
+    `attention_wide_kernels.py` (any width; a third grid axis over feature tiles).
     """
 
-    def __init__(self, name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any] | None = None):
+    def __init__(self, name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any] | None = None,
+                 wide: bool = False):
         self.name = name
         self.baked = dict(baked or {})
-        self._fwd = _tuned(fwd, _FWD_CONFIGS)
-        self._dkdv = _tuned(dkdv, _BWD_CONFIGS)
-        self._dq = _tuned(dq, _BWD_CONFIGS)
+        self.wide = wide
+        self._fwd = _tuned(fwd, _FWD_CONFIGS, wide)
+        self._dkdv = _tuned(dkdv, _BWD_CONFIGS, wide)
+        self._dq = _tuned(dq, _BWD_CONFIGS, wide)
         self._attention_fwd_op = _register(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd)
         self._second_fwd_op = _register(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd)
         self._bwd_op = _register(f"{name}_bwd", self._op_bwd(), _fake_bwd)
@@ -139,6 +151,17 @@ class AttentionOps:
         self._second_fwd_op.register_autograd(self._second_backward, setup_context=_second_setup)
 
     # -- launches (only torch ops and wrap_triton launches, as triton_op requires) -------------------------
+
+    def _widths(self, d_qk: int, d_v: int) -> dict[str, int]:
+        """The feature tile sizes the kernels take: whole padded widths, or the wide kernels' tile."""
+        if self.wide:
+            return dict(BLOCK_D=FEATURE_TILE)
+        return dict(BLOCK_DK=_pad(d_qk), BLOCK_DV=_pad(d_v))
+
+    def _grid(self, T: int, BH: int, block: str, width: int) -> Callable[[dict], tuple[int, int, int]]:
+        """Programs over (row blocks, batch*head, feature tiles of `width`): one feature tile unless wide."""
+        tiles = triton.cdiv(width, FEATURE_TILE) if self.wide else 1
+        return lambda meta: (triton.cdiv(T, meta[block]), BH, tiles)
 
     def _launch_fwd(
         self,
@@ -159,12 +182,8 @@ class AttentionOps:
         Dv = v.shape[-1]
         second = u is not None
         dummy = q  # stands in for absent optional tensors; never dereferenced (its flag is off)
-
-        def grid(meta: dict) -> tuple[int, int]:
-            return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-
-        meta = dict(SECOND=second, **_flags(q, v, strict, alibi, self_b, key_b))
-        wrap_triton(self._fwd)[grid](
+        meta = dict(SECOND=second, **_flags(q, strict, alibi, self_b, key_b), **self._widths(Dqk, Dv))
+        wrap_triton(self._fwd)[self._grid(T, B * H, "BLOCK_M", Dv)](
             q,
             k,
             v,
@@ -257,19 +276,15 @@ class AttentionOps:
 
             dkb, ddiag, ddist = cols(need_key_bias), cols(need_self), cols(need_alibi)
             dummy = q
-            flags = dict(SECOND=second, **_flags(q, v, strict, alibi_slopes, self_bias, key_bias))
+            flags = dict(SECOND=second, **_flags(q, strict, alibi_slopes, self_bias, key_bias),
+                         **self._widths(Dqk, Dv))
             alibi = dummy if alibi_slopes is None else alibi_slopes
             self_b = dummy if self_bias is None else self_bias
             key_b = dummy if key_bias is None else key_bias
-
-            def grid_n(meta: dict) -> tuple[int, int]:
-                return (triton.cdiv(T, meta["BLOCK_N"]), B * H)
-
-            def grid_m(meta: dict) -> tuple[int, int]:
-                return (triton.cdiv(T, meta["BLOCK_M"]), B * H)
-
+            # wide kernels: a program per feature tile of dK and dV (of dQ, and dU for the second moment)
+            dq_tiles = max(Dqk, Dv) if second else Dqk
             needs = dict(NEED_KB=need_key_bias, NEED_SELF=need_self, NEED_ALIBI=need_alibi)
-            wrap_triton(self._dkdv)[grid_n](
+            wrap_triton(self._dkdv)[self._grid(T, B * H, "BLOCK_N", max(Dqk, Dv))](
                 q,
                 k,
                 v,
@@ -293,7 +308,7 @@ class AttentionOps:
                 **_unbaked({**flags, **needs}, self.baked),
                 **_blocks(),
             )
-            wrap_triton(self._dq)[grid_m](
+            wrap_triton(self._dq)[self._grid(T, B * H, "BLOCK_M", dq_tiles)](
                 q,
                 k,
                 v,
@@ -364,9 +379,10 @@ class AttentionOps:
             )
         if not (q.dtype == k.dtype == v.dtype):
             raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-        if max(q.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+        if not self.wide and max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
             raise ValueError(
-                f"head dims above {_MAX_HEAD_DIM} are not supported; got {q.shape[-1]}, {v.shape[-1]}"
+                f"{self.name} takes head dims up to {MAX_HEAD_DIM} (wider ones take the wide kernels); "
+                f"got {q.shape[-1]}, {v.shape[-1]}"
             )
         B, H, T, _ = q.shape
         for name, t, shape in (("alibi_slopes", alibi_slopes, (H,)), ("self_bias", self_bias, (H,))):
@@ -559,18 +575,42 @@ def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 _SETS: dict[str, AttentionOps] = {}
 
 
-def attention_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any]) -> AttentionOps:
+def attention_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any], wide: bool = False
+                  ) -> AttentionOps:
     """The op set over a specialised kernel triple, registered once per process under `energydsl::{name}_*`.
 
     A generated module imported twice (or two modules with the same equation hash) defines the same kernels
     again; the first registration is kept, as torch.library names cannot be registered twice.
     """
     if name not in _SETS:
-        _SETS[name] = AttentionOps(name, fwd, dkdv, dq, baked)
+        _SETS[name] = AttentionOps(name, fwd, dkdv, dq, baked, wide)
     return _SETS[name]
 
 
+def attention_wide_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any]) -> AttentionOps:
+    """`attention_ops` over a specialised copy of the feature-tiled (wide) kernels."""
+    return attention_ops(name, fwd, dkdv, dq, baked, wide=True)
+
+
 GENERIC = AttentionOps("energy_attention", _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)
-energy_attention_with_lse = GENERIC.energy_attention_with_lse
-energy_attention = GENERIC.energy_attention
-weighted_second_moment = GENERIC.weighted_second_moment
+GENERIC_WIDE = AttentionOps("energy_attention_wide", _fwd_wide_kernel, _bwd_dkdv_wide_kernel,
+                            _bwd_dq_wide_kernel, wide=True)
+
+
+def _generic(q: Tensor, v: Tensor) -> AttentionOps:
+    return GENERIC_WIDE if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM else GENERIC
+
+
+def energy_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> tuple[Tensor, Tensor]:
+    """`AttentionOps.energy_attention_with_lse` on the set that takes these widths."""
+    return _generic(q, v).energy_attention_with_lse(q, k, v, **kw)
+
+
+def energy_attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+    """`AttentionOps.energy_attention` on the set that takes these widths."""
+    return _generic(q, v).energy_attention(q, k, v, **kw)
+
+
+def weighted_second_moment(q: Tensor, k: Tensor, v: Tensor, lse: Tensor | None, u: Tensor, **kw: Any) -> Tensor:
+    """`AttentionOps.weighted_second_moment` on the set that takes these widths."""
+    return _generic(q, v).weighted_second_moment(q, k, v, lse, u, **kw)

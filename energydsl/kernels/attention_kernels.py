@@ -33,8 +33,7 @@ import triton.language as tl
 
 @triton.jit
 def _scores(
-    q,
-    k,
+    qk,
     offs_m,
     offs_n,
     T,
@@ -46,10 +45,10 @@ def _scores(
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
     HAS_KB: tl.constexpr,
-    DOT_PREC: tl.constexpr,
 ):
-    """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32, -inf where key j is not admissible for query i."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+    """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32 from the dot products qk = q_i . k_j; -inf where key j is not
+    admissible for query i."""
+    s = qk * scale
     i = offs_m[:, None]
     j = offs_n[None, :]
     if HAS_ALIBI:  # linear distance penalty, one slope per head
@@ -147,9 +146,8 @@ def _fwd_kernel(
         kb = 0.0
         if HAS_KB:
             kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-        s = _scores(
-            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
-        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
         if SECOND:
             p = tl.exp(s - lse[:, None])  # exact softmax weights; masked entries are exp(-inf) = 0
             w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # w_ij = u_i . v_j
@@ -270,9 +268,8 @@ def _bwd_dkdv_kernel(
         )
         lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
-        s = _scores(
-            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
-        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
         p = tl.exp(s - lse[:, None])  # recomputed softmax, 0 outside the mask
         if SECOND:
             u = tl.load(
@@ -402,9 +399,8 @@ def _bwd_dq_kernel(
         kb = 0.0
         if HAS_KB:
             kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-        s = _scores(
-            q, k, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, DOT_PREC
-        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
         p = tl.exp(s - lse[:, None])
         if SECOND:
             w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)

@@ -1,4 +1,5 @@
-"""Fused elementwise Triton epilogues for element-wise energies and optimizer state.
+"""Fused element-wise Triton epilogues for element-wise energies and optimizer state: ops over the kernels
+of `epilogue_kernels.py`.
 
 The big GEMMs of a derived update stay in torch/cuBLAS; what follows them is memory-bound elementwise work
 that eager PyTorch would spread over several kernels (and several reads of the same tensors). Each op here
@@ -12,6 +13,12 @@ reads its inputs once and writes its outputs once, forward and backward:
   their gradients are per-program partial sums reduced in torch (deterministic, no atomics), and they are read
   from device memory (no host sync).
 
+As for attention (`attention.py`), the gated activation and the momentum step are op sets over a kernel pair:
+`GatedActivationOps` and `MomentumOps`. `GENERIC_GATED` and `GENERIC_MOMENTUM` run the templates themselves
+(the activation chosen at launch); the triton code generator writes copies of the templates into each
+generated module, the activation baked in, and builds sets over them with `gated_activation_ops` and
+`momentum_ops`. The Nesterov look-ahead is not written into generated files and stays one pair of ops.
+
 Ops are registered as `torch.ops.energydsl.*` exactly as in `energydsl.kernels.linear` (see `OPS_BACKEND`
 there: triton_op on GPU, opaque custom_op under the interpreter, plain autograd.Function on old torch).
 Tensors that no kernel can take (CPU without TRITON_INTERPRET=1) use the references in `epilogue_ref`.
@@ -19,14 +26,22 @@ Tensors that no kernel can take (CPU without TRITON_INTERPRET=1) use the referen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 from torch import Tensor
 
 from energydsl.kernels import linear as _linear
+from energydsl.kernels.epilogue_kernels import (
+    _gated_bwd_kernel,
+    _gated_fwd_kernel,
+    _momentum_bwd_kernel,
+    _momentum_fwd_kernel,
+    _nesterov_bwd_kernel,
+    _nesterov_fwd_kernel,
+)
 from energydsl.kernels.epilogue_ref import (
     ACTIVATIONS,
     gated_activation_ref,
@@ -35,7 +50,20 @@ from energydsl.kernels.epilogue_ref import (
 )
 from energydsl.kernels.linear import INTERPRET, launch_options, maybe_autotune, register_op, wrap_triton
 
-__all__ = ["ACTIVATIONS", "OPS_BACKEND", "gated_activation", "momentum_update", "nesterov_lookahead"]
+__all__ = [
+    "ACTIVATIONS",
+    "GENERIC_GATED",
+    "GENERIC_MOMENTUM",
+    "INTERPRET",
+    "OPS_BACKEND",
+    "GatedActivationOps",
+    "MomentumOps",
+    "gated_activation",
+    "gated_activation_ops",
+    "momentum_ops",
+    "momentum_update",
+    "nesterov_lookahead",
+]
 
 OPS_BACKEND: str = _linear.OPS_BACKEND
 
@@ -56,346 +84,9 @@ def _ew_grid(n: int) -> Any:
     return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Activations: sigma and sigma' in fp32, selected at compile time
-# ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _act_and_grad(x, ACT: tl.constexpr):
-    """(sigma(x), sigma'(x)); the derivative is dead code (and removed) where only sigma is used."""
-    if ACT == "silu":
-        s = tl.sigmoid(x)
-        y = x * s
-        dy = s * (1.0 + x * (1.0 - s))
-    elif ACT == "gelu":
-        # erf form: x Phi(x), Phi the normal cdf; sigma' = Phi(x) + x phi(x), phi the normal density
-        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        y = x * cdf
-        dy = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
-    elif ACT == "sigmoid":
-        y = tl.sigmoid(x)
-        dy = y * (1.0 - y)
-    elif ACT == "relu":
-        y = tl.maximum(x, 0.0)
-        dy = tl.where(x > 0.0, 1.0, 0.0)
-    elif ACT == "tanh":
-        # tanh = 2 sigmoid(2x) - 1 (no tanh in tl.math); saturates correctly at +-1
-        y = 2.0 * tl.sigmoid(2.0 * x) - 1.0
-        dy = 1.0 - y * y
-    else:  # identity
-        y = x
-        dy = tl.full(x.shape, 1.0, tl.float32)
-    return y, dy
-
-
-@maybe_autotune(_EW_CONFIGS, key=["ACT"])
-@triton.jit
-def _gated_fwd_kernel(gate_ptr, value_ptr, out_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(value_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y, _ = _act_and_grad(x, ACT)
-    tl.store(out_ptr + offs, (v * y).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@maybe_autotune(_EW_CONFIGS, key=["ACT"])
-@triton.jit
-def _gated_bwd_kernel(
-    gate_ptr, value_ptr, dout_ptr, dgate_ptr, dvalue_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(value_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y, dy = _act_and_grad(x, ACT)
-    tl.store(dvalue_ptr + offs, (dout * y).to(dvalue_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgate_ptr + offs, (dout * v * dy).to(dgate_ptr.dtype.element_ty), mask=mask)
-
-
-@maybe_autotune(_EW_CONFIGS, key=[])
-@triton.jit
-def _momentum_fwd_kernel(
-    x_ptr, m_ptr, f_ptr, beta_ptr, eta_ptr, x_out_ptr, m_out_ptr, N, BLOCK: tl.constexpr
-):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    beta = tl.load(beta_ptr).to(tl.float32)
-    eta = tl.load(eta_ptr).to(tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m_new = beta * m + f
-    tl.store(m_out_ptr + offs, m_new.to(m_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(x_out_ptr + offs, (x + eta * m_new).to(x_out_ptr.dtype.element_ty), mask=mask)
-
-
-@maybe_autotune(_RED_CONFIGS, key=[])
-@triton.jit
-def _momentum_bwd_kernel(
-    gx_ptr,
-    gm_ptr,
-    m_ptr,
-    f_ptr,
-    beta_ptr,
-    eta_ptr,
-    dm_ptr,
-    df_ptr,
-    pbeta_ptr,
-    peta_ptr,
-    N,
-    BLOCK: tl.constexpr,
-):
-    """gx, gm: gradients of x_new, m_new. m_new feeds x_new, so its total gradient is gm + eta gx; then
-    dm = beta (gm + eta gx), df = gm + eta gx, d beta = sum (gm + eta gx) m, d eta = sum gx m_new."""
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    beta = tl.load(beta_ptr).to(tl.float32)
-    eta = tl.load(eta_ptr).to(tl.float32)
-    gx = tl.load(gx_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    gm = tl.load(gm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    f = tl.load(f_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g_mnew = gm + eta * gx
-    tl.store(df_ptr + offs, g_mnew.to(df_ptr.dtype.element_ty), mask=mask)
-    tl.store(dm_ptr + offs, (beta * g_mnew).to(dm_ptr.dtype.element_ty), mask=mask)
-    tl.store(pbeta_ptr + pid, tl.sum(g_mnew * m, axis=0))
-    tl.store(peta_ptr + pid, tl.sum(gx * (beta * m + f), axis=0))  # m_new recomputed, not saved
-
-
-@maybe_autotune(_EW_CONFIGS, key=[])
-@triton.jit
-def _nesterov_fwd_kernel(x_ptr, m_ptr, beta_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    beta = tl.load(beta_ptr).to(tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (x + beta * m).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@maybe_autotune(_RED_CONFIGS, key=[])
-@triton.jit
-def _nesterov_bwd_kernel(g_ptr, m_ptr, beta_ptr, dm_ptr, pbeta_ptr, N, BLOCK: tl.constexpr):
-    """dm = beta g, d beta = sum g m (dx = g needs no kernel)."""
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    beta = tl.load(beta_ptr).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dm_ptr + offs, (beta * g).to(dm_ptr.dtype.element_ty), mask=mask)
-    tl.store(pbeta_ptr + pid, tl.sum(g * m, axis=0))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Launchers (op bodies) and their fake (shape-only) versions
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _gated_fwd(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-    gate_pre, value = gate_pre.contiguous(), value.contiguous()
-    out = torch.empty(
-        value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype), device=value.device
-    )
-    n = out.numel()
-    wrap_triton(_gated_fwd_kernel)[_ew_grid(n)](
-        gate_pre, value, out, n, ACT=activation, **launch_options(BLOCK=_INTERPRET_BLOCK)
-    )
-    return out
-
-
-def _gated_fwd_fake(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-    return value.new_empty(value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype))
-
-
-def _gated_bwd(dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    dout, gate_pre, value = dout.contiguous(), gate_pre.contiguous(), value.contiguous()
-    dgate = torch.empty_like(gate_pre)
-    dvalue = torch.empty_like(value)
-    n = dout.numel()
-    wrap_triton(_gated_bwd_kernel)[_ew_grid(n)](
-        gate_pre, value, dout, dgate, dvalue, n, ACT=activation, **launch_options(BLOCK=_INTERPRET_BLOCK)
-    )
-    return dgate, dvalue
-
-
-def _gated_bwd_fake(dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    return gate_pre.new_empty(gate_pre.shape), value.new_empty(value.shape)
-
-
-def _gated_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    gate_pre, value, activation = inputs
-    ctx.save_for_backward(gate_pre, value)
-    ctx.activation = activation
-
-
-def _gated_backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-    gate_pre, value = ctx.saved_tensors
-    bwd = _gated_bwd if OPS_BACKEND == "function" else torch.ops.energydsl.gated_activation_bwd
-    dgate, dvalue = bwd(dout, gate_pre, value, ctx.activation)
-    return dgate, dvalue, None
-
-
-def _momentum_fwd(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
-    x, m, f = x.contiguous(), m.contiguous(), f.contiguous()
-    x_new, m_new = torch.empty_like(x), torch.empty_like(m)
-    n = x.numel()
-    wrap_triton(_momentum_fwd_kernel)[_ew_grid(n)](
-        x, m, f, beta, eta, x_new, m_new, n, **launch_options(BLOCK=_INTERPRET_BLOCK)
-    )
-    return x_new, m_new
-
-
-def _momentum_fwd_fake(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), m.new_empty(m.shape)
-
-
-def _momentum_bwd(
-    gx: Tensor, gm: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dm, df, d beta, d eta); dx is gx itself."""
-    gx, gm, m, f = gx.contiguous(), gm.contiguous(), m.contiguous(), f.contiguous()
-    n = m.numel()
-    n_prog = triton.cdiv(n, _RED_BLOCK)
-    dm, df = torch.empty_like(m), torch.empty_like(f)
-    pbeta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
-    peta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
-    wrap_triton(_momentum_bwd_kernel)[(n_prog,)](
-        gx, gm, m, f, beta, eta, dm, df, pbeta, peta, n, BLOCK=_RED_BLOCK
-    )
-    dbeta = pbeta.sum().reshape(beta.shape).to(beta.dtype)
-    deta = peta.sum().reshape(eta.shape).to(eta.dtype)
-    return dm, df, dbeta, deta
-
-
-def _momentum_bwd_fake(
-    gx: Tensor, gm: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return m.new_empty(m.shape), f.new_empty(f.shape), beta.new_empty(beta.shape), eta.new_empty(eta.shape)
-
-
-def _momentum_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    x, m, f, beta, eta = inputs
-    ctx.save_for_backward(m, f, beta, eta)
-
-
-def _momentum_backward(ctx: Any, gx: Tensor | None, gm: Tensor | None) -> tuple[Tensor | None, ...]:
-    m, f, beta, eta = ctx.saved_tensors
-    gx = torch.zeros_like(m) if gx is None else gx
-    gm = torch.zeros_like(m) if gm is None else gm
-    bwd = _momentum_bwd if OPS_BACKEND == "function" else torch.ops.energydsl.momentum_update_bwd
-    dm, df, dbeta, deta = bwd(gx, gm, m, f, beta, eta)
-    return gx, dm, df, dbeta, deta
-
-
-def _nesterov_fwd(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-    x, m = x.contiguous(), m.contiguous()
-    out = torch.empty_like(x)
-    n = x.numel()
-    wrap_triton(_nesterov_fwd_kernel)[_ew_grid(n)](
-        x, m, beta, out, n, **launch_options(BLOCK=_INTERPRET_BLOCK)
-    )
-    return out
-
-
-def _nesterov_fwd_fake(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-    return x.new_empty(x.shape)
-
-
-def _nesterov_bwd(g: Tensor, m: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    """(dm, d beta); dx is g itself."""
-    g, m = g.contiguous(), m.contiguous()
-    n = m.numel()
-    n_prog = triton.cdiv(n, _RED_BLOCK)
-    dm = torch.empty_like(m)
-    pbeta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
-    wrap_triton(_nesterov_bwd_kernel)[(n_prog,)](g, m, beta, dm, pbeta, n, BLOCK=_RED_BLOCK)
-    return dm, pbeta.sum().reshape(beta.shape).to(beta.dtype)
-
-
-def _nesterov_bwd_fake(g: Tensor, m: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    return m.new_empty(m.shape), beta.new_empty(beta.shape)
-
-
-def _nesterov_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    x, m, beta = inputs
-    ctx.save_for_backward(m, beta)
-
-
-def _nesterov_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-    m, beta = ctx.saved_tensors
-    bwd = _nesterov_bwd if OPS_BACKEND == "function" else torch.ops.energydsl.nesterov_lookahead_bwd
-    dm, dbeta = bwd(g, m, beta)
-    return g, dm, dbeta
-
-
-register_op("gated_activation_bwd", _gated_bwd, _gated_bwd_fake)
-register_op(
-    "gated_activation", _gated_fwd, _gated_fwd_fake, backward=_gated_backward, setup_context=_gated_setup
-)
-register_op("momentum_update_bwd", _momentum_bwd, _momentum_bwd_fake)
-register_op(
-    "momentum_update",
-    _momentum_fwd,
-    _momentum_fwd_fake,
-    backward=_momentum_backward,
-    setup_context=_momentum_setup,
-)
-register_op("nesterov_lookahead_bwd", _nesterov_bwd, _nesterov_bwd_fake)
-register_op(
-    "nesterov_lookahead",
-    _nesterov_fwd,
-    _nesterov_fwd_fake,
-    backward=_nesterov_backward,
-    setup_context=_nesterov_setup,
-)
-
-
-class _GatedActivationFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-        out = _gated_fwd(gate_pre, value, activation)
-        _gated_setup(ctx, (gate_pre, value, activation), out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        return _gated_backward(ctx, dout)
-
-
-class _MomentumUpdateFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        out = _momentum_fwd(x, m, f, beta, eta)
-        _momentum_setup(ctx, (x, m, f, beta, eta), out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, gx: Tensor | None, gm: Tensor | None) -> tuple[Tensor | None, ...]:
-        return _momentum_backward(ctx, gx, gm)
-
-
-class _NesterovLookaheadFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-        out = _nesterov_fwd(x, m, beta)
-        _nesterov_setup(ctx, (x, m, beta), out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        return _nesterov_backward(ctx, g)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Public API
-# ----------------------------------------------------------------------------------------------------------
+def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
+    """Autotuned on GPU, per activation where the kernel still takes one (a generated copy has it baked in)."""
+    return maybe_autotune(configs, key=[k for k in ("ACT",) if k in kernel.arg_names])(kernel)
 
 
 def _on_kernel_device(t: Tensor) -> bool:
@@ -418,36 +109,296 @@ def _same_shape(**tensors: Tensor) -> None:
         raise ValueError("expected tensors on one device")
 
 
-def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
-    """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form); backward fused too.
+# ----------------------------------------------------------------------------------------------------------
+# Gated activation: one set per kernel pair, registered under its own name
+# ----------------------------------------------------------------------------------------------------------
 
-    Same shapes required (no broadcasting: the op is a pure epilogue to the surrounding GEMMs); the result has
-    the promoted dtype, arithmetic is fp32.
+
+class GatedActivationOps:
+    """value * sigma(gate_pre) on one forward / backward kernel pair, as torch ops registered under one name.
+
+    `baked` holds what the kernels' source fixes: {"ACT": "silu"} for a generated module's copy, whose
+    `_act_and_grad` computes SiLU only. A call with another activation is refused rather than silently
+    computing the baked one.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-    _same_shape(gate_pre=gate_pre, value=value)
-    if not _on_kernel_device(value):
-        return gated_activation_ref(gate_pre, value, activation)
-    if OPS_BACKEND == "function":
-        return _GatedActivationFunction.apply(gate_pre, value, activation)
-    return torch.ops.energydsl.gated_activation(gate_pre, value, activation)
+
+    def __init__(self, name: str, fwd: Any, bwd: Any, baked: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.baked = dict(baked or {})
+        self._fwd, self._bwd = _tuned(fwd, _EW_CONFIGS), _tuned(bwd, _EW_CONFIGS)
+        self._launch_fwd, self._launch_bwd = self._fwd_impl(), self._bwd_impl()
+        self._bwd_op = register_op(f"{name}_bwd", self._launch_bwd, _gated_bwd_fake)
+        self._fwd_op = register_op(
+            f"{name}_fwd", self._launch_fwd, _gated_fwd_fake, backward=self._backward, setup_context=_gated_setup
+        )
+
+    def _meta(self, activation: str) -> dict[str, Any]:
+        """Launch meta-parameters: the activation unless baked in, the block under the interpreter."""
+        act = {} if "ACT" in self.baked else {"ACT": activation}
+        return act | launch_options(BLOCK=_INTERPRET_BLOCK)
+
+    # -- launchers (the op bodies: only torch ops and `wrap_triton` launches, as triton_op requires) -------
+
+    def _fwd_impl(self) -> Callable[[Tensor, Tensor, str], Tensor]:
+        def gated_activation_fwd(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
+            gate_pre, value = gate_pre.contiguous(), value.contiguous()
+            dtype = torch.promote_types(gate_pre.dtype, value.dtype)
+            out = torch.empty(value.shape, dtype=dtype, device=value.device)
+            n = out.numel()
+            wrap_triton(self._fwd)[_ew_grid(n)](gate_pre, value, out, n, **self._meta(activation))
+            return out
+
+        return gated_activation_fwd
+
+    def _bwd_impl(self) -> Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]:
+        def gated_activation_bwd(
+            dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str
+        ) -> tuple[Tensor, Tensor]:
+            dout, gate_pre, value = dout.contiguous(), gate_pre.contiguous(), value.contiguous()
+            dgate, dvalue = torch.empty_like(gate_pre), torch.empty_like(value)
+            n = dout.numel()
+            wrap_triton(self._bwd)[_ew_grid(n)](
+                gate_pre, value, dout, dgate, dvalue, n, **self._meta(activation)
+            )
+            return dgate, dvalue
+
+        return gated_activation_bwd
+
+    def _backward(self, ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        gate_pre, value = ctx.saved_tensors
+        bwd = self._launch_bwd if OPS_BACKEND == "function" else self._bwd_op
+        dgate, dvalue = bwd(dout, gate_pre, value, ctx.activation)
+        return dgate, dvalue, None
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def gated_activation(self, gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
+        """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form); backward fused too.
+
+        Same shapes required (no broadcasting: the op is a pure epilogue to the surrounding GEMMs); the result
+        has the promoted dtype, arithmetic is fp32.
+        """
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        if self.baked.get("ACT", activation) != activation:
+            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs ACT={activation}")
+        _same_shape(gate_pre=gate_pre, value=value)
+        if not _on_kernel_device(value):
+            return gated_activation_ref(gate_pre, value, activation)
+        if OPS_BACKEND == "function":
+            return _GatedActivationFunction.apply(self, gate_pre, value, activation)
+        return self._fwd_op(gate_pre, value, activation)
 
 
-def momentum_update(
-    x: Tensor, m: Tensor, f: Tensor, beta: Tensor | float, eta: Tensor | float
-) -> tuple[Tensor, Tensor]:
-    """Heavy-ball residual update (x_new, m_new) = (x + eta m_new, beta m + f), one pass over x, m, f.
+def _gated_fwd_fake(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
+    return value.new_empty(value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype))
 
-    beta, eta: one-element tensors (differentiable, e.g. learned step sizes) or floats.
+
+def _gated_bwd_fake(dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    return gate_pre.new_empty(gate_pre.shape), value.new_empty(value.shape)
+
+
+def _gated_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    gate_pre, value, activation = inputs
+    ctx.save_for_backward(gate_pre, value)
+    ctx.activation = activation
+
+
+class _GatedActivationFunction(torch.autograd.Function):
+    """The same launchers without torch.library (OPS_BACKEND == "function")."""
+
+    @staticmethod
+    def forward(ctx: Any, ops: GatedActivationOps, gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
+        out = ops._launch_fwd(gate_pre, value, activation)
+        _gated_setup(ctx, (gate_pre, value, activation), out)
+        ctx.ops = ops
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.ops._backward(ctx, dout))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Momentum: one set per kernel pair, registered under its own name
+# ----------------------------------------------------------------------------------------------------------
+
+
+class MomentumOps:
+    """The heavy-ball step on one forward / backward kernel pair, as torch ops registered under one name.
+
+    The kernels have no switch an energy fixes, so `baked` is empty; it is kept so that every family's sets
+    are built alike (see `momentum_ops`).
     """
-    _same_shape(x=x, m=m, f=f)
-    beta, eta = _scalar(beta, x, "beta"), _scalar(eta, x, "eta")
-    if not _on_kernel_device(x):
-        return momentum_update_ref(x, m, f, beta.reshape(()), eta.reshape(()))
-    if OPS_BACKEND == "function":
-        return _MomentumUpdateFunction.apply(x, m, f, beta, eta)
-    return torch.ops.energydsl.momentum_update(x, m, f, beta, eta)
+
+    def __init__(self, name: str, fwd: Any, bwd: Any, baked: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.baked = dict(baked or {})
+        self._fwd, self._bwd = _tuned(fwd, _EW_CONFIGS), _tuned(bwd, _RED_CONFIGS)
+        self._launch_fwd, self._launch_bwd = self._fwd_impl(), self._bwd_impl()
+        self._bwd_op = register_op(f"{name}_bwd", self._launch_bwd, _momentum_bwd_fake)
+        self._fwd_op = register_op(
+            f"{name}_fwd", self._launch_fwd, _momentum_fwd_fake, backward=self._backward,
+            setup_context=_momentum_setup,
+        )
+
+    # -- launchers (the op bodies) -------------------------------------------------------------------------
+
+    def _fwd_impl(self) -> Callable[..., tuple[Tensor, Tensor]]:
+        def momentum_update_fwd(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
+            x, m, f = x.contiguous(), m.contiguous(), f.contiguous()
+            x_new, m_new = torch.empty_like(x), torch.empty_like(m)
+            n = x.numel()
+            wrap_triton(self._fwd)[_ew_grid(n)](
+                x, m, f, beta, eta, x_new, m_new, n, **launch_options(BLOCK=_INTERPRET_BLOCK)
+            )
+            return x_new, m_new
+
+        return momentum_update_fwd
+
+    def _bwd_impl(self) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
+        def momentum_update_bwd(
+            gx: Tensor, gm: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
+        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            """(dm, df, d beta, d eta); dx is gx itself."""
+            gx, gm, m, f = gx.contiguous(), gm.contiguous(), m.contiguous(), f.contiguous()
+            n = m.numel()
+            n_prog = triton.cdiv(n, _RED_BLOCK)
+            dm, df = torch.empty_like(m), torch.empty_like(f)
+            pbeta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
+            peta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
+            wrap_triton(self._bwd)[(n_prog,)](gx, gm, m, f, beta, eta, dm, df, pbeta, peta, n, BLOCK=_RED_BLOCK)
+            dbeta = pbeta.sum().reshape(beta.shape).to(beta.dtype)
+            deta = peta.sum().reshape(eta.shape).to(eta.dtype)
+            return dm, df, dbeta, deta
+
+        return momentum_update_bwd
+
+    def _backward(self, ctx: Any, gx: Tensor | None, gm: Tensor | None) -> tuple[Tensor | None, ...]:
+        m, f, beta, eta = ctx.saved_tensors
+        gx = torch.zeros_like(m) if gx is None else gx
+        gm = torch.zeros_like(m) if gm is None else gm
+        bwd = self._launch_bwd if OPS_BACKEND == "function" else self._bwd_op
+        dm, df, dbeta, deta = bwd(gx, gm, m, f, beta, eta)
+        return gx, dm, df, dbeta, deta
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def momentum_update(
+        self, x: Tensor, m: Tensor, f: Tensor, beta: Tensor | float, eta: Tensor | float
+    ) -> tuple[Tensor, Tensor]:
+        """Heavy-ball residual update (x_new, m_new) = (x + eta m_new, beta m + f), one pass over x, m, f.
+
+        beta, eta: one-element tensors (differentiable, e.g. learned step sizes) or floats.
+        """
+        _same_shape(x=x, m=m, f=f)
+        beta, eta = _scalar(beta, x, "beta"), _scalar(eta, x, "eta")
+        if not _on_kernel_device(x):
+            return momentum_update_ref(x, m, f, beta.reshape(()), eta.reshape(()))
+        if OPS_BACKEND == "function":
+            return _MomentumUpdateFunction.apply(self, x, m, f, beta, eta)
+        return self._fwd_op(x, m, f, beta, eta)
+
+
+def _momentum_fwd_fake(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), m.new_empty(m.shape)
+
+
+def _momentum_bwd_fake(
+    gx: Tensor, gm: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return m.new_empty(m.shape), f.new_empty(f.shape), beta.new_empty(beta.shape), eta.new_empty(eta.shape)
+
+
+def _momentum_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    x, m, f, beta, eta = inputs
+    ctx.save_for_backward(m, f, beta, eta)
+
+
+class _MomentumUpdateFunction(torch.autograd.Function):
+    """The same launchers without torch.library (OPS_BACKEND == "function")."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, ops: MomentumOps, x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        out = ops._launch_fwd(x, m, f, beta, eta)
+        _momentum_setup(ctx, (x, m, f, beta, eta), out)
+        ctx.ops = ops
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, gx: Tensor | None, gm: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.ops._backward(ctx, gx, gm))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nesterov look-ahead: the templates only (generated files compute x + beta m in torch)
+# ----------------------------------------------------------------------------------------------------------
+
+_nesterov_fwd_tuned = maybe_autotune(_EW_CONFIGS, key=[])(_nesterov_fwd_kernel)
+_nesterov_bwd_tuned = maybe_autotune(_RED_CONFIGS, key=[])(_nesterov_bwd_kernel)
+
+
+def _nesterov_fwd(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
+    x, m = x.contiguous(), m.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel()
+    wrap_triton(_nesterov_fwd_tuned)[_ew_grid(n)](x, m, beta, out, n, **launch_options(BLOCK=_INTERPRET_BLOCK))
+    return out
+
+
+def _nesterov_fwd_fake(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _nesterov_bwd(g: Tensor, m: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    """(dm, d beta); dx is g itself."""
+    g, m = g.contiguous(), m.contiguous()
+    n = m.numel()
+    n_prog = triton.cdiv(n, _RED_BLOCK)
+    dm = torch.empty_like(m)
+    pbeta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
+    wrap_triton(_nesterov_bwd_tuned)[(n_prog,)](g, m, beta, dm, pbeta, n, BLOCK=_RED_BLOCK)
+    return dm, pbeta.sum().reshape(beta.shape).to(beta.dtype)
+
+
+def _nesterov_bwd_fake(g: Tensor, m: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
+    return m.new_empty(m.shape), beta.new_empty(beta.shape)
+
+
+def _nesterov_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    x, m, beta = inputs
+    ctx.save_for_backward(m, beta)
+
+
+def _nesterov_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+    m, beta = ctx.saved_tensors
+    bwd = _nesterov_bwd if OPS_BACKEND == "function" else torch.ops.energydsl.nesterov_lookahead_bwd
+    dm, dbeta = bwd(g, m, beta)
+    return g, dm, dbeta
+
+
+register_op("nesterov_lookahead_bwd", _nesterov_bwd, _nesterov_bwd_fake)
+register_op(
+    "nesterov_lookahead",
+    _nesterov_fwd,
+    _nesterov_fwd_fake,
+    backward=_nesterov_backward,
+    setup_context=_nesterov_setup,
+)
+
+
+class _NesterovLookaheadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
+        out = _nesterov_fwd(x, m, beta)
+        _nesterov_setup(ctx, (x, m, beta), out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        return _nesterov_backward(ctx, g)
 
 
 def nesterov_lookahead(x: Tensor, m: Tensor, beta: Tensor | float) -> Tensor:
@@ -459,3 +410,36 @@ def nesterov_lookahead(x: Tensor, m: Tensor, beta: Tensor | float) -> Tensor:
     if OPS_BACKEND == "function":
         return _NesterovLookaheadFunction.apply(x, m, beta)
     return torch.ops.energydsl.nesterov_lookahead(x, m, beta)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The generic sets (the templates, the activation chosen at launch) and specialised ones
+# ----------------------------------------------------------------------------------------------------------
+
+_GATED_SETS: dict[str, GatedActivationOps] = {}
+_MOMENTUM_SETS: dict[str, MomentumOps] = {}
+
+
+def gated_activation_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> GatedActivationOps:
+    """The op set over a specialised kernel pair, registered once per process under `energydsl::{name}_*`.
+
+    A generated module imported twice (or two modules with the same kernels) builds the same set again; the
+    first registration is kept, as torch.library names cannot be registered twice.
+    """
+    if name not in _GATED_SETS:
+        _GATED_SETS[name] = GatedActivationOps(name, fwd, bwd, baked)
+    return _GATED_SETS[name]
+
+
+def momentum_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> MomentumOps:
+    """The op set over a kernel pair copied into a generated module, registered once per process under
+    `energydsl::{name}_*`."""
+    if name not in _MOMENTUM_SETS:
+        _MOMENTUM_SETS[name] = MomentumOps(name, fwd, bwd, baked)
+    return _MOMENTUM_SETS[name]
+
+
+GENERIC_GATED = GatedActivationOps("gated_activation", _gated_fwd_kernel, _gated_bwd_kernel)
+GENERIC_MOMENTUM = MomentumOps("momentum_update", _momentum_fwd_kernel, _momentum_bwd_kernel)
+gated_activation = GENERIC_GATED.gated_activation
+momentum_update = GENERIC_MOMENTUM.momentum_update

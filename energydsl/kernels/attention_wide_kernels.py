@@ -1,0 +1,345 @@
+"""The softmax family's Triton kernels for feature widths that do not fit one tile (templates, as in
+`attention_kernels.py`, whose score function `_scores` and formulas they share).
+
+`attention_kernels.py` keeps a whole (BLOCK_M, D) query tile and (BLOCK_M, D) accumulators in registers,
+which stops at D = 256. CEM's exact diagonal term is wider: its score (W_Q u)·(W_K h_j) + h_j·(dg ∘ u) is one
+dot product of concatenated features, head width plus model width (832 at d = 768, 12 heads). Here every
+feature axis is cut into tiles of BLOCK_D:
+
+* a score tile is the sum over feature tiles, `_tile_dots(Q, K, ...)`, loaded as it is summed, so nothing
+  D wide is held;
+* each program owns one feature tile of its output (a third grid axis: the value tile of o or r, the key
+  tile of dQ, the key and value tiles of dK / dV) and recomputes the scores it needs.
+
+The recomputation costs FLOPs (the scores are computed once per output tile), not memory: nothing T x T or
+T x D beyond the inputs and outputs is stored, so peak memory stays linear in T, which the torch fallback
+(an additive T x T mask whenever there is a bias or a strict mask) is not.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_kernels import _scores
+
+
+@triton.jit
+def _tile_dots(
+    A,
+    B,
+    rows_a,
+    rows_b,
+    ok_a,
+    ok_b,
+    D,
+    BLOCK_A: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """(BLOCK_A, BLOCK_B) fp32 tile of A[rows_a] . B[rows_b], summed over feature tiles of BLOCK_D.
+
+    A and B point at one (batch, head)'s row-major (T, D) matrix; masked rows and features load as 0.
+    """
+    acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        a = tl.load(A + rows_a[:, None] * D + offs_d[None, :], mask=ok_a[:, None] & d_ok[None, :], other=0.0)
+        b = tl.load(B + rows_b[:, None] * D + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
+        acc += tl.dot(a, tl.trans(b), input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _fwd_wide_kernel(
+    Q,
+    K,
+    V,
+    U,
+    LSE_IN,
+    O,
+    LSE,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query block, batch*head, value tile) program: `_fwd_kernel` for the value tile `program_id(2)`.
+
+    Every value tile runs the same online softmax; the first one writes lse.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    h = bh % H
+    Qh, Kh = Q + bh * T * D_QK, K + bh * T * D_QK
+    Vh, Uh = V + bh * T * D_V, U + bh * T * D_V
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    dv_ok = offs_dv < D_V
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if SECOND:
+        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        v = tl.load(Vh + offs_n[:, None] * D_V + offs_dv[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+        kb = 0.0
+        if HAS_KB:
+            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
+        if SECOND:
+            p = tl.exp(s - lse[:, None])
+            w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _fwd_kernel
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+
+    if SECOND:
+        out = acc
+    else:
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        if tile == 0:
+            tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, m_i + tl.log(l_safe)), mask=row_ok)
+    tl.store(
+        O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & dv_ok[None, :],
+    )
+
+
+@triton.jit
+def _bwd_dkdv_wide_kernel(
+    Q,
+    K,
+    V,
+    U,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    DKB,
+    DDIAG,
+    DDIST,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    NEED_KB: tl.constexpr,
+    NEED_SELF: tl.constexpr,
+    NEED_ALIBI: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (key block, batch*head, feature tile) program: `_bwd_dkdv_kernel` for key tile and value tile
+    `program_id(2)` (a tile past D_QK or D_V computes nothing there: its loads and stores are masked).
+
+    The first tile writes the bias column sums.
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    h = bh % H
+    Qh, Kh = Q + bh * T * D_QK, K + bh * T * D_QK
+    Vh, Uh, DOh = V + bh * T * D_V, U + bh * T * D_V, DO + bh * T * D_V
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = offs_n < T
+    dk_ok = offs_d < D_QK
+    dv_ok = offs_d < D_V
+    slope = 0.0
+    self_b = 0.0
+    kb = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if HAS_KB:
+        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dkb = tl.zeros([BLOCK_N], tl.float32)
+    ddiag = tl.zeros([BLOCK_N], tl.float32)
+    ddist = tl.zeros([BLOCK_N], tl.float32)
+    lo = (start_n // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, T, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        q = tl.load(Qh + offs_m[:, None] * D_QK + offs_d[None, :], mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+        do = tl.load(DOh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+        qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
+        p = tl.exp(s - lse[:, None])
+        g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        if SECOND:
+            u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+            w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            dp = w * g
+            dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
+            dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+        else:
+            dp = g
+            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+        if NEED_KB:
+            dkb += tl.sum(ds, 0)
+        if NEED_SELF:
+            ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+        if NEED_ALIBI:
+            ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+
+    tl.store(
+        DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_d[None, :],
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=col_ok[:, None] & dk_ok[None, :],
+    )
+    tl.store(
+        DV + bh * T * D_V + offs_n[:, None] * D_V + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=col_ok[:, None] & dv_ok[None, :],
+    )
+    if tile == 0:
+        if NEED_KB:
+            tl.store(DKB + bh * T + offs_n, dkb, mask=col_ok)
+        if NEED_SELF:
+            tl.store(DDIAG + bh * T + offs_n, ddiag, mask=col_ok)
+        if NEED_ALIBI:
+            tl.store(DDIST + bh * T + offs_n, ddist, mask=col_ok)
+
+
+@triton.jit
+def _bwd_dq_wide_kernel(
+    Q,
+    K,
+    V,
+    U,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DU,
+    ALIBI,
+    SELF_B,
+    KEY_B,
+    scale,
+    T,
+    H,
+    D_QK,
+    D_V,
+    STRICT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_SELF: tl.constexpr,
+    HAS_KB: tl.constexpr,
+    SECOND: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (query block, batch*head, feature tile) program: `_bwd_dq_kernel` for query tile (and, SECOND,
+    dU's value tile) `program_id(2)`."""
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    h = bh % H
+    Qh, Kh = Q + bh * T * D_QK, K + bh * T * D_QK
+    Vh, Uh, DOh = V + bh * T * D_V, U + bh * T * D_V, DO + bh * T * D_V
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = offs_m < T
+    dk_ok = offs_d < D_QK
+    dv_ok = offs_d < D_V
+    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF_B + h).to(tl.float32)
+    if SECOND:
+        du = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < T
+        k = tl.load(Kh + offs_n[:, None] * D_QK + offs_d[None, :], mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
+        kb = 0.0
+        if HAS_KB:
+            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
+        p = tl.exp(s - lse[:, None])
+        g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+        if SECOND:
+            w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            dp = w * g
+            v = tl.load(Vh + offs_n[:, None] * D_V + offs_d[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+            du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            dp = g
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+
+    tl.store(
+        DQ + bh * T * D_QK + offs_m[:, None] * D_QK + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & dk_ok[None, :],
+    )
+    if SECOND:
+        tl.store(
+            DU + bh * T * D_V + offs_m[:, None] * D_V + offs_d[None, :],
+            du.to(DU.dtype.element_ty),
+            mask=row_ok[:, None] & dv_ok[None, :],
+        )

@@ -1,0 +1,50 @@
+"""The GPU benchmark scripts keep working on machines without a GPU, so that a lent GPU's run does not fail.
+
+`benchmarks/kernels.py` and `benchmarks/modules.py` time the fused kernels on CUDA only. Here they run their
+CPU modes: `--interpret-smoke` (every case once at a tiny shape, interpreted, checked against the float64
+reference: the same case builders, peers and comparisons the GPU run uses) and the plain call, which must
+say that there is no GPU and exit 0.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# not imported here: triton read in this process before TRITON_INTERPRET=1 breaks the interpreted kernel tests
+# that share the worker (they set it before their own first import)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_kernels_benchmark_interpret_smoke() -> None:
+    """Every family's cases, the wide (CEM diagonal) attention included, agree with the reference."""
+    out = _run("benchmarks/kernels.py", "--interpret-smoke")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "0 failed" in out.stdout and "cem-diagonal" in out.stdout
+
+
+def test_modules_benchmark_interpret_smoke() -> None:
+    out = _run("benchmarks/modules.py", "--interpret-smoke", interpret=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "0 failed" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the benchmark itself")
+@pytest.mark.parametrize("script", ["benchmarks/kernels.py", "benchmarks/modules.py"])
+def test_without_a_gpu_the_benchmarks_say_so_and_exit_0(script: str) -> None:
+    out = _run(script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no CUDA device" in out.stdout
