@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compile_for_gpu
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -281,3 +282,69 @@ def test_generated_module_runs_under_torch_compile(path: str, name: str) -> None
     assert _rel(got, eager) < 1e-6
     grad = torch.autograd.grad(got.square().sum(), list(layer.parameters()), allow_unused=True)
     assert any(g is not None and g.abs().max() > 0 for g in grad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compiled mode (no interpreter): generated files say `from __future__ import annotations`, so a copied
+# kernel's `X: tl.constexpr` is the string "tl.constexpr"; triton must still see a constexpr there.
+# ---------------------------------------------------------------------------------------------------------
+
+_COMPILED_COPIES = """
+import importlib, sys, tempfile
+from pathlib import Path
+from energydsl.codegen.triton_source import FAMILIES, KernelRequest, kernel_imports, kernel_source
+
+requests = [
+    KernelRequest.attention(strict=True, alibi=True, self_bias=True, key_bias=False),
+    KernelRequest.attention(strict=False, alibi=False, self_bias=False, key_bias=True, second=True, wide=True),
+    KernelRequest.linear(strict=False, decay=True),
+    KernelRequest.gated("gelu"),
+    KernelRequest.momentum(),
+]
+text = "\\n".join(["from __future__ import annotations", *kernel_imports(requests), *kernel_source(requests)])
+path = Path(tempfile.mkdtemp()) / "copies.py"
+path.write_text(text)
+sys.path.insert(0, str(path.parent))
+copies = importlib.import_module("copies")
+COMPILE = {COMPILE}
+checked = 0
+for req in requests:
+    fam = FAMILIES[req.family]
+    for name in (*fam.helpers, *fam.kernels):
+        template = next(getattr(m, name) for m in (importlib.import_module(f"energydsl.kernels.{t}")
+                                                   for t in fam.templates) if hasattr(m, name))
+        copy = getattr(copies, f"{name}_{req.tag}")
+        want = {p.name: p.is_constexpr for p in template.params if p.name not in dict(req.baked)}
+        got = {p.name: p.is_constexpr for p in copy.params}
+        assert got == want, (req.family, name, got, want)
+        checked += 1
+        if COMPILE and name in fam.kernels:
+            import triton
+            from triton.backends.compiler import GPUTarget
+            from triton.compiler import ASTSource
+
+            values = dict(DOT_PREC="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_D=64,
+                          NEED_KB=True, NEED_SELF=False, NEED_ALIBI=False, C=64, BK=64, BV=64, BLOCK=1024)
+            consts = {p.name: values[p.name] for p in copy.params if p.is_constexpr}
+            ints = {"T", "H", "D_QK", "D_V", "N"} | ({"K", "V"} if req.family == "linear" else set())
+            sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints
+                   else "fp32" if p.name == "scale" else "*fp32" for p in copy.params}
+            triton.compile(ASTSource(copy, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": 2})
+print("compiled", checked)
+"""
+
+
+def test_copies_keep_their_constexprs_in_compiled_mode() -> None:
+    """Each specialised copy, imported from a file with string annotations outside the interpreter, has
+    exactly the template's constexpr parameters (less the baked ones)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILED_COPIES.replace("{COMPILE}", "False")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "compiled 17" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_copies_compile_for_gpu() -> None:
+    """The specialised copies themselves compile for sm_90 on a CPU-only machine."""
+    compile_for_gpu(_COMPILED_COPIES.replace("{COMPILE}", "True"))
