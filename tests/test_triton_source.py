@@ -26,7 +26,14 @@ pytest.importorskip("triton")
 
 from energydsl import load  # noqa: E402
 from energydsl.codegen import energy_source, module_class  # noqa: E402
-from energydsl.codegen.triton_source import KernelRequest, kernel_imports, kernel_source, specialise  # noqa: E402
+from energydsl.codegen.triton_source import (  # noqa: E402
+    WIDTH,
+    KernelRequest,
+    kernel_imports,
+    kernel_source,
+    specialise,
+    wrap_long_lines,
+)
 from energydsl.kernels.epilogue_ref import ACTIVATIONS, gated_activation_ref  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -348,3 +355,31 @@ def test_copies_keep_their_constexprs_in_compiled_mode() -> None:
 def test_copies_compile_for_gpu() -> None:
     """The specialised copies themselves compile for sm_90 on a CPU-only machine."""
     compile_for_gpu(_COMPILED_COPIES.replace("{COMPILE}", "True"))
+
+
+@pytest.mark.parametrize("request_", [
+    KernelRequest.attention(strict=True, alibi=True, self_bias=True, key_bias=True),
+    KernelRequest.attention(strict=False, alibi=True, self_bias=False, key_bias=False, second=True, wide=True),
+    KernelRequest.linear(strict=False, decay=True),
+    KernelRequest.momentum(),
+], ids=["attention", "wide-second", "linear", "momentum"])
+def test_written_kernels_wrap_long_lines_and_keep_the_code(request_: KernelRequest) -> None:
+    """Headers and calls are split one argument per line; the code parses to the same tree as unwrapped."""
+    text = "\n".join(kernel_source([request_]))
+    docstrings = {n for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Constant)
+                  and isinstance(node.value, str) and node.end_lineno > node.lineno
+                  for n in range(node.lineno, node.end_lineno + 1)}
+    long = [ln for n, ln in enumerate(text.splitlines(), 1) if len(ln) > WIDTH and n not in docstrings]
+    assert not long, long
+    unwrapped = [ast.unparse(ast.parse(block)) for block in text.split("\n\n\n") if block.strip()]
+    assert [ast.dump(ast.parse(u)) for u in unwrapped] == [
+        ast.dump(ast.parse(block)) for block in text.split("\n\n\n") if block.strip()]
+
+
+def test_wrapping_leaves_a_docstring_that_reads_like_a_call() -> None:
+    long_call = "f(" + ", ".join(f"argument_{i}" for i in range(20)) + ")"
+    source = f'def g(x):\n    """\n    {long_call}\n    """\n    y = {long_call}\n    return y'
+    wrapped = wrap_long_lines(source)
+    assert f"    {long_call}\n" in wrapped  # the docstring line is kept as it was
+    assert "    y = f(\n        argument_0,\n" in wrapped  # the statement is split
+    assert ast.dump(ast.parse(wrapped)) == ast.dump(ast.parse(source))

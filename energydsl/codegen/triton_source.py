@@ -147,12 +147,12 @@ def kernel_source(requests: list[KernelRequest]) -> list[str]:
         baked = dict(req.baked)
         flags = ", ".join(f"{k}={v}" for k, v in req.baked if not k.startswith("NEED_"))
         where = ", ".join(f"energydsl/kernels/{m}.py" for m in fam.templates)
-        what = f"{req.family} kernels for {flags}: {where} specialised" if flags else f"{req.family} kernels: {where}"
-        lines += [f"# --- {what}", ""]
+        header = f"{req.family} kernels" + (f" for {flags}" if flags else "")
+        lines += [f"# --- {header}:", f"#     {where}" + (", specialised" if flags else ""), ""]
         for t in templates.values():
             lines += [specialise(t, baked, names, templates), "", ""]
         kernels = ", ".join(names[k] for k in fam.kernels)
-        lines += [f"{req.name} = {fam.builder}({req.name!r}, {kernels}, {baked!r})", "", ""]
+        lines += [wrap_long_lines(f"{req.name} = {fam.builder}({req.name!r}, {kernels}, {baked!r})"), "", ""]
     return lines
 
 
@@ -175,7 +175,78 @@ def specialise(fn: ast.FunctionDef | Callable[..., Any], constants: dict[str, An
         if getattr(node, "body", None) == []:
             node.body = [ast.Pass()]
     ast.fix_missing_locations(func)
-    return ast.unparse(func)
+    return wrap_long_lines(ast.unparse(func))
+
+
+WIDTH = 110  # generated kernels: a statement longer than this is written one argument per line
+
+
+def wrap_long_lines(source: str) -> str:
+    """`ast.unparse` writes every statement on one line; a long `def` header or call statement is split here,
+    one parameter or argument per line (a long argument that is itself a call or a dict, likewise). Lines of
+    multi-line strings (docstrings) stay, and so does the code: if the result does not parse to the same tree,
+    `source` is returned unchanged."""
+    tree = ast.parse(source)
+    in_string = {n for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                 and (node.end_lineno or node.lineno) > node.lineno
+                 for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)}
+    out = []
+    for number, line in enumerate(source.splitlines(), start=1):
+        body = line.lstrip()
+        indent = line[: len(line) - len(body)]
+        long = len(line) > WIDTH and number not in in_string
+        out.append((_wrapped(body, indent) if long else None) or line)
+    result = "\n".join(out)
+    return result if ast.dump(ast.parse(result)) == ast.dump(tree) else source
+
+
+def _wrapped(statement: str, indent: str) -> str | None:
+    """`statement` (one line, no indent) as a multi-line call or header, or None if it is neither."""
+    is_def = statement.startswith("def ") and statement.endswith(":")
+    try:
+        tree = ast.parse(statement + " pass" if is_def else statement).body
+    except SyntaxError:  # a compound statement's header
+        return None
+    if len(tree) != 1:
+        return None
+    node = tree[0]
+    if isinstance(node, ast.FunctionDef):
+        return f"{indent}def {node.name}(" + _items([ast.unparse(a) for a in node.args.args], indent) + "):"
+    match node:
+        case ast.Assign(targets=[target], value=ast.Call() as call):
+            prefix = f"{ast.unparse(target)} = "
+        case ast.AugAssign(target=target, op=op, value=ast.Call() as call):
+            prefix = f"{ast.unparse(target)} {_AUG[type(op)]}= "
+        case ast.Expr(value=ast.Call() as call) | ast.Return(value=ast.Call() as call):
+            prefix = "return " if isinstance(node, ast.Return) else ""
+        case _:
+            return None
+    return indent + prefix + _split(call, indent)
+
+
+def _split(node: ast.expr, indent: str) -> str:
+    """A call or dict with one item per line, nested ones split the same way where still too long."""
+    inner = indent + "    "
+
+    def item(value: ast.expr, prefix: str = "") -> str:
+        text = prefix + ast.unparse(value)
+        if len(inner + text) > WIDTH and isinstance(value, (ast.Call, ast.Dict)):
+            return prefix + _split(value, inner)
+        return text
+
+    if isinstance(node, ast.Dict):
+        pairs = [item(v, f"{ast.unparse(k)}: ") for k, v in zip(node.keys, node.values, strict=True) if k]
+        return "{" + _items(pairs, indent) + "}"
+    assert isinstance(node, ast.Call)
+    args = [item(a) for a in node.args] + [item(k.value, f"{k.arg}=") for k in node.keywords]
+    return f"{ast.unparse(node.func)}(" + _items(args, indent) + ")"
+
+
+def _items(items: list[str], indent: str) -> str:
+    return "\n" + "".join(f"{indent}    {x},\n" for x in items) + indent
+
+
+_AUG = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
 class _NotConstant(Exception):
