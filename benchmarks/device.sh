@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks of the Triton kernels on a machine with CUDA, PyTorch and Triton but no network.
+#
+#   bash benchmarks/device.sh wheels                 # with network, once: the wheels that machine lacks -> .whl/
+#   bash benchmarks/device.sh run tests              # on the GPU machine (the repository and .whl/ copied there)
+#   bash benchmarks/device.sh run kernels [--quick]  #   benchmarks/kernels.py, JSON and log to $OUT
+#   bash benchmarks/device.sh run modules [--seq 2048,8192]
+#
+# Such a machine (an image with torch, triton, sympy, numpy, einops and pytest, Python 3.12) lacks lark, which
+# the compiler needs, and flash-linear-attention's kernels (fla-core), the linear family's peer. `wheels`
+# fetches both as Python 3.12 wheels; `run` installs them under /tmp/site without touching the machine's
+# environment, then runs one step, writing its log (and the benchmark's JSON, with device, versions, commit
+# and date) to $OUT (default runs/device). Only the GPU-relevant test files are collected: the others import
+# optuna and ray, which the image does not have.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(lark==1.3.1 fla-core==0.6.0)
+GPU_TESTS=(tests/test_kernels_attention.py tests/test_kernels_linear.py tests/test_kernels_epilogue.py
+           tests/test_triton_backend.py tests/test_triton_source.py)
+
+case "${1:-}" in
+  wheels)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl "${WHEELS[@]}"
+    ls .whl
+    ;;
+  run)
+    step="${2:-}"
+    case "$step" in tests|kernels|modules) ;; *) echo "usage: $0 run tests|kernels|modules [args...]" >&2; exit 2 ;; esac
+    shift 2
+    out="${OUT:-runs/device}"
+    mkdir -p "$out"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+    fi
+    export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+    unset TRITON_INTERPRET
+    python3 -c "import sys, torch; sys.exit(print(torch.cuda.get_device_name()) if torch.cuda.is_available()
+                else 'no CUDA device: this step is for the GPU machine')"
+    case "$step" in
+      tests)
+        # the gpu-marked tests, then the same files' CPU-sized tests compiled for this GPU
+        python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests-gpu.log"
+        python3 -m pytest -q -p no:cacheprovider -m "not slow" -x "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests.log"
+        ;;
+      kernels) python3 benchmarks/kernels.py --json "$out/kernels.json" "$@" 2>&1 | tee "$out/kernels.log" ;;
+      modules) python3 benchmarks/modules.py --json "$out/modules.json" "$@" 2>&1 | tee "$out/modules.log" ;;
+    esac
+    ;;
+  *)
+    echo "usage: $0 wheels | run tests|kernels|modules [args...]" >&2
+    exit 2
+    ;;
+esac
