@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import re
 
 import pytest
 import torch
@@ -172,3 +173,16 @@ def test_equation_hash_tells_apart_what_the_equations_do_not_show(tmp_path, chan
     same = tmp_path / "same.energy"
     same.write_text("# the same layer, laid out otherwise\n" + _HASH_BASE.replace("  global", "  global "))
     assert energydsl.load(same).energy("E").equation_hash() == da.equation_hash()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
+    """Keys and values that the steps do not change (CEM's W_K h, tied: keys are the values) are laid out for
+    the attention op once, before the loop, and passed as one tensor; only the queries are laid out per step."""
+    derived = energydsl.load("examples/cem/steps2.energy").energy("CEMAttentionSteps2")
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    before, loop = forward.split("for step in range(2):")
+    to_bhtd = re.compile(r"(t\d+) = .*\.reshape\(B, 2, T, \w+\.shape\[-1\]\)")  # (B, H, T, D) layouts
+    assert len(to_bhtd.findall(before)) == 1 and len(to_bhtd.findall(loop)) == 1
+    layout = to_bhtd.findall(before)[0]
+    assert f", {layout}, {layout}," in loop  # k and v: the same tensor

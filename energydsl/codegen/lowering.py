@@ -77,7 +77,7 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
             return _unflat(em, _apply_maps(em, maps, out), e.shape)
     scale_src = sympy_src(sc.scale, em.scalars)
     bias = _score_bias(em, sc, heads, j) or "None"
-    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((sc.q, POS), (sc.k, j), (v, j)))
+    qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j), (v, j)))
     em.used_ops.add("softmax_attention")
     code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
     out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
@@ -207,7 +207,7 @@ def _kernel_attention(em: Emitter, sc: Scores, v: Val, kinds: dict[str, list[Exp
     from .second_order import canonical_softmax
 
     qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
-    vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
+    vc = _as_bhtd(em, v, heads, j)
     ops = em.kernel_set(KernelRequest.attention(strict=strict, alibi=bool(kinds["alibi"]),
                                                 self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),
                                                 wide=wide))
@@ -227,16 +227,15 @@ def kernel_score_args(em: Emitter, sc: Scores, kinds: dict[str, list[Expr]], hea
     if number is None:  # a learned temperature: fold it into the queries
         q = em.tmp(f"{q.code} * {sympy_src(sc.scale, em.scalars)}", q.axes, q.rank)
         number = 1.0
-    qc, kc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (sc.k, j)))
+    qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (sc.k, j)))
     keywords = [f"scale={number!r}", f"strict={strict}"]
     for kind, arg, sign in (("alibi", "alibi_slopes", "-"), ("self", "self_bias", "")):
         if kinds[kind]:
             keywords.append(f"{arg}={sign}{_per_head(em, em.emit(ir.add(*kinds[kind])), heads)}")
     if kinds["key"]:
         kb = em.emit(ir.add(*kinds["key"]))
-        key = em.tmp(_as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j),
-                     (), 4)
-        keywords.append(f"key_bias={key.code}[..., 0]")
+        key = _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j)
+        keywords.append(f"key_bias={key}[..., 0]")
     return qc, kc, keywords
 
 
@@ -390,7 +389,7 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
         v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     dv = em.shape_size(e.shape[0]) if e.shape else 1
     em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
-    qc, kc, vc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((q, POS), (k, j), (v, j)))
+    qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
     ld = "None" if decay is None else f"torch.as_tensor({sympy_src(decay, em.scalars)}, dtype=dt, device=dev)"
     if em.backend == "triton":
         if decay is not None:  # the kernel takes one log decay per head
@@ -506,12 +505,25 @@ def _per_head(em: Emitter, coef: Val, heads: tuple[str, ...]) -> str:
 
 
 def _as_bhtd(em: Emitter, v: Val, heads: tuple[str, ...], pos: str) -> str:
-    """A (batch, pos, heads..., D) value as a contiguous-enough (B, H, T, D) tensor for attention ops."""
+    """The name of a (batch, pos, heads..., D) value laid out as the (B, H, T, D) tensor attention ops take.
+
+    Each layout is emitted once: a repeat (keys that are also the values) reuses it, and the layout of a value
+    that the optimizer's steps do not change (a hoisted let, the context itself) goes to the prologue, so a
+    T-step update lays its context out once, not once per step.
+    """
+    key = (v.code, heads, pos)
+    if key in em.layouts or key in em.invariant_layouts:
+        return em.layouts.get(key) or em.invariant_layouts[key]
+    invariant = v.code in {let.code for let in em.lets.values()} or v.code in em.context_names
+    saved, em.lines = em.lines, (em.prologue if invariant else em.lines)
     axes = canonical({BATCH, pos} | set(heads))
     full = em.expand(v, axes)
     order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(pos), len(axes)]
     code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
-    return f"{code}.reshape(B, {_n_heads(em, heads)}, T, {full.code}.shape[-1])"
+    name = em.tmp(f"{code}.reshape(B, {_n_heads(em, heads)}, T, {full.code}.shape[-1])", (), 4).code
+    em.lines = saved
+    (em.invariant_layouts if invariant else em.layouts)[key] = name
+    return name
 
 
 def _from_bhtd(em: Emitter, code: str, heads: tuple[str, ...], rank: int, comment: str) -> Val:

@@ -135,7 +135,7 @@ def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Va
     terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),
                  wide=wide)
     shared = _shared_lse(em, sm, strict, heads)
-    vc = em.tmp(_as_bhtd(em, v, heads, j), (), 4).code
+    vc = _as_bhtd(em, v, heads, j)
     if shared is not None:  # exactly the attention's score operands: its lse is these scores' lse
         qc, kc, keywords, lse = shared.args[0], shared.args[1], shared.args[3:], shared.lse
     else:
@@ -143,7 +143,7 @@ def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Va
         first = em.kernel_set(KernelRequest.attention(**terms))
         lse = em.tmp(f"{first}.energy_attention_with_lse({qc}, {kc}, {vc}, {', '.join(keywords)})[1]", (), 0,
                      "the row log-sum-exp of these scores (first pass)").code
-    uc = em.tmp(_as_bhtd(em, u, heads, POS), (), 4).code
+    uc = _as_bhtd(em, u, heads, POS)
     ops = em.kernel_set(KernelRequest.attention(**terms, second=True))
     code = f"{ops}.weighted_second_moment({qc}, {kc}, {vc}, {lse}, {uc}, {', '.join(keywords)})"
     return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.v_j) v_j: the Triton second-moment kernels above")
@@ -153,8 +153,8 @@ def _torch_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Val
                          heads: tuple[str, ...], j: str, strict: bool) -> Val:
     """(p ∘ (U Xᵀ)) Y per head: T x T weights, no T x T x d tensor. y None: y = x."""
     p = _softmax_weights(em, sc, sm, heads, j, strict)
-    uc, xc = em.tmp(_as_bhtd(em, u, heads, POS), (), 4).code, em.tmp(_as_bhtd(em, x, heads, j), (), 4).code
-    yc = xc if y is None else em.tmp(_as_bhtd(em, y, heads, j), (), 4).code
+    uc, xc = _as_bhtd(em, u, heads, POS), _as_bhtd(em, x, heads, j)
+    yc = xc if y is None else _as_bhtd(em, y, heads, j)
     code = f"(({p} * ({uc} @ {xc}.transpose(-1, -2))) @ {yc})"
     return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.x_j) y_j: second moment from the weights")
 
@@ -165,7 +165,7 @@ def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, 
     hit = step_cache(em).get(key)
     if hit is not None:
         return hit
-    qc, kc = (em.tmp(_as_bhtd(em, t, heads, p), (), 4).code for t, p in ((sc.q, POS), (sc.k, j)))
+    qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j)))
     scores = f"{sympy_src(sc.scale, em.scalars)} * ({qc} @ {kc}.transpose(-1, -2))"
     if sc.bias_terms:
         b = em.emit(ir.add(*sc.bias_terms))

@@ -169,6 +169,11 @@ class Emitter:
         self.count = 0
         self.memo: dict[Expr, Val] = {}
         self.lets: dict[str, Val] = {}
+        # (B, H, T, D) layouts for attention ops, by (value, heads, position): those of the current step
+        # (forgotten with the memo) and those of values the steps do not change (emitted in the prologue)
+        self.layouts: dict[tuple, str] = {}
+        self.invariant_layouts: dict[tuple, str] = {}
+        self.context_names = {name for var, name in token_names.items() if var.startswith("ctx:")}
         self.used_ops: set[str] = set()
         self.kernel_requests: list[KernelRequest] = []  # triton: kernels to write into the generated file
         self.letters = self._letters()
@@ -202,6 +207,7 @@ class Emitter:
     def forget(self) -> None:
         """Drop memoised values (after the state changes); hoisted values stay."""
         self.memo = {}
+        self.layouts = dict(self.invariant_layouts)
 
     def shape_size(self, s: sp.Expr) -> int:
         return int(round(float(sympy_src(s, self.scalars))))
