@@ -31,13 +31,13 @@ import sympy as sp
 from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
+from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, sympy_src, token_axes
 from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
 
-KERNEL_MAX_HEAD_DIM = 256  # energydsl.kernels.attention.MAX_HEAD_DIM: wider features take the wide kernels
 
 
 def lower_context_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
@@ -72,7 +72,7 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     if em.backend == "triton":
         kinds = _bias_kinds(em, list(sc.bias_terms), j, strict=info.strict)
         if kinds is not None:
-            wide = max(sc.width, dv) > KERNEL_MAX_HEAD_DIM
+            wide = max(sc.width, dv) > MAX_HEAD_DIM
             out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0], wide)
             return _unflat(em, _apply_maps(em, maps, out), e.shape)
     scale_src = sympy_src(sc.scale, em.scalars)
@@ -514,7 +514,7 @@ def _as_bhtd(em: Emitter, v: Val, heads: tuple[str, ...], pos: str) -> str:
     key = (v.code, heads, pos)
     if key in em.layouts or key in em.invariant_layouts:
         return em.layouts.get(key) or em.invariant_layouts[key]
-    invariant = v.code in {let.code for let in em.lets.values()} or v.code in em.context_names
+    invariant = v.code in em.context_names or any(let.code == v.code for let in em.lets.values())
     saved, em.lines = em.lines, (em.prologue if invariant else em.lines)
     axes = canonical({BATCH, pos} | set(heads))
     full = em.expand(v, axes)

@@ -27,8 +27,8 @@ import sympy as sp
 
 from .. import ir
 from ..ir import Expr, IndexInfo
+from ..kernels import MAX_HEAD_DIM
 from .lowering import (  # the first-order forms this builds on, and their shape helpers
-    KERNEL_MAX_HEAD_DIM,
     AttentionCall,
     Scores,
     _as_bhtd,
@@ -113,7 +113,7 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dx + dy))
     out = None
     if em.backend == "triton" and x == value:
-        wide = max(sc.width, dx) > KERNEL_MAX_HEAD_DIM
+        wide = max(sc.width, dx) > MAX_HEAD_DIM
         out = _kernel_second_moment(em, sc, sm, uv, xv, heads, j, info.strict, wide)
     if out is None:
         out = _torch_second_moment(em, sc, sm, uv, xv, yv if x != value else None, heads, j, info.strict)

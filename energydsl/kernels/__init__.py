@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .attention_ref import (
     energy_attention_lse_ref,
@@ -38,6 +39,25 @@ __all__ = [
     "weighted_second_moment",
     "weighted_second_moment_ref",
 ]
+
+
+# The widest feature axis (head dim) the attention kernels hold as one tile; wider ones take the feature-tiled
+# ("wide") kernels. Here, without triton, so that the code generator can choose without importing it.
+MAX_HEAD_DIM = 256
+
+OpSet = TypeVar("OpSet")
+_OP_SETS: dict[str, Any] = {}
+
+
+def op_set(name: str, build: Callable[[], OpSet]) -> OpSet:
+    """The op set registered under `energydsl::{name}_*`, built on first use and kept for the process.
+
+    A generated module imported twice (or two modules with the same kernels) asks for the same set again; the
+    first one is kept, as torch.library names cannot be registered twice.
+    """
+    if name not in _OP_SETS:
+        _OP_SETS[name] = build()
+    return _OP_SETS[name]
 
 
 def triton_available() -> bool:

@@ -31,7 +31,7 @@ import triton
 from torch import Tensor
 from torch.library import wrap_triton  # returns interpreted kernels unchanged under TRITON_INTERPRET=1
 
-from . import use_triton
+from . import MAX_HEAD_DIM, op_set, use_triton
 from .attention_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
@@ -50,7 +50,6 @@ __all__ = [
 
 # triton.jit reads the same variable when the kernels are decorated, so this is the path actually taken.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-MAX_HEAD_DIM = 256  # the widest whole tile; wider features take the tiled (wide) kernels
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -572,19 +571,10 @@ def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 # The generic set (the templates, every flag chosen at launch) and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
-_SETS: dict[str, AttentionOps] = {}
-
-
 def attention_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any], wide: bool = False
                   ) -> AttentionOps:
-    """The op set over a specialised kernel triple, registered once per process under `energydsl::{name}_*`.
-
-    A generated module imported twice (or two modules with the same equation hash) defines the same kernels
-    again; the first registration is kept, as torch.library names cannot be registered twice.
-    """
-    if name not in _SETS:
-        _SETS[name] = AttentionOps(name, fwd, dkdv, dq, baked, wide)
-    return _SETS[name]
+    """The op set over a specialised kernel triple, registered once per process (`op_set`)."""
+    return op_set(name, lambda: AttentionOps(name, fwd, dkdv, dq, baked, wide))
 
 
 def attention_wide_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any]) -> AttentionOps:

@@ -34,6 +34,7 @@ import triton
 from torch import Tensor
 
 from energydsl.kernels import linear as _linear
+from energydsl.kernels import op_set
 from energydsl.kernels.epilogue_kernels import (
     _gated_bwd_kernel,
     _gated_fwd_kernel,
@@ -416,27 +417,15 @@ def nesterov_lookahead(x: Tensor, m: Tensor, beta: Tensor | float) -> Tensor:
 # The generic sets (the templates, the activation chosen at launch) and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
-_GATED_SETS: dict[str, GatedActivationOps] = {}
-_MOMENTUM_SETS: dict[str, MomentumOps] = {}
-
-
 def gated_activation_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> GatedActivationOps:
-    """The op set over a specialised kernel pair, registered once per process under `energydsl::{name}_*`.
-
-    A generated module imported twice (or two modules with the same kernels) builds the same set again; the
-    first registration is kept, as torch.library names cannot be registered twice.
-    """
-    if name not in _GATED_SETS:
-        _GATED_SETS[name] = GatedActivationOps(name, fwd, bwd, baked)
-    return _GATED_SETS[name]
+    """The op set over a specialised kernel pair, registered once per process (`op_set`)."""
+    return op_set(name, lambda: GatedActivationOps(name, fwd, bwd, baked))
 
 
 def momentum_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> MomentumOps:
     """The op set over a kernel pair copied into a generated module, registered once per process under
     `energydsl::{name}_*`."""
-    if name not in _MOMENTUM_SETS:
-        _MOMENTUM_SETS[name] = MomentumOps(name, fwd, bwd, baked)
-    return _MOMENTUM_SETS[name]
+    return op_set(name, lambda: MomentumOps(name, fwd, bwd, baked))
 
 
 GENERIC_GATED = GatedActivationOps("gated_activation", _gated_fwd_kernel, _gated_bwd_kernel)

@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import op_set
+
 try:  # torch >= 2.6; the name must stay `wrap_triton` for triton_op's kernel discovery
     from torch.library import wrap_triton
 except ImportError:  # pragma: no cover - old torch: launch the kernel directly
@@ -548,14 +550,9 @@ class _LinearAttentionFunction(torch.autograd.Function):
 # The generic set and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
-_SETS: dict[str, LinearAttentionOps] = {}
-
-
 def linear_attention_ops(name: str, fwd: Any, dq: Any, dkv: Any, baked: dict[str, Any]) -> LinearAttentionOps:
     """The op set over a specialised kernel triple, registered once per process under `energydsl::{name}_*`."""
-    if name not in _SETS:
-        _SETS[name] = LinearAttentionOps(name, fwd, dq, dkv, baked)
-    return _SETS[name]
+    return op_set(name, lambda: LinearAttentionOps(name, fwd, dq, dkv, baked))
 
 
 GENERIC = LinearAttentionOps("linear_attention", _fwd_kernel, _bwd_dq_kernel, _bwd_dkv_kernel)
