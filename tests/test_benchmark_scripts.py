@@ -48,3 +48,22 @@ def test_without_a_gpu_the_benchmarks_say_so_and_exit_0(script: str) -> None:
     out = _run(script)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "no CUDA device" in out.stdout
+
+
+def test_kernel_resources_wide_second_moment_has_a_spill_free_config() -> None:
+    """ptxas' allocation for sm_90 (no GPU needed): the tightest variant, the wide kernels' second moment, has
+    a config for each kernel that fits in registers (the whole table: `-m slow`)."""
+    out = _run("benchmarks/kernel_resources.py", "--check", "--variants", "wide second", "--jobs", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "every kernel variant has a spill-free config (15 compilations)" in out.stdout
+
+
+@pytest.mark.slow
+def test_kernel_resources_every_variant_has_a_spill_free_config() -> None:
+    out = _run("benchmarks/kernel_resources.py", "--check")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_kernel_resources_names_an_unknown_variant() -> None:
+    out = _run("benchmarks/kernel_resources.py", "--variants", "d64 plain,d96")
+    assert out.returncode == 2 and "unknown variant(s) d96" in out.stderr and "Traceback" not in out.stderr

@@ -251,7 +251,7 @@ def test_wide_kernels_match_reference(strict: bool, widths: str, kind: str) -> N
 def test_wide_widths_take_the_wide_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above 256 features the module-level functions run GENERIC_WIDE (the narrow set refuses such widths)."""
     if not CUDA:  # few, wide tiles: the interpreter runs every program in Python
-        monkeypatch.setattr(kernels, "FEATURE_TILE", 128)
+        monkeypatch.setattr(kernels, "INTERPRET_FEATURE_TILE", 128)
     case = Case(T=5, H=1, Dk=300, Dv=24, strict=False, biases="key", B=1)
     leaves = make_leaves(case, torch.float32)
     with pytest.raises(ValueError, match="wide kernels"):
@@ -261,6 +261,21 @@ def test_wide_widths_take_the_wide_kernels(monkeypatch: pytest.MonkeyPatch) -> N
                         lambda *a, _f=kernels.GENERIC_WIDE._launch_fwd: calls.append(1) or _f(*a))
     check(case, "with_lse")
     assert calls, "the wide kernels were not launched"
+
+
+@pytest.mark.parametrize("width", [832, 300, 64, 24])
+def test_the_grid_follows_each_configs_feature_tile(width: int) -> None:
+    """On a GPU the autotuner picks the wide kernels' BLOCK_D with the row tiles: for every config the grid
+    must give each feature tile exactly one program (too few leaves features unwritten, too many is waste)."""
+    for block, configs in zip(("BLOCK_M", "BLOCK_N", "BLOCK_M"), kernels.AUTOTUNE_CONFIGS[True]):
+        for cfg in configs:
+            rows, _, tiles = kernels.GENERIC_WIDE._grid(100, 6, block, width)(cfg.kwargs)
+            tile = cfg.kwargs["BLOCK_D"]
+            assert (tiles - 1) * tile < width <= tiles * tile, cfg
+            assert (rows - 1) * cfg.kwargs[block] < 100 <= rows * cfg.kwargs[block], cfg
+    for configs in kernels.AUTOTUNE_CONFIGS[False]:  # the narrow kernels hold whole widths: one tile
+        assert all("BLOCK_D" not in cfg.kwargs and kernels.GENERIC._grid(100, 6, "BLOCK_M", width)(cfg.kwargs)[2] == 1
+                   for cfg in configs)
 
 
 def test_strict_first_row_is_zero_and_lse_finite() -> None:

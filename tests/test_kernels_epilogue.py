@@ -134,6 +134,39 @@ def test_nesterov_lookahead(shape: tuple[int, ...]) -> None:
         assert a.shape == b.shape and rel_err(a, b) < TOL
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_nesterov_ops_at_minus_a_learned_beta(shape: tuple[int, ...]) -> None:
+    """A set built by `nesterov_ops` (as a generated file builds its copy), called as nag's look-ahead is:
+    c = -beta, a tensor expression of a learned beta, so d beta = -sum g m flows through c."""
+    from energydsl.kernels import epilogue_kernels as K
+
+    ops = E.nesterov_ops("nesterov_learned_c", K._nesterov_fwd_kernel, K._nesterov_bwd_kernel, {})
+    x, m = randn(*shape, seed=15), randn(*shape, seed=16)
+    beta = torch.tensor(0.9, device=DEVICE, requires_grad=True)
+    up = torch.randn(shape, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    y = ops.nesterov_lookahead(x, m, -1.0 * beta)
+    g = grads((y,), [x, m, beta], (up,))
+    x64, m64, beta64 = as_float64(x, m, beta)
+    y_ref = nesterov_lookahead_ref(x64, m64, -1.0 * beta64)
+    g_ref = grads((y_ref,), [x64, m64, beta64], (up,))
+    assert y.dtype == torch.float32 and rel_err(y, y_ref) < TOL
+    for a, b in zip(g, g_ref, strict=True):
+        assert a.shape == b.shape and rel_err(a, b) < TOL
+
+
+def test_nesterov_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors no kernel can take (CPU without the interpreter) get the reference, gradients included."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for CPU tensors without the interpreter")
+    monkeypatch.setattr(E, "INTERPRET", False)
+    monkeypatch.setattr(E.GENERIC_NESTEROV, "_apply", lambda *a: pytest.fail("a kernel was launched"))
+    x, m = randn(3, 5, seed=18), randn(3, 5, seed=19)
+    c = torch.tensor(-0.5, requires_grad=True)
+    y = nesterov_lookahead(x, m, c)
+    torch.testing.assert_close(y, x + c * m)
+    assert torch.autograd.grad(y.sum(), c)[0].item() == pytest.approx(m.sum().item(), rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Op plumbing: the autograd.Function path, torch.compile, errors
 # ---------------------------------------------------------------------------------------------------------
@@ -187,6 +220,8 @@ def test_op_sets_are_registered_once_per_name() -> None:
     assert E.gated_activation_ops("gated_twice", K._gated_fwd_kernel, K._gated_bwd_kernel, {}) is gated
     momentum = E.momentum_ops("momentum_twice", K._momentum_fwd_kernel, K._momentum_bwd_kernel, {})
     assert E.momentum_ops("momentum_twice", K._momentum_fwd_kernel, K._momentum_bwd_kernel, {}) is momentum
+    nesterov = E.nesterov_ops("nesterov_twice", K._nesterov_fwd_kernel, K._nesterov_bwd_kernel, {})
+    assert E.nesterov_ops("nesterov_twice", K._nesterov_fwd_kernel, K._nesterov_bwd_kernel, {}) is nesterov
     x = randn(5, seed=14)
     torch.testing.assert_close(gated.gated_activation(x, x, "relu"), gated_activation_ref(x, x, "relu"))
 
@@ -266,7 +301,7 @@ assert not E.INTERPRET
 
 
 def build(kernel, ptrs, consts, dt):
-    sig = {p: "*fp32" if p.startswith(("beta", "eta", "pbeta", "peta")) else "*" + dt for p in ptrs}
+    sig = {p: "*fp32" if p.startswith(("beta", "eta", "c_", "pbeta", "peta", "pc_")) else "*" + dt for p in ptrs}
     sig |= {"N": "i32"} | {c: "constexpr" for c in consts}
     src = ASTSource(kernel, sig, constexprs=consts)  # the templates: plain @triton.jit functions
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
@@ -282,8 +317,8 @@ for dt in ("fp32", "bf16"):
     ptrs = ["gx_ptr", "gm_ptr", "m_ptr", "f_ptr", "beta_ptr", "eta_ptr", "dm_ptr", "df_ptr"]
     ptrs += ["pbeta_ptr", "peta_ptr"]
     build(K._momentum_bwd_kernel, ptrs, dict(BLOCK=4096), dt)
-    build(K._nesterov_fwd_kernel, ["x_ptr", "m_ptr", "beta_ptr", "out_ptr"], dict(BLOCK=2048), dt)
-    build(K._nesterov_bwd_kernel, ["g_ptr", "m_ptr", "beta_ptr", "dm_ptr", "pbeta_ptr"], dict(BLOCK=4096), dt)
+    build(K._nesterov_fwd_kernel, ["x_ptr", "m_ptr", "c_ptr", "out_ptr"], dict(BLOCK=2048), dt)
+    build(K._nesterov_bwd_kernel, ["g_ptr", "m_ptr", "c_ptr", "dm_ptr", "pc_ptr"], dict(BLOCK=4096), dt)
 print("compiled")
 """
 

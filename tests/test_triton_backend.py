@@ -3,8 +3,9 @@
 Every example energy whose derived update has a recognised context sum runs its sums in the fused kernels
 of `energydsl.kernels` (softmax family, linear and gated linear attention); products value * act(pre)
 (CEM's and NRGPT's MLPs) run in the fused gated-activation epilogue, momentum steps in the fused momentum
-update; all of them are copies written into the generated file. Without CUDA the kernels run
-under the Triton interpreter (enabled below, before triton is imported), in float32 with exact fp32 dots.
+update, nag's look-ahead point in the fused Nesterov op; all of them are copies written into the generated
+file. Without CUDA the kernels run under the Triton interpreter (enabled below, before triton is imported),
+in float32 with exact fp32 dots.
 Each module is compared with the torch backend run in float64: the displacement (update minus x) and the
 gradients of a loss on it with respect to x and every parameter, relative error max|x - ref| / max|ref|
 below 1e-4, or at most four times the error of the float32 torch backend where that is larger (a peaked
@@ -101,17 +102,23 @@ def test_wide_features_take_the_wide_kernels(path: str, name: str, dims: dict,
     from energydsl.kernels import attention
 
     if not CUDA:  # a few wide feature tiles: the interpreter runs every program in Python
-        monkeypatch.setattr(attention, "FEATURE_TILE", 128)
+        monkeypatch.setattr(attention, "INTERPRET_FEATURE_TILE", 128)
     derived = load(ROOT / "examples" / path).energy(name, **dims)
     source = energy_source(derived, "triton")
     assert "@triton.jit\ndef _fwd_wide_kernel_" in source and "= attention_wide_ops(" in source
     _compare_backends(derived, name)
 
 
-def _compare_backends(derived: object, name: str) -> None:
-    """The triton module against the torch backend in float64: displacement and every gradient."""
+def _compare_backends(derived: object, name: str, weights_std: float | None = None) -> None:
+    """The triton module against the torch backend in float64: displacement and every gradient; with
+    `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std)."""
     torch.manual_seed(0)
     ref = module_class(derived, "torch")().to(DEVICE)
+    if weights_std is not None:
+        with torch.no_grad():
+            for p in ref.parameters():
+                if p.dim() > 0:
+                    p.normal_(0.0, weights_std)
     tri = module_class(derived, "triton")().to(DEVICE)
     base = module_class(derived, "torch")().to(DEVICE)
     # exactly the same parameters and buffers, so checkpoints move between backends
@@ -167,6 +174,24 @@ def test_momentum_step_is_one_fused_update(path: str, name: str) -> None:
     src = energy_source(load(ROOT / "examples" / path).energy(name), "triton")
     assert src.count(".momentum_update(") == 1 and not re.search(r"m_z = t\d", src)
     assert src.count(f"{KernelRequest.momentum().name}.momentum_update(") == 1
+    # nag: the look-ahead z - beta m, where the force is evaluated, is one call of the nesterov kernels written
+    # into the file (once per step however often the force reads it), not a scale and an add
+    nesterov = KernelRequest.nesterov().name
+    assert (f"{nesterov} = nesterov_ops(" in src) == (name == "NagMHA")
+    assert src.count(".nesterov_lookahead(") == (name == "NagMHA")
+    if name == "NagMHA":
+        assert f"{nesterov}.nesterov_lookahead(z, m_z, (-1.0 * opt_beta))" in src
+        assert "@triton.jit\ndef _nesterov_fwd_kernel_" in src and "@triton.jit\ndef _nesterov_bwd_kernel_" in src
+        assert not re.search(r"= z \+ t\d", src) and not re.search(r"^ *t\d+ = [^#\n]*\* m_z", src, re.M)
+
+
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+                                       ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
+def test_momentum_steps_match_torch_backend_with_query_dependent_attention(path: str, name: str) -> None:
+    """At the default init (std 0.02) the attention hardly depends on its query: the gradient through nag's
+    look-ahead point is below float32 noise there, and a wrong dm or dc of the fused look-ahead passes the
+    comparison above. With weights of std 0.3 every gradient (opt_beta and opt_eta included) depends on it."""
+    _compare_backends(load(ROOT / "examples" / path).energy(name), name, weights_std=0.3)
 
 
 def test_without_gpu_or_interpreter_falls_back_to_torch(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Kernels written into generated files: the templates of energydsl/kernels specialised per energy
-(the softmax family, the linear-attention family, the gated-activation and momentum epilogues).
+(the softmax family, the linear-attention family, the gated-activation, momentum and Nesterov epilogues).
 
 `energy compile --backend triton -o out.py` must give a file whose @triton.jit kernels (forward and both
 backward passes) compute this energy's scores only, and which runs on its own: imported from disk, its
@@ -104,7 +104,8 @@ def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name:
                                         "GatedLinearAttention"),
                                        ("cem/mlp.energy", "CEMMLP"),  # gated SiLU
                                        ("nrgpt/ff1.energy", "NRGPTFF1"),  # gated GELU
-                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA")])  # + momentum
+                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),  # + momentum
+                                       ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])  # + look-ahead
 def test_written_file_runs_and_matches_torch_backend(tmp_path: Path, path: str, name: str) -> None:
     """Imported from disk, the written module's displacement and gradients equal the float64 torch backend."""
     derived = load(ROOT / "examples" / path).energy(name)
@@ -183,6 +184,10 @@ def test_momentum_kernels_are_written_into_the_file(path: str, name: str) -> Non
     assert "m_new = beta * m + f" in momentum["_momentum_fwd_kernel"]
     ops = KernelRequest.momentum().name
     assert f"{ops} = momentum_ops(" in src and f"{ops}.momentum_update(" in src
+    # nag's look-ahead x + c m (c = -beta) on its own pair, written into the file too
+    nesterov = {k.rsplit("_", 1)[0]: v for k, v in kernels.items() if k.startswith("_nesterov")}
+    assert set(nesterov) == ({"_nesterov_fwd_kernel", "_nesterov_bwd_kernel"} if name == "NagMHA" else set())
+    assert name != "NagMHA" or "x + c * m" in nesterov["_nesterov_fwd_kernel"]
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
@@ -275,7 +280,8 @@ def test_generating_needs_no_triton() -> None:
 
 
 @pytest.mark.parametrize("path,name", [("cem/alibi.energy", "CEMAlibiAttention"), ("cem/mlp.energy", "CEMMLP"),
-                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA")])
+                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+                                       ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
 def test_generated_module_runs_under_torch_compile(path: str, name: str) -> None:
     """The specialised op sets are registered torch.library ops (with fake kernels under the interpreter),
     so torch.compile traces a generated layer instead of breaking on the Triton launch."""
@@ -307,6 +313,7 @@ requests = [
     KernelRequest.linear(strict=False, decay=True),
     KernelRequest.gated("gelu"),
     KernelRequest.momentum(),
+    KernelRequest.nesterov(),
 ]
 text = "\\n".join(["from __future__ import annotations", *kernel_imports(requests), *kernel_source(requests)])
 path = Path(tempfile.mkdtemp()) / "copies.py"
@@ -348,7 +355,7 @@ def test_copies_keep_their_constexprs_in_compiled_mode() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILED_COPIES.replace("{COMPILE}", "False")], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "compiled 17" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 19" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -362,7 +369,8 @@ def test_copies_compile_for_gpu() -> None:
     KernelRequest.attention(strict=False, alibi=True, self_bias=False, key_bias=False, second=True, wide=True),
     KernelRequest.linear(strict=False, decay=True),
     KernelRequest.momentum(),
-], ids=["attention", "wide-second", "linear", "momentum"])
+    KernelRequest.nesterov(),
+], ids=["attention", "wide-second", "linear", "momentum", "nesterov"])
 def test_written_kernels_wrap_long_lines_and_keep_the_code(request_: KernelRequest) -> None:
     """Headers and calls are split one argument per line; the code parses to the same tree as unwrapped."""
     text = "\n".join(kernel_source([request_]))

@@ -131,6 +131,16 @@ def token_axes(e: Expr, indices: dict[str, IndexInfo]) -> frozenset[str]:
     return frozenset(out)
 
 
+def coefficient(e: Expr, var: ir.Var) -> sp.Expr | None:
+    """c for e = c * var (or var itself), else None."""
+    if e == var:
+        return sp.Integer(1)
+    if isinstance(e, ir.Mul) and len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar) \
+            and e.factors[1] == var:
+        return e.factors[0].value
+    return None
+
+
 def simplify(e: Expr) -> Expr:
     """Codegen-only rewrites: abs(x) * sign(x) = x (everywhere, 0 included), from d|x|²/dx."""
     if not e.children:
@@ -176,6 +186,8 @@ class Emitter:
         self.context_names = {name for var, name in token_names.items() if var.startswith("ctx:")}
         self.used_ops: set[str] = set()
         self.kernel_requests: list[KernelRequest] = []  # triton: kernels to write into the generated file
+        # triton, nag: (state, velocity), whose look-ahead state + c * velocity is the fused Nesterov op
+        self.lookahead: tuple[ir.Var, ir.Var] | None = None
         self.letters = self._letters()
         self.flops = {"prologue": 0.0, "body": 0.0}  # matmul FLOPs per token (context at full length)
         self.context_len = 1  # T for FLOP counts (the model's context)
@@ -377,8 +389,8 @@ class Emitter:
         return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
-        if self.backend == "triton" and isinstance(e, ir.Mul):
-            fused = self._gated_activation(e)
+        if self.backend == "triton":
+            fused = self._gated_activation(e) if isinstance(e, ir.Mul) else self._nesterov_lookahead(e)
             if fused is not None:
                 return fused
         parts = e.terms if isinstance(e, ir.Add) else e.factors
@@ -409,6 +421,25 @@ class Emitter:
                     ops = self.kernel_set(KernelRequest.gated(act.name))  # kernels written into the file
                     return self.tmp(f"{ops}.gated_activation({pre.code}, {value.code}, {act.name!r})",
                                     pre.axes, pre.rank, f"{value.code} * {act.name}({pre.code}), fused")
+        return None
+
+    def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
+        """state + c * velocity (nag's look-ahead point, c a scalar such as -beta) with both full token
+        tensors: one fused pass instead of a scale and an add, its kernels written into the generated file.
+        Memoised like any value, so it runs once per step however often the force reads it."""
+        if self.lookahead is None or len(e.terms) != 2:
+            return None
+        state, velocity = self.lookahead
+        for x, cm in (e.terms, e.terms[::-1]):
+            c = coefficient(cm, velocity)
+            if x != state or c is None:
+                continue
+            xv, mv = self.emit(x), self.emit(velocity)
+            if xv.axes == mv.axes == (BATCH, POS) and xv.rank == mv.rank:
+                ops = self.kernel_set(KernelRequest.nesterov())  # kernels written into the file
+                cv = sympy_src(c, self.scalars)
+                return self.tmp(f"{ops}.nesterov_lookahead({xv.code}, {mv.code}, {cv})", xv.axes, xv.rank,
+                                f"{xv.code} + {cv} * {mv.code}, fused")
         return None
 
     # -- contractions

@@ -20,7 +20,7 @@ from ..instance import unconstrain
 from ..optimizers import UpdateProgram, unhoist
 from ..printing import show
 from ..semantics import ParamSpec
-from .torch_expr import Emitter, simplify, sympy_src
+from .torch_expr import Emitter, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
@@ -152,6 +152,8 @@ class ModuleWriter:
         names = self._token_names()
         em = Emitter(spec.indices, self._scalars(), sizes, names, lowering=self.lowering, backend=self.backend)
         em.context_len = self.context_len
+        if self.backend == "triton" and spec.optimizer.kind == "nag" and prog.aux:
+            em.lookahead = (spec.state, prog.aux[0])  # x + c m, where the force is evaluated: one kernel
         steps_body: list[str] = []
         delta_code = None
         fused = momentum_step(prog) if self.backend == "triton" else None
@@ -311,24 +313,14 @@ def momentum_step(prog: UpdateProgram) -> MomentumStep | None:
         return None
     if not (isinstance(second, ir.Add) and len(second.terms) == 2 and second.terms[0] == state):
         return None
-    eta = _coefficient(second.terms[1], m)
+    eta = coefficient(second.terms[1], m)
     if eta is None or not isinstance(first, ir.Add):
         return None
-    betas = [(t, c) for t in first.terms if (c := _coefficient(t, m)) is not None]
+    betas = [(t, c) for t in first.terms if (c := coefficient(t, m)) is not None]
     if len(betas) != 1:
         return None
     force = ir.add(*(t for t in first.terms if t is not betas[0][0]))
     return MomentumStep(m, betas[0][1], force, eta)
-
-
-def _coefficient(e: ir.Expr, var: ir.Var) -> sp.Expr | None:
-    """c for e = c * var (or var itself), else None."""
-    if e == var:
-        return sp.Integer(1)
-    if isinstance(e, ir.Mul) and len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar) \
-            and e.factors[1] == var:
-        return e.factors[0].value
-    return None
 
 
 def _num(v: float) -> str:

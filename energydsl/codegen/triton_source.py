@@ -65,6 +65,11 @@ class KernelRequest:
         """The fused momentum step m = beta m + f, x = x + eta m (nothing to bake: beta and eta are tensors)."""
         return KernelRequest("momentum", ())
 
+    @staticmethod
+    def nesterov() -> KernelRequest:
+        """The fused look-ahead x + c m where nag evaluates its force (nothing to bake: c is a tensor)."""
+        return KernelRequest("nesterov", ())
+
     @property
     def name(self) -> str:
         """The op set's identifier in the generated file (and its torch.library prefix)."""
@@ -100,11 +105,14 @@ FAMILIES = {
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")),
-    # the element-wise epilogues: value * act(pre) with ACT baked in; the heavy-ball step as it is
+    # the element-wise epilogues: value * act(pre) with ACT baked in; the heavy-ball step and nag's
+    # look-ahead as they are
     "gated": Family(("epilogue_kernels",), "epilogue", "gated_activation_ops", ("_act_and_grad",),
                     ("_gated_fwd_kernel", "_gated_bwd_kernel")),
     "momentum": Family(("epilogue_kernels",), "epilogue", "momentum_ops", (),
                        ("_momentum_fwd_kernel", "_momentum_bwd_kernel")),
+    "nesterov": Family(("epilogue_kernels",), "epilogue", "nesterov_ops", (),
+                       ("_nesterov_fwd_kernel", "_nesterov_bwd_kernel")),
 }
 
 

@@ -11,11 +11,13 @@ Feature widths above 256 (CEM's exact diagonal term) run the tiled templates of 
 Execution paths (decided once, when this module is imported):
 
 * CUDA: the ops are `torch.library.triton_op`s, so `torch.compile` sees the Triton kernels and can schedule
-  around them; BLOCK_M / BLOCK_N / num_warps / num_stages are autotuned per head-dim pair and variant.
+  around them; BLOCK_M / BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D) are
+  autotuned per head-dim pair and variant, over config lists checked to fit in registers on sm_90
+  (`benchmarks/kernel_resources.py`).
 * TRITON_INTERPRET=1 (CPU tests): `triton_op` would launch the interpreted kernel on fake tensors while
   `torch.compile` traces, which fails, so the same functions are registered as opaque
   `torch.library.custom_op`s with explicit fake (shape) functions; eager and compiled calls both work.
-  Blocks are fixed at 16 x 16.
+  Blocks are fixed at 16 x 16, and the wide kernels' feature tile at 16.
 
 Gradients are wired with `register_autograd` in both cases (no separate `torch.autograd.Function`).
 Dot products use exact fp32 ("ieee") under the interpreter and for float32 inputs when
@@ -57,23 +59,42 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+def _configs(shapes: list[tuple[int, ...]]) -> list[triton.Config]:
+    """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages), or with BLOCK_D third for the wide kernels."""
+    names = ("BLOCK_M", "BLOCK_N") if len(shapes[0]) == 4 else ("BLOCK_M", "BLOCK_N", "BLOCK_D")
     return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for (m, n, w, st) in shapes
+        triton.Config(dict(zip(names, s[:-2])), num_warps=s[-2], num_stages=s[-1]) for s in shapes
     ]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); configs that do not fit (large fp32 tiles at head dim 128) fail
-# to compile with OutOfResources and are skipped by the autotuner.
+# Each list holds, for every variant (head dims 64 and 128, with and without biases), configs that fit in
+# registers on sm_90: `benchmarks/kernel_resources.py` compiles every config and prints its registers and
+# spills (no GPU needed); `--check` fails when a kernel variant has no spill-free config. Configs that need
+# more shared memory than the device has fail with OutOfResources and are skipped by the autotuner.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
 _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)])
-_BWD_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1)])
+_DKDV_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1)])
+_DQ_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1)])
+# the wide kernels tune their feature tile too (it sets the grid's third axis): (BLOCK_M, BLOCK_N, BLOCK_D,
+# num_warps, num_stages). A wider BLOCK_D means fewer programs recomputing the scores, at more registers.
+_WIDE_FWD_CONFIGS = _configs([(64, 64, 64, 8, 2), (64, 64, 128, 8, 2), (32, 64, 128, 8, 2), (64, 32, 64, 8, 2),
+                              (32, 32, 64, 4, 2)])
+_WIDE_DKDV_CONFIGS = _configs([(32, 64, 64, 8, 2), (64, 32, 64, 8, 2), (64, 64, 32, 8, 2), (32, 32, 64, 8, 2),
+                               (32, 32, 32, 4, 2)])
+_WIDE_DQ_CONFIGS = _configs([(64, 64, 64, 8, 2), (32, 64, 64, 8, 2), (64, 32, 64, 8, 2), (32, 32, 128, 8, 2),
+                             (32, 32, 64, 4, 2)])
+# what the autotuner tries for (forward, dK/dV, dQ), by `wide`
+AUTOTUNE_CONFIGS = {
+    False: (_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS),
+    True: (_WIDE_FWD_CONFIGS, _WIDE_DKDV_CONFIGS, _WIDE_DQ_CONFIGS),
+}
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 # tuned once per head-dim pair (padded for the narrow kernels) and variant (dtypes are added to the key by
 # triton); not per sequence length
 _TUNE_KEYS = {False: ["BLOCK_DK", "BLOCK_DV", "SECOND"], True: ["D_QK", "D_V", "SECOND"]}
-# the wide kernels' feature tile: small under the interpreter, so that tests at small widths cover several
-# tiles and a masked tail; not tuned on a GPU (it sets the grid's third axis)
-FEATURE_TILE = 16 if _INTERPRET else 64
+# the wide kernels' feature tile under the interpreter: small, so that tests at small widths cover several
+# tiles and a masked tail
+INTERPRET_FEATURE_TILE = 16
 
 
 def _tuned(kernel: Any, configs: list[triton.Config], wide: bool) -> Any:
@@ -140,9 +161,10 @@ class AttentionOps:
         self.name = name
         self.baked = dict(baked or {})
         self.wide = wide
-        self._fwd = _tuned(fwd, _FWD_CONFIGS, wide)
-        self._dkdv = _tuned(dkdv, _BWD_CONFIGS, wide)
-        self._dq = _tuned(dq, _BWD_CONFIGS, wide)
+        fwd_configs, dkdv_configs, dq_configs = AUTOTUNE_CONFIGS[wide]
+        self._fwd = _tuned(fwd, fwd_configs, wide)
+        self._dkdv = _tuned(dkdv, dkdv_configs, wide)
+        self._dq = _tuned(dq, dq_configs, wide)
         self._attention_fwd_op = _register(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd)
         self._second_fwd_op = _register(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd)
         self._bwd_op = _register(f"{name}_bwd", self._op_bwd(), _fake_bwd)
@@ -152,15 +174,17 @@ class AttentionOps:
     # -- launches (only torch ops and wrap_triton launches, as triton_op requires) -------------------------
 
     def _widths(self, d_qk: int, d_v: int) -> dict[str, int]:
-        """The feature tile sizes the kernels take: whole padded widths, or the wide kernels' tile."""
-        if self.wide:
-            return dict(BLOCK_D=FEATURE_TILE)
-        return dict(BLOCK_DK=_pad(d_qk), BLOCK_DV=_pad(d_v))
+        """The feature tile sizes passed at launch: whole padded widths (narrow), or the wide kernels' tile
+        under the interpreter (on a GPU the autotuner chooses BLOCK_D with the row tiles)."""
+        if not self.wide:
+            return dict(BLOCK_DK=_pad(d_qk), BLOCK_DV=_pad(d_v))
+        return dict(BLOCK_D=INTERPRET_FEATURE_TILE) if _INTERPRET else {}
 
     def _grid(self, T: int, BH: int, block: str, width: int) -> Callable[[dict], tuple[int, int, int]]:
         """Programs over (row blocks, batch*head, feature tiles of `width`): one feature tile unless wide."""
-        tiles = triton.cdiv(width, FEATURE_TILE) if self.wide else 1
-        return lambda meta: (triton.cdiv(T, meta[block]), BH, tiles)
+        if not self.wide:
+            return lambda meta: (triton.cdiv(T, meta[block]), BH, 1)
+        return lambda meta: (triton.cdiv(T, meta[block]), BH, triton.cdiv(width, meta["BLOCK_D"]))
 
     def _launch_fwd(
         self,

@@ -9,15 +9,15 @@ reads its inputs once and writes its outputs once, forward and backward:
   CEM's gated MLP energy E = -(W h) . phi(V u), phi = integral of sigma, and of NRGPT's feed-forward energies.
   Backward: d value = dy * sigma(x), d gate = dy * value * sigma'(x), one kernel.
 * `momentum_update(x, m, f, beta, eta)`: m_new = beta m + f, x_new = x + eta m_new (heavy ball on the residual
-  stream); `nesterov_lookahead(x, m, beta)` = x + beta m. beta and eta are scalar tensors that may be learned:
-  their gradients are per-program partial sums reduced in torch (deterministic, no atomics), and they are read
-  from device memory (no host sync).
+  stream); `nesterov_lookahead(x, m, c)` = x + c m, the point where nag evaluates its force (c = -beta).
+  beta, eta and c are scalar tensors that may be learned: their gradients are per-program partial sums
+  reduced in torch (deterministic, no atomics), and they are read from device memory (no host sync).
 
-As for attention (`attention.py`), the gated activation and the momentum step are op sets over a kernel pair:
-`GatedActivationOps` and `MomentumOps`. `GENERIC_GATED` and `GENERIC_MOMENTUM` run the templates themselves
-(the activation chosen at launch); the triton code generator writes copies of the templates into each
-generated module, the activation baked in, and builds sets over them with `gated_activation_ops` and
-`momentum_ops`. The Nesterov look-ahead is not written into generated files and stays one pair of ops.
+As for attention (`attention.py`), each of the three is an op set over a kernel pair (`_KernelPairOps`:
+`GatedActivationOps`, `MomentumOps`, `NesterovOps`). `GENERIC_GATED`, `GENERIC_MOMENTUM` and
+`GENERIC_NESTEROV` run the templates themselves (the activation chosen at launch); the triton code generator
+writes copies of the templates into each generated module, the activation baked in, and builds sets over
+them with `gated_activation_ops`, `momentum_ops` and `nesterov_ops`.
 
 Ops are registered as `torch.ops.energydsl.*` exactly as in `energydsl.kernels.linear` (see `OPS_BACKEND`
 there: triton_op on GPU, opaque custom_op under the interpreter, plain autograd.Function on old torch).
@@ -27,7 +27,7 @@ Tensors that no kernel can take (CPU without TRITON_INTERPRET=1) use the referen
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import triton
@@ -55,15 +55,18 @@ __all__ = [
     "ACTIVATIONS",
     "GENERIC_GATED",
     "GENERIC_MOMENTUM",
+    "GENERIC_NESTEROV",
     "INTERPRET",
     "OPS_BACKEND",
     "GatedActivationOps",
     "MomentumOps",
+    "NesterovOps",
     "gated_activation",
     "gated_activation_ops",
     "momentum_ops",
     "momentum_update",
     "nesterov_lookahead",
+    "nesterov_ops",
 ]
 
 OPS_BACKEND: str = _linear.OPS_BACKEND
@@ -111,11 +114,74 @@ def _same_shape(**tensors: Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Gated activation: one set per kernel pair, registered under its own name
+# What every set shares: one kernel pair, registered under its own name
 # ----------------------------------------------------------------------------------------------------------
 
 
-class GatedActivationOps:
+class _KernelPairOps:
+    """One forward / backward kernel pair as the torch ops `energydsl::{name}_fwd` / `{name}_bwd`.
+
+    The element-wise sets differ only in what a subclass defines: the launchers `_fwd_impl()` / `_bwd_impl()`
+    (op bodies: only torch ops and `wrap_triton` launches, as triton_op requires), the fakes `_fwd_fake` /
+    `_bwd_fake`, `_setup` and `_backward`. Tuning, registration and the `OPS_BACKEND == "function"` path
+    (`_KernelPairFunction`) are written once, here. `baked` holds what a generated copy's source fixes
+    (e.g. {"ACT": "silu"}); empty for the generic sets.
+    """
+
+    _bwd_configs: ClassVar[list[triton.Config]] = _EW_CONFIGS  # _RED_CONFIGS where the backward reduces
+
+    def __init__(self, name: str, fwd: Any, bwd: Any, baked: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.baked = dict(baked or {})
+        self._fwd, self._bwd = _tuned(fwd, _EW_CONFIGS), _tuned(bwd, self._bwd_configs)
+        self._launch_fwd, self._launch_bwd = self._fwd_impl(), self._bwd_impl()
+        self._bwd_op = register_op(f"{name}_bwd", self._launch_bwd, self._bwd_fake)
+        self._fwd_op = register_op(
+            f"{name}_fwd", self._launch_fwd, self._fwd_fake, backward=self._backward, setup_context=self._setup
+        )
+
+    def _apply(self, *args: Any) -> Any:
+        """The forward op, or its launcher in an autograd.Function without torch.library."""
+        if OPS_BACKEND == "function":
+            return _KernelPairFunction.apply(self, *args)
+        return self._fwd_op(*args)
+
+    def _run_bwd(self, *args: Any) -> Any:
+        bwd = self._launch_bwd if OPS_BACKEND == "function" else self._bwd_op
+        return bwd(*args)
+
+
+class _KernelPairFunction(torch.autograd.Function):
+    """A set's launchers without torch.library (OPS_BACKEND == "function")."""
+
+    @staticmethod
+    def forward(ctx: Any, ops: _KernelPairOps, *args: Any) -> Any:
+        out = ops._launch_fwd(*args)
+        ops._setup(ctx, args, out)
+        ctx.ops = ops
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.ops._backward(ctx, *grads))
+
+
+def _partials(n: int, like: Tensor) -> Tensor:
+    """A scalar's gradient over n elements, as fp32 partial sums: one per _RED_BLOCK-element program."""
+    return torch.empty(triton.cdiv(n, _RED_BLOCK), dtype=torch.float32, device=like.device)
+
+
+def _reduced(partials: Tensor, scalar: Tensor) -> Tensor:
+    """A scalar's gradient from the per-program partial sums: reduced in torch (deterministic, no atomics)."""
+    return partials.sum().reshape(scalar.shape).to(scalar.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gated activation
+# ----------------------------------------------------------------------------------------------------------
+
+
+class GatedActivationOps(_KernelPairOps):
     """value * sigma(gate_pre) on one forward / backward kernel pair, as torch ops registered under one name.
 
     `baked` holds what the kernels' source fixes: {"ACT": "silu"} for a generated module's copy, whose
@@ -123,22 +189,10 @@ class GatedActivationOps:
     computing the baked one.
     """
 
-    def __init__(self, name: str, fwd: Any, bwd: Any, baked: dict[str, Any] | None = None) -> None:
-        self.name = name
-        self.baked = dict(baked or {})
-        self._fwd, self._bwd = _tuned(fwd, _EW_CONFIGS), _tuned(bwd, _EW_CONFIGS)
-        self._launch_fwd, self._launch_bwd = self._fwd_impl(), self._bwd_impl()
-        self._bwd_op = register_op(f"{name}_bwd", self._launch_bwd, _gated_bwd_fake)
-        self._fwd_op = register_op(
-            f"{name}_fwd", self._launch_fwd, _gated_fwd_fake, backward=self._backward, setup_context=_gated_setup
-        )
-
     def _meta(self, activation: str) -> dict[str, Any]:
         """Launch meta-parameters: the activation unless baked in, the block under the interpreter."""
         act = {} if "ACT" in self.baked else {"ACT": activation}
         return act | launch_options(BLOCK=_INTERPRET_BLOCK)
-
-    # -- launchers (the op bodies: only torch ops and `wrap_triton` launches, as triton_op requires) -------
 
     def _fwd_impl(self) -> Callable[[Tensor, Tensor, str], Tensor]:
         def gated_activation_fwd(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
@@ -165,13 +219,24 @@ class GatedActivationOps:
 
         return gated_activation_bwd
 
+    @staticmethod
+    def _fwd_fake(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
+        return value.new_empty(value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype))
+
+    @staticmethod
+    def _bwd_fake(dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+        return gate_pre.new_empty(gate_pre.shape), value.new_empty(value.shape)
+
+    @staticmethod
+    def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        gate_pre, value, activation = inputs
+        ctx.save_for_backward(gate_pre, value)
+        ctx.activation = activation
+
     def _backward(self, ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         gate_pre, value = ctx.saved_tensors
-        bwd = self._launch_bwd if OPS_BACKEND == "function" else self._bwd_op
-        dgate, dvalue = bwd(dout, gate_pre, value, ctx.activation)
+        dgate, dvalue = self._run_bwd(dout, gate_pre, value, ctx.activation)
         return dgate, dvalue, None
-
-    # -- public API ----------------------------------------------------------------------------------------
 
     def gated_activation(self, gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
         """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form); backward fused too.
@@ -186,64 +251,22 @@ class GatedActivationOps:
         _same_shape(gate_pre=gate_pre, value=value)
         if not _on_kernel_device(value):
             return gated_activation_ref(gate_pre, value, activation)
-        if OPS_BACKEND == "function":
-            return _GatedActivationFunction.apply(self, gate_pre, value, activation)
-        return self._fwd_op(gate_pre, value, activation)
-
-
-def _gated_fwd_fake(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-    return value.new_empty(value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype))
-
-
-def _gated_bwd_fake(dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    return gate_pre.new_empty(gate_pre.shape), value.new_empty(value.shape)
-
-
-def _gated_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    gate_pre, value, activation = inputs
-    ctx.save_for_backward(gate_pre, value)
-    ctx.activation = activation
-
-
-class _GatedActivationFunction(torch.autograd.Function):
-    """The same launchers without torch.library (OPS_BACKEND == "function")."""
-
-    @staticmethod
-    def forward(ctx: Any, ops: GatedActivationOps, gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-        out = ops._launch_fwd(gate_pre, value, activation)
-        _gated_setup(ctx, (gate_pre, value, activation), out)
-        ctx.ops = ops
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *ctx.ops._backward(ctx, dout))
+        return self._apply(gate_pre, value, activation)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Momentum: one set per kernel pair, registered under its own name
+# Momentum
 # ----------------------------------------------------------------------------------------------------------
 
 
-class MomentumOps:
+class MomentumOps(_KernelPairOps):
     """The heavy-ball step on one forward / backward kernel pair, as torch ops registered under one name.
 
     The kernels have no switch an energy fixes, so `baked` is empty; it is kept so that every family's sets
     are built alike (see `momentum_ops`).
     """
 
-    def __init__(self, name: str, fwd: Any, bwd: Any, baked: dict[str, Any] | None = None) -> None:
-        self.name = name
-        self.baked = dict(baked or {})
-        self._fwd, self._bwd = _tuned(fwd, _EW_CONFIGS), _tuned(bwd, _RED_CONFIGS)
-        self._launch_fwd, self._launch_bwd = self._fwd_impl(), self._bwd_impl()
-        self._bwd_op = register_op(f"{name}_bwd", self._launch_bwd, _momentum_bwd_fake)
-        self._fwd_op = register_op(
-            f"{name}_fwd", self._launch_fwd, _momentum_fwd_fake, backward=self._backward,
-            setup_context=_momentum_setup,
-        )
-
-    # -- launchers (the op bodies) -------------------------------------------------------------------------
+    _bwd_configs = _RED_CONFIGS
 
     def _fwd_impl(self) -> Callable[..., tuple[Tensor, Tensor]]:
         def momentum_update_fwd(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
@@ -264,26 +287,35 @@ class MomentumOps:
             """(dm, df, d beta, d eta); dx is gx itself."""
             gx, gm, m, f = gx.contiguous(), gm.contiguous(), m.contiguous(), f.contiguous()
             n = m.numel()
-            n_prog = triton.cdiv(n, _RED_BLOCK)
             dm, df = torch.empty_like(m), torch.empty_like(f)
-            pbeta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
-            peta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
-            wrap_triton(self._bwd)[(n_prog,)](gx, gm, m, f, beta, eta, dm, df, pbeta, peta, n, BLOCK=_RED_BLOCK)
-            dbeta = pbeta.sum().reshape(beta.shape).to(beta.dtype)
-            deta = peta.sum().reshape(eta.shape).to(eta.dtype)
-            return dm, df, dbeta, deta
+            pbeta, peta = _partials(n, m), _partials(n, m)
+            grid = (pbeta.numel(),)
+            wrap_triton(self._bwd)[grid](gx, gm, m, f, beta, eta, dm, df, pbeta, peta, n, BLOCK=_RED_BLOCK)
+            return dm, df, _reduced(pbeta, beta), _reduced(peta, eta)
 
         return momentum_update_bwd
+
+    @staticmethod
+    def _fwd_fake(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
+        return x.new_empty(x.shape), m.new_empty(m.shape)
+
+    @staticmethod
+    def _bwd_fake(
+        gx: Tensor, gm: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return m.new_empty(m.shape), f.new_empty(f.shape), beta.new_empty(beta.shape), eta.new_empty(eta.shape)
+
+    @staticmethod
+    def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        x, m, f, beta, eta = inputs
+        ctx.save_for_backward(m, f, beta, eta)
 
     def _backward(self, ctx: Any, gx: Tensor | None, gm: Tensor | None) -> tuple[Tensor | None, ...]:
         m, f, beta, eta = ctx.saved_tensors
         gx = torch.zeros_like(m) if gx is None else gx
         gm = torch.zeros_like(m) if gm is None else gm
-        bwd = self._launch_bwd if OPS_BACKEND == "function" else self._bwd_op
-        dm, df, dbeta, deta = bwd(gx, gm, m, f, beta, eta)
+        dm, df, dbeta, deta = self._run_bwd(gx, gm, m, f, beta, eta)
         return gx, dm, df, dbeta, deta
-
-    # -- public API ----------------------------------------------------------------------------------------
 
     def momentum_update(
         self, x: Tensor, m: Tensor, f: Tensor, beta: Tensor | float, eta: Tensor | float
@@ -296,121 +328,70 @@ class MomentumOps:
         beta, eta = _scalar(beta, x, "beta"), _scalar(eta, x, "eta")
         if not _on_kernel_device(x):
             return momentum_update_ref(x, m, f, beta.reshape(()), eta.reshape(()))
-        if OPS_BACKEND == "function":
-            return _MomentumUpdateFunction.apply(self, x, m, f, beta, eta)
-        return self._fwd_op(x, m, f, beta, eta)
-
-
-def _momentum_fwd_fake(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), m.new_empty(m.shape)
-
-
-def _momentum_bwd_fake(
-    gx: Tensor, gm: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return m.new_empty(m.shape), f.new_empty(f.shape), beta.new_empty(beta.shape), eta.new_empty(eta.shape)
-
-
-def _momentum_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    x, m, f, beta, eta = inputs
-    ctx.save_for_backward(m, f, beta, eta)
-
-
-class _MomentumUpdateFunction(torch.autograd.Function):
-    """The same launchers without torch.library (OPS_BACKEND == "function")."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, ops: MomentumOps, x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        out = ops._launch_fwd(x, m, f, beta, eta)
-        _momentum_setup(ctx, (x, m, f, beta, eta), out)
-        ctx.ops = ops
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, gx: Tensor | None, gm: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (None, *ctx.ops._backward(ctx, gx, gm))
+        return self._apply(x, m, f, beta, eta)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Nesterov look-ahead: the templates only (generated files compute x + beta m in torch)
+# Nesterov look-ahead
 # ----------------------------------------------------------------------------------------------------------
 
-_nesterov_fwd_tuned = maybe_autotune(_EW_CONFIGS, key=[])(_nesterov_fwd_kernel)
-_nesterov_bwd_tuned = maybe_autotune(_RED_CONFIGS, key=[])(_nesterov_bwd_kernel)
 
+class NesterovOps(_KernelPairOps):
+    """The look-ahead point x + c m on one forward / backward kernel pair, as torch ops registered under one
+    name (nag evaluates its force there; c is -beta, possibly learned). Nothing to bake, as for momentum."""
 
-def _nesterov_fwd(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-    x, m = x.contiguous(), m.contiguous()
-    out = torch.empty_like(x)
-    n = x.numel()
-    wrap_triton(_nesterov_fwd_tuned)[_ew_grid(n)](x, m, beta, out, n, **launch_options(BLOCK=_INTERPRET_BLOCK))
-    return out
+    _bwd_configs = _RED_CONFIGS
 
+    def _fwd_impl(self) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        def nesterov_lookahead_fwd(x: Tensor, m: Tensor, c: Tensor) -> Tensor:
+            x, m = x.contiguous(), m.contiguous()
+            out = torch.empty_like(x)
+            n = x.numel()
+            wrap_triton(self._fwd)[_ew_grid(n)](x, m, c, out, n, **launch_options(BLOCK=_INTERPRET_BLOCK))
+            return out
 
-def _nesterov_fwd_fake(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-    return x.new_empty(x.shape)
+        return nesterov_lookahead_fwd
 
+    def _bwd_impl(self) -> Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]:
+        def nesterov_lookahead_bwd(g: Tensor, m: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+            """(dm, dc); dx is g itself."""
+            g, m = g.contiguous(), m.contiguous()
+            n = m.numel()
+            dm = torch.empty_like(m)
+            pc = _partials(n, m)
+            wrap_triton(self._bwd)[(pc.numel(),)](g, m, c, dm, pc, n, BLOCK=_RED_BLOCK)
+            return dm, _reduced(pc, c)
 
-def _nesterov_bwd(g: Tensor, m: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    """(dm, d beta); dx is g itself."""
-    g, m = g.contiguous(), m.contiguous()
-    n = m.numel()
-    n_prog = triton.cdiv(n, _RED_BLOCK)
-    dm = torch.empty_like(m)
-    pbeta = torch.empty(n_prog, dtype=torch.float32, device=m.device)
-    wrap_triton(_nesterov_bwd_tuned)[(n_prog,)](g, m, beta, dm, pbeta, n, BLOCK=_RED_BLOCK)
-    return dm, pbeta.sum().reshape(beta.shape).to(beta.dtype)
-
-
-def _nesterov_bwd_fake(g: Tensor, m: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    return m.new_empty(m.shape), beta.new_empty(beta.shape)
-
-
-def _nesterov_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    x, m, beta = inputs
-    ctx.save_for_backward(m, beta)
-
-
-def _nesterov_backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-    m, beta = ctx.saved_tensors
-    bwd = _nesterov_bwd if OPS_BACKEND == "function" else torch.ops.energydsl.nesterov_lookahead_bwd
-    dm, dbeta = bwd(g, m, beta)
-    return g, dm, dbeta
-
-
-register_op("nesterov_lookahead_bwd", _nesterov_bwd, _nesterov_bwd_fake)
-register_op(
-    "nesterov_lookahead",
-    _nesterov_fwd,
-    _nesterov_fwd_fake,
-    backward=_nesterov_backward,
-    setup_context=_nesterov_setup,
-)
-
-
-class _NesterovLookaheadFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-        out = _nesterov_fwd(x, m, beta)
-        _nesterov_setup(ctx, (x, m, beta), out)
-        return out
+        return nesterov_lookahead_bwd
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        return _nesterov_backward(ctx, g)
+    def _fwd_fake(x: Tensor, m: Tensor, c: Tensor) -> Tensor:
+        return x.new_empty(x.shape)
 
+    @staticmethod
+    def _bwd_fake(g: Tensor, m: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        return m.new_empty(m.shape), c.new_empty(c.shape)
 
-def nesterov_lookahead(x: Tensor, m: Tensor, beta: Tensor | float) -> Tensor:
-    """The Nesterov look-ahead point x + beta m (where the next force is evaluated)."""
-    _same_shape(x=x, m=m)
-    beta = _scalar(beta, x, "beta")
-    if not _on_kernel_device(x):
-        return nesterov_lookahead_ref(x, m, beta.reshape(()))
-    if OPS_BACKEND == "function":
-        return _NesterovLookaheadFunction.apply(x, m, beta)
-    return torch.ops.energydsl.nesterov_lookahead(x, m, beta)
+    @staticmethod
+    def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, m, c = inputs
+        ctx.save_for_backward(m, c)
+
+    def _backward(self, ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        m, c = ctx.saved_tensors
+        dm, dc = self._run_bwd(g, m, c)
+        return g, dm, dc
+
+    def nesterov_lookahead(self, x: Tensor, m: Tensor, c: Tensor | float) -> Tensor:
+        """The look-ahead point x + c m (where nag evaluates the next force), one pass over x and m.
+
+        c: a one-element tensor (differentiable, e.g. -beta with beta learned) or a float.
+        """
+        _same_shape(x=x, m=m)
+        c = _scalar(c, x, "c")
+        if not _on_kernel_device(x):
+            return nesterov_lookahead_ref(x, m, c.reshape(()))
+        return self._apply(x, m, c)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -428,7 +409,15 @@ def momentum_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> Moment
     return op_set(name, lambda: MomentumOps(name, fwd, bwd, baked))
 
 
+def nesterov_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> NesterovOps:
+    """The look-ahead's op set over a kernel pair copied into a generated module, registered once per
+    process under `energydsl::{name}_*`."""
+    return op_set(name, lambda: NesterovOps(name, fwd, bwd, baked))
+
+
 GENERIC_GATED = GatedActivationOps("gated_activation", _gated_fwd_kernel, _gated_bwd_kernel)
 GENERIC_MOMENTUM = MomentumOps("momentum_update", _momentum_fwd_kernel, _momentum_bwd_kernel)
+GENERIC_NESTEROV = NesterovOps("nesterov_lookahead", _nesterov_fwd_kernel, _nesterov_bwd_kernel)
 gated_activation = GENERIC_GATED.gated_activation
 momentum_update = GENERIC_MOMENTUM.momentum_update
+nesterov_lookahead = GENERIC_NESTEROV.nesterov_lookahead

@@ -4,15 +4,16 @@
   d gate = dout * value * sigma'(gate), with sigma and sigma' from `_act_and_grad`.
 * `_momentum_fwd_kernel` / `_momentum_bwd_kernel`: m_new = beta m + f, x_new = x + eta m_new, and its
   gradients (those of beta and eta as per-program partial sums, reduced in torch: no atomics).
-* `_nesterov_fwd_kernel` / `_nesterov_bwd_kernel`: x + beta m.
+* `_nesterov_fwd_kernel` / `_nesterov_bwd_kernel`: the look-ahead x + c m (c = -beta for nag) and its
+  gradients (that of c as per-program partial sums, likewise).
 
-The triton code generator copies the gated and momentum kernels into generated modules
-(energydsl/codegen/triton_source.py, families "gated" and "momentum"), the gated ones with the energy's
-activation baked in: `ACT` is a `tl.constexpr`, so the if/elif chain of `_act_and_grad` folds to one
-formula. Hence the kernels here carry only `@triton.jit`: autotuning is added where an op set is built.
+The triton code generator copies these kernels into generated modules (energydsl/codegen/triton_source.py,
+families "gated", "momentum" and "nesterov"), the gated ones with the energy's activation baked in: `ACT`
+is a `tl.constexpr`, so the if/elif chain of `_act_and_grad` folds to one formula. Hence the kernels here
+carry only `@triton.jit`: autotuning is added where an op set is built.
 
 Every kernel: a 1-D grid of BLOCK-element programs over contiguous tensors, fp32 arithmetic, outputs cast
-to their tensor's dtype, the last program masked; beta and eta are read from device memory (no host sync).
+to their tensor's dtype, the last program masked; beta, eta and c are read from device memory (no host sync).
 """
 
 from __future__ import annotations
@@ -123,23 +124,23 @@ def _momentum_bwd_kernel(
 
 
 @triton.jit
-def _nesterov_fwd_kernel(x_ptr, m_ptr, beta_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _nesterov_fwd_kernel(x_ptr, m_ptr, c_ptr, out_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    beta = tl.load(beta_ptr).to(tl.float32)
+    c = tl.load(c_ptr).to(tl.float32)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (x + beta * m).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, (x + c * m).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _nesterov_bwd_kernel(g_ptr, m_ptr, beta_ptr, dm_ptr, pbeta_ptr, N, BLOCK: tl.constexpr):
-    """dm = beta g, d beta = sum g m (dx = g needs no kernel)."""
+def _nesterov_bwd_kernel(g_ptr, m_ptr, c_ptr, dm_ptr, pc_ptr, N, BLOCK: tl.constexpr):
+    """dm = c g, d c = sum g m (dx = g needs no kernel)."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    beta = tl.load(beta_ptr).to(tl.float32)
+    c = tl.load(c_ptr).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dm_ptr + offs, (beta * g).to(dm_ptr.dtype.element_ty), mask=mask)
-    tl.store(pbeta_ptr + pid, tl.sum(g * m, axis=0))
+    tl.store(dm_ptr + offs, (c * g).to(dm_ptr.dtype.element_ty), mask=mask)
+    tl.store(pc_ptr + pid, tl.sum(g * m, axis=0))

@@ -54,6 +54,6 @@ def momentum_update_ref(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tens
     return x + eta * m_new, m_new
 
 
-def nesterov_lookahead_ref(x: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-    """The Nesterov look-ahead point x + beta m, where the next force is evaluated."""
-    return x + beta * m
+def nesterov_lookahead_ref(x: Tensor, m: Tensor, c: Tensor) -> Tensor:
+    """The Nesterov look-ahead point x + c m (c = -beta for nag), where the next force is evaluated."""
+    return x + c * m

@@ -1,0 +1,183 @@
+"""Registers, spills and shared memory of the softmax-family kernels' autotune configs on an H100, no GPU needed.
+
+The autotuner times every config in `energydsl.kernels.attention.AUTOTUNE_CONFIGS` on the GPU and keeps the
+fastest, so a config list is only as good as its best member. A config that needs more than 255 registers
+per thread spills to local memory, which is slow; if every config of a kernel variant spills, no amount of
+tuning helps. Triton compiles for sm_90 without a GPU (ptxas ships with it), and ptxas reports what it
+allocated: this script compiles each (kernel, variant, config) and prints registers, spill stores and shared
+memory, and which variants have a spill-free config.
+
+Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) and with CEM's score terms
+(ALiBi + self bias, their gradients), and the weighted second moment; the wide (feature-tiled) kernels with
+CEM's terms, first and second order. bf16 inputs. The numbers come from this machine's Triton and ptxas; a
+GPU machine with another Triton may allocate a little differently.
+
+    python benchmarks/kernel_resources.py                # the table (about 2 min on 2 cores)
+    python benchmarks/kernel_resources.py --check        # exit 1 if a kernel variant has no spill-free config
+    python benchmarks/kernel_resources.py --json out.json --jobs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+KERNELS = {  # role -> (narrow template, wide template), in AUTOTUNE_CONFIGS order
+    "fwd": ("_fwd_kernel", "_fwd_wide_kernel"),
+    "dkdv": ("_bwd_dkdv_kernel", "_bwd_dkdv_wide_kernel"),
+    "dq": ("_bwd_dq_kernel", "_bwd_dq_wide_kernel"),
+}
+_CEM = dict(HAS_ALIBI=True, HAS_SELF=True, NEED_ALIBI=True, NEED_SELF=True)
+
+
+class Variant(NamedTuple):
+    name: str
+    wide: bool
+    flags: dict[str, Any]  # constexprs besides the tiles; absent switches are off
+
+
+VARIANTS = [
+    Variant("d64 plain", False, dict(BLOCK_DK=64, BLOCK_DV=64)),
+    Variant("d128 plain", False, dict(BLOCK_DK=128, BLOCK_DV=128)),
+    Variant("d64 alibi+self", False, dict(BLOCK_DK=64, BLOCK_DV=64, **_CEM)),
+    Variant("d128 alibi+self", False, dict(BLOCK_DK=128, BLOCK_DV=128, **_CEM)),
+    Variant("d64 second", False, dict(BLOCK_DK=64, BLOCK_DV=64, SECOND=True)),
+    Variant("wide alibi+self", True, dict(_CEM)),
+    Variant("wide second", True, dict(SECOND=True, HAS_SELF=True, NEED_SELF=True)),
+]
+_SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI")
+_FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST"}
+_SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32"}
+_PTXAS = re.compile(r"(\d+) bytes spill stores.*?Used (\d+) registers", re.S)
+
+
+class Job(NamedTuple):
+    role: str
+    variant: int  # index into VARIANTS
+    tiles: dict[str, int]  # BLOCK_M, BLOCK_N (and BLOCK_D)
+    num_warps: int
+    num_stages: int
+
+
+def jobs() -> list[Job]:
+    """Every config of every kernel, for every variant."""
+    os.environ.pop("TRITON_INTERPRET", None)  # the real configs (the interpreter build has none)
+    from energydsl.kernels.attention import AUTOTUNE_CONFIGS
+
+    out = []
+    for v, variant in enumerate(VARIANTS):
+        for role, configs in zip(KERNELS, AUTOTUNE_CONFIGS[variant.wide]):
+            out += [Job(role, v, dict(c.kwargs), c.num_warps, c.num_stages) for c in configs]
+    return out
+
+
+def compile_job(job: Job) -> dict[str, Any]:
+    """Compile one config for sm_90 and read registers and spills from ptxas' log (run in a worker)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached cubin would print no ptxas log
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from energydsl.kernels import attention_kernels, attention_wide_kernels
+
+    variant = VARIANTS[job.variant]
+    module = attention_wide_kernels if variant.wide else attention_kernels
+    kernel = getattr(module, KERNELS[job.role][variant.wide])
+    flags = {s: False for s in _SWITCHES} | dict(DOT_PREC="tf32") | variant.flags | job.tiles
+    consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
+    sig = {a: _SCALAR_ARGS.get(a, "*fp32" if a in _FP32_ARGS else "*bf16") for a in kernel.arg_names}
+    sig |= {c: "constexpr" for c in consts}
+    row = dict(role=job.role, variant=variant.name, tiles=job.tiles, num_warps=job.num_warps,
+               num_stages=job.num_stages)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
+    except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+        return row | dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+    found = _PTXAS.search(log.getvalue())
+    if found is None:
+        return row | dict(error="no ptxas log (this Triton ignores TRITON_DUMP_PTXAS_LOG)")
+    spill, regs = map(int, found.groups())
+    return row | dict(registers=regs, spill_bytes=spill, shared_kib=compiled.metadata.shared / 1024)
+
+
+def _tiles(row: dict[str, Any]) -> str:
+    t = row["tiles"]
+    text = f"{t['BLOCK_M']}x{t['BLOCK_N']}" + (f" d{t['BLOCK_D']}" if "BLOCK_D" in t else "")
+    return f"{text} w{row['num_warps']} s{row['num_stages']}"
+
+
+def without_fit(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(kernel, variant) pairs none of whose configs compiles without spilling."""
+    fits: dict[tuple[str, str], bool] = {}
+    for r in rows:
+        key = (r["role"], r["variant"])
+        fits[key] = fits.get(key, False) or r.get("spill_bytes") == 0
+    return [k for k, ok in fits.items() if not ok]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="attention kernels on sm_90, bf16: ptxas' allocation per autotune config",
+                  title_justify="left")
+    for h in ("kernel", "variant", "config", "registers", "spill bytes", "shared KiB"):
+        table.add_column(h, justify="left" if h in ("kernel", "variant", "config") else "right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["role"], r["variant"], _tiles(r), "-", r["error"], "-")
+        else:
+            spill = str(r["spill_bytes"]) if r["spill_bytes"] else "0"
+            table.add_row(r["role"], r["variant"], _tiles(r), str(r["registers"]),
+                          f"[red]{spill}[/red]" if r["spill_bytes"] else spill, f"{r['shared_kib']:.0f}")
+    Console(width=120).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a kernel variant has no spill-free config")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--jobs", type=int, default=2, help="compiler processes (default 2)")
+    parser.add_argument("--variants", metavar="NAMES",
+                        help=f"comma-separated subset of: {', '.join(v.name for v in VARIANTS)}")
+    args = parser.parse_args(argv)
+    names = [v.name for v in VARIANTS]
+    wanted = [w.strip() for w in args.variants.split(",")] if args.variants else names
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    todo = [j for j in jobs() if VARIANTS[j.variant].name in wanted]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
+        rows = list(pool.map(compile_job, todo))
+    print_table(rows)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        import triton
+
+        payload = dict(target="cuda sm_90", triton=triton.__version__, rows=rows)
+        Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    missing = without_fit(rows)
+    for role, variant in missing:
+        print(f"no spill-free config: {role} {variant}")
+    if not missing:
+        print(f"every kernel variant has a spill-free config ({len(rows)} compilations)")
+    return 1 if args.check and missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
