@@ -266,7 +266,7 @@ def interpret_smoke(families: list[str], json_path: str | None) -> int:
 
     from energydsl.kernels import attention, epilogue, linear
 
-    if not (attention._INTERPRET and linear.INTERPRET and epilogue.INTERPRET):
+    if not (attention.INTERPRET and linear.INTERPRET and epilogue.INTERPRET):
         print("--interpret-smoke: the kernels are not running under the interpreter", file=sys.stderr)
         return 2
     torch.manual_seed(0)

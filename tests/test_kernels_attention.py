@@ -28,7 +28,7 @@ from energydsl.kernels import attention as kernels  # noqa: E402
 from energydsl.kernels import attention_ref as ref  # noqa: E402
 from energydsl.kernels import use_triton  # noqa: E402
 
-if not (CUDA or kernels._INTERPRET):
+if not (CUDA or kernels.INTERPRET):
     pytest.skip(
         "energydsl.kernels.attention was imported before TRITON_INTERPRET=1 was set", allow_module_level=True
     )

@@ -210,35 +210,19 @@ def test_partial_requires_grad() -> None:
     assert rel_err(dq, dq_ref) < TOL
 
 
-def test_function_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plain autograd.Function path (torch without triton_op) gives the same results."""
-    inputs, do = make_inputs(1, 2, 19, 16, 24, "token", seed=11)
-    o_op, g_op = run(linear_attention, inputs, do, strict=True)
-    monkeypatch.setattr(L, "OPS_BACKEND", "function")
-    o_fn, g_fn = run(linear_attention, inputs, do, strict=True)
-    assert o_fn.grad_fn is not None and "LinearAttentionFunction" in type(o_fn.grad_fn).__name__
-    torch.testing.assert_close(o_fn, o_op, rtol=0, atol=0)
-    for a, b in zip(g_fn, g_op, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def test_registered_ops() -> None:
-    assert L.OPS_BACKEND in ("triton_op", "custom_op", "function")
-    if L.OPS_BACKEND != "function":
-        assert hasattr(torch.ops.energydsl, "linear_attention_fwd")
-        assert hasattr(torch.ops.energydsl, "linear_attention_bwd")
+    assert hasattr(torch.ops.energydsl, "linear_attention_fwd")
+    assert hasattr(torch.ops.energydsl, "linear_attention_bwd")
 
 
 def test_torch_compile() -> None:
     """Graph capture with fake tensors and the registered autograd (aot_eager keeps CPU runs short)."""
-    if L.OPS_BACKEND == "function":
-        pytest.skip("no torch.library op to compile")
     inputs, do = make_inputs(1, 2, 19, 16, 16, "head", seed=2)
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return torch.tanh(linear_attention(q, k, v, log_decay=g, scale=0.5))
 
-    backend = "inductor" if L.OPS_BACKEND == "triton_op" else "aot_eager"
+    backend = "aot_eager" if L.INTERPRET else "inductor"
     compiled = torch.compile(f, backend=backend, fullgraph=True)
     o_c = compiled(*inputs)
     g_c = torch.autograd.grad(o_c, leaves(inputs), do)
@@ -296,13 +280,13 @@ def test_gpu_long(T: int, Dk: int, Dv: int, decay: str | None, strict: bool, dty
 def test_gpu_tied_and_compiled() -> None:
     inputs, do = make_inputs(1, 8, 1000, 64, 64, "token", tied=True, seed=1, strength=0.05)
     check_against_refs(inputs, do, scale=0.125)
-    if L.OPS_BACKEND == "triton_op":
-        f = torch.compile(lambda q, k, v, g: linear_attention(q, k, v, log_decay=g), fullgraph=True)
-        o_c, g_c = run(lambda q, k, v, log_decay: f(q, k, v, log_decay), inputs, do)
-        o_e, g_e = run(linear_attention, inputs, do)
-        assert rel_err(o_c, o_e) < TOL
-        for a, b in zip(g_c, g_e, strict=True):
-            assert rel_err(a, b) < TOL
+    # compiled: the triton_op traced into inductor
+    f = torch.compile(lambda q, k, v, g: linear_attention(q, k, v, log_decay=g), fullgraph=True)
+    o_c, g_c = run(lambda q, k, v, log_decay: f(q, k, v, log_decay), inputs, do)
+    o_e, g_e = run(linear_attention, inputs, do)
+    assert rel_err(o_c, o_e) < TOL
+    for a, b in zip(g_c, g_e, strict=True):
+        assert rel_err(a, b) < TOL
 
 
 # ---------------------------------------------------------------------------------------------------------

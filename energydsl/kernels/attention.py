@@ -8,39 +8,29 @@ templates with every flag chosen at launch; the triton code generator writes spe
 generated module (energydsl/codegen/triton_source.py) and builds an op set over them with `attention_ops`.
 Feature widths above 256 (CEM's exact diagonal term) run the tiled templates of `attention_wide_kernels.py`
 (`GENERIC_WIDE`, `attention_wide_ops`); the module-level functions choose by width.
-Execution paths (decided once, when this module is imported):
-
-* CUDA: the ops are `torch.library.triton_op`s, so `torch.compile` sees the Triton kernels and can schedule
-  around them; BLOCK_M / BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D) are
-  autotuned per head-dim pair and variant, over config lists checked to fit in registers on sm_90
-  (`benchmarks/kernel_resources.py`).
-* TRITON_INTERPRET=1 (CPU tests): `triton_op` would launch the interpreted kernel on fake tensors while
-  `torch.compile` traces, which fails, so the same functions are registered as opaque
-  `torch.library.custom_op`s with explicit fake (shape) functions; eager and compiled calls both work.
-  Blocks are fixed at 16 x 16, and the wide kernels' feature tile at 16.
-
-Gradients are wired with `register_autograd` in both cases (no separate `torch.autograd.Function`).
-Dot products use exact fp32 ("ieee") under the interpreter and for float32 inputs when
-`torch.get_float32_matmul_precision() == "highest"` (PyTorch's default); "tf32" otherwise.
+Ops are registered and launched as every family's (`launch.py`): triton_ops on CUDA, where BLOCK_M /
+BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D) are autotuned per head-dim pair
+and variant, over config lists checked to fit in registers on sm_90 (`benchmarks/kernel_resources.py`);
+custom_ops under the interpreter, with blocks fixed at 16 x 16 and the wide kernels' feature tile at 16.
 """
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 from torch import Tensor
-from torch.library import wrap_triton  # returns interpreted kernels unchanged under TRITON_INTERPRET=1
 
 from . import MAX_HEAD_DIM, op_set, use_triton
 from .attention_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
+from .launch import INTERPRET, dot_precision, launch_options, maybe_autotune, register_op, wrap_triton
 
 __all__ = [
     "GENERIC",
     "GENERIC_WIDE",
+    "INTERPRET",
     "MAX_HEAD_DIM",
     "AttentionOps",
     "attention_ops",
@@ -49,10 +39,6 @@ __all__ = [
     "energy_attention_with_lse",
     "weighted_second_moment",
 ]
-
-# triton.jit reads the same variable when the kernels are decorated, so this is the path actually taken.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Launch configuration: autotuned on GPU, fixed small tiles under the interpreter
@@ -98,23 +84,13 @@ INTERPRET_FEATURE_TILE = 16
 
 
 def _tuned(kernel: Any, configs: list[triton.Config], wide: bool) -> Any:
-    if _INTERPRET:
-        return kernel
     # a specialised kernel (see `attention_ops`) may have SECOND baked in: tune on what is left
-    key = [k for k in _TUNE_KEYS[wide] if k in kernel.arg_names]
-    return triton.autotune(configs=configs, key=key)(kernel)
+    return maybe_autotune(configs, [k for k in _TUNE_KEYS[wide] if k in kernel.arg_names])(kernel)
 
 
 def _blocks() -> dict[str, int]:
     """Tile sizes to pass explicitly: none when the autotuner chooses them."""
-    return dict(_INTERPRET_BLOCKS) if _INTERPRET else {}
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """Exact fp32 dots unless PyTorch's own float32 matmul setting allows TF32 (ignored for 16-bit inputs)."""
-    if _INTERPRET or dtype != torch.float32:
-        return "ieee"
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return launch_options(**_INTERPRET_BLOCKS)
 
 
 def _pad(d: int) -> int:
@@ -130,7 +106,7 @@ def _flags(
         HAS_ALIBI=alibi is not None,
         HAS_SELF=self_b is not None,
         HAS_KB=key_b is not None,
-        DOT_PREC=_dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype),
     )
 
 
@@ -165,11 +141,11 @@ class AttentionOps:
         self._fwd = _tuned(fwd, fwd_configs, wide)
         self._dkdv = _tuned(dkdv, dkdv_configs, wide)
         self._dq = _tuned(dq, dq_configs, wide)
-        self._attention_fwd_op = _register(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd)
-        self._second_fwd_op = _register(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd)
-        self._bwd_op = _register(f"{name}_bwd", self._op_bwd(), _fake_bwd)
-        self._attention_fwd_op.register_autograd(self._attention_backward, setup_context=_attention_setup)
-        self._second_fwd_op.register_autograd(self._second_backward, setup_context=_second_setup)
+        self._attention_fwd_op = register_op(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd,
+                                             backward=self._attention_backward, setup_context=_attention_setup)
+        self._second_fwd_op = register_op(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd,
+                                          backward=self._second_backward, setup_context=_second_setup)
+        self._bwd_op = register_op(f"{name}_bwd", self._op_bwd(), _fake_bwd)
 
     # -- launches (only torch ops and wrap_triton launches, as triton_op requires) -------------------------
 
@@ -178,7 +154,7 @@ class AttentionOps:
         under the interpreter (on a GPU the autotuner chooses BLOCK_D with the row tiles)."""
         if not self.wide:
             return dict(BLOCK_DK=_pad(d_qk), BLOCK_DV=_pad(d_v))
-        return dict(BLOCK_D=INTERPRET_FEATURE_TILE) if _INTERPRET else {}
+        return launch_options(BLOCK_D=INTERPRET_FEATURE_TILE)
 
     def _grid(self, T: int, BH: int, block: str, width: int) -> Callable[[dict], tuple[int, int, int]]:
         """Programs over (row blocks, batch*head, feature tiles of `width`): one feature tile unless wide."""
@@ -550,15 +526,6 @@ def _fake_bwd(
         cols(need_self),
         cols(need_alibi),
     )
-
-
-def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any]) -> Any:
-    """triton_op on GPU (transparent to torch.compile); an opaque custom_op under the interpreter."""
-    if _INTERPRET:
-        op = torch.library.custom_op(f"energydsl::{name}", fn, mutates_args=())
-        op.register_fake(fake)
-        return op
-    return torch.library.triton_op(f"energydsl::{name}", fn, mutates_args=())
 
 
 def _bias_grads(

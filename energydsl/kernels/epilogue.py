@@ -19,8 +19,8 @@ As for attention (`attention.py`), each of the three is an op set over a kernel 
 writes copies of the templates into each generated module, the activation baked in, and builds sets over
 them with `gated_activation_ops`, `momentum_ops` and `nesterov_ops`.
 
-Ops are registered as `torch.ops.energydsl.*` exactly as in `energydsl.kernels.linear` (see `OPS_BACKEND`
-there: triton_op on GPU, opaque custom_op under the interpreter, plain autograd.Function on old torch).
+Ops are registered as `torch.ops.energydsl.*` as every family's (`launch.py`: triton_ops on CUDA, opaque
+custom_ops under the interpreter).
 Tensors that no kernel can take (CPU without TRITON_INTERPRET=1) use the references in `epilogue_ref`.
 """
 
@@ -33,7 +33,6 @@ import torch
 import triton
 from torch import Tensor
 
-from energydsl.kernels import linear as _linear
 from energydsl.kernels import op_set
 from energydsl.kernels.epilogue_kernels import (
     _gated_bwd_kernel,
@@ -49,7 +48,7 @@ from energydsl.kernels.epilogue_ref import (
     momentum_update_ref,
     nesterov_lookahead_ref,
 )
-from energydsl.kernels.linear import INTERPRET, launch_options, maybe_autotune, register_op, wrap_triton
+from energydsl.kernels.launch import INTERPRET, launch_options, maybe_autotune, register_op, wrap_triton
 
 __all__ = [
     "ACTIVATIONS",
@@ -57,7 +56,6 @@ __all__ = [
     "GENERIC_MOMENTUM",
     "GENERIC_NESTEROV",
     "INTERPRET",
-    "OPS_BACKEND",
     "GatedActivationOps",
     "MomentumOps",
     "NesterovOps",
@@ -68,8 +66,6 @@ __all__ = [
     "nesterov_lookahead",
     "nesterov_ops",
 ]
-
-OPS_BACKEND: str = _linear.OPS_BACKEND
 
 # Elementwise kernels tune BLOCK; the ones that also reduce (scalar gradients) keep BLOCK fixed, since it sets
 # the number of partial sums allocated before launch.
@@ -123,9 +119,8 @@ class _KernelPairOps:
 
     The element-wise sets differ only in what a subclass defines: the launchers `_fwd_impl()` / `_bwd_impl()`
     (op bodies: only torch ops and `wrap_triton` launches, as triton_op requires), the fakes `_fwd_fake` /
-    `_bwd_fake`, `_setup` and `_backward`. Tuning, registration and the `OPS_BACKEND == "function"` path
-    (`_KernelPairFunction`) are written once, here. `baked` holds what a generated copy's source fixes
-    (e.g. {"ACT": "silu"}); empty for the generic sets.
+    `_bwd_fake`, `_setup` and `_backward`; tuning and registration are written once, here. `baked` holds
+    what a generated copy's source fixes (e.g. {"ACT": "silu"}); empty for the generic sets.
     """
 
     _bwd_configs: ClassVar[list[triton.Config]] = _EW_CONFIGS  # _RED_CONFIGS where the backward reduces
@@ -134,36 +129,10 @@ class _KernelPairOps:
         self.name = name
         self.baked = dict(baked or {})
         self._fwd, self._bwd = _tuned(fwd, _EW_CONFIGS), _tuned(bwd, self._bwd_configs)
-        self._launch_fwd, self._launch_bwd = self._fwd_impl(), self._bwd_impl()
-        self._bwd_op = register_op(f"{name}_bwd", self._launch_bwd, self._bwd_fake)
+        self._bwd_op = register_op(f"{name}_bwd", self._bwd_impl(), self._bwd_fake)
         self._fwd_op = register_op(
-            f"{name}_fwd", self._launch_fwd, self._fwd_fake, backward=self._backward, setup_context=self._setup
+            f"{name}_fwd", self._fwd_impl(), self._fwd_fake, backward=self._backward, setup_context=self._setup
         )
-
-    def _apply(self, *args: Any) -> Any:
-        """The forward op, or its launcher in an autograd.Function without torch.library."""
-        if OPS_BACKEND == "function":
-            return _KernelPairFunction.apply(self, *args)
-        return self._fwd_op(*args)
-
-    def _run_bwd(self, *args: Any) -> Any:
-        bwd = self._launch_bwd if OPS_BACKEND == "function" else self._bwd_op
-        return bwd(*args)
-
-
-class _KernelPairFunction(torch.autograd.Function):
-    """A set's launchers without torch.library (OPS_BACKEND == "function")."""
-
-    @staticmethod
-    def forward(ctx: Any, ops: _KernelPairOps, *args: Any) -> Any:
-        out = ops._launch_fwd(*args)
-        ops._setup(ctx, args, out)
-        ctx.ops = ops
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        return (None, *ctx.ops._backward(ctx, *grads))
 
 
 def _partials(n: int, like: Tensor) -> Tensor:
@@ -235,7 +204,7 @@ class GatedActivationOps(_KernelPairOps):
 
     def _backward(self, ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         gate_pre, value = ctx.saved_tensors
-        dgate, dvalue = self._run_bwd(dout, gate_pre, value, ctx.activation)
+        dgate, dvalue = self._bwd_op(dout, gate_pre, value, ctx.activation)
         return dgate, dvalue, None
 
     def gated_activation(self, gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
@@ -251,7 +220,7 @@ class GatedActivationOps(_KernelPairOps):
         _same_shape(gate_pre=gate_pre, value=value)
         if not _on_kernel_device(value):
             return gated_activation_ref(gate_pre, value, activation)
-        return self._apply(gate_pre, value, activation)
+        return self._fwd_op(gate_pre, value, activation)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -314,7 +283,7 @@ class MomentumOps(_KernelPairOps):
         m, f, beta, eta = ctx.saved_tensors
         gx = torch.zeros_like(m) if gx is None else gx
         gm = torch.zeros_like(m) if gm is None else gm
-        dm, df, dbeta, deta = self._run_bwd(gx, gm, m, f, beta, eta)
+        dm, df, dbeta, deta = self._bwd_op(gx, gm, m, f, beta, eta)
         return gx, dm, df, dbeta, deta
 
     def momentum_update(
@@ -328,7 +297,7 @@ class MomentumOps(_KernelPairOps):
         beta, eta = _scalar(beta, x, "beta"), _scalar(eta, x, "eta")
         if not _on_kernel_device(x):
             return momentum_update_ref(x, m, f, beta.reshape(()), eta.reshape(()))
-        return self._apply(x, m, f, beta, eta)
+        return self._fwd_op(x, m, f, beta, eta)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -379,7 +348,7 @@ class NesterovOps(_KernelPairOps):
 
     def _backward(self, ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         m, c = ctx.saved_tensors
-        dm, dc = self._run_bwd(g, m, c)
+        dm, dc = self._bwd_op(g, m, c)
         return g, dm, dc
 
     def nesterov_lookahead(self, x: Tensor, m: Tensor, c: Tensor | float) -> Tensor:
@@ -391,7 +360,7 @@ class NesterovOps(_KernelPairOps):
         c = _scalar(c, x, "c")
         if not _on_kernel_device(x):
             return nesterov_lookahead_ref(x, m, c.reshape(()))
-        return self._apply(x, m, c)
+        return self._fwd_op(x, m, c)
 
 
 # ----------------------------------------------------------------------------------------------------------

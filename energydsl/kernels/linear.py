@@ -24,20 +24,13 @@ Backward (dO already multiplied by scale), with M_ij = mask * exp(b_i - b_j) the
 The last identity: g_s enters every pair (i >= s > j), and sum_j P_ij = q_i . dq_i, sum_i P_ij = k_j . dk_j
 for P_ij = M_ij (q_i . k_j)(dO_i . v_j). dq and dk are summed over Dv-blocks in torch (deterministic).
 
-How the op is run (decided once at import, see `OPS_BACKEND`):
-* "triton_op": compiled Triton on CUDA; ops are `torch.library.triton_op`s, so `torch.compile` sees and
-  can fuse around the kernels.
-* "custom_op": under the Triton interpreter (TRITON_INTERPRET=1, CPU). triton_op runs eagerly there, but
-  torch.compile would trace the interpreted kernel with fake tensors and fail, so the same functions are
-  registered as opaque `torch.library.custom_op`s with explicit fake implementations instead.
-* "function": a plain `torch.autograd.Function` over the same launchers, for torch builds without
-  `torch.library.triton_op` (torch < 2.6). Tests switch to it by setting `OPS_BACKEND`.
-Tensors that no kernel can take (CPU without the interpreter) go to the torch backend's chunked op.
+The ops are registered and launched as every family's (`launch.py`: triton_ops on CUDA, custom_ops under the
+interpreter). Tensors that no kernel can take (CPU without the interpreter) go to the torch backend's
+chunked op.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -47,85 +40,15 @@ import triton.language as tl
 from torch import Tensor
 
 from . import op_set
-
-try:  # torch >= 2.6; the name must stay `wrap_triton` for triton_op's kernel discovery
-    from torch.library import wrap_triton
-except ImportError:  # pragma: no cover - old torch: launch the kernel directly
-
-    def wrap_triton(kernel: Any) -> Any:
-        return kernel
-
+from .launch import INTERPRET, dot_precision, launch_options, maybe_autotune, register_op, wrap_triton
 
 __all__ = [
     "GENERIC",
     "INTERPRET",
-    "OPS_BACKEND",
     "LinearAttentionOps",
     "linear_attention",
     "linear_attention_ops",
-    "maybe_autotune",
-    "register_op",
 ]
-
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# `triton.jit` picks interpreter or compiler when a kernel is decorated, i.e. at import of this module.
-INTERPRET: bool = _interpreting()
-
-if INTERPRET:
-    OPS_BACKEND = "custom_op" if hasattr(torch.library, "custom_op") else "function"
-else:
-    OPS_BACKEND = "triton_op" if hasattr(torch.library, "triton_op") else "function"
-
-
-def maybe_autotune(configs: list[triton.Config], key: list[str]) -> Callable[[Any], Any]:
-    """`triton.autotune` on GPU; identity under the interpreter (the caller then passes fixed blocks)."""
-
-    def wrap(kernel: Any) -> Any:
-        return kernel if INTERPRET else triton.autotune(configs=configs, key=key)(kernel)
-
-    return wrap
-
-
-def launch_options(**fixed: Any) -> dict[str, Any]:
-    """Meta-parameters to pass at launch: none when autotuned (the tuner owns them), `fixed` otherwise."""
-    return fixed if INTERPRET else {}
-
-
-def register_op(
-    name: str,
-    impl: Callable[..., Any],
-    fake: Callable[..., Any],
-    *,
-    backward: Callable[..., Any] | None = None,
-    setup_context: Callable[..., Any] | None = None,
-) -> Any:
-    """Register `impl` as torch.ops.energydsl.<name> for the current `OPS_BACKEND` (None for "function")."""
-    qualname = f"energydsl::{name}"
-    if OPS_BACKEND == "triton_op":
-        op = torch.library.triton_op(qualname, impl, mutates_args=())
-    elif OPS_BACKEND == "custom_op":
-        op = torch.library.custom_op(qualname, impl, mutates_args=())
-        op.register_fake(fake)
-    else:
-        return None
-    if backward is not None:
-        op.register_autograd(backward, setup_context=setup_context)
-    return op
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """Exact fp32 products for fp32 inputs (like torch's default matmul); tf32 where torch allows it or the
-    inputs are 16-bit anyway (their rounding dominates tf32's)."""
-    if INTERPRET or (dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"
 
 
 def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
@@ -135,7 +58,7 @@ def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
     partial sums are allocated before launch. C = 16 everywhere. Under the interpreter BV = 16, so that tests
     already cover several Dv-blocks. On GPU BV = 64 (32 for Dk > 64): compiled for sm_90 with ptxas (no GPU
     at hand), C = 32/64 or wider BV spilled registers; these sizes do not spill with tf32 products (16-bit
-    inputs, or fp32 with allow_tf32) at 8 warps, while exact fp32 ("ieee", FMA) products still spill up to
+    inputs, or fp32 where torch allows TF32) at 8 warps, while exact fp32 ("ieee", FMA) products still spill up to
     ~2 KB in the dk/dv kernel.
     """
     BK = max(16, triton.next_power_of_2(K))
@@ -347,7 +270,7 @@ def _launch_meta(
 ) -> tuple[dict[str, Any], tuple[int, int]]:
     """Compile-time parameters shared by the three kernels, and their grid (Dv-blocks, batch * heads)."""
     C, BK, BV = _tile_sizes(K, V)
-    meta = dict(HAS_DECAY=has_decay, STRICT=strict, DOT_PREC=_dot_precision(dtype), C=C, BK=BK, BV=BV)
+    meta = dict(HAS_DECAY=has_decay, STRICT=strict, DOT_PREC=dot_precision(dtype), C=C, BK=BK, BV=BV)
     return meta | launch_options(num_warps=4), (triton.cdiv(V, BV), BH)
 
 
@@ -435,7 +358,10 @@ class LinearAttentionOps:
         return linear_attention_bwd
 
     def _backward_op(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-        return _backward_with(self._bwd_op, ctx, do)
+        q, k, v, log_decay = ctx.saved_tensors
+        need_dg = log_decay is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dg = self._bwd_op(do, q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
+        return dq, dk, dv, (dg if need_dg else None), None, None
 
     # -- public API ----------------------------------------------------------------------------------------
 
@@ -483,8 +409,6 @@ class LinearAttentionOps:
             return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
         if T == 0:
             return v.new_empty(v.shape)
-        if OPS_BACKEND == "function":
-            return _LinearAttentionFunction.apply(self, q, k, v, log_decay, float(scale), bool(strict))
         return self._fwd_op(q, k, v, log_decay, float(scale), bool(strict))
 
 
@@ -513,37 +437,6 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     ctx.save_for_backward(q, k, v, log_decay)
     ctx.scale = scale
     ctx.strict = strict
-
-
-def _backward_with(bwd: Callable[..., tuple[Tensor, ...]], ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-    q, k, v, log_decay = ctx.saved_tensors
-    need_dg = log_decay is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dg = bwd(do, q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
-    return dq, dk, dv, (dg if need_dg else None), None, None
-
-
-class _LinearAttentionFunction(torch.autograd.Function):
-    """The same launchers without torch.library (OPS_BACKEND == "function")."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        ops: LinearAttentionOps,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        log_decay: Tensor | None,
-        scale: float,
-        strict: bool,
-    ) -> Tensor:
-        o = ops._fwd_impl()(q, k, v, log_decay, scale, strict)
-        _setup_context(ctx, (q, k, v, log_decay, scale, strict), o)
-        ctx.ops = ops
-        return o
-
-    @staticmethod
-    def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-        return (None, *_backward_with(ctx.ops._bwd_impl(), ctx, do))
 
 
 # ----------------------------------------------------------------------------------------------------------
