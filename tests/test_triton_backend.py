@@ -215,8 +215,9 @@ def test_without_gpu_or_interpreter_falls_back_to_torch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", ["models/momentum-gpt.energy", "models/nag-gpt.energy"])
 def test_momentum_across_layers_is_one_fused_step(path: str) -> None:
-    """`across layers momentum|nag`: each stage's step m = beta m + f, x = x + eta m is one kernel call, and
-    the model equals the torch backend's, learned beta and eta included."""
+    """`across layers momentum|nag`: each stage's step m = beta m + f, x = x + eta m is one kernel call (and
+    nag's look-ahead x + beta m another), and the model equals the torch backend's, learned beta and eta
+    included."""
     from energydsl import kernels
 
     spec = load(ROOT / "examples" / path)
@@ -226,20 +227,25 @@ def test_momentum_across_layers_is_one_fused_step(path: str) -> None:
     b = spec.model(backend="triton", **dims).to(DEVICE)
     b.load_state_dict(a.state_dict())
     assert b.fused_momentum and not a.fused_momentum
-    calls = []
-    real = kernels.momentum_update
+    calls: dict[str, int] = {"momentum_update": 0, "nesterov_lookahead": 0}
+    real = {name: getattr(kernels, name) for name in calls}
 
-    def spy(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(args[0].shape)
-        return real(*args)
+    def spy(name: str) -> object:
+        def call(*args: torch.Tensor) -> object:
+            calls[name] += 1
+            return real[name](*args)
+        return call
 
     idx = torch.randint(0, 17, (2, 11), device=DEVICE)
-    kernels.momentum_update = spy  # the model calls it through the package, so this sees every call
+    for name in calls:  # the model calls them through the package, so this sees every call
+        setattr(kernels, name, spy(name))
     try:
         lb = b(idx)
     finally:
-        kernels.momentum_update = real
-    assert len(calls) == 2 * 2  # layers x stages
+        for name, fn in real.items():
+            setattr(kernels, name, fn)
+    nag = "nag" in path
+    assert calls == {"momentum_update": 2 * 2, "nesterov_lookahead": 2 * 2 if nag else 0}  # layers x stages
     la = a(idx)
     assert _rel(lb, la) < 1e-4
     ga = torch.autograd.grad(la.square().mean(), list(a.parameters()))

@@ -20,7 +20,7 @@ from .attention_ref import (
     energy_attention_ref,
     weighted_second_moment_ref,
 )
-from .epilogue_ref import gated_activation_ref, momentum_update_ref
+from .epilogue_ref import gated_activation_ref, momentum_update_ref, nesterov_lookahead_ref
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,7 @@ __all__ = [
     "gated_activation",
     "linear_attention",
     "momentum_update",
+    "nesterov_lookahead",
     "triton_available",
     "use_triton",
     "weighted_second_moment",
@@ -184,3 +185,12 @@ def momentum_update(
 
         return kernel(x, m, f, beta, eta)
     return momentum_update_ref(x, m, f, beta, eta)
+
+
+def nesterov_lookahead(x: Tensor, m: Tensor, c: Tensor | float) -> Tensor:
+    """The look-ahead point x + c m in one fused pass (forward and backward), else the reference."""
+    if use_triton(x.device):
+        from .epilogue import nesterov_lookahead as kernel
+
+        return kernel(x, m, c)
+    return nesterov_lookahead_ref(x, m, c)

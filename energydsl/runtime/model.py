@@ -156,7 +156,7 @@ class LanguageModel(nn.Module):
                 x, m = self._step(x, s - s0, m)
                 continue
             for n, stage in enumerate(stages):
-                at = x + self.across_beta * m if self.across == "nag" else x
+                at = self._lookahead(x, m) if self.across == "nag" else x
                 if norms is None and self.across is None:
                     x = self._run(n, stage, x)
                     continue
@@ -181,6 +181,12 @@ class LanguageModel(nn.Module):
         if shape == self.stream:
             return stage(s, delta=delta)
         return stage(s.reshape(*s.shape[:2], *shape), delta=delta).reshape(s.shape)
+
+    def _lookahead(self, x: Tensor, m: Tensor) -> Tensor:
+        """nag across layers: where the next stage runs, x + beta m (one kernel pass on the triton backend)."""
+        if self.fused_momentum:
+            return kernels.nesterov_lookahead(x, m, self.across_beta)
+        return x + self.across_beta * m
 
     def _step(self, x: Tensor, f: Tensor, m: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Apply a stage's displacement f: plainly (residual), or through the momentum buffer across layers."""
