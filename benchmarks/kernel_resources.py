@@ -79,32 +79,38 @@ def jobs() -> list[Job]:
     return out
 
 
+def compile_for_sm90(kernel: Any, flags: dict[str, Any], dtype: str, num_warps: int, num_stages: int) -> Any:
+    """Compile an attention template (narrow or wide) for sm_90 without a GPU: `flags` holds its constexprs
+    (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
+    sig = {a: _SCALAR_ARGS.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
+    sig |= {c: "constexpr" for c in consts}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def compile_job(job: Job) -> dict[str, Any]:
     """Compile one config for sm_90 and read registers and spills from ptxas' log (run in a worker)."""
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached cubin would print no ptxas log
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from energydsl.kernels import attention_kernels, attention_wide_kernels
 
     variant = VARIANTS[job.variant]
     module = attention_wide_kernels if variant.wide else attention_kernels
     kernel = getattr(module, KERNELS[job.role][variant.wide])
     flags = {s: False for s in _SWITCHES} | dict(DOT_PREC="tf32") | variant.flags | job.tiles
-    consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
-    sig = {a: _SCALAR_ARGS.get(a, "*fp32" if a in _FP32_ARGS else "*bf16") for a in kernel.arg_names}
-    sig |= {c: "constexpr" for c in consts}
     row = dict(role=job.role, variant=variant.name, tiles=job.tiles, num_warps=job.num_warps,
                num_stages=job.num_stages)
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
+            compiled = compile_for_sm90(kernel, flags, "bf16", job.num_warps, job.num_stages)
     except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
         return row | dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     found = _PTXAS.search(log.getvalue())

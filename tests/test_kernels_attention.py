@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -414,15 +415,13 @@ def test_gpu_tf32_dots() -> None:
 # Without a GPU: the compiled (non-interpreted) kernels at least compile for sm_90 (ptxas ships with triton)
 # ---------------------------------------------------------------------------------------------------------
 
-_COMPILE_SCRIPT = """
-import itertools
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+ROOT = Path(__file__).resolve().parent.parent
+_COMPILE_SCRIPT = f"""
+import itertools, sys
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+from kernel_resources import compile_for_sm90
 from energydsl.kernels import attention_kernels as N, attention_wide_kernels as W
 
-FP32 = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST"}
-SCALARS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32"}
 kernels = [(N._fwd_kernel, False), (N._bwd_dkdv_kernel, False), (N._bwd_dq_kernel, False),
            (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True), (W._bwd_dq_wide_kernel, True)]
 for (kernel, wide), (dt, prec), second, strict in itertools.product(
@@ -431,11 +430,7 @@ for (kernel, wide), (dt, prec), second, strict in itertools.product(
     flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=second, DOT_PREC=prec,
                  NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64)
     flags |= dict(BLOCK_D=64) if wide else dict(BLOCK_DK=128, BLOCK_DV=64)
-    consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
-    sig = {a: SCALARS.get(a, "*fp32" if a in FP32 else "*" + dt) for a in kernel.arg_names if a not in consts}
-    sig |= {c: "constexpr" for c in consts}
-    triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 2})
+    compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2)
 print("compiled")
 """
 
