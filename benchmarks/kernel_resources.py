@@ -5,7 +5,8 @@ fastest, so a config list is only as good as its best member. A config that need
 per thread spills to local memory, which is slow; if every config of a kernel variant spills, no amount of
 tuning helps. Triton compiles for sm_90 without a GPU (ptxas ships with it), and ptxas reports what it
 allocated: this script compiles each (kernel, variant, config) and prints registers, spill stores and shared
-memory, and which variants have a spill-free config.
+memory, and which variants have a spill-free config. It also prints the SASS instructions per iteration of
+each loop (nvdisasm ships with Triton too): the elementwise work per block that a register count misses.
 
 Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) and with CEM's score terms
 (ALiBi + self bias, their gradients), and the weighted second moment; the wide (feature-tiled) kernels with
@@ -56,6 +57,10 @@ VARIANTS = [
 _SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI")
 _FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST"}
 _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32"}
+_MULTIPLES_OF_16 = {"T", "D_QK", "D_V"}
+_LABEL = re.compile(r"\s*(\.L_x_\d+):")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+\S")
+_BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 _PTXAS = re.compile(r"(\d+) bytes spill stores.*?Used (\d+) registers", re.S)
 
 
@@ -81,7 +86,12 @@ def jobs() -> list[Job]:
 
 def compile_for_sm90(kernel: Any, flags: dict[str, Any], dtype: str, num_warps: int, num_stages: int) -> Any:
     """Compile an attention template (narrow or wide) for sm_90 without a GPU: `flags` holds its constexprs
-    (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32."""
+    (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32.
+
+    Specialised as the JIT specialises a launch at the benchmark shapes: every tensor 16-byte aligned and T
+    and the head dims multiples of 16. Without those hints the loads do not vectorise (one 2-byte load per
+    element) and the counts describe a kernel no benchmark runs.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -89,8 +99,39 @@ def compile_for_sm90(kernel: Any, flags: dict[str, Any], dtype: str, num_warps: 
     consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
     sig = {a: _SCALAR_ARGS.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
     sig |= {c: "constexpr" for c in consts}
-    return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+    multiples_of_16 = [a for a in kernel.arg_names if sig[a].startswith("*") or a in _MULTIPLES_OF_16]
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in multiples_of_16}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def loop_sizes(cubin: bytes) -> list[int]:
+    """SASS instructions in each loop of a kernel (nvdisasm; a loop is a backward branch), in code order.
+
+    For the narrow kernels these are the per-block costs of the unmasked blocks, then of the diagonal's:
+    what the tile's non-matmul work costs, which a GPU timing would show and a register count does not.
+    """
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    labels: dict[str, int] = {}
+    count, sizes = 0, []
+    for line in sass.splitlines():
+        if label := _LABEL.match(line):
+            labels[label.group(1)] = count
+        elif _INSTRUCTION.search(line):
+            branch = _BRANCH.search(line)
+            if branch and labels.get(branch.group(1), count + 1) <= count:
+                sizes.append(count - labels[branch.group(1)] + 1)
+            count += 1
+    return [n for n in sizes if n > 1]  # a one-instruction self-branch is the exit trap, not a loop
 
 
 def compile_job(job: Job) -> dict[str, Any]:
@@ -117,7 +158,8 @@ def compile_job(job: Job) -> dict[str, Any]:
     if found is None:
         return row | dict(error="no ptxas log (this Triton ignores TRITON_DUMP_PTXAS_LOG)")
     spill, regs = map(int, found.groups())
-    return row | dict(registers=regs, spill_bytes=spill, shared_kib=compiled.metadata.shared / 1024)
+    return row | dict(registers=regs, spill_bytes=spill, shared_kib=compiled.metadata.shared / 1024,
+                      loop_instructions=loop_sizes(compiled.asm["cubin"]))
 
 
 def _tiles(row: dict[str, Any]) -> str:
@@ -141,15 +183,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
     table = Table(title="attention kernels on sm_90, bf16: ptxas' allocation per autotune config",
                   title_justify="left")
-    for h in ("kernel", "variant", "config", "registers", "spill bytes", "shared KiB"):
+    for h in ("kernel", "variant", "config", "registers", "spill bytes", "shared KiB", "loop instructions"):
         table.add_column(h, justify="left" if h in ("kernel", "variant", "config") else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["role"], r["variant"], _tiles(r), "-", r["error"], "-")
+            table.add_row(r["role"], r["variant"], _tiles(r), "-", r["error"], "-", "-")
         else:
             spill = str(r["spill_bytes"]) if r["spill_bytes"] else "0"
             table.add_row(r["role"], r["variant"], _tiles(r), str(r["registers"]),
-                          f"[red]{spill}[/red]" if r["spill_bytes"] else spill, f"{r['shared_kib']:.0f}")
+                          f"[red]{spill}[/red]" if r["spill_bytes"] else spill, f"{r['shared_kib']:.0f}",
+                          " / ".join(map(str, r["loop_instructions"])))
     Console(width=120).print(table)
 
 

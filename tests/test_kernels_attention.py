@@ -64,6 +64,7 @@ class Case:
     biases: str = "none"  # none | alibi | self | key | all
     tied: bool = False  # v is k
     B: int = 2
+    key_shift: float = 0.0  # added to every key bias: softmax-invariant, but exp of it overflows float32 past ~88
 
     def has(self, bias: str) -> bool:
         return self.biases in (bias, "all")
@@ -93,7 +94,7 @@ def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torc
     if case.has("self"):
         leaves["self_bias"] = randn(H)
     if case.has("key"):
-        leaves["key_bias"] = randn(B, H, T) * 0.5
+        leaves["key_bias"] = randn(B, H, T) * 0.5 + case.key_shift
     return {n: t.to(device=DEVICE, dtype=dtype).requires_grad_() for n, t in leaves.items()}
 
 
@@ -211,6 +212,15 @@ def test_unequal_query_and_key_tiles(blocks: tuple[int, int], monkeypatch: pytes
     monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
     for strict in (False, True):
         check(Case(T=45, H=1, Dk=16, Dv=24, strict=strict, biases="all", B=1), "with_lse")
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_padded_rows_stay_inert_under_large_scores(wide: bool) -> None:
+    """The backward visits the query blocks wholly after a key block without a mask; the last of them is padded
+    past T, and its padded rows (q = dO = 0) must contribute nothing even where exp of their unmasked scores
+    overflows: a key bias of 100 makes exp(s) inf there, and inf * 0 would poison dK through the padded rows."""
+    case = Case(T=45, H=1, Dk=16, Dv=24, strict=False, biases="key", B=1, key_shift=100.0)
+    check(case, "with_lse", impl=WIDE if wide else None)
 
 
 @pytest.mark.slow

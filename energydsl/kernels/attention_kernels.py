@@ -18,6 +18,13 @@ passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
 
 (delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
 
+Two FlashAttention-2 economies on the elementwise work around the dots, which is what bounds these kernels
+besides the dots themselves: every loop over blocks runs twice, first over the blocks wholly on one side of
+the diagonal, where every (query, key) pair is admissible and none is on the diagonal, so `_scores` skips the
+mask (MASKED=False), then over the blocks the diagonal crosses; and scores are kept in log2 units (each score
+term times log2 e), so that softmax weights are one exp2 each. lse is stored in natural units.
+`benchmarks/kernel_resources.py` counts the instructions per block of each loop on sm_90.
+
 These are templates: `attention.GENERIC` launches them with every flag chosen at launch, and the triton
 code generator (energydsl/codegen/triton_source.py) reads this file's text and writes copies into each
 generated module with the flags its energy fixes baked in and dead branches removed.
@@ -45,24 +52,32 @@ def _scores(
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
     HAS_KB: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32 from the dot products qk = q_i . k_j; -inf where key j is not
-    admissible for query i."""
+    """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32 from the dot products qk = q_i . k_j, in the unit of the
+    terms passed (the kernels pass scale, slope, self_b and kb times log2(e), so that p = exp2(s - m)).
+
+    MASKED: -inf where key j is not admissible for query i. A key block wholly before the query block (every
+    j < every i) needs no mask and holds no diagonal: the kernels visit those blocks with MASKED=False, which
+    skips the comparisons and selects that dominate the tile's non-matmul work.
+    """
     s = qk * scale
     i = offs_m[:, None]
     j = offs_n[None, :]
     if HAS_ALIBI:  # linear distance penalty, one slope per head
         s -= slope * tl.abs(i - j).to(tl.float32)
-    if HAS_SELF:  # self-affinity on the diagonal only
-        s += tl.where(i == j, self_b, 0.0)
     if HAS_KB:  # per-key additive bias, e.g. -||k_j||^2 / (2T) turning dot products into l2 distances
         s += kb[None, :]
-    if STRICT:
-        valid = j < i
-    else:
-        valid = j <= i
-    valid = valid & (i < T) & (j < T)
-    return tl.where(valid, s, float("-inf"))
+    if MASKED:
+        if HAS_SELF:  # self-affinity on the diagonal only
+            s += tl.where(i == j, self_b, 0.0)
+        if STRICT:
+            valid = j < i
+        else:
+            valid = j <= i
+        valid = valid & (i < T) & (j < T)
+        s = tl.where(valid, s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -111,66 +126,80 @@ def _fwd_kernel(
         mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
         other=0.0,
     )
+    # scores in log2 units: every score term times log2(e), so that exp(x) is exp2 of it (no extra multiply)
+    qk_scale = scale * 1.4426950408889634
     slope = 0.0
     self_b = 0.0
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
+        slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
-        self_b = tl.load(SELF_B + h).to(tl.float32)
+        self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if SECOND:
         u = tl.load(
             U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
             mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
             other=0.0,
         )
-        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=0.0)
+        # padded rows get lse = inf, hence p = 0, also where their scores are not masked
+        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp(s - m_i)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # causality: no key after the last query of this block contributes
-    hi = tl.minimum(T, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(
-            K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
-            mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
-            other=0.0,
-        )
-        v = tl.load(
-            V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
-            other=0.0,
-        )
-        kb = 0.0
-        if HAS_KB:
-            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
-        if SECOND:
-            p = tl.exp(s - lse[:, None])  # exact softmax weights; masked entries are exp(-inf) = 0
-            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # w_ij = u_i . v_j
-            acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+    # Causality: no key after the last query of this block contributes. The key blocks wholly before this
+    # query block (masked = 0) need no mask; the diagonal crosses the rest (masked = 1).
+    diagonal = (start_m // BLOCK_N) * BLOCK_N
+    for masked in tl.static_range(2):
+        if masked:
+            lo = diagonal
+            hi = tl.minimum(T, start_m + BLOCK_M)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row that has seen no admissible key yet has m = -inf; shift by 0 there so that
-            # exp(-inf - (-inf)) never produces NaN (its p and alpha are then exactly 0)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)  # rescales what was accumulated under the old max
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            lo = 0
+            hi = diagonal
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < T
+            k = tl.load(
+                K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+                mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+                other=0.0,
+            )
+            v = tl.load(
+                V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+                mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+                other=0.0,
+            )
+            kb = 0.0
+            if HAS_KB:
+                kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
+            if SECOND:
+                p = tl.exp2(s - lse[:, None])  # exact softmax weights; masked entries are exp2(-inf) = 0
+                w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # w_ij = u_i . v_j
+                acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # a row that has seen no admissible key yet has m = -inf; shift by 0 there so that
+                # exp2(-inf - (-inf)) never produces NaN (its p and alpha are then exactly 0)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated under the old max
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+                m_i = m_new
 
     if SECOND:
         out = acc
     else:
-        # rows with no admissible key (strict row 0): o = 0, lse = 0 (finite by convention)
+        # rows with no admissible key (strict row 0): o = 0, lse = 0 (finite by convention); lse is stored in
+        # natural units, (m + log2 l) ln 2
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
-        tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, m_i + tl.log(l_safe)), mask=row_ok)
+        lse_out = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+        tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, lse_out), mask=row_ok)
     tl.store(
         O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
         out.to(O.dtype.element_ty),
@@ -236,64 +265,77 @@ def _bwd_dkdv_kernel(
         mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
         other=0.0,
     )
+    qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
     kb = 0.0
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
+        slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
-        self_b = tl.load(SELF_B + h).to(tl.float32)
+        self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if HAS_KB:
-        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dkb = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij
     ddiag = tl.zeros([BLOCK_N], tl.float32)  # dS_jj
     ddist = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij |i - j|
-    # causality: queries before the block holding key start_n never see these keys
-    lo = (start_n // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, T, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < T
-        q = tl.load(
-            Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
-            mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
-            other=0.0,
-        )
-        do = tl.load(
-            DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
-            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
-            other=0.0,
-        )
-        lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
-        p = tl.exp(s - lse[:, None])  # recomputed softmax, 0 outside the mask
-        if SECOND:
-            u = tl.load(
-                U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+    # Causality: queries before the block holding key start_n never see these keys. The query blocks wholly
+    # after this key block (masked = 0) need no mask; the diagonal crosses the ones before them (masked = 1).
+    first = (start_n // BLOCK_M) * BLOCK_M
+    past = tl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+    for masked in tl.static_range(2):
+        if masked:
+            lo = first
+            hi = past
+        else:
+            lo = past
+            hi = T
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < T
+            q = tl.load(
+                Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+                other=0.0,
+            )
+            do = tl.load(
+                DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
                 other=0.0,
             )
-            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # u_i . v_j
-            g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dr_i . v_j
-            dp = w * g
-            # v_j enters r_i twice, (u_i . v_j) v_j: dV_j = sum_i p_ij [(u_i . v_j) dr_i + (dr_i . v_j) u_i]
-            dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
-            dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
-        else:
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dO_i . v_j
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])  # softmax Jacobian applied to dP
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
-        if NEED_KB:
-            dkb += tl.sum(ds, 0)
-        if NEED_SELF:
-            ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
-        if NEED_ALIBI:
-            ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+            # padded rows: lse = inf gives p = 0 where the scores are not masked
+            lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
+            p = tl.exp2(s - lse[:, None])  # recomputed softmax, 0 outside the mask
+            if SECOND:
+                u = tl.load(
+                    U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                    mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+                    other=0.0,
+                )
+                w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # u_i . v_j
+                g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dr_i . v_j
+                dp = w * g
+                # v_j enters r_i twice, (u_i . v_j) v_j: dV_j = sum_i p_ij [(u_i . v_j) dr_i + (dr_i . v_j) u_i]
+                dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
+                dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+            else:
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dO_i . v_j
+                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])  # softmax Jacobian applied to dP
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+            if NEED_KB:
+                dkb += tl.sum(ds, 0)
+            if NEED_SELF:
+                if masked:  # the diagonal lies in the masked blocks only
+                    ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+            if NEED_ALIBI:
+                ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
 
     dk = dk * scale
     tl.store(
@@ -365,14 +407,16 @@ def _bwd_dq_kernel(
         mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
         other=0.0,
     )
-    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+    # log2 units, as in _fwd_kernel; padded rows get lse = inf, hence p = 0
+    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    qk_scale = scale * 1.4426950408889634
     slope = 0.0
     self_b = 0.0
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
+        slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
-        self_b = tl.load(SELF_B + h).to(tl.float32)
+        self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if SECOND:
         u = tl.load(
             U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
@@ -382,35 +426,43 @@ def _bwd_dq_kernel(
         du = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    hi = tl.minimum(T, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(
-            K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
-            mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
-            other=0.0,
-        )
-        v = tl.load(
-            V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
-            other=0.0,
-        )
-        kb = 0.0
-        if HAS_KB:
-            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
-        p = tl.exp(s - lse[:, None])
-        if SECOND:
-            w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)
-            g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            dp = w * g
-            du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+    diagonal = (start_m // BLOCK_N) * BLOCK_N  # the key blocks before it need no mask, as in _fwd_kernel
+    for masked in tl.static_range(2):
+        if masked:
+            lo = diagonal
+            hi = tl.minimum(T, start_m + BLOCK_M)
         else:
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            lo = 0
+            hi = diagonal
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < T
+            k = tl.load(
+                K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+                mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
+                other=0.0,
+            )
+            v = tl.load(
+                V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+                mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+                other=0.0,
+            )
+            kb = 0.0
+            if HAS_KB:
+                kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
+            p = tl.exp2(s - lse[:, None])
+            if SECOND:
+                w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)
+                g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+                dp = w * g
+                du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+            else:
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
     dq = dq * scale
     tl.store(

@@ -91,40 +91,50 @@ def _fwd_wide_kernel(
     offs_dv = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     dv_ok = offs_dv < D_V
+    qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
+        slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
-        self_b = tl.load(SELF_B + h).to(tl.float32)
+        self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if SECOND:
-        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=0.0)
+        lse = tl.load(LSE_IN + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(T, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        v = tl.load(Vh + offs_n[:, None] * D_V + offs_dv[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
-        kb = 0.0
-        if HAS_KB:
-            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-        qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
-        if SECOND:
-            p = tl.exp(s - lse[:, None])
-            w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-            acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+    diagonal = (start_m // BLOCK_N) * BLOCK_N  # unmasked key blocks before it, as in _fwd_kernel
+    for masked in tl.static_range(2):
+        if masked:
+            lo = diagonal
+            hi = tl.minimum(T, start_m + BLOCK_M)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _fwd_kernel
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            lo = 0
+            hi = diagonal
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < T
+            v = tl.load(Vh + offs_n[:, None] * D_V + offs_dv[None, :], mask=col_ok[:, None] & dv_ok[None, :],
+                        other=0.0)
+            kb = 0.0
+            if HAS_KB:
+                kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
+            if SECOND:
+                p = tl.exp2(s - lse[:, None])
+                w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # see _fwd_kernel
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+                m_i = m_new
 
     if SECOND:
         out = acc
@@ -133,7 +143,8 @@ def _fwd_wide_kernel(
         l_safe = tl.where(empty, 1.0, l_i)
         out = acc / l_safe[:, None]
         if tile == 0:
-            tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, m_i + tl.log(l_safe)), mask=row_ok)
+            lse_out = (m_i + tl.log2(l_safe)) * 0.6931471805599453
+            tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, lse_out), mask=row_ok)
     tl.store(
         O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
         out.to(O.dtype.element_ty),
@@ -192,50 +203,65 @@ def _bwd_dkdv_wide_kernel(
     col_ok = offs_n < T
     dk_ok = offs_d < D_QK
     dv_ok = offs_d < D_V
+    qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
     kb = 0.0
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
+        slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
-        self_b = tl.load(SELF_B + h).to(tl.float32)
+        self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if HAS_KB:
-        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
+        kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dkb = tl.zeros([BLOCK_N], tl.float32)
     ddiag = tl.zeros([BLOCK_N], tl.float32)
     ddist = tl.zeros([BLOCK_N], tl.float32)
-    lo = (start_n // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, T, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < T
-        q = tl.load(Qh + offs_m[:, None] * D_QK + offs_d[None, :], mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-        do = tl.load(DOh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-        lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
-        qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
-        p = tl.exp(s - lse[:, None])
-        g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-        if SECOND:
-            u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-            w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-            dp = w * g
-            dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
-            dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+    # unmasked query blocks wholly after the keys, then the masked ones the diagonal crosses (_bwd_dkdv_kernel)
+    first = (start_n // BLOCK_M) * BLOCK_M
+    past = tl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+    for masked in tl.static_range(2):
+        if masked:
+            lo = first
+            hi = past
         else:
-            dp = g
-            dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
-        if NEED_KB:
-            dkb += tl.sum(ds, 0)
-        if NEED_SELF:
-            ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
-        if NEED_ALIBI:
-            ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+            lo = past
+            hi = T
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < T
+            q = tl.load(Qh + offs_m[:, None] * D_QK + offs_d[None, :], mask=row_ok[:, None] & dk_ok[None, :],
+                        other=0.0)
+            do = tl.load(DOh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :],
+                         other=0.0)
+            lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+            qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
+            p = tl.exp2(s - lse[:, None])
+            g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            if SECOND:
+                u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :],
+                            other=0.0)
+                w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                dp = w * g
+                dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
+                dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+            else:
+                dp = g
+                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+            if NEED_KB:
+                dkb += tl.sum(ds, 0)
+            if NEED_SELF:
+                if masked:
+                    ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+            if NEED_ALIBI:
+                ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
 
     tl.store(
         DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_d[None, :],
@@ -298,39 +324,50 @@ def _bwd_dq_wide_kernel(
     row_ok = offs_m < T
     dk_ok = offs_d < D_QK
     dv_ok = offs_d < D_V
-    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
     if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
+        slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
-        self_b = tl.load(SELF_B + h).to(tl.float32)
+        self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if SECOND:
         du = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(T, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < T
-        k = tl.load(Kh + offs_n[:, None] * D_QK + offs_d[None, :], mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
-        kb = 0.0
-        if HAS_KB:
-            kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32)
-        qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-        s = _scores(qk, offs_m, offs_n, T, scale, slope, self_b, kb, STRICT, HAS_ALIBI, HAS_SELF, HAS_KB)
-        p = tl.exp(s - lse[:, None])
-        g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-        if SECOND:
-            w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
-            dp = w * g
-            v = tl.load(Vh + offs_n[:, None] * D_V + offs_d[None, :], mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
-            du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+    diagonal = (start_m // BLOCK_N) * BLOCK_N  # unmasked key blocks before it, as in _fwd_kernel
+    for masked in tl.static_range(2):
+        if masked:
+            lo = diagonal
+            hi = tl.minimum(T, start_m + BLOCK_M)
         else:
-            dp = g
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            lo = 0
+            hi = diagonal
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < T
+            k = tl.load(Kh + offs_n[:, None] * D_QK + offs_d[None, :], mask=col_ok[:, None] & dk_ok[None, :],
+                        other=0.0)
+            kb = 0.0
+            if HAS_KB:
+                kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
+            p = tl.exp2(s - lse[:, None])
+            g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            if SECOND:
+                w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                dp = w * g
+                v = tl.load(Vh + offs_n[:, None] * D_V + offs_d[None, :], mask=col_ok[:, None] & dv_ok[None, :],
+                            other=0.0)
+                du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+            else:
+                dp = g
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
     tl.store(
         DQ + bh * T * D_QK + offs_m[:, None] * D_QK + offs_d[None, :],
