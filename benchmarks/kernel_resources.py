@@ -13,7 +13,7 @@ Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) an
 CEM's terms, first and second order. bf16 inputs. The numbers come from this machine's Triton and ptxas; a
 GPU machine with another Triton may allocate a little differently.
 
-    python benchmarks/kernel_resources.py                # the table (about 2 min on 2 cores)
+    python benchmarks/kernel_resources.py                # the table (3-5 min on 2 cores)
     python benchmarks/kernel_resources.py --check        # exit 1 if a kernel variant has no spill-free config
     python benchmarks/kernel_resources.py --json out.json --jobs 4
 """

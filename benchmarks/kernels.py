@@ -276,8 +276,10 @@ def interpret_smoke(families: list[str], json_path: str | None) -> int:
         "gradients (grad). No timings: the interpreter says nothing about speed."
     )
     all_rows: list[dict[str, Any]] = []
+    notes: list[str] = []  # peers left out entirely (e.g. fla, CUDA only), not rows
     for fam in families:
         cases, note = build_cases(fam, SMOKE[fam], cuda=False)
+        notes += [note] if note else []
         rows = [r for c in cases for r in _smoke_case(c)]
         all_rows += rows
         table = [
@@ -299,7 +301,7 @@ def interpret_smoke(families: list[str], json_path: str | None) -> int:
     not_run = len(all_rows) - len(failed) - len(checked)
     print(
         f"interpret smoke: {len(checked)} implementation checks ok, {len(failed)} failed, "
-        f"{not_run} not run on the CPU (CUDA only)"
+        f"{not_run} not run on the CPU (CUDA only)" + "".join(f"; {n}" for n in notes)
     )
     if json_path:
         _write_json(json_path, {"meta": _meta(cuda=False), "mode": "interpret-smoke", "results": all_rows})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import html
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -135,10 +136,10 @@ class Derived:
             lines.append(f"{'steps':>16}  {spec.optimizer.steps} × {spec.optimizer.kind}")
             return "\n".join(lines)
         if fmt == "mathml":
-            parts = [f"<p>{header}</p>"]
+            parts = [f"<p>{html.escape(header)}</p>"]
             for label, lhs, e in rows:
-                parts.append(f"<p>{label}</p>" + mathml_block(f"<mrow><mi>{lhs}</mi><mo>=</mo>{show(e, 'mathml', rel)}"
-                                                              f"</mrow>"))
+                parts.append(f"<p>{html.escape(label)}</p>" + mathml_block(
+                    f"<mrow><mi>{html.escape(lhs)}</mi><mo>=</mo>{show(e, 'mathml', rel)}</mrow>"))
             return "\n".join(parts)
         lines = []
         if fmt == "markdown":

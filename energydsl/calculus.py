@@ -67,69 +67,86 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
     if f.shape:
         raise ShapeError("the energy must be a scalar")
     parts: list[Expr] = []
+    mentions: dict[int, bool] = {}  # id(node) -> whether `wrt` occurs in it (nodes live through the call)
 
-    def visit(e: Expr, g: Expr) -> None:
-        if is_zero(g):
+    def depends(e: Expr) -> bool:
+        if id(e) not in mentions:
+            own = isinstance(e, Var) and e.name == wrt.name and e.role == wrt.role
+            mentions[id(e)] = own or any(depends(c) for c in e.children)
+        return mentions[id(e)]
+
+    def visit(e: Expr, g: Expr, bound: frozenset[str] = frozenset()) -> None:
+        """Push the cotangent `g` of `e` to the leaves; `bound`: the indices of the reductions around `e`.
+
+        Subtrees without `wrt` are skipped: they contribute nothing, and may hold constructs with no
+        derivative rule (a `diag(a)` or `max[j]` of parameters only)."""
+        if is_zero(g) or not depends(e):
             return
         match e:
             case Var():
                 if e.name == wrt.name and e.role == wrt.role:
+                    # A reduction's body contributes once per term. A contribution that varies with the
+                    # index is summed over it below; one that does not (a term of sum[j](... + c z . z)
+                    # without j) is the same for every term: |j| times it.
+                    for idx in sorted(bound - g.free - keep - wrt.free):
+                        g = mul(Count(idx), g)
                     parts.append(g)
             case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Index():
                 return
             case Let():
-                visit(e.body, g)
+                visit(e.body, g, bound)
             case Add():
                 for t in e.terms:
-                    visit(t, _unbroadcast(g, t))
+                    visit(t, _unbroadcast(g, t), bound)
             case Mul():
                 for i, fac in enumerate(e.factors):
                     others = mul(*(o for j, o in enumerate(e.factors) if j != i))
-                    visit(fac, _unbroadcast(mul(g, others), fac))
+                    visit(fac, _unbroadcast(mul(g, others), fac), bound)
             case Pow():
-                visit(e.base, mul(g, scalar(e.exponent), power(e.base, e.exponent - 1)))
+                visit(e.base, mul(g, scalar(e.exponent), power(e.base, e.exponent - 1)), bound)
             case MatMul():
                 a, b = e.a, e.b
                 if len(a.shape) == 2 and len(b.shape) == 1:
-                    visit(b, matmul(transpose(a), g))
-                    visit(a, outer(g, b))
+                    visit(b, matmul(transpose(a), g), bound)
+                    visit(a, outer(g, b), bound)
                 elif len(a.shape) == 1 and len(b.shape) == 2:
-                    visit(a, matmul(b, g))
-                    visit(b, outer(a, g))
+                    visit(a, matmul(b, g), bound)
+                    visit(b, outer(a, g), bound)
                 else:
-                    visit(a, matmul(g, transpose(b)))
-                    visit(b, matmul(transpose(a), g))
+                    visit(a, matmul(g, transpose(b)), bound)
+                    visit(b, matmul(transpose(a), g), bound)
             case Dot():
-                visit(e.a, mul(g, e.b))
-                visit(e.b, mul(g, e.a))
+                visit(e.a, mul(g, e.b), bound)
+                visit(e.b, mul(g, e.a), bound)
             case Outer():
-                visit(e.a, matmul(g, e.b))
-                visit(e.b, matmul(transpose(g), e.a))
+                visit(e.a, matmul(g, e.b), bound)
+                visit(e.b, matmul(transpose(g), e.a), bound)
             case Transpose():
-                visit(e.a, transpose(g))
+                visit(e.a, transpose(g), bound)
             case Func():
-                visit(e.arg, mul(g, func(derivative(e.name), e.arg)))
+                visit(e.arg, mul(g, func(derivative(e.name), e.arg)), bound)
             case SumAll():
-                visit(e.a, mul(g, Ones(e.a.shape)))
+                visit(e.a, mul(g, Ones(e.a.shape)), bound)
             case Diag():
                 raise NotDifferentiable("diag(v) is differentiable only as `diag(v) @ x`")
             case Reduce():
+                inner = bound | {e.index}
                 if e.op == "sum":
-                    visit(e.body, g)
+                    visit(e.body, g, inner)
                 elif e.op == "mean":
-                    visit(e.body, mul(g, power(Count(e.index), -1)))
+                    visit(e.body, mul(g, power(Count(e.index, at_least_one=True), -1)), inner)
                 elif e.op == "logsumexp":
                     if e.body.shape:
                         raise ShapeError("logsumexp needs a scalar body")
-                    visit(e.body, mul(g, Softmax(e.index, e.body)))
+                    visit(e.body, mul(g, Softmax(e.index, e.body)), inner)
                 elif e.op == "prod":
-                    visit(e.body, mul(g, e, power(e.body, -1)))
+                    visit(e.body, mul(g, e, power(e.body, -1)), inner)
                 else:
                     raise NotDifferentiable(f"`{e.op}[{e.index}]` has no gradient; use logsumexp as a smooth max")
             case Softmax():
                 # d p_j = p_j (ds_j - Σ_l p_l ds_l): the cotangent of s is p ∘ (g - Σ p g)
                 p = e
-                visit(e.body, mul(p, add(g, mul(scalar(-1), reduce("sum", e.index, mul(p, g))))))
+                visit(e.body, mul(p, add(g, mul(scalar(-1), reduce("sum", e.index, mul(p, g))))), bound)
             case Inverse():
                 raise NotDifferentiable("matrix inverse inside an energy")
             case _:

@@ -14,6 +14,7 @@ Checks, per energy:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -22,8 +23,7 @@ import torch
 
 from . import ir, sympy_instance
 from .calculus import directional, substitute_var, untie
-from .evaluate import evaluate
-from .instance import Instance, eval_tokens, make_env, random_instance, run_program
+from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
 from .optimizers import UpdateProgram
 
 TOL = 1e-9
@@ -44,6 +44,68 @@ class CheckResult:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / (b.abs().max() + 1e-12)) if a.numel() else 0.0
+
+
+def _abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def _non_finite(t: torch.Tensor) -> str | None:
+    """Where `t` (laid out (B, T, ...) for per-token values) first holds NaN or ±inf, or None."""
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return None
+    flat = int(bad.reshape(-1).nonzero()[0, 0])
+    kind = "NaN" if bool(t.reshape(-1)[flat].isnan()) else "infinite"
+    if t.dim() < 2:
+        return kind
+    b, tok = divmod(flat // max(1, t[0, 0].numel()), t.shape[1])
+    return f"{kind} at token {tok} (batch {b})"
+
+
+@dataclass
+class _Worst:
+    """The worst error over several comparisons, in which a non-finite value fails instead of vanishing.
+
+    A running `max(worst, err)` drops NaN (`max(0.0, nan)` is 0.0), which reported a NaN gradient or
+    update as a perfect match. Every comparison goes through `add` instead, which keeps the first
+    non-finite value and says on which side (derived or reference) it was.
+    """
+
+    derived: str  # the derived side in messages, e.g. "the derived ∇F"
+    reference: str  # the side it is checked against, e.g. "autograd's ∇F"
+    error: float = 0.0
+    not_finite: str | None = None  # e.g. "the derived ∇F is NaN at token 2 (batch 0), seed 1"
+
+    def add(self, derived: torch.Tensor, reference: torch.Tensor, seed: int | None = None,
+            metric=_rel) -> bool:
+        """Record one comparison; True when it is the worst so far (worth a counterexample)."""
+        if self.not_finite is not None:
+            return False
+        for side, t in ((self.derived, derived), (self.reference, reference)):
+            where = _non_finite(t)
+            if where is not None:
+                self.not_finite = f"{side} is {where}" + ("" if seed is None else f", seed {seed}")
+                return True
+        err = metric(derived, reference)
+        if not math.isfinite(err):  # finite sides whose difference overflows
+            err = math.inf
+        if err > self.error:
+            self.error = err
+            return True
+        return False
+
+    def passed(self, tol: float) -> bool:
+        """Every value finite and the worst error below `tol` (`tol = 0` demands exact equality)."""
+        if self.not_finite is not None:
+            return False
+        return self.error == 0.0 if tol == 0.0 else self.error < tol
+
+    def result(self, name: str, tol: float, detail: str) -> CheckResult:
+        """ok/fail with `detail`, or a failure naming the quantity that was not finite."""
+        if self.not_finite is not None:
+            return CheckResult(name, "fail", f"not finite: {self.not_finite}", None)
+        return CheckResult(name, "ok" if self.passed(tol) else "fail", detail, self.error)
 
 
 def _point_value(prog: UpdateProgram, inst: Instance, x: torch.Tensor) -> torch.Tensor:
@@ -68,16 +130,15 @@ def _autograd_gradient(prog: UpdateProgram, inst: Instance, at: torch.Tensor) ->
 
 
 def check_gradient(prog: UpdateProgram) -> CheckResult:
-    worst = 0.0
+    worst = _Worst("the derived ∇F", "autograd's ∇F")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
         at = _point_value(prog, inst, inst.x)
         g_auto = _autograd_gradient(prog, inst, at)
         g_derived = eval_tokens(prog.spec, prog.gradient, inst, {prog.point.name: at})
-        worst = max(worst, _rel(g_derived, g_auto))
-    ok = worst < TOL
-    return CheckResult("gradient", "ok" if ok else "fail",
-                       f"derived ∇F = autograd, {len(SEEDS)} seeds (rel. error {worst:.1e})", worst)
+        worst.add(g_derived, g_auto, seed)
+    return worst.result("gradient", TOL, f"derived ∇F = autograd, {len(SEEDS)} seeds "
+                        f"(rel. error {worst.error:.1e})")
 
 
 def check_sympy(prog: UpdateProgram) -> CheckResult:
@@ -108,10 +169,9 @@ def check_sympy(prog: UpdateProgram) -> CheckResult:
             tensors.pop(spec.input.name).reshape((1, 1) + shape).expand(1, seq, *shape)
     inst = Instance(tensors, scal, x, ctx, inp, seq)
     derived = eval_tokens(spec, prog.gradient, inst, {prog.point.name: x})[0, info["position"]].reshape(-1)
-    err = _rel(derived, torch.tensor(grads, dtype=dt))
-    ok = err < 1e-8
-    return CheckResult("sympy", "ok" if ok else "fail",
-                       f"sympy.diff of an explicit instance agrees (rel. error {err:.1e})", err)
+    worst = _Worst("the derived ∇F", "sympy.diff's ∇F")
+    worst.add(derived, torch.tensor(grads, dtype=dt))
+    return worst.result("sympy", 1e-8, f"sympy.diff of an explicit instance agrees (rel. error {worst.error:.1e})")
 
 
 def _to_tensor(v) -> torch.Tensor:
@@ -128,7 +188,7 @@ def _to_tensor(v) -> torch.Tensor:
 def check_hessian(prog: UpdateProgram) -> CheckResult | None:
     if prog.spec.optimizer.kind != "newton":
         return None
-    worst = 0.0
+    worst = _Worst("the derived Hessian-vector product", "autograd's double backward")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
         at = _point_value(prog, inst, inst.x)
@@ -138,16 +198,14 @@ def check_hessian(prog: UpdateProgram) -> CheckResult | None:
         vvar = ir.Var(vname, "input", prog.point.shape)
         hv_expr = directional(prog.gradient, prog.point, vvar)
         inst.params[vname] = v
-        env = make_env(prog.spec, inst, {prog.point.name: at})
-        env.tensors[vname] = v
-        hv = evaluate(hv_expr, env).tensor.expand_as(at)
+        hv = evaluate_on(prog.spec, hv_expr, inst, {prog.point.name: at, vname: v}).tensor.expand_as(at)
         p = at.clone().requires_grad_(True)
         f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
         (gr,) = torch.autograd.grad(f.sum(), p, create_graph=True)
         (hv_auto,) = torch.autograd.grad((gr * v).sum(), p)
-        worst = max(worst, _rel(hv, hv_auto))
-    return CheckResult("hessian", "ok" if worst < TOL else "fail",
-                       f"Hessian-vector products = autograd double backward (rel. error {worst:.1e})", worst)
+        worst.add(hv, hv_auto, seed)
+    return worst.result("hessian", TOL, f"Hessian-vector products = autograd double backward "
+                        f"(rel. error {worst.error:.1e})")
 
 
 def check_update(prog: UpdateProgram) -> CheckResult:
@@ -158,7 +216,7 @@ def check_update(prog: UpdateProgram) -> CheckResult:
         parts = [p for p, on in (("newton", opt.kind == "newton"), ("preconditioner", opt.precondition)) if on]
         return CheckResult("update", "skip", "the " + " and ".join(parts) + " step is covered by the gradient, "
                            "hessian and definite checks, not by an autograd replay")
-    worst = 0.0
+    worst = _Worst("the derived update", "the optimizer replayed on autograd gradients")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
         eta = float(_scalar(inst, opt.hyper["eta"].symbol))
@@ -172,10 +230,9 @@ def check_update(prog: UpdateProgram) -> CheckResult:
                 at = x - beta * m if opt.kind == "nag" else x
                 m = beta * m + _autograd_gradient(prog, inst, _point_value(prog, inst, at))
                 x = x - eta * m
-        worst = max(worst, _rel(run_program(prog, inst, tied=True), x))
-    return CheckResult("update", "ok" if worst < TOL else "fail",
-                       f"{opt.kind} × {opt.steps} step(s) on autograd gradients = derived program "
-                       f"(rel. error {worst:.1e})", worst)
+        worst.add(run_program(prog, inst, tied=True), x, seed)
+    return worst.result("update", TOL, f"{opt.kind} × {opt.steps} step(s) on autograd gradients = derived program "
+                        f"(rel. error {worst.error:.1e})")
 
 
 def _scalar(inst: Instance, sym) -> float:
@@ -190,7 +247,7 @@ def check_causality(prog: UpdateProgram) -> CheckResult | None:
     info = spec.indices[spec.context.index]
     inst = random_instance(prog, seed=3, seq=6)
     base = run_program(prog, inst, tied=True)
-    worst = 0.0
+    worst = _Worst("the update with later context tokens moved", "the update")
     for cut in range(1, inst.seq_len):
         moved = Instance(inst.params, inst.scalars, inst.x, inst.context.clone(), inst.input, inst.seq_len)
         moved.context[:, cut:] += 1.0
@@ -201,29 +258,27 @@ def check_causality(prog: UpdateProgram) -> CheckResult | None:
         upto = cut + 1 if info.strict else cut
         if spec.input is not None and spec.input.name == spec.context.name:
             upto = cut  # token `cut` itself changed its own input
-        worst = max(worst, float((out[:, :upto] - base[:, :upto]).abs().max()))
+        worst.add(out[:, :upto], base[:, :upto], metric=_abs)
     rel = "j < i" if info.strict else "j <= i"
-    ok = worst == 0.0
-    return CheckResult("causality", "ok" if ok else "fail",
-                       f"token i ignores context outside {rel}" + ("" if ok else f" (leak {worst:.1e})"), worst)
+    leak = "" if worst.error == 0.0 else f" (leak {worst.error:.1e})"
+    return worst.result("causality", 0.0, f"token i ignores context outside {rel}{leak}")
 
 
 def check_descent(prog: UpdateProgram) -> CheckResult:
     spec = prog.spec
     inst = random_instance(prog, seed=4)
-    energy = spec.energy if prog.point is not spec.state else _energy_at_point(prog)
+    # the step is applied to x, so descent is judged on F as a function of x: under `via` (with or
+    # without `wrt u`) that is F(N(x)), never the spec's F(u), which the state's value cannot bind
+    energy = _energy_of_state(prog)
     at = _point_value(prog, inst, inst.x)
-    f0 = eval_tokens(spec, energy, inst, {prog.point.name: at})
-    g = _autograd_gradient(prog, inst, at)
     d = eval_tokens(spec, prog.tied_direction, inst, {spec.state.name: inst.x})
-    if prog.point is not spec.state:
-        # under `wrt u` the step is applied to x; descent is judged on F(N(x)) along −D
-        energy = _energy_at_point_state(prog)
-        f0 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x})
+    f0 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x})
     eps = 1e-6
-    x1 = inst.x - eps * d
-    f1 = eval_tokens(spec, energy if prog.point is not spec.state else spec.energy, inst,
-                     {prog.point.name: x1} if prog.point is spec.state else {spec.state.name: x1})
+    f1 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x - eps * d})
+    for what, t in (("the update direction", d), ("F", f0), ("F after a small step", f1)):
+        where = _non_finite(t)
+        if where is not None:
+            return CheckResult("descent", "fail", f"not finite: {what} is {where}")
     decreased = bool(((f1 - f0) <= 1e-14).all())
     # curvature along random directions: all negative = concave, unbounded below
     curv = []
@@ -237,7 +292,6 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
             continue
         (hv,) = torch.autograd.grad((gr * v).sum(), p, allow_unused=True)
         curv.append(0.0 if hv is None else float((hv * v).sum()))
-    del g
     opt = spec.optimizer
     if not decreased and (opt.precondition in ("dplr", "full") or opt.kind == "newton"):
         why = f"the {opt.precondition} preconditioner is not positive-definite by construction" \
@@ -252,8 +306,11 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
 
 
-def _energy_at_point_state(prog: UpdateProgram) -> ir.Expr:
+def _energy_of_state(prog: UpdateProgram) -> ir.Expr:
+    """F as a function of the state: `u` replaced by N(x) under `via`, as `build_program` does without `wrt u`."""
     spec = prog.spec
+    if spec.via is None:
+        return spec.energy
     return substitute_var(spec.energy, spec.via[0].name, spec.via[0].role, spec.via[1])
 
 
@@ -270,8 +327,10 @@ def check_definite(prog: UpdateProgram) -> CheckResult | None:
     worst_min = float("inf")
     for seed in range(8):
         inst = random_instance(prog, seed=seed, scale=1.5)
-        env = make_env(spec, inst, {spec.state.name: inst.x})
-        mat = evaluate(prog.preconditioner, env).tensor
+        mat = evaluate_on(spec, prog.preconditioner, inst, {spec.state.name: inst.x}).tensor
+        where = _non_finite(mat)
+        if where is not None:
+            return CheckResult("definite", "fail", f"not finite: the {kind} preconditioner is {where}, seed {seed}")
         mat = mat.reshape(-1, mat.shape[-2], mat.shape[-1])
         eig = torch.linalg.eigvalsh((mat + mat.transpose(-1, -2)) / 2)
         worst_min = min(worst_min, float(eig.min()))
@@ -291,7 +350,7 @@ def check_tying(prog: UpdateProgram) -> CheckResult | None:
     if not spec.untie_rules:
         return None
     untied_full, _ = untie(prog.tied_direction, spec.untie_rules)
-    worst = 0.0
+    worst = _Worst("the untied update", "the tied update")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
         tensors = {spec.state.name: inst.x}
@@ -301,25 +360,23 @@ def check_tying(prog: UpdateProgram) -> CheckResult | None:
             while isinstance(base, ir.Index):
                 idx.insert(0, base.index)
                 base = base.base
-            env = make_env(spec, inst, tensors)
-            val = evaluate(pattern, env)
+            val = evaluate_on(spec, pattern, inst, tensors)
             t = val.tensor[0, 0]
             order = [val.idx.index(i) for i in idx]
             t = t.permute(*order, *range(len(val.idx), t.dim())) if idx else t
             inst.params[base.name] = t
         tied = eval_tokens(spec, prog.tied_direction, inst, tensors)
         untied = eval_tokens(spec, untied_full, inst, tensors)
-        worst = max(worst, _rel(untied, tied))
-    return CheckResult("tying", "ok" if worst < TOL else "fail",
-                       f"untie reproduces the tied update with the new params at the tied values "
-                       f"({prog.untie_hits} replacements, rel. error {worst:.1e})", worst)
+        worst.add(untied, tied, seed)
+    return worst.result("tying", TOL, f"untie reproduces the tied update with the new params at the tied values "
+                        f"({prog.untie_hits} replacements, rel. error {worst.error:.1e})")
 
 
 def check_expect(prog: UpdateProgram) -> list[CheckResult]:
     spec = prog.spec
     out = []
     for what, (expr, span) in spec.expects.items():
-        worst, where = 0.0, None
+        worst, where = _Worst(f"the derived {what}", f"the expected {what}"), None
         for seed in SEEDS + (5, 6):
             inst = random_instance(prog, seed=seed)
             if what == "update":
@@ -332,21 +389,22 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
             if spec.via is not None:
                 at[spec.via[0].name] = _point_value(prog, inst, inst.x) if prog.point is not spec.state else \
                     eval_tokens(spec, spec.via[1], inst, {spec.state.name: inst.x})
-            expected = eval_tokens(spec, expr, inst, at)
-            err = _rel(derived, expected.expand_as(derived))
-            if err > worst:
-                worst = err
+            expected = eval_tokens(spec, expr, inst, at).expand_as(derived)
+            if worst.add(derived, expected, seed) and worst.not_finite is None:
                 flat = (derived - expected).abs().reshape(derived.shape[0], derived.shape[1], -1).amax(-1)
                 b, t = divmod(int(flat.argmax()), derived.shape[1])
                 where = (seed, b, t, derived[b, t].reshape(-1)[:4].tolist(), expected[b, t].reshape(-1)[:4].tolist())
-        if worst < 1e-8:
+        if worst.not_finite is not None:
+            out.append(CheckResult("expect", "fail", f"`expect {what}` at {span}: not finite: {worst.not_finite}",
+                                   None))
+        elif worst.passed(1e-8):
             out.append(CheckResult("expect", "ok", f"`expect {what}` holds on {len(SEEDS) + 2} random instances "
-                                   f"(rel. error {worst:.1e})", worst))
+                                   f"(rel. error {worst.error:.1e})", worst.error))
         else:
             seed, b, t, got, exp = where
             out.append(CheckResult("expect", "fail", f"`expect {what}` is refuted at {span}: seed {seed}, token "
                                    f"{t}: derived {[round(v, 6) for v in got]} vs expected "
-                                   f"{[round(v, 6) for v in exp]} (rel. error {worst:.1e})", worst))
+                                   f"{[round(v, 6) for v in exp]} (rel. error {worst.error:.1e})", worst.error))
     return out
 
 

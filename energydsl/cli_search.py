@@ -169,7 +169,8 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
             raise UserError(f"no study {study!r} under runs/ (looked for {storage})",
                             hint="give the storage with --storage, or the journal file itself")
         return str(Path(storage).resolve()), name or study
-    if "://" not in storage and not Path(storage).exists():
+    local = storage.removeprefix("sqlite:///") if storage.startswith("sqlite:///") else storage
+    if "://" not in local and not Path(local).exists():  # opening a missing file would create an empty one
         raise UserError(f"no study storage at {storage}")
     wanted = name or study
     if wanted:

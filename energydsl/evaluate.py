@@ -145,6 +145,8 @@ def _eval(e: Expr, env: Env) -> Value:
                 n = float(sympy_to_torch(info.size, env.scalars))
                 return Value(torch.full((1, 1), n, dtype=dtype, device=device), ())
             c = context_mask(env, e.index, device).sum(-1).to(dtype)
+            if e.at_least_one:
+                c = c.clamp(min=1)
             return Value(c.reshape(1, -1), ())
         case Add() | Mul():
             parts = e.terms if isinstance(e, Add) else e.factors

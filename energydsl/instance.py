@@ -6,13 +6,14 @@ derived program and autograd on them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy as sp
 import torch
 
-from .evaluate import Env, evaluate
-from .ir import Expr, IndexInfo
+from .evaluate import Env, Value, evaluate
+from .ir import Expr, IndexInfo, Var
 from .optimizers import UpdateProgram
 from .semantics import EnergyIR, ParamSpec
 
@@ -91,29 +92,46 @@ def unconstrain(p: ParamSpec, value: torch.Tensor) -> torch.Tensor:
     raise ValueError(p.constraint)
 
 
+# Initialisers that give the value the energy sees; a generated module stores `unconstrain` of it
+# (codegen's `_raw`). Every other initialiser draws the raw parameter, which `constrain` maps.
+CONSTRAINED_INITS = ("ones", "value")
+
+
+def raw_param(p: ParamSpec, value: torch.Tensor) -> torch.Tensor:
+    """The raw parameter a generated module holds for `init_param`'s value (see CONSTRAINED_INITS)."""
+    kind = (p.init or ("normal", []))[0]
+    return unconstrain(p, value) if kind in CONSTRAINED_INITS else value
+
+
 def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: int = 0,
                     scale: float = 0.5, dtype=torch.float64) -> Instance:
+    """A random instance whose params go through `constrain` as in a generated module.
+
+    Drawn values are raw parameters, so `positive`, `in (lo, hi)` and `psd` hold exactly as in the
+    module (softplus, scaled sigmoid, L Lᵀ + εI): a check never evaluates log(g) at a g < 0 that no
+    module can produce.
+    """
     spec = prog.spec
     g = torch.Generator().manual_seed(seed)
     scalars = _base_scalars(prog)
     params: dict[str, torch.Tensor] = {}
     for name, p in prog.params.items():
         sizes = [spec.size(s) for s in p.shape]
-        value = init_param(p, sizes, g, dtype, check_scale=scale)
+        raw = raw_param(p, init_param(p, sizes, g, dtype, check_scale=scale))
         if p.init and p.init[0] in ("normal", "zeros", "uniform") and p.origin == "precondition":
-            value = torch.randn(tuple(sizes), generator=g, dtype=dtype) * scale
+            raw = torch.randn(tuple(sizes), generator=g, dtype=dtype) * scale
         if p.init and p.init[0] == "value" and p.constraint is None and p.origin == "precondition":
-            value = value + 0.3 * torch.randn(tuple(sizes), generator=g, dtype=dtype)
-        if p.constraint is not None and p.constraint[0] == "psd":
-            value = constrain(p, value)
-        _place(prog, name, value, params, scalars)
+            raw = raw + 0.3 * torch.randn(tuple(sizes), generator=g, dtype=dtype)
+        _place(prog, name, constrain(p, raw), params, scalars)
     shape = lambda s: tuple(spec.size(e) for e in s)  # noqa: E731
     x = torch.randn((batch, seq) + shape(spec.state.shape), generator=g, dtype=dtype) * scale
     ctx = None
     if spec.context is not None:
         ctx = torch.randn((batch, seq) + shape(spec.context.shape), generator=g, dtype=dtype) * scale
     inp = None
-    if spec.input is not None:
+    if spec.input is not None and _shares_name(spec):
+        inp = ctx  # one stream: each token's own input is its context token (the module's default)
+    elif spec.input is not None:
         inp = torch.randn((batch, seq) + shape(spec.input.shape), generator=g, dtype=dtype) * scale
     return Instance(params, scalars, x, ctx, inp, seq)
 
@@ -139,21 +157,83 @@ def _place(prog: UpdateProgram, name: str, value: torch.Tensor, params: dict[str
         scalars[spec.optimizer.hyper[name[4:]].symbol] = value.reshape(())
 
 
+def _shares_name(spec: EnergyIR) -> bool:
+    return spec.input is not None and spec.context is not None and spec.input.name == spec.context.name
+
+
+def _input_alias(spec: EnergyIR, inst: Instance) -> str | None:
+    """The name the input is bound to when it shares its name with a context that is another tensor.
+
+    The evaluator looks tensors up by name, so a bare `h` (the input) and `h[j]` (the context) would
+    both read one tensor. When the two are the same stream (the default) that is right; otherwise
+    the input's occurrences are renamed (`bind_input`) to this name, which no user name can take.
+    """
+    if not _shares_name(spec) or inst.input is None or inst.input is inst.context:
+        return None
+    return f"{spec.input.name}@input"
+
+
+def bind_input(spec: EnergyIR, inst: Instance, *exprs: Expr) -> list[Expr]:
+    """`exprs` with a bare shared-name input reading the instance's input, not token i of the context.
+
+    docs/language.md: with `input h[d]` and `context h[j, d]`, a bare `h` is the token's own input, as
+    in the generated module's `input` argument. Sub-expressions shared within and between `exprs`
+    stay shared: hoisted values are cached by node identity, once per run.
+    """
+    alias = _input_alias(spec, inst)
+    if alias is None:
+        return list(exprs)
+    memo: dict[int, Expr] = {}
+
+    def rename(n: Expr) -> Expr:
+        hit = memo.get(id(n))
+        if hit is not None:
+            return hit
+        if isinstance(n, Var):
+            out: Expr = Var(alias, "input", n.var_shape) if (n.name == spec.input.name and n.role == "input") else n
+        else:
+            changes = {}
+            for f in dataclasses.fields(n):
+                old = getattr(n, f.name)
+                if isinstance(old, Expr):
+                    new = rename(old)
+                elif isinstance(old, tuple) and any(isinstance(a, Expr) for a in old):
+                    new = tuple(rename(a) if isinstance(a, Expr) else a for a in old)
+                    new = old if all(a is b for a, b in zip(new, old)) else new
+                else:
+                    continue
+                if new is not old:
+                    changes[f.name] = new
+            out = dataclasses.replace(n, **changes) if changes else n
+        memo[id(n)] = out
+        return out
+
+    return [rename(e) for e in exprs]
+
+
 def make_env(spec: EnergyIR, inst: Instance, tensors: dict[str, torch.Tensor]) -> Env:
+    """Bindings for evaluating expressions on `inst`; pass them through `bind_input` first (see there)."""
     all_t = dict(inst.params)
     if spec.context is not None:
         all_t[spec.context.name] = inst.context
-    if spec.input is not None:
-        all_t[spec.input.name] = inst.input if spec.input.name != getattr(spec.context, "name", None) else inst.context
+    if spec.input is not None and not _shares_name(spec):
+        all_t[spec.input.name] = inst.input
+    alias = _input_alias(spec, inst)
+    if alias is not None:
+        all_t[alias] = inst.input
     all_t.update(tensors)
     indices: dict[str, IndexInfo] = dict(spec.indices)
     return Env(all_t, {}, indices, dict(inst.scalars), inst.seq_len)
 
 
+def evaluate_on(spec: EnergyIR, e: Expr, inst: Instance, tensors: dict[str, torch.Tensor]) -> Value:
+    """Evaluate `e` on an instance (with `tensors` bound on top), the input bound as documented."""
+    return evaluate(bind_input(spec, inst, e)[0], make_env(spec, inst, tensors))
+
+
 def eval_tokens(spec: EnergyIR, e: Expr, inst: Instance, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """Evaluate a per-token expression to (B, T, *shape)."""
-    env = make_env(spec, inst, tensors)
-    v = evaluate(e, env)
+    v = evaluate_on(spec, e, inst, tensors)
     if v.idx:
         raise ValueError(f"free indices {v.idx} left in a per-token value")
     b, t = inst.x.shape[:2]
@@ -172,15 +252,17 @@ def run_program(prog: UpdateProgram, inst: Instance, x0: torch.Tensor | None = N
     for m in prog.aux:
         tensors[m.name] = torch.zeros_like(x)
     env = make_env(spec, inst, tensors)
+    assigns = prog.tied_assigns if tied else prog.assigns
+    values = list(zip([a.target.name for a in assigns], bind_input(spec, inst, *(a.value for a in assigns))))
     for _ in range(steps or prog.steps):
         new = {}
-        for a in (prog.tied_assigns if tied else prog.assigns):
+        for target, value in values:
             env.tensors.update(new)
             _clear_step_cache(env)
-            v = evaluate(a.value, env)
+            v = evaluate(value, env)
             b, t = x.shape[:2]
-            new[a.target.name] = v.tensor.expand(b, t, *v.tensor.shape[2:])
-            env.tensors[a.target.name] = new[a.target.name]
+            new[target] = v.tensor.expand(b, t, *v.tensor.shape[2:])
+            env.tensors[target] = new[target]
         env.tensors.update(new)
     return env.tensors[spec.state.name]
 

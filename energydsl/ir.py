@@ -303,9 +303,14 @@ class Softmax(Expr):
 
 @dataclass(frozen=True, eq=False)
 class Count(Expr):
-    """The number of terms a reduction over `index` has (context size for j)."""
+    """The number of terms a reduction over `index` has (context size for j).
+
+    `at_least_one`: max(count, 1), the divisor of a mean, so that an empty context (a strict mask at the
+    first token) gives 0 / 1 = 0 rather than 0 / 0.
+    """
 
     index: str
+    at_least_one: bool = False
 
     @cached_property
     def shape(self) -> Shape:

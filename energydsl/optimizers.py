@@ -22,7 +22,7 @@ from functools import lru_cache
 import sympy as sp
 
 from . import ir
-from .calculus import directional, gradient, strip_scalar_coefficient, substitute_var, untie
+from .calculus import NotDifferentiable, directional, gradient, strip_scalar_coefficient, substitute_var, untie
 from .errors import SpecError
 from .ir import Expr, Let, Var
 from .semantics import EnergyIR, ParamSpec
@@ -74,6 +74,16 @@ def head_split(f: Expr) -> tuple[Expr, str, Expr] | None:
 
 
 def build_program(spec: EnergyIR) -> UpdateProgram:
+    """The update program of an energy: its optimizer's steps on the derived gradient (or Newton direction)."""
+    try:
+        return _build_program(spec)
+    except NotDifferentiable as e:  # a construct of the user's energy, not a bug: say where
+        raise SpecError(f"the energy cannot be differentiated: {e}", spec.energy_span or spec.span,
+                        "only constructs that do not depend on the state (or sit under stopgrad) may lack a "
+                        "derivative") from None
+
+
+def _build_program(spec: EnergyIR) -> UpdateProgram:
     opt = spec.optimizer
     params = dict(spec.params)
     x = spec.state
@@ -113,7 +123,8 @@ def build_program(spec: EnergyIR) -> UpdateProgram:
     if spec.untie_rules:
         untied, hits = untie(direction, spec.untie_rules)
         if hits == 0:
-            raise SpecError("untie: no pattern occurs on the value path of the derived update", opt.span or spec.span,
+            raise SpecError("untie: no pattern occurs on the value path of the derived update",
+                            spec.untie_span or opt.span or spec.span,
                             "the left side must appear in the update exactly as written, e.g. `W1[k]^T`")
         direction = ir.neg(strip_scalar_coefficient(ir.neg(untied)))
 

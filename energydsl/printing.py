@@ -61,7 +61,8 @@ class Style:
         return f"{name}({a})"
 
     def power(self, a: str, e: str) -> str:
-        return f"{a}^{e}"
+        # a symbolic exponent in parentheses: `x^p - 1` would read as (x^p) - 1, and `x^T` as a transpose
+        return f"{a}^{e}" if re.fullmatch(r"-?[0-9.]+", e) else f"{a}^({e})"
 
     def inverse(self, a: str) -> str:
         return f"({a})⁻¹"
@@ -81,8 +82,8 @@ class Style:
     def eye(self) -> str:
         return "I"
 
-    def count(self, idx: str) -> str:
-        return f"|{idx}|"
+    def count(self, idx: str, at_least_one: bool = False) -> str:
+        return f"max(|{idx}|, 1)" if at_least_one else f"|{idx}|"
 
     def diag(self, a: str) -> str:
         return f"diag({a})"
@@ -158,8 +159,8 @@ class LatexStyle(Style):
             out += f" - {t[1:]}" if t.startswith("-") else f" + {t}"
         return out
 
-    def count(self, idx):
-        return f"|{idx}|"
+    def count(self, idx, at_least_one=False):
+        return f"\\max(|{idx}|, 1)" if at_least_one else f"|{idx}|"
 
     def diag(self, a):
         return f"\\operatorname{{diag}}\\left({a}\\right)"
@@ -189,13 +190,18 @@ class MathMLStyle(Style):
     def pos(self, idx):
         return f"<mi>{idx or 'i'}</mi>"
 
+    def _range(self, idx, rel):
+        """`j ≤ i` / `j < i` under a reduction over the context, the bare index otherwise."""
+        if not rel:
+            return f"<mi>{idx}</mi>"
+        op = "≤" if rel.startswith("<=") else "&lt;"
+        return f"<mrow><mi>{idx}</mi><mo>{op}</mo><mi>{html.escape(rel.lstrip('<='))}</mi></mrow>"
+
     def sum_(self, idx, rel, body):
-        r = html.escape(rel.replace("<=", "≤"))
-        under = f"<mrow><mi>{idx}</mi><mo>{r[:1]}</mo><mi>{r[1:]}</mi></mrow>"
-        return f"<mrow><munder><mo>∑</mo>{under}</munder>{body}</mrow>"
+        return f"<mrow><munder><mo>∑</mo>{self._range(idx, rel)}</munder>{body}</mrow>"
 
     def op(self, name, idx, rel, body):
-        return f"<mrow><msub><mi>{name}</mi><mi>{idx}</mi></msub><mo>(</mo>{body}<mo>)</mo></mrow>"
+        return f"<mrow><msub><mi>{name}</mi>{self._range(idx, rel)}</msub><mo>(</mo>{body}<mo>)</mo></mrow>"
 
     def softmax(self, idx, rel, body):
         return self.op("softmax", idx, rel, body)
@@ -245,8 +251,9 @@ class MathMLStyle(Style):
     def eye(self):
         return "<mi>I</mi>"
 
-    def count(self, idx):
-        return f"<mrow><mo>|</mo><mi>{idx}</mi><mo>|</mo></mrow>"
+    def count(self, idx, at_least_one=False):
+        n = f"<mrow><mo>|</mo><mi>{idx}</mi><mo>|</mo></mrow>"
+        return f"<mrow><mi>max</mi><mo>(</mo>{n}<mo>,</mo><mn>1</mn><mo>)</mo></mrow>" if at_least_one else n
 
     def diag(self, a):
         return self.func("diag", a)
@@ -301,7 +308,8 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
             case ir.Identity():
                 return st.eye()
             case ir.Count():
-                return st.count(x.index)
+                # a mean's divisor differs from the count only where the context can be empty
+                return st.count(x.index, x.at_least_one and rel.get(x.index) == "<i")
             case ir.Add():
                 return st.add([p(t) for t in x.terms])
             case ir.Mul():

@@ -77,6 +77,8 @@ class EnergyIR:
     local_names: list[str]
     optimizer: OptimizerSpec
     untie_rules: list[tuple[Expr, Expr]] = field(default_factory=list)
+    untie_span: Span | None = None  # the first `untie` clause, where errors about untying point
+    energy_span: Span | None = None  # the clause defining the global energy, where derivative errors point
     expects: dict[str, tuple[Expr, Span]] = field(default_factory=dict)
     scalar_params: dict[str, sp.Symbol] = field(default_factory=dict)
     source: str = ""
@@ -198,9 +200,7 @@ class _Lowering:
             idx = ", ".join(sorted(energy.free))
             raise SpecError(f"index {idx} is used outside a reduction in the global energy", gclause.span,
                             f"wrap it in sum[{idx}](...) or logsumexp[{idx}](...)")
-        wrt_names = {self.state.name} | ({self.via[0].name} if self.via else set())
-        if opt.wrt and opt.wrt not in wrt_names:
-            raise SpecError(f"`wrt {opt.wrt}`: no variable of that name (use the state or its `via` name)", opt.span)
+        self._check_wrt(opt, by_kind.get("optimizer", []))
         untie = [self._untie_rule(r) for c in by_kind.get("untie", []) for r in c.value]
         expects = {}
         for c in by_kind.get("expect", []):
@@ -211,7 +211,9 @@ class _Lowering:
             name=d.name, span=d.span, dim_symbols=self.dim_symbols, dim_values=self.dim_values,
             derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,
             indices=self.indices, params=self.scope.params, energy=energy, energy_name=ename,
-            local_names=[c.name for c in locals_], optimizer=opt, untie_rules=untie, expects=expects,
+            local_names=[c.name for c in locals_], optimizer=opt, untie_rules=untie,
+            untie_span=by_kind["untie"][0].span if by_kind.get("untie") else None, energy_span=gclause.span,
+            expects=expects,
             scalar_params=self.scalar_params, source=d.source_text,
         )
 
@@ -374,8 +376,12 @@ class _Lowering:
             spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
         if "taylor" in spec.hyper:
             t = spec.hyper["taylor"].value
-            if not (t.is_integer and 0 <= int(t) <= 4) or spec.hyper["taylor"].learn:
-                raise SpecError("`taylor` is the number of Neumann-series terms: a whole number 0..4", c.span)
+            where = given["taylor"].span if "taylor" in given else c.span
+            if spec.hyper["taylor"].learn:
+                raise SpecError("`taylor` cannot be learned: it is the number of Neumann-series terms, which fixes "
+                                "the shape of the derived update", where, "drop `learn` from `taylor`")
+            if not (t.is_integer and 0 <= int(t) <= 4):
+                raise SpecError("`taylor` is the number of Neumann-series terms: a whole number 0..4", where)
         mods = c.extra
         if "steps" in mods:
             steps = self._constant(mods["steps"], "`steps`")
@@ -403,6 +409,34 @@ class _Lowering:
             if pre.name == "covariance":
                 spec.precondition_options.setdefault("tau", (0.01, True))
         return spec
+
+    def _check_wrt(self, opt: OptimizerSpec, clauses: list[ast.Clause]) -> None:
+        """`wrt` names the point the gradient is taken at: the state, or its `via` variable."""
+        state, via = self.state.name, self.via[0].name if self.via else None
+        if not opt.wrt or opt.wrt in (state, via):
+            return
+        span = clauses[0].extra.get("spans", {}).get("wrt", clauses[0].span) if clauses else opt.span
+        allowed = f"the state `{state}`" + (f" or its `via` variable `{via}`" if via else "")
+        what = self._kind_of(opt.wrt)
+        found = f"`{opt.wrt}` is {what}" if what else "no variable of that name"
+        hint = None if via else f"to take the gradient at a normalised point, declare `state {state}[...] via " \
+            f"u = rmsnorm({state})` and write `wrt u`"
+        raise SpecError(f"`wrt {opt.wrt}`: {found}; `wrt` must name {allowed}", span, hint)
+
+    def _kind_of(self, name: str) -> str | None:
+        """What a declared name is, in words (for errors about a name used in the wrong place)."""
+        if self.input is not None and self.input.name == name:
+            return "the input" + (" (and the context)" if self.context is not None and self.context.name == name
+                                  else "")
+        if self.context is not None and self.context.name == name:
+            return "the context"
+        if name in self.scope.params:
+            return "a param"
+        if name in self.scope.lets:
+            return "a `let` or `local`"
+        if name in self.scope.dims:
+            return "a dim"
+        return None
 
     def _untie_rule(self, rule) -> tuple[Expr, Expr]:
         lhs_node, rhs_node, span = rule

@@ -20,6 +20,34 @@ def _rand(rng: random.Random) -> sp.Rational:
     return sp.Rational(rng.randint(-9, 9), 10)
 
 
+def _in_constraint(rng: random.Random, constraint: tuple | None) -> sp.Rational | None:
+    """A value inside a `positive` or `in (lo, hi)` constraint (None: unconstrained), so that an energy's
+    log(a) or sqrt(a) is real on the check's instance as it is in the module."""
+    if constraint is None or constraint[0] not in ("positive", "interval"):
+        return None
+    t = sp.Rational(rng.randint(2, 8), 10)
+    if constraint[0] == "positive":
+        return t
+    lo, hi = (sp.nsimplify(b) for b in constraint[1:])
+    return lo + (hi - lo) * t
+
+
+def _psd(rng: random.Random, n: int) -> sp.Matrix:
+    """L Lᵀ + I/10: symmetric positive definite, like the module's parametrisation of a `psd` param."""
+    lower = sp.Matrix(n, n, lambda a, b: _rand(rng) if a >= b else 0)
+    return lower * lower.T + sp.eye(n) / 10
+
+
+def _param_value(rng: random.Random, shape: tuple[int, ...], constraint: tuple | None) -> object:
+    if constraint is not None and constraint[0] == "psd":
+        if len(shape) == 2:
+            return _psd(rng, shape[0])
+        return [_param_value(rng, shape[1:], constraint) for _ in range(shape[0])]
+    if constraint is None or constraint[0] not in ("positive", "interval"):
+        return _tensor(shape, lambda _i: _rand(rng))
+    return _tensor(shape, lambda _i: _in_constraint(rng, constraint))
+
+
 def _shape(prog: UpdateProgram, shape) -> tuple[int, ...]:
     return tuple(prog.spec.size(s) for s in shape)
 
@@ -57,10 +85,10 @@ def build(prog: UpdateProgram, seed: int, seq: int, position: int,
         if not p.shape:
             sym = spec.scalar_params.get(name)
             if sym is not None:
-                lo_hi = p.constraint[1:] if p.constraint and p.constraint[0] == "interval" else None
-                scal[sym] = sp.Rational(rng.randint(2, 8), 10) if lo_hi or p.constraint else _rand(rng) + 1
+                inside = _in_constraint(rng, p.constraint)
+                scal[sym] = inside if inside is not None else _rand(rng) + 1
             continue
-        values[name] = _tensor(_shape(prog, p.shape), lambda _i: _rand(rng))
+        values[name] = _param_value(rng, _shape(prog, p.shape), p.constraint)
     point = prog.point
     syms = state_symbols(prog)
     values[point.name] = syms if state is None else _map_state(syms, state)
@@ -119,7 +147,8 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
             info = spec.indices[e.index]
             if info.size is not None:
                 return info.size.xreplace(scal)
-            return sp.Integer(i if info.strict else i + 1)
+            n = i if info.strict else i + 1
+            return sp.Integer(max(n, 1) if e.at_least_one else n)
         case ir.Add():
             out = ev(e.terms[0])
             for t in e.terms[1:]:
@@ -174,12 +203,14 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
                 return exps[bind[e.index]] / sum(exps)
             if e.op == "sum":
                 return sum(terms[1:], terms[0]) if terms else sp.Integer(0)
-            if e.op == "mean":
-                return sum(terms[1:], terms[0]) / len(terms)
+            if e.op == "mean":  # an empty context gives 0 (the count is clamped to 1)
+                return sum(terms[1:], terms[0]) / len(terms) if terms else sp.Integer(0)
             if e.op == "logsumexp":
                 return sp.log(sum(sp.exp(t) for t in terms)) if terms else sp.Integer(0)
             if e.op == "prod":
                 return sp.Mul(*terms)
+            if e.op == "max":
+                return sp.Max(*terms) if terms else -sp.oo  # as the evaluator: max of nothing
     raise NotImplementedError(type(e).__name__)
 
 

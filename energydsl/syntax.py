@@ -369,11 +369,14 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def optimizer_clause(self, meta, c):
-        mods = {}
+        mods: dict[str, Any] = {}
+        spans: dict[str, Span] = {}  # each modifier's own span, for errors about it (`wrt h`)
         for kind, value, span in c[1:]:
             if kind in mods:
                 raise SpecError(f"`{kind.replace('_', ' ')}` given twice in one optimizer clause", span)
             mods[kind] = value
+            spans[kind] = span
+        mods["spans"] = spans
         return Clause("optimizer", self._span(meta), "", c[0], mods)
 
     @v_args(meta=True)

@@ -20,6 +20,8 @@ ENERGIES = {
                " global F = -logsumexp[j]((K @ h[j]) . (Z @ (Z^T @ (K @ h[j]))))"),
     "huber": ("state z[d]\n context h[j, d] where j <= i\n param W[d, d]\n"
               " global F = sum[j](huber(norm(z - W @ h[j]), 0.5))"),
+    # diag(a) has no derivative rule of its own; it needs none where it does not depend on the state
+    "diag-params": "state z[d]\n input h[d]\n param a[d]\n global F = 0.5 * z . ((eye(d) + diag(a)) @ z) - h . z",
 }
 
 OPTIMIZERS = ["gd(eta = 0.5)", "momentum(beta = 0.8, eta = 0.7) steps 3", "nag(beta = 0.8, eta = 0.7) steps 2",
@@ -232,3 +234,40 @@ def test_closed_form_integrals_are_kept_on_disk(tmp_path, monkeypatch) -> None:
     warm = _closed_form_integral(silu)
     assert warm == cold and warm.has(sp.Integral)
     assert sp.simplify(sp.diff(warm, X) - silu) == 0
+
+
+# Terms of a reduction's body that do not use its index (a regulariser written inside the sum): each counts
+# once per term of the reduction, |j| or |k| times in all.
+INDEX_FREE_TERMS = {
+    "sum-context": ("state z[d]\n context h[j, d] where j <= i\n param W[d, d]\n"
+                    " global F = sum[j](-(z . (W @ h[j])) + 0.1 * z . z)"),
+    "mean-heads": ("state z[d]\n context h[j, d] where j <= i\n param W1[m, d, d]\n"
+                   " global F = mean[k](-logsumexp[j](z . (W1[k] @ h[j])) + 0.5 * z . z)"),
+    "sum-heads-linear": ("state z[d]\n input h[d]\n param a[m]\n global F = sum[k](a[k] * (z . z) + h . z)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEX_FREE_TERMS))
+def test_index_free_terms_of_a_reduction_count_once_per_term(name):
+    derived = load(spec_text(INDEX_FREE_TERMS[name], "gd(eta = 0.5)")).energy()
+    results = {r.name: r for r in run_checks(derived.program)}
+    for check in ("gradient", "sympy", "update"):
+        assert results[check].status == "ok", results[check].detail
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "module"])
+def test_mean_over_an_empty_strict_context_is_zero_not_nan(backend):
+    """At the first token a strict context is empty: mean[j] of it is 0 (docs: the count is clamped to 1), and
+    so is its gradient, in the interpreter and in the generated module."""
+    from energydsl.codegen import module_class
+    from energydsl.instance import instance_from_params
+
+    derived = load(spec_text("state z[d]\n context h[j, d] where j < i\n"
+                             " global F = -mean[j](z . h[j] - 0.1 * z . z)", "gd(eta = 0.5) steps 2")).energy()
+    module = module_class(derived)().double()
+    x = module.example_input(2, 5).double()
+    ref = run_program(derived.program, instance_from_params(derived.program, dict(module.named_parameters()), x))
+    out = ref if backend == "interpreter" else module(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, 0], x[:, 0])  # nothing to attend to: the first token does not move
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)

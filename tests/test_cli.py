@@ -21,3 +21,11 @@ def test_usage_errors_exit_2(args: list[str], message: str) -> None:
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+
+
+def test_report_on_a_missing_sqlite_file_creates_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "none.db"
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "report", f"sqlite:///{db}"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "no study storage at" in proc.stderr, proc.stderr
+    assert not db.exists()

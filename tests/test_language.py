@@ -135,3 +135,25 @@ def test_greek_hyper_parameters_print_as_whole_words() -> None:
     from energydsl.printing import Style
 
     assert Style().scalar(sp.Symbol("beta") * sp.Symbol("eta") + sp.Symbol("zeta")) == "β*η + zeta"
+
+
+def test_symbolic_exponents_print_in_parentheses() -> None:
+    """`(Wᵀ z)^p - 1` would read as ((Wᵀ z)^p) - 1, and `z^T` as a transpose: the text printer brackets
+    every exponent that is not a number."""
+    spec = ("energy P(d = 4, m = 3) {\n state z[d]\n param W[d, m]\n param p = 3\n param T = 2\n"
+            " global F = sum((W^T @ z)^(p)) + sum(z^(T)) + sum(z^2)\n}")
+    text = load(spec).energy().equations("text")
+    assert "(Wᵀ z)^(p - 1)" in text and "z^(T - 1)" in text and "z^(T)" in text and "z^2" in text
+
+
+def test_mathml_is_well_formed_and_shows_the_context_relation() -> None:
+    """`<` must be escaped (a strict context's `j < i`), and a reduction over a head index has no relation
+    to show (no empty <mo></mo>)."""
+    import xml.etree.ElementTree as ET
+
+    spec = ("energy S(d = 4, heads = 2) {\n state z[d]\n context h[j, d] where j < i\n param W[heads, d, d]\n"
+            " global F = -sum[k](logsumexp[j](z . (W[k] @ h[j])))\n}")
+    mathml = load(spec).energy().equations("mathml")
+    ET.fromstring(f"<root>{mathml}</root>")  # raises on a bare `<` or `&`
+    assert "<mo></mo>" not in mathml and "<mi></mi>" not in mathml
+    assert "<mi>j</mi><mo>&lt;</mo><mi>i</mi>" in mathml

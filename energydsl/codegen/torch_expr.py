@@ -346,7 +346,9 @@ class Emitter:
                 info = self.indices[k]
                 if info.context is None:
                     return Val(repr(float(self.sizes[k])), scalar=True)
-                return Val("count_strict" if info.strict else "count", (POS,), 0)
+                if info.strict:  # count is 0 at the first token
+                    return Val("count_strict.clamp(min=1)" if e.at_least_one else "count_strict", (POS,), 0)
+                return Val("count", (POS,), 0)
             case ir.Add() | ir.Mul():
                 return self._elementwise(e)
             case ir.Pow():

@@ -1,0 +1,277 @@
+"""Edge cases of `energy check` and the reference interpreter found by an audit.
+
+Non-finite values must fail a check (not vanish in a running max), `via` without `wrt` must be
+checkable, random check instances must satisfy every declared constraint, a bare name shared by an
+`input` and a `context` must mean the input, and misuse of `wrt`, `taylor` and `untie` must get a
+located message with exit status 2.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from energydsl import load
+from energydsl.checks import _Worst, run_checks
+from energydsl.errors import SpecError
+from energydsl.instance import instance_from_params, random_instance, run_program
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def checks_of(text: str) -> dict[str, object]:
+    return {r.name: r for r in run_checks(load(text).energy().program)}
+
+
+# ----------------------------------------------------------------------------- NaN is a failure
+
+
+def test_worst_keeps_a_nan_that_max_would_drop():
+    """`max(0.0, nan)` is 0.0: the running worst error must not report NaN as a perfect match."""
+    a = torch.zeros(1, 2, 3)
+    nan = a.clone()
+    nan[0, 1, 2] = float("nan")
+    derived_side = _Worst("the derived x", "the reference x")
+    derived_side.add(a, a, seed=0)
+    derived_side.add(nan, a, seed=1)
+    derived_side.add(a + 1, a, seed=2)  # a larger finite error later does not hide it
+    r = derived_side.result("gradient", 1e-9, "fine")
+    assert r.status == "fail" and r.max_error is None
+    assert r.detail == "not finite: the derived x is NaN at token 1 (batch 0), seed 1"
+    reference_side = _Worst("the derived x", "the reference x")
+    reference_side.add(a, a.clone().fill_(float("inf")))
+    assert "the reference x is infinite" in reference_side.result("gradient", 1e-9, "fine").detail
+
+
+NAN_EXPECT = """energy NanExpect(d = 4) {
+  state   z[d]
+  input   h[d]
+  global  F = 0.5 * z . z - h . z
+  expect  update = h + z * sqrt(-1 - z . z)
+}"""
+
+
+def test_nan_expect_is_refuted_not_proved():
+    (r,) = [r for r in run_checks(load(NAN_EXPECT).energy().program) if r.name == "expect"]
+    assert r.status == "fail", r.detail
+    assert r.detail.startswith("`expect update` at <string>:5:3: not finite: the expected update is NaN"), r.detail
+
+
+# sqrt(z) is NaN wherever an entry of z is negative: derived and autograd values alike
+NAN_ENERGY = """energy NanF(d = 4) {{
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.3)
+  global  F = -logsumexp[j](z . (W @ h[j])) + sum(sqrt(z))
+  optimizer {opt}
+}}"""
+
+
+@pytest.mark.parametrize("opt, names", [
+    ("gd(eta = 0.5)\n  untie value W -> Wv", ["gradient", "update", "causality", "descent", "tying"]),
+    ("newton(taylor = 1)", ["gradient", "hessian", "causality", "descent"]),
+])
+def test_nan_derivation_fails_every_check(opt, names):
+    results = checks_of(NAN_ENERGY.format(opt=opt))
+    for name in names:
+        assert results[name].status == "fail", (name, results[name].detail)
+        assert results[name].detail.startswith("not finite: "), (name, results[name].detail)
+    assert "the derived ∇F is NaN" in results["gradient"].detail
+
+
+# ----------------------------------------------------------------------------- descent under `via`
+
+VIA = """energy ViaNoWrt(d = 6, dv = 10) {{
+  state   x[d] via u = rmsnorm(x)
+  input   h[d]
+  param   W[dv, d] ~ normal(0, 0.1)
+  global  xi = -((W @ h) . tanh(W @ u))
+  optimizer {opt}
+}}"""
+
+
+@pytest.mark.parametrize("opt", ["gd(eta = 1)", "momentum(beta = 0.8, eta = 0.5) steps 2",
+                                 "nag(beta = 0.8, eta = 0.5)", "gd(eta = 1) wrt u"])
+def test_descent_runs_under_via(opt):
+    """Without `wrt u`, F is written in u: descent must judge F(N(x)), as the gradient check does."""
+    results = checks_of(VIA.format(opt=opt))
+    assert results["descent"].status in ("ok", "warn"), results["descent"].detail
+    assert all(r.status != "fail" for r in results.values()), [r for r in results.values() if r.status == "fail"]
+
+
+# ----------------------------------------------------------------------------- constraints hold
+
+CONSTRAINED = """energy Constrained(d = 4, heads = 2) {
+  state   z[d]
+  input   h[d]
+  param   g[d] ~ normal(1, 0.1) positive
+  param   a[heads] ~ uniform(0.5, 0.9) in (0, 1)
+  param   b ~ normal(0, 1) in (-2, 3)
+  param   c in (0, 1) = 0.9
+  param   e[d] ~ ones() positive
+  param   S[d, d] ~ orthogonal() psd
+  global  F = 0.5 * sum(g * z * z) - log(sum(g)) * (z . h) - sum[k](log(a[k])) * b * c * sum(e * z)
+              + 0.5 * z . (S @ z)
+}"""
+
+
+def test_random_instances_satisfy_declared_constraints():
+    prog = load(CONSTRAINED).energy().program
+    syms = prog.spec.scalar_params
+    for seed in range(6):
+        inst = random_instance(prog, seed=seed, scale=1.5)
+        assert (inst.params["g"] > 0).all()
+        assert ((inst.params["a"] > 0) & (inst.params["a"] < 1)).all()
+        assert -2 < float(inst.scalars[syms["b"]]) < 3
+        assert float(inst.scalars[syms["c"]]) == pytest.approx(0.9, abs=1e-12)  # a value stays that value
+        assert torch.allclose(inst.params["e"], torch.ones(4, dtype=torch.float64))
+        assert float(torch.linalg.eigvalsh(inst.params["S"]).min()) > 0
+
+
+GLA_LOG = """energy GLAHeads(d = 8, heads = 2) {
+  dim dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   WQ[heads, dh, d] ~ normal(0, 0.3)
+  param   WK[heads, dh, d] ~ normal(0, 0.3)
+  param   a[heads] ~ uniform(0.5, 0.9) in (0, 1)
+  global  F = -0.5 * sum[k](sum[j](exp((i - j) * log(a[k])) * ((WQ[k] @ z) . (WK[k] @ h[j]))^2))
+  optimizer gd(eta = 0.2)
+}"""
+
+
+def test_log_of_interval_param_is_finite_in_checks():
+    results = checks_of(GLA_LOG)
+    for name in ("gradient", "sympy", "update", "causality"):
+        assert results[name].status == "ok", (name, results[name].detail)
+
+
+def test_sympy_instances_satisfy_declared_constraints():
+    """The sympy check draws its own exact instance: log(sum(g)), log(a[k]) and a psd S must be real there."""
+    results = checks_of(CONSTRAINED)
+    assert results["sympy"].status == "ok", results["sympy"].detail
+
+
+# ----------------------------------------------------------------------------- no derivative: a located error
+
+MAX_CONTEXT = """energy MaxCtx(d = 4) {{
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.3)
+  global  F = -max[j]({score}) + 0.5 * z . z
+}}"""
+
+
+def test_max_over_the_state_is_a_located_error_not_an_internal_one():
+    with pytest.raises(SpecError) as info:
+        load(MAX_CONTEXT.format(score="z . (W @ h[j])")).energy()
+    assert "cannot be differentiated: `max[j]` has no gradient" in info.value.message
+    assert (info.value.span.line, info.value.span.column) == (5, 3)
+
+
+def test_max_of_what_the_state_does_not_touch_needs_no_derivative():
+    results = checks_of(MAX_CONTEXT.format(score="sum(W @ h[j])") + "\n")
+    assert all(r.status != "fail" for r in results.values()), results
+
+
+# ----------------------------------------------------------------------------- shared input/context name
+
+SHARED = """energy SharedName(d = 6) {
+  state   z[d]
+  input   h[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.3)
+  global  F = -logsumexp[j](z . (W @ h[j])) + 0.5 * (z - h) . (z - h)
+  optimizer gd(eta = 0.5) steps 2
+}"""
+
+
+def _shared_reference(w, x, ctx, inp):
+    """gd(0.5) × 2 on F by autograd: bare `h` is each token's own input, `h[j]` the context."""
+    out = torch.empty_like(x)
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            z = x[b, i]
+            for _ in range(2):
+                p = z.clone().requires_grad_(True)
+                f = -torch.logsumexp((ctx[b, : i + 1] @ w.T) @ p, 0) + 0.5 * ((p - inp[b, i]) ** 2).sum()
+                (g,) = torch.autograd.grad(f, p)
+                z = z - 0.5 * g
+            out[b, i] = z
+    return out
+
+
+def test_shared_name_interpreter_reads_the_input():
+    spec = load(SHARED)
+    prog = spec.energy().program
+    module = spec.module().double()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.4
+    with torch.no_grad():
+        module.W.copy_(w)
+    x, ctx, inp = (torch.randn(2, 4, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    for c, i in ((ctx, inp), (ctx, None), (None, None)):
+        interp = run_program(prog, instance_from_params(prog, {"W": w}, x, c, i))
+        with torch.no_grad():
+            mod = module(x, context=c, input=i)
+        ref = _shared_reference(w, x, x if c is None else c, x if i is None else i)
+        assert torch.allclose(interp, ref, atol=1e-12), (c is None, i is None)
+        assert torch.allclose(mod, interp, atol=1e-12), (c is None, i is None)
+    # check instances keep one stream: the token's own input is its context token
+    inst = random_instance(prog, seed=0)
+    assert inst.input is inst.context
+
+
+# ----------------------------------------------------------------------------- C3: located messages
+
+BASE = "energy A(d = 4) {{\n  state   z[d]\n  input   h[d]\n  global  F = 0.5 * z . z - h . z\n  {extra}\n}}\n"
+
+
+@pytest.mark.parametrize("extra, message, col, caret", [
+    ("optimizer gd(eta = 1) wrt h", "`wrt h`: `h` is the input; `wrt` must name the state `z`", 25, "^^^^^"),
+    ("optimizer newton(taylor = 1 learn)", "`taylor` cannot be learned", 20, "^" * 16),
+    ("optimizer gd(eta = 1) wrt q", "`wrt q`: no variable of that name; `wrt` must name the state `z`", 25, "^^^^^"),
+])
+def test_optimizer_messages_are_located(tmp_path, extra, message, col, caret):
+    path = tmp_path / "bad.energy"
+    path.write_text(BASE.format(extra=extra))
+    with pytest.raises(SpecError) as info:
+        load(path).energy()
+    first, src, marks = str(info.value).splitlines()[:3]  # what the CLI prints
+    assert first.startswith(f"{path}:5:{col}: error: {message}")
+    assert src.strip() == extra and marks == "  " + " " * (col - 1) + caret
+
+
+def test_wrt_naming_the_input_exits_2(tmp_path):
+    path = tmp_path / "bad.energy"
+    path.write_text(BASE.format(extra="optimizer gd(eta = 1) wrt h"))
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"{path}:5:25: error: `wrt h`: `h` is the input"), proc.stderr
+
+
+def test_wrt_names_the_via_variable_when_there_is_one():
+    text = ("energy A(d = 4) {\n  state x[d] via u = rmsnorm(x)\n  input h[d]\n  param W[d, d]\n"
+            "  global F = -h . (W @ u)\n  optimizer gd(eta = 1) wrt W\n}")
+    with pytest.raises(SpecError) as info:
+        load(text).energy()
+    assert info.value.message == "`wrt W`: `W` is a param; `wrt` must name the state `x` or its `via` variable `u`"
+
+
+UNTIE_BAD = """energy U(d = 4) {
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.3)
+  global  F = -logsumexp[j](z . (W @ h[j]))
+  untie   value W^T -> Wx
+}"""
+
+
+def test_untie_error_points_at_the_untie_clause():
+    with pytest.raises(SpecError) as info:
+        load(UNTIE_BAD).energy()
+    assert "no pattern occurs" in info.value.message
+    assert (info.value.span.line, info.value.span.column) == (6, 3)
