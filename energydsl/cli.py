@@ -10,13 +10,14 @@ import glob
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import UserError
+from .errors import TrainingDiverged, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -218,7 +219,9 @@ def train_(
     batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Default: the model's context.")] = None,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
-    eval_interval: Annotated[int, typer.Option("--eval-interval")] = 100,
+    eval_interval: Annotated[int, typer.Option(
+        "--eval-interval", help="Evaluate and checkpoint every N steps (a killed run resumes from the last one).",
+    )] = 100,
     eval_iters: Annotated[int, typer.Option("--eval-iters")] = 20,
     warmup: Annotated[int, typer.Option("--warmup")] = 30,
     device: Annotated[str, typer.Option("--device", help="cpu | cuda | auto")] = "cpu",
@@ -228,12 +231,17 @@ def train_(
     as_json: Annotated[bool, typer.Option("--json", help="Print a final JSON summary.")] = False,
     sets: SetOpt = None,
 ) -> None:
-    """Train a model: AdamW, warmup + cosine, clipping, best-validation checkpoint (safetensors), resumable."""
-    from pathlib import Path
+    """Train a model: AdamW, warmup + cosine, clipping, best-validation checkpoint (safetensors), resumable.
+
+    Exit status 0 when done, 1 when the training diverged (the last good checkpoint is kept), 2 for bad input.
+    """
+    import torch
 
     from .training import TrainConfig, load_dataset, train
 
-    spec, model = _model(file, name, sets, backend)
+    with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
+        torch.manual_seed(seed)
+        spec, model = _model(file, name, sets, backend)
     block = block_size or model.block_size
     if block > model.block_size:
         raise UserError(f"--block-size {block} is longer than the model's context {model.block_size}")
@@ -247,13 +255,36 @@ def train_(
     run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
     metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file), "model": model.plan.name,
                 "dims": model.plan.dims, "context": model.block_size, "equation_hash": model.equation_hash()}
-    result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh, progress=not as_json)
+    try:
+        result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh, progress=not as_json)
+    except TrainingDiverged as e:
+        _report_divergence(e, run_dir, as_json)
+        raise typer.Exit(1) from None
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
     if as_json:
         print(json.dumps(result, default=str))
     else:
         out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
+
+
+def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> None:
+    """A diverged training is an outcome, not a bug: one line on stderr (and a JSON object with --json)."""
+    import math
+
+    loss = e.loss if math.isfinite(e.loss) else None
+    reason, step, val = e.reason, e.checkpoint_step, e.checkpoint_val_loss
+    if e.checkpoint:
+        loss_text = f" (val loss {val:.4f})" if val is not None else ""
+        kept = (f"kept the last good checkpoint, step {step}{loss_text}: {e.checkpoint}; "
+                "rerun with a lower --lr to resume from it, or with --fresh to start over")
+    else:
+        kept = "no good checkpoint was written; rerun with a lower --lr"
+    print(f"training diverged at step {e.step}: {reason}; {kept}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"diverged": True, "step": e.step, "loss": loss, "reason": reason,
+                          "checkpoint": e.checkpoint, "checkpoint_step": step, "checkpoint_val_loss": val,
+                          "out": str(run_dir)}, allow_nan=False))
 
 
 def _spec_text(file: str) -> str:
@@ -274,8 +305,6 @@ def sample(
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
     """Generate text from a trained checkpoint (its spec and dims travel with it)."""
-    from pathlib import Path
-
     import torch
 
     from .api import load
@@ -283,11 +312,17 @@ def sample(
     from .training.sampling import codec_from_json, load_checkpoint
     from .training.sampling import sample as generate
 
+    if tokens < 0 or temperature <= 0 or (top_k is not None and top_k < 1):
+        raise UserError(f"--tokens must be >= 0, --temperature > 0 and --top-k >= 1; got {tokens}, {temperature:g} "
+                        f"and {top_k}")
     state, meta = load_checkpoint(checkpoint)
     if "model" not in meta:
         raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
-    path = Path(meta.get("spec_path", ""))
-    spec = load(path if path.is_file() else meta["spec_source"])
+    # the spec as trained travels in the checkpoint: the file at spec_path may have been edited since (its
+    # path is used only while it still holds that text, so that its imports resolve next to it)
+    path, source = Path(meta.get("spec_path", "")), meta.get("spec_source")
+    unchanged = path.is_file() and (source is None or _spec_text(str(path)) == source)
+    spec = load(path if unchanged or not source else source)
     model = spec.model(meta["model"], **meta["dims"])
     model.load_state_dict(state)
     training = meta.get("training", {})

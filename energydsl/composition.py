@@ -13,6 +13,7 @@ The residual stream is a vector [d] unless the model declares `stream [dk, dv]` 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +104,9 @@ class ModelPlan:
         return ("head tied" if self.head_tied else "head untied") + rank
 
 
+_ARITHMETIC = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv, "^": operator.pow}
+
+
 def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
     """A size expression over known numbers (model dims): + - * / ^, sqrt, log, exp, min, max."""
     match node:
@@ -119,11 +123,21 @@ def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
             x, y = evaluate_number(a, env, what), evaluate_number(b, env, what)
             if op == "/" and y == 0:
                 raise SpecError(f"division by zero in {what}", node.span)
-            return {"+": x + y, "-": x - y, "*": x * y, "/": x / y if y else 0.0, "^": x**y}[op]
+            try:  # only the operator asked for: x ** y of every sum overflows at ordinary widths
+                value = _ARITHMETIC[op](x, y)
+            except (OverflowError, ZeroDivisionError):
+                raise SpecError(f"{what} overflows", node.span) from None
+            if isinstance(value, complex):
+                raise SpecError(f"{what} is not a real number", node.span)
+            return float(value)
         case ast.Call(func=f, args=args) if f in ("sqrt", "log", "exp", "min", "max"):
             vals = [evaluate_number(a, env, what) for a in args]
             fn = {"sqrt": math.sqrt, "log": math.log, "exp": math.exp, "min": min, "max": max}[f]
-            return float(fn(*vals))
+            try:
+                return float(fn(*vals))
+            except (ValueError, OverflowError, TypeError):
+                raise SpecError(f"{f}({', '.join(f'{v:g}' for v in vals)}) in {what} has no real value",
+                                node.span) from None
         case ast.Hole():
             raise SpecError(f"a search hole in {what}: holes belong in a `search` space", node.span,
                             "run it with `energy search`, or write a number")

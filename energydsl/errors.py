@@ -71,11 +71,18 @@ class DataError(UserError):
 
 
 class TrainingDiverged(Exception):
-    """The loss became NaN or exploded; the last good checkpoint is kept."""
+    """The loss became NaN or exploded (`reason` says how); the last good checkpoint is kept.
 
-    def __init__(self, step: int, loss: float, checkpoint: str | None = None):
+    An outcome of the user's settings, not a bug: the CLI reports it in one line and exits with 1.
+    """
+
+    def __init__(self, step: int, loss: float, checkpoint: str | None = None, reason: str | None = None,
+                 checkpoint_step: int | None = None, checkpoint_val_loss: float | None = None):
         where = f"; last good checkpoint kept at {checkpoint}" if checkpoint else ""
         super().__init__(f"training diverged at step {step} (loss = {loss}){where}")
         self.step = step
         self.loss = loss
+        self.reason = reason or f"the loss is {loss}"
+        self.checkpoint_step = checkpoint_step
+        self.checkpoint_val_loss = checkpoint_val_loss
         self.checkpoint = checkpoint

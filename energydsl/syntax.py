@@ -595,10 +595,12 @@ def _read(path: Path, span: Span | None) -> str:
 def parse_module(source: str | Path, *, name: str | None = None) -> Module:
     """Parse a file (or text) and everything it imports into one `Module`.
 
-    `source` is a path when it names an existing file or ends in `.energy`; otherwise it is spec text.
+    `source` is a path when it is one line without a `{` (every declaration has one; a mistyped path
+    then reads "no such file", not a syntax error in its text) and not an `import` line; otherwise it is
+    spec text.
     """
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and
-                                    (source.endswith(".energy") or Path(source).is_file())):
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and "{" not in source
+                                    and not source.lstrip().startswith("import ")):
         path = Path(source)
         text = _read(path, None)
         module = Module(str(path))

@@ -56,6 +56,14 @@ def test_gpt_size_matches_nanogpt_shakespeare_char() -> None:
     assert info["flops_per_token"] == cfg["exact"]["flops_per_token"]
 
 
+def test_gpt2_small_sizes_evaluate() -> None:
+    """d = 768: a size expression once evaluated every operator of `4 * d`, 4 ** 768 included, and overflowed.
+    nanoGPT's GPT-2 (no biases, vocab 50304) has 123.59M parameters besides the position embedding."""
+    dims = dict(vocab=50304, context=1024, d=768, layers=12, heads=12)
+    info = _info("examples/models/gpt.energy", dims)
+    assert info["params"] - dims["context"] * dims["d"] == 123_587_328
+
+
 def test_info_cli_reports_the_86m_llama() -> None:
     r = subprocess.run(ENERGY + ["info", "examples/models/llama.energy", "--set", "vocab=32000", "--set", "d=672",
                                  "--set", "layers=8", "--set", "heads=8", "--set", "mlp=1792", "--set",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def text_dataset(tmp_path_factory):
+def corpus(tmp_path_factory) -> Path:
     """A small, learnable character corpus that needs no download."""
     lines = [
         "the quick brown fox jumps over the lazy dog.\n",
@@ -49,7 +50,12 @@ def text_dataset(tmp_path_factory):
     ]
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("".join(lines[i % 3] for i in range(200)))
-    return load_dataset(f"chars:{path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_dataset(corpus):
+    return load_dataset(f"chars:{corpus}")
 
 
 def tiny_gpt(vocab: int, seed: int = 0) -> nn.Module:
@@ -145,17 +151,23 @@ def test_resume_continues_from_saved_step_and_matches_uninterrupted_run(text_dat
     assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 10, 20]
 
 
-def test_no_resume_when_metadata_differs_or_disabled(text_dataset, tmp_path):
+def test_no_resume_when_disabled_and_other_model_refused(text_dataset, tmp_path):
     cfg = config(steps=10)
     train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
     again = train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=20), tmp_path, metadata=META,
                   progress=False, resume=False)
     assert again["resumed_from"] is None
-    with pytest.warns(UserWarning, match="different model"):
-        other = train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path,
-                      metadata={**META, "source": "another spec"}, progress=False)
+    before = (tmp_path / "last.json").read_text(), (tmp_path / "metrics.jsonl").read_text()
+    other_meta = {**META, "dims": {"d": 16, "layers": 2}}
+    with pytest.raises(UserError) as err:  # a typo must not wipe a run
+        train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=other_meta, progress=False)
+    assert str(tmp_path) in err.value.message and "dims.d is 32 there, 16 now" in err.value.message
+    assert "--fresh" in err.value.hint and "--out" in err.value.hint
+    assert ((tmp_path / "last.json").read_text(), (tmp_path / "metrics.jsonl").read_text()) == before
+    other = train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=other_meta,
+                  progress=False, resume=False)
     assert other["resumed_from"] is None
-    assert load_checkpoint(tmp_path)[1]["source"] == "another spec"
+    assert load_checkpoint(tmp_path)[1]["dims"] == {"d": 16, "layers": 2}
 
 
 class NaNAfter(nn.Module):
@@ -188,8 +200,17 @@ def test_nan_loss_raises_and_keeps_last_good_checkpoint(text_dataset, tmp_path):
     fresh = NaNAfter(tiny_gpt(text_dataset.vocab_size, seed=5), k=10**9)
     fresh.load_state_dict(state)
     assert torch.isfinite(fresh(torch.zeros(1, 4, dtype=torch.long))).all()
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["kind"] == "diverged" and rows[-1]["step"] == 17
+    rows = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["kind"] == "diverged" and rows[-1]["step"] == 17 and rows[-1]["loss"] is None
+    assert rows[-1]["checkpoint_step"] == 10 and "nan" in rows[-1]["reason"]
+    assert strict_json((tmp_path / "diverged.json").read_text())["checkpoint_step"] == 10
+
+
+def strict_json(text: str):
+    """json.loads that rejects NaN and Infinity, as strict parsers (JavaScript, jq) do."""
+    def reject(name: str):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=reject)
 
 
 def test_exploding_loss_raises(text_dataset, tmp_path):
@@ -197,6 +218,77 @@ def test_exploding_loss_raises(text_dataset, tmp_path):
     with pytest.raises(TrainingDiverged) as err:
         train(model, text_dataset, config(log_interval=1), tmp_path, metadata=META, progress=False)
     assert err.value.step == 12 and math.isfinite(err.value.loss) and err.value.loss > 100
+
+
+def test_exploding_loss_during_warmup_raises_and_keeps_last_good_checkpoint(text_dataset, tmp_path):
+    model = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=12, scale=1e4)
+    with pytest.raises(TrainingDiverged) as err:
+        train(model, text_dataset, config(warmup_steps=25, log_interval=1), tmp_path, metadata=META,
+              progress=False)
+    assert err.value.step == 12 and err.value.checkpoint_step == 10
+    assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 10
+
+
+def last_good_checkpoint_is_good(path: Path, err: TrainingDiverged) -> None:
+    assert err.checkpoint == str(path / "last.safetensors")
+    state, meta = load_checkpoint(path / "last.safetensors")
+    record = meta["training"]
+    assert record["step"] == err.checkpoint_step < err.step
+    assert record["val_loss"] == pytest.approx(err.checkpoint_val_loss)
+    assert record["val_loss"] < 2 * record["initial_loss"] and record["train_loss"] < 2 * record["initial_loss"]
+    assert all(torch.isfinite(t).all() for t in state.values())
+
+
+def test_high_lr_diverging_in_warmup_keeps_a_good_last_checkpoint(text_dataset, tmp_path):
+    """The audit's case: lr 30 with a long warmup; every evaluation used to overwrite `last`."""
+    cfg = config(steps=40, warmup_steps=40, lr=30.0, min_lr=3.0, eval_interval=5)
+    with pytest.raises(TrainingDiverged) as err:
+        train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
+    last_good_checkpoint_is_good(tmp_path, err.value)
+
+
+class EvalBlowsUp(nn.Module):
+    """Trains normally; from evaluation forward `k` on, its logits are scaled by 1e4 (finite, huge loss)."""
+
+    def __init__(self, inner: nn.Module, k: int):
+        super().__init__()
+        self.inner, self.k, self.evals = inner, k, 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(idx)
+        if self.training:
+            return logits
+        self.evals += 1
+        return logits * 1e4 if self.evals > self.k else logits
+
+
+def test_diverged_evaluation_is_not_saved(text_dataset, tmp_path):
+    cfg = config()
+    model = EvalBlowsUp(tiny_gpt(text_dataset.vocab_size), k=2 * 2 * cfg.eval_iters)  # evals at 0 and 10 fine
+    with pytest.raises(TrainingDiverged) as err:
+        train(model, text_dataset, cfg, tmp_path, metadata=META, progress=False)
+    assert err.value.step == 20 and "val loss" in err.value.reason
+    last_good_checkpoint_is_good(tmp_path, err.value)
+    assert err.value.checkpoint_step == 10
+
+
+def test_rerun_after_divergence_is_refused_unless_settings_change(text_dataset, tmp_path):
+    model = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=17)
+    with pytest.raises(TrainingDiverged):
+        train(model, text_dataset, config(), tmp_path, metadata=META, progress=False)
+    again = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=0)  # replaying would diverge at once
+    with pytest.raises(UserError, match="diverged at step 17 with these same settings") as err:
+        train(again, text_dataset, config(), tmp_path, metadata=META, progress=False)
+    assert "--lr" in err.value.hint and "--fresh" in err.value.hint
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert sum('"diverged"' in r for r in rows) == 1
+    healthy = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=10**9)
+    result = train(healthy, text_dataset, config(lr=1e-3), tmp_path, metadata=META,
+                   progress=False)  # a lower lr resumes from the last good checkpoint
+    assert result["resumed_from"] == 10 and result["steps"] == 30
+    rows = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 10, 20, 30]
+    assert not any(r["kind"] == "diverged" for r in rows) and not (tmp_path / "diverged.json").exists()
 
 
 def test_on_eval_can_stop_early_without_out_dir(text_dataset):
@@ -284,3 +376,92 @@ def test_cuda_training_and_resume(text_dataset, tmp_path, dtype):
     assert result["resumed_from"] == 10 and result["val_loss"] < math.log(text_dataset.vocab_size)
     state, meta = load_checkpoint(tmp_path)
     assert all(t.device.type == "cpu" for t in state.values())
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def energy(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the `energy` CLI in this process (much faster than a subprocess): exit status, stdout, stderr."""
+    from energydsl import cli
+
+    monkeypatch.setattr(sys, "argv", ["energy", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def tiny_cli_run(corpus: Path, out: Path, *more: str) -> list[str]:
+    return ["train", str(ROOT / "examples/models/gpt.energy"), "--data", f"chars:{corpus}", "--set", "d=16",
+            "--set", "layers=1", "--set", "heads=2", "--set", "context=16", "--steps", "4", "--eval-interval",
+            "2", "--eval-iters", "2", "--batch-size", "4", "--out", str(out), *more]
+
+
+def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, monkeypatch, capsys):
+    args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "40", "--lr", "30", "--eval-interval", "5")
+    code, out, err = energy(monkeypatch, capsys, *args)
+    assert code == 1, err
+    assert err.startswith("training diverged at step ") and err.count("\n") == 1
+    assert "internal error" not in err and "report" not in err and "Traceback" not in err
+    assert f"{tmp_path / 'last.safetensors'}" in err and "--lr" in err
+    code, out, err = energy(monkeypatch, capsys, *args, "--json", "--fresh")
+    assert code == 1
+    summary = strict_json(out)
+    assert summary["diverged"] is True and summary["checkpoint"] == str(tmp_path / "last.safetensors")
+    assert summary["checkpoint_step"] < summary["step"] and summary["out"] == str(tmp_path)
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        strict_json(line)
+    code, out, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused, not replayed
+    assert code == 2 and "same settings" in err and "Traceback" not in err
+
+
+def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypatch, capsys):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8"))
+    assert code == 2 and "Traceback" not in err
+    assert str(tmp_path) in err and "dims.d is 16.0 there, 8.0 now" in err and "--fresh" in err and "--out" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8", "--fresh"))
+    assert code == 0, err
+    assert load_checkpoint(tmp_path)[1]["dims"]["d"] == 8
+
+
+def test_cli_seed_fixes_the_initial_weights(corpus, tmp_path, monkeypatch, capsys):
+    def metrics(name: str, seed: str) -> str:
+        code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / name, "--seed", seed))
+        assert code == 0, err
+        return (tmp_path / name / "metrics.jsonl").read_text()
+
+    first = metrics("a", "1")
+    torch.rand(10)  # whatever the process's RNG did in between
+    assert metrics("b", "1") == first
+    assert metrics("c", "2") != first
+
+
+def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeypatch, capsys):
+    """Editing the spec file after training (here the MLP width) must not break sampling: the checkpoint
+    carries the spec's text, and `sample` builds the model from that."""
+    spec = tmp_path / "gpt.energy"
+    spec.write_text((ROOT / "examples/models/gpt.energy").read_text())
+    args = tiny_cli_run(corpus, tmp_path / "run")
+    args[1] = str(spec)
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0, err
+    text = spec.read_text()
+    assert "4 * d" in text
+    spec.write_text(text.replace("4 * d", "2 * d"))
+    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "5", "--prompt", "the")
+    assert code == 0, err
+    assert out.startswith("the") and len(out.rstrip("\n")) == 8
+
+
+@pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--top-k", "0"]])
+def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):
+    code, _, err = energy(monkeypatch, capsys, "sample", str(tmp_path), *flag)
+    assert code == 2 and "--tokens must be >= 0" in err

@@ -4,6 +4,16 @@
 with AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient clipping and
 evaluation every `eval_interval` steps. In `out_dir` it keeps `last.*` (for resuming), `best.*` (the
 lowest validation loss), `metrics.jsonl` and `loss.png`. Step `s` always means "after `s` updates".
+Checkpoints are written at evaluations only: a killed run resumes from the last evaluation.
+
+Divergence: a loss (any training step's, or an evaluation's train or validation loss) has diverged
+when it is NaN or infinite, or above `diverge_factor` (4) times the run's initial loss (the training
+loss of the untrained model, measured at step 0) and above 2 ln V (twice a uniform guess's loss).
+Ordinary training, even noisy or during warmup, stays at or below the initial loss. A diverged run
+raises `TrainingDiverged` without writing `last` or `best` from the diverged state, so `last` is the
+last good checkpoint; it records the divergence in `metrics.jsonl` and in `diverged.json`. Resuming
+such a run with identical settings would replay the divergence, so it is refused (`UserError`);
+with any setting changed (typically a lower lr) it resumes from the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ class TrainConfig:
     device: str = "cpu"  # 'cpu', 'cuda', 'cuda:N' or 'auto'
     log_interval: int = 10  # also how often the loss is checked for NaN (each check syncs the GPU)
     dtype: str = "float32"  # 'float32', 'bfloat16' (autocast) or 'float16' (autocast + grad scaling, CUDA)
-    diverge_factor: float = 4.0  # a loss above this x the first loss (and above 2 ln V) after warmup diverged
+    diverge_factor: float = 4.0  # a loss above this x the initial loss (and above 2 ln V) diverged; inf: off
 
     def validate(self) -> None:
         """Reject impossible settings with a message naming the field (they usually come from CLI flags)."""
@@ -72,6 +82,8 @@ class TrainConfig:
             raise UserError(f"unknown dtype {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise UserError("weight_decay and grad_clip must not be negative")
+        if not self.diverge_factor > 1:
+            raise UserError(f"diverge_factor must be above 1, got {self.diverge_factor}")
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -148,14 +160,45 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+def _finite_or_none(value: Any) -> Any:
+    """NaN and infinities as None (JSON null): strict JSON parsers reject `NaN` and `Infinity`."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _show(value: Any, width: int = 40) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """What differs between a checkpoint's metadata and this run's, one short phrase each."""
+    missing = object()
+    diffs = []
+    for key in sorted(set(saved) | set(now), key=str):
+        a, b = saved.get(key, missing), now.get(key, missing)
+        if a == b:
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs.extend(_differences(a, b, f"{name}."))
+        elif a is missing or b is missing:
+            diffs.append(f"{name} is {'not set' if a is missing else _show(a)} there, "
+                         f"{'not set' if b is missing else _show(b)} now")
+        elif isinstance(a, str) and isinstance(b, str) and (len(a) > 40 or len(b) > 40 or "\n" in a + b):
+            diffs.append(f"{name} differs")
+        else:
+            diffs.append(f"{name} is {_show(a)} there, {_show(b)} now")
+    return diffs
+
+
 def _plot(metrics_path: Path, png_path: Path) -> None:
     """Draw the loss curves from metrics.jsonl (Agg canvas: no display, no global pyplot state)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
+    evals = [r for r in rows if r.get("kind") == "eval" and None not in (r.get("train_loss"), r.get("val_loss"))]
     fig = Figure(figsize=(7, 4.2), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -202,18 +245,41 @@ class _Run:
         self.config = config
         self.params = params
         self.last_plot = 0.0
+        self.good: tuple[int, float] | None = None  # (step, val loss) of `last` as this run wrote or resumed it
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self.metrics = out_dir / "metrics.jsonl"
+            self.diverged = out_dir / "diverged.json"
 
     @property
     def last_checkpoint(self) -> str | None:
-        if self.out_dir is None or not (self.out_dir / "last.safetensors").exists():
+        """`last.safetensors` if this run wrote or resumed it (never a stale one from another run)."""
+        if self.out_dir is None or self.good is None or not (self.out_dir / "last.safetensors").exists():
             return None
         return str(self.out_dir / "last.safetensors")
 
+    def divergence(self) -> dict[str, Any] | None:
+        """The record of an earlier attempt's divergence in this directory, if any."""
+        if self.out_dir is None or not self.diverged.exists():
+            return None
+        try:
+            record = json.loads(self.diverged.read_text())
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def mark_diverged(self, record: dict[str, Any]) -> None:
+        if self.out_dir is not None:
+            text = json.dumps({k: _finite_or_none(v) for k, v in record.items()}, indent=1, allow_nan=False)
+            tmp = self.diverged.with_name(f".{self.diverged.name}.tmp")
+            tmp.write_text(text)
+            tmp.replace(self.diverged)
+
     def find_resumable(self) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]] | None:
-        """The last checkpoint if it is complete and was made for the same metadata and data, else None."""
+        """The last checkpoint if it is complete and was made for the same metadata and data, else None.
+
+        A checkpoint of another model or dataset raises `UserError`: overwriting it takes `resume=False`.
+        """
         if self.out_dir is None or not (self.out_dir / "last.json").exists():
             return None
         try:
@@ -224,11 +290,17 @@ class _Run:
             return None
         training = sidecar.pop("training", {})
         data = training.get("dataset", {})
-        same_data = all(data.get(k) == self.dataset_info[k] for k in ("name", "vocab_size", "codec"))
-        if sidecar != self.metadata or not same_data:
-            warnings.warn(f"{self.out_dir} holds a checkpoint of a different model or dataset; starting "
-                          "afresh and overwriting it", stacklevel=3)
-            return None
+        diffs = []
+        if data.get("name") != self.dataset_info["name"]:
+            diffs.append(f"the dataset is {_show(data.get('name'))} there, {_show(self.dataset_info['name'])} now")
+        elif any(data.get(k) != self.dataset_info[k] for k in ("vocab_size", "codec")):
+            diffs.append(f"the dataset {_show(data.get('name'))} has another vocabulary there")
+        diffs += _differences(sidecar, self.metadata)
+        if diffs:  # most likely a typo in a flag: never overwrite a run unasked
+            shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+            raise UserError(f"{self.out_dir} holds a checkpoint (step {training.get('step')}) of a different "
+                            f"model or dataset: {shown}",
+                            hint="pass --fresh to overwrite that run, or choose another --out directory")
         if extra.get("step") != training.get("step"):
             warnings.warn(f"checkpoint files in {self.out_dir} disagree on the step; starting afresh",
                           stacklevel=3)
@@ -242,15 +314,18 @@ class _Run:
         keep: list[str] = []
         if resumed_step is not None and self.metrics.exists():
             for line in self.metrics.read_text().splitlines():
-                with contextlib.suppress(ValueError):
-                    if json.loads(line).get("step", 0) <= resumed_step:
+                with contextlib.suppress(ValueError, AttributeError):
+                    row = json.loads(line)
+                    if row.get("step", 0) <= resumed_step and row.get("kind") != "diverged":
                         keep.append(line + "\n")
         self.metrics.write_text("".join(keep))
+        self.diverged.unlink(missing_ok=True)  # this attempt starts from a good state
 
     def log(self, **row: Any) -> None:
         if self.out_dir is not None:
+            row = {k: _finite_or_none(v) for k, v in row.items()}
             with self.metrics.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, allow_nan=False) + "\n")
 
     def save(self, stem: str, model: nn.Module, state: _RunState, resume_state: dict[str, Any]) -> None:
         if self.out_dir is None:
@@ -262,6 +337,8 @@ class _Run:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         save_checkpoint(self.out_dir, stem, model, {**self.metadata, "training": training}, resume_state)
+        if stem == "last":
+            self.good = (state.step, state.val_loss)
 
     def plot(self, force: bool = False) -> None:
         if self.out_dir is None or not (force or time.monotonic() - self.last_plot > 30):
@@ -296,7 +373,11 @@ def train(
     Resumes from `out_dir/last.*` when `resume` and the checkpoint's metadata equals `metadata`
     (the caller's description of the model, e.g. spec source and dims). `on_eval(step, val_loss)`
     returning True stops after that evaluation. Raises `TrainingDiverged` on a NaN/inf or exploding
-    loss, leaving the last checkpoint (saved at the previous evaluation) untouched.
+    loss (see the module docstring), leaving the last checkpoint (saved at the previous evaluation)
+    untouched; the exception's `checkpoint` names it (None if there is none), `checkpoint_step` its
+    step and `reason` says what diverged. Raises `UserError` if `out_dir` holds a checkpoint of a
+    different model or dataset (`resume=False` overwrites it), or if it holds a run that diverged
+    with exactly this config (resuming would diverge again; change a setting, e.g. a lower lr).
     """
     config.validate()
     device = _device(config.device)
@@ -323,11 +404,20 @@ def train(
     found = run.find_resumable() if resume else None
     if found is not None:
         weights, training, extra = found
+        diverged = run.divergence()
+        if diverged is not None and diverged.get("config") == _jsonable(asdict(config)):
+            raise UserError(
+                f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
+                f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
+                "would diverge again",
+                hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
+                     "or pass --fresh to start over")
         model.load_state_dict(weights)
         optimizer.load_state_dict(extra["optimizer"])
         scaler.load_state_dict(extra["scaler"])
         generator.set_state(extra["rng"]["batches"])
         state = _RunState(**{f.name: training[f.name] for f in fields(_RunState)})
+        run.good = (state.step, state.val_loss)
     run.start(state.step if found else None)
 
     rng_devices = [device.index] if device.type == "cuda" else []
@@ -368,18 +458,38 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
     bar = tqdm(total=config.steps, initial=min(step, config.steps), disable=not show, unit="step",
                dynamic_ncols=True, leave=False)
 
+    def why_diverged(value: float, what: str) -> str | None:
+        """Why `value` counts as diverged (see the module docstring), or None if it does not."""
+        if not math.isfinite(value):
+            return f"the {what} was {value}"
+        if state.initial_loss is None:
+            return None
+        relative = config.diverge_factor * state.initial_loss
+        if value > max(relative, explode_floor):
+            limit = (f"{relative:.4g} = {config.diverge_factor:g} x the initial loss {state.initial_loss:.4g}"
+                     if relative >= explode_floor else f"{explode_floor:.4g} = 2 ln V")
+            return f"the {what} was {value:.4g}, above {limit}"
+        return None
+
+    def diverge(at: int, value: float, reason: str) -> None:
+        """Record the divergence and raise; `last` and `best` keep the last good states."""
+        good = run.good if run.last_checkpoint is not None else None
+        checkpoint_step = good[0] if good else None
+        run.log(kind="diverged", step=at, loss=value, reason=reason, checkpoint_step=checkpoint_step)
+        run.mark_diverged({"step": at, "loss": value, "reason": reason, "checkpoint": run.last_checkpoint,
+                           "checkpoint_step": checkpoint_step, "config": _jsonable(asdict(config))})
+        run.plot(force=True)
+        bar.close()
+        raise TrainingDiverged(at, value, run.last_checkpoint, reason, checkpoint_step, good[1] if good else None)
+
     def check_pending() -> None:
         values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
         for (at, _), value in zip(pending, values, strict=True):
-            if state.initial_loss is None and math.isfinite(value):
+            if state.initial_loss is None and math.isfinite(value):  # a checkpoint from before it was kept
                 state.initial_loss = value
-            exploded = (at >= config.warmup_steps and state.initial_loss is not None
-                        and value > config.diverge_factor * state.initial_loss and value > explode_floor)
-            if not math.isfinite(value) or exploded:
-                run.log(kind="diverged", step=at, loss=value)
-                run.plot(force=True)
-                bar.close()
-                raise TrainingDiverged(at, value, run.last_checkpoint)
+            reason = why_diverged(value, f"training loss at step {at}")
+            if reason is not None:
+                diverge(at, value, reason)
         if values:
             run.log(kind="train", step=step, loss=sum(values) / len(values), lr=lr_at(step - 1, config))
             shown["loss"] = values[-1]
@@ -395,10 +505,13 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                 torch.cuda.synchronize(device)
             train_time += time.perf_counter() - started
             losses = estimate_loss(model, dataset, config, device, autocast)
+            if state.initial_loss is None and math.isfinite(losses["train"]):
+                state.initial_loss = losses["train"]  # step 0: the untrained model's loss
+            for split in ("val", "train"):  # before anything is saved: `last` never holds a diverged state
+                reason = why_diverged(losses[split], f"{split} loss evaluated at step {step}")
+                if reason is not None:
+                    diverge(step, losses[split], reason)
             state.step, state.train_loss, state.val_loss = step, losses["train"], losses["val"]
-            if not math.isfinite(losses["val"]):
-                run.plot(force=True)
-                raise TrainingDiverged(step, losses["val"], run.last_checkpoint)
             improved = losses["val"] < state.best_val_loss
             if improved:
                 state.best_val_loss, state.best_step = losses["val"], step

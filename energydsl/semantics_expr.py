@@ -1,0 +1,266 @@
+"""Semantics of expressions: the syntax tree of an expression to the tensor IR, inside one energy's scope.
+
+`ExpressionLowering` is the half of `semantics._Lowering` that lowers expressions. Names resolve against
+what the clause half has declared (dims, scalar params, lets, the state and its `via`, the input, the
+context and the indices); shapes and indices are checked by the IR's smart constructors, whose
+`ShapeError`s become `SpecError`s located at the expression.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import sympy as sp
+
+from . import ir
+from . import syntax as ast
+from .errors import SpecError
+from .functions import antiderivative
+from .ir import Expr, IndexInfo, ShapeError, Var
+
+if TYPE_CHECKING:
+    from .semantics import _Scope
+
+FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus"}
+SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye"}
+EPS = sp.Rational(1, 10**6)
+
+
+class ExpressionLowering:
+    """Expression lowering; the names in scope are the subclass's (`semantics._Lowering`)."""
+
+    scope: _Scope
+    indices: dict[str, IndexInfo]
+    scalar_params: dict[str, sp.Symbol]
+    input: Var | None
+    context: Var | None
+    via: tuple[Var, Expr, str] | None
+
+    def expr(self, n: ast.Node) -> Expr:
+        try:
+            return self._expr(n)
+        except ShapeError as e:
+            raise SpecError(str(e), n.span) from None
+
+    def _expr(self, n: ast.Node) -> Expr:
+        match n:
+            case ast.Num():
+                return ir.Scalar(sp.nsimplify(n.value) if n.value == int(n.value) or len(str(n.value)) < 8
+                                 else sp.Float(n.value))
+            case ast.Name():
+                return self._name(n)
+            case ast.Hole():
+                raise SpecError("a search hole (choice/int/float) can only be filled by `energy search`", n.span)
+            case ast.Neg():
+                return ir.neg(self.expr(n.operand))
+            case ast.Transpose():
+                return ir.transpose(self.expr(n.operand))
+            case ast.BinOp():
+                return self._binop(n)
+            case ast.Index():
+                return self._index(n)
+            case ast.Reduce():
+                return self._reduce(n)
+            case ast.Call():
+                return self._call(n)
+            case ast.Integral():
+                if n.func not in FUNCTIONS:
+                    raise SpecError(f"integral({n.func}): `{n.func}` is not an element-wise function", n.span)
+                return ir.func(antiderivative(n.func), self.expr(n.arg))
+        raise SpecError(f"unsupported expression {type(n).__name__}", n.span)
+
+    def _name(self, n: ast.Name) -> Expr:
+        name = n.name
+        s = self.scope
+        if name in s.dims:
+            return ir.Scalar(s.dims[name])
+        if name in self.scalar_params:
+            return ir.Scalar(self.scalar_params[name])
+        if name in s.lets:
+            idx, body = s.lets[name]
+            if idx:
+                raise SpecError(f"`{name}` is indexed by {', '.join(idx)}: write `{name}[{', '.join(idx)}]`", n.span)
+            return body
+        if name == "i":
+            return ir.Pos(None)
+        if name in self.indices and self.indices[name].context is not None:
+            return ir.Pos(name)
+        if name in s.vars:
+            v = s.vars[name]
+            if v.role == "context" and (self.input is None or self.input.name != name):
+                raise SpecError(f"context `{name}` must be indexed by its token index: `{name}[{v.index}]`", n.span)
+            if v.role == "context":
+                return self.input
+            return v
+        if self.via and name == self.via[0].name:
+            return self.via[0]
+        hint = None
+        known = sorted(set(s.decl_spans) | {"i"})
+        close = [k for k in known if _close(k, name)]
+        if close:
+            hint = f"did you mean `{close[0]}`?"
+        raise SpecError(f"undefined name `{name}`", n.span, hint)
+
+    def _binop(self, n: ast.BinOp) -> Expr:
+        a, b = self.expr(n.left), self.expr(n.right)
+        match n.op:
+            case "+":
+                return ir.add_broadcast(a, b)
+            case "-":
+                return ir.add_broadcast(a, ir.neg(b))
+            case "*":
+                return ir.mul(a, b)
+            case "/":
+                return ir.mul(a, ir.power(b, -1))
+            case "@":
+                return ir.matmul(a, b)
+            case ".":
+                return ir.dot(a, b)
+            case "^":
+                if b.shape:
+                    raise SpecError("an exponent must be a scalar", n.right.span)
+                if isinstance(b, ir.Scalar):
+                    return ir.power(a, b.value)
+                if a.shape or not isinstance(a, ir.Scalar):
+                    raise SpecError("a tensor power needs a constant exponent", n.right.span)
+                return ir.func("exp", ir.mul(b, ir.Scalar(sp.log(a.value))))
+        raise SpecError(f"unknown operator {n.op}", n.span)
+
+    def _index(self, n: ast.Index) -> Expr:
+        base = n.base
+        if isinstance(base, ast.Name):
+            name = base.name
+            if name in self.scope.lets:
+                idx, body = self.scope.lets[name]
+                if len(idx) != len(n.indices):
+                    raise SpecError(f"`{name}` takes {len(idx)} indices, got {len(n.indices)}", n.span)
+                return _rename(body, dict(zip(idx, n.indices)))
+            v = self.scope.vars.get(name)
+            if v is not None and v.role == "context" or (self.context is not None and name == self.context.name):
+                ctx = self.context
+                if len(n.indices) != 1:
+                    raise SpecError(f"context `{name}` takes one index", n.span)
+                i = n.indices[0]
+                if i != ctx.index:
+                    raise SpecError(f"context `{name}` is indexed by `{ctx.index}`, not `{i}`", n.span,
+                                    f"its relation is declared as `{ctx.index} <= i` or `{ctx.index} < i`")
+                return ctx
+        out = self.expr(base)
+        for i in n.indices:
+            if not out.shape:
+                raise SpecError("too many indices: this is a scalar", n.span)
+            if i == "i" or (i in self.indices and self.indices[i].context is not None):
+                raise SpecError(f"`{i}` is a token index; only the context may be indexed by it", n.span)
+            size = out.shape[0]
+            info = self.indices.get(i)
+            if info is None:
+                self.indices[i] = IndexInfo(i, size=size)
+            elif info.size is not None and sp.simplify(info.size - size) != 0:
+                raise SpecError(f"index `{i}` ranges over {info.size} elsewhere but over {size} here", n.span)
+            out = ir.Index(out, i)
+        return out
+
+    def _reduce(self, n: ast.Reduce) -> Expr:
+        body = self.expr(n.body)
+        for i in reversed(n.indices):
+            if i not in self.indices:
+                raise SpecError(f"unknown index `{i}` in {n.op}[{i}]", n.span,
+                                "an index comes from a context (`context h[j, d]`) or from indexing a param (`W[k]`)")
+            if i not in body.free:
+                raise SpecError(f"{n.op}[{i}] over an expression that does not use `{i}`", n.span)
+            if n.op == "softmax":
+                if body.shape:
+                    raise SpecError("softmax[...] takes a scalar score", n.span)
+                body = ir.Softmax(i, body)
+            else:
+                if n.op in ("logsumexp", "max") and body.shape:
+                    raise SpecError(f"{n.op}[{i}] takes a scalar body", n.span)
+                body = ir.reduce(n.op, i, body)
+        return body
+
+    def _call(self, n: ast.Call) -> Expr:
+        f, args = n.func, n.args
+        if f in FUNCTIONS:
+            if len(args) != 1:
+                raise SpecError(f"{f}(x) takes one argument", n.span)
+            return ir.func(f, self.expr(args[0]))
+        if f not in SPECIAL:
+            if f == "alibi_slopes":
+                raise SpecError("alibi_slopes(heads) is an initialiser: `param m[heads] = alibi_slopes(heads)`", n.span)
+            hint = f"known functions: {', '.join(sorted(FUNCTIONS | SPECIAL))}"
+            raise SpecError(f"unknown function `{f}`", n.span, hint)
+        vals = [self.expr(a) for a in args]
+        if f == "norm":
+            if len(vals) == 1:
+                return ir.func("sqrt", ir.dot(vals[0], vals[0]))
+            if len(vals) == 2 and isinstance(vals[1], ir.Scalar):
+                p = vals[1].value
+                return ir.power(ir.sum_all(ir.power(ir.func("abs", vals[0]), p)), 1 / p)
+            raise SpecError("norm(x) or norm(x, p) with a constant p", n.span)
+        if f in ("rmsnorm", "layernorm"):
+            if len(vals) != 1 or len(vals[0].shape) != 1:
+                raise SpecError(f"{f}(x) takes one vector", n.span)
+            x = vals[0]
+            size = x.shape[0]
+            if f == "layernorm":
+                x = ir.add_broadcast(x, ir.neg(ir.mul(ir.Scalar(1 / size), ir.sum_all(x))))
+            scale = ir.power(ir.add(ir.mul(ir.Scalar(1 / size), ir.dot(x, x)), ir.Scalar(EPS)), sp.Rational(-1, 2))
+            return ir.mul(scale, x)
+        if f == "diag":
+            if len(vals) != 1 or len(vals[0].shape) != 1:
+                raise SpecError("diag(v) takes one vector", n.span)
+            return ir.Diag(vals[0])
+        if f == "stopgrad":
+            return ir.StopGrad(vals[0])
+        if f == "outer":
+            if len(vals) != 2:
+                raise SpecError("outer(a, b) takes two vectors", n.span)
+            return ir.outer(*vals)
+        if f == "huber":
+            if len(vals) != 2 or not isinstance(vals[1], ir.Scalar):
+                raise SpecError("huber(r, delta) takes a value and a constant threshold", n.span)
+            r, delta = ir.func("abs", vals[0]), vals[1]
+            over = ir.func("relu", ir.add_broadcast(r, ir.neg(delta)))
+            clipped = ir.add(r, ir.neg(over))
+            return ir.add(ir.mul(ir.Scalar(sp.Rational(1, 2)), ir.power(clipped, 2)), ir.mul(delta, over))
+        if f in ("mean", "sum"):
+            if len(vals) != 1:
+                raise SpecError(f"{f}(x) takes one tensor; to reduce over an index write {f}[j](...)", n.span)
+            total = ir.sum_all(vals[0])
+            if f == "mean":
+                size = sp.Integer(1)
+                for s in vals[0].shape:
+                    size *= s
+                total = ir.mul(ir.Scalar(1 / size), total)
+            return total
+        if f == "eye":
+            if len(vals) != 1 or not isinstance(vals[0], ir.Scalar):
+                raise SpecError("eye(n) takes a size", n.span)
+            return ir.Identity(vals[0].value)
+        raise SpecError(f"unknown function `{f}`", n.span)
+
+
+def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
+    """Rename free indices (a `local E[k, j]` used as `E[h, j]`)."""
+    mapping = {k: v for k, v in mapping.items() if k != v}
+    if not mapping:
+        return e
+    match e:
+        case Var() if e.index in mapping:
+            return Var(e.name, e.role, e.var_shape, mapping[e.index])
+        case ir.Pos() if e.index in mapping:
+            return ir.Pos(mapping[e.index])
+        case ir.Index():
+            return ir.Index(_rename(e.base, mapping), mapping.get(e.index, e.index))
+        case ir.Reduce() | ir.Softmax() if e.index in mapping:
+            inner = {k: v for k, v in mapping.items() if k != e.index}
+            return ir.rebuild(e, [_rename(e.body, inner)])
+    if not e.children:
+        return e
+    return ir.rebuild(e, [_rename(c, mapping) for c in e.children])
+
+
+def _close(a: str, b: str) -> bool:
+    if abs(len(a) - len(b)) > 1 or a == b:
+        return False
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b)) <= 1 or sorted(a) == sorted(b)
