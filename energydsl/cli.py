@@ -82,16 +82,21 @@ def check(
 
     dims = parse_sets(sets)
     all_ok = True
+    status = 1  # of a failed run: 1 a failing check, 2 a bad file, 70 an internal error (the worst one wins)
     for path in expand_files(files):
         t0 = time.perf_counter()
         try:
             spec = load(path)
             derived = spec.derive(**dims)
-        except UserError as e:
+            if not derived:
+                raise UserError(f"{path} declares no energy")
+        except Exception as e:  # --json: one object per file, and the files after a bad one still run
             if not as_json:
                 raise
-            print(json.dumps({"file": path, "ok": False, "error": e.render(), "energies": []}))
-            all_ok = False
+            internal = not isinstance(e, UserError)
+            error = f"internal error: {type(e).__name__}: {e}" if internal else e.render()
+            print(json.dumps({"file": path, "ok": False, "error": error, "energies": []}))
+            all_ok, status = False, max(status, 70 if internal else 2)
             continue
         report = []
         file_ok = True
@@ -117,7 +122,7 @@ def check(
             out.print(table)
         out.print(f"[{'green' if file_ok else 'red'}]{path}: {'ok' if file_ok else 'FAILED'}[/] ({seconds:.2f} s)\n")
     if not all_ok:
-        raise typer.Exit(1)
+        raise typer.Exit(status)
 
 
 @app.command("compile")
@@ -242,6 +247,10 @@ def train_(
     with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
         torch.manual_seed(seed)
         spec, model = _model(file, name, sets, backend)
+    run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
+    _writable_dir(run_dir, "--out")
+    if block_size is not None and block_size < 1:
+        raise UserError(f"--block-size must be at least 1, got {block_size}")
     block = block_size or model.block_size
     if block > model.block_size:
         raise UserError(f"--block-size {block} is longer than the model's context {model.block_size}")
@@ -252,7 +261,6 @@ def train_(
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block, lr=lr, min_lr=lr / 10,
                          warmup_steps=min(warmup, steps), eval_interval=eval_interval, eval_iters=eval_iters,
                          device=device, seed=seed)
-    run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
     metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file), "model": model.plan.name,
                 "dims": model.plan.dims, "context": model.block_size, "equation_hash": model.equation_hash()}
     try:
@@ -266,6 +274,20 @@ def train_(
         print(json.dumps(result, default=str))
     else:
         out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    """Create `path` as a directory we can write into, or say why not (before any work is done)."""
+    import os
+
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a directory", hint=f"choose another {flag}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {flag} {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write into {flag} {path}: permission denied")
 
 
 def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> None:

@@ -38,9 +38,16 @@ class ExpressionLowering:
 
     def expr(self, n: ast.Node) -> Expr:
         try:
-            return self._expr(n)
+            out = self._expr(n)
         except ShapeError as e:
             raise SpecError(str(e), n.span) from None
+        if isinstance(out, ir.Scalar):  # checked where it first goes wrong: the innermost such node
+            if out.value.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+                raise SpecError("this is not a finite number (a division by zero, or log(0)?)", n.span)
+            if out.value.is_real is False:
+                raise SpecError(f"this is not a real number: {out.value}", n.span,
+                                "dims are positive; a square root or log of a negative value is complex")
+        return out
 
     def _expr(self, n: ast.Node) -> Expr:
         match n:

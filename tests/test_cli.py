@@ -1,5 +1,6 @@
 """Command-line usage errors: a clear message and exit status 2, never an internal error."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,24 @@ def test_report_on_a_missing_sqlite_file_creates_nothing(tmp_path: Path) -> None
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2 and "no study storage at" in proc.stderr, proc.stderr
     assert not db.exists()
+
+
+def test_train_out_naming_a_file_is_refused_before_any_work(tmp_path: Path) -> None:
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "train", GPT, "--data", "shakespeare_char",
+                           "--steps", "1", "--out", str(target)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr, proc.stderr
+    assert target.read_text() == "keep me"
+
+
+def test_check_json_reports_every_file_and_exits_2_on_a_bad_one(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.energy"
+    empty.write_text("")
+    good = ROOT / "examples/intrinsic-optimizers/softmax-attention.energy"
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", "--json", str(tmp_path / "missing.energy"),
+                           str(empty), str(good)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["ok"] for r in rows] == [False, False, True]
+    assert "no such file" in rows[0]["error"] and "declares no energy" in rows[1]["error"]

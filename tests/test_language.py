@@ -49,6 +49,13 @@ def test_parses_and_names():
          "not a positive whole number", 2, 12),
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer adam(eta = 1)\n}",
          "unknown optimizer", 4, 13),
+        # a scalar that is complex or not finite is an error where it first arises, not a crash later
+        ("energy A(d = 2) {\n  state z[d]\n  let T = 2 * sqrt(-d)\n  global F = T * z . z\n}",
+         "not a real number", 3, 15),
+        ("energy A(d = 2) {\n  state z[d]\n  let T = log(0)\n  global F = T * z . z\n}",
+         "not a finite number", 3, 11),
+        ("energy A(d = 2) {\n  state z[d]\n  let T = sqrt(d) / 0\n  global F = T * z . z\n}",
+         "not a finite number", 3, 11),
     ],
 )
 def test_located_errors(text, message, line, col):

@@ -465,3 +465,21 @@ def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeyp
 def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):
     code, _, err = energy(monkeypatch, capsys, "sample", str(tmp_path), *flag)
     assert code == 2 and "--tokens must be >= 0" in err
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "steps disagree"])
+def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_path, monkeypatch, capsys):
+    """Starting afresh over a run whose `last` cannot be resumed would overwrite its `best`: refuse instead."""
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    best = (tmp_path / "best.safetensors").read_bytes()
+    if damage == "truncated weights":
+        weights = tmp_path / "last.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:  # a kill between the weights and the sidecar: the sidecar still names the previous evaluation
+        sidecar = json.loads((tmp_path / "last.json").read_text())
+        sidecar["training"]["step"] -= 2
+        (tmp_path / "last.json").write_text(json.dumps(sidecar))
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    assert code == 2 and "cannot resume" in err and "--fresh" in err, err
+    assert (tmp_path / "best.safetensors").read_bytes() == best

@@ -160,6 +160,10 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+_START_OVER = ("pass --fresh to start over (that overwrites best.* too: copy it first if you need it), or choose "
+               "another --out directory")
+
+
 def _finite_or_none(value: Any) -> Any:
     """NaN and infinities as None (JSON null): strict JSON parsers reject `NaN` and `Infinity`."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
@@ -278,16 +282,19 @@ class _Run:
     def find_resumable(self) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]] | None:
         """The last checkpoint if it is complete and was made for the same metadata and data, else None.
 
-        A checkpoint of another model or dataset raises `UserError`: overwriting it takes `resume=False`.
+        A checkpoint of another model or dataset, or one that cannot be resumed (damaged, or its files from
+        different steps after a kill between two writes), raises `UserError`: starting afresh would overwrite
+        the run's `best.*`, so that takes `resume=False`.
         """
         if self.out_dir is None or not (self.out_dir / "last.json").exists():
             return None
         try:
             state, sidecar = load_checkpoint(self.out_dir / "last.safetensors")
             extra = torch.load(self.out_dir / "last.optim.pt", map_location="cpu", weights_only=True)
-        except Exception as e:  # a damaged checkpoint is reported and replaced, not fatal
-            warnings.warn(f"ignoring unreadable checkpoint in {self.out_dir}: {e}", stacklevel=3)
-            return None
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with the files, the answer is the same
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"the checkpoint last.* in {self.out_dir} cannot be read, so the run cannot resume: "
+                            f"{first[:200]}", hint=_START_OVER) from None
         training = sidecar.pop("training", {})
         data = training.get("dataset", {})
         diffs = []
@@ -302,9 +309,9 @@ class _Run:
                             f"model or dataset: {shown}",
                             hint="pass --fresh to overwrite that run, or choose another --out directory")
         if extra.get("step") != training.get("step"):
-            warnings.warn(f"checkpoint files in {self.out_dir} disagree on the step; starting afresh",
-                          stacklevel=3)
-            return None
+            raise UserError(f"the checkpoint files last.* in {self.out_dir} are from different steps "
+                            f"({extra.get('step')} and {training.get('step')}: killed while saving?), so the run "
+                            "cannot resume", hint=_START_OVER)
         return state, training, extra
 
     def start(self, resumed_step: int | None) -> None:
