@@ -7,7 +7,22 @@ with status 2. Anything else is an internal error: one line naming the spec, exi
 
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass, field
+
+
+def _blank(text: str) -> str:
+    """Blanks as wide on a terminal as `text`: its tabs kept (so that the caret line meets the same tab
+    stops as the source line above it), two spaces for a wide character, none for a zero-width one."""
+    out = []
+    for ch in text:
+        if ch == "\t":
+            out.append("\t")
+        elif unicodedata.combining(ch) or unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+            continue
+        else:
+            out.append("  " if unicodedata.east_asian_width(ch) in ("W", "F") else " ")
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -41,19 +56,21 @@ class UserError(Exception):
         where = f"{self.span}: " if self.span else ""
         lines.append(f"{where}error: {self.message}")
         if self.span and self.span.source is not None:
-            text_lines = self.span.source.splitlines()
+            text_lines = self.span.source.split("\n")  # lines as the parser counts them (not at \f or \u2028)
             if 1 <= self.span.line <= len(text_lines):
-                src = text_lines[self.span.line - 1]
+                src = text_lines[self.span.line - 1].rstrip("\r")
                 if len(src) > 200:  # keep megabyte-long lines readable
                     start = max(0, self.span.column - 100)
                     src, col = src[start : start + 200], self.span.column - start
                 else:
                     col = self.span.column
+                col = max(1, col)
                 width = 1
                 if self.span.end_column and self.span.end_column > self.span.column:
                     width = min(self.span.end_column - self.span.column, max(1, len(src) - col + 1))
+                under = _blank(src[col - 1 : col - 1 + width]).replace("\t", " ")
                 lines.append(f"  {src}")
-                lines.append("  " + " " * max(0, col - 1) + "^" * width)
+                lines.append("  " + _blank(src[: col - 1]) + "^" * max(1, len(under)))
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)

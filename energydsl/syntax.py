@@ -19,7 +19,8 @@ from .errors import Span, SpecError
 
 GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammars" / "energy.lark"
 MAX_SOURCE_BYTES = 4 * 1024 * 1024
-MAX_NESTING = 200
+MAX_NESTING = 200  # brackets inside one another
+MAX_TREE_DEPTH = 250  # levels of the parse tree: operators chained (`1 + 1 + ...`, `---x`) count too
 
 
 # ----------------------------------------------------------------------------- expressions
@@ -511,18 +512,17 @@ class _ToAst(Transformer):
         return list(c)
 
 
-_EXPECTED_WORDS = {
-    "NAME": "a name", "NUMBER": "a number", "RBRACE": "`}`", "LBRACE": "`{`", "RPAR": "`)`", "LPAR": "`(`",
-    "RSQB": "`]`", "LSQB": "`[`", "COMMA": "`,`", "EQUAL": "`=`", "STRING": "a quoted path",
-    "RELATION": "`<=` or `<`", "$END": "end of file",
-}
-
-
-def _describe_expected(expected: set[str]) -> str:
-    words = sorted({_EXPECTED_WORDS.get(e, f"`{e.lower()}`" if e.isupper() and len(e) < 12 else e) for e in expected})
-    if len(words) > 8:
-        words = words[:8] + ["..."]
-    return ", ".join(words)
+def _check_depth(tree: lark.Tree, text: str, file: str) -> None:
+    """Refuse a parse tree deeper than MAX_TREE_DEPTH (`----...x`, a sum of a thousand terms) before
+    anything recursive walks it: the bracket count in `_check_text` doesn't see operator chains."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            line, col = getattr(node.meta, "line", 1), getattr(node.meta, "column", 1)
+            raise SpecError(f"expression nested too deeply (more than {MAX_TREE_DEPTH} operators inside one another)",
+                            Span(file, line, col, text), "split it with `let` bindings")
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, lark.Tree))
 
 
 def _check_text(text: str, file: str) -> None:
@@ -548,26 +548,17 @@ def _check_text(text: str, file: str) -> None:
 
 def parse_text(text: str, file: str = "<string>") -> list[Any]:
     """Parse one source text into a list of declarations and ("import", path, span) tuples."""
+    text = text.removeprefix("\ufeff")  # a byte-order mark some editors write: not part of the spec
     _check_text(text, file)
     try:
         tree = _parser().parse(text)
-    except lark.exceptions.UnexpectedCharacters as e:
-        raise SpecError(f"unexpected character {text[e.pos_in_stream]!r}", Span(file, e.line, e.column, text),
-                        f"expected {_describe_expected(set(e.allowed))}" if e.allowed else None) from None
-    except lark.exceptions.UnexpectedToken as e:
-        tok = e.token
-        what = "end of file" if tok.type == "$END" else f"`{tok}`"
-        line = tok.line if tok.line is not None else text.count("\n") + 1
-        col = tok.column if tok.column is not None else 1
-        end = col + len(str(tok)) if tok.type != "$END" else None
-        raise SpecError(f"unexpected {what}", Span(file, line, col, text, end),
-                        f"expected {_describe_expected(set(e.expected))}") from None
-    except lark.exceptions.UnexpectedEOF as e:
-        lines = text.splitlines() or [""]
-        raise SpecError("unexpected end of file", Span(file, len(lines), len(lines[-1]) + 1, text),
-                        f"expected {_describe_expected(set(e.expected))}") from None
+    except lark.exceptions.UnexpectedInput as e:
+        from .syntax_errors import syntax_error  # the error path only: it reads the grammar's terminals
+
+        raise syntax_error(e, text, file) from None
     except RecursionError:
         raise SpecError("expression too deeply nested", Span(file, 1, 1, text)) from None
+    _check_depth(tree, text, file)
     try:
         return _ToAst(file, text).transform(tree)
     except lark.exceptions.VisitError as e:
@@ -586,7 +577,7 @@ def _read(path: Path, span: Span | None) -> str:
     except OSError as e:
         raise SpecError(f"cannot read {path}: {e.strerror}", span) from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark (some Windows editors write one) is dropped
     except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not UTF-8 text (bad byte at offset {e.start})", span,
                         "a .energy spec is UTF-8 text") from None
