@@ -48,14 +48,12 @@ def space_spec(space: str) -> str:
 
 
 def output_dir(storage: str, study: str) -> Path:
-    """Where the report and the best candidate go by default: next to the storage."""
-    from energydsl.search.report import safe_name
+    """Where the report and the best candidate go by default: next to the storage (a journal or an SQLite
+    file), else runs/STUDY."""
+    from energydsl.search.report import local_file, safe_name
 
-    if "://" not in storage:
-        return Path(storage).parent
-    if storage.startswith("sqlite:///"):
-        return Path(storage.removeprefix("sqlite:///")).parent
-    return Path("runs") / safe_name(study)
+    local = local_file(storage)
+    return local.parent if local is not None else Path("runs") / safe_name(study)
 
 
 def search(
@@ -91,9 +89,13 @@ def search(
 ) -> None:
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
     from energydsl.search import export_best, run_search, write_report
+    from energydsl.search.report import check_output
     from energydsl.search.space import SpaceRef, resolve_space
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
+    for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
+        if path is not None and not holes:
+            check_output(path, flag, example)  # before any trial runs, not after
     if holes:
         resolved = resolve_space(ref)
         rows = resolved.describe() if hasattr(resolved, "describe") else []
@@ -116,15 +118,16 @@ def search(
         best_path = Path(export) if export else where / "best.energy"
         export_best(summary["storage"], summary["study"], best_path)
         summary["best_source"] = str(best_path)
+    err = sys.stderr
     if as_json:
         print(json.dumps(summary, default=_plain))
-        return
-    err = sys.stderr
-    print(f"report: {report_path}", file=err)
-    if summary["best_source"]:
-        print(f"best candidate: {summary['best_source']}", file=err)
+    else:
+        print(f"report: {report_path}", file=err)
+        if summary["best_source"]:
+            print(f"best candidate: {summary['best_source']}", file=err)
     if summary.get("interrupted"):
         print("interrupted: run the same command again to continue the study", file=err)
+        raise typer.Exit(130)  # the conventional status of a command stopped by Ctrl-C
 
 
 def report(
@@ -142,10 +145,13 @@ def report(
     """Write a self-contained HTML report of a study (plots, leaderboard, every trial's spec and equations)."""
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.report import default_storage_path
+    from energydsl.search.report import check_output, default_storage_path
 
     store, study_name = _locate(study, storage, name, default_storage_path)
     path = Path(out) if out else output_dir(store, study_name) / "report.html"
+    check_output(path, "-o/--output" if out else "report")
+    if export:
+        check_output(export, "--export", "best.energy")
     write_report(store, study_name, path)
     if leaderboard:
         print_leaderboard(load_study(store, study_name))
@@ -159,8 +165,10 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
     """(storage, study name) from what the user gave: a study name, a journal path or a URL."""
     import optuna
 
-    from energydsl.search.report import open_storage
+    from energydsl.search.report import local_file, open_storage
 
+    if storage is not None and not storage.strip():
+        raise UserError("--storage is empty", hint="give the journal file or the storage URL of the study")
     if storage is None and ("://" in study or Path(study).is_file()):
         storage, study = (study if "://" in study else str(Path(study).resolve())), ""
     if storage is None:
@@ -169,9 +177,9 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
             raise UserError(f"no study {study!r} under runs/ (looked for {storage})",
                             hint="give the storage with --storage, or the journal file itself")
         return str(Path(storage).resolve()), name or study
-    local = storage.removeprefix("sqlite:///") if storage.startswith("sqlite:///") else storage
-    if "://" not in local and not Path(local).exists():  # opening a missing file would create an empty one
-        raise UserError(f"no study storage at {storage}")
+    local = local_file(storage)
+    if local is not None and not local.exists():
+        raise UserError(f"no study storage at {storage}")  # opening a missing file would create an empty one
     wanted = name or study
     if wanted:
         return storage, wanted

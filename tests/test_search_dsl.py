@@ -237,6 +237,19 @@ def test_imports_are_inlined(tmp_path: Path) -> None:
     ("model Tiny(d = float 0..1 log)", "low > 0"),
     ("optimizer Mix: choice{ gd, gd }", "listed twice"),
     ("across layers choice{ none(beta = 1), nag }", "`none` takes no arguments"),
+    # settings training would refuse (every trial would fail): found before any trial runs
+    ("trials 0", "`trials` must be at least 1"),
+    ("data nope", "unknown dataset 'nope'"),
+    ("data shakespeare_char, steps -5", "steps must be at least 1, got -5"),
+    ("data shakespeare_char, steps 0", "steps must be at least 1, got 0"),
+    ("data shakespeare_char, steps float 2..4", "`steps` must be a whole number"),
+    ("train lr = -1", "need 0 < lr"),
+    ("train batch = 0", "batch_size must be at least 1"),
+    ("train dtype = foo", "unknown dtype 'foo'"),
+    ("train lr = float 0..1e-2", "need 0 < lr"),  # a hole: its bounds are checked
+    ("train batch = choice{4, 0}", "batch_size must be at least 1"),  # ... and each option of a choice
+    ("train eval_iters = int 0..3", "eval_iters must be at least 1"),
+    ("train lr = 2 * float 1e-3..1e-2", "takes a number or one hole"),
 ])
 def test_mistakes_in_a_search_are_located(tmp_path: Path, bad: str, message: str) -> None:
     path = write(tmp_path, TINY + f"search T {{\n  {bad}\n}}\n")
@@ -264,6 +277,75 @@ def test_which_search_and_settings(tmp_path: Path) -> None:
         load_search(write(tmp_path, TINY, "plain.energy"))
     with pytest.raises(SpecError, match="declares no `model`"):
         load_search(write(tmp_path, TINY.split("model Tiny")[0] + "search S { trials 2 }", "nomodel.energy"))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("steps", "-1", "steps must be at least 1"), ("steps", "0", "steps must be at least 1"),
+    ("lr", "-1", "need 0 < lr"), ("batch", "0", "batch_size must be at least 1"),
+    ("data", "nope", "unknown dataset 'nope'"), ("data", "chars:/nonexistent/x.txt", "text file not found"),
+    ("dtype", "foo", "unknown dtype 'foo'"), ("timeout", "-1", "timeout must be a positive number"),
+    ("trials", "0", "trials must be at least 1"), ("seed", "1.5", "`seed` must be a whole number"),
+])
+def test_bad_settings_given_with_set_name_the_set(tmp_path: Path, key: str, value: str, message: str) -> None:
+    path = write(tmp_path, TINY + SEARCH)
+    with pytest.raises(UserError) as e:
+        load_search(path, **{key: value})
+    assert message in e.value.message and e.value.message.startswith(f"--set {key}={value}: "), e.value.message
+
+
+def test_good_settings_and_datasets_are_accepted(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY + SEARCH)
+    text = tmp_path / "text.txt"
+    text.write_text("abc abd\n" * 10)
+    for data in (f"chars:{text}", f"bytes:{text}", "listops", "mqar"):
+        assert load_search(path, data=data).settings["data"].fixed == data
+    assert load_search(path, steps="1", lr="0.5", min_lr="0.9", dtype="bfloat16").budget["steps"] == 1
+    no_trials = write(tmp_path, TINY + SEARCH.replace("  trials 4\n", ""), "default.energy")
+    assert load_search(no_trials).budget["trials"] == 20
+
+
+def test_a_device_the_trials_cannot_use_is_refused_before_any_trial(tmp_path: Path) -> None:
+    import torch
+
+    path, journal = write(tmp_path, TINY + SEARCH), tmp_path / "s.journal"
+    devices = ["foo", "tpu"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:0"])
+    for device in devices:
+        with pytest.raises(UserError, match="device"):
+            run_search(path, device=device, storage=str(journal), trials=1, progress=False, json=True)
+    assert not journal.exists()
+
+
+def test_a_changed_hole_is_refused_before_any_trial(tmp_path: Path) -> None:
+    """Optuna cannot change a choice's options within a study: a rerun of an edited space stops at the hole."""
+    from energydsl.search import open_study
+
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    space = load_search(path)
+    study = open_study(journal, "T", space)
+    trial = study.ask()
+    space.suggest(trial)  # what a trial of the search records: every hole's distribution
+    study.tell(trial, 1.0)
+    edited = (TINY + SEARCH).replace("choice{8, 16}", "choice{8, 12}")
+    write(tmp_path, edited)
+    with pytest.raises(UserError) as e:
+        run_search(path, storage=journal, study_name="T", trials=2, progress=False, json=True)
+    line = next(i for i, text in enumerate(edited.splitlines(), 1) if "model Tiny(d = choice{8, 12})" in text)
+    assert "`Tiny.d`" in e.value.message and "choice{8, 16}" in e.value.message and e.value.span is not None
+    assert e.value.span.line == line and "--study" in (e.value.hint or "") and "--storage" in (e.value.hint or "")
+    assert len(load_study(journal, "T").trials) == 1  # nothing ran
+    write(tmp_path, TINY + SEARCH.replace("1e-3..1e-2", "1e-3..2e-2"))  # a new range: Optuna takes it
+    open_study(journal, "T", load_search(path))
+
+
+def test_cli_bad_settings_exit_2_located(tmp_path: Path) -> None:
+    path = write(tmp_path, TINY + SEARCH.replace("batch = 4", "batch = 0"))
+    r = energy("search", path, "--trials", "1", cwd=tmp_path)
+    assert r.returncode == 2 and "space.energy:" in r.stderr and "batch_size must be at least 1" in r.stderr
+    assert "^" in r.stderr and "Traceback" not in r.stderr
+    r = energy("search", write(tmp_path, TINY + SEARCH, "ok.energy"), "--set", "lr=-1", "--trials", "1",
+               cwd=tmp_path)
+    assert r.returncode == 2 and "--set lr=-1: need 0 < lr" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 # ----------------------------------------------------------------------------- validity, dedup, the engine

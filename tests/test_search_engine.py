@@ -132,7 +132,7 @@ def test_resume_continues_the_study(tmp_path: Path) -> None:
 
 
 def test_sqlite_url_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # the bookkeeping lock of a URL storage lives under ./runs/<study>/
+    monkeypatch.chdir(tmp_path)  # nothing of the study goes to the working directory (the lock: next to the db)
     url = f"sqlite:///{tmp_path / 'study.db'}"
     ref = toy(tmp_path, mixers="ssm,attn")
     assert run_search(ref, storage=url, study_name="q", trials=3, progress=False, json=True)["finished"] == 3

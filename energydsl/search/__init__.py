@@ -61,6 +61,7 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
             f"study {study_name!r} in {storage} searches {recorded or '?'} ({', '.join(have)}), not "
             f"{names} ({', '.join(directions)})",
             hint="pick another --study name or --storage for a different search")
+    check_distributions(study, space, storage)
     wanted: dict[str, Any] = {"objectives": names}
     if ref is not None:
         wanted.update(space=ref.spec, sets=dict(ref.sets))
@@ -68,6 +69,43 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
         if study.user_attrs.get(key) != value:
             study.set_user_attr(key, value)
     return study
+
+
+def _show(d: optuna.distributions.BaseDistribution) -> str:
+    """A distribution as a hole is written."""
+    if isinstance(d, optuna.distributions.CategoricalDistribution):
+        return "choice{" + ", ".join(str(c) for c in d.choices) + "}"
+    if isinstance(d, optuna.distributions.IntDistribution):
+        return f"int {d.low}..{d.high}" + (" log" if d.log else "")
+    if isinstance(d, optuna.distributions.FloatDistribution):
+        return f"float {d.low:g}..{d.high:g}" + (" log" if d.log else "")
+    return repr(d)
+
+
+def check_distributions(study: optuna.Study, space: SearchSpace, storage: str) -> None:
+    """Before a rerun samples anything: every hole must still be sampled as the study recorded it (Optuna
+    refuses to change a choice's options, or a hole's kind or log scale, within a study; every trial
+    would fail). A space that lists its holes' distributions (`distributions()`: name -> (distribution,
+    where)) is checked; another is not."""
+    listed = getattr(space, "distributions", None)
+    if not callable(listed):
+        return
+    recorded: dict[str, optuna.distributions.BaseDistribution] = {}
+    for t in study.get_trials(deepcopy=False):
+        for name, dist in t.distributions.items():
+            recorded.setdefault(name, dist)
+    for name, (dist, where) in listed().items():
+        old = recorded.get(name)
+        if old is None:
+            continue
+        try:
+            optuna.distributions.check_distribution_compatibility(old, dist)
+        except ValueError:
+            raise UserError(
+                f"hole `{name}` is now {_show(dist)}, but study {study.study_name!r} in {storage} sampled it "
+                f"as {_show(old)}, and a study cannot change that", where,
+                hint=f"to search the edited space, start a new study (another --study name or --storage); "
+                     f"to continue this one, write the hole as {_show(old)} again") from None
 
 
 def run_search(
@@ -102,6 +140,16 @@ def run_search(
         raise UserError(f"unknown pruner {pruner!r}; choose one of {', '.join(PRUNERS)}")
     if workers < 1:
         raise UserError(f"workers must be at least 1, not {workers}")
+    if seed is not None and not 0 <= seed <= 2**32 - 1:
+        raise UserError(f"the seed must be between 0 and 2**32 - 1, not {seed}")
+    if timeout is not None and not timeout > 0:
+        raise UserError(f"the timeout must be a positive number of seconds, not {timeout}")
+    if storage is not None and not storage.strip():
+        raise UserError("the storage is empty",
+                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
+    if backend == "ray" and not (gpus_per_trial >= 0 and cpus_per_trial > 0):
+        raise UserError(f"need gpus_per_trial >= 0 and cpus_per_trial > 0, not {gpus_per_trial} and "
+                        f"{cpus_per_trial}")
     ref = ref if isinstance(ref, SpaceRef) else SpaceRef(str(ref))
     ref = absolute(ref)  # workers (Ray's above all) may run in another directory
     quiet_optuna()
@@ -116,6 +164,9 @@ def run_search(
         raise UserError(f"trials must be at least 1, not {target}")
     if timeout is None:
         timeout = space.budget.get("timeout")
+    check_device = getattr(space, "check_device", None)  # a device the trials cannot use: fail now
+    if callable(check_device):
+        check_device(device, local=backend == "local")
     make_sampler(sampler, len(objectives), seed)  # unknown/unusable sampler: fail before any work
     _, note = pruning_plan(objectives, pruner)
     study = open_study(storage_spec, name, space, ref)

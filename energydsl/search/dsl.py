@@ -40,6 +40,7 @@ import lark
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.holes import (  # source files, holes and filling them
     DEFAULT_OPTIMIZER,
+    INT_SETTINGS,
     _Collector,
     _convert,
     _File,
@@ -94,12 +95,16 @@ class DslSpace:
         self._build(search, sets)
         steps = self.settings.get("steps")
         top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
-        self.budget: dict[str, Any] = {"trials": self.trials or 20, "steps": top_steps}
+        self.budget: dict[str, Any] = {"trials": self.trials if self.trials is not None else 20, "steps": top_steps}
         interval = self.settings.get("eval_interval")
         if interval is None or interval.file is None:  # the pruner's first rung: the first evaluation
             self.budget["min_steps"] = int(interval.fixed) if interval else max(1, top_steps // 4)
         if sets.get("timeout") not in (None, ""):
-            self.budget["timeout"] = _convert("timeout", str(sets["timeout"]), None)
+            raw = str(sets["timeout"])
+            timeout = _given(f"--set timeout={raw}", lambda: _convert("timeout", raw, None))
+            if not timeout > 0:
+                raise UserError(f"--set timeout={raw}: the timeout must be a positive number of seconds")
+            self.budget["timeout"] = timeout
 
     # -- building ------------------------------------------------------------------------------------
 
@@ -148,7 +153,7 @@ class DslSpace:
                                     f"energies: {', '.join(energies) or 'none'}")
                 (opt_over if kind == "search_optimizer" else pre_over)[target] = (clause.children[1], span)
             elif kind == "search_data":
-                self.settings["data"] = _Value(fixed=str(clause.children[0]))
+                self.settings["data"] = _Value(fixed=str(clause.children[0]), span=sf.span(clause.children[0]))
                 if clause.children[1] is not None:
                     self.settings["steps"] = _setting(col, clause.children[1], "steps", "steps")
             elif kind == "search_train":
@@ -176,6 +181,8 @@ class DslSpace:
                 if node.data != "number" or not float(node.children[0]).is_integer():
                     raise SpecError("`trials` takes a whole number", sf.span(node))
                 self.trials = int(float(node.children[0]))
+                if self.trials < 1:
+                    raise SpecError(f"`trials` must be at least 1, got {self.trials}", sf.span(node))
         # the model trained
         if model_ref is not None:
             self.model_name = str(model_ref.children[0])
@@ -326,15 +333,66 @@ class DslSpace:
 
     def _apply_sets(self, sets: dict[str, Any]) -> None:
         for key, raw in sets.items():
+            given = f"--set {key}={raw}"
             if key in ("search", "trials", "timeout"):
                 if key == "trials" and raw not in (None, ""):
-                    self.trials = _convert("trials", str(raw), None)
+                    self.trials = _given(given, lambda raw=raw: _convert("trials", str(raw), None))
+                    if self.trials < 1:
+                        raise UserError(f"{given}: trials must be at least 1")
                 continue
             field_ = TRAIN_KEYS.get(key, key)
-            self.settings[field_] = _Value(fixed=_convert(field_, str(raw), None))
+            value = _given(given, lambda raw=raw, field_=field_: _convert(field_, str(raw), None))
+            self.settings[field_] = _Value(fixed=value, given=given)
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        """Every training setting as training will take it, before any trial runs: each fixed value and each
+        value a setting's hole can take (its bounds, its options), so that a bad one is an error located
+        where it is written (or naming the --set), not every trial failing."""
+        if "data" not in self.settings:
+            check_setting("data", DEFAULTS["data"])
         for key, v in self.settings.items():
             if v.file is None:
-                _convert(key, str(v.fixed), None)
+                _check_value(key, v.fixed, v.span, v.given)
+                continue
+            hole = v.holes[0] if len(v.holes) == 1 else None
+            if hole is None or (hole.start, hole.end) != (v.start, v.end):
+                raise SpecError(f"`{key}` takes a number or one hole (`int a..b`, `float a..b`, `choice{{...}}`)",
+                                v.file.span_at(v.start, v.end))
+            for value, span in _hole_values(key, hole):
+                _check_value(key, value, span, None)
+
+    def check_device(self, device: str, local: bool = True) -> None:
+        """Fail now for a device the trials could not train on (training's own check), not in every trial.
+        `local`: trials run on this machine (else on Ray nodes: only the name is checked here)."""
+        from energydsl.training.trainer import _device
+
+        if local:
+            _device(device)
+            return
+        import torch
+
+        try:
+            kind = torch.device(device).type if device != "auto" else "cpu"
+        except RuntimeError:
+            kind = ""
+        if kind not in ("cpu", "cuda"):
+            raise UserError(f"unknown device {device!r}", hint="use cpu, cuda, cuda:N or auto")
+
+    def distributions(self) -> dict[str, tuple[Any, Span]]:
+        """Each hole's Optuna distribution, as `suggest` samples it, and where the hole is written."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        out: dict[str, tuple[Any, Span]] = {}
+        for h in self.holes():
+            if h.kind == "int":
+                d: Any = IntDistribution(int(h.low), int(h.high))
+            elif h.kind == "float":
+                d = FloatDistribution(h.low, h.high, log=h.log)
+            else:
+                d = CategoricalDistribution([o.label for o in h.options])
+            out[h.name] = (d, h.span)
+        return out
 
     def _unique_names(self) -> None:
         seen: dict[str, int] = {}
@@ -463,6 +521,67 @@ class DslSpace:
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
         }
+
+
+# ----------------------------------------------------------------------------- checking settings
+
+
+def _given(given: str, convert: Callable[[], Any]) -> Any:
+    """`convert()`, its error naming the --set it came from."""
+    try:
+        return convert()
+    except UserError as e:
+        raise UserError(f"{given}: {e.message}", hint=e.hint) from None
+
+
+def _hole_values(key: str, h: _Hole) -> list[tuple[Any, Span]]:
+    """The values a setting's hole can take that decide whether training accepts them: an int or float
+    hole's bounds, each option of a choice (each as converted for setting `key`, with where it is written)."""
+    if h.kind == "float" and key in INT_SETTINGS:
+        raise SpecError(f"`{key}` must be a whole number: use `int a..b`", h.span)
+    if h.kind in ("int", "float"):
+        return [(int(b) if h.kind == "int" else float(b), h.span) for b in (h.low, h.high)]
+    out: list[tuple[Any, Span]] = []
+    for o in h.options:
+        if len(o.holes) == 1 and (o.holes[0].start, o.holes[0].end) == (o.start, o.end):
+            out += _hole_values(key, o.holes[0])
+            continue
+        span = h.file.span_at(o.start, o.end)
+        out.append((_convert(key, h.file.text[o.start:o.end], span), span))
+    return out
+
+
+def _check_value(key: str, value: Any, span: Span | None, given: str | None) -> None:
+    try:
+        check_setting(key, value)
+    except UserError as e:
+        if span is not None:
+            raise SpecError(e.message, span, e.hint) from None
+        raise UserError(f"{given}: {e.message}" if given else e.message, hint=e.hint) from None
+
+
+def check_setting(key: str, value: Any) -> None:
+    """Raise a UserError when training would refuse `value` for setting `key` (a TrainConfig field or `data`):
+    TrainConfig's own validation, the dataset found (not loaded), and at least one step."""
+    import dataclasses
+
+    from energydsl.training import TrainConfig
+    from energydsl.training.data import check_dataset
+
+    if key == "data":
+        check_dataset(str(value))
+        return
+    if key == "steps" and value < 1:  # training accepts 0 steps; a trial must train
+        raise UserError(f"steps must be at least 1, got {value}")
+    if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
+        return
+    base = TrainConfig()
+    extra: dict[str, Any] = {}
+    if key == "lr":
+        extra["min_lr"] = 0.0  # a candidate's min_lr is at most its lr
+    elif key == "min_lr":
+        extra["lr"] = max(base.lr, value)
+    dataclasses.replace(base, **{key: value, **extra}).validate()
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -600,9 +719,5 @@ def load_search(path: str | Path, **sets: Any) -> DslSpace:
                         hint="pick one with --set search=NAME")
     else:
         search = searches[0]
-    space = DslSpace(str(path), files, search, {k: v for k, v in sets.items() if v is not None})
-    if space.settings.get("data", _Value(fixed=DEFAULTS["data"])).fixed == "shakespeare_char":
-        from energydsl.training.data import find_shakespeare
-
-        find_shakespeare()  # a missing corpus is reported now, not as every trial failing
-    return space
+    # every setting (the dataset too: a missing corpus) is checked now, not found by every trial failing
+    return DslSpace(str(path), files, search, {k: v for k, v in sets.items() if v is not None})

@@ -36,7 +36,9 @@ class _File:
     _lines: list[int] = field(default_factory=list, repr=False)
 
     def span(self, node: Any) -> Span:
-        start, end = _pos(node)
+        return self.span_at(*_pos(node))
+
+    def span_at(self, start: int, end: int) -> Span:
         if not self._lines:
             self._lines = [0] + [i + 1 for i, ch in enumerate(self.text) if ch == "\n"]
         line = bisect.bisect_right(self._lines, start)
@@ -75,7 +77,7 @@ def _read_files(path: Path) -> list[_File]:
         if real in seen:
             return
         seen.add(real)
-        text = p.read_text(encoding="utf-8")
+        text = syntax._read(p, None)  # as the parser reads it (a byte-order mark dropped)
         f = _File(shown, text, syntax._parser().parse(text))
         files.append(f)
         for item in _kids(f.tree):
@@ -355,6 +357,8 @@ class _Value:
     end: int = 0
     holes: list[_Hole] = field(default_factory=list)
     fixed: Any = None
+    span: Span | None = None  # where a fixed value is written in the search (None: from --set)
+    given: str | None = None  # how the user gave it when not in the search, e.g. `--set steps=2`
 
     def text(self, filler: _Filler) -> str:
         if self.file is None:
@@ -372,7 +376,8 @@ def _setting(col: _Collector, node: Any, key: str, name: str) -> _Value:
     v = _value(col, node, name)
     if v.holes:
         return v
-    return _Value(fixed=_convert(key, col.file.slice(node), col.file.span(node)))
+    span = col.file.span(node)
+    return _Value(fixed=_convert(key, col.file.slice(node), span), span=span)
 
 
 def _convert(key: str, text: str, where: Span | None) -> Any:

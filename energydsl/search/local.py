@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import hashlib
 import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -49,6 +51,7 @@ from energydsl.search.report import (
     finite,
     is_counted,
     ledger,
+    local_file,
     open_storage,
     owner_info,
     safe_name,
@@ -120,12 +123,28 @@ def make_pruner(name: str, budget: Mapping[str, Any]) -> optuna.pruners.BasePrun
 # ----------------------------------------------------------------------------- slots and recovery
 
 
+def lock_path(storage_spec: str, study_name: str) -> Path:
+    """The lock file of a study: next to its journal or SQLite database, whatever the working directory;
+    for a database server, in a per-user folder of the temp directory named by the URL's hash."""
+    local = local_file(storage_spec)
+    if local is not None:
+        base = local.resolve().parent
+    else:
+        key = hashlib.sha256(storage_spec.encode()).hexdigest()[:16]
+        base = Path(tempfile.gettempdir()) / f"energydsl-locks-{os.getuid()}" / key
+    return base / f".{safe_name(study_name)}.lock"
+
+
 @contextlib.contextmanager
 def study_lock(storage_spec: str, study_name: str) -> Iterator[None]:
-    """Serialize budget bookkeeping between commands on this host (file lock next to the journal)."""
-    base = Path(storage_spec).parent if "://" not in storage_spec else Path("runs") / safe_name(study_name)
-    base.mkdir(parents=True, exist_ok=True)
-    with open(base / f".{safe_name(study_name)}.lock", "a") as f:
+    """Serialize budget bookkeeping between commands on this host (a file lock, see `lock_path`)."""
+    path = lock_path(storage_spec, study_name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        raise UserError(f"cannot create the study's lock file {path}: {e.strerror or e}") from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

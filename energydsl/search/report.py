@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import json
 import math
 import os
 import re
@@ -59,8 +60,55 @@ def default_storage_path(study_name: str) -> str:
     return os.path.join("runs", safe_name(study_name), "optuna.journal")
 
 
+def local_file(spec: str) -> Path | None:
+    """The file on this machine a storage lives in (a journal, or an SQLite database), else None."""
+    if "://" not in spec:
+        return Path(spec)
+    if spec.startswith("sqlite:///"):
+        path = spec.removeprefix("sqlite:///").split("?", 1)[0]
+        return Path(path) if path and path != ":memory:" else None
+    return None
+
+
+def _check_journal(path: Path) -> None:
+    """Refuse, before Optuna opens (or appends to) it, a path that is not a journal file or cannot become one."""
+    hint = "give the journal of an earlier search, or a new file name (e.g. runs/NAME/optuna.journal)"
+    if path.is_dir():
+        raise UserError(f"storage {path} is a directory, not an Optuna journal file",
+                        hint=f"give a file in it, e.g. {path / 'optuna.journal'}")
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise UserError(f"storage {path} is not a regular file, so not an Optuna journal", hint=hint)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise UserError(f"cannot read the storage {path}: {e.strerror or e}") from None
+    if not head:
+        return  # an empty journal: Optuna creates one so
+    first, newline, _ = head.partition(b"\n")
+    if newline:
+        try:
+            record = json.loads(first)
+        except ValueError:
+            record = None
+        ok = isinstance(record, dict) and "op_code" in record
+    else:  # a first line still being written
+        ok = head.startswith(b'{"op_code"')
+    if not ok:
+        raise UserError(f"storage {path} is not an Optuna journal file (it does not start with a journal record)",
+                        hint=hint)
+
+
 def open_storage(spec: str) -> BaseStorage:
-    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path."""
+    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path.
+
+    Raises UserError, naming the path, for an empty spec, a directory, a file that is not an Optuna
+    journal (never appended to), or a journal that cannot be read or created."""
+    if not spec.strip():
+        raise UserError("the storage is empty",
+                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
     if "://" in spec:
         kwargs: dict[str, Any] = {}
         if spec.startswith("sqlite"):  # several processes write: wait for the lock instead of failing
@@ -72,8 +120,17 @@ def open_storage(spec: str) -> BaseStorage:
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     path = Path(spec)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path)))
+    _check_journal(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        backend = JournalFileBackend(str(path))
+    except OSError as e:
+        raise UserError(f"cannot create the storage {path}: {e.strerror or e}",
+                        hint="give a journal path in a directory you can write to") from None
+    try:
+        return JournalStorage(backend)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged journal (JSON, fields)
+        raise UserError(f"storage {path} is not a readable Optuna journal ({type(e).__name__}: {e})") from None
 
 
 def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
@@ -457,15 +514,39 @@ def render_report(study: optuna.Study) -> str:
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
+def check_output(path: str | os.PathLike[str], what: str = "output", example: str = "report.html") -> Path:
+    """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
+    or its folder cannot be created or written. Call it before the work whose result goes there."""
+    p = Path(path)
+    if str(path) == "" or p.is_dir():
+        raise UserError(f"{what} {str(path)!r} is a directory, not a file",
+                        hint=f"give a file name, e.g. {p / example}")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write a file there ({e.strerror or e})",
+                        hint="give a path in a directory you can write to") from None
+    return p
+
+
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
         raise
 
 

@@ -54,7 +54,12 @@ class Candidate(Protocol):
 
 @runtime_checkable
 class SearchSpace(Protocol):
-    """A family of candidates plus how to score one."""
+    """A family of candidates plus how to score one.
+
+    Optional, checked before any trial runs when a space has them: `check_device(device, local)` raises
+    UserError for a device its trials could not use; `distributions()` returns {hole name: (Optuna
+    distribution, where it is written)}, so that a rerun of an edited space whose hole the study cannot
+    continue is refused at that hole."""
 
     name: str
     objectives: list[tuple[str, str]]  # e.g. [("val_loss", "minimize"), ("params", "minimize")]

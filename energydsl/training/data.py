@@ -474,6 +474,30 @@ def _no_options(name: str, options: dict[str, Any], allowed: tuple[str, ...] = (
         raise DataError(f"unknown option {extra[0]!r} for dataset {name}", hint=hint)
 
 
+def check_dataset(name: str) -> None:
+    """Raise a DataError when `load_dataset(name)` would fail to find its data: the name is known and its file
+    is there and readable, checked without reading it (a search checks every trial's dataset up front)."""
+    name = name.strip()
+    kind, colon, raw = name.partition(":")
+    if name == "shakespeare_char":
+        find_shakespeare()
+    elif colon and kind in ("bytes", "chars"):
+        if not raw:
+            raise DataError(f"{kind}: needs a file path", hint=f"write {kind}:path/to/file.txt")
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise DataError(f"text file not found: {path}", hint="check the path")
+        if not path.is_file():
+            raise DataError(f"text file is a directory, not a file: {path}" if path.is_dir() else
+                            f"text file is not a regular file: {path}")
+        if not os.access(path, os.R_OK):
+            raise DataError(f"cannot read text file {path}", hint="check the file's permissions")
+        if path.stat().st_size == 0:
+            raise DataError(f"text file is empty: {path}", hint="give a file with some text in it")
+    elif name not in ("listops", "mqar"):
+        raise DataError(f"unknown dataset {name!r}", hint=f"known datasets: {KNOWN}")
+
+
 def load_dataset(name: str, *, block_size: int | None = None, **options: Any) -> LMDataset:
     """Parse a dataset name (`shakespeare_char`, `bytes:PATH`, `chars:PATH`, `listops`, `mqar`) and load it.
 

@@ -1,0 +1,221 @@
+"""Bad input to `energy search` / `energy report` (and their API): a clear message naming the problem and exit
+status 2, before any trial runs; never an internal error (exit 70) or a traceback, never lost work.
+
+The engine's side, on the toy space (no DSL, no torch); the DSL's settings and holes are in
+tests/test_search_dsl.py. Every storage here is a real Optuna journal (or SQLite file) in tmp_path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from energydsl.errors import UserError
+from energydsl.search import SpaceRef, load_study, open_storage, run_search, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = "import sys\nfrom energydsl import cli\nsys.argv[0] = 'energy'\ncli.main()\n"
+
+
+def toy(tmp_path: Path, **sets: object) -> SpaceRef:
+    base = {"calls": str(tmp_path / "calls.txt"), "sleep": "0", "mixers": "ssm,attn"}
+    base.update({k: str(v) for k, v in sets.items()})
+    return SpaceRef("energydsl.search.toy:make_space", base)
+
+
+def energy(*args: str, cwd: Path, **popen: object) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120, **popen)  # type: ignore[call-overload]
+
+
+def clean_exit_2(r: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr[-2000:]
+    for w in words:
+        assert w in r.stderr, r.stderr[-2000:]
+
+
+def a_study(tmp_path: Path, name: str = "t") -> Path:
+    """A journal holding one finished toy study."""
+    journal = tmp_path / "study.journal"
+    run_search(toy(tmp_path), storage=str(journal), study_name=name, trials=1, progress=False, json=True)
+    return journal
+
+
+# ----------------------------------------------------------------------------- 1. storages
+
+
+def bad_storages(tmp_path: Path) -> list[tuple[str, str]]:
+    """(storage, what the message says) for paths that are no journal and cannot become one."""
+    (tmp_path / "notes.txt").write_text("some notes\nmore\n")
+    (tmp_path / "partial.txt").write_text("one line, no newline")  # Optuna would append to this one
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "fake.journal").write_text('{"a": 1}\n')
+    out = [(str(tmp_path), "is a directory")]
+    no_journal = ("notes.txt", "partial.txt", "blob.bin", "fake.journal")
+    out += [(str(tmp_path / n), "not an Optuna journal") for n in no_journal]
+    out += [(str(tmp_path / "notes.txt" / "x.journal"), "cannot create the storage")]
+    out += [(f"{d}/x.journal", "cannot create the storage") for d in ("/proc", "/sys") if os.path.isdir(d)]
+    return out
+
+
+def test_bad_storage_paths_are_user_errors_naming_the_path(tmp_path: Path) -> None:
+    storages = bad_storages(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    for storage, message in storages:
+        with pytest.raises(UserError) as e:
+            open_storage(storage)
+        assert storage in e.value.message and message in e.value.message, (storage, e.value.message)
+        with pytest.raises(UserError, match=message):  # also as the search's --storage
+            run_search(toy(tmp_path), storage=storage, study_name="t", trials=1, progress=False, json=True)
+    assert {p: p.read_bytes() for p in before} == before  # nothing appended to a file that is no journal
+    assert not (tmp_path / "calls.txt").exists()  # no trial ran
+
+
+def test_cli_bad_storage_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "tiny.txt").write_text("not a journal\n")
+    clean_exit_2(energy("search", "toy", "--storage", str(tmp_path), cwd=tmp_path), "is a directory")
+    clean_exit_2(energy("report", "tiny.txt", cwd=tmp_path), "tiny.txt is not an Optuna journal")
+    clean_exit_2(energy("report", "Quickstart", "--storage", str(tmp_path), cwd=tmp_path), "is a directory")
+    assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- 2. output paths
+
+
+def test_search_checks_its_output_paths_before_any_trial(tmp_path: Path) -> None:
+    journal = str(tmp_path / "s.journal")
+    for flag, path, message in [("--report", str(tmp_path), "is a directory"),
+                                ("--export", str(tmp_path), "is a directory"),
+                                ("--report", str(tmp_path / "file.txt" / "r.html"), "cannot write a file there")]:
+        (tmp_path / "file.txt").write_text("x")
+        r = energy("search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--trials", "1",
+                   "--storage", journal, flag, path, cwd=tmp_path)
+        clean_exit_2(r, flag, message)
+    assert not (tmp_path / "calls.txt").exists() and not Path(journal).exists()  # no trial ran, no study made
+
+
+def test_report_checks_its_output_paths_before_writing(tmp_path: Path) -> None:
+    journal = a_study(tmp_path)
+    (tmp_path / "file.txt").write_text("x")
+    clean_exit_2(energy("report", str(journal), "-o", str(tmp_path), cwd=tmp_path), "is a directory")
+    clean_exit_2(energy("report", str(journal), "-o", str(tmp_path / "file.txt" / "r.html"), cwd=tmp_path),
+                 "cannot write a file there")
+    r = energy("report", str(journal), "-o", str(tmp_path / "r.html"), "--export", str(tmp_path), cwd=tmp_path)
+    clean_exit_2(r, "--export", "is a directory")
+    assert not (tmp_path / "r.html").exists()  # refused before writing anything
+    with pytest.raises(UserError, match="cannot write"):  # the API: no OSError either
+        write_report(str(journal), "t", tmp_path)
+
+
+# ----------------------------------------------------------------------------- 3, 4. flags
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-1"], "seed must be between 0 and 2**32 - 1"),
+    (["--seed", str(2**32)], "seed must be between 0 and 2**32 - 1"),
+    (["--timeout", "-5"], "timeout must be a positive number"),
+    (["--timeout", "0"], "timeout must be a positive number"),
+])
+def test_bad_search_flags_exit_2_before_any_trial(tmp_path: Path, flags: list[str], message: str) -> None:
+    journal = tmp_path / "s.journal"
+    r = energy("search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--trials", "1", "--storage", str(journal),
+               *flags, cwd=tmp_path)
+    clean_exit_2(r, message)
+    assert not journal.exists() and not (tmp_path / "calls.txt").exists()
+
+
+def test_bad_ray_resources_are_refused_before_ray_starts(tmp_path: Path) -> None:
+    for gpus, cpus in ((-1, 1), (0, 0)):
+        with pytest.raises(UserError, match="gpus_per_trial >= 0 and cpus_per_trial > 0"):
+            run_search(toy(tmp_path), backend="ray", gpus_per_trial=gpus, cpus_per_trial=cpus,
+                       storage=str(tmp_path / "s.journal"), trials=1, progress=False, json=True)
+    assert not (tmp_path / "s.journal").exists()
+
+
+# ----------------------------------------------------------------------------- 6. Ctrl-C
+
+
+def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path) -> None:
+    journal = tmp_path / "s.journal"
+    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--trials", "1", "--storage", str(journal)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # wait for the trial to run (4 steps of 1 s)
+            with contextlib.suppress(UserError):  # the study may not be there yet
+                if any(t.state == TrialState.RUNNING for t in load_study(str(journal), "toy").trials):
+                    break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: run the same command again" in err and "Traceback" not in err
+    r = energy(*[a if a != "sleep=1" else "sleep=0" for a in args], "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert (s["finished"], s["completed"], s["lost"]) == (1, 1, 1)  # the interrupted trial ran again, once
+
+
+# ----------------------------------------------------------------------------- 7. storage strings, locks
+
+
+def test_an_empty_storage_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="storage is empty"):
+        run_search(toy(tmp_path), storage="", trials=1, progress=False, json=True)
+    with pytest.raises(UserError, match="storage is empty"):
+        open_storage(" ")
+    clean_exit_2(energy("search", "toy", "--storage", "", cwd=tmp_path), "storage is empty")
+    clean_exit_2(energy("report", "toy", "--storage", "", cwd=tmp_path), "--storage is empty")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "calls.txt").exists()
+
+
+def test_sqlite_lock_lives_next_to_the_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from energydsl.search.local import lock_path
+
+    work, db = tmp_path / "work", tmp_path / "db" / "s.db"
+    work.mkdir()
+    db.parent.mkdir()
+    monkeypatch.chdir(work)
+    url = f"sqlite:///{db}"
+    s = run_search(toy(tmp_path), storage=url, study_name="q", trials=1, progress=False, json=True)
+    assert s["finished"] == 1
+    assert (db.parent / ".q.lock").exists() and lock_path(url, "q") == db.parent.resolve() / ".q.lock"
+    assert not (work / "runs").exists()  # nothing in the working directory
+    server = lock_path("postgresql://u@host/db", "q")  # a server: one lock per URL on this host, not per cwd
+    assert work not in server.parents and server == lock_path("postgresql://u@host/db", "q")
+
+
+def test_an_existing_journal_still_opens(tmp_path: Path) -> None:
+    """The journal check accepts what Optuna writes (and an empty file)."""
+    journal = a_study(tmp_path)
+    assert optuna.get_all_study_names(open_storage(str(journal))) == ["t"]
+    (tmp_path / "empty.journal").write_text("")
+    assert optuna.get_all_study_names(open_storage(str(tmp_path / "empty.journal"))) == []
+
+
+def test_a_space_saved_with_a_byte_order_mark_lists_its_holes(tmp_path: Path) -> None:
+    """The language ignores a leading BOM; the hole finder reads the file as the parser does."""
+    space = tmp_path / "bom.energy"
+    space.write_bytes(b"\xef\xbb\xbf" + (ROOT / "search/quickstart.energy").read_bytes())
+    out = energy("search", str(space), "--holes", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "TinyGPT.d" in out.stdout and "choice{32, 64}" in out.stdout
