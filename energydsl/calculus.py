@@ -222,13 +222,26 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
     return tangent(e)
 
 
-def substitute_var(e: Expr, name: str, role: str, value: Expr) -> Expr:
-    """Replace a variable by an expression (u := N(x), or the state by a look-ahead point)."""
-    if isinstance(e, Var):
-        return value if (e.name == name and e.role == role) else e
-    if not e.children:
-        return e
-    return rebuild(e, [substitute_var(c, name, role, value) for c in e.children])
+def substitute_var(e: Expr, name: str, role: str, value: Expr, memo: dict[int, Expr] | None = None) -> Expr:
+    """Replace a variable by an expression (u := N(x), or the state by a look-ahead point).
+
+    A sub-expression shared in `e` stays one node in the result, and one without the variable is kept as
+    it is; pass the same `memo` to several calls to keep what their expressions share shared too
+    (hoisted values are cached by node identity)."""
+    memo = {} if memo is None else memo
+
+    def sub(x: Expr) -> Expr:
+        hit = memo.get(id(x))
+        if hit is None:
+            if isinstance(x, Var):
+                hit = value if (x.name == name and x.role == role) else x
+            else:
+                kids = [sub(c) for c in x.children]
+                hit = x if all(a is b for a, b in zip(kids, x.children)) else rebuild(x, kids)
+            memo[id(x)] = hit
+        return hit
+
+    return sub(e)
 
 
 # ----------------------------------------------------------------------------- value path (untie)

@@ -6,12 +6,12 @@ derived program and autograd on them.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import sympy as sp
 import torch
 
+from .calculus import substitute_var
 from .evaluate import Env, Value, evaluate
 from .ir import Expr, IndexInfo, Var
 from .optimizers import UpdateProgram
@@ -183,32 +183,8 @@ def bind_input(spec: EnergyIR, inst: Instance, *exprs: Expr) -> list[Expr]:
     alias = _input_alias(spec, inst)
     if alias is None:
         return list(exprs)
-    memo: dict[int, Expr] = {}
-
-    def rename(n: Expr) -> Expr:
-        hit = memo.get(id(n))
-        if hit is not None:
-            return hit
-        if isinstance(n, Var):
-            out: Expr = Var(alias, "input", n.var_shape) if (n.name == spec.input.name and n.role == "input") else n
-        else:
-            changes = {}
-            for f in dataclasses.fields(n):
-                old = getattr(n, f.name)
-                if isinstance(old, Expr):
-                    new = rename(old)
-                elif isinstance(old, tuple) and any(isinstance(a, Expr) for a in old):
-                    new = tuple(rename(a) if isinstance(a, Expr) else a for a in old)
-                    new = old if all(a is b for a, b in zip(new, old)) else new
-                else:
-                    continue
-                if new is not old:
-                    changes[f.name] = new
-            out = dataclasses.replace(n, **changes) if changes else n
-        memo[id(n)] = out
-        return out
-
-    return [rename(e) for e in exprs]
+    bound, memo = Var(alias, "input", spec.input.var_shape), {}
+    return [substitute_var(e, spec.input.name, "input", bound, memo) for e in exprs]
 
 
 def make_env(spec: EnergyIR, inst: Instance, tensors: dict[str, torch.Tensor]) -> Env:

@@ -81,6 +81,36 @@ def _scores(
 
 
 @triton.jit
+def _key_blocks(start_m, T, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi) of the key blocks the query block at start_m visits. Causality: no key after its last query.
+    MASKED=False: the blocks wholly before it (every pair admissible, none on the diagonal: no mask);
+    MASKED=True: the rest, which the diagonal crosses."""
+    diagonal = (start_m // BLOCK_N) * BLOCK_N
+    if MASKED:
+        lo = diagonal
+        hi = tl.minimum(T, start_m + BLOCK_M)
+    else:
+        lo = 0
+        hi = diagonal
+    return lo, hi
+
+
+@triton.jit
+def _query_blocks(start_n, T, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi) of the query blocks that see the key block at start_n (none before the block holding it).
+    MASKED=False: the blocks wholly after it (no mask); MASKED=True: those the diagonal crosses."""
+    first = (start_n // BLOCK_M) * BLOCK_M
+    past = tl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+    if MASKED:
+        lo = first
+        hi = past
+    else:
+        lo = past
+        hi = T
+    return lo, hi
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -146,16 +176,8 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # Causality: no key after the last query of this block contributes. The key blocks wholly before this
-    # query block (masked = 0) need no mask; the diagonal crosses the rest (masked = 1).
-    diagonal = (start_m // BLOCK_N) * BLOCK_N
-    for masked in tl.static_range(2):
-        if masked:
-            lo = diagonal
-            hi = tl.minimum(T, start_m + BLOCK_M)
-        else:
-            lo = 0
-            hi = diagonal
+    for masked in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
+        lo, hi = _key_blocks(start_m, T, masked, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T
@@ -281,17 +303,8 @@ def _bwd_dkdv_kernel(
     dkb = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij
     ddiag = tl.zeros([BLOCK_N], tl.float32)  # dS_jj
     ddist = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij |i - j|
-    # Causality: queries before the block holding key start_n never see these keys. The query blocks wholly
-    # after this key block (masked = 0) need no mask; the diagonal crosses the ones before them (masked = 1).
-    first = (start_n // BLOCK_M) * BLOCK_M
-    past = tl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
-    for masked in tl.static_range(2):
-        if masked:
-            lo = first
-            hi = past
-        else:
-            lo = past
-            hi = T
+    for masked in tl.static_range(2):  # query blocks after this key block, unmasked; then the diagonal's
+        lo, hi = _query_blocks(start_n, T, masked, BLOCK_M, BLOCK_N)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
@@ -426,14 +439,8 @@ def _bwd_dq_kernel(
         du = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    diagonal = (start_m // BLOCK_N) * BLOCK_N  # the key blocks before it need no mask, as in _fwd_kernel
-    for masked in tl.static_range(2):
-        if masked:
-            lo = diagonal
-            hi = tl.minimum(T, start_m + BLOCK_M)
-        else:
-            lo = 0
-            hi = diagonal
+    for masked in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
+        lo, hi = _key_blocks(start_m, T, masked, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T

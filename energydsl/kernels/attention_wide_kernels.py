@@ -19,7 +19,7 @@ T x D beyond the inputs and outputs is stored, so peak memory stays linear in T,
 import triton
 import triton.language as tl
 
-from .attention_kernels import _scores
+from .attention_kernels import _key_blocks, _query_blocks, _scores
 
 
 @triton.jit
@@ -104,14 +104,8 @@ def _fwd_wide_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    diagonal = (start_m // BLOCK_N) * BLOCK_N  # unmasked key blocks before it, as in _fwd_kernel
-    for masked in tl.static_range(2):
-        if masked:
-            lo = diagonal
-            hi = tl.minimum(T, start_m + BLOCK_M)
-        else:
-            lo = 0
-            hi = diagonal
+    for masked in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
+        lo, hi = _key_blocks(start_m, T, masked, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T
@@ -219,16 +213,8 @@ def _bwd_dkdv_wide_kernel(
     dkb = tl.zeros([BLOCK_N], tl.float32)
     ddiag = tl.zeros([BLOCK_N], tl.float32)
     ddist = tl.zeros([BLOCK_N], tl.float32)
-    # unmasked query blocks wholly after the keys, then the masked ones the diagonal crosses (_bwd_dkdv_kernel)
-    first = (start_n // BLOCK_M) * BLOCK_M
-    past = tl.minimum((start_n + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
-    for masked in tl.static_range(2):
-        if masked:
-            lo = first
-            hi = past
-        else:
-            lo = past
-            hi = T
+    for masked in tl.static_range(2):  # query blocks after this key block, unmasked; then the diagonal's
+        lo, hi = _query_blocks(start_n, T, masked, BLOCK_M, BLOCK_N)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
@@ -337,14 +323,8 @@ def _bwd_dq_wide_kernel(
         du = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    diagonal = (start_m // BLOCK_N) * BLOCK_N  # unmasked key blocks before it, as in _fwd_kernel
-    for masked in tl.static_range(2):
-        if masked:
-            lo = diagonal
-            hi = tl.minimum(T, start_m + BLOCK_M)
-        else:
-            lo = 0
-            hi = diagonal
+    for masked in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
+        lo, hi = _key_blocks(start_m, T, masked, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T

@@ -169,11 +169,18 @@ class TaskDataset(LMDataset):
 # ----------------------------------------------------------------------------------------- text files
 
 
-def _read_bytes(path: Path, what: str) -> bytes:
+def _check_readable(path: Path, what: str) -> None:
+    """What can be said of a data file without reading it: it is there, not a directory, readable."""
     if not path.exists():
         raise DataError(f"{what} not found: {path}", hint="check the path")
     if path.is_dir():
         raise DataError(f"{what} is a directory, not a file: {path}")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"cannot read {what} {path}", hint="check the file's permissions")
+
+
+def _read_bytes(path: Path, what: str) -> bytes:
+    _check_readable(path, what)
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -485,14 +492,8 @@ def check_dataset(name: str) -> None:
         if not raw:
             raise DataError(f"{kind}: needs a file path", hint=f"write {kind}:path/to/file.txt")
         path = Path(raw).expanduser()
-        if not path.exists():
-            raise DataError(f"text file not found: {path}", hint="check the path")
-        if not path.is_file():
-            raise DataError(f"text file is a directory, not a file: {path}" if path.is_dir() else
-                            f"text file is not a regular file: {path}")
-        if not os.access(path, os.R_OK):
-            raise DataError(f"cannot read text file {path}", hint="check the file's permissions")
-        if path.stat().st_size == 0:
+        _check_readable(path, "text file")
+        if path.is_file() and path.stat().st_size == 0:
             raise DataError(f"text file is empty: {path}", hint="give a file with some text in it")
     elif name not in ("listops", "mqar"):
         raise DataError(f"unknown dataset {name!r}", hint=f"known datasets: {KNOWN}")
