@@ -26,3 +26,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     raise AttributeError(f"module 'energydsl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, so that tab completion and `dir(energydsl)` show `load`."""
+    return sorted(set(globals()) | set(__all__))

@@ -259,7 +259,7 @@ class Spec:
         from .kernels import use_triton
         from .runtime.model import LanguageModel, StageInfo
 
-        name = self._pick(name, self.model_names, "models")
+        name = self._pick(name, self.model_names, "models", self.syntax.models)
         plan = plan_model(self.syntax, name, dims)
         classes, infos = [], []
         for stage in plan.stages:
@@ -276,7 +276,7 @@ class Spec:
 
         if name is None:
             names = self.energy_names + self.model_names
-            name = self._pick(None, names, "energies or models")
+            name = self._pick(None, names, "energies or models", {})
         if name in self.syntax.models:
             return self.model(name, backend, **dims)
         return module_class(self.energy(name, **dims), backend)()
@@ -284,17 +284,19 @@ class Spec:
     def plan(self, name: str | None = None, **dims: float):
         from .composition import plan_model
 
-        return plan_model(self.syntax, self._pick(name, self.model_names, "models"), dims)
+        return plan_model(self.syntax, self._pick(name, self.model_names, "models", self.syntax.models), dims)
 
-    def _pick(self, name: str | None, names: list[str], what: str) -> str:
+    def _pick(self, name: str | None, names: list[str], what: str, every: dict[str, Any]) -> str:
+        """`name`, which may be any of `every` (imported declarations too); left out, the one of `names`
+        (this file's own)."""
         if name is None:
             if not names:
                 raise SpecError(f"{self.path} declares no {what.rstrip('s')}", None)
             if len(names) != 1:
                 raise SpecError(f"{self.path} declares {len(names)} {what} ({', '.join(names)}); name one", None)
             return names[0]
-        if name not in names:
-            have = ", ".join(names) or "none"
+        if name not in every:
+            have = ", ".join(every) or "none"
             raise SpecError(f"no {what.rstrip('s')} named `{name}` in {self.path} (it has: {have})", None)
         return name
 

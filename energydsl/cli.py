@@ -17,13 +17,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import TrainingDiverged, UserError
+from .errors import TrainingDiverged, TrainingInterrupted, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)
 
+#: TrainConfig fields -> the `train` flags that set them, for messages
+TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
+               "warmup_steps": "--warmup", "eval_interval": "--eval-interval",
+               "eval_iters": "--eval-iters", "seed": "--seed"}
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a dim: NAME=VALUE (repeatable).")]
 
 
@@ -52,7 +56,7 @@ def expand_files(files: list[str]) -> list[str]:
 
 @app.command()
 def derive(
-    file: Annotated[str, typer.Argument(help="A .energy file.")],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
     name: Annotated[str | None, typer.Option("--name", help="Which energy (default: all in the file).")] = None,
     fmt: Annotated[str, typer.Option("--format", help="text | latex | markdown | mathml")] = "text",
     sets: SetOpt = None,
@@ -64,7 +68,7 @@ def derive(
         raise UserError(f"--format {fmt}: expected text, latex, markdown or mathml")
     spec = load(file)
     dims = parse_sets(sets)
-    derived = [spec.energy(name, **dims)] if name else spec.derive(**dims)
+    derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
     print("\n\n".join(d.equations(fmt) for d in derived))
@@ -72,7 +76,7 @@ def derive(
 
 @app.command()
 def check(
-    files: Annotated[list[str], typer.Argument(help=".energy files (globs allowed).")],
+    files: Annotated[list[str], typer.Argument(metavar="FILES", help=".energy files (globs allowed).")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file.")] = False,
     sets: SetOpt = None,
 ) -> None:
@@ -127,7 +131,7 @@ def check(
 
 @app.command("compile")
 def compile_(
-    file: Annotated[str, typer.Argument(help="A .energy file.")],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Which energy (default: all of them).")] = None,
     backend: Annotated[str, typer.Option("--backend", help="torch | triton")] = "torch",
@@ -139,7 +143,7 @@ def compile_(
 
     spec = load(file)
     dims = parse_sets(sets)
-    derived = [spec.energy(name, **dims)] if name else spec.derive(**dims)
+    derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
     text = energy_source(derived, backend)
@@ -154,22 +158,39 @@ def compile_(
     err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
 
 
-def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch"):
+def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *, sizes_only: bool = False):
+    """The spec and its model; `sizes_only` builds it on the meta device (no memory, however large the dims).
+    A model too large for this machine's memory is a user error that says how large it is."""
+    import torch
+
     from .api import load
 
     spec = load(file)
-    return spec, spec.model(name, backend, **parse_sets(sets))
+    dims = parse_sets(sets)
+    if sizes_only:
+        with torch.device("meta"):
+            return spec, spec.model(name, backend, **dims)
+    try:
+        return spec, spec.model(name, backend, **dims)
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "allocate" not in str(e):
+            raise
+        with torch.device("meta"):
+            params = spec.model(name, backend, **dims).num_params()
+        raise UserError(f"the model does not fit in memory here: {params:,} parameters",
+                        hint="check the dims (--set); `energy info` shows sizes without building the weights",
+                        ) from None
 
 
 @app.command()
 def info(
-    file: Annotated[str, typer.Argument(help="A .energy file with a model.")],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file with a model.")],
     name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     sets: SetOpt = None,
 ) -> None:
     """Sizes and costs: parameters (total, non-embedding), forward FLOPs and activation memory per token."""
-    _, model = _model(file, name, sets)
+    _, model = _model(file, name, sets, sizes_only=True)
     data = model.info()
     if as_json:
         print(json.dumps(data))
@@ -184,7 +205,7 @@ def info(
 
 @app.command()
 def graph(
-    file: Annotated[str, typer.Argument(help="A .energy file with a model.")],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file with a model.")],
     name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
     dot: Annotated[str | None, typer.Option("--dot", help="Also write the graph as Graphviz DOT here.")] = None,
     sets: SetOpt = None,
@@ -216,7 +237,7 @@ def graph(
 
 @app.command("train")
 def train_(
-    file: Annotated[str, typer.Argument(help="A .energy file with a model.")],
+    file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file with a model.")],
     data: Annotated[str, typer.Option("--data", help="shakespeare_char | bytes:PATH | chars:PATH | listops | mqar")],
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 300,
     name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
@@ -244,23 +265,26 @@ def train_(
 
     from .training import TrainConfig, load_dataset, train
 
+    if steps < 1:
+        raise UserError(f"--steps must be at least 1, got {steps}")
+    if block_size is not None and block_size < 1:
+        raise UserError(f"--block-size must be at least 1, got {block_size}")
+    config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr, min_lr=lr / 10,
+                         warmup_steps=min(warmup, steps), eval_interval=eval_interval, eval_iters=eval_iters,
+                         device=device, seed=seed)
+    config.validate(TRAIN_FLAGS)  # before the model and the data are built
     with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
         torch.manual_seed(seed)
         spec, model = _model(file, name, sets, backend)
     run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
     _writable_dir(run_dir, "--out")
-    if block_size is not None and block_size < 1:
-        raise UserError(f"--block-size must be at least 1, got {block_size}")
-    block = block_size or model.block_size
-    if block > model.block_size:
-        raise UserError(f"--block-size {block} is longer than the model's context {model.block_size}")
-    dataset = load_dataset(data, block_size=block)
+    config.block_size = block_size or model.block_size
+    if config.block_size > model.block_size:
+        raise UserError(f"--block-size {config.block_size} is longer than the model's context {model.block_size}")
+    dataset = load_dataset(data, block_size=config.block_size)
     if dataset.vocab_size > model.vocab_size:
         raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is {model.vocab_size}",
                         hint=f"add --set vocab={dataset.vocab_size}")
-    config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block, lr=lr, min_lr=lr / 10,
-                         warmup_steps=min(warmup, steps), eval_interval=eval_interval, eval_iters=eval_iters,
-                         device=device, seed=seed)
     metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file), "model": model.plan.name,
                 "dims": model.plan.dims, "context": model.block_size, "equation_hash": model.equation_hash()}
     try:
@@ -268,6 +292,10 @@ def train_(
     except TrainingDiverged as e:
         _report_divergence(e, run_dir, as_json)
         raise typer.Exit(1) from None
+    except TrainingInterrupted as e:
+        print(f"interrupted at step {e.step}: saved {e.checkpoint}; rerun the same command to resume",
+              file=sys.stderr)
+        raise typer.Exit(130) from None
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
     if as_json:
@@ -319,7 +347,7 @@ def _spec_text(file: str) -> str:
 
 @app.command()
 def sample(
-    checkpoint: Annotated[str, typer.Argument(help="A run directory or a .safetensors checkpoint.")],
+    checkpoint: Annotated[str, typer.Argument(metavar="RUN", help="A run directory or a .safetensors checkpoint.")],
     prompt: Annotated[str, typer.Option("--prompt")] = "",
     tokens: Annotated[int, typer.Option("--tokens", help="How many tokens to generate.")] = 200,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.8,

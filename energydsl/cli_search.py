@@ -57,8 +57,8 @@ def output_dir(storage: str, study: str) -> Path:
 
 
 def search(
-    space: Annotated[str, typer.Argument(help="A .energy file with a `search` declaration (or a registered "
-                                              "space, or package.module:attr).")],
+    space: Annotated[str, typer.Argument(metavar="SPACE", help="A .energy file with a `search` declaration (or a "
+                                                               "registered space, or package.module:attr).")],
     trials: Annotated[int | None, typer.Option(help="Finished trials the study should hold (default: the "
                                                     "space's `trials`). A rerun continues the study.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Seconds after which no new trial starts.")] = None,
@@ -131,7 +131,7 @@ def search(
 
 
 def report(
-    study: Annotated[str, typer.Argument(help="A study name (its storage: --storage, else "
+    study: Annotated[str, typer.Argument(metavar="STUDY", help="A study name (its storage: --storage, else "
                                               "runs/STUDY/optuna.journal), or a storage path or URL.")],
     out: Annotated[str | None, typer.Option("-o", "--output", help="The HTML file (default: report.html next "
                                                                     "to the storage).")] = None,

@@ -13,6 +13,7 @@ The residual stream is a vector [d] unless the model declares `stream [dk, dv]` 
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -217,6 +218,15 @@ def _stage(parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]) -
                      parts[0][2].span)
 
 
+def dim_override(key: str, value: object, owner: str, span: Span | None) -> float:
+    """A dim set from Python or `--set`: a real, finite number (not a bool, a string or None)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SpecError(f"dim `{key}` of {owner} must be a number, got {value!r}", span)
+    if not math.isfinite(value):
+        raise SpecError(f"dim `{key}` of {owner} must be a finite number, got {value}", span)
+    return float(value)
+
+
 def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> ModelPlan:
     """Resolve a `model` declaration with its dims (defaults, then overrides)."""
     decl = module.models[name]
@@ -227,8 +237,8 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
                             f"its dims: {', '.join(header) or 'none'}")
     env: dict[str, float] = {}
     for key, node in decl.header:  # in order, a set dim replacing its default: `dff = 4 * dv` follows --set dv
-        env[key] = float(overrides[key]) if key in overrides else evaluate_number(node, env,
-                                                                                   f"the default of `{key}`")
+        env[key] = (dim_override(key, overrides[key], f"model `{name}`", decl.span) if key in overrides
+                    else evaluate_number(node, env, f"the default of `{key}`"))
     by_kind: dict[str, list[ast.Clause]] = {}
     for c in decl.clauses:
         by_kind.setdefault(c.kind, []).append(c)

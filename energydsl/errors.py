@@ -103,3 +103,15 @@ class TrainingDiverged(Exception):
         self.checkpoint_step = checkpoint_step
         self.checkpoint_val_loss = checkpoint_val_loss
         self.checkpoint = checkpoint
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a training with a run directory: the run was evaluated and saved at `step` first.
+
+    A KeyboardInterrupt, so a notebook stops as usual; `checkpoint` names the `last` checkpoint written.
+    """
+
+    def __init__(self, step: int, checkpoint: str | None):
+        super().__init__(f"training interrupted at step {step}; saved {checkpoint}")
+        self.step = step
+        self.checkpoint = checkpoint

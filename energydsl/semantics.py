@@ -16,6 +16,7 @@ import sympy as sp
 
 from . import ir
 from . import syntax as ast
+from .composition import dim_override
 from .errors import Span, SpecError
 from .ir import Expr, IndexInfo, Var
 from .semantics_expr import ExpressionLowering
@@ -143,17 +144,19 @@ class _Lowering(ExpressionLowering):
     # ------------------------------------------------------------------ driver
     def run(self) -> EnergyIR:
         d = self.decl
-        for name, node in d.header:
+        header = [name for name, _ in d.header]
+        for key in self.overrides:
+            if key not in header:
+                known = ", ".join(header) or "none"
+                raise SpecError(f"`{key}` is not a dim of energy `{d.name}` (its dims: {known})", d.span)
+        for name, node in d.header:  # in order, a set dim replacing its default: `hidden = 4 * d` follows d
             self.scope.declare(name, node.span)
-            value = self._constant(node, f"the default of `{name}`")
+            if name in self.overrides:
+                self.dim_values[name] = dim_override(name, self.overrides[name], f"energy `{d.name}`", d.span)
+            else:
+                self.dim_values[name] = self._constant(node, f"the default of `{name}`")
             self.dim_symbols[name] = _sym(name)
             self.scope.dims[name] = self.dim_symbols[name]
-            self.dim_values[name] = float(value)
-        for key in self.overrides:
-            if key not in self.dim_values:
-                known = ", ".join(self.dim_values) or "none"
-                raise SpecError(f"`{key}` is not a dim of energy `{d.name}` (its dims: {known})", d.span)
-            self.dim_values[key] = float(self.overrides[key])
         by_kind: dict[str, list[ast.Clause]] = {}
         for c in d.clauses:
             by_kind.setdefault(c.kind, []).append(c)
@@ -237,12 +240,15 @@ class _Lowering(ExpressionLowering):
 
     def _check_size(self, e: sp.Expr, span: Span, what: str) -> None:
         subs = {self.dim_symbols[k]: v for k, v in self.dim_values.items()}
-        try:
-            v = float(sp.sympify(e).subs(subs))
-        except TypeError:
-            raise SpecError(f"{what} is not a size", span) from None
+        value = sp.sympify(e).subs(subs)
+        if value.free_symbols:
+            raise SpecError(f"{what} is not a size", span)
+        given = ", ".join(f"{k}={_fmt_num(x)}" for k, x in self.dim_values.items())
+        if value.has(sp.zoo, sp.nan, sp.oo, -sp.oo) or not value.is_real:  # e.g. d / heads with heads = 0
+            raise SpecError(f"{what} = {e} is not a size with {given}: it divides by zero or is not a real "
+                            "number", span, "choose dims that divide evenly")
+        v = float(value)
         if not math.isfinite(v) or v < 1 or abs(v - round(v)) > 1e-9:
-            given = ", ".join(f"{k}={_fmt_num(x)}" for k, x in self.dim_values.items())
             raise SpecError(f"{what} = {e} = {_fmt_num(v)} is not a positive whole number (with {given})", span,
                             "choose dims that divide evenly")
 

@@ -15,7 +15,7 @@ from typing import Any
 import lark
 from lark import Lark, Transformer, v_args
 
-from .errors import Span, SpecError
+from .errors import Span, SpecError, UserError
 
 GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammars" / "energy.lark"
 MAX_SOURCE_BYTES = 4 * 1024 * 1024
@@ -590,9 +590,13 @@ def parse_module(source: str | Path, *, name: str | None = None) -> Module:
     then reads "no such file", not a syntax error in its text) and not an `import` line; otherwise it is
     spec text.
     """
-    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and "{" not in source
+    if not isinstance(source, str | Path):
+        raise TypeError(f"expected a path or spec text (str or pathlib.Path), got {type(source).__name__}")
+    if isinstance(source, str) and not source.strip():
+        raise UserError("empty spec: give a path to a .energy file or spec text")
+    if isinstance(source, Path) or ("\n" not in source and "{" not in source
                                     and not source.lstrip().startswith("import ")):
-        path = Path(source)
+        path = Path(source).expanduser()
         text = _read(path, None)
         module = Module(str(path))
         _load(text, str(path), path.parent, module, stack=[str(path.resolve())], seen=set(), top=True)

@@ -51,3 +51,22 @@ def test_check_json_reports_every_file_and_exits_2_on_a_bad_one(tmp_path: Path) 
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["ok"] for r in rows] == [False, False, True]
     assert "no such file" in rows[0]["error"] and "declares no energy" in rows[1]["error"]
+
+
+def energy_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def test_info_sizes_a_model_without_building_its_weights_and_train_refuses_one_too_large(tmp_path: Path) -> None:
+    proc = energy_cli("info", GPT, "--json", "--set", "vocab=1e15")  # 1.28e17 parameters: 512 PB in float32
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["params"] - info["params_non_embedding"] == (10**15 + 64) * 128  # tied wte and wpe, d 128
+    proc = energy_cli("train", GPT, "--set", "vocab=1e15", "--data", "shakespeare_char", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "does not fit in memory here: 128,000,000,000," in proc.stderr, proc.stderr
+
+
+def test_an_empty_energy_name_is_not_all_energies() -> None:
+    proc = energy_cli("derive", str(ROOT / "examples/intrinsic-optimizers/mha.energy"), "--name", "")
+    assert proc.returncode == 2 and "no energy named ``" in proc.stderr and "(it has: MHA)" in proc.stderr

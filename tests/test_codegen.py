@@ -76,6 +76,29 @@ def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     torch.testing.assert_close(ga, gb, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m(torch.randn(5, 16)), "MHA: x must be (batch, seq, 16), got shape (5, 16)"),
+    (lambda m: m(torch.randn(2, 5, 15)), "MHA: x must be (batch, seq, 16), got shape (2, 5, 15)"),
+    (lambda m: m(torch.randn(2, 0, 16)), "MHA: x has no tokens"),
+    (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(2, 7, 16)),  # would reshape into the batch
+     "MHA: context must have x's batch and length (2, 5)"),
+    (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(1, 10, 16)),  # 10 = 2 x 5: silently wrong before
+     "MHA: context must have x's batch and length (2, 5)"),
+    (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(2, 5, 8)), "MHA: context must be (batch, seq, 16)"),
+    (lambda m: m(torch.randn(2, 5, 16), input=torch.randn(2, 5, 16)), "MHA takes no input"),
+    (lambda m: m(torch.randn(2, 5, 16, dtype=torch.float64)), "MHA: x is torch.float64 but the parameters are"),
+    (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(2, 5, 16).double()), "MHA: context is torch.float64"),
+    (lambda m: m(torch.zeros(2, 5, 16, dtype=torch.long)), "MHA: x must be floating point"),
+])
+def test_a_generated_forward_names_what_is_wrong_with_its_inputs(call, message: str) -> None:
+    module = energydsl.load("examples/intrinsic-optimizers/mha.energy").module(d=16, heads=2)
+    with pytest.raises(ValueError) as err:
+        call(module)
+    assert str(err.value).startswith(message), str(err.value)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: float32 inputs into bfloat16 matmuls are fine
+        assert module(torch.randn(2, 5, 16)).shape == (2, 5, 16)
+
+
 def test_cache_reuses_generated_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
     derived = energydsl.load("examples/cem/mlp.energy").energy(d=6, dv=10)  # dims no other test uses

@@ -36,6 +36,45 @@ def test_parses_and_names():
     assert d.spec.dims()["dh"] == 4
 
 
+FF = """
+energy FF(d = 8, hidden = 4 * d) {
+  state   z[d]
+  param   W1[hidden, d] ~ normal(0, 0.02)
+  global  F = -sum(integral(relu)(W1 @ z))
+  optimizer gd(eta = 1)
+}
+
+model M(vocab = 11, context = 8, d = 8, layers = 1) {
+  embed tokens, positions
+  layer = FF(d)
+  repeat layers
+  head tied
+}
+"""
+
+
+def test_a_dim_default_built_from_other_dims_follows_their_overrides():
+    spec = load(FF)
+    assert spec.energy("FF", d=32).spec.dim_values == {"d": 32.0, "hidden": 128.0}
+    assert spec.energy("FF", d=32, hidden=40).spec.dim_values == {"d": 32.0, "hidden": 40.0}
+    assert spec.model(d=16).state_dict()["layers.0.0.W1"].shape == (64, 16)  # FF(d): hidden = 4 * 16
+
+
+@pytest.mark.parametrize("value, message", [
+    (float("nan"), "dim `d` of energy `FF` must be a finite number, got nan"),
+    (float("inf"), "dim `d` of energy `FF` must be a finite number, got inf"),
+    ("16", "dim `d` of energy `FF` must be a number, got '16'"),
+    (True, "dim `d` of energy `FF` must be a number, got True"),
+    (None, "dim `d` of energy `FF` must be a number, got None"),
+])
+def test_bad_dim_values_from_python_are_located_errors(value, message):
+    with pytest.raises(SpecError) as err:
+        load(FF).energy("FF", d=value)
+    assert err.value.message == message and err.value.span.line == 2
+    with pytest.raises(SpecError, match="dim `d` of model `M` must be a"):
+        load(FF).model(d=value)
+
+
 @pytest.mark.parametrize(
     "text, message, line, col",
     [
@@ -47,6 +86,8 @@ def test_parses_and_names():
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . \n}", "unexpected `}`", 4, 1),
         ("energy A(d = 3, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
          "not a positive whole number", 2, 12),
+        ("energy A(d = 3, heads = 0) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
+         "d/heads is not a size with d=3, heads=0: it divides by zero", 2, 12),
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer adam(eta = 1)\n}",
          "unknown optimizer", 4, 13),
         # a scalar that is complex or not finite is an error where it first arises, not a crash later
@@ -164,3 +205,16 @@ def test_mathml_is_well_formed_and_shows_the_context_relation() -> None:
     ET.fromstring(f"<root>{mathml}</root>")  # raises on a bare `<` or `&`
     assert "<mo></mo>" not in mathml and "<mi></mi>" not in mathml
     assert "<mi>j</mi><mo>&lt;</mo><mi>i</mi>" in mathml
+
+
+def test_load_takes_a_path_or_spec_text_and_says_so(tmp_path, monkeypatch):
+    from energydsl.errors import UserError
+
+    with pytest.raises(UserError, match="empty spec"):
+        load("  ")
+    for wrong in (None, b"energy A {}", 3):
+        with pytest.raises(TypeError, match="expected a path or spec text"):
+            load(wrong)
+    (tmp_path / "mha.energy").write_text(MHA)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load("~/mha.energy").energy_names == ["MHA"]  # ~ is the home directory, as in load_dataset

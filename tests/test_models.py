@@ -128,6 +128,17 @@ def _perturbed(m: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
+def test_a_model_declared_in_an_imported_file_builds(tmp_path: Path) -> None:
+    (tmp_path / "mine.energy").write_text(f'import "{ROOT / "examples/models/gpt.energy"}"\n')
+    spec = energydsl.load(tmp_path / "mine.energy")
+    dims = dict(d=16, layers=1, heads=2)
+    assert spec.plan("GPT").name == "GPT" and spec.model("GPT", **dims).num_params() == \
+        energydsl.load(ROOT / "examples/models/gpt.energy").model(**dims).num_params()
+    assert type(spec.module("GPT", **dims)).__name__ == "LanguageModel"
+    with pytest.raises(energydsl.SpecError, match=r"no model named `Nope` .* \(it has: GPT\)"):
+        spec.model("Nope")
+
+
 def test_generated_gpt_equals_hand_written_nanogpt() -> None:
     dims = dict(vocab=11, context=16, d=12, layers=2, heads=3)
     gen = _perturbed(energydsl.load("examples/models/gpt.energy").model(**dims))
@@ -365,6 +376,20 @@ def test_every_model_example_trains_one_step(path: str) -> None:
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("idx, message", [
+    (torch.zeros(5, dtype=torch.long), "idx must be token ids (batch, seq) of an integer dtype, got shape (5,)"),
+    (torch.zeros(2, 5), "idx must be token ids (batch, seq) of an integer dtype, got shape (2, 5), torch.float32"),
+    ([[1, 2]], "idx must be token ids (batch, seq) of an integer dtype, got list"),
+    (torch.zeros(2, 0, dtype=torch.long), "idx has no tokens"),
+    (torch.zeros(2, 17, dtype=torch.long), "sequence of length 17 is longer than the model's context 16"),
+])
+def test_a_model_names_what_is_wrong_with_its_token_ids(idx, message: str) -> None:
+    model = energydsl.load(ROOT / "examples/models/gpt.energy").model(d=16, layers=1, heads=2, context=16)
+    with pytest.raises(ValueError) as err:
+        model(idx)
+    assert str(err.value).startswith(message), str(err.value)
 
 
 @pytest.mark.parametrize("args,message", [

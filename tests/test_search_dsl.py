@@ -243,13 +243,14 @@ def test_imports_are_inlined(tmp_path: Path) -> None:
     ("data shakespeare_char, steps -5", "steps must be at least 1, got -5"),
     ("data shakespeare_char, steps 0", "steps must be at least 1, got 0"),
     ("data shakespeare_char, steps float 2..4", "`steps` must be a whole number"),
-    ("train lr = -1", "need 0 < lr"),
+    ("train lr = -1", "lr must be above 0"),
     ("train batch = 0", "batch_size must be at least 1"),
     ("train dtype = foo", "unknown dtype 'foo'"),
-    ("train lr = float 0..1e-2", "need 0 < lr"),  # a hole: its bounds are checked
+    ("train lr = float 0..1e-2", "lr must be above 0"),  # a hole: its bounds are checked
     ("train batch = choice{4, 0}", "batch_size must be at least 1"),  # ... and each option of a choice
     ("train eval_iters = int 0..3", "eval_iters must be at least 1"),
     ("train lr = 2 * float 1e-3..1e-2", "takes a number or one hole"),
+    ("data mqar", "dataset mqar has 8192 tokens, more than model `Tiny`'s vocab 65"),
 ])
 def test_mistakes_in_a_search_are_located(tmp_path: Path, bad: str, message: str) -> None:
     path = write(tmp_path, TINY + f"search T {{\n  {bad}\n}}\n")
@@ -281,7 +282,7 @@ def test_which_search_and_settings(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("key, value, message", [
     ("steps", "-1", "steps must be at least 1"), ("steps", "0", "steps must be at least 1"),
-    ("lr", "-1", "need 0 < lr"), ("batch", "0", "batch_size must be at least 1"),
+    ("lr", "-1", "lr must be above 0"), ("batch", "0", "batch_size must be at least 1"),
     ("data", "nope", "unknown dataset 'nope'"), ("data", "chars:/nonexistent/x.txt", "text file not found"),
     ("dtype", "foo", "unknown dtype 'foo'"), ("timeout", "-1", "timeout must be a positive number"),
     ("trials", "0", "trials must be at least 1"), ("seed", "1.5", "`seed` must be a whole number"),
@@ -297,8 +298,17 @@ def test_good_settings_and_datasets_are_accepted(tmp_path: Path) -> None:
     path = write(tmp_path, TINY + SEARCH)
     text = tmp_path / "text.txt"
     text.write_text("abc abd\n" * 10)
-    for data in (f"chars:{text}", f"bytes:{text}", "listops", "mqar"):
+    for data in (f"chars:{text}", "listops"):
         assert load_search(path, data=data).settings["data"].fixed == data
+    for data, tokens in ((f"bytes:{text}", 256), ("mqar", 8192)):  # more tokens than the model's vocab 65
+        with pytest.raises(UserError) as e:
+            load_search(path, data=data)
+        assert e.value.message == f"--set data={data}: dataset {data} has {tokens} tokens, more than model `Tiny`'s " \
+                                  "vocab 65" and e.value.hint == f"write `model Tiny(vocab = {tokens})` in the search"
+        big = write(tmp_path, TINY + SEARCH.replace("model Tiny(", f"model Tiny(vocab = {tokens}, "), "big.energy")
+        assert load_search(big, data=data).settings["data"].fixed == data
+    searched = write(tmp_path, TINY + SEARCH.replace("model Tiny(", "model Tiny(vocab = choice{65, 300}, "), "v.energy")
+    assert load_search(searched, data=f"bytes:{text}")  # a searched vocab: each trial checks its own
     assert load_search(path, steps="1", lr="0.5", min_lr="0.9", dtype="bfloat16").budget["steps"] == 1
     no_trials = write(tmp_path, TINY + SEARCH.replace("  trials 4\n", ""), "default.energy")
     assert load_search(no_trials).budget["trials"] == 20
@@ -344,7 +354,7 @@ def test_cli_bad_settings_exit_2_located(tmp_path: Path) -> None:
     assert "^" in r.stderr and "Traceback" not in r.stderr
     r = energy("search", write(tmp_path, TINY + SEARCH, "ok.energy"), "--set", "lr=-1", "--trials", "1",
                cwd=tmp_path)
-    assert r.returncode == 2 and "--set lr=-1: need 0 < lr" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--set lr=-1: lr must be above 0" in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
 
 

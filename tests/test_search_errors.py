@@ -219,3 +219,17 @@ def test_a_space_saved_with_a_byte_order_mark_lists_its_holes(tmp_path: Path) ->
     out = energy("search", str(space), "--holes", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "TinyGPT.d" in out.stdout and "choice{32, 64}" in out.stdout
+
+
+def test_the_report_and_best_files_get_the_mode_open_would_give(tmp_path: Path) -> None:
+    from energydsl.search import export_best
+
+    journal = a_study(tmp_path)
+    old = os.umask(0o027)
+    try:
+        report = write_report(str(journal), "t", tmp_path / "r.html")
+        export_best(str(journal), "t", tmp_path / "best.energy")
+    finally:
+        os.umask(old)
+    assert oct(report.stat().st_mode & 0o777) == oct(0o640)  # not mkstemp's 0600: others may read it
+    assert oct((tmp_path / "best.energy").stat().st_mode & 0o777) == oct(0o640)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from energydsl.errors import TrainingDiverged, UserError
+from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 from energydsl.training import TrainConfig, load_checkpoint, load_dataset, sample, train
 from energydsl.training.sampling import codec_from_json
 from energydsl.training.trainer import configure_optimizer, lr_at
@@ -170,6 +171,37 @@ def test_no_resume_when_disabled_and_other_model_refused(text_dataset, tmp_path)
     assert load_checkpoint(tmp_path)[1]["dims"] == {"d": 16, "layers": 2}
 
 
+def test_resuming_needs_the_same_shapes_and_the_same_derived_model(corpus, text_dataset, tmp_path):
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=10), tmp_path, metadata=META,
+          progress=False)
+    narrower = GPT(text_dataset.vocab_size, CONTEXT, 16, 2, 2)  # the same metadata, other shapes
+    with pytest.raises(UserError, match=r"of a different model or dataset: wte.weight is \[\d+, 32\] there, "
+                                        r"\[\d+, 16\] now"):
+        train(narrower, text_dataset, config(steps=20), tmp_path, metadata=META, progress=False)
+
+    from energydsl import load  # the same shapes, other equations: momentum and Nesterov across layers
+    dims = dict(d=16, layers=1, heads=2, context=CONTEXT, vocab=text_dataset.vocab_size)
+    momentum = load(ROOT / "examples/models/momentum-gpt.energy").model(**dims)
+    nesterov = load(ROOT / "examples/models/nag-gpt.energy").model(**dims)
+    train(momentum, text_dataset, config(steps=10), tmp_path / "m", metadata={}, progress=False)
+    with pytest.raises(UserError, match="equation_hash is .* there, .* now"):
+        train(nesterov, text_dataset, config(steps=20), tmp_path / "m", metadata={}, progress=False)
+    assert train(momentum, text_dataset, config(steps=20), tmp_path / "m", metadata={},
+                 progress=False)["resumed_from"] == 10
+
+
+def test_a_model_too_small_for_the_data_is_refused_before_training(text_dataset):
+    from energydsl import load
+
+    spec = load(ROOT / "examples/models/gpt.energy")
+    small_vocab = spec.model(d=16, layers=1, heads=2, context=CONTEXT, vocab=4)
+    with pytest.raises(UserError, match=f"has {text_dataset.vocab_size} tokens but the model's vocab is 4"):
+        train(small_vocab, text_dataset, config(), None, metadata={}, progress=False)
+    short = spec.model(d=16, layers=1, heads=2, context=8, vocab=text_dataset.vocab_size)
+    with pytest.raises(UserError, match=f"block_size {CONTEXT} is longer than the model's context 8"):
+        train(short, text_dataset, config(), None, metadata={}, progress=False)
+
+
 class NaNAfter(nn.Module):
     """Wraps a model; after `k` training forwards its logits turn NaN (or are scaled by `scale`)."""
 
@@ -186,6 +218,48 @@ class NaNAfter(nn.Module):
         if self.calls > self.k:
             return logits * self.scale if self.scale is not None else logits * float("nan")
         return logits
+
+
+class CtrlCAt(nn.Module):
+    """Wraps a model; its `k`-th training forward sends this process a SIGINT, as Ctrl-C does."""
+
+    def __init__(self, inner: nn.Module, k: int):
+        super().__init__()
+        self.inner, self.k, self.calls = inner, k, 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.k:
+                signal.raise_signal(signal.SIGINT)
+        return self.inner(idx)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_resumes_where_it_stopped(text_dataset, tmp_path):
+    cfg = config(steps=20)
+    straight = tiny_gpt(text_dataset.vocab_size)
+    train(straight, text_dataset, cfg, tmp_path / "a", metadata=META, progress=False)
+
+    model = CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=13)
+    with pytest.raises(KeyboardInterrupt) as err:  # a notebook stops as usual
+        train(model, text_dataset, cfg, tmp_path / "b", metadata=META, progress=False)
+    assert isinstance(err.value, TrainingInterrupted)
+    assert err.value.step == 13 and err.value.checkpoint == str(tmp_path / "b" / "last.safetensors")
+    assert json.loads((tmp_path / "b" / "last.json").read_text())["training"]["step"] == 13
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+    again = CtrlCAt(tiny_gpt(text_dataset.vocab_size, seed=99), k=10**9)
+    resumed = train(again, text_dataset, cfg, tmp_path / "b", metadata=META, progress=False)
+    assert resumed["resumed_from"] == 13 and resumed["steps"] == 20
+    for (name, a), b in zip(straight.state_dict().items(), again.inner.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # as if never interrupted
+
+
+def test_ctrl_c_without_a_run_directory_stops_at_once(text_dataset):
+    model = CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=3)
+    with pytest.raises(KeyboardInterrupt) as err:
+        train(model, text_dataset, config(steps=20), None, metadata=META, progress=False)
+    assert not isinstance(err.value, TrainingInterrupted) and model.calls == 3
 
 
 def test_nan_loss_raises_and_keeps_last_good_checkpoint(text_dataset, tmp_path):
@@ -417,6 +491,38 @@ def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, mo
         strict_json(line)
     code, out, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused, not replayed
     assert code == 2 and "same settings" in err and "Traceback" not in err
+
+
+def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path):
+    import subprocess
+    import time
+
+    args = tiny_cli_run(corpus, tmp_path, "--steps", "1000000", "--eval-interval", "1000000")
+    proc = subprocess.Popen([sys.executable, "-m", "energydsl.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while '"train"' not in (metrics.read_text() if metrics.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait until it is training (step 0 evaluated, a few steps logged)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    step = json.loads((tmp_path / "last.json").read_text())["training"]["step"]
+    assert step > 0 and err.strip() == (f"interrupted at step {step}: saved {tmp_path / 'last.safetensors'}; "
+                                        "rerun the same command to resume")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--steps", "0"), "--steps must be at least 1, got 0"),
+    (("--batch-size", "0"), "--batch-size must be at least 1, got 0"),
+    (("--warmup", "-3"), "--warmup must not be negative, got -3"),
+    (("--eval-iters", "0"), "--eval-iters must be at least 1, got 0"),
+    (("--lr", "0"), "--lr must be above 0, got 0.0"),
+])
+def test_cli_training_flags_are_named_in_errors(flags, message, corpus, tmp_path, monkeypatch, capsys):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run", *flags))
+    assert code == 2 and err.strip() == f"error: {message}"
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
 def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypatch, capsys):

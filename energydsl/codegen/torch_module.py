@@ -56,6 +56,10 @@ class ModuleWriter:
     def size(self, e: sp.Expr) -> int:
         return int(round(float(sp.sympify(e).subs(self.dims))))
 
+    def _token_shape(self, var: ir.Var | None) -> tuple[int, ...] | None:
+        """The per-token shape of the context or input variable (None when the energy has none)."""
+        return None if var is None else tuple(self.size(s) for s in var.shape)
+
     def number(self, e) -> float:
         return float(sp.sympify(e).subs(self.dims))
 
@@ -184,7 +188,7 @@ class ModuleWriter:
                 em.lines.append(f"{target} = {v.code}")
             em.forget()
         steps_body = em.body
-        lines: list[str] = []
+        lines: list[str] = ["check_inputs(self, x, context, input)  # shapes, length, dtype: a clear ValueError"]
         x = names[spec.state.name]
         lines.append("B, T = x.shape[0], x.shape[1]")
         lines.append("dev, dt = x.device, x.dtype")
@@ -237,7 +241,8 @@ class ModuleWriter:
         rel = {spec.context.index: "<i" if spec.indices[spec.context.index].strict else "<=i"} if spec.context else {}
         updates = "\n".join(f"    {a.target.name}⁺ = {show(unhoist(a.value), 'text', rel)}" for a in prog.assigns)
         ops = sorted(used & (set(OPS) | {"causal_masks"}))
-        imports = ["import torch", "import torch.nn.functional as F", "from torch import nn"]
+        imports = ["import torch", "import torch.nn.functional as F", "from torch import nn",
+                   "from energydsl.runtime.inputs import check_inputs"]
         if ops:
             imports.insert(3, f"from energydsl.runtime.ops import {', '.join(ops)}")
         # the fused Triton kernels, written below specialised for this energy, and their op-set constructors
@@ -254,6 +259,8 @@ class ModuleWriter:
                f'    """{spec.name}: x (batch, seq, {", ".join(map(str, state_shape))}) -> the updated states."""',
                "",
                f"    state_shape = {state_shape!r}",
+               f"    context_shape = {self._token_shape(spec.context)!r}  # None: no `context` clause",
+               f"    input_shape = {self._token_shape(spec.input)!r}  # None: no `input` clause",
                f"    steps = {prog.steps}",
                f"    equation_hash = {self.hash!r}",
                "",

@@ -137,9 +137,15 @@ class LanguageModel(nn.Module):
                 nn.init.normal_(table.weight, 0.0, 0.02)
 
     def forward(self, idx: Tensor) -> Tensor:
+        """Logits (batch, seq, vocab) for token ids idx (batch, seq), 1 <= seq <= the context."""
+        if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.is_floating_point() or idx.is_complex():
+            got = f"shape {tuple(idx.shape)}, {idx.dtype}" if isinstance(idx, Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be token ids (batch, seq) of an integer dtype, got {got}")
         B, T = idx.shape
         if T > self.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's context {self.block_size}")
+        if T < 1:
+            raise ValueError(f"idx has no tokens (shape {tuple(idx.shape)}); a sequence needs at least one")
         x = self._embed(self.wte, idx)
         if self.wpe is not None:
             x = x + self._embed(self.wpe, torch.arange(T, device=idx.device))

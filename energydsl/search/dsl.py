@@ -13,7 +13,7 @@ across-layer optimizers. The `search` declaration adds holes and overrides of it
     optimizer E: choice{gd, nag(...)}      the optimizer of E's `optimizer` clause (modifiers kept)
     precondition E: choice{none, diag}     the preconditioner of E's optimizer (`none`: no preconditioner)
     data NAME, steps N                     the dataset and training steps
-    train lr = float 1e-4..1e-2 log, ...   training settings (see TRAIN_KEYS)
+    train lr = float 1e-4..1e-2 log, ...   training settings (see energydsl.search.settings)
     objective minimize val_loss, ...       see OBJECTIVES; TPE for one, NSGA-II for several
     trials N                               the default budget
 
@@ -26,9 +26,6 @@ is what gets loaded, built, checked and trained. `docs/search.md` is the user's 
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import math
 import re
 from collections.abc import Callable
@@ -38,9 +35,9 @@ from typing import Any
 import lark
 
 from energydsl.errors import Span, SpecError, UserError
+from energydsl.search.candidate import DslCandidate, _AnyValues
 from energydsl.search.holes import (  # source files, holes and filling them
     DEFAULT_OPTIMIZER,
-    INT_SETTINGS,
     _Collector,
     _convert,
     _File,
@@ -48,7 +45,6 @@ from energydsl.search.holes import (  # source files, holes and filling them
     _fmt_float,
     _Hole,
     _kids,
-    _norm,
     _Placement,
     _pos,
     _read_files,
@@ -57,22 +53,10 @@ from energydsl.search.holes import (  # source files, holes and filling them
     _Value,
     _value,
 )
-from energydsl.search.stagecheck import stage_check
+from energydsl.search.settings import DEFAULTS, SET_KEYS, TRAIN_KEYS, _given, check_settings, possible_values
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
-#: `train` keys (and `--set` keys) -> TrainConfig fields
-TRAIN_KEYS = {
-    "lr": "lr", "min_lr": "min_lr", "batch": "batch_size", "batch_size": "batch_size", "block": "block_size",
-    "block_size": "block_size", "warmup": "warmup_steps", "warmup_steps": "warmup_steps",
-    "weight_decay": "weight_decay", "grad_clip": "grad_clip", "eval_interval": "eval_interval",
-    "eval_iters": "eval_iters", "seed": "seed", "dtype": "dtype",
-}
-#: the embedded defaults: small, so that a space trains on a CPU in minutes
-DEFAULTS: dict[str, Any] = {"data": "shakespeare_char", "steps": 200, "batch_size": 16, "lr": 1e-3,
-                            "weight_decay": 0.1, "grad_clip": 1.0, "eval_iters": 20, "seed": 1337,
-                            "dtype": "float32"}
-SET_KEYS = ("search", "data", "steps", "trials", "timeout", *TRAIN_KEYS)
 
 
 # ----------------------------------------------------------------------------- the space
@@ -93,6 +77,7 @@ class DslSpace:
         self.model_name = ""
         self._datasets: dict[str, Any] = {}
         self._build(search, sets)
+        self._check_vocab()
         steps = self.settings.get("steps")
         top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
         self.budget: dict[str, Any] = {"trials": self.trials if self.trials is not None else 20, "steps": top_steps}
@@ -343,24 +328,27 @@ class DslSpace:
             field_ = TRAIN_KEYS.get(key, key)
             value = _given(given, lambda raw=raw, field_=field_: _convert(field_, str(raw), None))
             self.settings[field_] = _Value(fixed=value, given=given)
-        self._check_settings()
+        check_settings(self.settings)
 
-    def _check_settings(self) -> None:
-        """Every training setting as training will take it, before any trial runs: each fixed value and each
-        value a setting's hole can take (its bounds, its options), so that a bad one is an error located
-        where it is written (or naming the --set), not every trial failing."""
-        if "data" not in self.settings:
-            check_setting("data", DEFAULTS["data"])
-        for key, v in self.settings.items():
-            if v.file is None:
-                _check_value(key, v.fixed, v.span, v.given)
-                continue
-            hole = v.holes[0] if len(v.holes) == 1 else None
-            if hole is None or (hole.start, hole.end) != (v.start, v.end):
-                raise SpecError(f"`{key}` takes a number or one hole (`int a..b`, `float a..b`, `choice{{...}}`)",
-                                v.file.span_at(v.start, v.end))
-            for value, span in _hole_values(key, hole):
-                _check_value(key, value, span, None)
+    def _check_vocab(self) -> None:
+        """Every dataset the trials can train on fits the model's vocab: an error here, not every trial failing.
+        A searched vocab is left to each trial."""
+        from energydsl.training.data import dataset_vocab
+
+        if any(h.name == f"{self.model_name}.vocab" for h in self.holes()):
+            return
+        try:  # any candidate: the vocab is the same in all of them
+            vocab = self.suggest(_AnyValues()).spec().plan(self.model_name).vocab
+        except UserError:
+            return  # that candidate is invalid; the trials report why
+        for data, span, given in possible_values(self.settings, "data"):
+            need = dataset_vocab(str(data))
+            if need > vocab:
+                message = f"dataset {data} has {need} tokens, more than model `{self.model_name}`'s vocab {vocab}"
+                hint = f"write `model {self.model_name}(vocab = {need})` in the search"
+                if span is not None:
+                    raise SpecError(message, span, hint)
+                raise UserError(f"{given}: {message}" if given else message, hint=hint)
 
     def check_device(self, device: str, local: bool = True) -> None:
         """Fail now for a device the trials could not train on (training's own check), not in every trial.
@@ -445,7 +433,8 @@ class DslSpace:
         for key, v in self.settings.items():
             settings[key] = _convert(key, v.text(filler), None) if v.file is not None else v.fixed
         settings = self._complete(settings)
-        return DslCandidate(self, dict(filler.params), self._assemble(texts, filler.params, settings), settings)
+        return DslCandidate(self.model_name, dict(filler.params), self._assemble(texts, filler.params, settings),
+                            settings)
 
     def _complete(self, s: dict[str, Any]) -> dict[str, Any]:
         out = {**DEFAULTS, **s}
@@ -521,170 +510,6 @@ class DslSpace:
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
         }
-
-
-# ----------------------------------------------------------------------------- checking settings
-
-
-def _given(given: str, convert: Callable[[], Any]) -> Any:
-    """`convert()`, its error naming the --set it came from."""
-    try:
-        return convert()
-    except UserError as e:
-        raise UserError(f"{given}: {e.message}", hint=e.hint) from None
-
-
-def _hole_values(key: str, h: _Hole) -> list[tuple[Any, Span]]:
-    """The values a setting's hole can take that decide whether training accepts them: an int or float
-    hole's bounds, each option of a choice (each as converted for setting `key`, with where it is written)."""
-    if h.kind == "float" and key in INT_SETTINGS:
-        raise SpecError(f"`{key}` must be a whole number: use `int a..b`", h.span)
-    if h.kind in ("int", "float"):
-        return [(int(b) if h.kind == "int" else float(b), h.span) for b in (h.low, h.high)]
-    out: list[tuple[Any, Span]] = []
-    for o in h.options:
-        if len(o.holes) == 1 and (o.holes[0].start, o.holes[0].end) == (o.start, o.end):
-            out += _hole_values(key, o.holes[0])
-            continue
-        span = h.file.span_at(o.start, o.end)
-        out.append((_convert(key, h.file.text[o.start:o.end], span), span))
-    return out
-
-
-def _check_value(key: str, value: Any, span: Span | None, given: str | None) -> None:
-    try:
-        check_setting(key, value)
-    except UserError as e:
-        if span is not None:
-            raise SpecError(e.message, span, e.hint) from None
-        raise UserError(f"{given}: {e.message}" if given else e.message, hint=e.hint) from None
-
-
-def check_setting(key: str, value: Any) -> None:
-    """Raise a UserError when training would refuse `value` for setting `key` (a TrainConfig field or `data`):
-    TrainConfig's own validation, the dataset found (not loaded), and at least one step."""
-    import dataclasses
-
-    from energydsl.training import TrainConfig
-    from energydsl.training.data import check_dataset
-
-    if key == "data":
-        check_dataset(str(value))
-        return
-    if key == "steps" and value < 1:  # training accepts 0 steps; a trial must train
-        raise UserError(f"steps must be at least 1, got {value}")
-    if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
-        return
-    base = TrainConfig()
-    extra: dict[str, Any] = {}
-    if key == "lr":
-        extra["min_lr"] = 0.0  # a candidate's min_lr is at most its lr
-    elif key == "min_lr":
-        extra["lr"] = max(base.lr, value)
-    dataclasses.replace(base, **{key: value, **extra}).validate()
-
-
-# ----------------------------------------------------------------------------- candidates
-
-
-def _reason(e: BaseException) -> str:
-    """One line: the message, the candidate's source line it points at, the hint."""
-    if not isinstance(e, UserError):
-        return f"{type(e).__name__}: {e}"
-    where = ""
-    if e.span is not None and e.span.source:
-        lines = e.span.source.splitlines()
-        if 1 <= e.span.line <= len(lines) and lines[e.span.line - 1].strip():
-            where = f" (at `{_norm(lines[e.span.line - 1])[:120]}`)"
-    return f"{e.message}{where}" + (f"; hint: {e.hint}" if e.hint else "")
-
-
-class DslCandidate:
-    """One filled-in spec: implements `energydsl.search.space.Candidate`."""
-
-    def __init__(self, space: DslSpace, params: dict[str, Any], text: str, settings: dict[str, Any]):
-        self.space = space
-        self.params = params
-        self.text = text
-        self.settings = settings
-        self._spec: Any = None
-        self._model: Any = None
-        self._hash: str | None = None
-        self._mathml: str | None = None
-
-    def source(self) -> str:
-        return self.text
-
-    def spec(self) -> Any:
-        if self._spec is None:
-            from energydsl.api import load
-
-            self._spec = load(self.text)
-        return self._spec
-
-    def model(self) -> Any:
-        """The language model (built once, initialised from the training seed)."""
-        if self._model is None:
-            import torch
-
-            spec = self.spec()
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(self.settings["seed"]))
-                self._model = spec.model(self.space.model_name)
-        return self._model
-
-    def release(self) -> None:
-        self._model = None
-
-    def invalid_reason(self) -> str | None:
-        try:
-            model = self.model()
-        except (UserError, NotImplementedError) as e:
-            return _reason(e)
-        plan = getattr(model, "plan", None)
-        stages = [(s.label, s.decl, s.dims) for s in plan.stages] if plan is not None else []
-        try:
-            for label, decl, dims in stages:
-                why = stage_check(decl, dims)
-                if why:
-                    return f"{label}: {why}"
-        except (UserError, NotImplementedError) as e:
-            return _reason(e)
-        return None
-
-    def equation_hash(self) -> str:
-        if self._hash is None:
-            model = self.model()
-            stages = [_derived_key(d) for d in model.derived]
-            key = {"model": model.equation_hash(), "stages": stages, "train": self.settings}
-            self._hash = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return self._hash
-
-    def equations_mathml(self) -> str:
-        if self._mathml is None:
-            model = self.model()
-            infos = getattr(model, "stage_info", None)
-            labels = [s.label for s in infos] if infos else [d.name for d in model.derived]
-            self._mathml = "\n".join(f"<h5>{label}</h5>\n{d.equations('mathml')}"
-                                     for label, d in zip(labels, model.derived, strict=False))
-        return self._mathml
-
-
-def _derived_key(d: Any) -> list[Any]:
-    """What the update equations do not show but training depends on: initial values and flags of the
-    parameters (also those an optimizer or preconditioner creates)."""
-    prog = d.program
-    params = getattr(prog, "params", None) or d.spec.params
-    out: list[Any] = [d.equation_hash()]
-    out.append(sorted((n, str(getattr(p, "shape", "")), str(getattr(p, "init", "")), str(getattr(p, "constraint", "")),
-                       bool(getattr(p, "learn", True))) for n, p in params.items()))
-    opt = d.spec.optimizer
-    out.append([opt.kind, opt.steps, opt.per_head, opt.wrt, opt.precondition,
-                sorted((k, str(v)) for k, v in opt.precondition_options.items()),
-                sorted((k, str(h.value), h.learn) for k, h in opt.hyper.items())])
-    with contextlib.suppress(Exception):
-        out.append(sorted((str(k), str(v)) for k, v in prog.hyper_values.items()))
-    return out
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -532,6 +532,13 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     return p
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the umask (which can only be read by setting it)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _write_atomic(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -539,6 +546,7 @@ def _write_atomic(path: Path, text: str) -> None:
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     try:
+        os.fchmod(fd, _new_file_mode())  # mkstemp makes 0600: give the report the mode open() would
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

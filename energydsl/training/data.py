@@ -499,6 +499,24 @@ def check_dataset(name: str) -> None:
         raise DataError(f"unknown dataset {name!r}", hint=f"known datasets: {KNOWN}")
 
 
+def dataset_vocab(name: str) -> int:
+    """The vocabulary size `load_dataset(name)` gives (default options), without building its splits: a search
+    compares it with the model's vocab before any trial. Text files are read (their characters count)."""
+    name = name.strip()
+    kind, _, raw = name.partition(":")
+    if name == "listops":
+        return len(LISTOPS_TOKENS)
+    if name == "mqar":
+        return MQARConfig().vocab_size
+    if kind == "bytes":
+        return ByteCodec().vocab_size
+    path = find_shakespeare() if name == "shakespeare_char" else Path(raw).expanduser()
+    try:
+        return len(set(_read_bytes(path, "text file").decode("utf-8")))
+    except UnicodeDecodeError as e:
+        raise DataError(f"text file is not UTF-8 text: {path} (byte {e.start})", hint=f"use bytes:{path}") from e
+
+
 def load_dataset(name: str, *, block_size: int | None = None, **options: Any) -> LMDataset:
     """Parse a dataset name (`shakespeare_char`, `bytes:PATH`, `chars:PATH`, `listops`, `mqar`) and load it.
 

@@ -4,7 +4,9 @@
 with AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient clipping and
 evaluation every `eval_interval` steps. In `out_dir` it keeps `last.*` (for resuming), `best.*` (the
 lowest validation loss), `metrics.jsonl` and `loss.png`. Step `s` always means "after `s` updates".
-Checkpoints are written at evaluations only: a killed run resumes from the last evaluation.
+Checkpoints are written at evaluations, and when Ctrl-C stops a run that has an `out_dir`: the step
+under way finishes, the run is evaluated and saved, and `TrainingInterrupted` (a KeyboardInterrupt) is
+raised; a second Ctrl-C stops at once. A killed run resumes from its last checkpoint.
 
 Divergence: a loss (any training step's, or an evaluation's train or validation loss) has diverged
 when it is NaN or infinite, or above `diverge_factor` (4) times the run's initial loss (the training
@@ -21,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from energydsl.errors import TrainingDiverged, UserError
+from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 
 from .data import IGNORE_INDEX, LMDataset
 from .sampling import load_checkpoint, save_checkpoint
@@ -66,24 +70,29 @@ class TrainConfig:
     dtype: str = "float32"  # 'float32', 'bfloat16' (autocast) or 'float16' (autocast + grad scaling, CUDA)
     diverge_factor: float = 4.0  # a loss above this x the initial loss (and above 2 ln V) diverged; inf: off
 
-    def validate(self) -> None:
-        """Reject impossible settings with a message naming the field (they usually come from CLI flags)."""
-        positive = ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise UserError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.steps < 0 or self.warmup_steps < 0:
-            raise UserError("steps and warmup_steps must not be negative")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise UserError(f"need 0 < lr and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+    def validate(self, names: dict[str, str] | None = None) -> None:
+        """Reject impossible settings with a message naming each one as `names` spells it (a CLI passes its
+        flags, e.g. {"warmup_steps": "--warmup"}); the field name otherwise."""
+        def name(field: str) -> str:
+            return (names or {}).get(field, field)
+
+        for field in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval"):
+            if getattr(self, field) < 1:
+                raise UserError(f"{name(field)} must be at least 1, got {getattr(self, field)}")
+        for field in ("steps", "warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, field) < 0:
+                raise UserError(f"{name(field)} must not be negative, got {getattr(self, field)}")
+        if not self.lr > 0:
+            raise UserError(f"{name('lr')} must be above 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise UserError(f"{name('min_lr')} must be in [0, {name('lr')}], got {self.min_lr} with "
+                            f"{name('lr')} {self.lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise UserError(f"betas must be two numbers in [0, 1), got {self.betas}")
+            raise UserError(f"{name('betas')} must be two numbers in [0, 1), got {self.betas}")
         if self.dtype not in DTYPES:
-            raise UserError(f"unknown dtype {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise UserError("weight_decay and grad_clip must not be negative")
+            raise UserError(f"unknown {name('dtype')} {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
         if not self.diverge_factor > 1:
-            raise UserError(f"diverge_factor must be above 1, got {self.diverge_factor}")
+            raise UserError(f"{name('diverge_factor')} must be above 1, got {self.diverge_factor}")
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -160,8 +169,8 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-_START_OVER = ("pass --fresh to start over (that overwrites best.* too: copy it first if you need it), or choose "
-               "another --out directory")
+_START_OVER = ("pass --fresh (resume=False) to start over (that overwrites best.* too: copy it first if you need "
+               "it), or choose another --out directory")
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -192,6 +201,32 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -
             diffs.append(f"{name} differs")
         else:
             diffs.append(f"{name} is {_show(a)} there, {_show(b)} now")
+    return diffs
+
+
+def _check_fits(model: nn.Module, dataset: LMDataset, config: TrainConfig) -> None:
+    """The model reads every token id of the dataset and sequences of block_size (a LanguageModel says how
+    many through `vocab_size` and `block_size`); found here, not as an index error inside the embedding."""
+    vocab, context = getattr(model, "vocab_size", None), getattr(model, "block_size", None)
+    if isinstance(vocab, int) and dataset.vocab_size > vocab:
+        raise UserError(f"the dataset {dataset.name} has {dataset.vocab_size} tokens but the model's vocab is {vocab}",
+                        hint=f"build the model with vocab={dataset.vocab_size}")
+    if isinstance(context, int) and config.block_size > context:
+        raise UserError(f"block_size {config.block_size} is longer than the model's context {context}",
+                        hint=f"set block_size <= {context}, or build the model with a longer context")
+
+
+def _shape_differences(saved: dict[str, Tensor], now: dict[str, Tensor]) -> list[str]:
+    """Parameters (and buffers) the checkpoint and the model do not share, or hold at other shapes."""
+    diffs = [f"{name} is {list(saved[name].shape)} there, {list(now[name].shape)} now"
+             for name in now if name in saved and saved[name].shape != now[name].shape]
+    extra, missing = sorted(set(saved) - set(now)), sorted(set(now) - set(saved))
+    if extra:
+        diffs.append(f"{len(extra)} tensors there are not in the model ({', '.join(extra[:3])}"
+                     f"{', ...' if len(extra) > 3 else ''})")
+    if missing:
+        diffs.append(f"{len(missing)} of the model's tensors are not there ({', '.join(missing[:3])}"
+                     f"{', ...' if len(missing) > 3 else ''})")
     return diffs
 
 
@@ -279,8 +314,9 @@ class _Run:
             tmp.write_text(text)
             tmp.replace(self.diverged)
 
-    def find_resumable(self) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]] | None:
-        """The last checkpoint if it is complete and was made for the same metadata and data, else None.
+    def find_resumable(self, model: nn.Module) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]] | None:
+        """The last checkpoint if it is complete and was made for the same metadata, data and `model`
+        (parameter names and shapes), else None.
 
         A checkpoint of another model or dataset, or one that cannot be resumed (damaged, or its files from
         different steps after a kill between two writes), raises `UserError`: starting afresh would overwrite
@@ -303,11 +339,13 @@ class _Run:
         elif any(data.get(k) != self.dataset_info[k] for k in ("vocab_size", "codec")):
             diffs.append(f"the dataset {_show(data.get('name'))} has another vocabulary there")
         diffs += _differences(sidecar, self.metadata)
+        diffs += _shape_differences(state, model.state_dict())
         if diffs:  # most likely a typo in a flag: never overwrite a run unasked
             shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
             raise UserError(f"{self.out_dir} holds a checkpoint (step {training.get('step')}) of a different "
                             f"model or dataset: {shown}",
-                            hint="pass --fresh to overwrite that run, or choose another --out directory")
+                            hint="pass --fresh (resume=False) to overwrite that run, or choose another --out "
+                                 "directory")
         if extra.get("step") != training.get("step"):
             raise UserError(f"the checkpoint files last.* in {self.out_dir} are from different steps "
                             f"({extra.get('step')} and {training.get('step')}: killed while saving?), so the run "
@@ -389,9 +427,12 @@ def train(
     config.validate()
     device = _device(config.device)
     dataset.check_block_size(config.block_size)
+    _check_fits(model, dataset, config)
     metadata = _jsonable(metadata)
     if "training" in metadata:
         raise UserError("metadata must not use the key 'training': the trainer writes it")
+    if callable(getattr(model, "equation_hash", None)):  # a resumed run must be the same derived model
+        metadata.setdefault("equation_hash", model.equation_hash())
     out_dir = Path(out_dir) if out_dir is not None else None
     if config.dtype == "float16" and device.type != "cuda":
         raise UserError("dtype float16 needs CUDA", hint="use bfloat16 or float32 on the CPU")
@@ -408,7 +449,7 @@ def train(
 
     generator = torch.Generator().manual_seed(config.seed)
     state = _RunState()
-    found = run.find_resumable() if resume else None
+    found = run.find_resumable(model) if resume else None
     if found is not None:
         weights, training, extra = found
         diverged = run.divergence()
@@ -418,7 +459,7 @@ def train(
                 f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
                 "would diverge again",
                 hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
-                     "or pass --fresh to start over")
+                     "or pass --fresh (resume=False) to start over")
         model.load_state_dict(weights)
         optimizer.load_state_dict(extra["optimizer"])
         scaler.load_state_dict(extra["scaler"])
@@ -442,19 +483,51 @@ def train(
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls, as nanoGPT
         try:
-            result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state, run,
-                           resumed=found is not None, progress=progress, on_eval=on_eval)
+            with _deferred_interrupt(out_dir is not None) as interrupt:
+                result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
+                               run, resumed=found is not None, progress=progress, on_eval=on_eval,
+                               interrupt=interrupt)
         finally:
             torch.set_float32_matmul_precision(precision)
     result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
     return result
 
 
+@dataclass
+class _Interrupt:
+    requested: bool = False
+
+
+@contextlib.contextmanager
+def _deferred_interrupt(enabled: bool):
+    """While active, the first Ctrl-C only sets `requested` (the loop then saves and stops between steps, so
+    no state is torn mid-update); it also restores the previous handler, so a second Ctrl-C stops at once.
+    Only in the main thread (signals go there) and when there is somewhere to save."""
+    interrupt = _Interrupt()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield interrupt
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:  # a handler installed outside Python: put Python's default back afterwards
+        previous = signal.default_int_handler
+
+    def request(signum: int, frame: Any) -> None:
+        interrupt.requested = True
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, request)
+    try:
+        yield interrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: torch.device,
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, autocast: Callable[[], Any],
           generator: torch.Generator, state: _RunState, run: _Run, *, resumed: bool, progress: bool,
-          on_eval: Callable[[int, float], bool] | None) -> dict[str, Any]:
-    """The step loop; evaluation (and checkpointing) at every multiple of eval_interval and at the end."""
+          on_eval: Callable[[int, float], bool] | None, interrupt: _Interrupt) -> dict[str, Any]:
+    """The step loop; evaluation (and checkpointing) at every multiple of eval_interval, at the end, and
+    when `interrupt` was requested (then it raises TrainingInterrupted)."""
     vocab = dataset.vocab_size
     explode_floor = 2.0 * math.log(max(vocab, 2))
     pending: list[tuple[int, Tensor]] = []  # losses not yet checked: checking syncs the GPU
@@ -505,7 +578,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
 
     first = True
     while True:
-        due = step % config.eval_interval == 0 or step >= config.steps
+        due = step % config.eval_interval == 0 or step >= config.steps or interrupt.requested
         if due and not (first and resumed):  # a resumed run was evaluated just before it was saved
             check_pending()
             if device.type == "cuda":
@@ -534,6 +607,10 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             if on_eval is not None and on_eval(step, losses["val"]) and step < config.steps:
                 stopped_early = True
             started = time.perf_counter()
+        if interrupt.requested and step < config.steps and not stopped_early:  # saved just above (or resumed)
+            run.log(kind="interrupted", step=step)
+            bar.close()
+            raise TrainingInterrupted(step, run.last_checkpoint)
         first = False
         if step >= config.steps or stopped_early:
             break

@@ -1,0 +1,107 @@
+"""The training settings of a search: their names, the embedded defaults, and the checks that refuse a
+value training would refuse, before any trial runs (`check_settings`, used by energydsl.search.dsl).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from energydsl.errors import Span, SpecError, UserError
+from energydsl.search.holes import INT_SETTINGS, _convert, _Hole, _Value
+
+#: `train` keys (and `--set` keys) -> TrainConfig fields
+TRAIN_KEYS = {
+    "lr": "lr", "min_lr": "min_lr", "batch": "batch_size", "batch_size": "batch_size", "block": "block_size",
+    "block_size": "block_size", "warmup": "warmup_steps", "warmup_steps": "warmup_steps",
+    "weight_decay": "weight_decay", "grad_clip": "grad_clip", "eval_interval": "eval_interval",
+    "eval_iters": "eval_iters", "seed": "seed", "dtype": "dtype",
+}
+#: the embedded defaults: small, so that a space trains on a CPU in minutes
+DEFAULTS: dict[str, Any] = {"data": "shakespeare_char", "steps": 200, "batch_size": 16, "lr": 1e-3,
+                            "weight_decay": 0.1, "grad_clip": 1.0, "eval_iters": 20, "seed": 1337,
+                            "dtype": "float32"}
+SET_KEYS = ("search", "data", "steps", "trials", "timeout", *TRAIN_KEYS)
+
+
+def check_settings(settings: dict[str, _Value]) -> None:
+    """Every training setting as training will take it, before any trial runs: each fixed value and each
+    value a setting's hole can take (its bounds, its options), so that a bad one is an error located
+    where it is written (or naming the --set), not every trial failing."""
+    for key in dict.fromkeys(["data", *settings]):
+        for value, span, given in possible_values(settings, key):
+            _check_value(key, value, span, given)
+
+
+def possible_values(settings: dict[str, _Value], key: str) -> list[tuple[Any, Span | None, str | None]]:
+    """The values setting `key` can take that decide whether training accepts it (a hole's bounds and
+    options), each with where it is written (a span in the search, or the --set it came from); the
+    default when the search leaves it out."""
+    v = settings.get(key)
+    if v is None:
+        return [(DEFAULTS[key], None, None)] if key in DEFAULTS else []
+    if v.file is None:
+        return [(v.fixed, v.span, v.given)]
+    hole = v.holes[0] if len(v.holes) == 1 else None
+    if hole is None or (hole.start, hole.end) != (v.start, v.end):
+        raise SpecError(f"`{key}` takes a number or one hole (`int a..b`, `float a..b`, `choice{{...}}`)",
+                        v.file.span_at(v.start, v.end))
+    return [(value, span, None) for value, span in _hole_values(key, hole)]
+
+
+def _given(given: str, convert: Callable[[], Any]) -> Any:
+    """`convert()`, its error naming the --set it came from."""
+    try:
+        return convert()
+    except UserError as e:
+        raise UserError(f"{given}: {e.message}", hint=e.hint) from None
+
+
+def _hole_values(key: str, h: _Hole) -> list[tuple[Any, Span]]:
+    """The values a setting's hole can take that decide whether training accepts them: an int or float
+    hole's bounds, each option of a choice (each as converted for setting `key`, with where it is written)."""
+    if h.kind == "float" and key in INT_SETTINGS:
+        raise SpecError(f"`{key}` must be a whole number: use `int a..b`", h.span)
+    if h.kind in ("int", "float"):
+        return [(int(b) if h.kind == "int" else float(b), h.span) for b in (h.low, h.high)]
+    out: list[tuple[Any, Span]] = []
+    for o in h.options:
+        if len(o.holes) == 1 and (o.holes[0].start, o.holes[0].end) == (o.start, o.end):
+            out += _hole_values(key, o.holes[0])
+            continue
+        span = h.file.span_at(o.start, o.end)
+        out.append((_convert(key, h.file.text[o.start:o.end], span), span))
+    return out
+
+
+def _check_value(key: str, value: Any, span: Span | None, given: str | None) -> None:
+    try:
+        check_setting(key, value)
+    except UserError as e:
+        if span is not None:
+            raise SpecError(e.message, span, e.hint) from None
+        raise UserError(f"{given}: {e.message}" if given else e.message, hint=e.hint) from None
+
+
+def check_setting(key: str, value: Any) -> None:
+    """Raise a UserError when training would refuse `value` for setting `key` (a TrainConfig field or `data`):
+    TrainConfig's own validation, the dataset found (not loaded), and at least one step."""
+    import dataclasses
+
+    from energydsl.training import TrainConfig
+    from energydsl.training.data import check_dataset
+
+    if key == "data":
+        check_dataset(str(value))
+        return
+    if key == "steps" and value < 1:  # training accepts 0 steps; a trial must train
+        raise UserError(f"steps must be at least 1, got {value}")
+    if key not in {f.name for f in dataclasses.fields(TrainConfig)}:
+        return
+    base = TrainConfig()
+    extra: dict[str, Any] = {}
+    if key == "lr":
+        extra["min_lr"] = 0.0  # a candidate's min_lr is at most its lr
+    elif key == "min_lr":
+        extra["lr"] = max(base.lr, value)
+    dataclasses.replace(base, **{key: value, **extra}).validate()
