@@ -223,6 +223,7 @@ class Spec:
         return [n for n in self.syntax.names() if n in self.syntax.energies]
 
     def energy(self, name: str | None = None, **dims: float) -> Derived:
+        """One energy's derivation at these dims (an imported energy may be named; left out, the file's one)."""
         names = self.energy_names
         if name is None:
             if len(names) != 1:
@@ -231,7 +232,10 @@ class Spec:
             name = names[0]
         decl = self.syntax.energies.get(name)
         if decl is None:
-            raise SpecError(f"no energy named `{name}` in {self.path} (it has: {', '.join(names) or 'none'})", None)
+            hint = (f"`{name}` is a model: use .model(...) or .plan(...)" if name in self.syntax.models else
+                    f"`{name}` is a block: a model's `layer = ...` uses it" if name in self.syntax.blocks else None)
+            raise SpecError(f"no energy named `{name}` in {self.path} (it has: "
+                            f"{', '.join(self.syntax.energies) or 'none'})", None, hint)
         spec = lower_energy(decl, dims)
         return Derived(spec, build_program(spec))
 

@@ -21,7 +21,8 @@ class Style:
     name = "text"
 
     def scalar(self, v: sp.Expr) -> str:
-        return re.sub(r"\b(" + "|".join(GREEK) + r")\b", lambda m: GREEK[m[0]], sp.sstr(v))  # not "beta" -> "bη"
+        text = sp.sstr(v).replace("**", "^")  # powers as the language writes them
+        return re.sub(r"\b(" + "|".join(GREEK) + r")\b", lambda m: GREEK[m[0]], text)  # not "beta" -> "bη"
 
     def name_(self, n: str, sub: list[str]) -> str:
         n = GREEK.get(n, n)

@@ -183,6 +183,8 @@ def test_greek_hyper_parameters_print_as_whole_words() -> None:
     from energydsl.printing import Style
 
     assert Style().scalar(sp.Symbol("beta") * sp.Symbol("eta") + sp.Symbol("zeta")) == "β*η + zeta"
+    assert Style().scalar(sp.sqrt(sp.Symbol("d")) / sp.Symbol("heads") ** sp.Rational(3, 2)) == \
+        "sqrt(d)/heads^(3/2)"  # powers as the language writes them, not Python's **
 
 
 def test_symbolic_exponents_print_in_parentheses() -> None:

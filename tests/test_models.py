@@ -440,3 +440,11 @@ def test_unknown_stage_is_located(tmp_path: Path) -> None:
     spec.write_text((ROOT / "examples/models/gpt.energy").read_text().replace("-> MLP(", "-> MLPX("))
     r = _run("info", str(spec))
     assert r.returncode == 2 and "m.energy:49:28: error: no energy or block named `MLPX`" in r.stderr
+
+
+def test_asking_for_a_model_or_block_as_an_energy_says_what_it_is() -> None:
+    spec = energydsl.load(ROOT / "examples/models/nrgpt.energy")
+    for name, says in (("NRGPT", "is a model: use .model(...)"), ("NRGPTBlock", "is a block: a model's `layer")):
+        with pytest.raises(energydsl.SpecError) as err:
+            spec.energy(name)
+        assert f"no energy named `{name}`" in err.value.message and says in err.value.hint
