@@ -21,8 +21,8 @@ from .errors import TrainingDiverged, TrainingInterrupted, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # paths are never broken across lines
+out = Console(highlight=False, soft_wrap=True)  # tables still fit the terminal
 
 #: TrainConfig fields -> the `train` flags that set them, for messages
 TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",

@@ -298,6 +298,31 @@ def test_strict_first_row_is_zero_and_lse_finite() -> None:
     assert torch.isfinite(lse).all()
 
 
+@pytest.mark.parametrize("kind", ["with_lse", "second"])
+def test_bfloat16_and_float64_inputs_give_the_reference(kind: str) -> None:
+    """bfloat16: the interpreter's tl.dot misreads bf16 (triton#11584), so it runs on float32 copies there; on
+    a GPU the kernel takes bf16. float64: no kernel takes it (the kernels accumulate in float32, and the
+    attention kernels do not compile for it), so the op is the exact reference, gradients included."""
+    case = Case(T=9, H=2, Dk=16, Dv=16, strict=False, biases="all", B=1)
+    leaves = make_leaves(case, torch.float64)
+    args = [leaves[n] for n in ("q", "k", "v")]
+    kw = dict(scale=0.25, alibi_slopes=leaves["alibi_slopes"], self_bias=leaves["self_bias"],
+              key_bias=leaves["key_bias"])
+    extra = [None, leaves["u"]] if kind == "second" else []
+    want = REFERENCE[kind](*args, *extra, **kw)
+    want = want[0] if kind == "with_lse" else want
+    half = [a.detach().bfloat16() for a in args + extra[1:]]
+    got = KERNEL[kind](*half[:3], *([None, half[3]] if kind == "second" else []), **kw)
+    got = got[0] if kind == "with_lse" else got
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 3e-2, rel_err(got, want)  # bf16: 8 bits of mantissa
+    got64 = KERNEL[kind](*args, *extra, **kw)
+    got64 = got64[0] if kind == "with_lse" else got64
+    assert got64.dtype == torch.float64 and rel_err(got64, want) < 1e-13
+    grads = torch.autograd.grad(got64.sum(), args)
+    for g, r in zip(grads, torch.autograd.grad(want.sum(), args)):
+        assert rel_err(g, r) < 1e-12
+
+
 @pytest.mark.parametrize("ops", [kernels.GENERIC, kernels.GENERIC_WIDE], ids=["narrow", "wide"])
 def test_opcheck(ops: kernels.AttentionOps) -> None:
     """Schema, fake (shape) functions, autograd registration and AOT dispatch of both forward ops."""

@@ -166,6 +166,43 @@ def test_bias_forms_reach_the_kernel_flags() -> None:
     assert "strict=True" in next(line for line in strict.splitlines() if ".energy_attention(" in line)
 
 
+def _position_bias_energy(bias: str) -> str:
+    return textwrap.dedent(f"""
+        energy Biased(d = 8, heads = 2) {{
+          dim     dh = d / heads
+          state   x[d]
+          context h[j, d] where j <= i
+          param   WQ[heads, dh, d] ~ normal(0, 0.3)
+          param   WK[heads, dh, d] ~ normal(0, 0.3)
+          param   m[heads] ~ normal(1, 0.1)
+          let     tau = sqrt(dh)
+          let     bias[k, j] = {bias}
+          local   s[k, j] = (WQ[k] @ x) . (WK[k] @ h[j]) / tau + bias[k, j]
+          global  E = -tau * sum[k](logsumexp[j](s[k, j]))
+          optimizer gd(eta = 1)
+        }}
+    """)
+
+
+@pytest.mark.parametrize("bias, kernel_flag", [
+    ("-m[k] * abs(i - j)", "alibi_slopes="),
+    ("-m[k] * sqrt((i - j)^2)", "alibi_slopes="),  # |i - j| written otherwise: proven, not sampled
+    ("m[k] * relu(1 - abs(i - j))", "self_bias="),
+    # equal to |i - j| or [i = j] up to distance 7 only: a kernel flag would be silently wrong beyond it
+    ("-m[k] * (abs(i - j) - relu(abs(i - j) - 7))", None),
+    ("-m[k] * abs(i - j) * relu(sign(8.5 - abs(i - j)))", None),
+    ("m[k] * (relu(1 - abs(i - j)) + relu(abs(i - j) - 8))", None),
+])
+def test_a_position_bias_becomes_a_kernel_flag_only_when_proven(bias: str, kernel_flag: str | None) -> None:
+    derived = load(_position_bias_energy(bias)).energy()
+    call = next((ln for ln in energy_source(derived, "triton").splitlines() if ".energy_attention(" in ln), "")
+    if kernel_flag is None:
+        assert "alibi_slopes=" not in call and "self_bias=" not in call, call
+    else:
+        assert kernel_flag in call, call
+    _compare_backends(derived, "Biased")  # T = 13: past the distance 7 where the look-alikes part
+
+
 @pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
                                        ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
 def test_momentum_step_is_one_fused_update(path: str, name: str) -> None:
@@ -192,6 +229,37 @@ def test_momentum_steps_match_torch_backend_with_query_dependent_attention(path:
     look-ahead point is below float32 noise there, and a wrong dm or dc of the fused look-ahead passes the
     comparison above. With weights of std 0.3 every gradient (opt_beta and opt_eta included) depends on it."""
     _compare_backends(load(ROOT / "examples" / path).energy(name), name, weights_std=0.3)
+
+
+@pytest.mark.parametrize("path,name", [
+    ("intrinsic-optimizers/mha.energy", "MHA"), ("intrinsic-optimizers/gated-linear-attention.energy",
+                                                 "GatedLinearAttention"),
+    ("intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"), ("cem/mlp.energy", "CEMMLP"),
+    ("intrinsic-optimizers/nag-mha.energy", "NagMHA"),
+])
+def test_float64_runs_the_exact_references(path: str, name: str) -> None:
+    """No kernel takes float64 (they accumulate in float32; the attention kernels do not compile for it): a
+    float64 triton-backend module runs the references and equals the torch backend to float64 rounding."""
+    derived = load(ROOT / "examples" / path).energy(name)
+    torch.manual_seed(0)
+    ref = module_class(derived, "torch")().to(DEVICE).double()
+    tri = module_class(derived, "triton")().to(DEVICE).double()
+    tri.load_state_dict(ref.state_dict())
+    x = ref.example_input(2, 13).to(DEVICE).double()
+    w = torch.randn(x.shape, device=DEVICE, dtype=torch.float64)
+    for label, g, r in zip(["delta", "x"] + [n for n, _ in ref.named_parameters()], _run(tri, x, w), _run(ref, x, w)):
+        assert _rel(g, r) < 1e-10, f"{name} {label}: {_rel(g, r):.1e}"
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
+                                       ("false", False), ("", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(value: str, on: bool, monkeypatch) -> None:
+    from triton import knobs
+
+    from energydsl.kernels import interpret_requested
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpret_requested() is on is knobs.runtime.interpret
 
 
 def test_without_gpu_or_interpreter_falls_back_to_torch(tmp_path: Path) -> None:

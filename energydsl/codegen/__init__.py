@@ -97,12 +97,12 @@ _NOTICE_SHOWN = False
 def _triton_runs() -> bool:
     """Whether Triton kernels can run here; prints the fallback notice once per process when not."""
     global _NOTICE_SHOWN
-    from ..kernels import use_triton
+    from ..kernels import triton_available, use_triton
 
     if use_triton():
         return True
     if not _NOTICE_SHOWN:
         _NOTICE_SHOWN = True
-        print("energydsl: no CUDA device and TRITON_INTERPRET is not 1: the triton backend falls back to torch",
-              file=sys.stderr)
+        why = "triton is not installed" if not triton_available() else "no CUDA device and TRITON_INTERPRET is off"
+        print(f"energydsl: {why}: the triton backend falls back to torch", file=sys.stderr)
     return False

@@ -312,20 +312,33 @@ def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[st
 
 
 _I, _J = sp.symbols("_i _j", integer=True, nonnegative=True)
+_N, _M = sp.symbols("_n _m", integer=True, nonnegative=True)
 
 
 def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
-    """"alibi" if e = |i - j|, "self" if e = [i = j], on every admissible pair (i, j) of a small grid."""
+    """"alibi" if e = |i - j|, "self" if e = [i = j], for every admissible pair (i, j): proven by SymPy with
+    i = j + n, n >= 0 (n >= 1 when strict). A small grid of pairs rejects most other forms quickly; what
+    passes the grid but cannot be proven (a capped distance, a window) is None: the torch op stays."""
     f = _position_sympy(e, j)
     if f is None:
         return None
     pairs = [(a, b) for a in range(8) for b in range(a + (0 if strict else 1))]
     values = [complex(f.subs({_I: a, _J: b})) for a, b in pairs]
+    n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
+    at = f.subs(_I, _J + n)
     if all(abs(val - abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
-        return "alibi"
+        return "alibi" if _is_zero(at - n) else None
     if not strict and all(abs(val - (a == b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
-        return "self"
+        return "self" if _is_zero(at.subs(_N, 0) - 1) and _is_zero(at.subs(_N, _M + 1)) else None
     return None
+
+
+def _is_zero(e: sp.Expr) -> bool:
+    """True when SymPy proves e = 0 (under the symbols' assumptions); unproven is False."""
+    try:
+        return sp.simplify(e) == 0
+    except (TypeError, ValueError, NotImplementedError, RecursionError):
+        return False
 
 
 def _position_sympy(e: Expr, j: str) -> sp.Expr | None:

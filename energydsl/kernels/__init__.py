@@ -2,10 +2,10 @@
 
 Importing this package never imports triton: the Triton module (`energydsl.kernels.attention`) is loaded on
 first use, so the compiler and the references work on machines without triton or a GPU. The functions here
-dispatch: the Triton op when `use_triton(device)` holds, the reference otherwise (same signature, same results
-up to float rounding).
+dispatch: the Triton op when `kernels_take(tensor)` holds (a kernel device, a dtype the kernels compute in), the
+reference otherwise (same signature, same results up to float rounding).
 
-TRITON_INTERPRET=1 must be set before triton is first imported for the CPU interpreter to be used.
+TRITON_INTERPRET=1 (or true, on, yes) must be set before triton is first imported for the CPU interpreter.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ __all__ = [
     "energy_attention_ref",
     "energy_attention_with_lse",
     "gated_activation",
+    "interpret_requested",
+    "kernels_take",
     "linear_attention",
     "momentum_update",
     "nesterov_lookahead",
@@ -69,6 +71,24 @@ def triton_available() -> bool:
         return False
 
 
+#: what Triton reads as "on" in TRITON_INTERPRET (triton.knobs), without importing triton
+_ON = ("1", "true", "on", "yes", "y")
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for the interpreter, read as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _ON
+
+
+def kernels_take(t: Tensor) -> bool:
+    """Whether the fused kernels can take tensor `t`: on a device `use_triton` allows, and in a dtype they
+    compute in (float32, bfloat16, float16). float64 keeps the torch references, which are exact: the kernels
+    accumulate in float32, and the attention kernels do not compile for float64."""
+    import torch
+
+    return t.dtype in (torch.float32, torch.bfloat16, torch.float16) and use_triton(t.device)
+
+
 def use_triton(device: torch.device | str | None = None) -> bool:
     """True when the Triton kernels can run on `device`: CUDA with triton, or any device when interpreting.
 
@@ -76,7 +96,7 @@ def use_triton(device: torch.device | str | None = None) -> bool:
     """
     if not triton_available():
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpret_requested():
         return True
     import torch
 
@@ -104,7 +124,7 @@ def energy_attention(
 ) -> Tensor:
     """Softmax attention over derived scores: the fused kernel when possible, else the T x T reference."""
     kw = dict(scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias)
-    if use_triton(q.device):
+    if kernels_take(q):
         return _triton_ops().energy_attention(q, k, v, **kw)
     return energy_attention_ref(q, k, v, **kw)
 
@@ -122,7 +142,7 @@ def energy_attention_with_lse(
 ) -> tuple[Tensor, Tensor]:
     """(o, lse) as `energy_attention`, plus the row log-sum-exp reused by `weighted_second_moment`."""
     kw = dict(scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias)
-    if use_triton(q.device):
+    if kernels_take(q):
         return _triton_ops().energy_attention_with_lse(q, k, v, **kw)
     return energy_attention_lse_ref(q, k, v, **kw)
 
@@ -142,7 +162,7 @@ def weighted_second_moment(
 ) -> Tensor:
     """r_i = sum_j p_ij (v_j . u_i) v_j (second-order variants): fused kernel if possible, else reference."""
     kw = dict(scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias)
-    if use_triton(q.device):
+    if kernels_take(q):
         return _triton_ops().weighted_second_moment(q, k, v, lse, u, **kw)
     return weighted_second_moment_ref(q, k, v, lse, u, **kw)
 
@@ -158,7 +178,7 @@ def linear_attention(
 ) -> Tensor:
     """(Gated) linear attention: the chunked Triton kernel when possible, else the torch backend's chunked form."""
     kw = dict(scale=scale, log_decay=log_decay, strict=strict)
-    if use_triton(q.device):
+    if kernels_take(q):
         from .linear import linear_attention as kernel
 
         return kernel(q, k, v, **kw)
@@ -169,7 +189,7 @@ def linear_attention(
 
 def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
     """value * act(gate_pre) in one fused pass (forward and backward), else the reference."""
-    if use_triton(value.device):
+    if kernels_take(value):
         from .epilogue import gated_activation as kernel
 
         return kernel(gate_pre, value, activation)
@@ -180,7 +200,7 @@ def momentum_update(
     x: Tensor, m: Tensor, f: Tensor, beta: Tensor | float, eta: Tensor | float
 ) -> tuple[Tensor, Tensor]:
     """(x + eta m', m') with m' = beta m + f, one fused pass (forward and backward), else the reference."""
-    if use_triton(x.device):
+    if kernels_take(x):
         from .epilogue import momentum_update as kernel
 
         return kernel(x, m, f, beta, eta)
@@ -189,7 +209,7 @@ def momentum_update(
 
 def nesterov_lookahead(x: Tensor, m: Tensor, c: Tensor | float) -> Tensor:
     """The look-ahead point x + c m in one fused pass (forward and backward), else the reference."""
-    if use_triton(x.device):
+    if kernels_take(x):
         from .epilogue import nesterov_lookahead as kernel
 
         return kernel(x, m, c)

@@ -21,7 +21,7 @@ import torch
 import triton
 from torch import Tensor
 
-from . import MAX_HEAD_DIM, op_set, use_triton
+from . import MAX_HEAD_DIM, kernels_take, op_set
 from .attention_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
@@ -417,10 +417,16 @@ class AttentionOps:
         lse is what `weighted_second_moment` needs to recompute the same softmax without a second online pass.
         Rows with no admissible key (strict row 0) have o = 0 and lse = 0.
         """
+        if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
+            o, lse = self.energy_attention_with_lse(
+                q.float(), k.float(), v.float(), scale=scale, strict=strict, alibi_slopes=alibi_slopes,
+                self_bias=self_bias, key_bias=key_bias,
+            )
+            return o.to(v.dtype), lse
         q, k, v, alibi_slopes, self_bias, key_bias = self._check(
             q, k, v, strict, False, alibi_slopes, self_bias, key_bias
         )
-        if not use_triton(q.device):  # e.g. a generated module moved to the CPU without the interpreter
+        if not kernels_take(q):  # e.g. a module moved to the CPU without the interpreter, or float64
             return energy_attention_lse_ref(
                 q, k, v, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias,
                 key_bias=key_bias,
@@ -472,12 +478,17 @@ class AttentionOps:
         Jacobian (as if p were recomputed from scratch) and lse itself receives none, so passing a
         differentiable lse does not count anything twice.
         """
+        if INTERPRET and q.dtype == torch.bfloat16:  # as in energy_attention_with_lse
+            return self.weighted_second_moment(
+                q.float(), k.float(), v.float(), lse, u.float(), scale=scale, strict=strict,
+                alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias,
+            ).to(v.dtype)
         q, k, v, alibi_slopes, self_bias, key_bias = self._check(
             q, k, v, strict, True, alibi_slopes, self_bias, key_bias
         )
         if u.shape != v.shape or u.dtype != v.dtype:
             raise ValueError(f"u must match v's shape and dtype; got {tuple(u.shape)} {u.dtype}")
-        if not use_triton(q.device):
+        if not kernels_take(q):
             return weighted_second_moment_ref(
                 q, k, v, lse, u, scale=scale, strict=strict, alibi_slopes=alibi_slopes, self_bias=self_bias,
                 key_bias=key_bias,

@@ -21,7 +21,8 @@ them with `gated_activation_ops`, `momentum_ops` and `nesterov_ops`.
 
 Ops are registered as `torch.ops.energydsl.*` as every family's (`launch.py`: triton_ops on CUDA, opaque
 custom_ops under the interpreter).
-Tensors that no kernel can take (CPU without TRITON_INTERPRET=1) use the references in `epilogue_ref`.
+Tensors that no kernel can take (`kernels_take`: CPU without TRITON_INTERPRET=1, float64) use the references
+in `epilogue_ref`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import triton
 from torch import Tensor
 
-from energydsl.kernels import op_set
+from energydsl.kernels import kernels_take, op_set
 from energydsl.kernels.epilogue_kernels import (
     _gated_bwd_kernel,
     _gated_fwd_kernel,
@@ -87,10 +88,6 @@ def _ew_grid(n: int) -> Any:
 def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
     """Autotuned on GPU, per activation where the kernel still takes one (a generated copy has it baked in)."""
     return maybe_autotune(configs, key=[k for k in ("ACT",) if k in kernel.arg_names])(kernel)
-
-
-def _on_kernel_device(t: Tensor) -> bool:
-    return INTERPRET or t.is_cuda
 
 
 def _scalar(s: Tensor | float, like: Tensor, name: str) -> Tensor:
@@ -218,7 +215,7 @@ class GatedActivationOps(_KernelPairOps):
         if self.baked.get("ACT", activation) != activation:
             raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs ACT={activation}")
         _same_shape(gate_pre=gate_pre, value=value)
-        if not _on_kernel_device(value):
+        if not kernels_take(value):
             return gated_activation_ref(gate_pre, value, activation)
         return self._fwd_op(gate_pre, value, activation)
 
@@ -295,7 +292,7 @@ class MomentumOps(_KernelPairOps):
         """
         _same_shape(x=x, m=m, f=f)
         beta, eta = _scalar(beta, x, "beta"), _scalar(eta, x, "eta")
-        if not _on_kernel_device(x):
+        if not kernels_take(x):
             return momentum_update_ref(x, m, f, beta.reshape(()), eta.reshape(()))
         return self._fwd_op(x, m, f, beta, eta)
 
@@ -358,7 +355,7 @@ class NesterovOps(_KernelPairOps):
         """
         _same_shape(x=x, m=m)
         c = _scalar(c, x, "c")
-        if not _on_kernel_device(x):
+        if not kernels_take(x):
             return nesterov_lookahead_ref(x, m, c.reshape(()))
         return self._fwd_op(x, m, c)
 

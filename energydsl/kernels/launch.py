@@ -12,7 +12,6 @@ Both APIs are in every torch the project supports (>= 2.6). Gradients are wired 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,9 @@ def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from . import interpret_requested
+
+    return interpret_requested()
 
 
 # `triton.jit` picks interpreter or compiler when a kernel is decorated, i.e. when a kernel module is imported

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import op_set
+from . import kernels_take, op_set
 from .launch import INTERPRET, dot_precision, launch_options, maybe_autotune, register_op, wrap_triton
 
 __all__ = [
@@ -403,7 +403,7 @@ class LinearAttentionOps:
                     f"log_decay must be (B,H,T)={(B, H, T)} or (H,)={(H,)}; got {tuple(log_decay.shape)}"
                 )
             log_decay = log_decay.to(q.device)
-        if not (INTERPRET or q.is_cuda):  # no kernel can take these tensors: the torch backend's chunked op
+        if not kernels_take(q):  # no kernel can take these tensors: the torch backend's chunked op
             from ..runtime.ops import linear_attention as chunked
 
             return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
