@@ -177,9 +177,8 @@ def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "
             raise
         with torch.device("meta"):
             params = spec.model(name, backend, **dims).num_params()
-        raise UserError(f"the model does not fit in memory here: {params:,} parameters",
-                        hint="check the dims (--set); `energy info` shows sizes without building the weights",
-                        ) from None
+        hint = "check the dims (--set); `energy info` shows sizes without building the weights"
+        raise UserError(f"the model does not fit in memory here: {params:,} parameters", hint=hint) from None
 
 
 @app.command()
@@ -269,10 +268,11 @@ def train_(
         raise UserError(f"--steps must be at least 1, got {steps}")
     if block_size is not None and block_size < 1:
         raise UserError(f"--block-size must be at least 1, got {block_size}")
+    # checked before the model and the data are built; the block size defaults to the model's context, below
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr, min_lr=lr / 10,
                          warmup_steps=min(warmup, steps), eval_interval=eval_interval, eval_iters=eval_iters,
                          device=device, seed=seed)
-    config.validate(TRAIN_FLAGS)  # before the model and the data are built
+    config.validate(TRAIN_FLAGS)
     with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
         torch.manual_seed(seed)
         spec, model = _model(file, name, sets, backend)

@@ -28,20 +28,6 @@ def _reason(e: BaseException) -> str:
     return f"{e.message}{where}" + (f"; hint: {e.hint}" if e.hint else "")
 
 
-class _AnyValues:
-    """A stand-in Optuna trial that takes each hole's low bound or first option: a candidate for checks whose
-    outcome is the same in every candidate."""
-
-    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
-        return low
-
-    def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
-        return low
-
-    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
-        return choices[0]
-
-
 class DslCandidate:
     """One filled-in spec: implements `energydsl.search.space.Candidate`."""
 
