@@ -188,10 +188,8 @@ class ModuleWriter:
                 em.lines.append(f"{target} = {v.code}")
             em.forget()
         steps_body = em.body
-        lines: list[str] = ["check_inputs(self, x, context, input)  # shapes, length, dtype: a clear ValueError"]
+        lines: list[str] = []
         x = names[spec.state.name]
-        lines.append("B, T = x.shape[0], x.shape[1]")
-        lines.append("dev, dt = x.device, x.dtype")
         if spec.context is not None:
             lines.append(f"{names['ctx:' + spec.context.name]} = x if context is None else context")
         if spec.input is not None:
@@ -224,6 +222,13 @@ class ModuleWriter:
             lines.append(f"for step in range({prog.steps}):")
             lines += ["    " + ln for ln in steps_body]
         lines.append(f"return {x} - x if delta else {x}")
+        used = "\n".join(lines)
+        preamble = ["check_inputs(self, x, context, input)  # shapes, length, dtype: a clear ValueError"]
+        for names_, values in ((("B", "T"), ("x.shape[0]", "x.shape[1]")), (("dev", "dt"), ("x.device", "x.dtype"))):
+            kept = [(n, v) for n, v in zip(names_, values, strict=True) if re.search(rf"\b{n}\b", used)]
+            if kept:
+                preamble.append(f"{', '.join(n for n, _ in kept)} = {', '.join(v for _, v in kept)}")
+        lines = preamble + lines
         self.flops_per_token = em.flops["prologue"] + prog.steps * em.flops["body"]
         self.kernel_requests = em.kernel_requests
         return lines, em.used_ops

@@ -180,11 +180,39 @@ def specialise(fn: ast.FunctionDef | Callable[..., Any], constants: dict[str, An
     func.name = names.get(func.name, func.name)
     callees = {names[n]: [a.arg for a in d.args.args] for n, d in (siblings or {}).items() if n in names}
     _Specialiser(constants, names, callees).visit(func)
+    _drop_dead_stores(func)
     for node in ast.walk(func):  # a block whose every statement was a removed branch
         if getattr(node, "body", None) == []:
             node.body = [ast.Pass()]
     ast.fix_missing_locations(func)
     return wrap_long_lines(ast.unparse(func))
+
+
+def _drop_dead_stores(func: ast.FunctionDef) -> None:
+    """Remove `name = ...` and `name += ...` where nothing reads `name` any more (only the removed branches
+    did: `h = bh % H` without a position bias, a bias gradient's accumulator without that bias), until none
+    is left, since one removal can orphan another. A kernel's right-hand sides are loads, arithmetic and
+    `tl.zeros`: no side effects are lost."""
+    removed = True
+    while removed:
+        read = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        removed = False
+        for node in ast.walk(func):
+            for field in ("body", "orelse"):
+                stmts = getattr(node, field, None)
+                if isinstance(stmts, list) and any(_dead(st, read) for st in stmts):
+                    setattr(node, field, [st for st in stmts if not _dead(st, read)])
+                    removed = True
+
+
+def _dead(stmt: ast.stmt, read: set[str]) -> bool:
+    """An assignment (or augmented one) to names none of which is in `read`."""
+    if isinstance(stmt, ast.AugAssign):
+        return isinstance(stmt.target, ast.Name) and stmt.target.id not in read
+    if not isinstance(stmt, ast.Assign):
+        return False
+    names = [t for target in stmt.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    return all(isinstance(t, ast.Name) and t.id not in read for t in names)
 
 
 WIDTH = 110  # generated kernels: a statement longer than this is written one argument per line
