@@ -31,11 +31,11 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-KERNELS = {  # role -> (narrow template, wide template), in AUTOTUNE_CONFIGS order
-    "fwd": ("_fwd_kernel", "_fwd_wide_kernel"),
-    "dkdv": ("_bwd_dkdv_kernel", "_bwd_dkdv_wide_kernel"),
-    "dq": ("_bwd_dq_kernel", "_bwd_dq_wide_kernel"),
-}
+from energydsl.codegen.triton_source import FAMILIES
+
+# role -> (narrow template, wide template), in the families' launch order (AUTOTUNE_CONFIGS's too)
+KERNELS = dict(zip(("fwd", "dkdv", "dq"), zip(FAMILIES["attention"].kernels, FAMILIES["attention_wide"].kernels,
+                                              strict=True), strict=True))
 _CEM = dict(HAS_ALIBI=True, HAS_SELF=True, NEED_ALIBI=True, NEED_SELF=True)
 
 
@@ -189,7 +189,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         if "error" in r:
             table.add_row(r["role"], r["variant"], _tiles(r), "-", r["error"], "-", "-")
         else:
-            spill = str(r["spill_bytes"]) if r["spill_bytes"] else "0"
+            spill = str(r["spill_bytes"])
             table.add_row(r["role"], r["variant"], _tiles(r), str(r["registers"]),
                           f"[red]{spill}[/red]" if r["spill_bytes"] else spill, f"{r['shared_kib']:.0f}",
                           " / ".join(map(str, r["loop_instructions"])))

@@ -224,18 +224,7 @@ class Spec:
 
     def energy(self, name: str | None = None, **dims: float) -> Derived:
         """One energy's derivation at these dims (an imported energy may be named; left out, the file's one)."""
-        names = self.energy_names
-        if name is None:
-            if len(names) != 1:
-                raise SpecError(f"{self.path} declares {len(names)} energies ({', '.join(names) or 'none'}); "
-                                "name one", None)
-            name = names[0]
-        decl = self.syntax.energies.get(name)
-        if decl is None:
-            hint = (f"`{name}` is a model: use .model(...) or .plan(...)" if name in self.syntax.models else
-                    f"`{name}` is a block: a model's `layer = ...` uses it" if name in self.syntax.blocks else None)
-            raise SpecError(f"no energy named `{name}` in {self.path} (it has: "
-                            f"{', '.join(self.syntax.energies) or 'none'})", None, hint)
+        decl = self.syntax.energies[self._pick(name, self.energy_names, ("energy", "energies"), self.syntax.energies)]
         spec = lower_energy(decl, dims)
         return Derived(spec, build_program(spec))
 
@@ -263,7 +252,7 @@ class Spec:
         from .kernels import use_triton
         from .runtime.model import LanguageModel, StageInfo
 
-        name = self._pick(name, self.model_names, "models", self.syntax.models)
+        name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
         plan = plan_model(self.syntax, name, dims)
         classes, infos = [], []
         for stage in plan.stages:
@@ -280,7 +269,7 @@ class Spec:
 
         if name is None:
             names = self.energy_names + self.model_names
-            name = self._pick(None, names, "energies or models", {})
+            name = self._pick(None, names, ("energy or model", "energies or models"), {})
         if name in self.syntax.models:
             return self.model(name, backend, **dims)
         return module_class(self.energy(name, **dims), backend)()
@@ -288,20 +277,27 @@ class Spec:
     def plan(self, name: str | None = None, **dims: float):
         from .composition import plan_model
 
-        return plan_model(self.syntax, self._pick(name, self.model_names, "models", self.syntax.models), dims)
+        name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
+        return plan_model(self.syntax, name, dims)
 
-    def _pick(self, name: str | None, names: list[str], what: str, every: dict[str, Any]) -> str:
+    def _pick(self, name: str | None, names: list[str], what: tuple[str, str], every: dict[str, Any]) -> str:
         """`name`, which may be any of `every` (imported declarations too); left out, the one of `names`
-        (this file's own)."""
+        (this file's own). `what`: the kind, singular and plural, for messages."""
+        one, many = what
         if name is None:
             if not names:
-                raise SpecError(f"{self.path} declares no {what.rstrip('s')}", None)
+                raise SpecError(f"{self.path} declares no {one}", None)
             if len(names) != 1:
-                raise SpecError(f"{self.path} declares {len(names)} {what} ({', '.join(names)}); name one", None)
+                raise SpecError(f"{self.path} declares {len(names)} {many} ({', '.join(names)}); name one", None)
             return names[0]
         if name not in every:
-            have = ", ".join(every) or "none"
-            raise SpecError(f"no {what.rstrip('s')} named `{name}` in {self.path} (it has: {have})", None)
+            kinds = {"model": self.syntax.models, "block": self.syntax.blocks, "energy": self.syntax.energies}
+            other = next((k for k, decls in kinds.items() if name in decls), None)
+            hint = {"model": f"`{name}` is a model: use .model(...) or .plan(...)",
+                    "block": f"`{name}` is a block: a model's `layer = ...` uses it",
+                    "energy": f"`{name}` is an energy: use .energy(...) or .module(...)"}.get(other or "")
+            raise SpecError(f"no {one} named `{name}` in {self.path} (it has: "
+                            f"{', '.join(every) or 'none'})", None, hint)
         return name
 
 

@@ -66,7 +66,7 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
     """∇_wrt f for a scalar `f`. Free indices of the result other than `keep` are summed out."""
     if f.shape:
         raise ShapeError("the energy must be a scalar")
-    parts: list[Expr] = []
+    parts: list[tuple[Expr, frozenset[str]]] = []  # (a leaf's cotangent, the reduction indices around it)
     mentions: dict[int, bool] = {}  # id(node) -> whether `wrt` occurs in it (nodes live through the call)
 
     def depends(e: Expr) -> bool:
@@ -85,12 +85,7 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
         match e:
             case Var():
                 if e.name == wrt.name and e.role == wrt.role:
-                    # A reduction's body contributes once per term. A contribution that varies with the
-                    # index is summed over it below; one that does not (a term of sum[j](... + c z . z)
-                    # without j) is the same for every term: |j| times it.
-                    for idx in sorted(bound - g.free - keep - wrt.free):
-                        g = mul(Count(idx), g)
-                    parts.append(g)
+                    parts.append((g, bound))
             case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Index():
                 return
             case Let():
@@ -154,8 +149,11 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
 
     visit(f, scalar(1))
     total: Expr = ZERO
-    for part in parts:
-        for idx in sorted(part.free - keep - wrt.free):
+    for part, bound in parts:
+        # summed over its free indices and the reductions around it: a contribution without a reduction's
+        # index (a term of sum[j](... + c z . z) without j) is the same for every term, and `reduce` makes
+        # that |j| times it
+        for idx in sorted((part.free | bound) - keep - wrt.free):
             part = reduce("sum", idx, part)
         total = add(total, part)
     if is_zero(total) and wrt.shape:

@@ -116,10 +116,8 @@ def _point_value(prog: UpdateProgram, inst: Instance, x: torch.Tensor) -> torch.
 
 
 def _energy_at_point(prog: UpdateProgram) -> ir.Expr:
-    spec = prog.spec
-    if spec.via is not None and prog.point is spec.state:
-        return substitute_var(spec.energy, spec.via[0].name, spec.via[0].role, spec.via[1])
-    return spec.energy
+    """F in the variable the optimizer moves: the state (F(N(x)) under `via`), or `u` itself under `wrt u`."""
+    return _energy_of_state(prog) if prog.point is prog.spec.state else prog.spec.energy
 
 
 def _autograd_gradient(prog: UpdateProgram, inst: Instance, at: torch.Tensor) -> torch.Tensor:

@@ -473,9 +473,5 @@ def _hyper_symbol(name: str) -> sp.Symbol:
     return sp.Symbol({"eta": "eta", "beta": "beta", "damping": "lambda", "taylor": "taylor"}[name], real=True)
 
 
-
-
-
-
 def _fmt_num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:g}"

@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from .torch_expr import Emitter
 
 
-
 def lower_context_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     """The lowered value of a context sum, or None when no primitive fits (the caller emits it generically)."""
     from .second_order import second_order_sum  # it builds on the first-order forms below
@@ -324,11 +323,11 @@ def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
         return None
     pairs = [(a, b) for a in range(8) for b in range(a + (0 if strict else 1))]
     values = [complex(f.subs({_I: a, _J: b})) for a, b in pairs]
-    n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
-    at = f.subs(_I, _J + n)
     if all(abs(val - abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
-        return "alibi" if _is_zero(at - n) else None
+        n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
+        return "alibi" if _is_zero(f.subs(_I, _J + n) - n) else None
     if not strict and all(abs(val - (a == b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
+        at = f.subs(_I, _J + _N)
         return "self" if _is_zero(at.subs(_N, 0) - 1) and _is_zero(at.subs(_N, _M + 1)) else None
     return None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import textwrap
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import sympy as sp
 import torch
@@ -56,8 +56,8 @@ class ModuleWriter:
     def size(self, e: sp.Expr) -> int:
         return int(round(float(sp.sympify(e).subs(self.dims))))
 
-    def _token_shape(self, var: ir.Var | None) -> tuple[int, ...] | None:
-        """The per-token shape of the context or input variable (None when the energy has none)."""
+    def _sizes(self, var: Any) -> tuple[int, ...] | None:
+        """A variable's shape at these dims (per token for the state, context and input); None for none."""
         return None if var is None else tuple(self.size(s) for s in var.shape)
 
     def number(self, e) -> float:
@@ -69,7 +69,7 @@ class ModuleWriter:
         """(__init__ lines, reset_parameters lines)."""
         init, reset = [], []
         for p in self.prog.params.values():
-            shape = tuple(self.size(s) for s in p.shape)
+            shape = self._sizes(p)
             py_shape = "(" + "".join(f"{n}, " for n in shape).rstrip(" ") + ")"
             if p.learn:
                 init.append(f"self.{p.name} = nn.Parameter(torch.empty({py_shape}))")
@@ -180,7 +180,7 @@ class ModuleWriter:
                     delta_code = step.code
             v = em.emit(value)
             target = names[a.target.name]
-            shape = tuple(self.size(s) for s in a.target.shape)
+            shape = self._sizes(a.target)
             if v.scalar or v.axes != ("@b", "@i"):
                 code = em.align(v, ("@b", "@i"), len(shape)) if not v.scalar else v.code
                 em.lines.append(f"{target} = ({code}).expand(B, T, {', '.join(map(str, shape))})".replace(", )", ")"))
@@ -242,7 +242,7 @@ class ModuleWriter:
         init, reset = self._param_lines()
         fwd, used = self.forward_lines()
         dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
-        state_shape = tuple(self.size(s) for s in spec.state.shape)
+        state_shape = self._sizes(spec.state)
         rel = {spec.context.index: "<i" if spec.indices[spec.context.index].strict else "<=i"} if spec.context else {}
         updates = "\n".join(f"    {a.target.name}⁺ = {show(unhoist(a.value), 'text', rel)}" for a in prog.assigns)
         ops = sorted(used & (set(OPS) | {"causal_masks"}))
@@ -264,8 +264,8 @@ class ModuleWriter:
                f'    """{spec.name}: x (batch, seq, {", ".join(map(str, state_shape))}) -> the updated states."""',
                "",
                f"    state_shape = {state_shape!r}",
-               f"    context_shape = {self._token_shape(spec.context)!r}  # None: no `context` clause",
-               f"    input_shape = {self._token_shape(spec.input)!r}  # None: no `input` clause",
+               f"    context_shape = {self._sizes(spec.context)!r}  # None: no `context` clause",
+               f"    input_shape = {self._sizes(spec.input)!r}  # None: no `input` clause",
                f"    steps = {prog.steps}",
                f"    equation_hash = {self.hash!r}",
                "",

@@ -63,12 +63,18 @@ def op_set(name: str, build: Callable[[], OpSet]) -> OpSet:
     return _OP_SETS[name]
 
 
+_TRITON_FOUND: bool | None = None  # found once: dispatch asks on every call (a plain global: Dynamo traces it)
+
+
 def triton_available() -> bool:
-    """Whether triton can be imported (checked without importing it)."""
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # a broken or blocked installation counts as absent
-        return False
+    """Whether triton can be imported (checked without importing it, once per process)."""
+    global _TRITON_FOUND
+    if _TRITON_FOUND is None:
+        try:
+            _TRITON_FOUND = importlib.util.find_spec("triton") is not None
+        except (ImportError, ValueError):  # a broken or blocked installation counts as absent
+            _TRITON_FOUND = False
+    return _TRITON_FOUND
 
 
 #: what Triton reads as "on" in TRITON_INTERPRET (triton.knobs), without importing triton

@@ -19,6 +19,7 @@ from energydsl.errors import UserError
 from energydsl.search.display import LiveProgress, print_leaderboard
 from energydsl.search.local import PRUNERS, SAMPLERS, make_sampler, pruning_plan, quiet_optuna, run_local
 from energydsl.search.report import (
+    check_storage_given,
     default_storage_path,
     export_best,
     load_study,
@@ -144,9 +145,8 @@ def run_search(
         raise UserError(f"the seed must be between 0 and 2**32 - 1, not {seed}")
     if timeout is not None and not timeout > 0:
         raise UserError(f"the timeout must be a positive number of seconds, not {timeout}")
-    if storage is not None and not storage.strip():
-        raise UserError("the storage is empty",
-                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
+    if storage is not None:
+        check_storage_given(storage)
     if backend == "ray" and not (gpus_per_trial >= 0 and cpus_per_trial > 0):
         raise UserError(f"need gpus_per_trial >= 0 and cpus_per_trial > 0, not {gpus_per_trial} and "
                         f"{cpus_per_trial}")

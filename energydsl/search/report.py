@@ -101,14 +101,19 @@ def _check_journal(path: Path) -> None:
                         hint=hint)
 
 
+def check_storage_given(spec: str) -> None:
+    """An empty storage string is refused (checked before a search starts, and when a storage is opened)."""
+    if not spec.strip():
+        raise UserError("the storage is empty",
+                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
+
+
 def open_storage(spec: str) -> BaseStorage:
     """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path.
 
     Raises UserError, naming the path, for an empty spec, a directory, a file that is not an Optuna
     journal (never appended to), or a journal that cannot be read or created."""
-    if not spec.strip():
-        raise UserError("the storage is empty",
-                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
+    check_storage_given(spec)
     if "://" in spec:
         kwargs: dict[str, Any] = {}
         if spec.startswith("sqlite"):  # several processes write: wait for the lock instead of failing

@@ -47,7 +47,6 @@ SHAKESPEARE_REL = Path("tinyshakespeare") / "input.txt"
 KNOWN = "shakespeare_char, bytes:PATH, chars:PATH, listops, mqar"
 
 
-
 class LMDataset:
     """Train/val token splits plus the codec; subclasses decide how a batch is cut."""
 
@@ -196,12 +195,17 @@ def _split(tokens: Tensor, val_fraction: float = 0.1) -> tuple[Tensor, Tensor]:
     return tokens[:cut], tokens[cut:]
 
 
-def _char_dataset(name: str, path: Path, what: str) -> TextDataset:
+def _read_text(path: Path, what: str) -> tuple[bytes, str]:
+    """The file's bytes and its UTF-8 text; a file that is not UTF-8 is a DataError pointing to bytes:PATH."""
     raw = _read_bytes(path, what)
     try:
-        text = raw.decode("utf-8")
+        return raw, raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{what} is not UTF-8 text: {path} (byte {e.start})", hint=f"use bytes:{path}") from e
+
+
+def _char_dataset(name: str, path: Path, what: str) -> TextDataset:
+    raw, text = _read_text(path, what)
     codec = CharCodec("".join(sorted(set(text))))
     if text.isascii():  # fast path for the common case: a lookup table over the raw bytes
         lut = np.zeros(128, dtype=np.int64)
@@ -510,11 +514,9 @@ def dataset_vocab(name: str) -> int:
         return MQARConfig().vocab_size
     if kind == "bytes":
         return ByteCodec().vocab_size
-    path = find_shakespeare() if name == "shakespeare_char" else Path(raw).expanduser()
-    try:
-        return len(set(_read_bytes(path, "text file").decode("utf-8")))
-    except UnicodeDecodeError as e:
-        raise DataError(f"text file is not UTF-8 text: {path} (byte {e.start})", hint=f"use bytes:{path}") from e
+    if name == "shakespeare_char":
+        return len(set(_read_text(find_shakespeare(), "tiny Shakespeare corpus")[1]))
+    return len(set(_read_text(Path(raw).expanduser(), "text file")[1]))
 
 
 def load_dataset(name: str, *, block_size: int | None = None, **options: Any) -> LMDataset:

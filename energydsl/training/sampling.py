@@ -144,7 +144,6 @@ def codec_from_json(spec: dict[str, Any]) -> Codec:
     raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata")
 
 
-
 # --------------------------------------------------------------------------------------- checkpoints
 
 
