@@ -22,7 +22,7 @@ from .checks import CheckResult, run_checks
 from .errors import Span, SpecError
 from .ir import Var
 from .optimizers import UpdateProgram, build_program, unhoist
-from .printing import mathml_block, show
+from .printing import fold, mathml_block, show
 from .semantics import EnergyIR, lower_energy
 
 
@@ -60,18 +60,29 @@ class Derived:
         spec, prog = self.spec, self.program
         point = prog.point.name
         out: list[tuple[str, str, object]] = [("energy", f"{spec.energy_name}", spec.energy)]
+        named: list[tuple[object, str]] = []  # right-hand sides later rows show by their names
+
+        def folded(e: object) -> object:
+            for body, name in named:
+                e = fold(e, body, name)
+            return e
+
         if spec.via is not None:
             out.append(("norm", spec.via[0].name, spec.via[1]))
-        out.append(("gradient", f"∇_{point} {spec.energy_name}", prog.gradient))
+            named.append((spec.via[1], spec.via[0].name))
+        gradient = f"∇_{point} {spec.energy_name}"
+        out.append(("gradient", gradient, prog.gradient))
+        named.append((prog.gradient, gradient))
         if prog.preconditioner is not None:
             out.append(("preconditioner", "P", prog.preconditioner))
-        direction = prog.tied_direction if spec.untie_rules else prog.direction
-        out.append(("direction", "D", unhoist(direction)))
+        direction = folded(unhoist(prog.tied_direction if spec.untie_rules else prog.direction))
+        out.append(("direction", "D", direction))
+        named.append((direction, "D"))
         for a in prog.tied_assigns:
-            out.append(("update", f"{a.target.name}⁺", unhoist(a.value)))
+            out.append(("update", f"{a.target.name}⁺", folded(unhoist(a.value))))
         if spec.untie_rules:
             for a in prog.assigns:
-                out.append(("untied update", f"{a.target.name}⁺", unhoist(a.value)))
+                out.append(("untied update", f"{a.target.name}⁺", folded(unhoist(a.value))))
         for h in prog.hoisted:
             out.append(("computed once", h.name, h.body))
         return out
@@ -123,7 +134,6 @@ class Derived:
 
     def _equations(self, fmt: str) -> str:
         rel = self.relations()
-        spec = self.spec
         rows = self.equation_list()
         header = self._header()
         tying = self.tying()
@@ -133,7 +143,7 @@ class Derived:
                 lines.append(f"{label:>16}  {lhs} = {show(e, 'text', rel)}")
             for t in tying:
                 lines.append(f"{'tying':>16}  {t}")
-            lines.append(f"{'steps':>16}  {spec.optimizer.steps} × {spec.optimizer.kind}")
+            lines.append(f"{'steps':>16}  {self._steps()}")
             return "\n".join(lines)
         if fmt == "mathml":
             parts = [f"<p>{html.escape(header)}</p>"]
@@ -149,7 +159,19 @@ class Derived:
             lines.append(f"- **{label}**: $${tex}$$" if fmt == "markdown" else f"% {label}\n{tex}")
         for t in tying:
             lines.append(f"- **tying**: {t}" if fmt == "markdown" else f"% tying: {t}")
+        lines.append(f"- **steps**: {self._steps()}" if fmt == "markdown" else f"% steps: {self._steps()}")
         return "\n".join(lines)
+
+    def _steps(self) -> str:
+        """`2 × momentum (β = 9/10, learned as opt_beta; η = 1/2, learned as opt_eta)`: the optimizer's
+        values, which the equations show only as symbols."""
+        values = []
+        for sym, value in sorted(self.program.hyper_values.items(), key=lambda kv: str(kv[0])):
+            learned = f"opt_{sym}"
+            values.append(f"{show(Var(str(sym), 'leaf', ()))} = {value}"
+                          + (f", learned as {learned}" if learned in self.program.params else ""))
+        optimizer = self.spec.optimizer
+        return f"{optimizer.steps} × {optimizer.kind}" + (f" ({'; '.join(values)})" if values else "")
 
     def _header(self) -> str:
         spec = self.spec
@@ -223,10 +245,27 @@ class Spec:
         return [n for n in self.syntax.names() if n in self.syntax.energies]
 
     def energy(self, name: str | None = None, **dims: float) -> Derived:
-        """One energy's derivation at these dims (an imported energy may be named; left out, the file's one)."""
+        """One energy's derivation at these dims (an imported energy may be named; left out, the file's one).
+
+        A block of one summed stage (`block B = Attention + FF`) may be named too: its energies are summed
+        under the first one's optimizer, as a model's layer runs them."""
+        if name in self.syntax.blocks:
+            stages = self.block(name, **dims)
+            if len(stages) != 1:
+                raise SpecError(f"block `{name}` is a pipeline of {len(stages)} stages, not one energy", None,
+                                f"use .block(\"{name}\") for each stage's derivation")
+            return stages[0]
         decl = self.syntax.energies[self._pick(name, self.energy_names, ("energy", "energies"), self.syntax.energies)]
         spec = lower_energy(decl, dims)
         return Derived(spec, build_program(spec))
+
+    def block(self, name: str, **dims: float) -> list[Derived]:
+        """Each stage of a block, derived: its energies summed under the first one's optimizer. `dims` go to
+        every energy that declares them, as a block's named arguments do in a model."""
+        from .composition import expand_block
+
+        self._pick(name, [], ("block", "blocks"), self.syntax.blocks)
+        return [derive(stage.decl, stage.dims) for stage in expand_block(self.syntax, name, dims)]
 
     def derive(self, **dims: float) -> list[Derived]:
         """Every energy declared in the file itself (not its imports)."""
@@ -294,7 +333,8 @@ class Spec:
             kinds = {"model": self.syntax.models, "block": self.syntax.blocks, "energy": self.syntax.energies}
             other = next((k for k, decls in kinds.items() if name in decls), None)
             hint = {"model": f"`{name}` is a model: use .model(...) or .plan(...)",
-                    "block": f"`{name}` is a block: a model's `layer = ...` uses it",
+                    "block": f"`{name}` is a block: .energy(\"{name}\") or .block(...) derives it, a model's "
+                             "`layer = ...` uses it",
                     "energy": f"`{name}` is an energy: use .energy(...) or .module(...)"}.get(other or "")
             raise SpecError(f"no {one} named `{name}` in {self.path} (it has: "
                             f"{', '.join(every) or 'none'})", None, hint)

@@ -57,7 +57,8 @@ def expand_files(files: list[str]) -> list[str]:
 @app.command()
 def derive(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
-    name: Annotated[str | None, typer.Option("--name", help="Which energy (default: all in the file).")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="Which energy or block (default: every energy in the file).")] = None,
     fmt: Annotated[str, typer.Option("--format", help="text | latex | markdown | mathml")] = "text",
     sets: SetOpt = None,
 ) -> None:
@@ -68,7 +69,10 @@ def derive(
         raise UserError(f"--format {fmt}: expected text, latex, markdown or mathml")
     spec = load(file)
     dims = parse_sets(sets)
-    derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
+    if name in spec.syntax.blocks:
+        derived = spec.block(name, **dims)
+    else:
+        derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
     print("\n\n".join(d.equations(fmt) for d in derived))
@@ -143,7 +147,10 @@ def compile_(
 
     spec = load(file)
     dims = parse_sets(sets)
-    derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
+    if name in spec.syntax.blocks:
+        derived = spec.block(name, **dims)
+    else:
+        derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
     text = energy_source(derived, backend)

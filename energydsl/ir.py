@@ -391,15 +391,26 @@ def fmt_shape(s: Shape) -> str:
     return "scalar" if not s else "[" + ", ".join(str(x) for x in s) + "]"
 
 
+def _coefficient(term: Expr) -> tuple[sp.Expr, Expr]:
+    """A term as (scalar coefficient, the rest): `1/2 x` is (1/2, x)."""
+    if isinstance(term, Mul) and isinstance(term.factors[0], Scalar):
+        rest = term.factors[1:]
+        return term.factors[0].value, rest[0] if len(rest) == 1 else Mul(rest)
+    return sp.Integer(1), term
+
+
 def add(*terms: Expr) -> Expr:
-    flat: list[Expr] = []
+    """A flat sum with like terms collected (`1/2 x + 1/2 x` is `x`) and constants summed."""
+    like: dict[Expr, sp.Expr] = {}
     const = sp.Integer(0)
     for t in terms:
         for u in (t.terms if isinstance(t, Add) else (t,)):
             if isinstance(u, Scalar):
                 const += u.value
             else:
-                flat.append(u)
+                coef, rest = _coefficient(u)
+                like[rest] = like.get(rest, sp.Integer(0)) + coef
+    flat = [rest if coef == 1 else mul(Scalar(coef), rest) for rest, coef in like.items() if coef != 0]
     shapes = [u.shape for u in flat if u.shape]
     for s in shapes[1:]:
         if not same_shape(s, shapes[0]):

@@ -106,6 +106,9 @@ class LatexStyle(Style):
         return sp.latex(v)
 
     def name_(self, n: str, sub: list[str]) -> str:
+        if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
+            point, energy = n[2:].split(" ", 1)
+            return f"\\nabla_{{{self.name_(point, [])}}} {self.name_(energy, [])}"
         base = {"eta": "\\eta", "beta": "\\beta", "tau": "\\tau", "lambda": "\\lambda"}.get(n)
         if base is None:
             head = n.rstrip("0123456789")
@@ -270,6 +273,41 @@ class MathMLStyle(Style):
 
 
 STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "markdown": LatexStyle()}
+
+
+def fold(e: ir.Expr, body: ir.Expr, name: str) -> ir.Expr:
+    """`e` with every occurrence of `body` replaced by a variable called `name`, for reading only.
+
+    An earlier equation's right-hand side shows as its left-hand side in later ones (`x⁺ = x − η D`,
+    not D written out again). A sum (product) folds where its terms (factors) are among a larger one's."""
+    named = ir.Var(name, "leaf", body.shape)
+    negated = ir.neg(body)  # the constructors pull signs out: P (−g) is built as −(P g)
+    parts = body.children if isinstance(body, (ir.Add, ir.Mul)) else None
+    memo: dict[int, ir.Expr] = {}
+
+    def visit(x: ir.Expr) -> ir.Expr:
+        hit = memo.get(id(x))
+        if hit is not None:
+            return hit
+        if x == body:
+            hit = named
+        elif x == negated:
+            hit = ir.neg(named)
+        elif not x.children:
+            hit = x
+        else:
+            kids = [visit(c) for c in x.children]
+            if parts is not None and type(x) is type(body):
+                rest = list(kids)
+                if all(p in rest and not rest.remove(p) for p in parts):  # a sum keeps the first term's place
+                    at = kids.index(parts[0]) if isinstance(x, ir.Add) else len(rest)
+                    kids = [*rest[:at], named, *rest[at:]]
+            hit = x if all(k is c for k, c in zip(kids, x.children)) and len(kids) == len(x.children) \
+                else ir.rebuild(x, kids)
+        memo[id(x)] = hit
+        return hit
+
+    return visit(e)
 
 
 def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | None = None) -> str:

@@ -209,3 +209,17 @@ def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
     assert len(to_bhtd.findall(before)) == 1 and len(to_bhtd.findall(loop)) == 1
     layout = to_bhtd.findall(before)[0]
     assert f", {layout}, {layout}," in loop  # k and v: the same tensor
+
+
+def test_a_matrix_inverse_runs_in_half_precision() -> None:
+    """MHA2nd1st's (W1_k W1_kᵀ)⁻¹ after `.to(torch.bfloat16)`: torch.linalg.inv has no half-precision kernel,
+    so the generated module inverts in float32 and casts back, as autocast does."""
+    spec = energydsl.load("examples/intrinsic-optimizers/mha2nd1st.energy")
+    torch.manual_seed(0)
+    layer = spec.module("MHA2nd1st", d=16, heads=2)
+    x = layer.example_input(2, 5)
+    want = layer.double()(x.double())
+    for dtype in (torch.bfloat16, torch.float16):
+        got = layer.to(dtype)(x.to(dtype))
+        assert got.dtype == dtype
+        assert (got.double() - want).abs().max() / want.abs().max() < 2e-2

@@ -220,3 +220,68 @@ def test_load_takes_a_path_or_spec_text_and_says_so(tmp_path, monkeypatch):
     (tmp_path / "mha.energy").write_text(MHA)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert load("~/mha.energy").energy_names == ["MHA"]  # ~ is the home directory, as in load_dataset
+
+
+# ----------------------------------------------------------------------------- reading the equations
+
+
+def test_later_equations_show_earlier_ones_by_name() -> None:
+    """The direction and the update name the norm, the gradient and D instead of writing them out again,
+    and folding is for reading only: putting the bodies back gives the update program's own expression."""
+    from energydsl import ir
+    from energydsl.optimizers import unhoist
+    from energydsl.printing import fold
+
+    text = load("examples/models/cem.energy").energy("CEMMLP").equations("text")
+    assert "D = softplus(P_d) ∇_u xi + P_U (P_Vᵀ ∇_u xi) + P_V (P_Uᵀ ∇_u xi)" in text  # D = P ∇
+    assert "x⁺ = x − η D" in text
+    assert "\\nabla_{u} \\mathrm{xi}" in load("examples/models/cem.energy").energy("CEMMLP").equations("latex")
+    momentum = load("examples/intrinsic-optimizers/momen-mha.energy").energy().equations("text")
+    assert "D = ∇_z F" in momentum and "m_z⁺ = β m_z + D" in momentum
+    for path in ("examples/cem/mlp.energy", "examples/models/cem.energy",
+                 "examples/hopfield/energy-transformer.energy"):
+        for derived in load(path).derive():
+            prog = derived.program
+            norm = [(derived.spec.via[1], derived.spec.via[0].name)] if derived.spec.via else []
+            for body, name in [(prog.gradient, "G"), *norm]:
+                for a in prog.assigns:
+                    e = unhoist(a.value)
+                    assert ir.substitute(fold(e, body, name), {ir.Var(name, "leaf", body.shape): body}) == e
+
+
+def test_like_terms_are_collected() -> None:
+    """d/dz of ½ a·a is ½ a + ½ a: one term, a, in the equations and the generated code."""
+    import sympy as sp
+
+    from energydsl import ir
+
+    x = ir.Var("x", "state", (sp.Integer(3),))
+    half = ir.mul(ir.scalar(sp.Rational(1, 2)), x)
+    assert ir.add(half, half) == x
+    assert ir.add(x, ir.neg(x)) == ir.ZERO
+    assert ir.add(x, ir.mul(ir.scalar(2), x)) == ir.mul(ir.scalar(3), x)
+    gradient = load("examples/intrinsic-optimizers/mha2nd1st.energy").energy().equations("text").split("\n")[2]
+    assert gradient.startswith("        gradient  ∇_z F = Σ_{k}") and "1/2" not in gradient
+
+
+def test_steps_line_gives_the_optimizers_values() -> None:
+    """λ, η and taylor appear in the equations as symbols; the steps line says what they are."""
+    newton = load("examples/intrinsic-optimizers/mha2nd1st.energy").energy().equations("text")
+    assert newton.splitlines()[-1].strip() == "steps  1 × newton (η = 1/2; λ = 0; taylor = 1)"
+    momentum = load("examples/intrinsic-optimizers/momen-mha.energy").energy().equations("markdown")
+    assert "- **steps**: 2 × momentum (β = 9/10, learned as opt_beta; η = 1/2, learned as opt_eta)" in momentum
+
+
+def test_a_block_derives_as_its_summed_energy() -> None:
+    """`block NRGPTBlock = NRGPTAttention + NRGPTFF2W`: the energies summed under the first one's
+    optimizer (P_M), as the model runs them; its checks pass against autograd."""
+    spec = load("examples/models/nrgpt.energy")
+    block = spec.energy("NRGPTBlock", d=4, heads=2)
+    text = block.equations("text")
+    assert "D = P_M ∇_g F_sum" in text and "x⁺ = x − η D" in text
+    assert all(r.ok for r in block.check())
+    assert [d.name for d in spec.block("NRGPTBlock")] == ["NRGPTAttention_NRGPTFF2W"]
+    res = run_cli("derive", "examples/models/nrgpt.energy", "--name", "NRGPTBlock")
+    assert res.returncode == 0 and "∇_g F_sum" in res.stdout
+    res = run_cli("derive", "examples/models/nrgpt.energy", "--name", "NRGPTBlock", "--set", "zz=3")
+    assert res.returncode == 2 and "`zz` is not a dim of any energy in block `NRGPTBlock`" in res.stderr

@@ -469,6 +469,34 @@ def test_attention_zoo_space() -> None:
     spec = energydsl.load(cand.source())
     assert spec.energy("Attention").spec.optimizer.kind == "newton"
     assert spec.plan("ZooGPT").d == 384
+    # the l2 score with Newton per head is seed 004's MHA2nd1st (Eq 23 with its sign erratum), at T = sqrt(dh)
+    # and with the space's untie: Wo = -W1^T (untie absorbs the sign), Wv = W2 give the tied layer
+    import math
+
+    import torch
+
+    B, T, d, H = 2, 6, 8, 4
+    torch.manual_seed(0)
+    layer = spec.module("Attention", d=d, heads=H).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+        layer.Wo.copy_(-layer.W1.transpose(1, 2))
+        layer.Wv.copy_(layer.W2)
+    x = torch.randn(B, T, d, dtype=torch.float64)
+    W1, W2, tau = layer.W1.detach(), layer.W2.detach(), math.sqrt(d / H)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    want = x.clone()
+    for k in range(H):
+        q, key = x @ W1[k].T, x @ W2[k].T
+        scores = -0.5 * ((q[:, :, None] - key[:, None]) ** 2).sum(-1) / tau
+        p = torch.softmax(scores.masked_fill(~causal, -math.inf), -1)
+        u = q - p @ key  # q - kbar
+        centred = key[:, None] - (p @ key)[:, :, None]  # k_j - kbar_i
+        Su = torch.einsum("bij,bijm,bijn,bin->bim", p, centred, centred, u)
+        want -= (u + Su / tau) @ (W1[k].T @ torch.linalg.inv(W1[k] @ W1[k].T)).T / H
+    got = layer(x).detach()
+    assert (got - want).norm() / want.norm() < 1e-12
 
 
 # ----------------------------------------------------------------------------- command line

@@ -80,11 +80,13 @@ def _run(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) -> list[torc
     return [out.detach()] + [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, [x, *params])]
 
 
+@pytest.mark.parametrize("T", [13, 1])
 @pytest.mark.parametrize("path,name,dims", LOWERED, ids=[f"{n}{d or ''}" for _, n, d in LOWERED])
-def test_kernels_match_torch_backend(path: str, name: str, dims: dict) -> None:
+def test_kernels_match_torch_backend(path: str, name: str, dims: dict, T: int) -> None:
+    """T = 1: one key, so the softmax weight is 1 and the key-side gradients vanish in the reference."""
     derived = load(ROOT / "examples" / path).energy(name, **dims)
     assert "@triton.jit" in energy_source(derived, "triton"), "the triton backend did not lower this energy"
-    _compare_backends(derived, name)
+    _compare_backends(derived, name, T=T)
 
 
 # CEM's exact diagonal term at widths above 256: the score's concatenated features are d wide
@@ -109,9 +111,12 @@ def test_wide_features_take_the_wide_kernels(path: str, name: str, dims: dict,
     _compare_backends(derived, name)
 
 
-def _compare_backends(derived: object, name: str, weights_std: float | None = None) -> None:
+def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13) -> None:
     """The triton module against the torch backend in float64: displacement and every gradient; with
-    `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std)."""
+    `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std).
+
+    A quantity that is exactly zero in float64 (a key-side gradient at T = 1) has no relative error; it
+    must be within float32 rounding of the largest quantity, input included, instead."""
     torch.manual_seed(0)
     ref = module_class(derived, "torch")().to(DEVICE)
     if weights_std is not None:
@@ -125,15 +130,16 @@ def _compare_backends(derived: object, name: str, weights_std: float | None = No
     assert {k: v.shape for k, v in tri.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
     tri.load_state_dict(ref.state_dict())
     base.load_state_dict(ref.state_dict())
-    x = ref.example_input(2, 13).to(DEVICE)
+    x = ref.example_input(2, T).to(DEVICE)
     w = torch.randn(x.shape, device=DEVICE)
     want = _run(ref.double(), x.double(), w)
     got = _run(tri.float(), x.float(), w)
     fp32 = _run(base.float(), x.float(), w)
     labels = ["delta", "x"] + [n for n, _ in ref.named_parameters()]
+    scale = max(r.abs().max().item() for r in [x, *want])
     for label, g, r, b in zip(labels, got, want, fp32):
         if r.abs().max() == 0:
-            assert g.abs().max() == 0, label
+            assert g.abs().max() <= TOL * scale, f"{name} {label}: {g.abs().max():.2e}, want 0"
             continue
         err, floor = _rel(g, r), _rel(b, r)
         assert err <= max(TOL, 4 * floor), f"{name} {label}: {err:.2e} (float32 torch: {floor:.2e})"

@@ -34,10 +34,12 @@ def cache_dir() -> Path:
 
 @functools.cache
 def generator_version() -> str:
-    """A hash of the generator's source files (this package and the kernel templates it copies from)."""
+    """A hash of the generator's source files: this package, the kernel templates it copies from, and the
+    printers of the equations in each file's docstring."""
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py")]):
+    printers = [here.parent / "printing.py", here.parent / "api.py"]
+    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py"), *printers]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 

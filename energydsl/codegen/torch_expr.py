@@ -379,7 +379,8 @@ class Emitter:
                 return self.tmp(f"torch.diag_embed({a.code})", a.axes, a.rank + 1)
             case ir.Inverse():
                 a = self.emit(e.a)
-                return self.tmp(f"torch.linalg.inv({a.code})", a.axes, a.rank)
+                self.used_ops.add("inverse")
+                return self.tmp(f"inverse({a.code})", a.axes, a.rank)
             case ir.Reduce() | ir.Softmax():
                 return self._reduce(e)
         raise NotImplementedError(f"no torch code for {type(e).__name__}")

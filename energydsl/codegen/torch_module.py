@@ -17,15 +17,14 @@ import torch
 
 from .. import ir
 from ..instance import unconstrain
-from ..optimizers import UpdateProgram, unhoist
-from ..printing import show
+from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .torch_expr import Emitter, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
             "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
-OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce")
+OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse")
 
 
 def class_name(name: str) -> str:
@@ -243,8 +242,9 @@ class ModuleWriter:
         fwd, used = self.forward_lines()
         dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
         state_shape = self._sizes(spec.state)
-        rel = {spec.context.index: "<i" if spec.indices[spec.context.index].strict else "<=i"} if spec.context else {}
-        updates = "\n".join(f"    {a.target.name}⁺ = {show(unhoist(a.value), 'text', rel)}" for a in prog.assigns)
+        from ..api import Derived  # the printer of `energy derive`; api imports codegen
+
+        equations = Derived(spec, prog).equations("text").split("\n", 1)[1]  # below the first doc line
         ops = sorted(used & (set(OPS) | {"causal_masks"}))
         imports = ["import torch", "import torch.nn.functional as F", "from torch import nn",
                    "from energydsl.runtime.inputs import check_inputs"]
@@ -256,10 +256,10 @@ class ModuleWriter:
             imports.insert(3, "from energydsl.runtime.init import alibi_slopes")
         if "integral_quadrature" in "\n".join(fwd):
             imports.insert(3, "from energydsl.runtime.init import integral_quadrature")
-        doc = [f"energy {spec.name} ({dims}) from {spec.span.file}, backend {self.backend}.",
-               f"Optimizer: {prog.steps} x {spec.optimizer.kind}. The update it runs:",
+        doc = [f"energy {spec.name} ({dims}) from {spec.span.file}, backend {self.backend}. Its derivation, as",
+               "`energy derive` prints it (the untied update, when there is one, is what `forward` runs):",
                "",
-               textwrap.indent(updates, "") or "    (none)"]
+               textwrap.indent(equations, "    ")]
         out = [f"class {cls}(nn.Module):",
                f'    """{spec.name}: x (batch, seq, {", ".join(map(str, state_shape))}) -> the updated states."""',
                "",

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["causal_masks", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce",
+__all__ = ["causal_masks", "inverse", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce",
            "softmax_attention"]
 
 
@@ -19,6 +19,14 @@ def causal_masks(T: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Boolean (T, T) masks of the admissible keys: j <= i, and j < i."""
     i = torch.arange(T, device=device)
     return i[None, :] <= i[:, None], i[None, :] < i[:, None]
+
+
+def inverse(a: Tensor) -> Tensor:
+    """A batch of matrix inverses; half-precision matrices are inverted in float32 (LAPACK and cuSOLVER
+    have no bfloat16 or float16 inverse), as autocast does, and the result cast back."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.inv(a.float()).to(a.dtype)
+    return torch.linalg.inv(a)
 
 
 def masked_softmax(x: Tensor, mask: Tensor, dim: int) -> Tensor:
