@@ -165,27 +165,53 @@ def compile_(
     err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
 
 
-def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *, sizes_only: bool = False):
+def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *, sizes_only: bool = False,
+           train_on: str = "cpu"):
     """The spec and its model; `sizes_only` builds it on the meta device (no memory, however large the dims).
-    A model too large for this machine's memory is a user error that says how large it is."""
+    A model too large to train here on `train_on` (cpu, cuda, auto) is a user error that says how large it is."""
     import torch
 
     from .api import load
 
     spec = load(file)
     dims = parse_sets(sets)
+    with torch.device("meta"):
+        sized = spec.model(name, backend, **dims)
     if sizes_only:
-        with torch.device("meta"):
-            return spec, spec.model(name, backend, **dims)
+        return spec, sized
+    hint = "check the dims (--set); `energy info` shows sizes without building the weights"
+    params = sized.num_params()
+    on_gpu = train_on.startswith("cuda") or (train_on == "auto" and torch.cuda.is_available())
+    # the weights are built in host memory; training keeps weights, gradients and AdamW's two moments
+    # (16 bytes a parameter in float32) on its device. Refused before any allocation: an overcommitted
+    # allocation succeeds, and the kernel kills the process when the initialisation touches the pages.
+    for where, needed, available in (("host memory", params * (4 if on_gpu else 16), _available_memory()),
+                                     ("GPU memory", params * 16, _free_gpu_memory() if on_gpu else None)):
+        if available is not None and needed > available:
+            raise UserError(f"the model does not fit in {where} here: {params:,} parameters need about "
+                            f"{needed / 2**30:,.1f} GiB to train; {available / 2**30:,.1f} GiB are available", hint=hint)
     try:
         return spec, spec.model(name, backend, **dims)
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "allocate" not in str(e):
             raise
-        with torch.device("meta"):
-            params = spec.model(name, backend, **dims).num_params()
-        hint = "check the dims (--set); `energy info` shows sizes without building the weights"
         raise UserError(f"the model does not fit in memory here: {params:,} parameters", hint=hint) from None
+
+
+def _free_gpu_memory() -> int | None:
+    import torch
+
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def _available_memory() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable; None where the system does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 @app.command()
@@ -282,7 +308,7 @@ def train_(
     config.validate(TRAIN_FLAGS)
     with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
         torch.manual_seed(seed)
-        spec, model = _model(file, name, sets, backend)
+        spec, model = _model(file, name, sets, backend, train_on=device)
     run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
     _writable_dir(run_dir, "--out")
     config.block_size = block_size or model.block_size

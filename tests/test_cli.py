@@ -64,7 +64,23 @@ def test_info_sizes_a_model_without_building_its_weights_and_train_refuses_one_t
     info = json.loads(proc.stdout)
     assert info["params"] - info["params_non_embedding"] == (10**15 + 64) * 128  # tied wte and wpe, d 128
     proc = energy_cli("train", GPT, "--set", "vocab=1e15", "--data", "shakespeare_char", "--out", str(tmp_path))
-    assert proc.returncode == 2 and "does not fit in memory here: 128,000,000,000," in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "does not fit in host memory here: 128,000,000,000," in proc.stderr, proc.stderr
+
+
+def test_train_refuses_a_model_larger_than_free_memory_before_building_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overcommit, building a too-large model can succeed and the kernel kills the process once the
+    initialisation touches the pages: the size is checked against the available memory first."""
+    from energydsl import cli
+    from energydsl.errors import UserError
+
+    monkeypatch.setattr(cli, "_available_memory", lambda: 2**20)  # 1 MiB free
+    built = []
+    monkeypatch.setattr(cli, "_free_gpu_memory", lambda: built.append("asked") or None)
+    with pytest.raises(UserError, match=r"does not fit in host memory here: [\d,]+ parameters need about"):
+        cli._model(GPT, None, None)
+    assert not built  # a CPU run does not ask the GPU
+    monkeypatch.setattr(cli, "_available_memory", lambda: 2**40)
+    assert cli._model(GPT, None, None)[1].num_params() > 0
 
 
 def test_an_empty_energy_name_is_not_all_energies() -> None:
