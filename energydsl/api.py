@@ -19,7 +19,7 @@ from typing import Any
 
 from . import syntax
 from .checks import CheckResult, run_checks
-from .errors import Span, SpecError
+from .errors import Span, SpecError, UserError
 from .ir import Var
 from .optimizers import UpdateProgram, build_program, unhoist
 from .printing import fold, mathml_block, show
@@ -225,6 +225,15 @@ def _tex_lhs(lhs: str) -> str:
         "⁺", "^{+}").replace("_untied", "_{\\mathrm{untied}}")
 
 
+def _check_backend(backend: object) -> None:
+    """`spec.module("MHA", 16)` passes 16 as the backend: say that sizes are keywords."""
+    from .codegen import BACKENDS
+
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend `{backend}`", hint=f"backends: {', '.join(BACKENDS)}; sizes are keywords, "
+                        "for example .module(\"MHA\", d=16)")
+
+
 def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
@@ -291,6 +300,7 @@ class Spec:
         from .kernels import use_triton
         from .runtime.model import LanguageModel, StageInfo
 
+        _check_backend(backend)
         name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
         plan = plan_model(self.syntax, name, dims)
         classes, infos = [], []
@@ -306,6 +316,7 @@ class Spec:
         when the file declares exactly one energy or model."""
         from .codegen import module_class
 
+        _check_backend(backend)
         if name is None:
             names = self.energy_names + self.model_names
             name = self._pick(None, names, ("energy or model", "energies or models"), {})

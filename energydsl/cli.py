@@ -189,7 +189,8 @@ def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "
                                      ("GPU memory", params * 16, _free_gpu_memory() if on_gpu else None)):
         if available is not None and needed > available:
             raise UserError(f"the model does not fit in {where} here: {params:,} parameters need about "
-                            f"{needed / 2**30:,.1f} GiB to train; {available / 2**30:,.1f} GiB are available", hint=hint)
+                            f"{needed / 2**30:,.1f} GiB to train; {available / 2**30:,.1f} GiB are available",
+                            hint=hint)
     try:
         return spec, spec.model(name, backend, **dims)
     except (MemoryError, RuntimeError) as e:

@@ -451,3 +451,10 @@ def test_asking_for_a_model_or_block_as_an_energy_says_what_it_is() -> None:
         spec.model("NRGPTBlock")
     assert "no model named `NRGPTBlock`" in err.value.message
     assert 'is a block: .energy("NRGPTBlock") or .block(...) derives it' in err.value.hint
+
+
+def test_a_size_passed_where_the_backend_goes_says_sizes_are_keywords() -> None:
+    spec = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy")
+    with pytest.raises(energydsl.errors.UserError, match="unknown backend `16`") as err:
+        spec.module("MHA", 16)
+    assert "sizes are keywords" in err.value.hint
