@@ -27,7 +27,7 @@ out = Console(highlight=False, soft_wrap=True)  # tables still fit the terminal
 #: TrainConfig fields -> the `train` flags that set them, for messages
 TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
                "warmup_steps": "--warmup", "eval_interval": "--eval-interval",
-               "eval_iters": "--eval-iters", "seed": "--seed"}
+               "eval_iters": "--eval-iters", "seed": "--seed", "device": "--device"}
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a dim: NAME=VALUE (repeatable).")]
 
 
@@ -322,7 +322,8 @@ def train_(
     metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file), "model": model.plan.name,
                 "dims": model.plan.dims, "context": model.block_size, "equation_hash": model.equation_hash()}
     try:
-        result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh, progress=not as_json)
+        result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh, progress=not as_json,
+                       names=TRAIN_FLAGS, notify=lambda notice: print(notice, file=sys.stderr))
     except TrainingDiverged as e:
         _report_divergence(e, run_dir, as_json)
         raise typer.Exit(1) from None

@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import shutil
 import signal
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from torch import nn
 
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 from energydsl.training import TrainConfig, load_checkpoint, load_dataset, sample, train
+from energydsl.training.checkpoint import checkpoint_file, read_checkpoint
 from energydsl.training.sampling import codec_from_json
 from energydsl.training.trainer import configure_optimizer, lr_at
 
@@ -152,6 +156,122 @@ def test_resume_continues_from_saved_step_and_matches_uninterrupted_run(text_dat
     assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 10, 20]
 
 
+class Killed(BaseException):
+    """A SIGKILL, simulated: raised instead of a checkpoint write or rename, and caught by nothing."""
+
+
+def count_checkpoint_writes(monkeypatch, kill_at: int | None = None) -> list[str]:
+    """Record each file written, renamed or removed by a checkpoint save; raise `Killed` instead of the
+    `kill_at`-th (1-based)."""
+    from energydsl.training import checkpoint
+
+    ops: list[str] = []
+
+    def counted(name, fn):
+        def op(*args, **kw):
+            ops.append(f"{name} {' '.join(a.name for a in args if isinstance(a, Path))}")
+            if len(ops) == kill_at:
+                raise Killed(ops[-1])
+            return fn(*args, **kw)
+        return op
+
+    for name in ("_write_weights", "_write_resume_state", "_write_text"):
+        monkeypatch.setattr(checkpoint, name, counted(name, getattr(checkpoint, name)))
+    fake_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
+    fake_os.replace, fake_os.unlink = counted("replace", os.replace), counted("unlink", os.unlink)
+    monkeypatch.setattr(checkpoint, "os", fake_os)
+    monkeypatch.setattr(checkpoint, "shutil", types.SimpleNamespace(copyfile=counted("copy", shutil.copyfile)))
+    return ops
+
+
+def test_a_kill_at_any_point_of_a_save_leaves_a_checkpoint_that_resumes_exactly(text_dataset, tmp_path,
+                                                                               monkeypatch):
+    """Killed before any write, rename or removal of the saves at steps 0 and 5 (`last` and `best` each),
+    the rerun resumes from the old or the new checkpoint, never a mix, and ends as the uninterrupted run."""
+    cfg = config(steps=10, eval_interval=5, eval_iters=2)
+    straight = tiny_gpt(text_dataset.vocab_size)
+    ops = count_checkpoint_writes(monkeypatch)
+    done = train(straight, text_dataset, cfg, tmp_path / "a", metadata=META, progress=False)
+    monkeypatch.undo()
+    first_two = [i for i, op in enumerate(ops, 1) if op == "unlink .checkpoint.commit"][1]
+    assert done["best_step"] == 10 and ops.count("unlink .checkpoint.commit") == 3
+    best = load_checkpoint(tmp_path / "a")[0]
+    resumed_from = set()
+    for k in range(1, first_two + 2):  # the last one: killed before the first write of the save at step 10
+        out = tmp_path / f"k{k}"
+        count_checkpoint_writes(monkeypatch, kill_at=k)
+        with pytest.raises(Killed):
+            train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, out, metadata=META, progress=False)
+        monkeypatch.undo()
+        for stem in ("last", "best"):  # what `energy sample` reads now: each stem's files are from one save
+            if checkpoint_file(out / f"{stem}.json") is not None:
+                _, meta, header = read_checkpoint(out / f"{stem}.safetensors")
+                assert header["step"] == str(meta["training"]["step"]), (k, ops[k - 1], stem)
+        model = tiny_gpt(text_dataset.vocab_size)  # as the CLI does: a rerun that finds no checkpoint starts afresh
+        result = train(model, text_dataset, cfg, out, metadata=META, progress=False)
+        resumed_from.add(result["resumed_from"])
+        assert (result["steps"], result["best_step"]) == (10, 10), (k, ops[k - 1])
+        for (name, a), b in zip(straight.state_dict().items(), model.state_dict().values(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} after a kill at {ops[k - 1]}")
+        state, meta = load_checkpoint(out)  # best.* is the step-10 model, too
+        assert meta["training"]["step"] == 10 and all(torch.equal(best[n], t) for n, t in state.items())
+        assert not list(out.glob(".*")), (k, sorted(p.name for p in out.glob(".*")))  # no staged files left
+    assert resumed_from == {None, 0, 5}
+
+
+def test_a_last_checkpoint_mixed_from_two_saves_is_refused(text_dataset, tmp_path):
+    """An old run directory killed between two writes: weights from step 20, optimizer and sidecar from step
+    10. The steps in all three files must agree, or the run would train on from the wrong weights."""
+    cfg = config(steps=20)
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False,
+          on_eval=lambda step, loss: step == 10)
+    old = {name: (tmp_path / name).read_bytes() for name in ("last.json", "last.optim.pt")}
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
+    for name, data in old.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(UserError, match=r"different steps \(last.safetensors 20, last.optim.pt 10, last.json 10\)"):
+        train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=30), tmp_path, metadata=META,
+              progress=False)
+
+
+def test_a_stale_best_is_repaired_when_resuming(text_dataset, tmp_path):
+    """An old run directory killed after `last` was saved at the final step but before `best`: resuming (with
+    nothing left to train) rewrites `best` from `last`, which the run state names the best."""
+    cfg = config(steps=20)
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False,
+          on_eval=lambda step, loss: step == 10)
+    old = {name: (tmp_path / name).read_bytes() for name in ("best.json", "best.optim.pt", "best.safetensors")}
+    assert train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META,
+                 progress=False)["best_step"] == 20
+    for name, data in old.items():
+        (tmp_path / name).write_bytes(data)
+    result = train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
+    assert (result["resumed_from"], result["best_step"]) == (20, 20)
+    (best, meta), (last, _) = load_checkpoint(tmp_path), load_checkpoint(tmp_path, which="last")
+    assert meta["training"]["step"] == 20 and all(torch.equal(last[n], t) for n, t in best.items())
+
+
+def test_resuming_with_changed_settings_says_so_or_refuses(text_dataset, tmp_path):
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=10), tmp_path, metadata=META,
+          progress=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for changed, shown in [(dict(seed=8), "seed 8"), (dict(batch_size=4, eval_iters=8), "batch_size 4, eval_iters 8"),
+                           (dict(block_size=16), "block_size 16")]:
+        with pytest.raises(UserError, match=f"cannot resume the run in .* \\(step 10\\) with {shown}: it was "
+                                            "trained with") as err:
+            train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=20, **changed), tmp_path,
+                  metadata=META, progress=False)
+        assert "--fresh" in err.value.hint
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # nothing touched
+    notices: list[str] = []
+    result = train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=20, lr=1e-3), tmp_path,
+                   metadata=META, progress=False, notify=notices.append, names={"lr": "--lr"})
+    assert result["resumed_from"] == 10
+    assert notices == [f"resuming {tmp_path} at step 10 with changed settings: steps 10 → 20, --lr 0.003 → 0.001"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"kind": "resumed", "step": 10, "changed": {"steps": [10, 20], "lr": [0.003, 0.001]}} in rows
+
+
 def test_no_resume_when_disabled_and_other_model_refused(text_dataset, tmp_path):
     cfg = config(steps=10)
     train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
@@ -186,8 +306,9 @@ def test_resuming_needs_the_same_shapes_and_the_same_derived_model(corpus, text_
     train(momentum, text_dataset, config(steps=10), tmp_path / "m", metadata={}, progress=False)
     with pytest.raises(UserError, match="equation_hash is .* there, .* now"):
         train(nesterov, text_dataset, config(steps=20), tmp_path / "m", metadata={}, progress=False)
-    assert train(momentum, text_dataset, config(steps=20), tmp_path / "m", metadata={},
-                 progress=False)["resumed_from"] == 10
+    with pytest.warns(UserWarning, match="at step 10 with changed settings: steps 10 → 20"):
+        assert train(momentum, text_dataset, config(steps=20), tmp_path / "m", metadata={},
+                     progress=False)["resumed_from"] == 10
 
 
 def test_a_model_too_small_for_the_data_is_refused_before_training(text_dataset):
@@ -357,8 +478,9 @@ def test_rerun_after_divergence_is_refused_unless_settings_change(text_dataset, 
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert sum('"diverged"' in r for r in rows) == 1
     healthy = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=10**9)
-    result = train(healthy, text_dataset, config(lr=1e-3), tmp_path, metadata=META,
-                   progress=False)  # a lower lr resumes from the last good checkpoint
+    with pytest.warns(UserWarning, match="with changed settings: lr 0.003 → 0.001"):
+        result = train(healthy, text_dataset, config(lr=1e-3), tmp_path, metadata=META,
+                       progress=False)  # a lower lr resumes from the last good checkpoint
     assert result["resumed_from"] == 10 and result["steps"] == 30
     rows = [strict_json(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 10, 20, 30]
@@ -402,6 +524,40 @@ def test_bad_config_and_model_are_user_errors(text_dataset):
 
     with pytest.raises(ValueError, match="logits"):
         train(Wrong(), text_dataset, config(), None, metadata={}, progress=False)
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    (dict(lr=math.inf), "lr must be a finite number, got inf"),
+    (dict(lr=math.nan), "lr must be above 0, got nan"),
+    (dict(seed=2**64), f"seed must be a whole number in \\[0, 2\\*\\*64\\), got {2**64}"),
+    (dict(seed=-1), "seed must be a whole number"),
+    (dict(seed=1.5), "seed must be a whole number"),
+    (dict(weight_decay=math.nan), "weight_decay must not be negative, got nan"),
+    (dict(weight_decay=math.inf), "weight_decay must be a finite number, got inf"),
+    (dict(grad_clip=math.nan), "grad_clip must not be negative, got nan"),
+])
+def test_out_of_range_settings_are_user_errors(setting, message, text_dataset):
+    with pytest.raises(UserError, match=message):
+        config(**setting).validate()
+    with pytest.raises(UserError, match=message):
+        train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(**setting), None, metadata={}, progress=False)
+
+
+def test_the_largest_seed_trains(text_dataset):
+    result = train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=2, eval_interval=2, seed=2**64 - 1),
+                   None, metadata={}, progress=False)
+    assert math.isfinite(result["val_loss"])
+
+
+def test_divergence_with_the_check_off_is_recorded_as_strict_json(text_dataset, tmp_path):
+    """diverge_factor=inf (only NaN counts) puts an infinity into the config that diverged.json records."""
+    cfg = config(lr=1e4, diverge_factor=math.inf)
+    with pytest.raises(TrainingDiverged):
+        train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
+    record = strict_json((tmp_path / "diverged.json").read_text())
+    assert record["config"]["diverge_factor"] is None and record["config"]["lr"] == 1e4
+    with pytest.raises(UserError, match="with these same settings"):  # still recognised as the same settings
+        train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)
 
 
 # -------------------------------------------------------------------------------------- sampling
@@ -518,11 +674,32 @@ def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path):
     (("--warmup", "-3"), "--warmup must not be negative, got -3"),
     (("--eval-iters", "0"), "--eval-iters must be at least 1, got 0"),
     (("--lr", "0"), "--lr must be above 0, got 0.0"),
+    (("--lr", "inf"), "--lr must be a finite number, got inf"),
+    (("--seed", "99999999999999999999"), "--seed must be a whole number in [0, 2**64), got 99999999999999999999"),
+    (("--seed", "-1"), "--seed must be a whole number in [0, 2**64), got -1"),
 ])
 def test_cli_training_flags_are_named_in_errors(flags, message, corpus, tmp_path, monkeypatch, capsys):
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run", *flags))
     assert code == 2 and err.strip() == f"error: {message}"
     assert not (tmp_path / "run").exists()  # refused before anything was built or written
+
+
+def test_cli_resuming_with_changed_settings(corpus, tmp_path, monkeypatch, capsys):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--seed", "5",
+                                                               "--batch-size", "8", "--lr", "0.01"))
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(f"error: cannot resume the run in {tmp_path} (step 4) with --batch-size 8, --seed 5: it "
+                          "was trained with --batch-size 4, --seed 1337 (--batch-size: the evaluation batches would "
+                          "change, and best.* would be chosen by losses that do not compare; --seed: a resumed run "
+                          "continues its saved random state, so a new seed would be ignored)\n")
+    assert "hint: pass --batch-size 4, --seed 1337 to resume it, or --fresh" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
+    assert code == 0 and err == (f"resuming {tmp_path} at step 4 with changed settings: --steps 4 → 6, "
+                                 "--lr 0.001 → 0.01, min_lr 0.0001 → 0.001, --warmup 4 → 6\n")
 
 
 def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypatch, capsys):

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from energydsl.errors import UserError
 
+from .checkpoint import checkpoint_file, read_checkpoint, read_resume_state, save_checkpoints
 from .data import LMDataset
-from .sampling import load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
     from .trainer import TrainConfig
@@ -32,9 +32,16 @@ _START_OVER = ("pass --fresh (resume=False) to start over (that overwrites best.
                "it), or choose another --out directory")
 
 
-def _finite_or_none(value: Any) -> Any:
-    """NaN and infinities as None (JSON null): strict JSON parsers reject `NaN` and `Infinity`."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def finite_or_none(value: Any) -> Any:
+    """NaN and infinities as None (JSON null), in nested dicts and lists too: strict JSON parsers reject
+    `NaN` and `Infinity`."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 def _show(value: Any, width: int = 40) -> str:
@@ -75,6 +82,47 @@ def _shape_differences(saved: dict[str, Tensor], now: dict[str, Tensor]) -> list
         diffs.append(f"{len(missing)} of the model's tensors are not there ({', '.join(missing[:3])}"
                      f"{', ...' if len(missing) > 3 else ''})")
     return diffs
+
+
+# Settings a resumed run must keep. The seed: a resumed run continues the saved random state, so another seed
+# would be ignored. The batch size, block size and eval iters set the evaluation batches: with other values,
+# validation losses before and after the resume would measure different things, yet choose `best` together.
+KEPT_ON_RESUME = {
+    "seed": "a resumed run continues its saved random state, so a new seed would be ignored",
+    "batch_size": "the evaluation batches would change, and best.* would be chosen by losses that do not compare",
+    "block_size": "the evaluation batches would change, and best.* would be chosen by losses that do not compare",
+    "eval_iters": "the evaluation batches would change, and best.* would be chosen by losses that do not compare",
+}
+
+
+def _value(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else _show(value)
+
+
+def changed_settings(saved: dict[str, Any], now: dict[str, Any], where: Path, step: Any,
+                     names: dict[str, str] | None = None) -> dict[str, tuple[Any, Any]]:
+    """The settings a resumed run changes, field -> (old, new), compared as JSON values (`saved` is a checkpoint's
+    `training.config`). Raises `UserError` for the settings in `KEPT_ON_RESUME`, naming each as `names` spells it."""
+    changes = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    kept = [k for k in changes if k in KEPT_ON_RESUME]
+    if kept:
+        name = (names or {}).get
+        asked = ", ".join(f"{name(k, k)} {_value(changes[k][1])}" for k in kept)
+        old = ", ".join(f"{name(k, k)} {_value(changes[k][0])}" for k in kept)
+        by_reason: dict[str, list[str]] = {}
+        for k in kept:
+            by_reason.setdefault(KEPT_ON_RESUME[k], []).append(name(k, k))
+        reasons = "; ".join(f"{' and '.join(flags)}: {why}" for why, flags in by_reason.items())
+        raise UserError(f"cannot resume the run in {where} (step {step}) with {asked}: it was trained with {old} "
+                        f"({reasons})",
+                        hint=f"pass {old} to resume it, or --fresh (resume=False) to start over (that overwrites "
+                             "best.* too), or choose another --out directory")
+    return changes
+
+
+def describe_changes(changes: dict[str, tuple[Any, Any]], names: dict[str, str] | None = None) -> str:
+    """`--lr 0.001 → 0.0005, ...`: the one-line summary printed when a run resumes with changed settings."""
+    return ", ".join(f"{(names or {}).get(k, k)} {_value(a)} → {_value(b)}" for k, (a, b) in changes.items())
 
 
 def _plot(metrics_path: Path, png_path: Path) -> None:
@@ -140,7 +188,7 @@ class RunDir:
     @property
     def last_checkpoint(self) -> str | None:
         """`last.safetensors` if this run wrote or resumed it (never a stale one from another run)."""
-        if self.out_dir is None or self.good is None or not (self.out_dir / "last.safetensors").exists():
+        if self.out_dir is None or self.good is None or checkpoint_file(self.out_dir / "last.safetensors") is None:
             return None
         return str(self.out_dir / "last.safetensors")
 
@@ -156,7 +204,7 @@ class RunDir:
 
     def mark_diverged(self, record: dict[str, Any]) -> None:
         if self.out_dir is not None:
-            text = json.dumps({k: _finite_or_none(v) for k, v in record.items()}, indent=1, allow_nan=False)
+            text = json.dumps(finite_or_none(record), indent=1, allow_nan=False)
             tmp = self.diverged.with_name(f".{self.diverged.name}.tmp")
             tmp.write_text(text)
             tmp.replace(self.diverged)
@@ -165,15 +213,15 @@ class RunDir:
         """The last checkpoint if it is complete and was made for the same metadata, data and `model`
         (parameter names and shapes), else None.
 
-        A checkpoint of another model or dataset, or one that cannot be resumed (damaged, or its files from
-        different steps after a kill between two writes), raises `UserError`: starting afresh would overwrite
-        the run's `best.*`, so that takes `resume=False`.
+        A checkpoint of another model or dataset, or one that cannot be resumed (damaged, or its three files
+        from different steps: saves are transactions, so not after a kill), raises `UserError`: starting afresh
+        would overwrite the run's `best.*`, so that takes `resume=False`.
         """
-        if self.out_dir is None or not (self.out_dir / "last.json").exists():
+        if self.out_dir is None or checkpoint_file(self.out_dir / "last.json") is None:
             return None
         try:
-            state, sidecar = load_checkpoint(self.out_dir / "last.safetensors")
-            extra = torch.load(self.out_dir / "last.optim.pt", map_location="cpu", weights_only=True)
+            state, sidecar, header = read_checkpoint(self.out_dir / "last.safetensors")
+            extra = read_resume_state(self.out_dir / "last.optim.pt")
         except Exception as e:  # noqa: BLE001 - whatever is wrong with the files, the answer is the same
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"the checkpoint last.* in {self.out_dir} cannot be read, so the run cannot resume: "
@@ -193,10 +241,14 @@ class RunDir:
                             f"model or dataset: {shown}",
                             hint="pass --fresh (resume=False) to overwrite that run, or choose another --out "
                                  "directory")
-        if extra.get("step") != training.get("step"):
-            raise UserError(f"the checkpoint files last.* in {self.out_dir} are from different steps "
-                            f"({extra.get('step')} and {training.get('step')}: killed while saving?), so the run "
-                            "cannot resume", hint=_START_OVER)
+        steps = {"last.safetensors": header.get("step"), "last.optim.pt": extra.get("step"),
+                 "last.json": training.get("step")}
+        if not steps["last.safetensors"]:  # weights saved without a step in their header: nothing to compare
+            del steps["last.safetensors"]
+        if len({str(v) for v in steps.values()}) > 1:  # not after a kill (saves are atomic): damaged or mixed up
+            shown = ", ".join(f"{name} {step}" for name, step in steps.items())
+            raise UserError(f"the checkpoint files last.* in {self.out_dir} are from different steps ({shown}), "
+                            "so the run cannot resume", hint=_START_OVER)
         return state, training, extra
 
     def start(self, resumed_step: int | None) -> None:
@@ -215,22 +267,41 @@ class RunDir:
 
     def log(self, **row: Any) -> None:
         if self.out_dir is not None:
-            row = {k: _finite_or_none(v) for k, v in row.items()}
+            row = {k: finite_or_none(v) for k, v in row.items()}
             with self.metrics.open("a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
 
-    def save(self, stem: str, model: nn.Module, state: RunState, resume_state: dict[str, Any]) -> None:
+    def save(self, stems: tuple[str, ...], model: nn.Module, state: RunState, resume_state: dict[str, Any]) -> None:
+        """Save the model under each of `stems` (`last`, and `best` when it improved) in one transaction: a kill
+        at any point leaves all of them old or all new, so `best` never lags behind the `last` it matches."""
         if self.out_dir is None:
             return
-        training = {
-            "format": FORMAT, **state.record(), "params": self.params, "config": asdict(self.config),
-            "dataset": self.dataset_info, "weights": f"{stem}.safetensors",
-            "resume_state": f"{stem}.optim.pt", "torch": torch.__version__,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        save_checkpoint(self.out_dir, stem, model, {**self.metadata, "training": training}, resume_state)
-        if stem == "last":
+        saved_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+        def sidecar(stem: str) -> dict[str, Any]:
+            training = {
+                "format": FORMAT, **state.record(), "params": self.params, "config": asdict(self.config),
+                "dataset": self.dataset_info, "weights": f"{stem}.safetensors",
+                "resume_state": f"{stem}.optim.pt", "torch": torch.__version__, "saved_at": saved_at,
+            }
+            return {**self.metadata, "training": training}
+
+        save_checkpoints(self.out_dir, model, {stem: sidecar(stem) for stem in stems}, resume_state)
+        if "last" in stems:
             self.good = (state.step, state.val_loss)
+
+    def best_is_stale(self, state: RunState) -> bool:
+        """Whether `best.*` lags behind a resumed `last` that the run state names the best: left so by a kill
+        between the two saves, which only the separate saves before checkpoint transactions allowed."""
+        if self.out_dir is None or state.best_step != state.step:
+            return False
+        sidecar = checkpoint_file(self.out_dir / "best.json")
+        if sidecar is None or checkpoint_file(self.out_dir / "best.safetensors") is None:
+            return True
+        try:
+            return json.loads(sidecar.read_text())["training"]["step"] != state.step
+        except (OSError, ValueError, KeyError, TypeError):  # unreadable: rewrite it
+            return True
 
     def plot(self, force: bool = False) -> None:
         if self.out_dir is None or not (force or time.monotonic() - self.last_plot > 30):

@@ -1,26 +1,20 @@
-"""Codecs, checkpoint files and text sampling: what a trained model needs, without the training loop.
+"""Codecs, checkpoints and text sampling: what a trained model needs, without the training loop.
 
-A checkpoint is three files sharing a stem (`best` or `last`): `<stem>.safetensors` (weights; tied
-tensors stored once and listed as aliases in the header), `<stem>.json` (the caller's metadata at the
-top level plus a `training` record: step, losses, config, dataset codec) and `<stem>.optim.pt`
-(optimizer, grad-scaler and RNG states, for resuming). The JSON is written last, so a stem whose
-JSON names the same step as its weights is complete.
+The checkpoint files (and how a save survives a kill) are `energydsl.training.checkpoint`'s; its
+`load_checkpoint` and `save_checkpoint` are exported here too.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch import Tensor, nn
+from torch import nn
 
 from energydsl.errors import DataError
+
+from .checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
     "ByteCodec", "CharCodec", "Codec", "IntCodec", "TextCodec", "WordCodec", "codec_from_json",
@@ -142,93 +136,6 @@ def codec_from_json(spec: dict[str, Any]) -> Codec:
     if kind == "ints":
         return IntCodec(int(spec["vocab_size"]))
     raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata")
-
-
-# --------------------------------------------------------------------------------------- checkpoints
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """Write through a temporary file and rename, so a crash never leaves a half-written checkpoint."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _weights_for_saving(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """CPU copies of the state dict; a tensor that is another entry (a tied head) becomes an alias."""
-    tensors: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, t in model.state_dict().items():
-        storage = t.untyped_storage().data_ptr()
-        key = (t.device, storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
-    return tensors, aliases
-
-
-def save_checkpoint(out_dir: Path, stem: str, model: nn.Module, sidecar: dict[str, Any],
-                    resume_state: dict[str, Any] | None = None) -> Path:
-    """Write `<stem>.safetensors`, `<stem>.optim.pt` (with `resume_state`), then `<stem>.json`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors, aliases = _weights_for_saving(model)
-    step = str(sidecar.get("training", {}).get("step", ""))
-    header = {"format": "pt", "aliases": json.dumps(aliases), "step": step}
-    weights = out_dir / f"{stem}.safetensors"
-    _atomic_write(weights, lambda p: save_file(tensors, str(p), metadata=header))
-    if resume_state is not None:
-        _atomic_write(out_dir / f"{stem}.optim.pt", lambda p: torch.save(resume_state, p))
-    text = json.dumps(sidecar, indent=1, default=str)
-    _atomic_write(out_dir / f"{stem}.json", lambda p: p.write_text(text))
-    return weights
-
-
-def _checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
-    path = Path(path_or_dir).expanduser()
-    if path.is_dir():
-        weights = path / f"{which}.safetensors"
-        if not weights.exists() and which == "best":
-            weights = path / "last.safetensors"
-        if not weights.exists():
-            raise DataError(f"no checkpoint in {path} (expected {which}.safetensors)",
-                            hint="point at a training output directory or a .safetensors file")
-    elif path.suffix == ".json":
-        weights = path.with_suffix(".safetensors")
-    else:
-        weights = path
-    if not weights.is_file():
-        raise DataError(f"checkpoint not found: {weights}")
-    return weights, weights.with_suffix(".json")
-
-
-def load_checkpoint(
-    path_or_dir: str | Path, *, which: str = "best"
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Read a checkpoint's weights (a full state dict, aliases restored) and its metadata.
-
-    `path_or_dir` is an output directory (its `best`, else `last`, checkpoint; `which` picks), a
-    `.safetensors` file or its `.json` sidecar. The metadata is the sidecar: the dict the trainer's
-    caller gave, plus `training` (step, losses, config, dataset). Tensors load on the CPU.
-    """
-    weights, sidecar = _checkpoint_paths(path_or_dir, which)
-    try:
-        with safe_open(str(weights), framework="pt", device="cpu") as f:
-            header = f.metadata() or {}
-            state = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise DataError(f"cannot read checkpoint {weights}: {e}") from e
-    for alias, target in json.loads(header.get("aliases", "{}")).items():
-        state[alias] = state[target]
-    metadata: dict[str, Any] = {}
-    if sidecar.is_file():
-        try:
-            metadata = json.loads(sidecar.read_text())
-        except (OSError, ValueError) as e:
-            raise DataError(f"cannot read checkpoint metadata {sidecar}: {e}") from e
-    return state, metadata
 
 
 # ------------------------------------------------------------------------------------------ sampling

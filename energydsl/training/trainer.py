@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -40,7 +41,7 @@ from tqdm.auto import tqdm
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 
 from .data import IGNORE_INDEX, LMDataset
-from .run_dir import RunDir, RunState
+from .run_dir import RunDir, RunState, changed_settings, describe_changes, finite_or_none
 
 __all__ = ["TrainConfig", "configure_optimizer", "estimate_loss", "lr_at", "train"]
 
@@ -74,14 +75,23 @@ class TrainConfig:
         def name(field: str) -> str:
             return (names or {}).get(field, field)
 
+        # `not x >= 0` rather than `x < 0`: NaN fails every comparison and must not slip through
         for field in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval"):
-            if getattr(self, field) < 1:
+            if not getattr(self, field) >= 1:
                 raise UserError(f"{name(field)} must be at least 1, got {getattr(self, field)}")
         for field in ("steps", "warmup_steps", "weight_decay", "grad_clip"):
-            if getattr(self, field) < 0:
+            if not getattr(self, field) >= 0:
                 raise UserError(f"{name(field)} must not be negative, got {getattr(self, field)}")
+        if not math.isfinite(self.weight_decay):
+            raise UserError(f"{name('weight_decay')} must be a finite number, got {self.weight_decay}")
         if not self.lr > 0:
             raise UserError(f"{name('lr')} must be above 0, got {self.lr}")
+        if not math.isfinite(self.lr):
+            raise UserError(f"{name('lr')} must be a finite number, got {self.lr}")
+        # torch's generators take seeds in [0, 2**64) (negative ones are aliases of large ones): refused here
+        # rather than as an overflow inside torch.manual_seed
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise UserError(f"{name('seed')} must be a whole number in [0, 2**64), got {self.seed}")
         if not 0 <= self.min_lr <= self.lr:
             raise UserError(f"{name('min_lr')} must be in [0, {name('lr')}], got {self.min_lr} with "
                             f"{name('lr')} {self.lr}")
@@ -151,7 +161,7 @@ def estimate_loss(model: nn.Module, dataset: LMDataset, config: TrainConfig, dev
     model.eval()
     out = {}
     for offset, split in enumerate(("train", "val"), start=1):
-        generator = torch.Generator().manual_seed(config.seed + 1_000_003 * offset)
+        generator = torch.Generator().manual_seed((config.seed + 1_000_003 * offset) % 2**64)
         total = torch.zeros((), device=device)  # summed on the device: one sync per split, not per batch
         for _ in range(config.eval_iters):
             x, y = dataset.get_batch(split, config.batch_size, config.block_size, generator)
@@ -196,6 +206,8 @@ def train(
     resume: bool = True,
     progress: bool = True,
     on_eval: Callable[[int, float], bool] | None = None,
+    names: dict[str, str] | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train `model` on `dataset`; returns losses, steps, throughput (tokens/s, training steps only).
 
@@ -207,8 +219,13 @@ def train(
     step and `reason` says what diverged. Raises `UserError` if `out_dir` holds a checkpoint of a
     different model or dataset (`resume=False` overwrites it), or if it holds a run that diverged
     with exactly this config (resuming would diverge again; change a setting, e.g. a lower lr).
+
+    Resuming with other settings (a lower lr after a divergence, more steps) passes one line saying what
+    changed to `notify` (default: `warnings.warn`); other seed, batch_size, block_size or eval_iters are
+    refused (`UserError`, see `run_dir.KEPT_ON_RESUME`). Errors name settings as `names` spells them (a CLI
+    passes its flags, e.g. {"lr": "--lr"}).
     """
-    config.validate()
+    config.validate(names)
     device = _device(config.device)
     dataset.check_block_size(config.block_size)
     _check_fits(model, dataset, config)
@@ -218,8 +235,7 @@ def train(
     if callable(getattr(model, "equation_hash", None)):  # a resumed run must be the same derived model
         metadata.setdefault("equation_hash", model.equation_hash())
     out_dir = Path(out_dir) if out_dir is not None else None
-    if config.dtype == "float16" and device.type != "cuda":
-        raise UserError("dtype float16 needs CUDA", hint="use bfloat16 or float32 on the CPU")
+    _check_dtype(config.dtype, device, (names or {}).get("dtype", "dtype"))
     model.to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
@@ -233,24 +249,35 @@ def train(
 
     generator = torch.Generator().manual_seed(config.seed)
     state = RunState()
+    changes: dict[str, tuple[Any, Any]] = {}
     found = run.find_resumable(model) if resume else None
     if found is not None:
         weights, training, extra = found
         diverged = run.divergence()
-        if diverged is not None and diverged.get("config") == _jsonable(asdict(config)):
+        now = _jsonable(asdict(config))
+        if diverged is not None and diverged.get("config") == finite_or_none(now):  # as diverged.json holds it
             raise UserError(
                 f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
                 f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
                 "would diverge again",
                 hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
                      "or pass --fresh (resume=False) to start over")
+        changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
         model.load_state_dict(weights)
         optimizer.load_state_dict(extra["optimizer"])
-        scaler.load_state_dict(extra["scaler"])
+        if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
+            scaler.load_state_dict(extra["scaler"])
         generator.set_state(extra["rng"]["batches"])
         state = RunState(**{f.name: training[f.name] for f in fields(RunState)})
         run.good = (state.step, state.val_loss)
+        if run.best_is_stale(state):  # a run directory written before saves were transactions
+            run.save(("best",), model, state, extra)
+        if changes:
+            (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
+                              f"{describe_changes(changes, names)}")
     run.start(state.step if found else None)
+    if changes:  # metrics.jsonl says from which step on the run trained with other settings
+        run.log(kind="resumed", step=state.step, changed={k: list(v) for k, v in changes.items()})
 
     rng_devices = [device.index] if device.type == "cuda" else []
     precision = torch.get_float32_matmul_precision()
@@ -275,6 +302,26 @@ def train(
             torch.set_float32_matmul_precision(precision)
     result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
     return result
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def _check_dtype(dtype: str, device: torch.device, name: str) -> None:
+    """Autocast dtypes the device can run: float16 (with grad scaling) needs CUDA, bfloat16 a CPU or a GPU
+    with bfloat16 arithmetic (compute capability 8.0+); found here, not as a kernel error mid-run."""
+    if dtype == "float16" and device.type != "cuda":
+        raise UserError(f"{name} float16 needs CUDA", hint="use bfloat16 or float32 on the CPU")
+    if dtype == "bfloat16" and device.type == "cuda":
+        with torch.cuda.device(device):
+            try:
+                supported = torch.cuda.is_bf16_supported(including_emulation=False)
+            except TypeError:  # torch < 2.4 has no emulation argument
+                supported = torch.cuda.is_bf16_supported()
+        if not supported:
+            raise UserError(f"{name} bfloat16 is not supported by {torch.cuda.get_device_name(device)}",
+                            hint="use float16 or float32 on this GPU")
 
 
 @dataclass
@@ -383,9 +430,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                     best_val_loss=state.best_val_loss, lr=lr_at(step, config))
             resume_state = {"step": step, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                             "rng": _rng_states(generator, device)}
-            run.save("last", model, state, resume_state)
-            if improved:
-                run.save("best", model, state, resume_state)
+            run.save(("last", "best") if improved else ("last",), model, state, resume_state)
             run.plot()
             bar.set_postfix(loss=f"{shown['loss']:.4f}", val=f"{losses['val']:.4f}", refresh=False)
             if on_eval is not None and on_eval(step, losses["val"]) and step < config.steps:

@@ -1,0 +1,247 @@
+"""Checkpoint files, saved so that a process killed at any moment leaves a whole checkpoint behind.
+
+A checkpoint is three files sharing a stem (`best` or `last`): `<stem>.safetensors` (weights; tied
+tensors stored once and listed as aliases in the header, which also holds the step), `<stem>.json`
+(the caller's metadata at the top level plus a `training` record: step, losses, config, dataset codec)
+and `<stem>.optim.pt` (optimizer, grad-scaler and RNG states, for resuming).
+
+Three files cannot be replaced at once, so a save is a small transaction over one or more stems (an
+evaluation saves `last` and, when it improved, `best`, together):
+
+1. each new file is written under a staging name, `.next.<name>`, and flushed to disk (fsync);
+2. commit: the record `.checkpoint.commit` (which files it replaces) appears by one atomic rename;
+3. each staged file is renamed over its name, then the record is removed.
+
+A kill before the commit leaves the previous checkpoint untouched (the staged files are debris that the
+next save overwrites); after it, a reader takes a file's staged version while it exists, else the file
+itself: the new checkpoint either way. The next save first finishes the renames. A directory without
+a record (every directory at rest, and those written before this scheme) reads as plain files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from energydsl.errors import DataError
+
+__all__ = ["COMMIT", "checkpoint_file", "load_checkpoint", "read_checkpoint", "read_resume_state", "save_checkpoint",
+           "save_checkpoints"]
+
+COMMIT = ".checkpoint.commit"
+SUFFIXES = (".safetensors", ".optim.pt", ".json")
+
+
+def _staged(path: Path) -> Path:
+    return path.with_name(f".next.{path.name}")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or, on POSIX, a directory's entries) to disk; a rename is durable only after that."""
+    is_dir = path.is_dir()
+    if is_dir and os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY if is_dir else os.O_RDWR)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot sync a directory: the rename is still atomic
+        if not is_dir:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_weights(path: Path, tensors: dict[str, Tensor], header: dict[str, str]) -> None:
+    save_file(tensors, str(path), metadata=header)
+
+
+def _write_resume_state(path: Path, state: Mapping[str, Any]) -> None:
+    torch.save(dict(state), path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.write_text(text)
+
+
+def _read_commit(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((out_dir / COMMIT).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # written by an atomic rename: damaged only by hand
+        raise DataError(f"cannot read the checkpoint commit record {out_dir / COMMIT}: {e}") from e
+    return record if isinstance(record, dict) else None
+
+
+def checkpoint_file(path: Path) -> Path | None:
+    """Where the committed content of checkpoint file `path` lies now: its staged version while a commit
+    is being completed, else `path` itself; None if it has none."""
+    record = _read_commit(path.parent)
+    if record is not None:
+        if path.name in record.get("drop", []):
+            return None
+        if path.name in record.get("files", []) and _staged(path).exists():
+            return _staged(path)
+    return path if path.exists() else None
+
+
+def _finish(out_dir: Path) -> None:
+    """Complete a committed save: move its staged files into place, then drop the record."""
+    record = _read_commit(out_dir)
+    if record is None:
+        return
+    for name in record.get("files", []):
+        staged = _staged(out_dir / name)
+        if staged.exists():
+            os.replace(staged, out_dir / name)
+    for name in record.get("drop", []):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out_dir / name)
+    _fsync(out_dir)
+    os.unlink(out_dir / COMMIT)
+
+
+def _weights_for_saving(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """CPU copies of the state dict; a tensor that is another entry (a tied head) becomes an alias."""
+    tensors: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, t in model.state_dict().items():
+        storage = t.untyped_storage().data_ptr()
+        key = (t.device, storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().to("cpu", copy=True).contiguous()
+    return tensors, aliases
+
+
+def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dict[str, Any]],
+                     resume_state: Mapping[str, Any] | None = None) -> None:
+    """Save `model` (and `resume_state`) under each stem of `sidecars` with that stem's sidecar, as one
+    transaction: after a kill at any point, every stem reads either all old or all new (module docstring)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _finish(out_dir)  # an earlier save that was killed after its commit
+    for debris in out_dir.glob(".next.*"):
+        debris.unlink(missing_ok=True)
+    tensors, aliases = _weights_for_saving(model)
+    files: list[str] = []
+    drop: list[str] = []
+    first: str | None = None
+    for stem, sidecar in sidecars.items():
+        step = str(sidecar.get("training", {}).get("step", ""))
+        weights, optim, meta = (out_dir / f"{stem}{suffix}" for suffix in SUFFIXES)
+        if first is None:
+            _write_weights(_staged(weights), tensors, {"format": "pt", "aliases": json.dumps(aliases), "step": step})
+            if resume_state is not None:
+                _write_resume_state(_staged(optim), resume_state)
+            first = stem
+        else:  # the same bytes (the step is in the header): copy rather than serialize again
+            shutil.copyfile(_staged(out_dir / f"{first}.safetensors"), _staged(weights))
+            if resume_state is not None:
+                shutil.copyfile(_staged(out_dir / f"{first}.optim.pt"), _staged(optim))
+        _write_text(_staged(meta), json.dumps(sidecar, indent=1, default=str))
+        files += [weights.name, meta.name]
+        (files if resume_state is not None else drop).append(optim.name)
+    for name in files:
+        _fsync(_staged(out_dir / name))
+    _fsync(out_dir)
+    tmp = out_dir / f"{COMMIT}.tmp"
+    _write_text(tmp, json.dumps({"files": files, "drop": drop}))
+    _fsync(tmp)
+    os.replace(tmp, out_dir / COMMIT)  # the commit: from here on, readers see the new files
+    _fsync(out_dir)
+    _finish(out_dir)
+
+
+def save_checkpoint(out_dir: Path, stem: str, model: nn.Module, sidecar: dict[str, Any],
+                    resume_state: dict[str, Any] | None = None) -> Path:
+    """Save one stem (see `save_checkpoints`); returns the path of its weights."""
+    save_checkpoints(out_dir, model, {stem: sidecar}, resume_state)
+    return out_dir / f"{stem}.safetensors"
+
+
+def _checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
+    """The weights and sidecar named by a directory (its `which`, else `last`), a .safetensors or a .json."""
+    path = Path(path_or_dir).expanduser()
+    if path.is_dir():
+        weights = path / f"{which}.safetensors"
+        if checkpoint_file(weights) is None and which == "best":
+            weights = path / "last.safetensors"
+        if checkpoint_file(weights) is None:
+            raise DataError(f"no checkpoint in {path} (expected {which}.safetensors)",
+                            hint="point at a training output directory or a .safetensors file")
+    elif path.suffix == ".json":
+        weights = path.with_suffix(".safetensors")
+    else:
+        weights = path
+    if weights.is_dir() or checkpoint_file(weights) is None:
+        raise DataError(f"checkpoint not found: {weights}")
+    return weights, weights.with_suffix(".json")
+
+
+def _read(path: Path, read: Callable[[Path], Any]) -> Any:
+    """`read` the committed version of `path`, again if a save in another process moved it meanwhile."""
+    for attempt in range(3):
+        found = checkpoint_file(path)
+        if found is None:
+            raise FileNotFoundError(path)
+        try:
+            return read(found)
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_weights(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
+                    ) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, str]]:
+    """`load_checkpoint`, plus the weights' header (its `step` says which save the weights are from)."""
+    weights, sidecar = _checkpoint_paths(path_or_dir, which)
+    try:
+        state, header = _read(weights, _read_weights)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise DataError(f"cannot read checkpoint {weights}: {e}") from e
+    for alias, target in json.loads(header.get("aliases", "{}")).items():
+        state[alias] = state[target]
+    metadata: dict[str, Any] = {}
+    if checkpoint_file(sidecar) is not None:
+        try:
+            metadata = _read(sidecar, lambda p: json.loads(p.read_text()))
+        except (OSError, ValueError) as e:
+            raise DataError(f"cannot read checkpoint metadata {sidecar}: {e}") from e
+    return state, metadata, header
+
+
+def read_resume_state(path: Path) -> dict[str, Any]:
+    """The committed `<stem>.optim.pt` at `path` (optimizer, scaler and RNG states)."""
+    return _read(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def load_checkpoint(
+    path_or_dir: str | Path, *, which: str = "best"
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Read a checkpoint's weights (a full state dict, aliases restored) and its metadata.
+
+    `path_or_dir` is an output directory (its `best`, else `last`, checkpoint; `which` picks), a
+    `.safetensors` file or its `.json` sidecar. The metadata is the sidecar: the dict the trainer's
+    caller gave, plus `training` (step, losses, config, dataset). Tensors load on the CPU.
+    """
+    state, metadata, _ = read_checkpoint(path_or_dir, which=which)
+    return state, metadata
