@@ -127,7 +127,8 @@ def search(
             print(f"best candidate: {summary['best_source']}", file=err)
     if summary.get("interrupted"):
         print("interrupted: run the same command again to continue the study", file=err)
-        raise typer.Exit(130)  # the conventional status of a command stopped by Ctrl-C
+        # the shell's status of a command stopped by the signal: 130 for Ctrl-C, 143 for SIGTERM
+        raise typer.Exit(143 if summary.get("interrupted_by") == "SIGTERM" else 130)
 
 
 def report(

@@ -347,6 +347,27 @@ def test_a_changed_hole_is_refused_before_any_trial(tmp_path: Path) -> None:
     open_study(journal, "T", load_search(path))
 
 
+def test_a_rerun_with_other_training_settings_is_refused(tmp_path: Path) -> None:
+    """Trials trained with other settings (steps, lr, data, the space's text) are not comparable: a rerun that
+    changes them is refused, naming each change; the budget, a timeout, comments and a hole's range may change."""
+    from energydsl.search import open_study
+
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    study = open_study(journal, "T", load_search(path, steps="3"))
+    study.add_trial(optuna.trial.create_trial(value=1.0))
+    with pytest.raises(UserError) as e:
+        open_study(journal, "T", load_search(path, steps="2", lr="0.05"))
+    assert "steps: 3 → 2" in e.value.message and "lr: float 1e-3..1e-2 log → 0.05" in e.value.message
+    assert "--study" in (e.value.hint or "") and "steps = 3" in (e.value.hint or "")
+    assert load_study(journal, "T").user_attrs["settings"]["steps"] == "3"  # the record is not overwritten
+    harmless = (TINY + SEARCH).replace("trials 4", "trials 9").replace("1e-3..1e-2", "1e-3..2e-2")
+    write(tmp_path, "# a comment\n" + harmless.replace("  repeat layers", "  repeat   layers  # again"))
+    open_study(journal, "T", load_search(path, steps="3", trials="12", timeout="60"))
+    write(tmp_path, harmless.replace("vocab = 65", "vocab = 80"))  # outside the holes: other models
+    with pytest.raises(UserError, match="text outside its holes was edited"):
+        open_study(journal, "T", load_search(path, steps="3"))
+
+
 def test_cli_bad_settings_exit_2_located(tmp_path: Path) -> None:
     path = write(tmp_path, TINY + SEARCH.replace("batch = 4", "batch = 0"))
     r = energy("search", path, "--trials", "1", cwd=tmp_path)

@@ -102,6 +102,21 @@ def test_duplicates_share_one_result(tmp_path: Path) -> None:
     assert all(t.user_attrs["duplicate_of"] == first.number for t in ts[1:])
 
 
+def test_pruned_duplicates_are_counted_as_duplicates(tmp_path: Path) -> None:
+    """A duplicate of a pruned trial is pruned too, and counted among the pruned trials' duplicates."""
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "study.journal")), study_name="t")
+    C, P = TrialState.COMPLETE, TrialState.PRUNED
+    for state, kind in [(C, "complete"), (C, "duplicate"), (P, "pruned"), (P, "duplicate"), (P, "duplicate"),
+                        (P, "invalid")]:
+        study.add_trial(optuna.trial.create_trial(state=state, value=1.0 if state == C else None,
+                                                  intermediate_values={} if state == C else {10: 2.0},
+                                                  user_attrs={"kind": kind}))
+    led = ledger(study.get_trials())
+    assert (led.completed, led.duplicates, led.pruned, led.invalid, led.pruned_duplicates) == (2, 1, 4, 1, 2)
+    page = write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").read_text()
+    assert "2 complete (1 duplicates), 4 pruned (1 invalid, 2 duplicates)" in page
+
+
 def test_failing_trial_is_recorded_and_study_continues(tmp_path: Path) -> None:
     ref = toy(tmp_path, mixers="diverge,ssm")
     s = search(tmp_path, ref, trials=8, pruner="none", sampler="random", seed=0)
@@ -290,6 +305,27 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     trained = {t.user_attrs["equation_hash"] for t in ts if t.user_attrs.get("kind") in ("complete", "error")}
     assert all(c[2] not in ("bogus",) for c in calls(tmp_path)) and len(calls(tmp_path)) >= len(trained)
     assert write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").exists()
+
+
+def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
+    """A trial ASHA stops has the step it was stopped on as its last intermediate value and as its value
+    (Ray hands that result to on_trial_complete, not on_trial_result), and a timing; a trial that trained
+    every step is complete, not stopped at max_t."""
+    pytest.importorskip("ray")
+    s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", steps=10, sleep=0.02), backend="ray", trials=12,
+               workers=2, cpus_per_trial=1, sampler="random", seed=3)
+    ts = trials(tmp_path)
+    stopped = [t for t in ts if str(t.user_attrs.get("reason", "")).startswith("stopped by ASHA")]
+    assert s["finished"] == 12 and stopped, [(t.state.name, t.user_attrs.get("reason")) for t in ts]
+    for t in stopped:
+        last_step, last_value = t.user_attrs["curve"][-1]
+        assert t.state == TrialState.PRUNED and f"at step {last_step}" in t.user_attrs["reason"]
+        assert max(t.intermediate_values) == last_step and t.value == pytest.approx(last_value)
+        assert t.user_attrs["timing"]["total_s"] > 0 and t.user_attrs["timing"]["evaluate_s"] is not None
+        assert last_step < 10  # ASHA's rungs are 1, 3, 9: the last step (10) is no rung, nor max_t
+    for t in ts:
+        if t.user_attrs.get("kind") == "complete":
+            assert t.user_attrs["curve"][-1][0] == 10 and "timing" in t.user_attrs
 
 
 def test_ray_two_node_cluster(tmp_path: Path) -> None:

@@ -144,6 +144,17 @@ def test_bad_ray_resources_are_refused_before_ray_starts(tmp_path: Path) -> None
     assert not (tmp_path / "s.journal").exists()
 
 
+def test_a_rerun_with_other_settings_exits_2_naming_them(tmp_path: Path) -> None:
+    journal = str(tmp_path / "s.journal")
+    base = ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--storage", journal]
+    assert energy(*base, "--set", "steps=4", "--trials", "1", cwd=tmp_path).returncode == 0
+    r = energy(*base, "--set", "steps=2", "--trials", "2", cwd=tmp_path)
+    clean_exit_2(r, "searched with other settings: steps: 4 → 2", "--study", "steps = 4")
+    assert len(load_study(journal, "toy").trials) == 1  # nothing ran
+    r = energy(*base, "--set", "steps=4", "--trials", "2", "--workers", "2", cwd=tmp_path)  # budget, workers
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------- 6. Ctrl-C
 
 
@@ -174,6 +185,40 @@ def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path) -> None:
     assert (s["finished"], s["completed"], s["lost"]) == (1, 1, 1)  # the interrupted trial ran again, once
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigterm_hands_the_trials_back_writes_the_report_and_exits_143(tmp_path: Path, workers: int) -> None:
+    """A batch scheduler's SIGTERM (to the driver only) acts as Ctrl-C: the running trials are `interrupted`
+    (retried, not held against them as `lost` would be), the report is written, and the status is 143."""
+    journal = tmp_path / "s.journal"
+    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--trials", str(workers), "--storage",
+            str(journal), "--workers", str(workers)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # wait for the trials to run (4 steps of 1 s)
+            with contextlib.suppress(UserError):
+                if sum(t.state == TrialState.RUNNING for t in load_study(str(journal), "toy").trials) == workers:
+                    break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "interrupted: run the same command again" in err and "Traceback" not in err
+    assert (tmp_path / "report.html").exists()
+    ts = load_study(str(journal), "toy").trials
+    assert [t.user_attrs.get("kind") for t in ts if t.state == TrialState.FAIL] == ["interrupted"] * workers
+    assert not any(t.state == TrialState.RUNNING for t in ts)
+    r = energy(*[a if a != "sleep=1" else "sleep=0" for a in args], "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert (s["finished"], s["completed"], s["lost"]) == (workers, workers, workers)
+
+
 # ----------------------------------------------------------------------------- 7. storage strings, locks
 
 
@@ -202,6 +247,34 @@ def test_sqlite_lock_lives_next_to_the_database(tmp_path: Path, monkeypatch: pyt
     assert not (work / "runs").exists()  # nothing in the working directory
     server = lock_path("postgresql://u@host/db", "q")  # a server: one lock per URL on this host, not per cwd
     assert work not in server.parents and server == lock_path("postgresql://u@host/db", "q")
+
+
+_RACE = """
+import sys, time
+from energydsl.search import SpaceRef, open_study, resolve_space
+go, n, base = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+space = resolve_space(SpaceRef("energydsl.search.toy:make_space", {"mixers": "ssm,attn"}))
+for i in range(n):
+    while time.time() < go + 0.3 * i:  # both processes open database i at the same moment
+        pass
+    open_study(f"sqlite:///{base}/db{i}/s.db", "t", space)
+"""
+
+
+def test_two_commands_creating_one_new_sqlite_storage_both_open_it(tmp_path: Path) -> None:
+    """Optuna creates a new database's tables without a transaction: two searches starting at once on a new
+    SQLite file used to fail (`table studies already exists`, `UNIQUE constraint failed: alembic_version`)."""
+    n = 6
+    for i in range(n):
+        (tmp_path / f"db{i}").mkdir()
+    go = time.time() + 4  # after both have imported
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(go), str(n), str(tmp_path)], env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-1500:] for e in errs]
+    for i in range(n):
+        assert optuna.get_all_study_names(open_storage(f"sqlite:///{tmp_path}/db{i}/s.db")) == ["t"]
 
 
 def test_an_existing_journal_still_opens(tmp_path: Path) -> None:

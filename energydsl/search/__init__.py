@@ -17,7 +17,17 @@ import optuna
 
 from energydsl.errors import UserError
 from energydsl.search.display import LiveProgress, print_leaderboard
-from energydsl.search.local import PRUNERS, SAMPLERS, make_sampler, pruning_plan, quiet_optuna, run_local
+from energydsl.search.local import (
+    PRUNERS,
+    SAMPLERS,
+    Terminated,
+    make_sampler,
+    pruning_plan,
+    quiet_optuna,
+    run_local,
+    storage_lock,
+    study_lock,
+)
 from energydsl.search.report import (
     check_storage_given,
     default_storage_path,
@@ -53,8 +63,9 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
     quiet_optuna()
     names = [n for n, _ in space.objectives]
     directions = [d for _, d in space.objectives]
-    study = optuna.create_study(storage=open_storage(storage), study_name=study_name, directions=directions,
-                                load_if_exists=True)
+    with storage_lock(storage):
+        study = optuna.create_study(storage=open_storage(storage), study_name=study_name, directions=directions,
+                                    load_if_exists=True)
     have = ["minimize" if d == optuna.study.StudyDirection.MINIMIZE else "maximize" for d in study.directions]
     recorded = study.user_attrs.get("objectives")
     if have != directions or (recorded is not None and recorded != names):
@@ -62,14 +73,57 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
             f"study {study_name!r} in {storage} searches {recorded or '?'} ({', '.join(have)}), not "
             f"{names} ({', '.join(directions)})",
             hint="pick another --study name or --storage for a different search")
-    check_distributions(study, space, storage)
-    wanted: dict[str, Any] = {"objectives": names}
-    if ref is not None:
-        wanted.update(space=ref.spec, sets=dict(ref.sets))
-    for key, value in wanted.items():
-        if study.user_attrs.get(key) != value:
-            study.set_user_attr(key, value)
+    with study_lock(storage, study_name):  # two commands starting at once: one records, the other compares
+        check_distributions(study, space, storage)
+        wanted: dict[str, Any] = {"objectives": names}
+        settings = check_settings_unchanged(study, space, storage)
+        if settings is not None:
+            wanted[SETTINGS] = settings
+        if ref is not None:
+            wanted.update(space=ref.spec, sets=dict(ref.sets))
+        for key, value in wanted.items():
+            if study.user_attrs.get(key) != value:
+                study.set_user_attr(key, value)
     return study
+
+
+def _searched(value: str | None) -> str | None:
+    """A setting as compared between runs: a hole's range may change as any hole's may (check_distributions
+    guards its kind); a hole become a value, or a value become a hole, may not."""
+    return "a hole" if value is not None and value.startswith(("int ", "float ", "choice{")) else value
+
+
+SETTINGS = "settings"  # the study's user attr: the space's fingerprint when it was searched
+
+
+def check_settings_unchanged(study: optuna.Study, space: SearchSpace, storage: str) -> dict[str, str] | None:
+    """A rerun must train as the study's trials were trained (same training settings, data, space text), or
+    its results would be ranked against incomparable ones; what does not change results (the trials budget,
+    workers, timeout, device, backend) may change. Returns the space's fingerprint (`fingerprint()`: name ->
+    text) to record, None for a space without one."""
+    get = getattr(space, "fingerprint", None)
+    if not callable(get):
+        return None
+    now = {str(k): str(v) for k, v in get().items()}
+    old = study.user_attrs.get(SETTINGS)
+    if not isinstance(old, dict) or not study.get_trials(deepcopy=False):
+        return now  # a study from before fingerprints, or nothing searched yet
+    changed = [k for k in dict.fromkeys([*old, *now]) if _searched(old.get(k)) != _searched(now.get(k))]
+    if not changed:
+        return now
+    diffs = [f"{k}: {old.get(k, '(not set)')} → {now.get(k, '(not set)')}" for k in changed if k != "text"]
+    back = ", ".join(f"{k} = {old[k]}" for k in changed if k != "text" and k in old)
+    hints = []
+    if "text" in changed:
+        diffs.append("the space's text outside its holes was edited")
+        hints.append("restore the space file as the study searched it")
+    if back:
+        hints.append(f"give the study's settings again ({back})")
+    raise UserError(
+        f"study {study.study_name!r} in {storage} was searched with other settings: {'; '.join(diffs)}; "
+        "its trials would not be comparable with these",
+        hint="to search with these settings, start a new study (another --study name or --storage); to "
+             f"continue this one, {' and '.join(hints)}")
 
 
 def _show(d: optuna.distributions.BaseDistribution) -> str:
@@ -177,7 +231,7 @@ def run_search(
     common = dict(target=target, deadline=deadline, workers=workers, sampler=sampler, pruner=pruner,
                   device=device, seed=seed)
     extra: dict[str, Any] = {}
-    interrupted = False
+    interrupted: str | None = None
     try:
         with display:
             if backend == "local":
@@ -187,11 +241,13 @@ def run_search(
 
                 extra = run_ray(ref, space, study, storage_spec, address=address,
                                 gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, **common)
-    except KeyboardInterrupt:
-        interrupted = True
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM to the local backend (`Terminated`)
+        interrupted = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
     elapsed = round(time.time() - started, 3)
     summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=elapsed,
-                        interrupted=interrupted, notes=[note] if note else [], **extra)
+                        interrupted=interrupted is not None, notes=[note] if note else [], **extra)
+    if interrupted:
+        summary["interrupted_by"] = interrupted
     if show:
         print_leaderboard(study)
     return summary

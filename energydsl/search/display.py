@@ -58,7 +58,7 @@ def progress_panel(study: optuna.Study, target: int | None, started: float, note
     line = Text.assemble(
         f"running {led.running}  ",
         ("complete ", "green"), f"{led.completed} ({led.duplicates} dup)  ",
-        ("pruned ", "yellow"), f"{led.pruned} ({led.invalid} invalid)  ",
+        ("pruned ", "yellow"), f"{led.pruned} ({led.invalid} invalid, {led.pruned_duplicates} dup)  ",
         ("failed ", "red"), f"{led.failed}",
         f"  lost {led.lost}" if led.lost else "",
     )

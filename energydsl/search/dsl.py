@@ -53,7 +53,15 @@ from energydsl.search.holes import (  # source files, holes and filling them
     _Value,
     _value,
 )
-from energydsl.search.settings import DEFAULTS, SET_KEYS, TRAIN_KEYS, _given, check_settings, possible_values
+from energydsl.search.settings import (
+    DEFAULTS,
+    SET_KEYS,
+    TRAIN_KEYS,
+    _given,
+    check_settings,
+    fingerprint,
+    possible_values,
+)
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
@@ -90,6 +98,7 @@ class DslSpace:
         self.trials: int | None = None
         self.model_name = ""
         self._datasets: dict[str, Any] = {}
+        self._search = search
         self._build(search, sets)
         self._check_vocab()
         steps = self.settings.get("steps")
@@ -380,6 +389,10 @@ class DslSpace:
             kind = ""
         if kind not in ("cpu", "cuda"):
             raise UserError(f"unknown device {device!r}", hint="use cpu, cuda, cuda:N or auto")
+
+    def fingerprint(self) -> dict[str, str]:
+        """The settings and text a trial's result depends on (`energydsl.search.settings.fingerprint`)."""
+        return fingerprint(self.files, self._search, self.settings, self.holes())
 
     def distributions(self) -> dict[str, tuple[Any, Span]]:
         """Each hole's Optuna distribution, as `suggest` samples it, and where the hole is written."""

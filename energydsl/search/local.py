@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -123,33 +124,53 @@ def make_pruner(name: str, budget: Mapping[str, Any]) -> optuna.pruners.BasePrun
 # ----------------------------------------------------------------------------- slots and recovery
 
 
-def lock_path(storage_spec: str, study_name: str) -> Path:
-    """The lock file of a study: next to its journal or SQLite database, whatever the working directory;
+def _lock_dir(storage_spec: str) -> Path:
+    """Where a storage's locks live: next to its journal or SQLite database, whatever the working directory;
     for a database server, in a per-user folder of the temp directory named by the URL's hash."""
     local = local_file(storage_spec)
     if local is not None:
-        base = local.resolve().parent
-    else:
-        key = hashlib.sha256(storage_spec.encode()).hexdigest()[:16]
-        base = Path(tempfile.gettempdir()) / f"energydsl-locks-{os.getuid()}" / key
-    return base / f".{safe_name(study_name)}.lock"
+        return local.resolve().parent
+    key = hashlib.sha256(storage_spec.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"energydsl-locks-{os.getuid()}" / key
+
+
+def lock_path(storage_spec: str, study_name: str) -> Path:
+    """The lock file of a study (see `_lock_dir`)."""
+    return _lock_dir(storage_spec) / f".{safe_name(study_name)}.lock"
 
 
 @contextlib.contextmanager
-def study_lock(storage_spec: str, study_name: str) -> Iterator[None]:
-    """Serialize budget bookkeeping between commands on this host (a file lock, see `lock_path`)."""
-    path = lock_path(storage_spec, study_name)
+def _flock(path: Path, what: str) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a")  # noqa: SIM115 (closed below)
     except OSError as e:
-        raise UserError(f"cannot create the study's lock file {path}: {e.strerror or e}") from None
+        raise UserError(f"cannot create {what} lock file {path}: {e.strerror or e}") from None
     with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def study_lock(storage_spec: str, study_name: str) -> Iterator[None]:
+    """Serialize budget bookkeeping between commands on this host (a file lock, see `lock_path`)."""
+    with _flock(lock_path(storage_spec, study_name), "the study's"):
+        yield
+
+
+@contextlib.contextmanager
+def storage_lock(storage_spec: str) -> Iterator[None]:
+    """Serialize opening a database storage between commands on this host: Optuna creates a new database's
+    tables without a transaction, and two commands creating it at once fail (`table studies already exists`,
+    `UNIQUE constraint failed: alembic_version.version_num`). Journal files need no lock (appends)."""
+    if "://" not in storage_spec:
+        yield
+        return
+    with _flock(_lock_dir(storage_spec) / ".storage.lock", "the storage's"):
+        yield
 
 
 def _busy_slots(trials: list[FrozenTrial]) -> set[int]:
@@ -417,6 +438,29 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in the driver, handled as Ctrl-C is: a batch scheduler's stop hands the running trials back
+    as interrupted (a retry not held against them) instead of leaving them to be found lost."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While the local backend runs: SIGTERM raises `Terminated` (main thread only; Python delivers signals
+    there, and elsewhere the handler cannot be set). The previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _worker_entry(kwargs: dict[str, Any]) -> None:
     """Main of a worker process: a fresh interpreter (spawn semantics) that runs `worker_loop`."""
     _die_with_parent()
@@ -486,9 +530,17 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
                 "device": _worker_device(device, i, workers), "seed": worker_seed(seed, history, starts),
                 "ahead": 2 * workers}
 
-    if workers <= 1:
-        worker_loop(**kwargs(0))
-        return {"recovered": recovered, "workers": 1}
+    with sigterm_interrupts():
+        if workers <= 1:
+            worker_loop(**kwargs(0))
+            return {"recovered": recovered, "workers": 1}
+        return _run_workers(kwargs, storage, study, target=target, deadline=deadline, workers=workers,
+                            recovered=recovered)
+
+
+def _run_workers(kwargs: Any, storage: BaseStorage, study: optuna.Study, *, target: int, deadline: float | None,
+                 workers: int, recovered: int) -> dict[str, Any]:
+    """Keep `workers` worker processes running (replacing crashed ones) until they run out of budget."""
     warn: list[str] = []
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -514,7 +566,11 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
                     elif not warn:
                         warn.append(f"{crashed} worker processes died; not replacing them any more "
                                     "(see the lost trials' reasons); run again to continue")
-    except BaseException:  # Ctrl-C (the workers got it too) or an error here: let them hand back their trials
+    except BaseException as e:  # Ctrl-C (the workers got it too) or an error here: let them hand back their trials
+        if isinstance(e, Terminated):  # SIGTERM reached this process only: pass it on to the workers
+            for p in procs.values():
+                with contextlib.suppress(OSError):
+                    p.terminate()
         for p in procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)

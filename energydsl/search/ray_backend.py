@@ -132,6 +132,7 @@ if OptunaSearch is not None:
             self._energy_space, self._energy_storage, self._energy_target = space, storage, target
             self._energy_names, self._energy_prune, self._energy_deadline = names, prune, deadline
             self._energy_curves: dict[str, list[list[float]]] = {}
+            self._energy_started: dict[str, float] = {}  # Tune trial id -> when it was handed to Ray
             self._energy_hb = Heartbeat(storage)
             super().__init__(space=self._define, metric=names if len(names) > 1 else names[0],
                              mode=modes if len(modes) > 1 else modes[0], sampler=sampler,
@@ -180,6 +181,7 @@ if OptunaSearch is not None:
                 ot_trial = self._ot_trials[trial_id]
                 kind = config.get(RKIND)
                 if kind == "train":
+                    self._energy_started[trial_id] = time.perf_counter()
                     return {PARAMS: dict(ot_trial.params), NUMBER: ot_trial.number}
                 del self._ot_trials[trial_id]  # settled here; ask again for the same Tune trial
                 reason = config.get("_energy_reason", "")
@@ -222,9 +224,11 @@ if OptunaSearch is not None:
             result = result or {}
             if result.get(RKIND) == "progress" and (not curve or int(result["step"]) > curve[-1][0]):
                 curve.append([int(result["step"]), float(result[PROGRESS])])  # the result ASHA stopped it on
+            total_s = round(time.perf_counter() - self._energy_started.pop(trial_id, time.perf_counter()), 6)
             if result.get(FINAL):
                 curve = json.loads(result.get("_energy_curve") or "[]") or curve
-                attrs: dict[str, Any] = {CURVE: curve, TIMING: {"evaluate_s": result.get("_energy_eval_s")},
+                attrs: dict[str, Any] = {CURVE: curve, TIMING: {"evaluate_s": result.get("_energy_eval_s"),
+                                                                "total_s": total_s},
                                          "ray": {"node": result.get("_energy_node"), "pid": result.get("pid"),
                                                  "trial_id": trial_id}}
                 kind = result.get(RKIND)
@@ -238,6 +242,7 @@ if OptunaSearch is not None:
                         self._finish(ot_trial, TrialState.FAIL, kind="error", reason=why, metrics=clean,
                                      **attrs)
                 elif kind == "pruned":
+                    self._report_last(ot_trial, curve)
                     self._finish(ot_trial, TrialState.PRUNED, kind="pruned",
                                  reason=result.get("_energy_reason"), **attrs)
                 else:
@@ -249,10 +254,24 @@ if OptunaSearch is not None:
             elif not self._energy_prune or (self._energy_deadline is not None
                                             and time.time() >= self._energy_deadline):
                 self._completed_trials.discard(trial_id)  # stopped by the time limit: left for abandon()
-            else:
+            else:  # stopped by ASHA on its last result: recorded as a local pruned trial is (value, timing)
                 at = f" at step {curve[-1][0]}" if curve else ""
+                self._report_last(ot_trial, curve)
+                evaluate_s = result.get("time_total_s")  # Tune's clock of the trainable, start to that report
+                timing = {"evaluate_s": round(float(evaluate_s), 6) if finite(evaluate_s) else None,
+                          "total_s": total_s}
                 self._finish(ot_trial, TrialState.PRUNED, kind="pruned", curve=curve,
-                             reason=f"stopped by ASHA{at}")
+                             reason=f"stopped by ASHA{at}", **{TIMING: timing})
+
+        def _report_last(self, ot_trial: Any, curve: list[list[float]]) -> None:
+            """Report the last point of a pruned trial's curve (the one it was stopped on, which Ray hands
+            to `on_trial_complete`, not `on_trial_result`): Optuna records a pruned trial's value as its
+            last intermediate value, and the local backend reports the pruning step before pruning."""
+            if not curve or not finite(curve[-1][1]):
+                return
+            with warnings.catch_warnings(), contextlib.suppress(Exception):
+                warnings.simplefilter("ignore")  # a step already reported is ignored, with a warning
+                ot_trial.report(float(curve[-1][1]), int(curve[-1][0]))
 
         def abandon_unfinished(self) -> int:
             """Trials Ray never finished (time limit, Ctrl-C) go back to the queue for the next run."""
@@ -300,9 +319,11 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
     prune, _ = pruning_plan(objectives, pruner)
     scheduler = None
     if prune:
-        max_t = int(space.budget.get("steps", 1000))
-        scheduler = ASHAScheduler(time_attr="step", metric=PROGRESS, mode="min", max_t=max_t,
-                                  grace_period=int(space.budget.get("min_steps") or max(1, max_t // 27)),
+        steps = int(space.budget.get("steps", 1000))
+        # max_t one step past the last evaluation: ASHA stops a trial whose result reaches max_t, and the
+        # last evaluation of a trial that trained all its steps must not make it pruned instead of complete
+        scheduler = ASHAScheduler(time_attr="step", metric=PROGRESS, mode="min", max_t=steps + 1,
+                                  grace_period=int(space.budget.get("min_steps") or max(1, steps // 27)),
                                   reduction_factor=3, brackets=3 if pruner == "hyperband" else 1,
                                   stop_last_trials=False)
     base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent

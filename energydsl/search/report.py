@@ -180,6 +180,7 @@ class Ledger:
     failed: int = 0
     invalid: int = 0  # included in pruned
     duplicates: int = 0  # included in completed
+    pruned_duplicates: int = 0  # included in pruned: a duplicate of a pruned trial is pruned too
     lost: int = 0  # lost or interrupted, and retried
     running: int = 0
     waiting: int = 0
@@ -205,6 +206,7 @@ def ledger(trials: Sequence[FrozenTrial]) -> Ledger:
         elif t.state == TrialState.PRUNED:
             led.pruned += 1
             led.invalid += kind == "invalid"
+            led.pruned_duplicates += kind == "duplicate"
         elif t.state == TrialState.FAIL:
             led.failed += 1
     return led
@@ -496,8 +498,8 @@ def render_report(study: optuna.Study) -> str:
     body = [f"<h1>Search report: {e(study.study_name)}</h1>"]
     body.append(f"<p>objectives: {e(', '.join(f'{n} ({d})' for n, d in objectives))}<br>"
                 f"trials: {led.finished} finished: {led.completed} complete ({led.duplicates} duplicates), "
-                f"{led.pruned} pruned ({led.invalid} invalid), {led.failed} failed, {led.lost} lost and "
-                f"retried; {led.running} running, {led.waiting} waiting<br>"
+                f"{led.pruned} pruned ({led.invalid} invalid, {led.pruned_duplicates} duplicates), "
+                f"{led.failed} failed, {led.lost} lost and retried; {led.running} running, {led.waiting} waiting<br>"
                 f"generated {datetime.now().isoformat(timespec='seconds')}</p>")
     for i, (title, fig) in enumerate(figs):
         body.append(f"<h2>{e(title)}</h2>")

@@ -4,11 +4,15 @@ value training would refuse, before any trial runs (`check_settings`, used by en
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import lark
+
 from energydsl.errors import Span, SpecError, UserError
-from energydsl.search.holes import INT_SETTINGS, _convert, _Hole, _Value
+from energydsl.search.holes import INT_SETTINGS, _convert, _File, _Hole, _kids, _pos, _Value
 
 #: `train` keys (and `--set` keys) -> TrainConfig fields
 TRAIN_KEYS = {
@@ -105,3 +109,39 @@ def check_setting(key: str, value: Any) -> None:
     elif key == "min_lr":
         extra["lr"] = max(base.lr, value)
     dataclasses.replace(base, **{key: value, **extra}).validate()
+
+
+# the search's clauses its fingerprint's text hash leaves out: settings (compared one by one), objectives
+# (compared by open_study), the budget (may change between runs)
+_UNHASHED = ("search_data", "search_train", "objectives", "trials")
+
+
+def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _Value],
+                holes: Sequence[_Hole]) -> dict[str, str]:
+    """What a trial's result depends on besides its hole values, so that a rerun with other settings is
+    refused rather than mixing incomparable trials in one study: each training setting as it is given (a
+    value, a hole's text, or the default), and `text`, a hash of the space's files outside the holes (a new
+    range is fine) and outside the search's settings, objectives and `trials`, comments and spacing ignored."""
+    out: dict[str, str] = {}
+    for key in sorted({*DEFAULTS, *settings}):
+        v = settings.get(key)
+        if v is None:
+            out[key] = str(DEFAULTS[key])
+        else:
+            out[key] = " ".join(v.file.text[v.start:v.end].split()) if v.file is not None else str(v.fixed)
+    digest = hashlib.sha256()
+    for f in files:
+        cuts = [(h.start, h.end) for h in holes if h.file is f]
+        for item in _kids(f.tree):
+            if item.data == "search_decl":  # another search in the file does not matter; this one's clauses do
+                cuts += [_pos(c) for c in _kids(item)[1:] if c.data in _UNHASHED] if item is search else [_pos(item)]
+        parts, pos = [], 0
+        for start, end in sorted(cuts):
+            if start >= pos:
+                parts += [f.text[pos:start], " ? "]
+            pos = max(pos, end)
+        parts.append(f.text[pos:])
+        text = re.sub(r'"[^"\n]*"|#[^\n]*', lambda m: m.group() if m.group().startswith('"') else " ", "".join(parts))
+        digest.update(" ".join(text.split()).encode() + b"\0")
+    out["text"] = digest.hexdigest()[:16]
+    return out

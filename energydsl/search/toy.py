@@ -65,6 +65,10 @@ class ToySpace:
     objectives: list[tuple[str, str]] = field(default_factory=lambda: [("val_loss", "minimize")])
     budget: dict[str, Any] = field(default_factory=dict)
 
+    def fingerprint(self) -> dict[str, str]:
+        """What results depend on besides the hole values (a rerun with other values is refused)."""
+        return {"steps": str(self.steps)}
+
     def suggest(self, trial: optuna.Trial) -> ToyCandidate:
         mixer = trial.suggest_categorical("mixer", list(self.mixers))
         depth = self.depth if self.depth is not None else trial.suggest_int("depth", 1, 4)
