@@ -16,3 +16,27 @@ def compile_for_gpu(script: str) -> None:
     if "ptxas" in proc.stderr and proc.returncode != 0 and "FileNotFoundError" in proc.stderr:
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread, and much faster on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small, learnable character corpus that needs no download (the training tests)."""
+    lines = [
+        "the quick brown fox jumps over the lazy dog.\n",
+        "now is the time for all good men to come to the aid of the party.\n",
+        "to be, or not to be, that is the question.\n",
+    ]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("".join(lines[i % 3] for i in range(200)))
+    return path

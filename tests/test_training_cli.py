@@ -1,0 +1,178 @@
+"""The `energy train` and `energy sample` commands: flags, exit statuses, resuming, damaged runs (CPU)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_training import strict_json
+
+from energydsl.training import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def energy(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the `energy` CLI in this process (much faster than a subprocess): exit status, stdout, stderr."""
+    from energydsl import cli
+
+    monkeypatch.setattr(sys, "argv", ["energy", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def tiny_cli_run(corpus: Path, out: Path, *more: str) -> list[str]:
+    return ["train", str(ROOT / "examples/models/gpt.energy"), "--data", f"chars:{corpus}", "--set", "d=16",
+            "--set", "layers=1", "--set", "heads=2", "--set", "context=16", "--steps", "4", "--eval-interval",
+            "2", "--eval-iters", "2", "--batch-size", "4", "--out", str(out), *more]
+
+
+def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, monkeypatch, capsys):
+    args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "40", "--lr", "30", "--eval-interval", "5")
+    code, out, err = energy(monkeypatch, capsys, *args)
+    assert code == 1, err
+    assert err.startswith("training diverged at step ") and err.count("\n") == 1
+    assert "internal error" not in err and "report" not in err and "Traceback" not in err
+    assert f"{tmp_path / 'last.safetensors'}" in err and "--lr" in err
+    code, out, err = energy(monkeypatch, capsys, *args, "--json", "--fresh")
+    assert code == 1
+    summary = strict_json(out)
+    assert summary["diverged"] is True and summary["checkpoint"] == str(tmp_path / "last.safetensors")
+    assert summary["checkpoint_step"] < summary["step"] and summary["out"] == str(tmp_path)
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        strict_json(line)
+    code, out, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused, not replayed
+    assert code == 2 and "same settings" in err and "Traceback" not in err
+
+
+def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path):
+    import subprocess
+    import time
+
+    args = tiny_cli_run(corpus, tmp_path, "--steps", "1000000", "--eval-interval", "1000000")
+    proc = subprocess.Popen([sys.executable, "-m", "energydsl.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while '"train"' not in (metrics.read_text() if metrics.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.1)  # wait until it is training (step 0 evaluated, a few steps logged)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    step = json.loads((tmp_path / "last.json").read_text())["training"]["step"]
+    assert step > 0 and err.strip() == (f"interrupted at step {step}: saved {tmp_path / 'last.safetensors'}; "
+                                        "rerun the same command to resume")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--steps", "0"), "--steps must be at least 1, got 0"),
+    (("--batch-size", "0"), "--batch-size must be at least 1, got 0"),
+    (("--warmup", "-3"), "--warmup must not be negative, got -3"),
+    (("--eval-iters", "0"), "--eval-iters must be at least 1, got 0"),
+    (("--lr", "0"), "--lr must be above 0, got 0.0"),
+    (("--lr", "inf"), "--lr must be a finite number, got inf"),
+    (("--seed", "99999999999999999999"), "--seed must be a whole number in [0, 2**64), got 99999999999999999999"),
+    (("--seed", "-1"), "--seed must be a whole number in [0, 2**64), got -1"),
+])
+def test_cli_training_flags_are_named_in_errors(flags, message, corpus, tmp_path, monkeypatch, capsys):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run", *flags))
+    assert code == 2 and err.strip() == f"error: {message}"
+    assert not (tmp_path / "run").exists()  # refused before anything was built or written
+
+
+def test_cli_resuming_with_changed_settings(corpus, tmp_path, monkeypatch, capsys):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--seed", "5",
+                                                               "--batch-size", "8", "--lr", "0.01"))
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith(f"error: cannot resume the run in {tmp_path} (step 4) with --batch-size 8, --seed 5: it "
+                          "was trained with --batch-size 4, --seed 1337 (--batch-size: the evaluation batches would "
+                          "change, and best.* would be chosen by losses that do not compare; --seed: a resumed run "
+                          "continues its saved random state, so a new seed would be ignored)\n")
+    assert "hint: pass --batch-size 4, --seed 1337 to resume it, or --fresh" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
+    assert code == 0 and err == (f"resuming {tmp_path} at step 4 with changed settings: --steps 4 → 6, "
+                                 "--lr 0.001 → 0.01, min_lr 0.0001 → 0.001, --warmup 4 → 6\n")
+
+
+def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypatch, capsys):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8"))
+    assert code == 2 and "Traceback" not in err
+    assert str(tmp_path) in err and "dims.d is 16.0 there, 8.0 now" in err and "--fresh" in err and "--out" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8", "--fresh"))
+    assert code == 0, err
+    assert load_checkpoint(tmp_path)[1]["dims"]["d"] == 8
+
+
+def test_cli_seed_fixes_the_initial_weights(corpus, tmp_path, monkeypatch, capsys):
+    def metrics(name: str, seed: str) -> str:
+        code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / name, "--seed", seed))
+        assert code == 0, err
+        return (tmp_path / name / "metrics.jsonl").read_text()
+
+    first = metrics("a", "1")
+    torch.rand(10)  # whatever the process's RNG did in between
+    assert metrics("b", "1") == first
+    assert metrics("c", "2") != first
+
+
+def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeypatch, capsys):
+    """Editing the spec file after training (here the MLP width) must not break sampling: the checkpoint
+    carries the spec's text, and `sample` builds the model from that."""
+    spec = tmp_path / "gpt.energy"
+    spec.write_text((ROOT / "examples/models/gpt.energy").read_text())
+    args = tiny_cli_run(corpus, tmp_path / "run")
+    args[1] = str(spec)
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0, err
+    text = spec.read_text()
+    assert "4 * d" in text
+    spec.write_text(text.replace("4 * d", "2 * d"))
+    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "5", "--prompt", "the")
+    assert code == 0, err
+    assert out.startswith("the") and len(out.rstrip("\n")) == 8
+
+
+@pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--top-k", "0"]])
+def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):
+    code, _, err = energy(monkeypatch, capsys, "sample", str(tmp_path), *flag)
+    assert code == 2 and "--tokens must be >= 0" in err
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "steps disagree"])
+def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_path, monkeypatch, capsys):
+    """Starting afresh over a run whose `last` cannot be resumed would overwrite its `best`: refuse instead."""
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    best = (tmp_path / "best.safetensors").read_bytes()
+    if damage == "truncated weights":
+        weights = tmp_path / "last.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:  # a kill between the weights and the sidecar: the sidecar still names the previous evaluation
+        sidecar = json.loads((tmp_path / "last.json").read_text())
+        sidecar["training"]["step"] -= 2
+        (tmp_path / "last.json").write_text(json.dumps(sidecar))
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    assert code == 2 and "cannot resume" in err and "--fresh" in err, err
+    assert (tmp_path / "best.safetensors").read_bytes() == best
