@@ -158,26 +158,33 @@ def test_a_rerun_with_other_settings_exits_2_naming_them(tmp_path: Path) -> None
 # ----------------------------------------------------------------------------- 6. Ctrl-C
 
 
-def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path) -> None:
-    journal = tmp_path / "s.journal"
-    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--trials", "1", "--storage", str(journal)]
+def signal_search(tmp_path: Path, args: list[str], sig: signal.Signals, running: int) -> tuple[int, str]:
+    """Run `energy search` in a subprocess, send it `sig` once `running` of its trials run: (status, stderr)."""
+    journal = args[args.index("--storage") + 1]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 60
-        while time.time() < deadline:  # wait for the trial to run (4 steps of 1 s)
+        while time.time() < deadline:  # wait for the trials to run (4 steps of 1 s)
             with contextlib.suppress(UserError):  # the study may not be there yet
-                if any(t.state == TrialState.RUNNING for t in load_study(str(journal), "toy").trials):
+                if sum(t.state == TrialState.RUNNING for t in load_study(journal, "toy").trials) >= running:
                     break
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-2000:]
+    return proc.returncode, err
+
+
+def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path) -> None:
+    journal = tmp_path / "s.journal"
+    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--trials", "1", "--storage", str(journal)]
+    code, err = signal_search(tmp_path, args, signal.SIGINT, running=1)
+    assert code == 130, err[-2000:]
     assert "interrupted: run the same command again" in err and "Traceback" not in err
     r = energy(*[a if a != "sleep=1" else "sleep=0" for a in args], "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -192,22 +199,8 @@ def test_sigterm_hands_the_trials_back_writes_the_report_and_exits_143(tmp_path:
     journal = tmp_path / "s.journal"
     args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--trials", str(workers), "--storage",
             str(journal), "--workers", str(workers)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline:  # wait for the trials to run (4 steps of 1 s)
-            with contextlib.suppress(UserError):
-                if sum(t.state == TrialState.RUNNING for t in load_study(str(journal), "toy").trials) == workers:
-                    break
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, err[-2000:]
+    code, err = signal_search(tmp_path, args, signal.SIGTERM, running=workers)
+    assert code == 143, err[-2000:]
     assert "interrupted: run the same command again" in err and "Traceback" not in err
     assert (tmp_path / "report.html").exists()
     ts = load_study(str(journal), "toy").trials
