@@ -24,10 +24,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 err = Console(stderr=True, highlight=False, soft_wrap=True)  # paths are never broken across lines
 out = Console(highlight=False, soft_wrap=True)  # tables still fit the terminal
 
-#: TrainConfig fields -> the `train` flags that set them, for messages
-TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
-               "warmup_steps": "--warmup", "eval_interval": "--eval-interval",
-               "eval_iters": "--eval-iters", "seed": "--seed", "device": "--device"}
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a dim: NAME=VALUE (repeatable).")]
 
 
@@ -278,6 +274,12 @@ def train_(
     batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Default: the model's context.")] = None,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
+    min_lr: Annotated[float | None, typer.Option("--min-lr", help="The cosine schedule's end. Default: --lr / 10.")
+                      ] = None,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW's, on matrices only.")] = 0.1,
+    grad_clip: Annotated[float, typer.Option("--grad-clip", help="Gradient norm clipping; 0: off.")] = 1.0,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16 (autocast; float16: CUDA)")
+                     ] = "float32",
     eval_interval: Annotated[int, typer.Option(
         "--eval-interval", help="Evaluate and checkpoint every N steps (a killed run resumes from the last one).",
     )] = 100,
@@ -297,16 +299,19 @@ def train_(
     import torch
 
     from .training import TrainConfig, load_dataset, train
+    from .training.trainer import TRAIN_FLAGS
 
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")
     if block_size is not None and block_size < 1:
         raise UserError(f"--block-size must be at least 1, got {block_size}")
     # checked before the model and the data are built; the block size defaults to the model's context, below
-    config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr, min_lr=lr / 10,
-                         warmup_steps=min(warmup, steps), eval_interval=eval_interval, eval_iters=eval_iters,
-                         device=device, seed=seed)
+    config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr,
+                         min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=min(warmup, steps),
+                         weight_decay=weight_decay, grad_clip=grad_clip, eval_interval=eval_interval,
+                         eval_iters=eval_iters, device=device, seed=seed, dtype=dtype)
     config.validate(TRAIN_FLAGS)
+    config.resolve_device(TRAIN_FLAGS)
     with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
         torch.manual_seed(seed)
         spec, model = _model(file, name, sets, backend, train_on=device)

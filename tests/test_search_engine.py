@@ -375,3 +375,40 @@ def test_relative_space_path_is_made_absolute_for_workers(tmp_path: Path, monkey
     assert resolve_space(ref).name == "Quickstart"  # resolves from anywhere
     for spec in ("toy", "energydsl.search.toy:make_space"):
         assert absolute(SpaceRef(spec)).spec == spec
+
+
+def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`best.energy` ends with an `energy train` command: it must give training the trial's TrainConfig."""
+    from dataclasses import asdict
+
+    import energydsl.training as training
+    from energydsl import cli
+    from energydsl.search.dsl import load_search
+
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 200)
+    space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{text}",
+                        weight_decay="0.05", grad_clip="0.5", warmup="3", seed="7")
+    cand = space.suggest(optuna.create_study().ask())
+    configs = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(model, data, config, *args, **kwargs):
+        configs.append(asdict(config))
+        raise Captured
+
+    monkeypatch.setattr(training, "train", capture)
+    with pytest.raises(Captured):
+        space.evaluate(cand, lambda step, value: False, "cpu")
+    (tmp_path / "best.energy").write_text(cand.source())
+    command = cand.source().rsplit("# train it again so: ", 1)[1].split()
+    assert command[:3] == ["energy", "train", "THIS_FILE"]
+    monkeypatch.setattr(sys, "argv", ["energy", "train", str(tmp_path / "best.energy"), *command[3:],
+                                      "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit):
+        cli.main()  # Captured is an internal error to the CLI: exit 70, after the config was captured
+    trial, again = ({k: v for k, v in c.items() if k not in ("device", "log_interval")} for c in configs)
+    assert trial == again and trial["weight_decay"] == 0.05 and trial["grad_clip"] == 0.5 and trial["seed"] == 7

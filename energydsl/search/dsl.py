@@ -63,6 +63,21 @@ from energydsl.search.settings import (
     possible_values,
 )
 
+
+def retrain_command(settings: dict[str, Any]) -> str:
+    """The `energy train` command that trains a candidate as its trial trained it (`settings` complete)."""
+    from energydsl.training.trainer import TRAIN_FLAGS
+
+    flags = [f"--data {settings['data']}"]
+    for key, flag in TRAIN_FLAGS.items():
+        value = settings.get(key)
+        if key == "min_lr" and value == float(settings["lr"]) / 10:
+            continue  # the command's default, computed as the trial computed it (not rounded to 6 digits)
+        if value is not None and key != "device":  # the device is the user's machine, not the trial's result
+            flags.append(f"{flag} {_fmt_float(value) if isinstance(value, float) else value}")
+    return "energy train THIS_FILE " + " ".join(flags)
+
+
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
 
@@ -488,7 +503,8 @@ class DslSpace:
             parts.append(f"# ---- from {f.path} (imported) ----\n{t}")
         train = ", ".join(f"{k} = {_fmt_float(v) if isinstance(v, float) else v}"
                           for k, v in sorted(settings.items()) if k not in ("data", "steps"))
-        parts.append(f"# trained with: data {settings['data']}, steps {settings['steps']}; {train}")
+        parts.append(f"# trained with: data {settings['data']}, steps {settings['steps']}; {train}\n"
+                     f"# train it again so: {retrain_command(settings)}")
         return "\n\n".join(parts) + "\n"
 
     def evaluate(self, candidate: DslCandidate, report: Callable[[int, float], bool], device: str

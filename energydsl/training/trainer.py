@@ -43,9 +43,17 @@ from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 from .data import IGNORE_INDEX, LMDataset
 from .run_dir import RunDir, RunState, changed_settings, describe_changes, finite_or_none
 
-__all__ = ["TrainConfig", "configure_optimizer", "estimate_loss", "lr_at", "train"]
+__all__ = ["TRAIN_FLAGS", "TrainConfig", "configure_optimizer", "estimate_loss", "lr_at", "train"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: TrainConfig fields -> the `energy train` flags that set them: for messages, and the command a search
+#: writes into a candidate's file to train it again as its trial was trained
+TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
+               "min_lr": "--min-lr", "warmup_steps": "--warmup", "weight_decay": "--weight-decay",
+               "grad_clip": "--grad-clip", "eval_interval": "--eval-interval", "eval_iters": "--eval-iters",
+               "seed": "--seed", "device": "--device", "dtype": "--dtype"}
 
 
 @dataclass
@@ -101,6 +109,13 @@ class TrainConfig:
             raise UserError(f"unknown {name('dtype')} {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
         if not self.diverge_factor > 1:
             raise UserError(f"{name('diverge_factor')} must be above 1, got {self.diverge_factor}")
+
+    def resolve_device(self, names: dict[str, str] | None = None) -> torch.device:
+        """The device this trains on, checked with the dtype (float16 needs CUDA): a CLI calls it before it
+        builds or writes anything, `train` again."""
+        device = _device(self.device)
+        _check_dtype(self.dtype, device, (names or {}).get("dtype", "dtype"))
+        return device
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -226,7 +241,7 @@ def train(
     passes its flags, e.g. {"lr": "--lr"}).
     """
     config.validate(names)
-    device = _device(config.device)
+    device = config.resolve_device(names)
     dataset.check_block_size(config.block_size)
     _check_fits(model, dataset, config)
     metadata = _jsonable(metadata)
@@ -235,7 +250,6 @@ def train(
     if callable(getattr(model, "equation_hash", None)):  # a resumed run must be the same derived model
         metadata.setdefault("equation_hash", model.equation_hash())
     out_dir = Path(out_dir) if out_dir is not None else None
-    _check_dtype(config.dtype, device, (names or {}).get("dtype", "dtype"))
     model.to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
