@@ -19,10 +19,10 @@ from typing import Any
 
 from . import syntax
 from .checks import CheckResult, run_checks
-from .errors import Span, SpecError, UserError
+from .errors import Span, SpecError
 from .ir import Var
 from .optimizers import UpdateProgram, build_program, unhoist
-from .printing import fold, mathml_block, show
+from .printing import STYLES, fold, mathml_block, show
 from .semantics import EnergyIR, lower_energy
 
 
@@ -60,7 +60,7 @@ class Derived:
         spec, prog = self.spec, self.program
         point = prog.point.name
         out: list[tuple[str, str, object]] = [("energy", f"{spec.energy_name}", spec.energy)]
-        named: list[tuple[object, str]] = []  # right-hand sides later rows show by their names
+        named: list[tuple[object, object]] = []  # right-hand sides later rows show by their names
 
         def folded(e: object) -> object:
             for body, name in named:
@@ -69,7 +69,7 @@ class Derived:
 
         if spec.via is not None:
             out.append(("norm", spec.via[0].name, spec.via[1]))
-            named.append((spec.via[1], spec.via[0].name))
+            named.append((spec.via[1], spec.via[0]))
         gradient = f"∇_{point} {spec.energy_name}"
         out.append(("gradient", gradient, prog.gradient))
         named.append((prog.gradient, gradient))
@@ -149,7 +149,7 @@ class Derived:
             parts = [f"<p>{html.escape(header)}</p>"]
             for label, lhs, e in rows:
                 parts.append(f"<p>{html.escape(label)}</p>" + mathml_block(
-                    f"<mrow><mi>{html.escape(lhs)}</mi><mo>=</mo>{show(e, 'mathml', rel)}</mrow>"))
+                    f"<mrow>{_mathml_lhs(lhs)}<mo>=</mo>{show(e, 'mathml', rel)}</mrow>"))
             return "\n".join(parts)
         lines = []
         if fmt == "markdown":
@@ -165,12 +165,10 @@ class Derived:
     def _steps(self) -> str:
         """`2 × momentum (β = 9/10, learned as opt_beta; η = 1/2, learned as opt_eta)`: the optimizer's
         values, which the equations show only as symbols."""
-        values = []
-        for sym, value in sorted(self.program.hyper_values.items(), key=lambda kv: str(kv[0])):
-            learned = f"opt_{sym}"
-            values.append(f"{show(Var(str(sym), 'leaf', ()))} = {value}"
-                          + (f", learned as {learned}" if learned in self.program.params else ""))
         optimizer = self.spec.optimizer
+        values = [f"{show(Var(str(h.symbol), 'leaf', ()))} = {h.value}"
+                  + (f", learned as opt_{name}" if h.learn else "")
+                  for name, h in sorted(optimizer.hyper.items(), key=lambda kv: str(kv[1].symbol))]
         return f"{optimizer.steps} × {optimizer.kind}" + (f" ({'; '.join(values)})" if values else "")
 
     def _header(self) -> str:
@@ -221,17 +219,13 @@ class Derived:
 
 
 def _tex_lhs(lhs: str) -> str:
-    return (lhs.replace("∇_", "\\nabla_{").replace(" ", "} ", 1) if lhs.startswith("∇_") else lhs).replace(
-        "⁺", "^{+}").replace("_untied", "_{\\mathrm{untied}}")
+    if lhs.startswith("∇_"):  # as the printer writes the gradient where a later equation names it
+        return STYLES["latex"].name_(lhs, [])
+    return lhs.replace("⁺", "^{+}").replace("_untied", "_{\\mathrm{untied}}")
 
 
-def _check_backend(backend: object) -> None:
-    """`spec.module("MHA", 16)` passes 16 as the backend: say that sizes are keywords."""
-    from .codegen import BACKENDS
-
-    if backend not in BACKENDS:
-        raise UserError(f"unknown backend `{backend}`", hint=f"backends: {', '.join(BACKENDS)}; sizes are keywords, "
-                        "for example .module(\"MHA\", d=16)")
+def _mathml_lhs(lhs: str) -> str:
+    return STYLES["mathml"].name_(lhs, []) if lhs.startswith("∇_") else f"<mi>{html.escape(lhs)}</mi>"
 
 
 def _num(v: float) -> str:
@@ -268,6 +262,13 @@ class Spec:
         spec = lower_energy(decl, dims)
         return Derived(spec, build_program(spec))
 
+    def derivations(self, name: str | None = None, **dims: float) -> list[Derived]:
+        """What `energy derive` and `energy compile` show: the named energy, each stage of the named block, or
+        every energy of the file."""
+        if name is None:
+            return self.derive(**dims)
+        return self.block(name, **dims) if name in self.syntax.blocks else [self.energy(name, **dims)]
+
     def block(self, name: str, **dims: float) -> list[Derived]:
         """Each stage of a block, derived: its energies summed under the first one's optimizer. `dims` go to
         every energy that declares them, as a block's named arguments do in a model."""
@@ -295,12 +296,12 @@ class Spec:
 
     def model(self, name: str | None = None, backend: str = "torch", **dims: float):
         """The language model a `model` declaration describes (`energydsl.runtime.model.LanguageModel`)."""
-        from .codegen import module_class
+        from .codegen import check_backend, module_class
         from .composition import plan_model
         from .kernels import use_triton
         from .runtime.model import LanguageModel, StageInfo
 
-        _check_backend(backend)
+        check_backend(backend)
         name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
         plan = plan_model(self.syntax, name, dims)
         classes, infos = [], []
@@ -314,9 +315,9 @@ class Spec:
     def module(self, name: str | None = None, backend: str = "torch", **dims: float):
         """An nn.Module for an energy (its update) or a model (a language model); `name` may be left out
         when the file declares exactly one energy or model."""
-        from .codegen import module_class
+        from .codegen import check_backend, module_class
 
-        _check_backend(backend)
+        check_backend(backend)
         if name is None:
             names = self.energy_names + self.model_names
             name = self._pick(None, names, ("energy or model", "energies or models"), {})

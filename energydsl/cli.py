@@ -11,13 +11,16 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
+
+if TYPE_CHECKING:  # torch is imported where a command needs it: start-up stays fast
+    import torch
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -65,10 +68,7 @@ def derive(
         raise UserError(f"--format {fmt}: expected text, latex, markdown or mathml")
     spec = load(file)
     dims = parse_sets(sets)
-    if name in spec.syntax.blocks:
-        derived = spec.block(name, **dims)
-    else:
-        derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
+    derived = spec.derivations(name, **dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
     print("\n\n".join(d.equations(fmt) for d in derived))
@@ -143,10 +143,7 @@ def compile_(
 
     spec = load(file)
     dims = parse_sets(sets)
-    if name in spec.syntax.blocks:
-        derived = spec.block(name, **dims)
-    else:
-        derived = [spec.energy(name, **dims)] if name is not None else spec.derive(**dims)
+    derived = spec.derivations(name, **dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
     text = energy_source(derived, backend)
@@ -162,9 +159,9 @@ def compile_(
 
 
 def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *, sizes_only: bool = False,
-           train_on: str = "cpu"):
+           train_on: torch.device | None = None):
     """The spec and its model; `sizes_only` builds it on the meta device (no memory, however large the dims).
-    A model too large to train here on `train_on` (cpu, cuda, auto) is a user error that says how large it is."""
+    A model too large to train on `train_on` (default: the CPU) is a user error that says how large it is."""
     import torch
 
     from .api import load
@@ -177,12 +174,12 @@ def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "
         return spec, sized
     hint = "check the dims (--set); `energy info` shows sizes without building the weights"
     params = sized.num_params()
-    on_gpu = train_on.startswith("cuda") or (train_on == "auto" and torch.cuda.is_available())
+    on_gpu = train_on is not None and train_on.type == "cuda"
     # the weights are built in host memory; training keeps weights, gradients and AdamW's two moments
     # (16 bytes a parameter in float32) on its device. Refused before any allocation: an overcommitted
     # allocation succeeds, and the kernel kills the process when the initialisation touches the pages.
     for where, needed, available in (("host memory", params * (4 if on_gpu else 16), _available_memory()),
-                                     ("GPU memory", params * 16, _free_gpu_memory() if on_gpu else None)):
+                                     ("GPU memory", params * 16, _free_gpu_memory(train_on) if on_gpu else None)):
         if available is not None and needed > available:
             raise UserError(f"the model does not fit in {where} here: {params:,} parameters need about "
                             f"{needed / 2**30:,.1f} GiB to train; {available / 2**30:,.1f} GiB are available",
@@ -195,10 +192,10 @@ def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "
         raise UserError(f"the model does not fit in memory here: {params:,} parameters", hint=hint) from None
 
 
-def _free_gpu_memory() -> int | None:
+def _free_gpu_memory(device: torch.device) -> int:
     import torch
 
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def _available_memory() -> int | None:
@@ -311,10 +308,10 @@ def train_(
                          weight_decay=weight_decay, grad_clip=grad_clip, eval_interval=eval_interval,
                          eval_iters=eval_iters, device=device, seed=seed, dtype=dtype)
     config.validate(TRAIN_FLAGS)
-    config.resolve_device(TRAIN_FLAGS)
+    train_on = config.resolve_device(TRAIN_FLAGS)
     with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
         torch.manual_seed(seed)
-        spec, model = _model(file, name, sets, backend, train_on=device)
+        spec, model = _model(file, name, sets, backend, train_on=train_on)
     run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
     _writable_dir(run_dir, "--out")
     config.block_size = block_size or model.block_size

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -211,32 +210,12 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
 def expand_block(module: ast.Module, name: str, dims: dict[str, float]) -> list[StagePlan]:
     """A block outside any model: its stages, with `dims` as the block's named arguments."""
     env = {k: dim_override(k, v, f"block `{name}`", None) for k, v in dims.items()}
-    known = {n for decl in module.energies.values() for n, _ in decl.header}
+    stages = _expand(module, module.blocks[name].pipeline, env)
+    known = {n for parts in stages for decl, _, _ in parts for n, _ in decl.header}
     unknown = sorted(set(env) - known)
     if unknown:
         raise SpecError(f"`{unknown[0]}` is not a dim of any energy in block `{name}`", module.blocks[name].span)
-    decls = _block_energies(module, name, set())
-    shared = Counter(n for decl in decls for n, _ in decl.header)
-    for decl in decls:  # a dim several energies declare and `dims` leaves out: the first one's default
-        local = dict(env)
-        for n, node in decl.header:
-            if n not in local:
-                local[n] = evaluate_number(node, local, f"the dim `{n}` of `{decl.name}`")
-            if shared[n] > 1:
-                env.setdefault(n, local[n])
-    return [_stage(parts) for parts in _expand(module, module.blocks[name].pipeline, env)]
-
-
-def _block_energies(module: ast.Module, name: str, seen: set[str]) -> list[ast.EnergyDecl]:
-    """The energies a block uses, in order, through the blocks it names."""
-    seen.add(name)
-    out: list[ast.EnergyDecl] = []
-    for ref in (r for summed in module.blocks[name].pipeline for r in summed):
-        if ref.name in module.energies and module.energies[ref.name] not in out:
-            out.append(module.energies[ref.name])
-        elif ref.name in module.blocks and ref.name not in seen:
-            out += [d for d in _block_energies(module, ref.name, seen) if d not in out]
-    return out
+    return [_stage(parts) for parts in stages]
 
 
 def _stage(parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]) -> StagePlan:

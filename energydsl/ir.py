@@ -401,7 +401,7 @@ def _coefficient(term: Expr) -> tuple[sp.Expr, Expr]:
 
 def add(*terms: Expr) -> Expr:
     """A flat sum with like terms collected (`1/2 x + 1/2 x` is `x`) and constants summed."""
-    like: dict[Expr, sp.Expr] = {}
+    like: dict[Expr, list] = {}  # rest -> [summed coefficient, the first term, how many terms]
     const = sp.Integer(0)
     for t in terms:
         for u in (t.terms if isinstance(t, Add) else (t,)):
@@ -409,8 +409,12 @@ def add(*terms: Expr) -> Expr:
                 const += u.value
             else:
                 coef, rest = _coefficient(u)
-                like[rest] = like.get(rest, sp.Integer(0)) + coef
-    flat = [rest if coef == 1 else mul(Scalar(coef), rest) for rest, coef in like.items() if coef != 0]
+                seen = like.setdefault(rest, [sp.Integer(0), u, 0])
+                seen[0] += coef
+                seen[2] += 1
+    # a term met once is kept as it was (the memos of later passes go by node identity)
+    flat = [u if n == 1 else rest if coef == 1 else mul(Scalar(coef), rest)
+            for rest, (coef, u, n) in like.items() if coef != 0]
     shapes = [u.shape for u in flat if u.shape]
     for s in shapes[1:]:
         if not same_shape(s, shapes[0]):

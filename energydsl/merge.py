@@ -45,7 +45,7 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]]) -> tupl
             if name in dims and dims[name] != values.get(name, dims[name]):
                 raise SpecError(f"`{first.name} + {decl.name}`: dim `{name}` is {dims[name]:g} in one energy and "
                                 f"{values[name]:g} in the other", decl.span)
-            if name not in dims:
+            if all(name != have for have, _ in header):  # shared and not given: the first energy's default
                 header.append((name, node))
             if name in values:
                 dims[name] = values[name]

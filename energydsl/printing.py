@@ -188,6 +188,9 @@ class MathMLStyle(Style):
         return sp.mathml(v, printer="presentation")
 
     def name_(self, n, sub):
+        if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
+            point, energy = n[2:].split(" ", 1)
+            return f"<msub><mi>∇</mi>{self.name_(point, [])}</msub>{self.name_(energy, [])}"
         base = f"<mi>{html.escape(GREEK.get(n, n))}</mi>"
         return f"<msub>{base}<mrow><mi>{','.join(sub)}</mi></mrow></msub>" if sub else base
 
@@ -275,12 +278,18 @@ class MathMLStyle(Style):
 STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "markdown": LatexStyle()}
 
 
-def fold(e: ir.Expr, body: ir.Expr, name: str) -> ir.Expr:
-    """`e` with every occurrence of `body` replaced by a variable called `name`, for reading only.
+NAME = "name"  # the role of a variable that stands for an earlier equation's right-hand side
+
+
+def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Var) -> ir.Expr:
+    """`e` with every occurrence of `body` replaced by a variable called `name` (or by the variable `name`:
+    a norm's own, which the gradient is written in), for reading only.
 
     An earlier equation's right-hand side shows as its left-hand side in later ones (`x⁺ = x − η D`,
     not D written out again). A sum (product) folds where its terms (factors) are among a larger one's."""
-    named = ir.Var(name, "leaf", body.shape)
+    if isinstance(body, ir.Index) or (not body.children and getattr(body, "role", "") != NAME):
+        return e  # `∇ = z`: renaming every z would mislead (a name for a name, `D = ∇_z F`, folds)
+    named = name if isinstance(name, ir.Var) else ir.Var(name, NAME, body.shape)
     negated = ir.neg(body)  # the constructors pull signs out: P (−g) is built as −(P g)
     parts = body.children if isinstance(body, (ir.Add, ir.Mul)) else None
     memo: dict[int, ir.Expr] = {}

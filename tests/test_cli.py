@@ -75,7 +75,7 @@ def test_train_refuses_a_model_larger_than_free_memory_before_building_it(monkey
 
     monkeypatch.setattr(cli, "_available_memory", lambda: 2**20)  # 1 MiB free
     built = []
-    monkeypatch.setattr(cli, "_free_gpu_memory", lambda: built.append("asked") or None)
+    monkeypatch.setattr(cli, "_free_gpu_memory", lambda device: built.append("asked") or None)
     with pytest.raises(UserError, match=r"does not fit in host memory here: [\d,]+ parameters need about"):
         cli._model(GPT, None, None)
     assert not built  # a CPU run does not ask the GPU

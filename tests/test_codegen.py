@@ -223,3 +223,21 @@ def test_a_matrix_inverse_runs_in_half_precision() -> None:
         got = layer.to(dtype)(x.to(dtype))
         assert got.dtype == dtype
         assert (got.double() - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_a_parameter_named_like_a_runtime_op_does_not_shadow_it() -> None:
+    text = open("examples/intrinsic-optimizers/mha2nd1st.energy").read().replace("W2", "inverse")
+    layer = energydsl.load(text).module("MHA2nd1st")
+    assert layer(layer.example_input(1, 3)).shape == (1, 3, 8)
+
+
+def test_the_cache_tells_apart_energies_whose_updates_agree() -> None:
+    """A constant in the energy changes no update (nor the equation hash) but the file's docstring shows it."""
+    from energydsl.codegen import cache_key
+
+    text = open("examples/intrinsic-optimizers/mha.energy").read()
+    a = energydsl.load(text).energy("MHA")
+    b = energydsl.load(text.replace("global  F = ", "global  F = 100 + ")).energy("MHA")
+    assert a.equation_hash() == b.equation_hash() and "100" in b.equations()
+    assert cache_key(a, "torch") != cache_key(b, "torch")
+    assert "100" in energydsl.codegen.energy_source(b)

@@ -230,7 +230,7 @@ def test_later_equations_show_earlier_ones_by_name() -> None:
     and folding is for reading only: putting the bodies back gives the update program's own expression."""
     from energydsl import ir
     from energydsl.optimizers import unhoist
-    from energydsl.printing import fold
+    from energydsl.printing import NAME, fold
 
     text = load("examples/models/cem.energy").energy("CEMMLP").equations("text")
     assert "D = softplus(P_d) ∇_u xi + P_U (P_Vᵀ ∇_u xi) + P_V (P_Uᵀ ∇_u xi)" in text  # D = P ∇
@@ -246,7 +246,7 @@ def test_later_equations_show_earlier_ones_by_name() -> None:
             for body, name in [(prog.gradient, "G"), *norm]:
                 for a in prog.assigns:
                     e = unhoist(a.value)
-                    assert ir.substitute(fold(e, body, name), {ir.Var(name, "leaf", body.shape): body}) == e
+                    assert ir.substitute(fold(e, body, name), {ir.Var(name, NAME, body.shape): body}) == e
 
 
 def test_like_terms_are_collected() -> None:
@@ -285,3 +285,20 @@ def test_a_block_derives_as_its_summed_energy() -> None:
     assert res.returncode == 0 and "∇_g F_sum" in res.stdout
     res = run_cli("derive", "examples/models/nrgpt.energy", "--name", "NRGPTBlock", "--set", "zz=3")
     assert res.returncode == 2 and "`zz` is not a dim of any energy in block `NRGPTBlock`" in res.stderr
+
+
+def test_a_leaf_is_not_folded_into_a_name() -> None:
+    """∇_z E = z: writing the update with D for every z would read as a multiple of D."""
+    text = load("energy Q(d = 4) {\n state z[d]\n global E = 0.5 * z . z\n optimizer gd(eta = 0.5)\n}").energy()
+    assert "z⁺ = -(η - 1) z" in text.equations("text")
+
+
+def test_a_blocks_dims_are_its_own_energies_and_defaults_evaluate_as_elsewhere() -> None:
+    spec = load("energy A(d = 4, c = abs(-2)) {\n state z[d]\n global F = c * z . z\n optimizer gd(eta = 0.1)\n}\n"
+                "energy B(d = 8) {\n state z[d]\n global G = z . z\n optimizer gd(eta = 0.1)\n}\n"
+                "energy Other(d = 4, zz = 3) {\n state z[d]\n global H = z . z\n optimizer gd(eta = 0.1)\n}\n"
+                "block AB = A + B\n")
+    block = spec.energy("AB")
+    assert block.spec.dim_values == {"d": 4.0, "c": 2.0}  # the first energy's default for the shared d
+    with pytest.raises(SpecError, match="`zz` is not a dim of any energy in block `AB`"):
+        spec.block("AB", zz=5)

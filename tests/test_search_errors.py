@@ -299,3 +299,25 @@ def test_the_report_and_best_files_get_the_mode_open_would_give(tmp_path: Path) 
         os.umask(old)
     assert oct(report.stat().st_mode & 0o777) == oct(0o640)  # not mkstemp's 0600: others may read it
     assert oct((tmp_path / "best.energy").stat().st_mode & 0o777) == oct(0o640)
+
+
+def test_a_rerun_before_any_trial_trained_may_change_the_settings(tmp_path: Path) -> None:
+    """A run that only made its budget slots (or whose trials all failed, e.g. out of memory) has no results
+    to compare with: another `steps` (a smaller batch) is allowed then."""
+    from energydsl.search import open_study, resolve_space
+    from energydsl.search.local import ensure_slots
+
+    journal = str(tmp_path / "s.journal")
+    study = open_study(journal, "t", resolve_space(toy(tmp_path, steps=4)))
+    ensure_slots(study, 2)  # what run_local does before the first trial runs
+    assert open_study(journal, "t", resolve_space(toy(tmp_path, steps=2))).user_attrs["settings"]["steps"] == "2"
+
+
+def test_a_dtype_the_device_cannot_run_is_refused_before_any_trial(tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be\n" * 100)
+    r = energy("search", str(ROOT / "search" / "quickstart.energy"), "--set", f"data=chars:{text}", "--set",
+               "dtype=float16", "--trials", "1", "--device", "cpu", "--storage", str(tmp_path / "s.journal"),
+               cwd=tmp_path)
+    clean_exit_2(r, "--set dtype=float16: dtype float16 needs CUDA")
+    assert not (tmp_path / "s.journal").exists()

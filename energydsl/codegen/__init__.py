@@ -34,31 +34,37 @@ def cache_dir() -> Path:
 
 @functools.cache
 def generator_version() -> str:
-    """A hash of the generator's source files: this package, the kernel templates it copies from, and the
-    printers of the equations in each file's docstring."""
+    """A hash of the generator's source files (this package and the kernel templates it copies from)."""
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    printers = [here.parent / "printing.py", here.parent / "api.py"]
-    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py"), *printers]):
+    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
 
 def cache_key(derived: Derived, backend: str) -> str:
-    text = f"{derived.equation_hash()}|{derived.spec.name}|{backend}|{generator_version()}"
+    # the equations' text too: a file's docstring shows them, and the energy itself is not in equation_hash
+    text = f"{derived.equation_hash()}|{derived.spec.name}|{backend}|{generator_version()}|{derived.equations()}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def check_backend(backend: object) -> None:
+    """`spec.module("MHA", 16)` passes 16 as the backend: say that sizes are keywords."""
+    if backend not in BACKENDS:
+        from ..errors import UserError
+
+        raise UserError(f"unknown backend `{backend}`", hint=f"backends: {', '.join(BACKENDS)}; sizes are keywords, "
+                        "for example .module(\"MHA\", d=16)")
 
 
 def energy_source(derived: Derived | list[Derived], backend: str = "torch") -> str:
     """The generated source for one derived energy, or one file with the modules of several."""
     from .torch_module import ModuleWriter, file_source
 
-    if backend not in BACKENDS:
-        from ..errors import UserError
-
-        raise UserError(f"unknown backend `{backend}`", hint=f"use one of {', '.join(BACKENDS)}")
+    check_backend(backend)
     many = derived if isinstance(derived, list) else [derived]
-    return file_source([ModuleWriter(d.program, d.equation_hash(), backend) for d in many])
+    return file_source([ModuleWriter(d.program, d.equation_hash(), backend, equations=d.equations())
+                        for d in many])
 
 
 def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:

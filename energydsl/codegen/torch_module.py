@@ -25,6 +25,7 @@ from .triton_source import KernelRequest, kernel_imports, kernel_source
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
             "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
 OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse")
+RESERVED |= set(OPS)  # imported by name: a parameter called `inverse` must not shadow the function
 
 
 def class_name(name: str) -> str:
@@ -41,7 +42,7 @@ class ModuleWriter:
     """Writes one module's source: header, __init__ (parameters), reset_parameters, forward."""
 
     def __init__(self, prog: UpdateProgram, equation_hash: str, backend: str = "torch", lowering: bool = True,
-                 context_len: int = 1):
+                 context_len: int = 1, equations: str | None = None):
         self.prog = prog
         self.context_len = context_len  # T for FLOP counts
         self.flops_per_token = 0.0
@@ -49,6 +50,7 @@ class ModuleWriter:
         self.spec = prog.spec
         self.hash = equation_hash
         self.lowering = lowering
+        self.equations = equations  # `energy derive`'s text, for the docstring
         spec = self.spec
         self.dims = {spec.dim_symbols[k]: sp.Float(v) for k, v in spec.dim_values.items()}
 
@@ -242,9 +244,11 @@ class ModuleWriter:
         fwd, used = self.forward_lines()
         dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
         state_shape = self._sizes(spec.state)
-        from ..api import Derived  # the printer of `energy derive`; api imports codegen
+        if self.equations is None:  # a program without its Derived (module_source): derive's printer
+            from ..api import Derived  # api imports codegen
 
-        equations = Derived(spec, prog).equations("text").split("\n", 1)[1]  # below the first doc line
+            self.equations = Derived(spec, prog).equations("text")
+        equations = self.equations.split("\n", 1)[1]  # below the header, which the first doc line replaces
         ops = sorted(used & (set(OPS) | {"causal_masks"}))
         imports = ["import torch", "import torch.nn.functional as F", "from torch import nn",
                    "from energydsl.runtime.inputs import check_inputs"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 from energydsl.errors import UserError
 from energydsl.search.display import LiveProgress, print_leaderboard
@@ -37,6 +38,7 @@ from energydsl.search.report import (
     summarize,
     write_report,
 )
+from energydsl.search.settings import HOLE
 from energydsl.search.space import (
     Candidate,
     SearchSpace,
@@ -87,10 +89,14 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
     return study
 
 
-def _searched(value: str | None) -> str | None:
-    """A setting as compared between runs: a hole's range may change as any hole's may (check_distributions
-    guards its kind); a hole become a value, or a value become a hole, may not."""
-    return "a hole" if value is not None and value.startswith(("int ", "float ", "choice{")) else value
+def _compared(value: str | None) -> str | None:
+    """A hole's range may change as any hole's may (check_distributions guards its kind); a hole become a value,
+    or a value become a hole, may not."""
+    return HOLE if value is not None and value.startswith(HOLE) else value
+
+
+def _shown(value: str | None) -> str:
+    return "(not set)" if value is None else value.removeprefix(HOLE)
 
 
 SETTINGS = "settings"  # the study's user attr: the space's fingerprint when it was searched
@@ -106,13 +112,14 @@ def check_settings_unchanged(study: optuna.Study, space: SearchSpace, storage: s
         return None
     now = {str(k): str(v) for k, v in get().items()}
     old = study.user_attrs.get(SETTINGS)
-    if not isinstance(old, dict) or not study.get_trials(deepcopy=False):
-        return now  # a study from before fingerprints, or nothing searched yet
-    changed = [k for k in dict.fromkeys([*old, *now]) if _searched(old.get(k)) != _searched(now.get(k))]
+    trained = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    if not isinstance(old, dict) or not trained:
+        return now  # a study from before fingerprints, or nothing trained yet (only waiting or failed trials)
+    changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))]
     if not changed:
         return now
-    diffs = [f"{k}: {old.get(k, '(not set)')} → {now.get(k, '(not set)')}" for k in changed if k != "text"]
-    back = ", ".join(f"{k} = {old[k]}" for k in changed if k != "text" and k in old)
+    diffs = [f"{k}: {_shown(old.get(k))} → {_shown(now.get(k))}" for k in changed if k != "text"]
+    back = ", ".join(f"{k} = {_shown(old[k])}" for k in changed if k != "text" and k in old)
     hints = []
     if "text" in changed:
         diffs.append("the space's text outside its holes was edited")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,13 +69,11 @@ def retrain_command(settings: dict[str, Any]) -> str:
     """The `energy train` command that trains a candidate as its trial trained it (`settings` complete)."""
     from energydsl.training.trainer import TRAIN_FLAGS
 
-    flags = [f"--data {settings['data']}"]
+    flags = [f"--data {shlex.quote(str(settings['data']))}"]
     for key, flag in TRAIN_FLAGS.items():
         value = settings.get(key)
-        if key == "min_lr" and value == float(settings["lr"]) / 10:
-            continue  # the command's default, computed as the trial computed it (not rounded to 6 digits)
         if value is not None and key != "device":  # the device is the user's machine, not the trial's result
-            flags.append(f"{flag} {_fmt_float(value) if isinstance(value, float) else value}")
+            flags.append(f"{flag} {repr(value) if isinstance(value, float) else shlex.quote(str(value))}")  # exact
     return "energy train THIS_FILE " + " ".join(flags)
 
 
@@ -391,10 +390,16 @@ class DslSpace:
     def check_device(self, device: str, local: bool = True) -> None:
         """Fail now for a device the trials could not train on (training's own check), not in every trial.
         `local`: trials run on this machine (else on Ray nodes: only the name is checked here)."""
-        from energydsl.training.trainer import _device
+        from energydsl.training.trainer import TrainConfig
 
-        if local:
-            _device(device)
+        if local:  # the device, and each dtype a trial may take on it (float16 needs CUDA)
+            for dtype, span, given in possible_values(self.settings, "dtype"):
+                try:
+                    TrainConfig(device=device, dtype=str(dtype)).resolve_device()
+                except UserError as e:
+                    if span is not None:
+                        raise SpecError(e.message, span, e.hint) from None
+                    raise UserError(f"{given}: {e.message}" if given else e.message, hint=e.hint) from None
             return
         import torch
 

@@ -111,6 +111,8 @@ def check_setting(key: str, value: Any) -> None:
     dataclasses.replace(base, **{key: value, **extra}).validate()
 
 
+HOLE = "hole: "  # how a fingerprint marks a setting that is a hole
+
 # the search's clauses its fingerprint's text hash leaves out: settings (compared one by one), objectives
 # (compared by open_study), the budget (may change between runs)
 _UNHASHED = ("search_data", "search_train", "objectives", "trials")
@@ -120,15 +122,16 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
                 holes: Sequence[_Hole]) -> dict[str, str]:
     """What a trial's result depends on besides its hole values, so that a rerun with other settings is
     refused rather than mixing incomparable trials in one study: each training setting as it is given (a
-    value, a hole's text, or the default), and `text`, a hash of the space's files outside the holes (a new
-    range is fine) and outside the search's settings, objectives and `trials`, comments and spacing ignored."""
+    value or the default; for a hole, HOLE and its text: its range may change as any hole's may), and `text`, a
+    hash of the space's files outside the holes and outside the search's settings, objectives and
+    `trials`, comments and spacing ignored."""
     out: dict[str, str] = {}
     for key in sorted({*DEFAULTS, *settings}):
         v = settings.get(key)
         if v is None:
             out[key] = str(DEFAULTS[key])
         else:
-            out[key] = " ".join(v.file.text[v.start:v.end].split()) if v.file is not None else str(v.fixed)
+            out[key] = HOLE + " ".join(v.file.text[v.start:v.end].split()) if v.file is not None else str(v.fixed)
     digest = hashlib.sha256()
     for f in files:
         cuts = [(h.start, h.end) for h in holes if h.file is f]

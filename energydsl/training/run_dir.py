@@ -87,11 +87,10 @@ def _shape_differences(saved: dict[str, Tensor], now: dict[str, Tensor]) -> list
 # Settings a resumed run must keep. The seed: a resumed run continues the saved random state, so another seed
 # would be ignored. The batch size, block size and eval iters set the evaluation batches: with other values,
 # validation losses before and after the resume would measure different things, yet choose `best` together.
+_EVALUATION = "the evaluation batches would change, and best.* would be chosen by losses that do not compare"
 KEPT_ON_RESUME = {
     "seed": "a resumed run continues its saved random state, so a new seed would be ignored",
-    "batch_size": "the evaluation batches would change, and best.* would be chosen by losses that do not compare",
-    "block_size": "the evaluation batches would change, and best.* would be chosen by losses that do not compare",
-    "eval_iters": "the evaluation batches would change, and best.* would be chosen by losses that do not compare",
+    "batch_size": _EVALUATION, "block_size": _EVALUATION, "eval_iters": _EVALUATION,
 }
 
 
@@ -267,7 +266,7 @@ class RunDir:
 
     def log(self, **row: Any) -> None:
         if self.out_dir is not None:
-            row = {k: finite_or_none(v) for k, v in row.items()}
+            row = finite_or_none(row)
             with self.metrics.open("a") as f:
                 f.write(json.dumps(row, allow_nan=False) + "\n")
 
