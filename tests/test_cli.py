@@ -86,3 +86,28 @@ def test_train_refuses_a_model_larger_than_free_memory_before_building_it(monkey
 def test_an_empty_energy_name_is_not_all_energies() -> None:
     proc = energy_cli("derive", str(ROOT / "examples/intrinsic-optimizers/mha.energy"), "--name", "")
     assert proc.returncode == 2 and "no energy named ``" in proc.stderr and "(it has: MHA)" in proc.stderr
+
+
+def test_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback() -> None:
+    """The `energy` script's entry point imports the CLI (typer, rich: a fraction of a second) inside its guard."""
+    from importlib.metadata import entry_points
+
+    assert entry_points(group="console_scripts")["energy"].value == "energydsl.__main__:main"
+    interrupt_the_import = (
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'energydsl.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "from energydsl.__main__ import main\n"
+        "main()\n")
+    proc = subprocess.run([sys.executable, "-c", interrupt_the_import, "derive", GPT], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 130 and proc.stderr == "interrupted\n", proc.stderr
+
+
+def test_python_m_energydsl_runs_the_cli() -> None:
+    proc = subprocess.run([sys.executable, "-m", "energydsl", "derive", GPT, "--name", "MHA"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "∇" in proc.stdout, proc.stderr
