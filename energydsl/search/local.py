@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -60,6 +59,7 @@ from energydsl.search.report import (
     trial_kind,
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_space
+from energydsl.signal_handlers import handlers_restored
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
 SAMPLERS = ("auto", "tpe", "nsga2", "random", "cmaes", "qmc")
@@ -451,14 +451,10 @@ def _terminated(signum: int, frame: Any) -> None:
 def sigterm_interrupts() -> Iterator[None]:
     """While the local backend runs: SIGTERM raises `Terminated` (main thread only; Python delivers signals
     there, and elsewhere the handler cannot be set). The previous handler comes back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
+    with handlers_restored(signal.SIGTERM) as previous:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, _terminated)
         yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _worker_entry(kwargs: dict[str, Any]) -> None:

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -56,6 +55,7 @@ from energydsl.search.report import (
     safe_name,
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, plain, resolve_space
+from energydsl.signal_handlers import handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
     from ray.tune.search import Searcher
@@ -305,24 +305,12 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
             seed: int | None, address: str | None, gpus_per_trial: float,
             cpus_per_trial: float) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
-    with _signal_handlers_kept():
+    # Tune installs its own SIGINT handler (and Ray its SIGTERM one) and leaves them: the caller's come back,
+    # so that Ctrl-C in what runs after a search in this process (a training, a second search) is its own
+    with handlers_restored(signal.SIGINT, signal.SIGTERM):
         return _run_ray(ref, space, study, storage_spec, target=target, deadline=deadline, workers=workers,
                         sampler=sampler, pruner=pruner, device=device, seed=seed, address=address,
                         gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial)
-
-
-@contextlib.contextmanager
-def _signal_handlers_kept() -> Any:
-    """Tune installs its own SIGINT handler (and Ray its SIGTERM one) and leaves them: put the caller's back,
-    so that Ctrl-C in what runs after a search in this process (a training, a second search) is its own."""
-    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            for s, handler in kept.items():
-                if handler is not None:  # None: installed from C, cannot be set back from Python
-                    signal.signal(s, handler)
 
 
 def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,

@@ -25,7 +25,6 @@ import json
 import math
 import signal
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
+from energydsl.signal_handlers import handlers_restored
 
 from .data import IGNORE_INDEX, LMDataset
 from .run_dir import RunDir, RunState, changed_settings, describe_changes, finite_or_none
@@ -349,22 +349,15 @@ def _deferred_interrupt(enabled: bool):
     no state is torn mid-update); it also restores the previous handler, so a second Ctrl-C stops at once.
     Only in the main thread (signals go there) and when there is somewhere to save."""
     interrupt = _Interrupt()
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield interrupt
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None:  # a handler installed outside Python: put Python's default back afterwards
-        previous = signal.default_int_handler
+    with handlers_restored(signal.SIGINT) as previous:
+        if enabled and previous is not None:
 
-    def request(signum: int, frame: Any) -> None:
-        interrupt.requested = True
-        signal.signal(signal.SIGINT, previous)
+            def request(signum: int, frame: Any) -> None:
+                interrupt.requested = True
+                signal.signal(signal.SIGINT, previous[signal.SIGINT])
 
-    signal.signal(signal.SIGINT, request)
-    try:
+            signal.signal(signal.SIGINT, request)
         yield interrupt
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: torch.device,

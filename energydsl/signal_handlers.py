@@ -1,0 +1,33 @@
+"""Signal handlers swapped for a while and always given back (training's Ctrl-C, a search's SIGTERM, Ray's
+handlers), so that what runs next in the process gets its own handlers."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Handler = Callable[[int, Any], Any] | int
+
+
+@contextlib.contextmanager
+def handlers_restored(*signums: int) -> Iterator[dict[int, Handler] | None]:
+    """Yields the current handlers of `signums`, and sets them back on the way out, whatever was installed
+    meanwhile. Yields None outside the main thread: Python delivers signals to it only, and elsewhere no
+    handler can be set. A handler installed from C (`getsignal` gives None) comes back as the default."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    previous: dict[int, Handler] = {}
+    for s in signums:
+        handler = signal.getsignal(s)
+        if handler is None:
+            handler = signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL
+        previous[s] = handler
+    try:
+        yield previous
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
