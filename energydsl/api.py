@@ -20,9 +20,9 @@ from typing import Any
 from . import syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError
-from .ir import Var
+from .ir import Expr, Var, walk
 from .optimizers import UpdateProgram, build_program, unhoist
-from .printing import STYLES, fold, mathml_block, show
+from .printing import STYLES, fold, mathml_block, name_repeats, show
 from .semantics import EnergyIR, lower_energy
 
 
@@ -83,9 +83,21 @@ class Derived:
         if spec.untie_rules:
             for a in prog.assigns:
                 out.append(("untied update", f"{a.target.name}⁺", folded(unhoist(a.value))))
+        out += self._where(out)
         for h in prog.hoisted:
             out.append(("computed once", h.name, h.body))
         return out
+
+    def _where(self, rows: list[tuple[str, str, object]]) -> list[tuple[str, object, object]]:
+        """Rows after the energy written with names for what they repeat, and the names' definitions
+        (`where p_k,j = softmax_j(...)`), in place: for reading only."""
+        exprs = [e for _, _, e in rows[1:]]
+        taken = {x.name for e in [self.spec.energy, *exprs] for x in walk(e) if isinstance(x, Var)}
+        taken |= {str(name) for name in [*self.spec.dims(), *self.program.hyper_values]}
+        context = {i for i, info in self.spec.indices.items() if info.context is not None}
+        exprs, lets = name_repeats(exprs, sorted(self.spec.indices, key=lambda i: i in context), context, taken)
+        rows[1:] = [(label, lhs, e) for (label, lhs, _), e in zip(rows[1:], exprs)]
+        return [("where", name, body) for name, body in lets]
 
     def tying(self) -> list[str]:
         """Parameters the derived update uses both in its scores and on its value path."""
@@ -140,7 +152,7 @@ class Derived:
         if fmt == "text":
             lines = [header]
             for label, lhs, e in rows:
-                lines.append(f"{label:>16}  {lhs} = {show(e, 'text', rel)}")
+                lines.append(f"{label:>16}  {_lhs(lhs, 'text')} = {show(e, 'text', rel)}")
             for t in tying:
                 lines.append(f"{'tying':>16}  {t}")
             lines.append(f"{'steps':>16}  {self._steps()}")
@@ -149,13 +161,13 @@ class Derived:
             parts = [f"<p>{html.escape(header)}</p>"]
             for label, lhs, e in rows:
                 parts.append(f"<p>{html.escape(label)}</p>" + mathml_block(
-                    f"<mrow>{_mathml_lhs(lhs)}<mo>=</mo>{show(e, 'mathml', rel)}</mrow>"))
+                    f"<mrow>{_lhs(lhs, 'mathml')}<mo>=</mo>{show(e, 'mathml', rel)}</mrow>"))
             return "\n".join(parts)
         lines = []
         if fmt == "markdown":
             lines.append(f"### {header}\n")
         for label, lhs, e in rows:
-            tex = f"{_tex_lhs(lhs)} = {show(e, 'latex', rel)}"
+            tex = f"{_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}"
             lines.append(f"- **{label}**: $${tex}$$" if fmt == "markdown" else f"% {label}\n{tex}")
         for t in tying:
             lines.append(f"- **tying**: {t}" if fmt == "markdown" else f"% tying: {t}")
@@ -183,7 +195,7 @@ class Derived:
 
     def _repr_latex_(self) -> str:
         rel = self.relations()
-        body = " \\\\ ".join(f"\\text{{{label}}}: & {_tex_lhs(lhs)} = {show(e, 'latex', rel)}"
+        body = " \\\\ ".join(f"\\text{{{label}}}: & {_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}"
                              for label, lhs, e in self.equation_list())
         return f"$$\\begin{{aligned}}{body}\\end{{aligned}}$$"
 
@@ -218,14 +230,17 @@ class Derived:
         return self._flops[context]
 
 
-def _tex_lhs(lhs: str) -> str:
+def _lhs(lhs: str | Expr, fmt: str) -> str:
+    """An equation's left-hand side: a name with its indices (`p_k,j`), a gradient (`∇_z F`) or a label."""
+    if isinstance(lhs, Expr):
+        return show(lhs, fmt)
+    if fmt == "text":
+        return lhs
     if lhs.startswith("∇_"):  # as the printer writes the gradient where a later equation names it
-        return STYLES["latex"].name_(lhs, [])
+        return STYLES[fmt].name_(lhs, [])
+    if fmt == "mathml":
+        return f"<mi>{html.escape(lhs)}</mi>"
     return lhs.replace("⁺", "^{+}").replace("_untied", "_{\\mathrm{untied}}")
-
-
-def _mathml_lhs(lhs: str) -> str:
-    return STYLES["mathml"].name_(lhs, []) if lhs.startswith("∇_") else f"<mi>{html.escape(lhs)}</mi>"
 
 
 def _num(v: float) -> str:

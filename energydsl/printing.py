@@ -319,6 +319,70 @@ def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Var) -> ir.Expr:
     return visit(e)
 
 
+WHERE_MIN_CHARS = 16  # a repeat written out in fewer characters reads better as it is (`abs(i − j)`, `W1_k z`)
+
+
+def name_repeats(exprs: list[ir.Expr], index_order: list[str], context: set[str], taken: set[str],
+                 min_chars: int = WHERE_MIN_CHARS) -> tuple[list[ir.Expr], list[tuple[ir.Expr, ir.Expr]]]:
+    """Name the sub-expressions `exprs` repeat, for reading only: returns `exprs` with each written by its
+    name, and the definitions (`name`, body), each after the ones it uses.
+
+    The largest repeat is named first and the rest recounted, so a part that occurs only inside a named
+    one stays written out in that one's definition. A name carries its free indices as subscripts
+    (`p_k,j = softmax_j(...)`): softmax weights are `p`, sums over a `context` index `m`, anything else
+    `t`, numbered when there are several and never one of `taken`. Sizes are as printed (in text)."""
+    def indexed(name: str, body: ir.Expr) -> ir.Expr:
+        """A name standing for `body`, with `body`'s free indices (a sum over j of it still depends on j)."""
+        free = sorted(body.free, key=lambda i: (index_order.index(i) if i in index_order else len(index_order), i))
+        out: ir.Expr = ir.Var(name, NAME, (sp.Integer(1),) * len(free) + body.shape)
+        for i in free:
+            out = ir.Index(out, i)
+        return out
+
+    lets: list[tuple[ir.Expr, ir.Expr]] = []  # (body, placeholder), largest first
+    exprs = list(exprs)
+    while True:
+        counts: dict[ir.Expr, int] = {}
+        for e in [*exprs, *(body for body, _ in lets)]:
+            for x in ir.walk(e):
+                if x.children and not _is_name(x):
+                    counts[x] = counts.get(x, 0) + 1
+        repeats = [(len(show(x)), x) for x, n in counts.items() if n > 1 and not isinstance(x, ir.Scalar)]
+        repeats = [(size, x) for size, x in repeats if size >= min_chars]
+        if not repeats:
+            break
+        body = max(repeats, key=lambda r: r[0])[1]
+        placeholder = indexed(f"__where{len(lets)}", body)
+        exprs = [ir.substitute(e, {body: placeholder}) for e in exprs]
+        lets = [(ir.substitute(b, {body: placeholder}), v) for b, v in lets] + [(body, placeholder)]
+    lets.reverse()  # the smaller ones first: a definition uses only names defined above it
+
+    def kind(body: ir.Expr) -> str:
+        if isinstance(body, ir.Softmax):
+            return "p"
+        return "m" if isinstance(body, ir.Reduce) and body.op == "sum" and body.index in context else "t"
+
+    kinds = [kind(body) for body, _ in lets]
+    numbered: dict[str, int] = {}
+    names: dict[ir.Expr, ir.Expr] = {}
+    for (body, placeholder), k in zip(lets, kinds):
+        several = kinds.count(k) > 1 or k in taken
+        n = numbered.get(k, 0) + 1
+        while several and f"{k}{n}" in taken:
+            n += 1
+        numbered[k] = n
+        names[placeholder] = indexed(f"{k}{n}" if several else k, body)
+    return ([ir.substitute(e, names) for e in exprs],
+            [(names[placeholder], ir.substitute(body, names)) for body, placeholder in lets])
+
+
+def _is_name(x: ir.Expr) -> bool:
+    """A name `fold` or `name_repeats` wrote (its index subscripts included)."""
+    while isinstance(x, ir.Index):
+        x = x.base
+    return isinstance(x, ir.Var) and x.role == NAME
+
+
 def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | None = None) -> str:
     """Print an IR expression. `relations` maps context indices to their relation text (e.g. '<=i')."""
     st = STYLES[style] if isinstance(style, str) else style

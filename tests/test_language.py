@@ -249,6 +249,32 @@ def test_later_equations_show_earlier_ones_by_name() -> None:
                     assert ir.substitute(fold(e, body, name), {ir.Var(name, NAME, body.shape): body}) == e
 
 
+def test_repeated_parts_are_named_once_in_where_rows() -> None:
+    """Eq 23 written out repeated the softmax weights and the first moment a dozen times; the rows name
+    them (`where p_k,j = softmax_j(...)`), and putting the definitions back gives the rows as derived."""
+    from energydsl import ir
+    from energydsl.optimizers import unhoist
+    from energydsl.printing import name_repeats
+
+    newton = load("examples/intrinsic-optimizers/mha2nd1st.energy").energy()
+    text = newton.equations("text")
+    assert "where  t1_k,j = W1_k z − (W2_k h_j)" in text and "where  m_k = Σ_{j<=i} (p_k,j t1_k,j)" in text
+    assert "where  p_k,j = softmax_j(" in text and "∇_z F = Σ_{k} (W1_kᵀ (((|k|)^-1) m_k))" in text
+    direction = next(line for line in text.splitlines() if "direction" in line)
+    assert len(direction) < 300 and "softmax" not in direction  # it was 2 kB
+    assert "p_{k,j} = \\operatorname{softmax}_{j}" in newton.equations("latex")
+    assert "softplus(P_d)" in load("examples/cem/mlp-dplr.energy").energy().equations("text")  # short: kept
+    for path in ("examples/intrinsic-optimizers/mha2nd1st.energy", "examples/models/cem.energy",
+                 "examples/hopfield/energy-transformer.energy", "examples/intrinsic-optimizers/nag-mha.energy"):
+        for derived in load(path).derive():
+            prog = derived.program
+            rows = [prog.gradient, unhoist(prog.direction), *(unhoist(a.value) for a in prog.assigns)]
+            named, lets = name_repeats(rows, ["k", "j"], {"j"}, {"p", "m", "t"})
+            for name, body in reversed(lets):
+                named = [ir.substitute(e, {name: body}) for e in named]
+            assert named == rows and all(name.free == body.free for name, body in lets)
+
+
 def test_like_terms_are_collected() -> None:
     """d/dz of ½ a·a is ½ a + ½ a: one term, a, in the equations and the generated code."""
     import sympy as sp
