@@ -6,6 +6,7 @@ Checks, per energy:
   hessian     (newton) derived Hessian-vector products equal autograd's double backward
   update      the whole update program equals the optimizer run on autograd gradients
   causality   the update of token i ignores context tokens outside its relation
+  own token   the energy and the update are finite where the state is its own context token
   descent     a small step along the update lowers F; concave energies are reported
   definite    preconditioners claimed positive-definite are; dplr may be indefinite
   tying       untie's replacement reproduces the tied update when the new params take the tied values
@@ -233,6 +234,27 @@ def check_update(prog: UpdateProgram) -> CheckResult:
                         f"(rel. error {worst.error:.1e})")
 
 
+def check_own_token(prog: UpdateProgram) -> CheckResult | None:
+    """A model's layer starts from the state at its own token's stream, which the context holds too. An
+    energy with a kink where the state meets a context token (`norm(z - h[j])`, not squared) is NaN
+    there, and random points never meet it: evaluate there."""
+    spec = prog.spec
+    if spec.context is None or tuple(spec.state.shape) != tuple(spec.context.shape):
+        return None
+    inst = random_instance(prog, seed=0)
+    x = inst.context.clone()
+    where = "where the state is its own context token (as at a model layer's first step)"
+    bad = _non_finite(eval_tokens(spec, _energy_of_state(prog), inst, {spec.state.name: x}))
+    if bad is not None:
+        return CheckResult("own token", "fail", f"the energy is {bad} {where}")
+    for label, tied in [("update", True)] + ([("untied update", False)] if spec.untie_rules else []):
+        bad = _non_finite(run_program(prog, inst, x0=x, tied=tied))
+        if bad is not None:
+            return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
+                               "differentiable there (a norm of a difference that is not squared?)")
+    return CheckResult("own token", "ok", f"energy and update finite {where}")
+
+
 def _scalar(inst: Instance, sym) -> float:
     v = inst.scalars[sym]
     return float(v)
@@ -430,8 +452,8 @@ def _one_thread() -> Iterator[None]:
 def run_checks(prog: UpdateProgram) -> list[CheckResult]:
     with _one_thread():
         results = [check_gradient(prog)]
-        for fn in (check_sympy, check_hessian, check_update, check_causality, check_descent, check_definite,
-                   check_tying):
+        for fn in (check_sympy, check_hessian, check_update, check_causality, check_own_token, check_descent,
+                   check_definite, check_tying):
             try:
                 r = fn(prog)
             except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on

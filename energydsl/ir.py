@@ -478,6 +478,8 @@ def power(a: Expr, exponent) -> Expr:
         return ONE if not a.shape else Ones(a.shape)
     if isinstance(a, Pow):
         return power(a.base, a.exponent * exponent)
+    if isinstance(a, Func) and a.name == "sqrt":  # norm(v)^2 is v.v: its gradient is finite at v = 0
+        return power(a.arg, exponent / 2)
     return Pow(a, exponent)
 
 

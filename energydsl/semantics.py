@@ -219,15 +219,16 @@ class _Lowering(ExpressionLowering):
         )
 
     # ------------------------------------------------------------------ clauses
-    def _constant(self, node: ast.Node, what: str) -> float:
+    def _constant(self, node: ast.Node, what: str, hint: str | None = None) -> float:
+        """A number built from numbers and dims, at this instance's dims."""
         e = self.expr(node)
         if not isinstance(e, ir.Scalar) or e.value.free_symbols - set(self.dim_symbols.values()):
-            raise SpecError(f"{what} must be a number", node.span)
+            raise SpecError(f"{what} must be a number", node.span, hint)
         v = e.value.subs({self.dim_symbols[k]: val for k, val in self.dim_values.items()})
         try:
             return float(v)
         except TypeError:
-            raise SpecError(f"{what} must be a number", node.span) from None
+            raise SpecError(f"{what} must be a number", node.span, hint) from None
 
     def _dim(self, c: ast.Clause) -> None:
         self.scope.declare(c.name, c.span)
@@ -328,11 +329,9 @@ class _Lowering(ExpressionLowering):
             node = spec.init[1]
             if isinstance(node, ast.Call) and node.func == "alibi_slopes":
                 spec.init = ("alibi_slopes", [])
-            else:
-                val = self.expr(node)
-                if not isinstance(val, ir.Scalar):
-                    raise SpecError("a param's initial value must be a number (or alibi_slopes(heads))", node.span)
-                spec.init = ("value", [val.value])
+            else:  # numbers and dims (`= sqrt(dh)`), evaluated at this instance's dims
+                spec.init = ("value", [self._constant(
+                    node, "a param's initial value", "numbers and dims (`= sqrt(dh)`), or `= alibi_slopes(heads)`")])
         self.scope.params[c.name] = spec
         if not shape:
             sym = sp.Symbol(c.name, real=True)

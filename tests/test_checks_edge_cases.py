@@ -275,3 +275,46 @@ def test_untie_error_points_at_the_untie_clause():
         load(UNTIE_BAD).energy()
     assert "no pattern occurs" in info.value.message
     assert (info.value.span.line, info.value.span.column) == (6, 3)
+
+
+# ----------------------------------------------------------------------------- where the state meets its context
+
+L2 = """energy L2Attn(d = 4) {
+  state z[d]
+  context h[j, d] where j <= i
+  local E[j] = 0.5 * norm(z - h[j])^2
+  global F = -logsumexp[j](-E[j])
+}"""
+
+
+def test_a_squared_norm_is_finite_where_the_state_is_its_own_context_token():
+    """A model's layer starts with z = h_i, in its own `j <= i` context: sqrt(0)^2 differentiated as
+    sqrt(x)^2 was 0 · ∞ = NaN in every row, and `energy check` passed (random points never meet h_j)."""
+    layer = load(L2).energy()
+    assert "sqrt" not in layer.equations("text")
+    module = load(L2).module(d=4)
+    x = torch.randn(2, 5, 4)
+    assert torch.isfinite(module(x)).all()
+    assert checks_of(L2)["own token"].status == "ok"
+
+
+def test_a_kink_where_the_state_meets_its_context_fails_the_own_token_check():
+    own = checks_of(L2.replace("0.5 * norm(z - h[j])^2", "norm(z - h[j])"))["own token"]
+    assert own.status == "fail" and "the update is NaN" in own.detail and "own context token" in own.detail
+    log = checks_of(L2.replace("0.5 * norm(z - h[j])^2", "-log((z - h[j]) . (z - h[j]))"))["own token"]
+    assert log.status == "fail" and "the energy is" in log.detail
+
+
+def test_a_params_initial_value_may_use_dims():
+    """LANGUAGE.md's own `param T = sqrt(dh) learn`: check crashed (exit 70) and the instance could not be drawn."""
+    text = ("energy MHA(d = 8, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+            "  param W1[heads, dh, d] ~ normal(0, 0.02)\n  param W2[heads, dh, d] ~ normal(0, 0.02)\n"
+            "  param T = sqrt(dh) learn\n  param a in (0, 1) = 1 / d\n"
+            "  local E[k, j] = -(W1[k] @ z) . (W2[k] @ h[j])\n"
+            "  global F = -(T / heads) * sum[k](logsumexp[j](-E[k, j] / T))\n}")
+    assert all(r.ok for r in checks_of(text).values())
+    module = load(text).module(d=36, heads=1)
+    assert float(module.T.detach()) == 6.0 and float(torch.sigmoid(module.a.detach())) == pytest.approx(1 / 36)  # raw a
+    with pytest.raises(SpecError, match="initial value must be a number") as e:
+        load(text.replace("= sqrt(dh) learn", "= sqrt(dh) + W1 learn")).energy()
+    assert e.value.span is not None and e.value.span.line == 7
