@@ -41,6 +41,7 @@ from .ir import (
     is_zero,
     matmul,
     mul,
+    neg,
     outer,
     power,
     rebuild,
@@ -48,6 +49,7 @@ from .ir import (
     scalar,
     sum_all,
     transpose,
+    walk,
 )
 
 
@@ -284,13 +286,36 @@ def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, int]:
     return out, hits
 
 
-def strip_scalar_coefficient(e: Expr) -> Expr:
-    """Drop a leading constant factor (absorbed by untied parameters, as in the papers)."""
-    if isinstance(e, Mul) and isinstance(e.factors[0], Scalar):
-        return mul(*e.factors[1:])
+def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:
+    """`e` as Σ c_t X_t: its top-level sums with their constant factors distributed (SymPy values)."""
     if isinstance(e, Add):
-        return add(*(strip_scalar_coefficient(t) for t in e.terms))
-    return e
+        return [t for term in e.terms for t in _terms(term, coef)]
+    if isinstance(e, Mul) and isinstance(e.factors[0], Scalar):
+        return _terms(mul(*e.factors[1:]), coef * e.factors[0].value)
+    return [(coef, e)]
 
 
-__all__ = ["gradient", "directional", "untie", "substitute_var", "NotDifferentiable", "strip_scalar_coefficient"]
+def absorb_constants(direction: Expr, new_params: list[str]) -> tuple[Expr, dict[str, object]]:
+    """An untied direction with each term that holds a new parameter written without its constant factor
+    (sign included), which that parameter absorbs: the update reads `z + η (Σ …)`, as the papers write
+    untied layers. Terms without a new parameter are kept as derived.
+
+    Returns the direction and, for each absorbing parameter, `scale` with which the untied update equals
+    the tied one when the parameter is `scale` × its tied value. A term's first new parameter (in rule
+    order) absorbs; when one parameter's terms have different factors, nothing is absorbed."""
+    kept: list[Expr] = []
+    free: list[Expr] = []  # the terms whose factor is absorbed, without it
+    absorbed: dict[str, object] = {}
+    for coef, rest in _terms(direction):
+        names = {v.name for v in walk(rest) if isinstance(v, Var)}
+        absorber = next((n for n in new_params if n in names), None)
+        if absorber is None:
+            kept.append(mul(scalar(coef), rest))
+            continue
+        if absorbed.setdefault(absorber, coef) != coef:
+            return direction, {}
+        free.append(rest)
+    return add(neg(add(*free)), *kept), {name: -coef for name, coef in absorbed.items()}
+
+
+__all__ = ["gradient", "directional", "untie", "substitute_var", "NotDifferentiable", "absorb_constants"]

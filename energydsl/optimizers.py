@@ -22,7 +22,7 @@ from functools import lru_cache
 import sympy as sp
 
 from . import ir
-from .calculus import NotDifferentiable, directional, gradient, strip_scalar_coefficient, substitute_var, untie
+from .calculus import NotDifferentiable, absorb_constants, directional, gradient, substitute_var, untie
 from .errors import SpecError
 from .ir import Expr, Let, Var
 from .semantics import EnergyIR, ParamSpec
@@ -52,6 +52,8 @@ class UpdateProgram:
     params: dict[str, ParamSpec] = field(default_factory=dict)  # spec params + optimizer/preconditioner params
     hyper_values: dict[sp.Symbol, sp.Expr] = field(default_factory=dict)
     tied_assigns: list[Assign] = field(default_factory=list)  # the energy's own update (checks prove this)
+    # untie: the new params whose value × this reproduces the tied update (they absorbed a constant factor)
+    untie_scales: dict[str, sp.Expr] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -120,13 +122,14 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
     direction = at_state(direction)
     tied = direction
     hits = 0
+    untie_scales: dict[str, sp.Expr] = {}
     if spec.untie_rules:
         untied, hits = untie(direction, spec.untie_rules)
         if hits == 0:
             raise SpecError("untie: no pattern occurs on the value path of the derived update",
                             spec.untie_span or opt.span or spec.span,
                             "the left side must appear in the update exactly as written, e.g. `W1[k]^T`")
-        direction = ir.neg(strip_scalar_coefficient(ir.neg(untied)))
+        direction, untie_scales = absorb_constants(untied, [_base_name(new) for _, new in spec.untie_rules])
 
     hyper = {h.symbol: h.value for h in opt.hyper.values()}
     for name, h in opt.hyper.items():
@@ -138,7 +141,15 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
     assigns = [Assign(a.target, _hoist(a.value, hoisted)) for a in _step(spec, direction, aux)]
     tied_assigns = [Assign(a.target, _hoist(a.value, hoisted)) for a in _step(spec, tied, aux)]
     return UpdateProgram(spec, point, grad_full, direction, assigns, aux, hoisted, preconditioner, head, tied,
-                         hits, params, hyper, tied_assigns)
+                         hits, params, hyper, tied_assigns, untie_scales)
+
+
+def _base_name(e: Expr) -> str:
+    """`Wo` for `Wo[k]`: an untie rule's new parameter."""
+    while isinstance(e, ir.Index):
+        e = e.base
+    assert isinstance(e, Var)
+    return e.name
 
 
 def _step(spec: EnergyIR, direction: Expr, aux: list[Var]) -> list[Assign]:

@@ -318,3 +318,51 @@ def test_a_params_initial_value_may_use_dims():
     with pytest.raises(SpecError, match="initial value must be a number") as e:
         load(text.replace("= sqrt(dh) learn", "= sqrt(dh) + W1 learn")).energy()
     assert e.value.span is not None and e.value.span.line == 7
+
+
+# ----------------------------------------------------------------------------- untie on several terms
+
+TWO = """energy Two(d = 4) {
+  state z[d]
+  param U[8, d] ~ normal(0, 0.02)
+  param V[8, d] ~ normal(0, 0.02)
+  global F = -sum(integral(gelu)(U @ z)) - 0.5 * sum(integral(silu)(V @ z))
+  untie value U^T -> A, V^T -> B
+}"""
+
+
+def test_untie_absorbs_each_terms_factor_and_the_tying_check_runs_the_compiled_update():
+    """The untied update of a two-term direction stepped uphill (`z − η (A gelu(Uz) + ½ B silu(Vz))`), and
+    the tying check passed: it compared the direction before its factors were dropped."""
+    import dataclasses
+
+    from energydsl import ir
+    from energydsl.checks import check_tying
+    from energydsl.optimizers import Assign
+
+    layer = load(TWO).energy()
+    assert "untied update  z⁺ = z + η (A gelu(U z) + B silu(V z))" in layer.equations("text")
+    prog = layer.program
+    assert check_tying(prog).status == "ok"
+    assert {k: float(v) for k, v in prog.untie_scales.items()} == {"A": 1, "B": 0.5}
+    flipped = [Assign(a.target, ir.add(a.target, ir.neg(ir.add(a.value, ir.neg(a.target))))) for a in prog.assigns]
+    assert check_tying(dataclasses.replace(prog, assigns=flipped)).status == "fail"  # z − (z⁺ − z): uphill
+
+
+def test_untie_keeps_the_factors_when_one_param_cannot_absorb_them_all():
+    """A in two terms with factors 1 and ½: no single scale of A reproduces both, so none is dropped."""
+    text = TWO.replace("integral(silu)(V @ z)", "integral(silu)(U @ z)").replace(", V^T -> B", "")
+    layer = load(text).energy()
+    assert "1/2 (A silu(U z))" in layer.equations("text") and layer.program.untie_scales == {}
+    assert all(r.ok for r in layer.check())
+
+
+def test_a_summed_block_untied_steps_as_each_part_does():
+    """MHA + MLP summed: each part alone is `z + η (…)`; summed, the whole untied update was negated."""
+    text = (ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8").replace(
+        "W1[hidden, d]", "U[hidden, d]").replace("W1 @ z", "U @ z").replace("W1^T", "U^T").replace(
+        "-> W2 ", "-> Wd ") + "\nblock Summed = MHA + MLP\n"
+    summed = load(text).energy("Summed")
+    untied = next(line for line in summed.equations("text").splitlines() if "untied update" in line)
+    assert "z⁺ = z + η (Σ_{k} (Wo_k" in untied and "+ Wd gelu(U z)" in untied, untied
+    assert all(r.ok for r in summed.check())
