@@ -151,11 +151,15 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
 
     visit(f, scalar(1))
     total: Expr = ZERO
+    # the context's index innermost, whatever the indices are called: Σ_k W_kᵀ Σ_j p_kj v_kj, the form the
+    # kernels recognise, for `sum[head](logsumexp[j](...))` as for `sum[k](...)`
+    context = {x.index for x in walk(f) if isinstance(x, (Var, Pos)) and x.index and getattr(x, "role", "context")
+               == "context"}
     for part, bound in parts:
         # summed over its free indices and the reductions around it: a contribution without a reduction's
         # index (a term of sum[j](... + c z . z) without j) is the same for every term, and `reduce` makes
         # that |j| times it
-        for idx in sorted((part.free | bound) - keep - wrt.free):
+        for idx in sorted((part.free | bound) - keep - wrt.free, key=lambda i: (i not in context, i)):
             part = reduce("sum", idx, part)
         total = add(total, part)
     if is_zero(total) and wrt.shape:

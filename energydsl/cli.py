@@ -146,7 +146,10 @@ def compile_(
     derived = spec.derivations(name, **dims)
     if not derived:
         raise UserError(f"{file} declares no energy")
-    text = energy_source(derived, backend)
+    unfused: list[str] = []
+    text = energy_source(derived, backend, unfused)
+    for energy in unfused:
+        err.print(f"note: no kernel family matches {energy}'s update; its forward is the torch backend's")
     if output is None:
         print(text)
         return

@@ -141,6 +141,8 @@ class ExpressionLowering:
                 idx, body = self.scope.lets[name]
                 if len(idx) != len(n.indices):
                     raise SpecError(f"`{name}` takes {len(idx)} indices, got {len(n.indices)}", n.span)
+                for old, new in zip(idx, n.indices):
+                    self._rename_index(name, old, new, n.span)
                 return _rename(body, dict(zip(idx, n.indices)))
             v = self.scope.vars.get(name)
             if v is not None and v.role == "context" or (self.context is not None and name == self.context.name):
@@ -166,6 +168,20 @@ class ExpressionLowering:
                 raise SpecError(f"index `{i}` ranges over {info.size} elsewhere but over {size} here", n.span)
             out = ir.Index(out, i)
         return out
+
+    def _rename_index(self, name: str, old: str, new: str, span) -> None:
+        """`E[h, j]` for `local E[k, j]`: `h` ranges over what `k` does (the context's index stays as it is)."""
+        info = self.indices.get(old)
+        if old == new or info is None:
+            return
+        if info.context is not None or new == "i" or (new in self.indices and self.indices[new].context is not None):
+            raise SpecError(f"`{name}[…]` renames the token index `{old}` to `{new}`; token indices keep their names",
+                            span, f"write `{old}` in that place")
+        known = self.indices.get(new)
+        if known is None:
+            self.indices[new] = IndexInfo(new, size=info.size)
+        elif known.size is not None and info.size is not None and sp.simplify(known.size - info.size) != 0:
+            raise SpecError(f"index `{new}` ranges over {known.size} elsewhere but over {info.size} here", span)
 
     def _reduce(self, n: ast.Reduce) -> Expr:
         body = self.expr(n.body)

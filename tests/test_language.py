@@ -328,3 +328,28 @@ def test_a_blocks_dims_are_its_own_energies_and_defaults_evaluate_as_elsewhere()
     assert block.spec.dim_values == {"d": 4.0, "c": 2.0}  # the first energy's default for the shared d
     with pytest.raises(SpecError, match="`zz` is not a dim of any energy in block `AB`"):
         spec.block("AB", zz=5)
+
+
+def test_an_indexed_local_may_be_renamed_in_a_reduction(tmp_path) -> None:
+    """`E[head, j]` for `local E[k, j]` (as docs/language.md promises): `head` ranges over what `k` does, and
+    the derived layer is the same as with `k`, down to the fused kernels it gets."""
+    import torch
+
+    from energydsl.codegen import energy_source
+
+    renamed = MHA.replace("sum[k]( logsumexp[j]( -E[k, j] / T ) )", "sum[head]( logsumexp[j]( -E[head, j] / T ) )")
+    assert renamed != MHA
+    plain, other = load(MHA).module(), load(renamed).module()
+    other.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 7, 8)
+    torch.testing.assert_close(other(x), plain(x))
+    assert all(r.ok for r in load(renamed).energy().check())
+    unfused: list[str] = []
+    assert "@triton.jit" in energy_source(load(renamed).derive(), "triton", unfused) and unfused == []
+    with pytest.raises(SpecError, match="renames the token index `j` to `m`"):
+        load(renamed.replace("logsumexp[j]( -E[head, j]", "logsumexp[m]( -E[head, m]")).energy()
+    path = tmp_path / "mlp.energy"
+    path.write_text("energy MLP(d = 4) {\n state z[d]\n param W[8, d] ~ normal(0, 0.02)\n"
+                    " global F = -sum(integral(gelu)(W @ z))\n optimizer gd(eta = 1)\n}\n")
+    res = run_cli("compile", str(path), "--backend", "triton", "-o", str(tmp_path / "out.py"))
+    assert res.returncode == 0 and "note: no kernel family matches MLP's update" in res.stderr, res.stderr

@@ -57,14 +57,19 @@ def check_backend(backend: object) -> None:
                         "for example .module(\"MHA\", d=16)")
 
 
-def energy_source(derived: Derived | list[Derived], backend: str = "torch") -> str:
-    """The generated source for one derived energy, or one file with the modules of several."""
+def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfused: list[str] | None = None) -> str:
+    """The generated source for one derived energy, or one file with the modules of several. With the
+    triton backend, the names of those no kernel family fuses (their forward is the torch path) are
+    appended to `unfused`."""
     from .torch_module import ModuleWriter, file_source
 
     check_backend(backend)
     many = derived if isinstance(derived, list) else [derived]
-    return file_source([ModuleWriter(d.program, d.equation_hash(), backend, equations=d.equations())
-                        for d in many])
+    writers = [ModuleWriter(d.program, d.equation_hash(), backend, equations=d.equations()) for d in many]
+    text = file_source(writers)
+    if backend == "triton" and unfused is not None:
+        unfused += [d.name for d, w in zip(many, writers) if not w.kernel_requests]
+    return text
 
 
 def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
