@@ -274,6 +274,8 @@ def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, int]:
                 return matmul(visit(x.a, on_path), visit(x.b, on_path))
             case Transpose():
                 return transpose(visit(x.a, on_path))
+            case Outer():  # an RMT write, (C_jᵀ rk_k) rq_kᵀ: linear in both sides
+                return outer(visit(x.a, on_path), visit(x.b, on_path))
             case Reduce() if x.op in ("sum", "mean"):
                 return reduce(x.op, x.index, visit(x.body, on_path))
             case Mul():

@@ -528,6 +528,10 @@ def outer(a: Expr, b: Expr) -> Expr:
         return ZERO
     if len(a.shape) != 1 or len(b.shape) != 1:
         raise ShapeError(f"outer(a, b) takes two vectors, got {fmt_shape(a.shape)} and {fmt_shape(b.shape)}")
+    for side in (a, b):  # as in a matrix product, scalar factors float out
+        if isinstance(side, Mul) and isinstance(side.factors[0], Scalar) and len(side.factors) > 1:
+            rest = mul(*side.factors[1:])
+            return mul(side.factors[0], outer(rest, b) if side is a else outer(a, rest))
     return Outer(a, b)
 
 

@@ -366,3 +366,15 @@ def test_a_summed_block_untied_steps_as_each_part_does():
     untied = next(line for line in summed.equations("text").splitlines() if "untied update" in line)
     assert "z⁺ = z + η (Σ_{k} (Wo_k" in untied and "+ Wd gelu(U z)" in untied, untied
     assert all(r.ok for r in summed.check())
+
+
+def test_untie_follows_an_outer_product_of_vector_keys():
+    """RMT with Dk-vector keys: the write is outer(C_jᵀ rk_k, rq_k), which untie did not enter."""
+    text = ("energy RMT(dk = 4, dv = 3, heads = 2) {\n  state Z[dk, dv]\n  context C[j, dk, dv] where j <= i\n"
+            "  param rq[heads, dk] ~ normal(0, 0.02)\n  param rk[heads, dk] ~ normal(0, 0.02)\n  let T = sqrt(dv)\n"
+            "  local E[k, j] = -(Z^T @ rq[k]) . (C[j]^T @ rk[k])\n"
+            "  global F = -T * sum[k](logsumexp[j](-E[k, j] / T))\n"
+            "  untie value rq[k] -> wo[k], rk[k] -> rv[k]\n}")
+    layer = load(text).energy()
+    assert "untied update  Z⁺ = Z + η (Σ_{k} (Σ_{j<=i} ((p_k,j (C_jᵀ rv_k)) wo_kᵀ)))ᵀ" in layer.equations("text")
+    assert all(r.ok for r in layer.check())
