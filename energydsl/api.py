@@ -354,7 +354,8 @@ class Spec:
             if not names:
                 raise SpecError(f"{self.path} declares no {one}", None)
             if len(names) != 1:
-                raise SpecError(f"{self.path} declares {len(names)} {many} ({', '.join(names)}); name one", None)
+                raise SpecError(f"{self.path} declares {len(names)} {many} ({', '.join(names)}); name one", None,
+                                f"`--name {names[0]}` on the command line; in Python, .{one}(\"{names[0]}\")")
             return names[0]
         if name not in every:
             kinds = {"model": self.syntax.models, "block": self.syntax.blocks, "energy": self.syntax.energies}

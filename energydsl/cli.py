@@ -53,6 +53,23 @@ def expand_files(files: list[str]) -> list[str]:
     return paths
 
 
+def no_energy(path: str, spec) -> UserError:
+    """A file with no energy of its own; the hint names what it has (blocks, imported energies, models)."""
+    syntax = spec.syntax
+    imported = [n for n in syntax.energies if n not in spec.energy_names]
+    if syntax.blocks:
+        hint = f"it has blocks ({', '.join(syntax.blocks)}): `energy derive {path} --name " \
+               f"{next(iter(syntax.blocks))}` derives one"
+    elif imported:
+        hint = f"it imports energies ({', '.join(imported)}): `energy derive {path} --name {imported[0]}` " \
+               "derives one"
+    elif syntax.models:
+        hint = "it declares models: `energy graph`, `energy info` and `energy train` take them"
+    else:
+        hint = "an energy is `energy Name(d = 8) { state z[d] ... }` (docs/language.md)"
+    return UserError(f"{path} declares no energy", hint=hint)
+
+
 @app.command()
 def derive(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
@@ -70,7 +87,7 @@ def derive(
     dims = parse_sets(sets)
     derived = spec.derivations(name, **dims)
     if not derived:
-        raise UserError(f"{file} declares no energy")
+        raise no_energy(file, spec)
     print("\n\n".join(d.equations(fmt) for d in derived))
 
 
@@ -93,7 +110,7 @@ def check(
             spec = load(path)
             derived = spec.derive(**dims)
             if not derived:
-                raise UserError(f"{path} declares no energy")
+                raise no_energy(path, spec)
         except Exception as e:  # --json: one object per file, and the files after a bad one still run
             if not as_json:
                 raise
@@ -145,7 +162,7 @@ def compile_(
     dims = parse_sets(sets)
     derived = spec.derivations(name, **dims)
     if not derived:
-        raise UserError(f"{file} declares no energy")
+        raise no_energy(file, spec)
     unfused: list[str] = []
     text = energy_source(derived, backend, unfused)
     for energy in unfused:

@@ -205,7 +205,7 @@ class _Lowering(ExpressionLowering):
         untie = [self._untie_rule(r) for c in by_kind.get("untie", []) for r in c.value]
         expects = {}
         for c in by_kind.get("expect", []):
-            if c.name not in ("update", "gradient", "direction"):
+            if c.name not in ast.EXPECT_NAMES:
                 raise SpecError(f"`expect {c.name}`: expected `update`, `gradient` or `direction`", c.span)
             expects[c.name] = (self.expr(c.value), c.span)
         return EnergyIR(

@@ -18,6 +18,7 @@ from lark import Lark, Transformer, v_args
 from .errors import Span, SpecError, UserError
 
 GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammars" / "energy.lark"
+EXPECT_NAMES = ("update", "gradient", "direction")  # what an `expect NAME = ...` clause may state
 MAX_SOURCE_BYTES = 4 * 1024 * 1024
 MAX_NESTING = 200  # brackets inside one another
 MAX_TREE_DEPTH = 250  # levels of the parse tree: operators chained (`1 + 1 + ...`, `---x`) count too

@@ -18,7 +18,7 @@ from typing import Any
 import lark
 
 from .errors import Span, SpecError
-from .syntax import _parser
+from .syntax import EXPECT_NAMES, _parser
 
 # ----------------------------------------------------------------------------- syntax errors
 #
@@ -296,6 +296,10 @@ def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> Sp
         line = tok.line if tok.line is not None else text.count("\n") + 1
         col = tok.column if tok.column is not None else 1
         hint = f"expected {_describe_expected(expected)}"
+        before = text.split("\n")[line - 1][:col - 1]
+        if re.fullmatch(r"\s*expect\s+\w+\s*", before) and before.split()[1] not in EXPECT_NAMES:
+            hint = f"an `expect` clause names what it states first: `expect update = {before.split()[1]} …` " \
+                   "(or gradient, direction)"
         stack = _open_brackets(text, tok.start_pos) if tok.start_pos is not None else []
         inner = stack[-1] if stack else None
         still_open = f"the `{inner[0]}` at line {inner[1]}, column {inner[2]} is still open" if inner else ""

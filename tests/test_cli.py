@@ -111,3 +111,22 @@ def test_python_m_energydsl_runs_the_cli() -> None:
     proc = subprocess.run([sys.executable, "-m", "energydsl", "derive", GPT, "--name", "MHA"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "∇" in proc.stdout, proc.stderr
+
+
+def test_a_file_without_an_energy_of_its_own_names_what_it_has(tmp_path: Path) -> None:
+    blocks = tmp_path / "blocks.energy"
+    blocks.write_text(f'import "{ROOT / "examples/models/gpt.energy"}"\nblock Both = MHA -> MLP\n')
+    for command in ("derive", "check", "compile"):
+        proc = energy_cli(command, str(blocks))
+        assert proc.returncode == 2 and "declares no energy" in proc.stderr, proc.stderr
+        assert "it has blocks (Both)" in proc.stderr and "--name Both" in proc.stderr
+    imports = tmp_path / "imports.energy"
+    imports.write_text(f'import "{ROOT / "examples/intrinsic-optimizers/mha.energy"}"\n')
+    proc = energy_cli("derive", str(imports))
+    assert proc.returncode == 2 and "it imports energies (MHA)" in proc.stderr, proc.stderr
+    two = tmp_path / "two.energy"
+    two.write_text((ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8").replace("model GPT(", "model A(")
+                   + "\nmodel B(vocab = 65, context = 8, d = 8, layers = 1) {\n embed tokens\n layer = MLP\n"
+                   " repeat layers\n head tied\n}\n")
+    proc = energy_cli("graph", str(two))
+    assert proc.returncode == 2 and "name one" in proc.stderr and "`--name A`" in proc.stderr, proc.stderr

@@ -245,3 +245,10 @@ def test_keyword_taken_for_a_name_points_at_the_keyword():
     assert (err.span.line, err.span.column, err.span.end_column) == (5, 3, 12)
     complete = syntax_error(ENERGY.replace("optimizer gd(eta = 1)", "optimizer gd(eta = 1) bogus"))
     assert complete.message == "unexpected `bogus`"  # a finished clause before: the usual message
+
+
+def test_an_unnamed_expect_clause_is_told_to_name_what_it_states():
+    e = syntax_error("energy Q(d = 4) {\n state z[d]\n global E = 0.5 * z . z\n expect z + z\n}\n")
+    assert e.span.line == 4 and "`expect update = z …`" in (e.hint or "")
+    named = syntax_error("energy Q(d = 4) {\n state z[d]\n global E = 0.5 * z . z\n expect update z\n}\n")
+    assert named.hint == "expected `=`"
