@@ -22,10 +22,17 @@ ENERGIES = {
               " global F = sum[j](huber(norm(z - W @ h[j]), 0.5))"),
     # diag(a) has no derivative rule of its own; it needs none where it does not depend on the state
     "diag-params": "state z[d]\n input h[d]\n param a[d]\n global F = 0.5 * z . ((eye(d) + diag(a)) @ z) - h . z",
+    # a softmax inside F (its own derivative rule) and a power of the state (the Hessian's power rule)
+    "softmax-inside": ("state z[d]\n context h[j, d] where j <= i\n param W[d, d]\n"
+                       " global F = -sum[j](softmax[j](z . (W @ h[j])) * (z . h[j]))"),
+    "quartic": ("state z[d]\n context h[j, d] where j <= i\n param W[d, d]\n"
+                " global F = sum[j]((z . (W @ h[j]))^4) / 4 + 0.5 * z . z"),
 }
 
 OPTIMIZERS = ["gd(eta = 0.5)", "momentum(beta = 0.8, eta = 0.7) steps 3", "nag(beta = 0.8, eta = 0.7) steps 2",
-              "newton(taylor = 2, damping = 0.1)", "gd(eta = 1), precondition psd(rank = 2)"]
+              "newton(taylor = 2, damping = 0.3, eta = 0.7)", "gd(eta = 1), precondition psd(rank = 2)",
+              "gd(eta = 1), precondition dplr(rank = 2)", "momentum(beta = 0.5, eta = 0.5) steps 2, precondition diag",
+              "gd(eta = 0.5), precondition scalar", "newton(taylor = 1, damping = 0.2), precondition full"]
 
 
 def spec_text(body: str, opt: str, wrt: str = "") -> str:
@@ -42,12 +49,16 @@ def test_gradient_matches_autograd(name):
     assert results.get("causality") is None or results["causality"].status == "ok"
 
 
+@pytest.mark.parametrize("energy", ["l2", "quartic"])
 @pytest.mark.parametrize("opt", OPTIMIZERS)
-def test_optimizers_verified(opt):
-    derived = load(spec_text(ENERGIES["l2"], opt)).energy()
+def test_optimizers_verified(opt, energy):
+    """Each optimizer's whole update against a replay on autograd alone (for newton, autograd's Hessian in
+    the Neumann series; for a preconditioner, its matrix as declared), not only its gradient."""
+    derived = load(spec_text(ENERGIES[energy], opt)).energy()
     results = run_checks(derived.program)
     failed = [r for r in results if not r.ok]
     assert not failed, failed
+    assert {r.name: r.status for r in results}["update"] == "ok"
 
 
 def test_chain_rule_through_norm_differs_from_wrt():
