@@ -105,6 +105,42 @@ def test_causality_check_catches_a_leak():
         checks.run_program = original
 
 
+@pytest.mark.parametrize("leak", ["own token", "next token"])
+def test_causality_check_catches_a_one_token_leak(leak, monkeypatch):
+    """The smallest leaks: under `j < i` token i reading its own context token, and token i reading i + 1."""
+    from energydsl import checks
+
+    prog = load(spec_text(ENERGIES["strict" if leak == "own token" else "l2"], "gd(eta = 1)", " wrt g"
+                          if leak == "own token" else "")).energy().program
+    original = checks.run_program
+
+    def leaky(p, inst, **kw):
+        out = original(p, inst, **kw)
+        if leak == "own token":
+            return out + inst.context
+        ahead = torch.roll(inst.context, -1, dims=1)
+        ahead[:, -1] = 0
+        return out + ahead
+
+    monkeypatch.setattr(checks, "run_program", leaky)
+    assert checks.check_causality(prog).status == "fail"
+
+
+def test_descent_check_fails_when_some_tokens_step_uphill():
+    """Every token must descend: a direction reversed on the later tokens only is caught."""
+    import dataclasses
+
+    from energydsl import ir
+    from energydsl.checks import check_descent
+
+    prog = load(spec_text(ENERGIES["l2"], "gd(eta = 1)")).energy().program
+    assert check_descent(prog).status == "ok"
+    late = ir.Func("relu", ir.add(ir.Pos(None), ir.scalar(-2.5)))  # 0 for tokens 0..2, positive after
+    flipped = ir.mul(ir.add(ir.scalar(1), ir.mul(ir.scalar(-2), ir.func("step", late))), prog.tied_direction)
+    result = check_descent(dataclasses.replace(prog, tied_direction=flipped))
+    assert result.status == "fail" and "raises F for some token" in result.detail
+
+
 def test_dplr_reported_indefinite_psd_definite():
     dplr = load(spec_text(ENERGIES["l2"], "gd(eta = 1), precondition dplr(rank = 2)")).energy()
     psd = load(spec_text(ENERGIES["l2"], "gd(eta = 1), precondition psd(rank = 2)")).energy()
