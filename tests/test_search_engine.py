@@ -133,6 +133,9 @@ def test_pruning_records_pruned_trials(tmp_path: Path) -> None:
     pruned = [t for t in ts if t.user_attrs.get("kind") == "pruned"]
     assert s["finished"] == 12 and s["pruned"] == len(pruned)
     assert all(t.intermediate_values and len(t.user_attrs["curve"]) < 4 for t in pruned)
+    # the pruner sees what the trial measured: its curve, step by step, and a pruned trial's value is its last
+    assert all(t.intermediate_values == {step: v for step, v in t.user_attrs["curve"]} for t in ts)
+    assert all(t.user_attrs["curve"][-1][1] == t.intermediate_values[max(t.intermediate_values)] for t in pruned)
 
 
 def test_resume_continues_the_study(tmp_path: Path) -> None:
