@@ -231,6 +231,20 @@ def test_a_stale_best_is_repaired_when_resuming(text_dataset, tmp_path):
     assert meta["training"]["step"] == 20 and all(torch.equal(last[n], t) for n, t in best.items())
 
 
+def test_a_resumed_run_keeps_its_best(text_dataset, tmp_path):
+    """The best loss so far is part of the resumed state: resumed with a step size that makes things worse,
+    `best.*` stays at the step before (not overwritten by the first evaluation after the resume)."""
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=10), tmp_path, metadata=META, progress=False)
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=20, lr=0.3, min_lr=0.3, warmup_steps=0,
+                                                                 diverge_factor=math.inf),
+          tmp_path, metadata=META, progress=False, notify=lambda message: None)
+    evals = {r["step"]: r["val_loss"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"}
+    assert evals[20] > evals[10]  # the resumed steps made it worse, as intended
+    best = json.loads((tmp_path / "best.json").read_text())["training"]
+    assert best["step"] == min(evals, key=evals.__getitem__) == 10
+
+
 def test_resuming_with_changed_settings_says_so_or_refuses(text_dataset, tmp_path):
     train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=10), tmp_path, metadata=META,
           progress=False)
