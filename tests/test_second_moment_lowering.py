@@ -48,11 +48,7 @@ IDS = [c[0] for c in CASES]
 
 
 def _class(src: str, path: Path) -> type[torch.nn.Module]:
-    """The module class of generated source, imported from a file (triton.jit reads its kernels' source).
-
-    Not `module_class`: its cache key (the equation hash) does not tell `j < i` from `j <= i`, so a strict
-    variant would get the causal energy's cached module.
-    """
+    """The module class of generated source, imported from a file (triton.jit reads its kernels' source)."""
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None

@@ -111,6 +111,15 @@ def test_wide_features_take_the_wide_kernels(path: str, name: str, dims: dict,
     _compare_backends(derived, name)
 
 
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/linear-attention.energy", "LinearAttention"),
+                                       ("intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention")])
+def test_strict_linear_kernels_match_torch_backend(path: str, name: str) -> None:
+    """`j < i` baked into the linear kernels' copies (no example has a strict linear energy)."""
+    derived = load((ROOT / "examples" / path).read_text(encoding="utf-8").replace("j <= i", "j < i")).energy(name)
+    assert derived.relations() == {"j": "<i"} and "@triton.jit" in energy_source(derived, "triton")
+    _compare_backends(derived, name)
+
+
 def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13) -> None:
     """The triton module against the torch backend in float64: displacement and every gradient; with
     `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std).
