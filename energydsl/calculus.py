@@ -153,8 +153,8 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
     total: Expr = ZERO
     # the context's index innermost, whatever the indices are called: Σ_k W_kᵀ Σ_j p_kj v_kj, the form the
     # kernels recognise, for `sum[head](logsumexp[j](...))` as for `sum[k](...)`
-    context = {x.index for x in walk(f) if isinstance(x, (Var, Pos)) and x.index and getattr(x, "role", "context")
-               == "context"}
+    context = {x.index for x in walk(f) if (isinstance(x, Pos) or isinstance(x, Var) and x.role == "context")
+               and x.index}
     for part, bound in parts:
         # summed over its free indices and the reductions around it: a contribution without a reduction's
         # index (a term of sum[j](... + c z . z) without j) is the same for every term, and `reduce` makes

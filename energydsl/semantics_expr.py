@@ -174,9 +174,12 @@ class ExpressionLowering:
         info = self.indices.get(old)
         if old == new or info is None:
             return
-        if info.context is not None or new == "i" or (new in self.indices and self.indices[new].context is not None):
+        if info.context is not None:
             raise SpecError(f"`{name}[…]` renames the token index `{old}` to `{new}`; token indices keep their names",
                             span, f"write `{old}` in that place")
+        if new == "i" or (new in self.indices and self.indices[new].context is not None):
+            raise SpecError(f"`{new}` is a token index; `{name}[…]` uses it where `{old}` ranges over "
+                            f"{info.size}", span, "name that index something else, e.g. `k`")
         known = self.indices.get(new)
         if known is None:
             self.indices[new] = IndexInfo(new, size=info.size)
