@@ -395,7 +395,7 @@ def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Pa
     text = tmp_path / "text.txt"
     text.write_text("to be or not to be, that is the question.\n" * 200)
     space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{text}",
-                        weight_decay="0.012345678", grad_clip="0.5", warmup="3", seed="7")
+                        weight_decay="0.012345678", grad_clip="0.5", warmup="3", seed="7", block="4096")
     cand = space.suggest(optuna.create_study().ask())
     configs = []
 
@@ -419,3 +419,4 @@ def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Pa
     trial, again = ({k: v for k, v in c.items() if k not in ("device", "log_interval")} for c in configs)
     assert trial == again and trial["grad_clip"] == 0.5 and trial["seed"] == 7
     assert trial["weight_decay"] == 0.012345678  # not rounded to 6 digits on the way
+    assert trial["block_size"] == 64  # `block` past the model's context is capped, in the command too

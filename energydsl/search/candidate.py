@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shlex
 from typing import Any
 
 from energydsl.errors import UserError
-from energydsl.search.holes import _norm
+from energydsl.search.holes import _fmt_float, _norm
 from energydsl.search.stagecheck import stage_check
 
 
@@ -40,9 +41,28 @@ class DslCandidate:
         self._model: Any = None
         self._hash: str | None = None
         self._mathml: str | None = None
+        self._trained: dict[str, Any] | None = None
+
+    def trained_settings(self) -> dict[str, Any]:
+        """The settings the trial trains with: a `block` longer than the model's context is capped at it (as
+        given while the model does not build: such a candidate never trains)."""
+        if self._trained is None:
+            s = dict(self.settings)
+            if s.get("block_size"):
+                try:
+                    s["block_size"] = min(int(s["block_size"]), int(self.model().block_size))
+                except (UserError, NotImplementedError):
+                    return s
+            self._trained = s
+        return self._trained
 
     def source(self) -> str:
-        return self.text
+        """The filled spec, ending with how its trial trains it and the `energy train` command that trains it so."""
+        s = self.trained_settings()
+        train = ", ".join(f"{k} = {_fmt_float(v) if isinstance(v, float) else v}"
+                          for k, v in sorted(s.items()) if k not in ("data", "steps"))
+        return (f"{self.text}\n\n# trained with: data {s['data']}, steps {s['steps']}; {train}\n"
+                f"# train it again so: {retrain_command(s)}\n")
 
     def spec(self) -> Any:
         if self._spec is None:
@@ -85,7 +105,7 @@ class DslCandidate:
         if self._hash is None:
             model = self.model()
             stages = [_derived_key(d) for d in model.derived]
-            key = {"model": model.equation_hash(), "stages": stages, "train": self.settings}
+            key = {"model": model.equation_hash(), "stages": stages, "train": self.trained_settings()}
             self._hash = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return self._hash
 
@@ -97,6 +117,18 @@ class DslCandidate:
             self._mathml = "\n".join(f"<h5>{label}</h5>\n{d.equations('mathml')}"
                                      for label, d in zip(labels, model.derived, strict=False))
         return self._mathml
+
+
+def retrain_command(settings: dict[str, Any]) -> str:
+    """The `energy train` command that trains a candidate as its trial trained it (`settings` complete)."""
+    from energydsl.training.trainer import TRAIN_FLAGS
+
+    flags = [f"--data {shlex.quote(str(settings['data']))}"]
+    for key, flag in TRAIN_FLAGS.items():
+        value = settings.get(key)
+        if value is not None and key != "device":  # the device is the user's machine, not the trial's result
+            flags.append(f"{flag} {repr(value) if isinstance(value, float) else shlex.quote(str(value))}")  # exact
+    return "energy train THIS_FILE " + " ".join(flags)
 
 
 def _derived_key(d: Any) -> list[Any]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import re
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,19 +62,6 @@ from energydsl.search.settings import (
     fingerprint,
     possible_values,
 )
-
-
-def retrain_command(settings: dict[str, Any]) -> str:
-    """The `energy train` command that trains a candidate as its trial trained it (`settings` complete)."""
-    from energydsl.training.trainer import TRAIN_FLAGS
-
-    flags = [f"--data {shlex.quote(str(settings['data']))}"]
-    for key, flag in TRAIN_FLAGS.items():
-        value = settings.get(key)
-        if value is not None and key != "device":  # the device is the user's machine, not the trial's result
-            flags.append(f"{flag} {repr(value) if isinstance(value, float) else shlex.quote(str(value))}")  # exact
-    return "energy train THIS_FILE " + " ".join(flags)
-
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
@@ -506,11 +492,7 @@ class DslSpace:
         parts = ["\n".join(head), texts[0]]
         for f, t in zip(self.files[1:], texts[1:], strict=True):
             parts.append(f"# ---- from {f.path} (imported) ----\n{t}")
-        train = ", ".join(f"{k} = {_fmt_float(v) if isinstance(v, float) else v}"
-                          for k, v in sorted(settings.items()) if k not in ("data", "steps"))
-        parts.append(f"# trained with: data {settings['data']}, steps {settings['steps']}; {train}\n"
-                     f"# train it again so: {retrain_command(settings)}")
-        return "\n\n".join(parts) + "\n"
+        return "\n\n".join(parts)  # DslCandidate.source() adds how the trial trains it
 
     def evaluate(self, candidate: DslCandidate, report: Callable[[int, float], bool], device: str
                  ) -> dict[str, float]:
@@ -518,9 +500,9 @@ class DslSpace:
 
         from energydsl.training import TrainConfig, load_dataset, train
 
-        s = candidate.settings
+        s = candidate.trained_settings()
         model = candidate.model()
-        block = min(int(s.get("block_size") or model.block_size), int(model.block_size))
+        block = int(s.get("block_size") or model.block_size)
         if s["data"] not in self._datasets:
             self._datasets[s["data"]] = load_dataset(s["data"])
         data = self._datasets[s["data"]]
