@@ -16,7 +16,7 @@ Checks, per energy:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -184,6 +184,17 @@ def _to_tensor(v) -> torch.Tensor:
     return torch.tensor(float(v), dtype=torch.float64)
 
 
+def _autograd_hvp(prog: UpdateProgram, inst: Instance, at: torch.Tensor
+                  ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """autograd's ∇F at `at`, and v ↦ H v by double backward (its graph kept for several products)."""
+    p = at.clone().requires_grad_(True)
+    f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
+    (g,) = torch.autograd.grad(f.sum(), p, create_graph=True)
+    if not g.requires_grad:  # F is linear in the point: H = 0
+        return g.detach(), torch.zeros_like
+    return g.detach(), lambda v: torch.autograd.grad((g * v.detach()).sum(), p, retain_graph=True)[0]
+
+
 def check_hessian(prog: UpdateProgram) -> CheckResult | None:
     if prog.spec.optimizer.kind != "newton":
         return None
@@ -198,44 +209,35 @@ def check_hessian(prog: UpdateProgram) -> CheckResult | None:
         hv_expr = directional(prog.gradient, prog.point, vvar)
         inst.params[vname] = v
         hv = evaluate_on(prog.spec, hv_expr, inst, {prog.point.name: at, vname: v}).tensor.expand_as(at)
-        p = at.clone().requires_grad_(True)
-        f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
-        (gr,) = torch.autograd.grad(f.sum(), p, create_graph=True)
-        (hv_auto,) = torch.autograd.grad((gr * v).sum(), p)
-        worst.add(hv, hv_auto, seed)
+        worst.add(hv, _autograd_hvp(prog, inst, at)[1](v), seed)
     return worst.result("hessian", TOL, f"Hessian-vector products = autograd double backward "
                         f"(rel. error {worst.error:.1e})")
 
 
-def _autograd_hessian(prog: UpdateProgram, inst: Instance, at: torch.Tensor) -> torch.Tensor:
-    """Each token's Hessian of F in the point, (B, T, n, n) with n the point's size (double backward)."""
-    p = at.clone().requires_grad_(True)
-    f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
-    (g,) = torch.autograd.grad(f.sum(), p, create_graph=True)
-    g = g.reshape(*at.shape[:2], -1)
-    rows = [torch.autograd.grad(g[..., a].sum(), p, retain_graph=True)[0].reshape(*at.shape[:2], -1)
-            for a in range(g.shape[-1])]  # tokens are independent: row a of every token's Hessian at once
-    return torch.stack(rows, dim=-2)
-
-
 def _replayed_direction(prog: UpdateProgram, inst: Instance, x: torch.Tensor) -> torch.Tensor:
     """The direction at state x from autograd alone: ∇F, for newton Σ_{r=0}^{taylor} (I − (H + λI))^r ∇F
-    with H autograd's Hessian, then the preconditioner's matrix as the energy declares it (P ∇F)."""
+    with autograd's Hessian-vector products, then the preconditioner's matrix as the energy declares it."""
     spec, opt = prog.spec, prog.spec.optimizer
     at = _point_value(prog, inst, x)
-    g = _autograd_gradient(prog, inst, at).reshape(*at.shape[:2], -1, 1)
-    d = g
     if opt.kind == "newton":
-        hessian, lam = _autograd_hessian(prog, inst, at), float(_scalar(inst, opt.hyper["damping"].symbol))
-        term = g
+        g, hvp = _autograd_hvp(prog, inst, at)
+        lam = float(_scalar(inst, opt.hyper["damping"].symbol))
+        d = term = g
         for _ in range(int(opt.hyper["taylor"].value)):
-            term = term - hessian @ term - lam * term
+            term = term - hvp(term) - lam * term
             d = d + term
+    else:
+        d = _autograd_gradient(prog, inst, at)
     if prog.preconditioner is not None:
-        tensors = {spec.state.name: x, prog.point.name: at}
-        p = evaluate_on(spec, prog.preconditioner, inst, tensors).tensor
-        d = p.expand(*at.shape[:2], *p.shape[2:]) @ d if p.dim() > 2 else p.reshape(*p.shape[:2], 1, 1) * d
-    return d.reshape(at.shape)
+        p = evaluate_on(spec, prog.preconditioner, inst, {spec.state.name: x, prog.point.name: at}).tensor
+        if opt.precondition == "scalar":  # softplus(P_s) I, for a state of any shape
+            p = p.reshape(*p.shape[:2], -1)[..., 0]
+        if p.dim() > 2:
+            flat = d.reshape(*at.shape[:2], -1, 1)
+            d = (p.expand(*at.shape[:2], *p.shape[2:]) @ flat).reshape(at.shape)
+        else:
+            d = p.reshape(*p.shape[:2], *(1,) * (d.dim() - 2)) * d
+    return d
 
 
 def check_update(prog: UpdateProgram) -> CheckResult:

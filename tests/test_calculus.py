@@ -61,6 +61,13 @@ def test_optimizers_verified(opt, energy):
     assert {r.name: r.status for r in results}["update"] == "ok"
 
 
+@pytest.mark.parametrize("opt", ["gd(eta = 0.5), precondition scalar", "newton(taylor = 2, damping = 0.3)"])
+def test_update_replay_on_a_matrix_state(opt):
+    """The replay flattens a matrix state for the Hessian and the preconditioner (scalar: softplus(P_s) I)."""
+    results = {r.name: r for r in run_checks(load(spec_text(ENERGIES["matrix"], opt)).energy().program)}
+    assert results["update"].status == "ok", results["update"].detail
+
+
 def test_chain_rule_through_norm_differs_from_wrt():
     exact = load(spec_text(ENERGIES["strict"], "gd(eta = 1)")).energy()
     at_norm = load(spec_text(ENERGIES["strict"], "gd(eta = 1)", " wrt g")).energy()
