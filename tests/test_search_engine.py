@@ -6,6 +6,7 @@ Evaluate calls are counted through a file the toy appends to, since workers are 
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -316,7 +317,7 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
 def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
     """A trial ASHA stops has the step it was stopped on as its last intermediate value and as its value
     (Ray hands that result to on_trial_complete, not on_trial_result), and a timing; a trial that trained
-    every step is complete, not stopped at max_t."""
+    every step is complete, not stopped at its final evaluation."""
     pytest.importorskip("ray")
     s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", steps=10, sleep=0.02), backend="ray", trials=12,
                workers=2, cpus_per_trial=1, sampler="random", seed=3)
@@ -328,7 +329,7 @@ def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
         assert t.state == TrialState.PRUNED and f"at step {last_step}" in t.user_attrs["reason"]
         assert max(t.intermediate_values) == last_step and t.value == pytest.approx(last_value)
         assert t.user_attrs["timing"]["total_s"] > 0 and t.user_attrs["timing"]["evaluate_s"] is not None
-        assert last_step < 10  # ASHA's rungs are 1, 3, 9: the last step (10) is no rung, nor max_t
+        assert last_step < 10  # a trial's final evaluation is not reported to ASHA
     for t in ts:
         if t.user_attrs.get("kind") == "complete":
             assert t.user_attrs["curve"][-1][0] == 10 and "timing" in t.user_attrs
@@ -420,3 +421,20 @@ def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Pa
     assert trial == again and trial["grad_clip"] == 0.5 and trial["seed"] == 7
     assert trial["weight_decay"] == 0.012345678  # not rounded to 6 digits on the way
     assert trial["block_size"] == 64  # `block` past the model's context is capped, in the command too
+
+
+def test_a_trial_that_trained_all_its_steps_is_complete_even_if_the_pruner_says_stop(tmp_path: Path) -> None:
+    """A pruner asked at a trial's final evaluation may say stop; the trial trained every step, so it completed
+    (it was recorded pruned, its result lost to the ranking)."""
+    from energydsl.search.dsl import load_search
+
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 200)
+    space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{text}",
+                        steps="2", eval_interval="2")
+    cand = space.suggest(optuna.create_study().ask())
+    asked: list[int] = []
+    metrics = space.evaluate(cand, lambda step, value: asked.append(step) or step > 0, "cpu")
+    assert asked[-1] == 2 and math.isfinite(metrics["val_loss"])
+    s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", steps=1), trials=8, pruner="asha", seed=0)
+    assert s["pruned"] == 0 and s["finished"] == 8

@@ -519,7 +519,7 @@ class DslSpace:
         stopped: list[tuple[int, float]] = []
 
         def on_eval(step: int, val: float) -> bool:
-            if report(step, val):
+            if report(step, val) and step < steps:  # a trial that trained all its steps completed
                 stopped.append((step, val))
                 return True
             return False

@@ -96,16 +96,20 @@ def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: l
     space = _SPACES[key]
     pad = {name: math.nan for name, _ in objectives}  # Tune wants every metric in every result
     curve: list[list[float]] = []
+    last_step = math.inf  # the candidate's own steps, where it has them
 
     def report(step: int, value: float) -> bool:
         curve.append([int(step), float(value)])
-        tune.report({**pad, PROGRESS: float(value), "step": int(step), RKIND: "progress"})
+        if step < last_step:  # ASHA must not stop (prune) a trial at its final evaluation: it completed
+            tune.report({**pad, PROGRESS: float(value), "step": int(step), RKIND: "progress"})
         return False  # ASHA stops a trial by stopping its actor, not through this return value
 
     final: dict[str, Any] = {**pad, FINAL: True, RKIND: "complete"}
     t0 = time.perf_counter()
     try:
         cand = space.suggest(optuna.trial.FixedTrial(config[PARAMS]))
+        own_steps = getattr(cand, "settings", {}).get("steps")
+        last_step = int(own_steps) if own_steps else math.inf
         metrics = {str(k): plain(v) for k, v in dict(space.evaluate(cand, report, device)).items()}
         final["_energy_metrics"] = json.dumps(metrics)
         final.update({n: metrics[n] for n in pad if isinstance(metrics.get(n), float)})
@@ -334,9 +338,8 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
     scheduler = None
     if prune:
         steps = int(space.budget.get("steps", 1000))
-        # max_t one step past the last evaluation: ASHA stops a trial whose result reaches max_t, and the
-        # last evaluation of a trial that trained all its steps must not make it pruned instead of complete
-        scheduler = ASHAScheduler(time_attr="step", metric=PROGRESS, mode="min", max_t=steps + 1,
+        # the rungs below the last step (a trial's final evaluation is not reported as progress)
+        scheduler = ASHAScheduler(time_attr="step", metric=PROGRESS, mode="min", max_t=steps,
                                   grace_period=int(space.budget.get("min_steps") or max(1, steps // 27)),
                                   reduction_factor=3, brackets=3 if pruner == "hyperband" else 1,
                                   stop_last_trials=False)

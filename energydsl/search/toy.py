@@ -91,7 +91,7 @@ class ToySpace:
             if candidate.mixer == "crash" and step == 2:
                 os._exit(137)  # as if the OOM killer took the worker
             val = base + 1.0 / step
-            if report(step, val):
+            if report(step, val) and step < self.steps:  # a trial that ran all its steps completed
                 raise optuna.TrialPruned(f"pruned at step {step}")
         size = p["depth"] * (1000.0 if candidate.mixer == "attn" else 600.0)
         return {"val_loss": val, "params": size, "base": base}
