@@ -34,17 +34,23 @@ def cache_dir() -> Path:
 
 @functools.cache
 def generator_version() -> str:
-    """A hash of the generator's source files (this package and the kernel templates it copies from)."""
+    """A hash of the generator's source files: this package, the kernel templates it copies from, and the
+    printers that write the derivation into each file's docstring."""
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py")]):
+    printers = [here.parent / "printing.py", here.parent / "api.py"]
+    for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py"), *printers]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
 
 def cache_key(derived: Derived, backend: str) -> str:
-    # the equations' text too: a file's docstring shows them, and the energy itself is not in equation_hash
-    text = f"{derived.equation_hash()}|{derived.spec.name}|{backend}|{generator_version()}|{derived.equations()}"
+    """The generated file's key. Besides the update (`equation_hash`), what its docstring's derivation shows:
+    the energy, its norm and gradient and the tied direction, as IR keys (no printing before a cache hit)."""
+    prog, spec = derived.program, derived.spec
+    shown = repr([e.key for e in (spec.energy, spec.via[1] if spec.via else None, prog.gradient,
+                                  prog.tied_direction) if e is not None])
+    text = f"{derived.equation_hash()}|{spec.name}|{backend}|{generator_version()}|{shown}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
