@@ -27,13 +27,6 @@ from .semantics import EnergyIR, lower_energy
 
 
 @dataclass
-class Equation:
-    label: str
-    lhs: str  # what is defined, as an IR-free string per format
-    rhs: object  # an IR expression
-
-
-@dataclass
 class Derived:
     """One energy with its derivation: the IR, the update program, and how to print and check them."""
 
@@ -43,6 +36,7 @@ class Derived:
     # results that depend on the derivation only, kept because `derive` shares one Derived between users
     _hash: str | None = field(default=None, repr=False, compare=False)
     _formatted: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    _rows: list[tuple[str, object, object]] | None = field(default=None, repr=False, compare=False)
     _flops: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -55,8 +49,14 @@ class Derived:
             return {}
         return {ctx.index: "<i" if self.spec.indices[ctx.index].strict else "<=i"}
 
-    def equation_list(self) -> list[tuple[str, str, object]]:
-        """(label, left-hand side name, expression) for energy, gradient, update, tying and untied form."""
+    def equation_list(self) -> list[tuple[str, object, object]]:
+        """(label, left-hand side, expression) for energy, gradient, update, untied form, where and hoisted
+        values: the same for every format, so built once."""
+        if self._rows is None:
+            self._rows = self._equation_rows()
+        return self._rows
+
+    def _equation_rows(self) -> list[tuple[str, object, object]]:
         spec, prog = self.spec, self.program
         point = prog.point.name
         out: list[tuple[str, str, object]] = [("energy", f"{spec.energy_name}", spec.energy)]
