@@ -341,13 +341,20 @@ def name_repeats(exprs: list[ir.Expr], index_order: list[str], context: set[str]
 
     lets: list[tuple[ir.Expr, ir.Expr]] = []  # (body, placeholder), largest first
     exprs = list(exprs)
+    printed: dict[ir.Expr, int] = {}  # a sub-expression's printed length, kept across the rounds
+
+    def size(x: ir.Expr) -> int:
+        if x not in printed:
+            printed[x] = len(show(x))
+        return printed[x]
+
     while True:
         counts: dict[ir.Expr, int] = {}
         for e in [*exprs, *(body for body, _ in lets)]:
             for x in ir.walk(e):
                 if x.children and not _is_name(x):
                     counts[x] = counts.get(x, 0) + 1
-        repeats = [(len(show(x)), x) for x, n in counts.items() if n > 1 and not isinstance(x, ir.Scalar)]
+        repeats = [(size(x), x) for x, n in counts.items() if n > 1 and not isinstance(x, ir.Scalar)]
         repeats = [(size, x) for size, x in repeats if size >= min_chars]
         if not repeats:
             break
