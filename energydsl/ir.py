@@ -501,12 +501,17 @@ def matmul(a: Expr, b: Expr) -> Expr:
         return a
     if isinstance(a, Diag) and len(b.shape) == 1:
         return mul(a.a, b)
-    # scalar factors float out of a matrix product
+    return _scalars_out(matmul, a, b) or MatMul(a, b)
+
+
+def _scalars_out(product, a: Expr, b: Expr) -> Expr | None:
+    """`(c x) ∘ y` as `c (x ∘ y)` for a bilinear product (matmul, dot, outer): the constant stays in front,
+    where sums, `untie` and the printers find it. None when neither side has a constant factor."""
     for side in (a, b):
         if isinstance(side, Mul) and isinstance(side.factors[0], Scalar) and len(side.factors) > 1:
             rest = mul(*side.factors[1:])
-            return mul(side.factors[0], matmul(rest, b) if side is a else matmul(a, rest))
-    return MatMul(a, b)
+            return mul(side.factors[0], product(rest, b) if side is a else product(a, rest))
+    return None
 
 
 def dot(a: Expr, b: Expr) -> Expr:
@@ -516,11 +521,7 @@ def dot(a: Expr, b: Expr) -> Expr:
         raise ShapeError(f"`.` needs two tensors of one shape, got {fmt_shape(a.shape)} . {fmt_shape(b.shape)}")
     if not a.shape:
         return mul(a, b)
-    for side in (a, b):
-        if isinstance(side, Mul) and isinstance(side.factors[0], Scalar) and len(side.factors) > 1:
-            rest = mul(*side.factors[1:])
-            return mul(side.factors[0], dot(rest, b) if side is a else dot(a, rest))
-    return Dot(a, b)
+    return _scalars_out(dot, a, b) or Dot(a, b)
 
 
 def outer(a: Expr, b: Expr) -> Expr:
@@ -528,11 +529,7 @@ def outer(a: Expr, b: Expr) -> Expr:
         return ZERO
     if len(a.shape) != 1 or len(b.shape) != 1:
         raise ShapeError(f"outer(a, b) takes two vectors, got {fmt_shape(a.shape)} and {fmt_shape(b.shape)}")
-    for side in (a, b):  # as in a matrix product, scalar factors float out
-        if isinstance(side, Mul) and isinstance(side.factors[0], Scalar) and len(side.factors) > 1:
-            rest = mul(*side.factors[1:])
-            return mul(side.factors[0], outer(rest, b) if side is a else outer(a, rest))
-    return Outer(a, b)
+    return _scalars_out(outer, a, b) or Outer(a, b)
 
 
 def transpose(a: Expr) -> Expr:

@@ -158,16 +158,20 @@ class ExpressionLowering:
         for i in n.indices:
             if not out.shape:
                 raise SpecError("too many indices: this is a scalar", n.span)
-            if i == "i" or (i in self.indices and self.indices[i].context is not None):
-                raise SpecError(f"`{i}` is a token index; only the context may be indexed by it", n.span)
-            size = out.shape[0]
-            info = self.indices.get(i)
-            if info is None:
-                self.indices[i] = IndexInfo(i, size=size)
-            elif info.size is not None and sp.simplify(info.size - size) != 0:
-                raise SpecError(f"index `{i}` ranges over {info.size} elsewhere but over {size} here", n.span)
+            self._bind_index(i, out.shape[0], n.span, f"`{i}` is a token index; only the context may be indexed by it")
             out = ir.Index(out, i)
         return out
+
+    def _bind_index(self, i: str, size: sp.Expr, span, token_message: str, hint: str | None = None) -> None:
+        """`i` ranges over `size`: a new index is declared so, a known one must range over the same; a token
+        index (`i`, the context's) cannot."""
+        if i == "i" or (i in self.indices and self.indices[i].context is not None):
+            raise SpecError(token_message, span, hint)
+        info = self.indices.get(i)
+        if info is None:
+            self.indices[i] = IndexInfo(i, size=size)
+        elif info.size is not None and sp.simplify(info.size - size) != 0:
+            raise SpecError(f"index `{i}` ranges over {info.size} elsewhere but over {size} here", span)
 
     def _rename_index(self, name: str, old: str, new: str, span) -> None:
         """`E[h, j]` for `local E[k, j]`: `h` ranges over what `k` does (the context's index stays as it is)."""
@@ -177,14 +181,8 @@ class ExpressionLowering:
         if info.context is not None:
             raise SpecError(f"`{name}[…]` renames the token index `{old}` to `{new}`; token indices keep their names",
                             span, f"write `{old}` in that place")
-        if new == "i" or (new in self.indices and self.indices[new].context is not None):
-            raise SpecError(f"`{new}` is a token index; `{name}[…]` uses it where `{old}` ranges over "
-                            f"{info.size}", span, "name that index something else, e.g. `k`")
-        known = self.indices.get(new)
-        if known is None:
-            self.indices[new] = IndexInfo(new, size=info.size)
-        elif known.size is not None and info.size is not None and sp.simplify(known.size - info.size) != 0:
-            raise SpecError(f"index `{new}` ranges over {known.size} elsewhere but over {info.size} here", span)
+        self._bind_index(new, info.size, span, f"`{new}` is a token index; `{name}[…]` uses it where `{old}` "
+                         f"ranges over {info.size}", "name that index something else, e.g. `k`")
 
     def _reduce(self, n: ast.Reduce) -> Expr:
         body = self.expr(n.body)
