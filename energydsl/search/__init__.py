@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
 from energydsl.search.display import LiveProgress, print_leaderboard
@@ -76,9 +76,10 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
             f"{names} ({', '.join(directions)})",
             hint="pick another --study name or --storage for a different search")
     with study_lock(storage, study_name):  # two commands starting at once: one records, the other compares
-        check_distributions(study, space, storage)
+        trials = study.get_trials(deepcopy=False)  # once: on an RDB storage a listing is a full query
+        check_distributions(study, trials, space, storage)
         wanted: dict[str, Any] = {"objectives": names}
-        settings = check_settings_unchanged(study, space, storage)
+        settings = check_settings_unchanged(study, trials, space, storage)
         if settings is not None:
             wanted[SETTINGS] = settings
         if ref is not None:
@@ -102,7 +103,8 @@ def _shown(value: str | None) -> str:
 SETTINGS = "settings"  # the study's user attr: the space's fingerprint when it was searched
 
 
-def check_settings_unchanged(study: optuna.Study, space: SearchSpace, storage: str) -> dict[str, str] | None:
+def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], space: SearchSpace,
+                             storage: str) -> dict[str, str] | None:
     """A rerun must train as the study's trials were trained (same training settings, data, space text), or
     its results would be ranked against incomparable ones; what does not change results (the trials budget,
     workers, timeout, device, backend) may change. Returns the space's fingerprint (`fingerprint()`: name ->
@@ -112,7 +114,7 @@ def check_settings_unchanged(study: optuna.Study, space: SearchSpace, storage: s
         return None
     now = {str(k): str(v) for k, v in get().items()}
     old = study.user_attrs.get(SETTINGS)
-    trained = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    trained = any(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     if not isinstance(old, dict) or not trained:
         return now  # a study from before fingerprints, or nothing trained yet (only waiting or failed trials)
     changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))]
@@ -144,7 +146,7 @@ def _show(d: optuna.distributions.BaseDistribution) -> str:
     return repr(d)
 
 
-def check_distributions(study: optuna.Study, space: SearchSpace, storage: str) -> None:
+def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: SearchSpace, storage: str) -> None:
     """Before a rerun samples anything: every hole must still be sampled as the study recorded it (Optuna
     refuses to change a choice's options, or a hole's kind or log scale, within a study; every trial
     would fail). A space that lists its holes' distributions (`distributions()`: name -> (distribution,
@@ -153,7 +155,7 @@ def check_distributions(study: optuna.Study, space: SearchSpace, storage: str) -
     if not callable(listed):
         return
     recorded: dict[str, optuna.distributions.BaseDistribution] = {}
-    for t in study.get_trials(deepcopy=False):
+    for t in trials:
         for name, dist in t.distributions.items():
             recorded.setdefault(name, dist)
     for name, (dist, where) in listed().items():

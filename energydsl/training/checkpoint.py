@@ -147,7 +147,8 @@ def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dic
             if resume_state is not None:
                 _write_resume_state(_staged(optim), resume_state)
             first = stem
-        else:  # the same bytes (the step is in the header): copy rather than serialize again
+        else:  # the same bytes (the step is in the header): copy rather than serialize again; not a hard
+            # link, which `cp other.safetensors best.safetensors` (writing in place) would change under last.*
             shutil.copyfile(_staged(out_dir / f"{first}.safetensors"), _staged(weights))
             if resume_state is not None:
                 shutil.copyfile(_staged(out_dir / f"{first}.optim.pt"), _staged(optim))
