@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,13 @@ def compile_for_gpu(script: str) -> None:
     if "ptxas" in proc.stderr and proc.returncode != 0 and "FileNotFoundError" in proc.stderr:
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
+
+
+def strict_json(text: str):
+    """json.loads that rejects NaN and Infinity, as strict parsers (JavaScript, jq) do."""
+    def reject(name: str):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=reject)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory):
+def shakespeare_or_stand_in(tmp_path_factory: pytest.TempPathFactory):
     """Tiny Shakespeare when it is on disk, else a small stand-in with fewer than 65 characters."""
     from energydsl.training.data import find_shakespeare
 

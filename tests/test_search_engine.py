@@ -384,7 +384,7 @@ def test_relative_space_path_is_made_absolute_for_workers(tmp_path: Path, monkey
         assert absolute(SpaceRef(spec)).spec == spec
 
 
-def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Path,
+def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Path, corpus: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`best.energy` ends with an `energy train` command: it must give training the trial's TrainConfig."""
     from dataclasses import asdict
@@ -393,9 +393,7 @@ def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Pa
     from energydsl import cli
     from energydsl.search.dsl import load_search
 
-    text = tmp_path / "text.txt"
-    text.write_text("to be or not to be, that is the question.\n" * 200)
-    space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{text}",
+    space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{corpus}",
                         weight_decay="0.012345678", grad_clip="0.5", warmup="3", seed="7", block="4096")
     cand = space.suggest(optuna.create_study().ask())
     configs = []
@@ -423,14 +421,13 @@ def test_a_candidate_file_says_how_to_train_it_as_its_trial_trained(tmp_path: Pa
     assert trial["block_size"] == 64  # `block` past the model's context is capped, in the command too
 
 
-def test_a_trial_that_trained_all_its_steps_is_complete_even_if_the_pruner_says_stop(tmp_path: Path) -> None:
+def test_a_trial_that_trained_all_its_steps_is_complete_even_if_the_pruner_says_stop(tmp_path: Path,
+                                                                                    corpus: Path) -> None:
     """A pruner asked at a trial's final evaluation may say stop; the trial trained every step, so it completed
     (it was recorded pruned, its result lost to the ranking)."""
     from energydsl.search.dsl import load_search
 
-    text = tmp_path / "text.txt"
-    text.write_text("to be or not to be, that is the question.\n" * 200)
-    space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{text}",
+    space = load_search(Path(__file__).parents[1] / "search" / "quickstart.energy", data=f"chars:{corpus}",
                         steps="2", eval_interval="2")
     cand = space.suggest(optuna.create_study().ask())
     asked: list[int] = []

@@ -313,10 +313,8 @@ def test_a_rerun_before_any_trial_trained_may_change_the_settings(tmp_path: Path
     assert open_study(journal, "t", resolve_space(toy(tmp_path, steps=2))).user_attrs["settings"]["steps"] == "2"
 
 
-def test_a_dtype_the_device_cannot_run_is_refused_before_any_trial(tmp_path: Path) -> None:
-    text = tmp_path / "text.txt"
-    text.write_text("to be or not to be\n" * 100)
-    r = energy("search", str(ROOT / "search" / "quickstart.energy"), "--set", f"data=chars:{text}", "--set",
+def test_a_dtype_the_device_cannot_run_is_refused_before_any_trial(tmp_path: Path, corpus: Path) -> None:
+    r = energy("search", str(ROOT / "search" / "quickstart.energy"), "--set", f"data=chars:{corpus}", "--set",
                "dtype=float16", "--trials", "1", "--device", "cpu", "--storage", str(tmp_path / "s.journal"),
                cwd=tmp_path)
     clean_exit_2(r, "--set dtype=float16: dtype float16 needs CUDA")

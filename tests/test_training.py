@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import strict_json
 from torch import nn
 
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
@@ -393,13 +394,6 @@ def test_nan_loss_raises_and_keeps_last_good_checkpoint(text_dataset, tmp_path):
     assert rows[-1]["kind"] == "diverged" and rows[-1]["step"] == 17 and rows[-1]["loss"] is None
     assert rows[-1]["checkpoint_step"] == 10 and "nan" in rows[-1]["reason"]
     assert strict_json((tmp_path / "diverged.json").read_text())["checkpoint_step"] == 10
-
-
-def strict_json(text: str):
-    """json.loads that rejects NaN and Infinity, as strict parsers (JavaScript, jq) do."""
-    def reject(name: str):
-        raise ValueError(f"not JSON: {name}")
-    return json.loads(text, parse_constant=reject)
 
 
 def test_exploding_loss_raises(text_dataset, tmp_path):

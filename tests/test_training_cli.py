@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import strict_json
+from conftest import strict_json
 
 from energydsl.training import load_checkpoint
 
