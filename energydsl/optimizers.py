@@ -170,7 +170,7 @@ def _per_head_direction(spec: EnergyIR, g_body: Expr, point: Var, k: str,
                         params: dict[str, ParamSpec]) -> Expr:
     opt = spec.optimizer
     if opt.kind == "newton":
-        lin = _linear_map(g_body, point)
+        lin = linear_map(g_body, point)
         if lin is None:
             raise SpecError("`newton ... per head` needs each head's energy to see the state only through one "
                             "linear map `A[k] @ z`", opt.span)
@@ -187,7 +187,7 @@ def _per_head_direction(spec: EnergyIR, g_body: Expr, point: Var, k: str,
     return d
 
 
-def _linear_map(e: Expr, point: Var) -> Expr | None:
+def linear_map(e: Expr, point: Var) -> Expr | None:
     """The matrix A when `point` occurs in `e` only as `A @ point` (one A)."""
     found: set[Expr] = set()
     bare = False

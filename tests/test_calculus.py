@@ -189,6 +189,44 @@ def test_per_head_newton_is_the_pseudo_inverse_step():
     assert torch.allclose(run_program(derived.program, inst), ref, atol=1e-12)
 
 
+PER_HEAD = ("energy R(d = 4, heads = 2) {{ dim dh = d / heads  state z[d]\n"
+            "  context h[j, d] where j <= i  param W[heads, dh, d]  param K[heads, dh, d]\n"
+            "  global F = {reduce}[k](-logsumexp[j](-0.5 * (W[k] @ z - K[k] @ h[j]) . (W[k] @ z - K[k] @ h[j])))\n"
+            "  optimizer {opt} }}")
+PER_HEAD_OPTIMIZERS = ["newton(taylor = 2, damping = 0.3, eta = 0.7) per head",
+                       "newton(taylor = 1, damping = 0) per head, precondition diag",
+                       "gd(eta = 0.5) per head, precondition psd(rank = 2)",
+                       "momentum(beta = 0.5, eta = 0.5) steps 2 per head, precondition dplr(rank = 1)",
+                       "nag(beta = 0.5, eta = 0.5) steps 2 per head, precondition scalar"]
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("opt", PER_HEAD_OPTIMIZERS)
+def test_per_head_optimizers_are_replayed_on_autograd(opt, reduce):
+    """`per head`: each head's Newton step in its own coordinates (from autograd's gradient and Hessian in z)
+    and each head's preconditioner on its own term, replayed and compared with the derived program."""
+    results = {r.name: r for r in run_checks(load(PER_HEAD.format(reduce=reduce, opt=opt)).energy().program)}
+    assert results["update"].status == "ok", results["update"].detail
+    assert "per head" in results["update"].detail
+
+
+@pytest.mark.parametrize("opt, broken", [
+    ("newton(taylor = 2, damping = 0.3) per head", "_neumann"),  # the Taylor terms dropped
+    ("gd(eta = 1) per head, precondition dplr(rank = 1)", "_precondition"),  # each head's P dropped
+])
+def test_the_per_head_replay_catches_a_wrong_derivation(monkeypatch, opt, broken):
+    from energydsl import optimizers
+    from energydsl.checks import check_update
+
+    if broken == "_neumann":
+        monkeypatch.setattr(optimizers, "_neumann", lambda spec, g, point: g)
+    else:
+        made = optimizers._precondition  # it still makes P's params, then leaves d unmultiplied
+        monkeypatch.setattr(optimizers, "_precondition", lambda *args: (made(*args), (args[1], None))[1])
+    result = check_update(load(PER_HEAD.format(reduce="sum", opt=opt)).energy().program)
+    assert result.status == "fail", result.detail
+
+
 def test_checks_handle_linear_energy_and_column_params():
     text = ("energy L(n = 3) { state z[n]  param a[n]  param M[n, 1]\n"
             "  global F = a . z + sum(M^T @ z) + (a @ (M @ M^T)) . z  optimizer gd(eta = 1) }")
