@@ -261,8 +261,11 @@ def graph(
 
     from .api import load
     from .composition import describe
+    from .semantics import lower_energy
 
     plan = load(file).plan(name, **parse_sets(sets))
+    for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs
+        lower_energy(stage.decl, stage.dims)
     print(describe(plan))
     if dot:
         g = plan.graph()

@@ -453,7 +453,8 @@ class _Lowering(ExpressionLowering):
             raise SpecError("the right side of an untie rule is a new parameter, e.g. `Wo[k]`", rhs_node.span)
         name = rhs_base.name
         if name in self.scope.decl_spans:
-            raise SpecError(f"`{name}` already exists; untie introduces a new parameter", rhs_node.span)
+            raise SpecError(f"`{name}` already exists (declared at {self.scope.decl_spans[name]}); untie introduces "
+                            "a new parameter", rhs_node.span)
         sizes = []
         for i in idx:
             info = self.indices.get(i)

@@ -336,6 +336,36 @@ def test_graph_prints_and_writes_dot(tmp_path: Path) -> None:
     assert "MHA -> MLP" in r.stdout and "digraph" in (tmp_path / "g.dot").read_text()
 
 
+CLASHING_SUM = """energy A(d = 4) {
+  state z[d]
+  param W2[d, d] ~ normal(0, 0.02)
+  global F = -0.5 * (W2 @ z) . z
+  optimizer gd(eta = 1)
+}
+energy B(d = 4) {
+  state z[d]
+  param W1[d, d] ~ normal(0, 0.02)
+  global F = -sum(integral(gelu)(W1 @ z))
+  optimizer gd(eta = 1)
+  untie value W1^T -> W2
+}
+model M(vocab = 11, context = 8, d = 4, layers = 1) {
+  embed tokens, positions
+  layer = A(d) + B(d)
+  repeat layers
+}
+"""
+
+
+def test_graph_refuses_a_stage_that_derive_would(tmp_path: Path) -> None:
+    """A summed stage whose untie target is the other energy's param: graph says so, as derive does."""
+    path = tmp_path / "clash.energy"
+    path.write_text(CLASHING_SUM)
+    r = _run("graph", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{path}:12:23" in r.stderr and "`W2` already exists (declared at " in r.stderr and ":3:3)" in r.stderr
+
+
 def test_train_cli_runs_and_resumes(tmp_path: Path) -> None:
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question. " * 200)
