@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import ir, sympy_instance
-from .calculus import directional, substitute_var
-from .evaluate import Value
+from .calculus import directional, gradient, substitute_var
+from .evaluate import Value, _merge
 from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
-from .optimizers import UpdateProgram, head_split, linear_map
+from .optimizers import UpdateProgram, head_split, linear_map, weighted_sums
 
 TOL = 1e-9
 SEEDS = (0, 1, 2)
@@ -250,6 +250,8 @@ def _replayed_direction(prog: UpdateProgram, inst: Instance, x: torch.Tensor) ->
     with autograd's Hessian-vector products, then the preconditioner's matrix as the energy declares it."""
     spec, opt = prog.spec, prog.spec.optimizer
     at = _point_value(prog, inst, x)
+    if opt.precondition == "covariance":
+        return _replayed_covariance(prog, inst, x, at)
     if opt.per_head and (opt.kind == "newton" or opt.precondition):
         return _replayed_per_head(prog, inst, x, at)
     if opt.kind == "newton":
@@ -302,13 +304,54 @@ def _replayed_per_head(prog: UpdateProgram, inst: Instance, x: torch.Tensor, at:
     return float(evaluate_on(spec, coef, inst, bound).tensor.reshape(-1)[0]) * total
 
 
+def _covariances(prog: UpdateProgram, inst: Instance, bound: dict[str, torch.Tensor], e: ir.Expr
+                 ) -> list[tuple[ir.Expr, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...]]]:
+    """For each softmax-weighted sum v̄ = Σ_j p_j v_j in e: (its node, v̄, Cov_p(v), τ, v̄'s free indices), evaluated
+    from the energy's own weights and values, the covariance as the explicit Σ_j p_j v_j v_jᵀ − v̄ v̄ᵀ."""
+    spec = prog.spec
+    tau_param = prog.params["P_tau"]
+    tau_expr = ir.Index(ir.Var("P_tau", "param", tau_param.shape), prog.head_index) if tau_param.shape \
+        else ir.Scalar(spec.scalar_params["P_tau"])  # per head: one τ per head
+    out = []
+    for node, p, v in weighted_sums(e):
+        idx, (w, values, tau) = _merge(*(evaluate_on(spec, part, inst, bound) for part in (p, v, tau_expr)))
+        j = 2 + idx.index(node.index)
+        w = w.unsqueeze(-1)
+        vbar = (w * values).sum(j)
+        cov = (w.unsqueeze(-1) * values.unsqueeze(-1) * values.unsqueeze(-2)).sum(j) - \
+            vbar.unsqueeze(-1) * vbar.unsqueeze(-2)
+        out.append((node, vbar, cov, tau.sum(j), tuple(i for i in idx if i != node.index)))
+    return out
+
+
+def _replayed_covariance(prog: UpdateProgram, inst: Instance, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """`precondition covariance`: the gradient (per head: c Σ_k ∇F_k) with each softmax-weighted sum v̄ replaced by
+    (I + τ Cov_p(v)) v̄, computed here with the covariance as an explicit matrix."""
+    spec, opt = prog.spec, prog.spec.optimizer
+    plain = prog.gradient
+    if opt.per_head:
+        coef, k, body = head_split(_energy_at_point(prog))
+        plain = ir.mul(coef, ir.reduce("sum", k, gradient(body, prog.point, keep=frozenset([k]))))
+    tensors = {spec.state.name: x, prog.point.name: at}
+    mapping: dict[ir.Expr, ir.Expr] = {}
+    for n, (node, vbar, cov, tau, free) in enumerate(_covariances(prog, inst, tensors, plain)):
+        name = f"covariance_replay_{n}"
+        preconditioned = vbar + tau.unsqueeze(-1) * (cov @ vbar.unsqueeze(-1)).squeeze(-1)
+        tensors[name] = preconditioned.expand(*at.shape[:2], *preconditioned.shape[2:])
+        value: ir.Expr = ir.Var(name, "leaf", tuple(spec.indices[i].size for i in free) + tuple(node.shape))
+        for i in free:  # the leading axes are v̄'s free indices, in order
+            value = ir.Index(value, i)
+        mapping[node] = value
+    return eval_tokens(spec, ir.substitute(plain, mapping), inst, tensors)
+
+
 def check_update(prog: UpdateProgram) -> CheckResult:
     """Run the optimizer on directions from autograd alone and compare with the derived program."""
     spec = prog.spec
     opt = spec.optimizer
-    if opt.precondition == "covariance":
-        return CheckResult("update", "skip", "the covariance-preconditioned step (data-dependent) is not replayed "
-                           "on autograd; the gradient check covers its τ = 0 part")
+    if opt.precondition == "covariance" and opt.kind == "newton":
+        return CheckResult("update", "skip", "a covariance-preconditioned newton step is not replayed on autograd; "
+                           "the gradient and hessian checks cover its τ = 0 part")
     worst = _Worst("the derived update", "the optimizer replayed on autograd")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
@@ -436,8 +479,7 @@ def check_definite(prog: UpdateProgram) -> CheckResult | None:
     if kind is None:
         return None
     if kind == "covariance":
-        return CheckResult("definite", "ok", "I + τ·Cov_p(v) is positive-definite while τ ≥ 0 (Cov_p ⪰ 0); "
-                           "a learned τ < 0 may break it")
+        return _covariance_definite(prog)
     if prog.preconditioner is None:
         return None
     worst_min = float("inf")
@@ -458,6 +500,28 @@ def check_definite(prog: UpdateProgram) -> CheckResult | None:
     ok = worst_min > 0
     return CheckResult("definite", "ok" if ok else "fail",
                        f"{kind} preconditioner positive-definite (min eigenvalue {worst_min:.3g} over 8 draws)")
+
+
+def _covariance_definite(prog: UpdateProgram) -> CheckResult:
+    """I + τ Cov_p(v) at the declared τ, over 8 draws of the energy's weights and values."""
+    spec, opt = prog.spec, prog.spec.optimizer
+    tau, learned = opt.precondition_options["tau"]
+    worst_min = float("inf")
+    for seed in range(8):
+        inst = random_instance(prog, seed=seed, scale=1.5)
+        at = _point_value(prog, inst, inst.x)
+        plain = prog.gradient
+        for _, _, cov, _, _ in _covariances(prog, inst, {spec.state.name: inst.x, prog.point.name: at}, plain):
+            where = _non_finite(cov)
+            if where is not None:
+                return CheckResult("definite", "fail", f"not finite: Cov_p(v) is {where}, seed {seed}")
+            eye = torch.eye(cov.shape[-1], dtype=cov.dtype)
+            worst_min = min(worst_min, float(torch.linalg.eigvalsh(eye + float(tau) * cov).min()))
+    found = f"at τ = {float(tau):g} (min eigenvalue {worst_min:.3g} over 8 draws)"
+    if worst_min <= 0:
+        return CheckResult("definite", "fail", f"I + τ·Cov_p(v) is not positive-definite {found}: τ must be ≥ 0")
+    caveat = "; a learned τ < 0 may break it" if learned else ""
+    return CheckResult("definite", "ok", f"I + τ·Cov_p(v) positive-definite {found}{caveat}")
 
 
 def check_tying(prog: UpdateProgram) -> CheckResult | None:

@@ -293,28 +293,33 @@ def _precondition(spec: EnergyIR, d: Expr, point: Var, head: str | None,
     raise AssertionError(kind)
 
 
-def _covariance(e: Expr, tau: Expr) -> tuple[Expr, int]:
-    """Replace each v̄ = Σ_j p_j v_j by (I + τ Cov_p(v)) v̄ = v̄ + τ (Σ_j p_j (v_j·v̄) v_j − (v̄·v̄) v̄)."""
-    hits = 0
+def weighted_sums(e: Expr) -> list[tuple[ir.Reduce, ir.Softmax, Expr]]:
+    """The outermost softmax-weighted sums of vectors v̄ = Σ_j p_j v_j in `e`, as (v̄, p, v)."""
+    found: list[tuple[ir.Reduce, ir.Softmax, Expr]] = []
 
-    def visit(x: Expr) -> Expr:
-        nonlocal hits
+    def visit(x: Expr) -> None:
         if isinstance(x, ir.Reduce) and x.op == "sum" and isinstance(x.body, ir.Mul) and len(x.shape) == 1:
             weights = [f for f in x.body.factors if isinstance(f, ir.Softmax) and f.index == x.index]
             if weights:
-                p = weights[0]
-                v = ir.mul(*(f for f in x.body.factors if f is not p))
+                v = ir.mul(*(f for f in x.body.factors if f is not weights[0]))
                 if len(v.shape) == 1:
-                    hits += 1
-                    vbar = x
-                    second = ir.reduce("sum", x.index, ir.mul(p, ir.dot(v, vbar), v))
-                    cov = ir.add(second, ir.neg(ir.mul(ir.dot(vbar, vbar), vbar)))
-                    return ir.add(vbar, ir.mul(tau, cov))
-        if not x.children:
-            return x
-        return ir.rebuild(x, [visit(c) for c in x.children])
+                    found.append((x, weights[0], v))
+                    return
+        for c in x.children:
+            visit(c)
 
-    return visit(e), hits
+    visit(e)
+    return found
+
+
+def _covariance(e: Expr, tau: Expr) -> tuple[Expr, int]:
+    """Replace each v̄ = Σ_j p_j v_j by (I + τ Cov_p(v)) v̄ = v̄ + τ (Σ_j p_j (v_j·v̄) v_j − (v̄·v̄) v̄)."""
+    sums = weighted_sums(e)
+    mapping: dict[Expr, Expr] = {}
+    for vbar, p, v in sums:
+        second = ir.reduce("sum", vbar.index, ir.mul(p, ir.dot(v, vbar), v))
+        mapping[vbar] = ir.add(vbar, ir.mul(tau, ir.add(second, ir.neg(ir.mul(ir.dot(vbar, vbar), vbar)))))
+    return ir.substitute(e, mapping), len(sums)
 
 
 def _preconditioner_matrix(spec: EnergyIR, params: dict[str, ParamSpec], head: str | None) -> Expr | None:

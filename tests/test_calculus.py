@@ -227,6 +227,37 @@ def test_the_per_head_replay_catches_a_wrong_derivation(monkeypatch, opt, broken
     assert result.status == "fail", result.detail
 
 
+@pytest.mark.parametrize("opt", ["gd(eta = 0.5), precondition covariance(tau = 0.3)",
+                                 "momentum(beta = 0.5, eta = 0.5) steps 2 per head, precondition covariance(tau = 0.2)",
+                                 "nag(beta = 0.5, eta = 0.5) steps 2, precondition covariance(tau = 0.2 fixed)"])
+def test_covariance_is_replayed_with_the_explicit_covariance_matrix(opt):
+    results = {r.name: r for r in run_checks(load(PER_HEAD.format(reduce="sum", opt=opt)).energy().program)}
+    assert results["update"].status == "ok", results["update"].detail
+    assert results["definite"].status == "ok", results["definite"].detail
+
+
+def test_the_covariance_replay_catches_a_dropped_mean_term(monkeypatch):
+    """(I + τ Cov) v̄ without its − τ (v̄·v̄) v̄: the explicit matrix disagrees."""
+    from energydsl import ir, optimizers
+    from energydsl.checks import check_update
+
+    def uncentred(e, tau):
+        mapping = {vbar: ir.add(vbar, ir.mul(tau, ir.reduce("sum", vbar.index, ir.mul(p, ir.dot(v, vbar), v))))
+                   for vbar, p, v in optimizers.weighted_sums(e)}
+        return ir.substitute(e, mapping), len(mapping)
+
+    monkeypatch.setattr(optimizers, "_covariance", uncentred)
+    opt = "gd(eta = 1), precondition covariance(tau = 0.5)"
+    result = check_update(load(PER_HEAD.format(reduce="sum", opt=opt)).energy().program)
+    assert result.status == "fail", result.detail
+
+
+def test_a_negative_tau_fails_the_definite_check():
+    opt = "gd(eta = 1), precondition covariance(tau = -50)"
+    results = {r.name: r for r in run_checks(load(PER_HEAD.format(reduce="sum", opt=opt)).energy().program)}
+    assert results["definite"].status == "fail" and "τ must be ≥ 0" in results["definite"].detail
+
+
 def test_checks_handle_linear_energy_and_column_params():
     text = ("energy L(n = 3) { state z[n]  param a[n]  param M[n, 1]\n"
             "  global F = a . z + sum(M^T @ z) + (a @ (M @ M^T)) . z  optimizer gd(eta = 1) }")
