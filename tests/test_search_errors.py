@@ -158,18 +158,27 @@ def test_a_rerun_with_other_settings_exits_2_naming_them(tmp_path: Path) -> None
 # ----------------------------------------------------------------------------- 6. Ctrl-C
 
 
-def signal_search(tmp_path: Path, args: list[str], sig: signal.Signals, running: int) -> tuple[int, str]:
-    """Run `energy search` in a subprocess, send it `sig` once `running` of its trials run: (status, stderr)."""
+def session_processes(sid: int) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "sid=,pid=,args="], capture_output=True, text=True).stdout
+    return [line.strip() for line in ps.splitlines() if line.split() and line.split()[0] == str(sid)]
+
+
+def signal_search(tmp_path: Path, args: list[str], sig: signal.Signals, running: int,
+                  calls: Path | None = None) -> tuple[int, str]:
+    """Run `energy search` in a subprocess, send it `sig` once `running` of its trials run (and, with `calls`,
+    have begun training: the toy's `calls` file): (status, stderr). It must leave no process behind (workers,
+    a Ray runtime it started: all in its session)."""
     journal = args[args.index("--storage") + 1]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 60
         while time.time() < deadline:  # wait for the trials to run (4 steps of 1 s)
             with contextlib.suppress(UserError):  # the study may not be there yet
-                if sum(t.state == TrialState.RUNNING for t in load_study(journal, "toy").trials) >= running:
+                if (sum(t.state == TrialState.RUNNING for t in load_study(journal, "toy").trials) >= running
+                        and (calls is None or (calls.exists() and len(calls.read_text().splitlines()) >= running))):
                     break
             time.sleep(0.2)
         proc.send_signal(sig)
@@ -177,6 +186,10 @@ def signal_search(tmp_path: Path, args: list[str], sig: signal.Signals, running:
     finally:
         if proc.poll() is None:
             proc.kill()
+    deadline = time.time() + 10
+    while session_processes(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not session_processes(proc.pid), session_processes(proc.pid)
     return proc.returncode, err
 
 
@@ -192,14 +205,18 @@ def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path) -> None:
     assert (s["finished"], s["completed"], s["lost"]) == (1, 1, 1)  # the interrupted trial ran again, once
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigterm_hands_the_trials_back_writes_the_report_and_exits_143(tmp_path: Path, workers: int) -> None:
+@pytest.mark.parametrize("backend, workers", [("local", 1), ("local", 2), ("ray", 1)])
+def test_sigterm_hands_the_trials_back_writes_the_report_and_exits_143(tmp_path: Path, backend: str,
+                                                                       workers: int) -> None:
     """A batch scheduler's SIGTERM (to the driver only) acts as Ctrl-C: the running trials are `interrupted`
-    (retried, not held against them as `lost` would be), the report is written, and the status is 143."""
-    journal = tmp_path / "s.journal"
-    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--trials", str(workers), "--storage",
-            str(journal), "--workers", str(workers)]
-    code, err = signal_search(tmp_path, args, signal.SIGTERM, running=workers)
+    (retried, not held against them as `lost` would be), the report is written, and the status is 143. On Ray
+    too, whose own SIGTERM handler exited with status 1, no report (and a runtime it started is shut down)."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    journal, calls = tmp_path / "s.journal", tmp_path / "calls.txt"
+    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=1", "--set", f"calls={calls}", "--trials",
+            str(workers), "--storage", str(journal), "--workers", str(workers), "--backend", backend]
+    code, err = signal_search(tmp_path, args, signal.SIGTERM, running=workers, calls=calls)
     assert code == 143, err[-2000:]
     assert "interrupted: run the same command again" in err and "Traceback" not in err
     assert (tmp_path / "report.html").exists()

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -29,6 +30,7 @@ from energydsl.errors import UserError
 from energydsl.search.local import (
     MAX_RETRIES,
     Heartbeat,
+    Terminated,
     find_same,
     free_memory,
     make_sampler,
@@ -309,8 +311,8 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
             seed: int | None, address: str | None, gpus_per_trial: float,
             cpus_per_trial: float) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
-    # Tune installs its own SIGINT handler (and Ray its SIGTERM one) and leaves them: the caller's come back,
-    # so that Ctrl-C in what runs after a search in this process (a training, a second search) is its own
+    # Tune installs its own SIGINT handler (and Ray its SIGTERM one, _run_ray ours) and leaves them: the caller's
+    # come back, so that Ctrl-C in what runs after a search in this process (a training, a second search) is its own
     with handlers_restored(signal.SIGINT, signal.SIGTERM):
         return _run_ray(ref, space, study, storage_spec, target=target, deadline=deadline, workers=workers,
                         sampler=sampler, pruner=pruner, device=device, seed=seed, address=address,
@@ -358,6 +360,15 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
             # "local": a runtime of our own, never a cluster someone else started on this machine
             ray.init(address="local", num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
                      log_to_driver=False, logging_level=logging.WARNING)
+    sigterm: list[int] = []
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        sigterm.append(signum)
+        raise Terminated(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM as the local backend takes it (Ray's handler, set by ray.init, exits with status 1, no report)
+        signal.signal(signal.SIGTERM, on_sigterm)
     tune_log = logging.getLogger("ray.tune")
     level = tune_log.level
     searcher = None
@@ -377,6 +388,10 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
         (base / "ray").mkdir(parents=True, exist_ok=True)
         with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log):
             tuner.fit()  # Tune prints tables: keep them off stdout (JSON) and off the live panel
+    except KeyboardInterrupt as e:  # Ray's wait (C++) turns a Terminated raised in it into a KeyboardInterrupt
+        if sigterm and not isinstance(e, Terminated):
+            raise Terminated(sigterm[0]) from None
+        raise
     finally:
         tune_log.setLevel(level)
         requeued = searcher.abandon_unfinished() if searcher is not None else 0
