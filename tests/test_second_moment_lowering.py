@@ -86,6 +86,9 @@ def test_lowered_equals_generic(case: str, text: str, dims: dict, second: str | 
     lowered = module_source(derived.program, derived.equation_hash(), lowering=True)
     generic = module_source(derived.program, derived.equation_hash(), lowering=False)
     assert ("second moment from the weights" in lowered) == (second is not None)
+    if second is not None:  # the T x T weights are computed once, for the attentions and the second moment
+        forward = lowered[lowered.index("def forward"):]
+        assert forward.count("masked_softmax(") == 1 and "softmax_attention(" not in forward
     assert "masked_reduce" not in lowered  # no masked T x T (x d) reduction is left
     assert "masked_reduce" in generic
     torch.manual_seed(0)

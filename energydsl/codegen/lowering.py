@@ -77,9 +77,18 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     scale_src = sympy_src(sc.scale, em.scalars)
     bias = _score_bias(em, sc, heads, j) or "None"
     qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j), (v, j)))
+    from .second_order import canonical_softmax
+
+    sm = canonical_softmax(em, both[0], j)
+    weights = step_cache(em).get(("softmax weights", sm, info.strict, heads))
+    if weights is not None:  # a second moment over these scores already has the T x T weights
+        out = _from_bhtd(em, f"({weights} @ {vc})", heads, 1, "softmax-weighted sum over j: p @ v")
+        return _unflat(em, _apply_maps(em, maps, out), e.shape)
     em.used_ops.add("softmax_attention")
     code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
     out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
+    step_cache(em).setdefault(("torch attention calls", sm, info.strict), []).append(TorchAttentionCall(
+        em.lines, code, qc, kc, vc, scale_src, None if bias == "None" else bias, heads))
     return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 
@@ -248,6 +257,21 @@ class AttentionCall:
     args: list[str]  # its arguments: q, k, v, then keywords
     heads: tuple[str, ...]
     lse: str | None = None  # set once the call is rewritten to return the log-sum-exp too
+
+
+@dataclass
+class TorchAttentionCall:
+    """A `softmax_attention` call already emitted (torch backend): a second moment over the same scores, which
+    needs the T x T weights anyway, computes them before the first such call and turns each into `p @ v`."""
+
+    lines: list[str]
+    call: str  # exactly as in the line
+    q: str
+    k: str
+    v: str
+    scale: str
+    bias: str | None
+    heads: tuple[str, ...]
 
 
 _STEP_CACHE = ("lowering: per-step cache",)

@@ -16,7 +16,8 @@ summand that fits no primitive as written is expanded into monomials, each rewri
 Scores are expanded alike (|q - k|² = |q|² - 2 q·k + |k|²: |q|² is constant over j and dropped, |k|² is a
 per-key bias), so every term of one update shares one canonical softmax, one first-order attention and, in
 the triton backend, its row log-sum-exp. The torch backend computes the second moment from the T x T
-weights per head, (p ∘ (U Xᵀ)) Y: no T x T x d tensor.
+weights per head, (p ∘ (U Xᵀ)) Y: no T x T x d tensor. It computes those weights once: the first-order
+attentions over the same scores become p @ v instead of calls of their own.
 """
 
 from __future__ import annotations
@@ -165,6 +166,10 @@ def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, 
     hit = step_cache(em).get(key)
     if hit is not None:
         return hit
+    shared = _weights_before_attention(em, sm, strict, heads)
+    if shared is not None:
+        step_cache(em)[key] = shared
+        return shared
     qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j)))
     scores = f"{sympy_src(sc.scale, em.scalars)} * ({qc} @ {kc}.transpose(-1, -2))"
     if sc.bias_terms:
@@ -180,6 +185,27 @@ def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, 
                "softmax weights p_ij (B, H, T, T)")
     step_cache(em)[key] = p.code
     return p.code
+
+
+def _weights_before_attention(em: Emitter, sm: ir.Softmax, strict: bool, heads: tuple[str, ...]) -> str | None:
+    """p_ij written just before the first `softmax_attention` call over the same scores, and each such call
+    turned into `p @ v`: the torch backend computes the weights once for the attentions and the second moment."""
+    calls = [c for c in step_cache(em).get(("torch attention calls", sm, strict), [])
+             if c.lines is em.lines and c.heads == heads]
+    at = [next((n for n, line in enumerate(em.lines) if c.call in line), None) for c in calls]
+    if not calls or None in at:
+        return None
+    first = calls[at.index(min(at))]
+    p = _fresh(em)
+    for c, n in zip(calls, at, strict=True):
+        em.lines[n] = em.lines[n].replace(c.call, f"({p} @ {c.v})", 1).replace(": fused attention", ": p @ v")
+    bias = f" + {first.bias}" if first.bias else ""
+    em.used_ops.add("masked_softmax")
+    em.lines.insert(min(at), f"{p} = masked_softmax({first.scale} * ({first.q} @ {first.k}.transpose(-1, -2)){bias}, "
+                             f"{'mask_strict' if strict else 'mask'}, dim=-1)  # softmax weights p_ij (B, H, T, T), "
+                             "for the attention and the second moment")
+    del step_cache(em)[("torch attention calls", sm, strict)]
+    return p
 
 
 def _softmax_mass(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:

@@ -249,7 +249,8 @@ class ModuleWriter:
 
             self.equations = Derived(spec, prog).equations("text")
         equations = self.equations.split("\n", 1)[1]  # below the header, which the first doc line replaces
-        ops = sorted(used & (set(OPS) | {"causal_masks"}))
+        code = "\n".join(fwd)  # an op whose call a later rewrite removed (attention turned p @ v) is not imported
+        ops = sorted(op for op in used & (set(OPS) | {"causal_masks"}) if re.search(rf"\b{op}\(", code))
         imports = ["import torch", "import torch.nn.functional as F", "from torch import nn",
                    "from energydsl.runtime.inputs import check_inputs"]
         if ops:
