@@ -268,11 +268,13 @@ class Spec:
         A block of one summed stage (`block B = Attention + FF`) may be named too: its energies are summed
         under the first one's optimizer, as a model's layer runs them."""
         if name in self.syntax.blocks:
-            stages = self.block(name, **dims)
+            from .composition import expand_block
+
+            stages = expand_block(self.syntax, name, dims)  # resolved, not derived: a pipeline is refused first
             if len(stages) != 1:
                 raise SpecError(f"block `{name}` is a pipeline of {len(stages)} stages, not one energy", None,
                                 f"use .block(\"{name}\") for each stage's derivation")
-            return stages[0]
+            return derive(stages[0].decl, stages[0].dims)
         decl = self.syntax.energies[self._pick(name, self.energy_names, ("energy", "energies"), self.syntax.energies)]
         spec = lower_energy(decl, dims)
         return Derived(spec, build_program(spec))

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -311,6 +312,16 @@ def test_a_block_derives_as_its_summed_energy() -> None:
     assert res.returncode == 0 and "∇_g F_sum" in res.stdout
     res = run_cli("derive", "examples/models/nrgpt.energy", "--name", "NRGPTBlock", "--set", "zz=3")
     assert res.returncode == 2 and "`zz` is not a dim of any energy in block `NRGPTBlock`" in res.stderr
+
+
+def test_a_pipeline_block_is_refused_as_one_energy_before_anything_is_derived(monkeypatch) -> None:
+    import energydsl.api as api
+
+    text = (Path("examples/models/gpt.energy").read_text().split("model GPT")[0]
+            + "block Layer = MHA(d) -> MLP(d)\n")
+    monkeypatch.setattr(api, "derive", lambda *a, **k: pytest.fail("derived a stage of a refused block"))
+    with pytest.raises(SpecError, match="block `Layer` is a pipeline of 2 stages, not one energy"):
+        load(text).energy("Layer", d=8)
 
 
 def test_a_leaf_is_not_folded_into_a_name() -> None:
