@@ -22,6 +22,7 @@ import traceback
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import optuna
 from optuna.trial import TrialState
@@ -311,7 +312,7 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
             seed: int | None, address: str | None, gpus_per_trial: float,
             cpus_per_trial: float) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
-    # Tune installs its own SIGINT handler (and Ray its SIGTERM one, _run_ray ours) and leaves them: the caller's
+    # Tune may install its own SIGINT handler (and Ray its SIGTERM one, _run_ray ours) and leave them: the caller's
     # come back, so that Ctrl-C in what runs after a search in this process (a training, a second search) is its own
     with handlers_restored(signal.SIGINT, signal.SIGTERM):
         return _run_ray(ref, space, study, storage_spec, target=target, deadline=deadline, workers=workers,
@@ -386,9 +387,12 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
         )
         tune_log.setLevel(logging.WARNING)
         (base / "ray").mkdir(parents=True, exist_ok=True)
-        with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log):
+        # Ctrl-C as on the local backend: a KeyboardInterrupt. Tune's own SIGINT handler (set in `fit` unless
+        # this variable is 1) would end the run quietly, `fit` returning as if the search were done
+        with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log), \
+                mock.patch.dict(os.environ, {"TUNE_DISABLE_SIGINT_HANDLER": "1"}):
             tuner.fit()  # Tune prints tables: keep them off stdout (JSON) and off the live panel
-    except KeyboardInterrupt as e:  # Ray's wait (C++) turns a Terminated raised in it into a KeyboardInterrupt
+    except KeyboardInterrupt as e:  # Ctrl-C; or SIGTERM's Terminated, which Ray's wait (C++) may turn into a plain one
         if sigterm and not isinstance(e, Terminated):
             raise Terminated(sigterm[0]) from None
         raise
