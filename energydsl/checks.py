@@ -555,6 +555,11 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
     spec = prog.spec
     out = []
     for what, (expr, span) in spec.expects.items():
+        want = prog.point.shape if what == "gradient" else spec.state.shape
+        if expr.shape and not ir.same_shape(expr.shape, want):  # a scalar stands for every entry
+            out.append(CheckResult("expect", "fail", f"`expect {what}` at {span} has shape "
+                                   f"{ir.fmt_shape(expr.shape)}, the {what} {ir.fmt_shape(want)}"))
+            continue
         worst, where = _Worst(f"the derived {what}", f"the expected {what}"), None
         for seed in SEEDS + (5, 6):
             inst = random_instance(prog, seed=seed)
@@ -568,7 +573,8 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
             if spec.via is not None:
                 at[spec.via[0].name] = _point_value(prog, inst, inst.x) if prog.point is not spec.state else \
                     eval_tokens(spec, spec.via[1], inst, {spec.state.name: inst.x})
-            expected = eval_tokens(spec, expr, inst, at).expand_as(derived)
+            expected = eval_tokens(spec, expr, inst, at)
+            expected = expected.reshape(*expected.shape, *(1,) * (derived.dim() - expected.dim())).expand_as(derived)
             if worst.add(derived, expected, seed) and worst.not_finite is None:
                 flat = (derived - expected).abs().reshape(derived.shape[0], derived.shape[1], -1).amax(-1)
                 b, t = divmod(int(flat.argmax()), derived.shape[1])

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 
@@ -139,7 +140,7 @@ def check(
             table.add_column("detail", overflow="fold")
             marks = {"ok": "[green]✓[/]", "fail": "[red]✗[/]", "warn": "[yellow]![/]", "skip": "[dim]–[/]"}
             for r in results:
-                table.add_row(r.name, marks[r.status], r.detail)
+                table.add_row(r.name, marks[r.status], Text(r.detail))  # as written: `[m]` is not markup
             out.print(table)
         out.print(f"[{'green' if file_ok else 'red'}]{path}: {'ok' if file_ok else 'FAILED'}[/] ({seconds:.2f} s)\n")
     if not all_ok:
