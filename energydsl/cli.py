@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -423,9 +424,9 @@ def sample(
     from .training.sampling import codec_from_json, load_checkpoint
     from .training.sampling import sample as generate
 
-    if tokens < 0 or temperature <= 0 or (top_k is not None and top_k < 1):
-        raise UserError(f"--tokens must be >= 0, --temperature > 0 and --top-k >= 1; got {tokens}, {temperature:g} "
-                        f"and {top_k}")
+    if tokens < 0 or not temperature > 0 or math.isinf(temperature) or (top_k is not None and top_k < 1):
+        raise UserError(f"--tokens must be >= 0, --temperature finite and > 0 and --top-k >= 1; got {tokens}, "
+                        f"{temperature:g} and {top_k}")
     state, meta = load_checkpoint(checkpoint)
     if "model" not in meta:
         raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")

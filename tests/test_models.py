@@ -414,6 +414,8 @@ def test_every_model_example_trains_one_step(path: str) -> None:
     ([[1, 2]], "idx must be token ids (batch, seq) of an integer dtype, got list"),
     (torch.zeros(2, 0, dtype=torch.long), "idx has no tokens"),
     (torch.zeros(2, 17, dtype=torch.long), "sequence of length 17 is longer than the model's context 16"),
+    (torch.tensor([[100, 1]]), "token ids must be in [0, 65); got ids from 1 to 100"),
+    (torch.tensor([[-1, 1]]), "token ids must be in [0, 65); got ids from -1 to 1"),
 ])
 def test_a_model_names_what_is_wrong_with_its_token_ids(idx, message: str) -> None:
     model = energydsl.load(ROOT / "examples/models/gpt.energy").model(d=16, layers=1, heads=2, context=16)

@@ -159,7 +159,8 @@ def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeyp
     assert out.startswith("the") and len(out.rstrip("\n")) == 8
 
 
-@pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--top-k", "0"]])
+@pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--temperature", "nan"],
+                                  ["--temperature", "inf"], ["--top-k", "0"]])
 def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):
     code, _, err = energy(monkeypatch, capsys, "sample", str(tmp_path), *flag)
     assert code == 2 and "--tokens must be >= 0" in err
