@@ -16,17 +16,26 @@ Checks, per energy:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 
 from . import ir, sympy_instance
-from .calculus import directional, gradient, substitute_var
-from .evaluate import Value, _merge
+from .calculus import directional
 from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
-from .optimizers import UpdateProgram, head_split, linear_map, weighted_sums
+from .optimizers import UpdateProgram
+from .replay import (
+    autograd_gradient,
+    autograd_hvp,
+    covariances,
+    energy_at_point,
+    energy_of_state,
+    point_value,
+    replayed_direction,
+    scalar_value,
+)
 
 TOL = 1e-9
 SEEDS = (0, 1, 2)
@@ -110,31 +119,12 @@ class _Worst:
         return CheckResult(name, "ok" if self.passed(tol) else "fail", detail, self.error)
 
 
-def _point_value(prog: UpdateProgram, inst: Instance, x: torch.Tensor) -> torch.Tensor:
-    spec = prog.spec
-    if prog.point is spec.state:
-        return x
-    return eval_tokens(spec, spec.via[1], inst, {spec.state.name: x})
-
-
-def _energy_at_point(prog: UpdateProgram) -> ir.Expr:
-    """F in the variable the optimizer moves: the state (F(N(x)) under `via`), or `u` itself under `wrt u`."""
-    return _energy_of_state(prog) if prog.point is prog.spec.state else prog.spec.energy
-
-
-def _autograd_gradient(prog: UpdateProgram, inst: Instance, at: torch.Tensor) -> torch.Tensor:
-    p = at.clone().requires_grad_(True)
-    f = eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p})
-    (g,) = torch.autograd.grad(f.sum(), p)
-    return g
-
-
 def check_gradient(prog: UpdateProgram) -> CheckResult:
     worst = _Worst("the derived ∇F", "autograd's ∇F")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
-        at = _point_value(prog, inst, inst.x)
-        g_auto = _autograd_gradient(prog, inst, at)
+        at = point_value(prog, inst, inst.x)
+        g_auto = autograd_gradient(prog, inst, at)
         g_derived = eval_tokens(prog.spec, prog.gradient, inst, {prog.point.name: at})
         worst.add(g_derived, g_auto, seed)
     return worst.result("gradient", TOL, f"derived ∇F = autograd, {len(SEEDS)} seeds "
@@ -185,30 +175,13 @@ def _to_tensor(v) -> torch.Tensor:
     return torch.tensor(float(v), dtype=torch.float64)
 
 
-def _grad_and_hvp(f: torch.Tensor, p: torch.Tensor
-                  ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """autograd's ∇ of Σ f at the leaf p, and v ↦ H v by double backward (the graph kept for several products
-    and for other energies of the same evaluation)."""
-    (g,) = torch.autograd.grad(f.sum(), p, create_graph=True, retain_graph=True)
-    if not g.requires_grad:  # f is linear in the point: H = 0
-        return g.detach(), torch.zeros_like
-    return g.detach(), lambda v: torch.autograd.grad((g * v.detach()).sum(), p, retain_graph=True)[0]
-
-
-def _autograd_hvp(prog: UpdateProgram, inst: Instance, at: torch.Tensor
-                  ) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """autograd's ∇F at `at`, and v ↦ H v."""
-    p = at.clone().requires_grad_(True)
-    return _grad_and_hvp(eval_tokens(prog.spec, _energy_at_point(prog), inst, {prog.point.name: p}), p)
-
-
 def check_hessian(prog: UpdateProgram) -> CheckResult | None:
     if prog.spec.optimizer.kind != "newton":
         return None
     worst = _Worst("the derived Hessian-vector product", "autograd's double backward")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
-        at = _point_value(prog, inst, inst.x)
+        at = point_value(prog, inst, inst.x)
         g = torch.Generator().manual_seed(seed + 100)
         v = torch.randn(at.shape, generator=g, dtype=at.dtype)
         vname = "hvp_direction"
@@ -216,133 +189,9 @@ def check_hessian(prog: UpdateProgram) -> CheckResult | None:
         hv_expr = directional(prog.gradient, prog.point, vvar)
         inst.params[vname] = v
         hv = evaluate_on(prog.spec, hv_expr, inst, {prog.point.name: at, vname: v}).tensor.expand_as(at)
-        worst.add(hv, _autograd_hvp(prog, inst, at)[1](v), seed)
+        worst.add(hv, autograd_hvp(prog, inst, at)[1](v), seed)
     return worst.result("hessian", TOL, f"Hessian-vector products = autograd double backward "
                         f"(rel. error {worst.error:.1e})")
-
-
-def _neumann_replay(g: torch.Tensor, hvp: Callable[[torch.Tensor], torch.Tensor], lam: float,
-                    taylor: int) -> torch.Tensor:
-    """Σ_{r=0}^{taylor} (I − (H + λI))^r g."""
-    d = term = g
-    for _ in range(taylor):
-        term = term - hvp(term) - lam * term
-        d = d + term
-    return d
-
-
-def _apply_preconditioner(kind: str, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """P d with P evaluated as declared: a (.., n, n) matrix, or for `scalar` softplus(P_s) I on any state."""
-    if kind == "scalar":
-        p = p.reshape(*p.shape[:2], -1)[..., 0]
-        return p.reshape(*p.shape[:2], *(1,) * (d.dim() - 2)) * d
-    flat = d.reshape(*d.shape[:2], -1, 1)
-    return (p.expand(*d.shape[:2], *p.shape[2:]) @ flat).reshape(d.shape)
-
-
-def _head(v: Value, k: str, h: int) -> torch.Tensor:
-    """Head h of a value laid out over the head index k (the whole value when it does not vary with k)."""
-    return v.tensor.select(2 + v.idx.index(k), h) if k in v.idx else v.tensor
-
-
-def _replayed_direction(prog: UpdateProgram, inst: Instance, x: torch.Tensor) -> torch.Tensor:
-    """The direction at state x from autograd alone: ∇F, for newton Σ_{r=0}^{taylor} (I − (H + λI))^r ∇F
-    with autograd's Hessian-vector products, then the preconditioner's matrix as the energy declares it."""
-    spec, opt = prog.spec, prog.spec.optimizer
-    at = _point_value(prog, inst, x)
-    if opt.precondition == "covariance":
-        return _replayed_covariance(prog, inst, x, at)
-    if opt.per_head and (opt.kind == "newton" or opt.precondition):
-        return _replayed_per_head(prog, inst, x, at)
-    if opt.kind == "newton":
-        g, hvp = _autograd_hvp(prog, inst, at)
-        d = _neumann_replay(g, hvp, _scalar(inst, opt.hyper["damping"].symbol), int(opt.hyper["taylor"].value))
-    else:
-        d = _autograd_gradient(prog, inst, at)
-    if prog.preconditioner is not None:
-        p = evaluate_on(spec, prog.preconditioner, inst, {spec.state.name: x, prog.point.name: at}).tensor
-        d = _apply_preconditioner(opt.precondition, p, d)
-    return d
-
-
-def _replayed_per_head(prog: UpdateProgram, inst: Instance, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """`per head`: c Σ_k D_k, each D_k from autograd on the head's own energy F_k alone.
-
-    For newton, head k sees the point z through q = A_k z. With M = (A Aᵀ)⁻¹, its coordinates' gradient and
-    Hessian follow from autograd's in z, ∇_q = M A ∇_z and H_q = M A H_z Aᵀ M (A of full row rank), and the
-    Neumann series in q is mapped back by Aᵀ M. Each head's preconditioner multiplies its own term."""
-    spec, opt = prog.spec, prog.spec.optimizer
-    split = head_split(_energy_at_point(prog))
-    assert split is not None  # build_program refused the spec otherwise
-    coef, k, body = split
-    p = at.clone().requires_grad_(True)
-    energies = evaluate_on(spec, body, inst, {prog.point.name: p})
-    assert energies.idx == (k,), energies.idx
-    per_token = energies.tensor.expand(*at.shape[:2], -1)
-    bound = {spec.state.name: x, prog.point.name: at}
-    maps = evaluate_on(spec, linear_map(body, prog.point), inst, bound) if opt.kind == "newton" else None
-    pre = evaluate_on(spec, prog.preconditioner, inst, bound) if prog.preconditioner is not None else None
-    total = torch.zeros_like(at)
-    for h in range(per_token.shape[-1]):
-        d, hvp = _grad_and_hvp(per_token[..., h], p)
-        if maps is not None:
-            a = _head(maps, k, h)
-            m_a = torch.linalg.solve(a @ a.mT, a)  # M A
-
-            def from_q(w: torch.Tensor, m_a: torch.Tensor = m_a) -> torch.Tensor:
-                return (m_a.mT @ w.unsqueeze(-1)).squeeze(-1)  # Aᵀ M w (M is symmetric)
-
-            def to_q(v: torch.Tensor, m_a: torch.Tensor = m_a) -> torch.Tensor:
-                return (m_a @ v.unsqueeze(-1)).squeeze(-1)
-
-            d = from_q(_neumann_replay(to_q(d), lambda w, hvp=hvp: to_q(hvp(from_q(w))),
-                                       _scalar(inst, opt.hyper["damping"].symbol),
-                                       int(opt.hyper["taylor"].value)))
-        if pre is not None:
-            d = _apply_preconditioner(opt.precondition, _head(pre, k, h), d)
-        total = total + d
-    return float(evaluate_on(spec, coef, inst, bound).tensor.reshape(-1)[0]) * total
-
-
-def _covariances(prog: UpdateProgram, inst: Instance, bound: dict[str, torch.Tensor], e: ir.Expr
-                 ) -> list[tuple[ir.Expr, torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, ...]]]:
-    """For each softmax-weighted sum v̄ = Σ_j p_j v_j in e: (its node, v̄, Cov_p(v), τ, v̄'s free indices), evaluated
-    from the energy's own weights and values, the covariance as the explicit Σ_j p_j v_j v_jᵀ − v̄ v̄ᵀ."""
-    spec = prog.spec
-    tau_param = prog.params["P_tau"]
-    tau_expr = ir.Index(ir.Var("P_tau", "param", tau_param.shape), prog.head_index) if tau_param.shape \
-        else ir.Scalar(spec.scalar_params["P_tau"])  # per head: one τ per head
-    out = []
-    for node, p, v in weighted_sums(e):
-        idx, (w, values, tau) = _merge(*(evaluate_on(spec, part, inst, bound) for part in (p, v, tau_expr)))
-        j = 2 + idx.index(node.index)
-        w = w.unsqueeze(-1)
-        vbar = (w * values).sum(j)
-        cov = (w.unsqueeze(-1) * values.unsqueeze(-1) * values.unsqueeze(-2)).sum(j) - \
-            vbar.unsqueeze(-1) * vbar.unsqueeze(-2)
-        out.append((node, vbar, cov, tau.sum(j), tuple(i for i in idx if i != node.index)))
-    return out
-
-
-def _replayed_covariance(prog: UpdateProgram, inst: Instance, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """`precondition covariance`: the gradient (per head: c Σ_k ∇F_k) with each softmax-weighted sum v̄ replaced by
-    (I + τ Cov_p(v)) v̄, computed here with the covariance as an explicit matrix."""
-    spec, opt = prog.spec, prog.spec.optimizer
-    plain = prog.gradient
-    if opt.per_head:
-        coef, k, body = head_split(_energy_at_point(prog))
-        plain = ir.mul(coef, ir.reduce("sum", k, gradient(body, prog.point, keep=frozenset([k]))))
-    tensors = {spec.state.name: x, prog.point.name: at}
-    mapping: dict[ir.Expr, ir.Expr] = {}
-    for n, (node, vbar, cov, tau, free) in enumerate(_covariances(prog, inst, tensors, plain)):
-        name = f"covariance_replay_{n}"
-        preconditioned = vbar + tau.unsqueeze(-1) * (cov @ vbar.unsqueeze(-1)).squeeze(-1)
-        tensors[name] = preconditioned.expand(*at.shape[:2], *preconditioned.shape[2:])
-        value: ir.Expr = ir.Var(name, "leaf", tuple(spec.indices[i].size for i in free) + tuple(node.shape))
-        for i in free:  # the leading axes are v̄'s free indices, in order
-            value = ir.Index(value, i)
-        mapping[node] = value
-    return eval_tokens(spec, ir.substitute(plain, mapping), inst, tensors)
 
 
 def check_update(prog: UpdateProgram) -> CheckResult:
@@ -355,16 +204,16 @@ def check_update(prog: UpdateProgram) -> CheckResult:
     worst = _Worst("the derived update", "the optimizer replayed on autograd")
     for seed in SEEDS:
         inst = random_instance(prog, seed=seed)
-        eta = float(_scalar(inst, opt.hyper["eta"].symbol))
-        beta = float(_scalar(inst, opt.hyper["beta"].symbol)) if "beta" in opt.hyper else 0.0
+        eta = float(scalar_value(inst, opt.hyper["eta"].symbol))
+        beta = float(scalar_value(inst, opt.hyper["beta"].symbol)) if "beta" in opt.hyper else 0.0
         x = inst.x
         m = torch.zeros_like(x)
         for _ in range(opt.steps):
             if opt.kind in ("gd", "newton"):
-                x = x - eta * _replayed_direction(prog, inst, x)
+                x = x - eta * replayed_direction(prog, inst, x)
             else:
                 at = x - beta * m if opt.kind == "nag" else x
-                m = beta * m + _replayed_direction(prog, inst, at)
+                m = beta * m + replayed_direction(prog, inst, at)
                 x = x - eta * m
         worst.add(run_program(prog, inst, tied=True), x, seed)
     what = opt.kind + (" per head" if opt.per_head else "") + \
@@ -383,7 +232,7 @@ def check_own_token(prog: UpdateProgram) -> CheckResult | None:
     inst = random_instance(prog, seed=0)
     x = inst.context.clone()
     where = "where the state is its own context token (as at a model layer's first step)"
-    bad = _non_finite(eval_tokens(spec, _energy_of_state(prog), inst, {spec.state.name: x}))
+    bad = _non_finite(eval_tokens(spec, energy_of_state(prog), inst, {spec.state.name: x}))
     if bad is not None:
         return CheckResult("own token", "fail", f"the energy is {bad} {where}")
     for label, tied in [("update", True)] + ([("untied update", False)] if spec.untie_rules else []):
@@ -392,11 +241,6 @@ def check_own_token(prog: UpdateProgram) -> CheckResult | None:
             return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
                                "differentiable there (a norm of a difference that is not squared?)")
     return CheckResult("own token", "ok", f"energy and update finite {where}")
-
-
-def _scalar(inst: Instance, sym) -> float:
-    v = inst.scalars[sym]
-    return float(v)
 
 
 def check_causality(prog: UpdateProgram) -> CheckResult | None:
@@ -428,8 +272,8 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     inst = random_instance(prog, seed=4)
     # the step is applied to x, so descent is judged on F as a function of x: under `via` (with or
     # without `wrt u`) that is F(N(x)), never the spec's F(u), which the state's value cannot bind
-    energy = _energy_of_state(prog)
-    at = _point_value(prog, inst, inst.x)
+    energy = energy_of_state(prog)
+    at = point_value(prog, inst, inst.x)
     d = eval_tokens(spec, prog.tied_direction, inst, {spec.state.name: inst.x})
     f0 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x})
     eps = 1e-6
@@ -444,7 +288,7 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     for s in range(4):
         v = torch.randn(at.shape, generator=torch.Generator().manual_seed(50 + s), dtype=at.dtype)
         p = at.clone().requires_grad_(True)
-        f = eval_tokens(spec, _energy_at_point(prog), inst, {prog.point.name: p})
+        f = eval_tokens(spec, energy_at_point(prog), inst, {prog.point.name: p})
         (gr,) = torch.autograd.grad(f.sum(), p, create_graph=True)
         if not gr.requires_grad:  # F is linear in the state: zero curvature
             curv.append(0.0)
@@ -463,14 +307,6 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         return CheckResult("descent", "warn", "small steps descend, but F is concave along every probed direction: "
                            "unbounded below, no minimum (each step is one descent step, not a solve)")
     return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
-
-
-def _energy_of_state(prog: UpdateProgram) -> ir.Expr:
-    """F as a function of the state: `u` replaced by N(x) under `via`, as `build_program` does without `wrt u`."""
-    spec = prog.spec
-    if spec.via is None:
-        return spec.energy
-    return substitute_var(spec.energy, spec.via[0].name, spec.via[0].role, spec.via[1])
 
 
 def check_definite(prog: UpdateProgram) -> CheckResult | None:
@@ -509,9 +345,8 @@ def _covariance_definite(prog: UpdateProgram) -> CheckResult:
     worst_min = float("inf")
     for seed in range(8):
         inst = random_instance(prog, seed=seed, scale=1.5)
-        at = _point_value(prog, inst, inst.x)
-        plain = prog.gradient
-        for _, _, cov, _, _ in _covariances(prog, inst, {spec.state.name: inst.x, prog.point.name: at}, plain):
+        at = point_value(prog, inst, inst.x)
+        for _, _, cov, _, _ in covariances(prog, inst, {spec.state.name: inst.x, prog.point.name: at}, prog.gradient):
             where = _non_finite(cov)
             if where is not None:
                 return CheckResult("definite", "fail", f"not finite: Cov_p(v) is {where}, seed {seed}")
@@ -568,10 +403,10 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
             elif what == "direction":
                 derived = eval_tokens(spec, prog.tied_direction, inst, {spec.state.name: inst.x})
             else:
-                derived = eval_tokens(spec, prog.gradient, inst, {prog.point.name: _point_value(prog, inst, inst.x)})
+                derived = eval_tokens(spec, prog.gradient, inst, {prog.point.name: point_value(prog, inst, inst.x)})
             at = {spec.state.name: inst.x}
             if spec.via is not None:
-                at[spec.via[0].name] = _point_value(prog, inst, inst.x) if prog.point is not spec.state else \
+                at[spec.via[0].name] = point_value(prog, inst, inst.x) if prog.point is not spec.state else \
                     eval_tokens(spec, spec.via[1], inst, {spec.state.name: inst.x})
             expected = eval_tokens(spec, expr, inst, at)
             expected = expected.reshape(*expected.shape, *(1,) * (derived.dim() - expected.dim())).expand_as(derived)

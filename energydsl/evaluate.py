@@ -70,7 +70,7 @@ def _align(v: Value, idx: tuple[str, ...]) -> torch.Tensor:
     return t
 
 
-def _merge(*vals: Value) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+def merge_values(*vals: Value) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     idx = tuple(sorted(set().union(*(v.idx for v in vals))))
     out = [_align(v, idx) for v in vals]
     return idx, out
@@ -151,7 +151,7 @@ def _eval(e: Expr, env: Env) -> Value:
         case Add() | Mul():
             parts = e.terms if isinstance(e, Add) else e.factors
             vals = [evaluate(p, env) for p in parts]
-            idx, ts = _merge(*vals)
+            idx, ts = merge_values(*vals)
             rank = _shape_rank(e)
             ts = [_pad_rank(t, _shape_rank(p), rank) for t, p in zip(ts, parts)]
             out = ts[0]
@@ -164,7 +164,7 @@ def _eval(e: Expr, env: Env) -> Value:
             return Value(b.tensor ** ex, b.idx)
         case MatMul():
             a, b = evaluate(e.a, env), evaluate(e.b, env)
-            idx, (ta, tb) = _merge(a, b)
+            idx, (ta, tb) = merge_values(a, b)
             if len(e.b.shape) == 1:
                 out = (ta @ tb.unsqueeze(-1)).squeeze(-1)
             elif len(e.a.shape) == 1:
@@ -174,12 +174,12 @@ def _eval(e: Expr, env: Env) -> Value:
             return Value(out, idx)
         case Dot():
             a, b = evaluate(e.a, env), evaluate(e.b, env)
-            idx, (ta, tb) = _merge(a, b)
+            idx, (ta, tb) = merge_values(a, b)
             n = len(e.a.shape)
             return Value((ta * tb).sum(dim=tuple(range(-n, 0))), idx)
         case Outer():
             a, b = evaluate(e.a, env), evaluate(e.b, env)
-            idx, (ta, tb) = _merge(a, b)
+            idx, (ta, tb) = merge_values(a, b)
             return Value(ta.unsqueeze(-1) * tb.unsqueeze(-2), idx)
         case Transpose():
             a = evaluate(e.a, env)
