@@ -226,9 +226,14 @@ class _Lowering(ExpressionLowering):
             raise SpecError(f"{what} must be a number", node.span, hint)
         v = e.value.subs({self.dim_symbols[k]: val for k, val in self.dim_values.items()})
         try:
-            return float(v)
+            out = float(v)
         except TypeError:
             raise SpecError(f"{what} must be a number", node.span, hint) from None
+        except OverflowError:
+            out = math.inf
+        if not math.isfinite(out):  # `1e300 * 1e300`: finite to SymPy, not to a float
+            raise SpecError(f"{what} is too large: {sp.Float(v, 4)}", node.span)
+        return out
 
     def _dim(self, c: ast.Clause) -> None:
         self.scope.declare(c.name, c.span)
@@ -313,11 +318,15 @@ class _Lowering(ExpressionLowering):
                 if name not in ("normal", "uniform", "zeros", "ones", "orthogonal"):
                     raise SpecError(f"unknown initialiser `{name}`", opt[3],
                                     "use normal(mean, std), uniform(a, b), zeros(), ones() or orthogonal()")
-                spec.init = (name, [self._constant(a, "an initialiser argument") for a in args])
+                spec.init = (name, self._init_args(name, args, opt[3], shape))
             elif kind == "value":
                 spec.init = ("value", opt[1])
             elif kind == "interval":
-                spec.constraint = ("interval", self._constant(opt[1], "a bound"), self._constant(opt[2], "a bound"))
+                lo, hi = self._constant(opt[1], "a bound"), self._constant(opt[2], "a bound")
+                if lo >= hi:
+                    raise SpecError(f"the interval ({_fmt_num(lo)}, {_fmt_num(hi)}) is empty: its lower bound must "
+                                    "be below its upper bound", opt[3])
+                spec.constraint = ("interval", lo, hi)
             elif kind == "flag":
                 if opt[1] == "fixed":
                     spec.learn = False
@@ -332,12 +341,50 @@ class _Lowering(ExpressionLowering):
             else:  # numbers and dims (`= sqrt(dh)`), evaluated at this instance's dims
                 spec.init = ("value", [self._constant(
                     node, "a param's initial value", "numbers and dims (`= sqrt(dh)`), or `= alibi_slopes(heads)`")])
+                self._check_in_constraint(spec, spec.init[1][0], node.span)
+        elif spec.init and spec.init[0] == "ones":
+            init_span = next(o[3] for o in c.extra["options"] if o[0] == "init")
+            self._check_in_constraint(spec, 1.0, init_span, " (`ones()`)")
         self.scope.params[c.name] = spec
         if not shape:
             sym = sp.Symbol(c.name, real=True)
             self.scalar_params[c.name] = sym
         else:
             self.scope.vars[c.name] = Var(c.name, "param", shape)
+
+    def _init_args(self, name: str, args: list[ast.Node], span: Span, shape: tuple) -> list[float]:
+        """An initialiser's arguments, checked as its implementation (`instance.init_param`) needs them."""
+        usage = {"normal": "normal(mean, std)", "uniform": "uniform(a, b)", "zeros": "zeros()", "ones": "ones()",
+                 "orthogonal": "orthogonal()"}[name]
+        arity = 2 if name in ("normal", "uniform") else 0
+        if len(args) != arity:
+            took = "no arguments" if arity == 0 else f"{arity} arguments"
+            raise SpecError(f"`{name}` takes {took}, but {len(args)} {'is' if len(args) == 1 else 'are'} given",
+                            span, f"write `~ {usage}`")
+        values = [self._constant(a, "an initialiser argument") for a in args]
+        if name == "normal" and values[1] < 0:
+            raise SpecError(f"the standard deviation of `normal(mean, std)` must be >= 0, not {_fmt_num(values[1])}",
+                            args[1].span)
+        if name == "uniform" and values[0] >= values[1]:
+            raise SpecError(f"`uniform(a, b)` needs a < b, not uniform({_fmt_num(values[0])}, "
+                            f"{_fmt_num(values[1])})", span)
+        if name == "orthogonal" and not shape:
+            raise SpecError("`orthogonal()` initialises a vector or a matrix, not a scalar param", span,
+                            "use `normal(mean, std)`, or `= value` for a scalar")
+        return values
+
+    @staticmethod
+    def _check_in_constraint(spec: ParamSpec, value: float, span: Span, what: str = "") -> None:
+        """An initial value that the energy sees must lie inside the param's constraint: it starts there."""
+        if spec.constraint and spec.constraint[0] == "interval":
+            lo, hi = spec.constraint[1], spec.constraint[2]
+            if not lo < value < hi:
+                raise SpecError(f"the initial value{what} {_fmt_num(value)} of `{spec.name}` is outside its interval "
+                                f"({_fmt_num(lo)}, {_fmt_num(hi)})", span,
+                                "a constrained param can only take values strictly inside its interval")
+        elif spec.constraint and spec.constraint[0] == "positive" and value <= 0:
+            raise SpecError(f"the initial value{what} {_fmt_num(value)} of `{spec.name}` is not positive", span,
+                            "a `positive` param can only take values > 0")
 
     def _let(self, c: ast.Clause) -> None:
         self.scope.declare(c.name, c.span)
@@ -406,7 +453,11 @@ class _Lowering(ExpressionLowering):
             for kw in pre.kwargs:
                 if kw.name not in kinds[pre.name]:
                     raise SpecError(f"`{pre.name}` has no option `{kw.name}`", kw.span)
-                spec.precondition_options[kw.name] = (self._constant(kw.value, f"`{kw.name}`"), kw.flag != "fixed")
+                value = self._constant(kw.value, f"`{kw.name}`")
+                if kw.name == "rank" and (value < 1 or value != int(value)):
+                    raise SpecError(f"`rank` must be a positive whole number, not {_fmt_num(value)}", kw.value.span,
+                                    "the number of columns of the low-rank factor: 1, 2, ...")
+                spec.precondition_options[kw.name] = (value, kw.flag != "fixed")
             if pre.name in ("dplr", "psd"):
                 spec.precondition_options.setdefault("rank", (1.0, True))
             if pre.name == "covariance":

@@ -8,6 +8,8 @@ context and the indices); shapes and indices are checked by the IR's smart const
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import TYPE_CHECKING
 
 import sympy as sp
@@ -41,12 +43,24 @@ class ExpressionLowering:
             out = self._expr(n)
         except ShapeError as e:
             raise SpecError(str(e), n.span) from None
-        if isinstance(out, ir.Scalar):  # checked where it first goes wrong: the innermost such node
-            if out.value.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+        # Checked where it first goes wrong: the innermost such node. A tensor's constants (the 1/0 of
+        # `(z . z) / 0`, the 1/p of `norm(x, 0)`) are made at the node that builds it: its own factors
+        # and exponent are enough, its children were checked when they were lowered.
+        if isinstance(out, ir.Scalar):
+            constants = [out.value]
+        else:
+            constants = [c.value for c in out.children if isinstance(c, ir.Scalar)]
+            if isinstance(out, ir.Pow):
+                constants.append(sp.sympify(out.exponent))
+        for value in constants:
+            if value.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
                 raise SpecError("this is not a finite number (a division by zero, or log(0)?)", n.span)
-            if out.value.is_real is False:
-                raise SpecError(f"this is not a real number: {out.value}", n.span,
+            if value.is_real is False:
+                raise SpecError(f"this is not a real number: {value}", n.span,
                                 "dims are positive; a square root or log of a negative value is complex")
+            if value.is_number and value.is_real and not _fits_a_float(value):
+                raise SpecError(f"number too large: {sp.Float(value, 4)}", n.span,
+                                f"numbers must be below {sys.float_info.max:.4g}")
         return out
 
     def _expr(self, n: ast.Node) -> Expr:
@@ -282,6 +296,14 @@ def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
     if not e.children:
         return e
     return ir.rebuild(e, [_rename(c, mapping) for c in e.children])
+
+
+def _fits_a_float(value: sp.Expr) -> bool:
+    """Whether a real constant is below the largest float (SymPy's numbers have no such bound)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _close(a: str, b: str) -> bool:

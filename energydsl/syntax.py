@@ -7,7 +7,9 @@ cycles reported at the offending `import`.
 from __future__ import annotations
 
 import functools
+import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,9 +226,17 @@ class _ToAst(Transformer):
         return Span(self.file, line or 1, col or 1, self.text, end_col)
 
     # expressions ---------------------------------------------------------
+    def _float(self, tok: Any) -> float:
+        """A NUMBER token's value; one too large for a float (`1e999`) is an error at the literal."""
+        value = float(tok)
+        if not math.isfinite(value):
+            raise SpecError(f"number too large: {tok}", self._span(tok),
+                            f"numbers must be below {sys.float_info.max:.4g}")
+        return value
+
     @v_args(meta=True)
     def number(self, meta, children):
-        return Num(self._span(meta), float(children[0]))
+        return Num(self._span(meta), self._float(children[0]))
 
     @v_args(meta=True)
     def name(self, meta, children):
@@ -268,11 +278,12 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def int_hole(self, meta, children):
-        return Hole(self._span(meta), "int", (), float(children[0]), float(children[1]))
+        return Hole(self._span(meta), "int", (), self._float(children[0]), self._float(children[1]))
 
     @v_args(meta=True)
     def float_hole(self, meta, children):
-        return Hole(self._span(meta), "float", (), float(children[0]), float(children[1]), children[2] is not None)
+        return Hole(self._span(meta), "float", (), self._float(children[0]), self._float(children[1]),
+                    children[2] is not None)
 
     # energy clauses ------------------------------------------------------
     @v_args(meta=True)

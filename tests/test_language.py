@@ -364,3 +364,80 @@ def test_an_indexed_local_may_be_renamed_in_a_reduction(tmp_path) -> None:
                     " global F = -sum(integral(gelu)(W @ z))\n optimizer gd(eta = 1)\n}\n")
     res = run_cli("compile", str(path), "--backend", "triton", "-o", str(tmp_path / "out.py"))
     assert res.returncode == 0 and "note: no kernel family matches MLP's update" in res.stderr, res.stderr
+
+
+# ----------------------------------------------------------------------------- bad values are located errors
+
+BAD_VALUES_BASE = """energy A(d = 2) {
+  state   z[d]
+  param   a = 0.5
+  param   W[d, d] ~ normal(0, 0.02)
+  global  F = z . z + a * z . (W @ z)
+  optimizer gd(eta = 0.1)
+}
+"""
+
+
+@pytest.mark.parametrize("old, new, where, message", [
+    # 1. a literal too large for a float, wherever it is
+    ("A(d = 2)", "A(d = 1e999)", (1, 14), "number too large: 1e999"),
+    ("eta = 0.1", "eta = 1e999", (6, 22), "number too large"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) steps 1e999", (6, 33), "number too large"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition covariance(tau = 1e999)", (6, 57), "number too large"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition dplr(rank = 1e999)", (6, 52), "number too large"),
+    ("a = 0.5", "a = 0.5 in (0, 1e999)", (3, 26), "number too large"),
+    ("F = z . z +", "F = z . z * 1e999 +", (5, 23), "number too large"),
+    ("F = z . z +", "F = z . z * (1e300 * 1e300) +", (5, 24), "number too large"),
+    ("eta = 0.1", "eta = 1e300 * 1e300", (6, 22), "number too large"),
+    # 2. a constant that is not finite inside a tensor expression
+    ("F = z . z +", "F = (z . z) / 0 +", (5, 15), "not a finite number"),
+    ("F = z . z +", "F = z / 0 . z +", (5, 15), "not a finite number"),
+    ("F = z . z +", "F = norm(z, 0) +", (5, 15), "not a finite number"),
+    # 3. a preconditioner's rank is a positive whole number
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition dplr(rank = -1)", (6, 52), "`rank` must be a positive whole"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition dplr(rank = 2.5)", (6, 52), "`rank` must be a positive whole"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition dplr(rank = 0)", (6, 52), "`rank` must be a positive whole"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition psd(rank = -1)", (6, 51), "`rank` must be a positive whole"),
+    # 4. initialisers: arity and ranges
+    ("normal(0, 0.02)", "normal(0)", (4, 19), "`normal` takes 2 arguments, but 1 is given"),
+    ("normal(0, 0.02)", "uniform(1)", (4, 19), "`uniform` takes 2 arguments"),
+    ("normal(0, 0.02)", "zeros(1)", (4, 19), "`zeros` takes no arguments"),
+    ("normal(0, 0.02)", "normal(0, -1)", (4, 31), "standard deviation of `normal(mean, std)` must be >= 0"),
+    ("normal(0, 0.02)", "uniform(1, 0)", (4, 19), "`uniform(a, b)` needs a < b"),
+    ("a = 0.5", "a ~ orthogonal()", (3, 13), "not a scalar param"),
+    # 5. constrained params: a non-empty interval, an initial value inside the constraint
+    ("a = 0.5", "a in (0, 1) = 2", (3, 25), "initial value 2 of `a` is outside its interval (0, 1)"),
+    ("a = 0.5", "a = 0.5 in (1, 0)", (3, 19), "the interval (1, 0) is empty"),
+    ("a = 0.5", "a = 0 positive", (3, 15), "initial value 0 of `a` is not positive"),
+    ("a = 0.5", "a ~ ones() in (0, 1)", (3, 13), "initial value (`ones()`) 1 of `a` is outside"),
+])
+def test_bad_values_are_located_errors(tmp_path, old, new, where, message):
+    """Out-of-range numbers in a spec are user errors (exit 2, file:line:col, a caret under the value),
+    never an internal error: `1e999`, `/ 0` in an energy, `rank = -1`, `normal(0)`, `a in (0, 1) = 2`."""
+    assert old in BAD_VALUES_BASE
+    path = tmp_path / "bad.energy"
+    path.write_text(BAD_VALUES_BASE.replace(old, new, 1))
+    res = run_cli("check", str(path))
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and "internal error" not in res.stderr
+    lines = res.stderr.split("\n")
+    line, col = where
+    assert lines[0].startswith(f"{path}:{line}:{col}: error: "), lines[0]
+    assert message in lines[0], lines[0]
+    assert lines[2].index("^") == col + 1, lines[:3]  # the source line is printed indented by two
+
+
+def test_valid_values_still_check(tmp_path):
+    """The new checks leave legal values alone: a rank above the state size, `std = 0`, a value inside."""
+    path = tmp_path / "ok.energy"
+    path.write_text(BAD_VALUES_BASE.replace("a = 0.5", "a in (0, 1) = 0.9").replace("normal(0, 0.02)", "normal(1, 0)")
+                    .replace("gd(eta = 0.1)", "gd(eta = 0.1) precondition psd(rank = 3)"))
+    res = run_cli("check", str(path))
+    assert res.returncode in (0, 1) and "error" not in res.stderr, res.stderr
+
+
+def test_a_constant_too_large_once_dims_are_set_is_located(tmp_path):
+    path = tmp_path / "big.energy"
+    path.write_text(BAD_VALUES_BASE.replace("eta = 0.1", "eta = d ^ 400"))
+    res = run_cli("check", str(path), "--set", "d=10")
+    assert res.returncode == 2 and f"{path}:6:22: error: `eta` is too large" in res.stderr, res.stderr
