@@ -145,8 +145,11 @@ def test_bad_ray_resources_are_refused_before_ray_starts(tmp_path: Path) -> None
 
 
 def test_a_rerun_with_other_settings_exits_2_naming_them(tmp_path: Path) -> None:
+    """(The first run's trial must train: a study whose trials all failed may change its settings. The toy's
+    `diverge` choice fails, so the mixer is fixed.)"""
     journal = str(tmp_path / "s.journal")
-    base = ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--storage", journal]
+    base = ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--set", "mixers=ssm",
+            "--storage", journal]
     assert energy(*base, "--set", "steps=4", "--trials", "1", cwd=tmp_path).returncode == 0
     r = energy(*base, "--set", "steps=2", "--trials", "2", cwd=tmp_path)
     clean_exit_2(r, "searched with other settings: steps: 4 → 2", "--study", "steps = 4")
