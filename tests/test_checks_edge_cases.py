@@ -397,3 +397,15 @@ def test_an_expect_of_the_wrong_shape_fails_its_check_with_both_shapes(tmp_path)
                          env={**os.environ, "COLUMNS": "200"})
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert "has shape [m], the gradient [d]" in res.stdout
+
+
+def test_ones_on_a_psd_param_sets_its_factor():
+    """docs/language.md: `~ ones()` gives the constrained value, except for psd, where it sets L (S = L Lᵀ + εI)."""
+    from energydsl.instance import constrain, init_param, raw_param
+
+    prog = load("energy P(d = 4) { state z[d]\n param S[d, d] ~ ones() psd\n global F = 0.5 * z . (S @ z)\n"
+                " optimizer gd(eta = 0.1) }").energy().program
+    p = prog.params["S"]
+    s = constrain(p, raw_param(p, init_param(p, [4, 4], torch.Generator(), torch.float64, check_scale=0.5)))
+    eye = torch.eye(4, dtype=torch.float64)
+    torch.testing.assert_close(s, torch.full((4, 4), 4.0, dtype=torch.float64) + 1e-6 * eye)
