@@ -307,7 +307,7 @@ def train_(
     )] = 100,
     eval_iters: Annotated[int, typer.Option("--eval-iters")] = 20,
     warmup: Annotated[int, typer.Option("--warmup")] = 30,
-    device: Annotated[str, typer.Option("--device", help="cpu | cuda | auto")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:N | auto")] = "cpu",
     backend: Annotated[str, typer.Option("--backend", help="torch | triton (fused kernels; a GPU)")] = "torch",
     seed: Annotated[int, typer.Option("--seed")] = 1337,
     fresh: Annotated[bool, typer.Option("--fresh", help="Ignore an existing checkpoint in --out.")] = False,

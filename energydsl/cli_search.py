@@ -74,7 +74,7 @@ def search(
                                                      "HEAD_IP:6379; default a local Ray runtime.")] = None,
     gpus_per_trial: Annotated[float, typer.Option(help="GPUs reserved per Ray trial (fractions allowed).")] = 0.0,
     cpus_per_trial: Annotated[float, typer.Option(help="CPUs reserved per Ray trial.")] = 1.0,
-    device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N (local workers spread over the GPUs).")
+    device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N | auto (local workers spread over the GPUs).")
                       ] = "cpu",
     sampler: Annotated[str, typer.Option(help="auto (TPE for one objective, NSGA-II for several) | tpe | nsga2 "
                                               "| random | cmaes | qmc")] = "auto",

@@ -278,12 +278,15 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def int_hole(self, meta, children):
-        return Hole(self._span(meta), "int", (), self._float(children[0]), self._float(children[1]))
+        return Hole(self._span(meta), "int", (), children[0], children[1])
 
     @v_args(meta=True)
     def float_hole(self, meta, children):
-        return Hole(self._span(meta), "float", (), self._float(children[0]), self._float(children[1]),
-                    children[2] is not None)
+        return Hole(self._span(meta), "float", (), children[0], children[1], children[2] is not None)
+
+    def bound(self, children):
+        sign, number = children
+        return -self._float(number) if sign is not None else self._float(number)
 
     # energy clauses ------------------------------------------------------
     @v_args(meta=True)

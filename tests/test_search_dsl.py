@@ -186,6 +186,26 @@ def test_filled_source_is_plain_energy_text(tmp_path: Path) -> None:
     assert energydsl.load(text).energy("E").spec.optimizer.precondition == "diag"
 
 
+def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
+    holes = "param   W1[hidden, d] ~ normal(0, 0.02)\n  param   a = float -1..1\n  let     c = int -3..-1"
+    text = TINY.replace("param   W1[hidden, d] ~ normal(0, 0.02)", holes) \
+               .replace("-sum(integral(relu)(W1 @ z))", "-float -2..-1 ^ 2 * c * sum(integral(relu)(W1 @ z))")
+    space = load_search(write(tmp_path, text + SEARCH))
+    described = dict((n, v) for n, v, _ in space.describe())
+    assert described["FF.a"] == "float -1..1" and described["FF.c"] == "int -3..-1"
+    assert described["FF.F"] == "float -2..-1"
+    source = fill(space, **{"Tiny.d": 8, "Mix.optimizer": "gd", "train.lr": 1e-3,
+                            "FF.a": -0.5, "FF.c": -2, "FF.F": -1.5}).source()
+    assert "param   a = (-0.5)" in source and "let     c = (-2)" in source
+    # the hole is an atom: (-1.5)^2 = 2.25, where an unparenthesised -1.5 ^ 2 would read -(1.5^2)
+    assert "-(-1.5) ^ 2 * c * sum(" in source
+    ff = energydsl.load(source).energy("FF")
+    assert ff.spec.params["a"].init == ("value", [-0.5])
+    assert "F = 9/2 (" in ff.equations()  # -(-1.5)^2 * (-2); the unparenthesised text would give -9/2
+    with pytest.raises(SpecError, match="need whole numbers, low <= high"):
+        load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int -1..-3") + SEARCH))
+
+
 def test_search_level_overrides_are_written_into_the_declarations(tmp_path: Path) -> None:
     text = TINY.replace("  optimizer gd(eta = 1)\n}\n\nenergy FF", "  optimizer gd(eta = 1) steps 2 per head\n}\n\n"
                         "energy FF").replace("  optimizer gd(eta = 1)\n}\n\nmodel", "}\n\nmodel")
@@ -323,6 +343,19 @@ def test_a_device_the_trials_cannot_use_is_refused_before_any_trial(tmp_path: Pa
         with pytest.raises(UserError, match="device"):
             run_search(path, device=device, storage=str(journal), trials=1, progress=False, json=True)
     assert not journal.exists()
+
+
+def test_workers_spread_over_the_gpus_with_cuda_or_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from energydsl.search.local import worker_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [worker_device("cuda", i, 3) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert [worker_device("auto", i, 2) for i in range(2)] == ["cuda:0", "cuda:1"]
+    assert worker_device("cuda:1", 0, 2) == "cuda:1" and worker_device("auto", 1, 1) == "auto"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert worker_device("auto", 1, 2) == "auto"  # no GPU: each worker resolves auto to the CPU
 
 
 def test_a_changed_hole_is_refused_before_any_trial(tmp_path: Path) -> None:

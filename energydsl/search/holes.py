@@ -140,9 +140,20 @@ def _num(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
+def _bound(node: lark.Tree) -> float:
+    """A hole's end (grammar rule `bound`): a number with an optional minus sign."""
+    sign, number = node.children
+    return -float(number) if sign is not None else float(number)
+
+
 def _fmt_float(v: float) -> str:
     text = f"{v:.6g}"
-    return text if re.fullmatch(r"\d+(\.\d+)?([eE][+-]?\d+)?", text) else repr(float(v))
+    return text if re.fullmatch(r"-?\d+(\.\d+)?([eE][+-]?\d+)?", text) else repr(float(v))
+
+
+def _signed(text: str) -> str:
+    """A hole is an atom: a negative value lands parenthesised (`(-0.5) ^ 2`, not `-0.5 ^ 2`)."""
+    return f"({text})" if text.startswith("-") else text
 
 
 class _Collector:
@@ -176,13 +187,12 @@ class _Collector:
         s, e = _pos(node)
         span = f.span(node)
         if node.data == "int_hole":
-            lo, hi = float(node.children[0]), float(node.children[1])
+            lo, hi = _bound(node.children[0]), _bound(node.children[1])
             if not (lo.is_integer() and hi.is_integer()) or lo > hi:
-                raise SpecError(f"`int {node.children[0]}..{node.children[1]}`: need whole numbers, low <= high",
-                                span)
+                raise SpecError(f"`{f.slice(node)}`: need whole numbers, low <= high", span)
             return _Hole(name, "int", f, s, e, span, lo, hi)
         if node.data == "float_hole":
-            lo, hi, log = float(node.children[0]), float(node.children[1]), node.children[2] is not None
+            lo, hi, log = _bound(node.children[0]), _bound(node.children[1]), node.children[2] is not None
             if lo > hi or (log and lo <= 0):
                 raise SpecError(f"`{f.slice(node)}`: need low <= high" + (" and low > 0 for `log`" if log else ""),
                                 span)
@@ -301,11 +311,11 @@ class _Filler:
         if h.kind == "int":
             v = t.suggest_int(h.name, int(h.low), int(h.high))
             self.params[h.name] = v
-            return str(int(v))
+            return _signed(str(int(v)))
         if h.kind == "float":
             v = t.suggest_float(h.name, h.low, h.high, log=h.log)
             self.params[h.name] = v
-            return _fmt_float(float(v))
+            return _signed(_fmt_float(float(v)))
         label = t.suggest_categorical(h.name, [o.label for o in h.options])
         self.params[h.name] = label
         opt = next(o for o in h.options if o.label == label and isinstance(o.label, str) == isinstance(label, str))

@@ -494,16 +494,14 @@ def worker_seed(seed: int | None, history: int, start: int) -> int | None:
     return (seed * 1_000_003 + history * 7_919 + start) % (2**31 - 1)
 
 
-def _worker_device(device: str, index: int, workers: int) -> str:
-    if workers == 1 or device not in ("cuda", "gpu"):
+def worker_device(device: str, index: int, workers: int) -> str:
+    """Worker `index`'s device: `cuda` and `auto` spread several workers over this machine's GPUs."""
+    if workers == 1 or device not in ("cuda", "auto"):
         return device
-    try:
-        import torch
+    import torch
 
-        count = torch.cuda.device_count()
-    except Exception:
-        count = 0
-    return f"cuda:{index % count}" if count else "cuda"
+    count = torch.cuda.device_count()
+    return f"cuda:{index % count}" if count else device
 
 
 def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: int, deadline: float | None,
@@ -523,7 +521,7 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
         starts += 1  # a seed per worker start and per resume: a replaced worker must not replay samples
         return {"ref": ref, "storage_spec": storage_spec, "study_name": study.study_name, "target": target,
                 "deadline": deadline, "sampler": sampler, "pruner": pruner,
-                "device": _worker_device(device, i, workers), "seed": worker_seed(seed, history, starts),
+                "device": worker_device(device, i, workers), "seed": worker_seed(seed, history, starts),
                 "ahead": 2 * workers}
 
     with sigterm_interrupts():

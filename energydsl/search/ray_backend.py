@@ -307,14 +307,19 @@ if OptunaSearch is not None:
             return {"_metric": self._metric, "_mode": self._mode}
 
 
+# the signals Ray and Tune set handlers for (SIGUSR1 is Tune's "stop the run"; Windows has none)
+TUNE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
 def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
             deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
             seed: int | None, address: str | None, gpus_per_trial: float,
             cpus_per_trial: float) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
-    # Tune may install its own SIGINT handler (and Ray its SIGTERM one, _run_ray ours) and leave them: the caller's
-    # come back, so that Ctrl-C in what runs after a search in this process (a training, a second search) is its own
-    with handlers_restored(signal.SIGINT, signal.SIGTERM):
+    # Tune may install its own SIGINT and SIGUSR1 handlers (and Ray its SIGTERM one, _run_ray ours) and leave them:
+    # the caller's come back, so that Ctrl-C in what runs after a search in this process (a training, a second
+    # search) is its own
+    with handlers_restored(*TUNE_SIGNALS):
         return _run_ray(ref, space, study, storage_spec, target=target, deadline=deadline, workers=workers,
                         sampler=sampler, pruner=pruner, device=device, seed=seed, address=address,
                         gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial)

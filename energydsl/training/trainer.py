@@ -148,11 +148,11 @@ def _device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as e:
-        raise UserError(f"unknown device {name!r}", hint="use cpu, cuda or auto") from e
+        raise UserError(f"unknown device {name!r}", hint="use cpu, cuda, cuda:N or auto") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' requested but CUDA is not available", hint="use --device cpu")
     if device.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {name!r}", hint="use cpu, cuda or auto")
+        raise UserError(f"unsupported device {name!r}", hint="use cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
