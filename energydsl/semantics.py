@@ -462,6 +462,12 @@ class _Lowering(ExpressionLowering):
                 spec.precondition_options.setdefault("rank", (1.0, True))
             if pre.name == "covariance":
                 spec.precondition_options.setdefault("tau", (0.01, True))
+                if call.name == "newton":
+                    raise SpecError("`precondition covariance` needs a first-order optimizer: it is seed 004's "
+                                    "first-order stand-in for a Newton step, and on `newton` it would rewrite the "
+                                    "softmax sums of the Hessian terms too, an update with no defined meaning",
+                                    pre.span, "use gd, momentum or nag with covariance, or give newton another "
+                                    "preconditioner (scalar, diag, psd, dplr, full)")
         return spec
 
     def _check_wrt(self, opt: OptimizerSpec, clauses: list[ast.Clause]) -> None:

@@ -233,6 +233,9 @@ BASE = "energy A(d = 4) {{\n  state   z[d]\n  input   h[d]\n  global  F = 0.5 * 
 @pytest.mark.parametrize("extra, message, col, caret", [
     ("optimizer gd(eta = 1) wrt h", "`wrt h`: `h` is the input; `wrt` must name the state `z`", 25, "^^^^^"),
     ("optimizer newton(taylor = 1 learn)", "`taylor` cannot be learned", 20, "^" * 16),
+    # covariance is seed 004's first-order stand-in for Newton: on newton it would also rewrite the Hessian's sums
+    ("optimizer newton(taylor = 1) precondition covariance(tau = 0.1)",
+     "`precondition covariance` needs a first-order optimizer", 45, "^" * 21),
     ("optimizer gd(eta = 1) wrt q", "`wrt q`: no variable of that name; `wrt` must name the state `z`", 25, "^^^^^"),
 ])
 def test_optimizer_messages_are_located(tmp_path, extra, message, col, caret):

@@ -551,6 +551,9 @@ def test_attention_zoo_space() -> None:
         want -= (u + Su / tau) @ (W1[k].T @ torch.linalg.inv(W1[k] @ W1[k].T)).T / H
     got = layer(x).detach()
     assert (got - want).norm() / want.norm() < 1e-12
+    # covariance on a Newton step is refused by the language: pruned before any training, with the reason
+    covariant = fill(space, **{**cand.params, "Attention.precondition": "covariance"})
+    assert "`precondition covariance` needs a first-order optimizer" in covariant.invalid_reason()
 
 
 # ----------------------------------------------------------------------------- command line
