@@ -219,7 +219,8 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
                     return ZERO
                 return mul(x, add(t, mul(scalar(-1), reduce("sum", x.index, mul(x, t)))))
             case Diag():
-                return Diag(tangent(x.a))
+                t = tangent(x.a)
+                return ZERO if is_zero(t) else Diag(t)
             case _:
                 raise NotDifferentiable(f"no directional derivative rule for {type(x).__name__}")
 

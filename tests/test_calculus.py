@@ -49,7 +49,7 @@ def test_gradient_matches_autograd(name):
     assert results.get("causality") is None or results["causality"].status == "ok"
 
 
-@pytest.mark.parametrize("energy", ["l2", "quartic"])
+@pytest.mark.parametrize("energy", ["l2", "quartic", "diag-params"])
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_optimizers_verified(opt, energy):
     """Each optimizer's whole update against a replay on autograd alone (for newton, autograd's Hessian in

@@ -211,6 +211,19 @@ def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
     assert f", {layout}, {layout}," in loop  # k and v: the same tensor
 
 
+@pytest.mark.parametrize("term", ["tanh(z)", "gelu(z)", "abs(z) * z", "softplus(z)"])
+def test_second_derivatives_of_functions_print_as_torch(term: str) -> None:
+    """Newton's Hessian terms hold the functions' second derivatives, which SymPy writes with tanh, cosh, erf,
+    sign, ...: each prints as torch code (tanh's once crashed `energy compile`), and the module agrees."""
+    text = (f"energy E(d = 4) {{\n state z[d]\n input h[d]\n global F = sum({term}) + 0.5 * z . z - h . z\n"
+            " optimizer newton(taylor = 2, damping = 0.5)\n}")
+    derived = energydsl.load(text).energy()
+    module = _perturbed(module_class(derived)())
+    x = module.example_input(2, 5).double()
+    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
+    torch.testing.assert_close(module(x), ref, rtol=1e-10, atol=1e-12)
+
+
 def test_a_matrix_inverse_runs_in_half_precision() -> None:
     """MHA2nd1st's (W1_k W1_kᵀ)⁻¹ after `.to(torch.bfloat16)`: torch.linalg.inv has no half-precision kernel,
     so the generated module inverts in float32 and casts back, as autocast does."""

@@ -57,8 +57,9 @@ def canonical(axes: set[str] | frozenset[str]) -> tuple[str, ...]:
 
 # ----------------------------------------------------------------------------- scalars (SymPy) to source
 
-_SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.sqrt: "sqrt", sp.tanh: "tanh", sp.erf: "erf", sp.Abs: "abs",
-             sp.sign: "sign", sp.cosh: "cosh", sp.sinh: "sinh"}
+# SymPy's function classes (a square root is a Pow in SymPy, printed as `** 0.5` above)
+_SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.erf: "erf", sp.Abs: "abs", sp.sign: "sign",
+             sp.cosh: "cosh", sp.sinh: "sinh"}
 
 
 def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
