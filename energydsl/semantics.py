@@ -297,12 +297,18 @@ class _Lowering(ExpressionLowering):
         if x["lhs"] != x["index"] or x["rhs"] != "i":
             raise SpecError(f"the context relation must read `{x['index']} <= i` or `{x['index']} < i`", c.span,
                             "the token being updated is `i`; its context tokens are indexed by the context's index")
+        shape = self._dims(c.value, "a context")
         if self.input is not None and self.input.name == c.name:
-            pass  # input h[d] and context h[j, d] may share a name: the token's own and the others
+            # input h[d] and context h[j, d] may share a name: the token's own and the others, one stream
+            if not ir.same_shape(shape, self.input.shape):
+                raise SpecError(f"context `{c.name}` shares its name with the input, so both are the same tokens; "
+                                f"their shapes differ: {ir.fmt_shape(shape)} here, "
+                                f"{ir.fmt_shape(self.input.shape)} for the input", c.span,
+                                "give both one shape, or rename one of them")
         else:
             self.scope.declare(c.name, c.span)
         idx = x["index"]
-        self.context = Var(c.name, "context", self._dims(c.value, "a context"), idx)
+        self.context = Var(c.name, "context", shape, idx)
         self.indices[idx] = IndexInfo(idx, context=c.name, strict=x["relation"] == "<")
         self.scope.vars.setdefault(c.name, self.context)
         self.context_name = c.name

@@ -189,6 +189,15 @@ SHARED = """energy SharedName(d = 6) {
 }"""
 
 
+def test_a_shared_name_with_two_shapes_is_a_located_error():
+    """One name, one stream of tokens: an input and a context of different shapes cannot share it (check
+    once crashed on it, binding the context's tokens where the input was read)."""
+    with pytest.raises(SpecError) as info:
+        load(SHARED.replace("context h[j, d]", "context h[j, 3]")).energy()
+    assert info.value.message.startswith("context `h` shares its name with the input")
+    assert "[3] here, [d] for the input" in info.value.message and info.value.span.line == 4
+
+
 def _shared_reference(w, x, ctx, inp):
     """gd(0.5) × 2 on F by autograd: bare `h` is each token's own input, `h[j]` the context."""
     out = torch.empty_like(x)
