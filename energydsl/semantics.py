@@ -207,7 +207,12 @@ class _Lowering(ExpressionLowering):
         for c in by_kind.get("expect", []):
             if c.name not in ast.EXPECT_NAMES:
                 raise SpecError(f"`expect {c.name}`: expected `update`, `gradient` or `direction`", c.span)
-            expects[c.name] = (self.expr(c.value), c.span)
+            claim = self.expr(c.value)
+            if claim.free:  # a per-token vector: a context or head index must be reduced, as in the energy
+                idx = ", ".join(sorted(claim.free))
+                raise SpecError(f"index {idx} is used outside a reduction in `expect {c.name}`", c.value.span,
+                                f"wrap it in sum[{idx}](...) or mean[{idx}](...)")
+            expects[c.name] = (claim, c.span)
         return EnergyIR(
             name=d.name, span=d.span, dim_symbols=self.dim_symbols, dim_values=self.dim_values,
             derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,

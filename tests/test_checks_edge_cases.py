@@ -257,6 +257,19 @@ def test_optimizer_messages_are_located(tmp_path, extra, message, col, caret):
     assert src.strip() == extra and marks == "  " + " " * (col - 1) + caret
 
 
+@pytest.mark.parametrize("claim, index", [("gradient = -h[j]", "j"), ("update = z - 2 * W[k] @ z", "k")])
+def test_an_expect_with_an_unreduced_index_is_located(claim, index):
+    """An `expect` is a per-token value: a free context or head index is refused as in the global energy
+    (check once crashed on it)."""
+    text = ("energy E(d = 4, heads = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+            "  param W[heads, d, d]\n  global F = -logsumexp[j](z . h[j]) + sum[k](z . (W[k] @ z))\n"
+            f"  expect {claim}\n}}")
+    with pytest.raises(SpecError) as info:
+        load(text).energy()
+    assert info.value.message == f"index {index} is used outside a reduction in `expect {claim.split()[0]}`"
+    assert (info.value.span.line, info.value.span.column) == (6, 10 + len(claim.split("=")[0]) + 2)
+
+
 def test_wrt_naming_the_input_exits_2(tmp_path):
     path = tmp_path / "bad.energy"
     path.write_text(BASE.format(extra="optimizer gd(eta = 1) wrt h"))
