@@ -6,6 +6,7 @@ so none of SymPy's matrix-trace bugs) and compares with the derived gradient at 
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 
@@ -214,6 +215,18 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
     raise NotImplementedError(type(e).__name__)
 
 
+@functools.cache
+def _generic_offsets(n: int) -> tuple[sp.Rational, ...]:
+    """1/p for the first n primes above 1000. Every other value of the instance lies on the grid k/10, so a
+    point shifted by these never meets it exactly: no `z_k - h_k` (nor a small integer combination of the
+    entries against the grid) is 0, and no relu, sign or abs is differentiated at its kink, where SymPy's
+    convention (Heaviside(0) = 1/2) and torch's (relu'(0) = 0) differ."""
+    primes = [sp.nextprime(1000)]
+    while len(primes) < n:
+        primes.append(sp.nextprime(primes[-1]))
+    return tuple(sp.Rational(1, q) for q in primes[:n])
+
+
 def gradient_at(prog: UpdateProgram, seed: int = 0, seq: int = 3) -> tuple[list[float], dict]:
     """∂F/∂state by `sympy.diff` at the last position of a small explicit instance.
 
@@ -228,7 +241,7 @@ def gradient_at(prog: UpdateProgram, seed: int = 0, seq: int = 3) -> tuple[list[
     syms = state_symbols(prog)
     flat = list(syms) if isinstance(syms, sp.Matrix) else [syms]
     rng = random.Random(seed + 1)
-    point = {s: _rand(rng) for s in flat}
+    point = {s: _rand(rng) + offset for s, offset in zip(flat, _generic_offsets(len(flat)), strict=True)}
     # named (not Dummy) so that a repeated check finds SymPy's cache; F has no other free symbols
     t = sp.Symbol("_line_t", real=True)
     w = {s: sp.Symbol(f"_line_w_{s.name}", real=True) for s in flat}
