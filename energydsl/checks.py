@@ -295,8 +295,16 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     opt = spec.optimizer
     if not decreased and (opt.precondition in ("dplr", "full") or opt.kind == "newton"):
         why = f"the {opt.precondition} preconditioner is not positive-definite by construction" \
-            if opt.precondition in ("dplr", "full") else "a Newton step on a non-convex energy need not descend"
+            if opt.precondition in ("dplr", "full") else \
+            "a truncated Newton step need not descend (F may be non-convex here, or the Neumann series may " \
+            "not converge: it needs every eigenvalue of H + λI inside (0, 2))"
         return CheckResult("descent", "warn", f"a small step raised F for some token here: {why}")
+    if not decreased and prog.point is not spec.state and _via_jacobian_indefinite(prog, inst):
+        name = prog.point.name
+        return CheckResult("descent", "warn", f"a small step raised F for some token here: the step is taken in "
+                           f"`{name}` and applied to `{spec.state.name}`, which descends only where d{name}/d"
+                           f"{spec.state.name} is positive semi-definite, and here it is not (a per-channel gain "
+                           f"breaks it; rmsnorm and layernorm alone keep it)")
     if not decreased:
         return CheckResult("descent", "fail", "a small step along the update raises F for some token "
                            "(the preconditioner or optimizer is not a descent direction here)")
@@ -304,6 +312,18 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         return CheckResult("descent", "warn", "small steps descend, but F is concave along every probed direction: "
                            "unbounded below, no minimum (each step is one descent step, not a solve)")
     return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
+
+
+def _via_jacobian_indefinite(prog: UpdateProgram, inst: Instance) -> bool:
+    """Under `wrt u`: is the symmetric part of du/dx indefinite for some token? x − η ∇_u F changes F(N(x)) by
+    −η ∇_u F · (du/dx) ∇_u F, a descent for every F only where du/dx is positive semi-definite."""
+    x = inst.x.clone().requires_grad_(True)
+    u = point_value(prog, inst, x).flatten(2)
+    rows = [torch.autograd.grad(u[..., k].sum(), x, retain_graph=True)[0].flatten(2) for k in range(u.shape[-1])]
+    jac = torch.stack(rows, -2)  # (B, T, n_u, n_x), tokens independent (the norm is token-local)
+    if jac.shape[-1] != jac.shape[-2]:
+        return True
+    return bool(torch.linalg.eigvalsh((jac + jac.mT) / 2).min() < -1e-10)
 
 
 def check_definite(prog: UpdateProgram) -> CheckResult | None:

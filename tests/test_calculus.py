@@ -148,6 +148,30 @@ def test_descent_check_fails_when_some_tokens_step_uphill():
     assert result.status == "fail" and "raises F for some token" in result.detail
 
 
+VECTOR_GAIN = ("state x[d] via g = gamma * rmsnorm(x) + beta\n param gamma[d] ~ normal(0, 1) positive\n"
+               " param beta[d] ~ normal(0, 0.1)\n input h[d]\n param W[d, d] ~ normal(0, 0.5)\n"
+               " global E = 0.5 * (g - W @ h) . (g - W @ h)")
+
+
+def test_a_step_in_u_through_a_per_channel_gain_is_warned_not_failed():
+    """Under `wrt g`, x − η ∇_g E descends E(g(x)) only where dg/dx is positive semi-definite: a per-channel gain
+    breaks that (a fact of the maths, warned), rmsnorm's Jacobian alone does not, and a wrong direction there
+    still fails."""
+    import dataclasses
+
+    from energydsl import ir
+    from energydsl.checks import check_descent
+
+    prog = load(spec_text(VECTOR_GAIN, "gd(eta = 0.5)", " wrt g")).energy().program
+    result = check_descent(prog)
+    assert result.status == "warn" and "dg/dx is positive semi-definite, and here it is not" in result.detail
+    plain = load(spec_text(VECTOR_GAIN.replace("gamma * rmsnorm(x) + beta", "rmsnorm(x)"), "gd(eta = 0.5)",
+                           " wrt g")).energy().program
+    assert check_descent(plain).status == "ok"
+    uphill = dataclasses.replace(plain, tied_direction=ir.neg(plain.tied_direction))
+    assert check_descent(uphill).status == "fail"
+
+
 def test_dplr_reported_indefinite_psd_definite():
     dplr = load(spec_text(ENERGIES["l2"], "gd(eta = 1), precondition dplr(rank = 2)")).energy()
     psd = load(spec_text(ENERGIES["l2"], "gd(eta = 1), precondition psd(rank = 2)")).energy()
