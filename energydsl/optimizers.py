@@ -174,6 +174,12 @@ def _per_head_direction(spec: EnergyIR, g_body: Expr, point: Var, k: str,
         if lin is None:
             raise SpecError("`newton ... per head` needs each head's energy to see the state only through one "
                             "linear map `A[k] @ z`", opt.span)
+        rows, cols = (spec.size(n) for n in lin.shape)
+        if rows > cols:  # A Aᵀ is then singular: the head's coordinates q = A z are not free
+            raise SpecError(f"`newton ... per head` steps in each head's coordinates q = A[k] @ {point.name}, which "
+                            f"needs A[k] to have no more rows than {point.name} has entries; its shape is "
+                            f"[{lin.shape[0]}, {lin.shape[1]}] = [{rows}, {cols}]", opt.span,
+                            "make the head width at most the state's (dh <= d), or use newton without `per head`")
         q = Var(f"q_{point.name}", "leaf", lin.shape[:1], None)
         g_q_body = ir.substitute(g_body, {ir.matmul(lin, point): q})
         gq = gradient(g_q_body, q, keep=frozenset([k]))

@@ -213,6 +213,18 @@ def test_per_head_newton_is_the_pseudo_inverse_step():
     assert torch.allclose(run_program(derived.program, inst), ref, atol=1e-12)
 
 
+def test_per_head_newton_needs_heads_no_wider_than_the_state():
+    """A head map with more rows than the state has entries makes A Aᵀ singular: refused, with the shape
+    (the update was numerical garbage, which only the update check caught)."""
+    from energydsl.errors import SpecError
+
+    text = ("energy R(d = 4, heads = 2) { dim dq = 2 * d  state z[d]  param W[heads, dq, d]\n"
+            "  global F = sum[k](0.5 * (W[k] @ z) . (W[k] @ z))  optimizer newton(taylor = 1) per head }")
+    with pytest.raises(SpecError, match=r"no more rows than z has entries; its shape is \[2\*d, d\] = \[8, 4\]"):
+        load(text).energy()
+    assert load(text.replace("dq = 2 * d", "dq = d")).energy()  # as wide as the state: allowed
+
+
 PER_HEAD = ("energy R(d = 4, heads = 2) {{ dim dh = d / heads  state z[d]\n"
             "  context h[j, d] where j <= i  param W[heads, dh, d]  param K[heads, dh, d]\n"
             "  global F = {reduce}[k](-logsumexp[j](-0.5 * (W[k] @ z - K[k] @ h[j]) . (W[k] @ z - K[k] @ h[j])))\n"
