@@ -293,8 +293,11 @@ def _precondition(spec: EnergyIR, d: Expr, point: Var, head: str | None,
     if kind == "covariance":
         out, hits = _covariance(d, p["P_tau"])
         if hits == 0:
+            matrix = len(spec.state.shape) == 2
             raise SpecError("precondition covariance(tau) needs a softmax-weighted sum of vectors in the gradient "
-                            "(an attention energy)", spec.optimizer.span)
+                            "(an attention energy)", spec.optimizer.span,
+                            "a matrix state's gradient weights matrices (outer products), not vectors"
+                            if matrix else None)
         return out, None
     raise AssertionError(kind)
 

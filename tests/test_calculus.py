@@ -288,6 +288,17 @@ def test_the_covariance_replay_catches_a_dropped_mean_term(monkeypatch):
     assert result.status == "fail", result.detail
 
 
+def test_covariance_on_a_matrix_state_says_why_it_is_refused():
+    from energydsl.errors import SpecError
+
+    text = ("energy S(dk = 4, dv = 2) {\n state Z[dk, dv]\n context C[j, dk, dv] where j <= i\n param a[dk]\n"
+            " param b[dk]\n global F = -logsumexp[j]((Z^T @ a) . (C[j]^T @ b))\n"
+            " optimizer gd(eta = 0.5), precondition covariance(tau = 0.2)\n}")
+    with pytest.raises(SpecError, match="needs a softmax-weighted sum of vectors") as info:
+        load(text).energy()
+    assert info.value.hint == "a matrix state's gradient weights matrices (outer products), not vectors"
+
+
 def test_a_negative_tau_fails_the_definite_check():
     opt = "gd(eta = 1), precondition covariance(tau = -50)"
     results = {r.name: r for r in run_checks(load(PER_HEAD.format(reduce="sum", opt=opt)).energy().program)}
