@@ -172,7 +172,7 @@ class ExpressionLowering:
         for i in n.indices:
             if not out.shape:
                 raise SpecError("too many indices: this is a scalar", n.span)
-            self._bind_index(i, out.shape[0], n.span, f"`{i}` is a token index; only the context may be indexed by it")
+            self._bind_index(i, out.shape[0], n.span, _token_index_message(i, self.context))
             out = ir.Index(out, i)
         return out
 
@@ -310,3 +310,13 @@ def _close(a: str, b: str) -> bool:
     if abs(len(a) - len(b)) > 1 or a == b:
         return False
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b)) <= 1 or sorted(a) == sorted(b)
+
+
+def _token_index_message(i: str, context: Var | None) -> str:
+    """Why a tensor cannot be indexed by a token index: `i` only appears in positions, the context's index
+    only on the context."""
+    if i == "i":
+        return ("`i` is the token being updated: it appears in position terms such as `abs(i - j)`, but no "
+                "tensor is indexed by it")
+    return f"`{i}` is the context's token index: only the context `{context.name}` is indexed by it" \
+        if context is not None else f"`{i}` is a token index"

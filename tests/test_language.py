@@ -341,6 +341,19 @@ def test_a_blocks_dims_are_its_own_energies_and_defaults_evaluate_as_elsewhere()
         spec.block("AB", zz=5)
 
 
+@pytest.mark.parametrize("index, message", [
+    ("i", "`i` is the token being updated: it appears in position terms such as `abs(i - j)`, but no tensor is "
+          "indexed by it"),
+    ("j", "`j` is the context's token index: only the context `h` is indexed by it"),
+])
+def test_a_tensor_indexed_by_a_token_index_says_which_one(index: str, message: str) -> None:
+    text = ("energy E(d = 4) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
+            f"  global F = -logsumexp[j](z . h[j] * W[{index}] . z)\n}}")
+    with pytest.raises(SpecError) as info:
+        load(text).energy()
+    assert info.value.message == message and (info.value.span.line, info.value.span.column) == (5, 39)
+
+
 def test_an_indexed_local_may_be_renamed_in_a_reduction(tmp_path) -> None:
     """`E[head, j]` for `local E[k, j]` (as docs/language.md promises): `head` ranges over what `k` does, and
     the derived layer is the same as with `k`, down to the fused kernels it gets."""
