@@ -6,7 +6,7 @@ Checks, per energy:
   hessian     (newton) derived Hessian-vector products equal autograd's double backward
   update      the whole update program equals the optimizer replayed on autograd (gradient, Hessian, per head)
   causality   the update of token i ignores context tokens outside its relation
-  own token   the energy and the update are finite where the state is its own context token
+  own token   the energy and the update are finite where the state is its own context token or input
   descent     a small step along the update lowers F; concave energies are reported
   definite    preconditioners claimed positive-definite are; dplr may be indefinite
   tying       the untied update equals the tied one with the new params at the (scaled) tied values
@@ -220,24 +220,32 @@ def check_update(prog: UpdateProgram) -> CheckResult:
 
 
 def check_own_token(prog: UpdateProgram) -> CheckResult | None:
-    """A model's layer starts from the state at its own token's stream, which the context holds too. An
-    energy with a kink where the state meets a context token (`norm(z - h[j])`, not squared) is NaN
-    there, and random points never meet it: evaluate there."""
+    """A model's layer starts from the state at its own token's stream, which the context and the input hold
+    too. An energy with a kink where the state meets a context token or its input (`norm(z - h[j])`,
+    `norm(z - h)`, not squared) is NaN there, and random points never meet it: evaluate there."""
     spec = prog.spec
-    if spec.context is None or tuple(spec.state.shape) != tuple(spec.context.shape):
-        return None
     inst = random_instance(prog, seed=0)
-    x = inst.context.clone()
-    where = "where the state is its own context token (as at a model layer's first step)"
-    bad = _non_finite(eval_tokens(spec, energy_of_state(prog), inst, {spec.state.name: x}))
-    if bad is not None:
-        return CheckResult("own token", "fail", f"the energy is {bad} {where}")
-    for label, tied in [("update", True)] + ([("untied update", False)] if spec.untie_rules else []):
-        bad = _non_finite(run_program(prog, inst, x0=x, tied=tied))
+    starts = []
+    if spec.context is not None and tuple(spec.state.shape) == tuple(spec.context.shape):
+        starts.append(("its own context token", inst.context))
+    if spec.input is not None and tuple(spec.state.shape) == tuple(spec.input.shape) \
+            and inst.input is not inst.context:
+        starts.append(("its own input", inst.input))
+    if not starts:
+        return None
+    for what, x in starts:
+        where = f"where the state is {what} (as at a model layer's first step)"
+        bad = _non_finite(eval_tokens(spec, energy_of_state(prog), inst, {spec.state.name: x}))
         if bad is not None:
-            return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
-                               "differentiable there (a norm of a difference that is not squared?)")
-    return CheckResult("own token", "ok", f"energy and update finite {where}")
+            return CheckResult("own token", "fail", f"the energy is {bad} {where}")
+        for label, tied in [("update", True)] + ([("untied update", False)] if spec.untie_rules else []):
+            bad = _non_finite(run_program(prog, inst, x0=x, tied=tied))
+            if bad is not None:
+                return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
+                                   "differentiable there (a norm of a difference that is not squared?)")
+    places = " and ".join(what for what, _ in starts)
+    return CheckResult("own token", "ok", f"energy and update finite where the state is {places} (as at a model "
+                       "layer's first step)")
 
 
 def check_causality(prog: UpdateProgram) -> CheckResult | None:

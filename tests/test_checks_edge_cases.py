@@ -331,6 +331,19 @@ def test_a_kink_where_the_state_meets_its_context_fails_the_own_token_check():
     assert log.status == "fail" and "the energy is" in log.detail
 
 
+def test_a_kink_where_the_state_meets_its_input_fails_the_own_token_check():
+    """The state starts at its own input too (a module's `input` defaults to x): `norm(z - h)` is NaN there."""
+    text = "energy N(d = 4) {\n  state z[d]\n  input h[d]\n  global F = ENERGY\n}"
+    own = checks_of(text.replace("ENERGY", "norm(z - h)"))["own token"]
+    assert own.status == "fail" and "the update is NaN" in own.detail and "its own input" in own.detail
+    fine = checks_of(text.replace("ENERGY", "0.5 * (z - h) . (z - h)"))["own token"]
+    assert fine.status == "ok" and "its own input" in fine.detail
+    # a context shaped like the state and an input: both places are visited
+    both = checks_of(L2.replace("context h[j, d]", "input g[d]\n  context h[j, d]")
+                     .replace("-logsumexp[j](-E[j])", "-logsumexp[j](-E[j]) + norm(z - g)"))["own token"]
+    assert both.status == "fail" and "its own input" in both.detail
+
+
 def test_a_params_initial_value_may_use_dims():
     """LANGUAGE.md's own `param T = sqrt(dh) learn`: check crashed (exit 70) and the instance could not be drawn."""
     text = ("energy MHA(d = 8, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
