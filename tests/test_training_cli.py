@@ -166,7 +166,7 @@ def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):
     assert code == 2 and "--tokens must be >= 0" in err
 
 
-@pytest.mark.parametrize("damage", ["truncated weights", "steps disagree"])
+@pytest.mark.parametrize("damage", ["truncated weights", "steps disagree", "sidecar missing", "last missing"])
 def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_path, monkeypatch, capsys):
     """Starting afresh over a run whose `last` cannot be resumed would overwrite its `best`: refuse instead."""
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
@@ -175,6 +175,11 @@ def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_
     if damage == "truncated weights":
         weights = tmp_path / "last.safetensors"
         weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "sidecar missing":  # a fresh start would overwrite best.*, and take another model's
+        (tmp_path / "last.json").unlink()
+    elif damage == "last missing":
+        for name in ("last.json", "last.safetensors", "last.optim.pt"):
+            (tmp_path / name).unlink()
     else:  # a kill between the weights and the sidecar: the sidecar still names the previous evaluation
         sidecar = json.loads((tmp_path / "last.json").read_text())
         sidecar["training"]["step"] -= 2

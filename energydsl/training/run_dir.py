@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 FORMAT = 1  # of the `training` record in a checkpoint's sidecar
 
+# the checkpoint files a run leaves besides last.json (whose absence alone is not a fresh directory)
+_RUN_FILES = ("last.safetensors", "last.optim.pt", "best.json", "best.safetensors")
 _START_OVER = ("pass --fresh (resume=False) to start over (that overwrites best.* too: copy it first if you need "
                "it), or choose another --out directory")
 
@@ -216,7 +218,14 @@ class RunDir:
         from different steps: saves are transactions, so not after a kill), raises `UserError`: starting afresh
         would overwrite the run's `best.*`, so that takes `resume=False`.
         """
-        if self.out_dir is None or checkpoint_file(self.out_dir / "last.json") is None:
+        if self.out_dir is None:
+            return None
+        if checkpoint_file(self.out_dir / "last.json") is None:
+            # no sidecar: nothing to resume, but a fresh start would overwrite what the run left
+            left = [name for name in _RUN_FILES if checkpoint_file(self.out_dir / name) is not None]
+            if left:
+                raise UserError(f"{self.out_dir} holds a run ({', '.join(left)}) without its last.json, so it cannot "
+                                "resume", hint=_START_OVER)
             return None
         try:
             state, sidecar, header = read_checkpoint(self.out_dir / "last.safetensors")
