@@ -433,9 +433,10 @@ def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, floa
     return {k: v for k, v in dims.items() if k in names}
 
 
-def load(source: str | Path) -> Spec:
-    """Parse a `.energy` file (a path) or spec text."""
-    return Spec(syntax.parse_module(source))
+def load(source: str | Path, *, base: str | Path | None = None) -> Spec:
+    """Parse a `.energy` file (a path) or spec text (whose imports resolve against `base`, default the working
+    directory)."""
+    return Spec(syntax.parse_module(source, base=None if base is None else Path(base)))
 
 
 def load_search(path: str | Path, **sets: object):

@@ -427,6 +427,8 @@ def sample(
     if tokens < 0 or not temperature > 0 or math.isinf(temperature) or (top_k is not None and top_k < 1):
         raise UserError(f"--tokens must be >= 0, --temperature finite and > 0 and --top-k >= 1; got {tokens}, "
                         f"{temperature:g} and {top_k}")
+    if not 0 <= seed < 2**64:  # torch's generator takes 64 bits
+        raise UserError(f"--seed must be in [0, 2**64), got {seed}")
     state, meta = load_checkpoint(checkpoint)
     if "model" not in meta:
         raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
@@ -434,9 +436,21 @@ def sample(
     # path is used only while it still holds that text, so that its imports resolve next to it)
     path, source = Path(meta.get("spec_path", "")), meta.get("spec_source")
     unchanged = path.is_file() and (source is None or _spec_text(str(path)) == source)
-    spec = load(path if unchanged or not source else source)
+    spec = load(path) if unchanged or not source else load(source, base=path.parent)
     model = spec.model(meta["model"], **meta["dims"])
-    model.load_state_dict(state)
+    # an imported file is read as it is now: the model must still be the one trained
+    trained = meta.get("equation_hash")
+    if trained is not None and model.equation_hash() != trained:
+        raise UserError(f"{checkpoint}: the model its spec builds now is not the one trained, its equations "
+                        "changed (the spec travels in the checkpoint, but the files it imports are read as they are "
+                        "now)",
+                        hint="restore the spec files as they were when it was trained, or train again")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise UserError(f"{checkpoint}: its weights do not fit the model its spec builds now: "
+                        f"{str(e).strip().splitlines()[-1].strip()[:200]}",
+                        hint="restore the spec files as they were when it was trained, or train again") from None
     training = meta.get("training", {})
     dataset = training.get("dataset", {})
     codec = codec_from_json(dataset["codec"]) if "codec" in dataset else load_dataset(dataset.get("name", ""))

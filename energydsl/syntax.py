@@ -598,12 +598,12 @@ def _read(path: Path, span: Span | None) -> str:
                         "a .energy spec is UTF-8 text") from None
 
 
-def parse_module(source: str | Path, *, name: str | None = None) -> Module:
+def parse_module(source: str | Path, *, name: str | None = None, base: Path | None = None) -> Module:
     """Parse a file (or text) and everything it imports into one `Module`.
 
     `source` is a path when it is one line without a `{` (every declaration has one; a mistyped path
     then reads "no such file", not a syntax error in its text) and not an `import` line; otherwise it is
-    spec text.
+    spec text, whose imports resolve against `base` (default: the working directory).
     """
     if not isinstance(source, str | Path):
         raise TypeError(f"expected a path or spec text (str or pathlib.Path), got {type(source).__name__}")
@@ -617,7 +617,7 @@ def parse_module(source: str | Path, *, name: str | None = None) -> Module:
         _load(text, str(path), path.parent, module, stack=[str(path.resolve())], seen=set(), top=True)
     else:
         module = Module(name or "<string>")
-        _load(str(source), name or "<string>", Path.cwd(), module, stack=[], seen=set(), top=True)
+        _load(str(source), name or "<string>", base or Path.cwd(), module, stack=[], seen=set(), top=True)
     return module
 
 

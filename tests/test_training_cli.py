@@ -157,6 +157,38 @@ def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeyp
     code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "5", "--prompt", "the")
     assert code == 0, err
     assert out.startswith("the") and len(out.rstrip("\n")) == 8
+    # a tiny temperature is greedy in the limit, not NaN probabilities (exit 70); a seed torch cannot take is exit 2
+    run = str(tmp_path / "run")
+    code, out, err = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature",
+                            "1e-300")
+    greedy = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "1e-6")
+    assert code == 0 and out == greedy[1], err
+    code, _, err = energy(monkeypatch, capsys, "sample", run, "--seed", str(2**64))
+    assert code == 2 and "--seed must be in [0, 2**64)" in err
+
+
+def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpus, tmp_path, monkeypatch, capsys):
+    """The trained spec's text travels in the checkpoint; the files it imports are read as they are now, next to
+    the spec (not the working directory), and a model whose equations changed since is refused, not sampled."""
+    text = (ROOT / "examples/models/gpt.energy").read_text()
+    split = text.index("model GPT")
+    (tmp_path / "parts.energy").write_text(text[:split])
+    main = tmp_path / "main.energy"
+    main.write_text('import "parts.energy"\n' + text[split:])
+    args = tiny_cli_run(corpus, tmp_path / "run")
+    args[1] = str(main)
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0, err
+    main.write_text(main.read_text() + "# edited after training\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3", "--prompt", "a")
+    assert code == 0 and out.startswith("a"), err
+    parts = tmp_path / "parts.energy"
+    parts.write_text(parts.read_text().replace("integral(gelu)", "integral(silu)"))  # same shapes, another model
+    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3")
+    assert code == 2 and "is not the one trained, its equations changed" in err, err
 
 
 @pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--temperature", "nan"],

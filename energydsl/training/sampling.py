@@ -199,7 +199,9 @@ def sample(
             if temperature <= 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
+                # shifted so the largest is 0, in float64 (where 1e-300 is not 0): a tiny temperature then gives
+                # 0 and -inf, never inf - inf
+                logits = (logits - logits.max(dim=-1, keepdim=True).values).double() / temperature
                 if top_k is not None and top_k > 0:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
