@@ -6,6 +6,7 @@ Anything unexpected prints one line naming the spec and exits 70: never a traceb
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
@@ -464,6 +465,10 @@ from .cli_search import register as register_search  # noqa: E402  (search and r
 register_search(app)
 
 
+# a full disk, an exhausted quota, a file system turned read-only while a command writes
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
 def main() -> None:
     """Entry point: user errors exit 2 with a located message; internal errors exit 70 in one line."""
     argv = sys.argv[1:]
@@ -481,6 +486,10 @@ def main() -> None:
         err.print("interrupted")
         sys.exit(130)
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in _FULL:  # the machine's state, not a bug: what was saved is kept
+            where = f" {e.filename}" if e.filename else ""
+            print(f"error: cannot write{where}: {e.strerror}", file=sys.stderr)
+            sys.exit(2)
         # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
         kinds = {c.__name__ for c in type(e).__mro__}
         if "ClickException" in kinds:

@@ -191,6 +191,25 @@ def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpu
     assert code == 2 and "is not the one trained, its equations changed" in err, err
 
 
+def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkeypatch, capsys):
+    """No space left while a checkpoint is written: the machine's state, not an internal error (exit 70)."""
+    import errno
+
+    from energydsl.training import checkpoint
+
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(checkpoint, "_write_weights", full)
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    assert code == 2 and "\nerror: cannot write " in err and "No space left on device" in err, err
+    assert "internal error" not in err
+    assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
+
+
 @pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--temperature", "nan"],
                                   ["--temperature", "inf"], ["--top-k", "0"]])
 def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):

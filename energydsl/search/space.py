@@ -150,9 +150,11 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
 
 def check_space(space: Any) -> None:
     """Fail early, with a readable message, when a space does not meet the protocol."""
-    for attr in ("name", "objectives", "budget", "suggest", "evaluate"):
-        if not hasattr(space, attr):
-            raise TypeError(f"search space {space!r} has no attribute {attr!r}")
+    missing = [a for a in ("name", "objectives", "budget", "suggest", "evaluate") if not hasattr(space, a)]
+    if missing:
+        raise UserError(f"{space!r} is not a search space: it has no {', '.join(missing)}",
+                        hint="a search space has name, objectives, budget, suggest and evaluate "
+                             "(energydsl.search.space.SearchSpace)")
     objectives = list(space.objectives)
     if not objectives:
         raise UserError(f"search space {space.name!r} declares no objective")
