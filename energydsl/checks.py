@@ -233,8 +233,9 @@ def check_own_token(prog: UpdateProgram) -> CheckResult | None:
         starts.append(("its own input", inst.input))
     if not starts:
         return None
+    first_step = "(as at a model layer's first step)"
     for what, x in starts:
-        where = f"where the state is {what} (as at a model layer's first step)"
+        where = f"where the state is {what} {first_step}"
         bad = _non_finite(eval_tokens(spec, energy_of_state(prog), inst, {spec.state.name: x}))
         if bad is not None:
             return CheckResult("own token", "fail", f"the energy is {bad} {where}")
@@ -244,8 +245,7 @@ def check_own_token(prog: UpdateProgram) -> CheckResult | None:
                 return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
                                    "differentiable there (a norm of a difference that is not squared?)")
     places = " and ".join(what for what, _ in starts)
-    return CheckResult("own token", "ok", f"energy and update finite where the state is {places} (as at a model "
-                       "layer's first step)")
+    return CheckResult("own token", "ok", f"energy and update finite where the state is {places} {first_step}")
 
 
 def check_causality(prog: UpdateProgram) -> CheckResult | None:
@@ -328,9 +328,7 @@ def _via_jacobian_indefinite(prog: UpdateProgram, inst: Instance) -> bool:
     x = inst.x.clone().requires_grad_(True)
     u = point_value(prog, inst, x).flatten(2)
     rows = [torch.autograd.grad(u[..., k].sum(), x, retain_graph=True)[0].flatten(2) for k in range(u.shape[-1])]
-    jac = torch.stack(rows, -2)  # (B, T, n_u, n_x), tokens independent (the norm is token-local)
-    if jac.shape[-1] != jac.shape[-2]:
-        return True
+    jac = torch.stack(rows, -2)  # (B, T, n, n): `via` keeps the state's shape, and the norm is token-local
     return bool(torch.linalg.eigvalsh((jac + jac.mT) / 2).min() < -1e-10)
 
 

@@ -440,18 +440,17 @@ def sample(
     spec = load(path) if unchanged or not source else load(source, base=path.parent)
     model = spec.model(meta["model"], **meta["dims"])
     # an imported file is read as it is now: the model must still be the one trained
+    restore = "restore the spec files as they were when it was trained, or train again"
     trained = meta.get("equation_hash")
     if trained is not None and model.equation_hash() != trained:
         raise UserError(f"{checkpoint}: the model its spec builds now is not the one trained, its equations "
                         "changed (the spec travels in the checkpoint, but the files it imports are read as they are "
-                        "now)",
-                        hint="restore the spec files as they were when it was trained, or train again")
+                        "now)", hint=restore)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise UserError(f"{checkpoint}: its weights do not fit the model its spec builds now: "
-                        f"{str(e).strip().splitlines()[-1].strip()[:200]}",
-                        hint="restore the spec files as they were when it was trained, or train again") from None
+                        f"{str(e).strip().splitlines()[-1].strip()[:200]}", hint=restore) from None
     training = meta.get("training", {})
     dataset = training.get("dataset", {})
     codec = codec_from_json(dataset["codec"]) if "codec" in dataset else load_dataset(dataset.get("name", ""))

@@ -189,6 +189,16 @@ def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpu
     parts.write_text(parts.read_text().replace("integral(gelu)", "integral(silu)"))  # same shapes, another model
     code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3")
     assert code == 2 and "is not the one trained, its equations changed" in err, err
+    # a checkpoint without an equation hash (written by hand, or by an older version): weights that no longer
+    # fit the model its spec builds are exit 2, not an internal error
+    parts.write_text(parts.read_text().replace("integral(silu)", "integral(gelu)")
+                     .replace("dh = d / heads", "dh = 2 * d / heads"))
+    for sidecar in (tmp_path / "run").glob("*.json"):
+        record = json.loads(sidecar.read_text())
+        record.pop("equation_hash", None)
+        sidecar.write_text(json.dumps(record))
+    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3")
+    assert code == 2 and "its weights do not fit the model its spec builds now" in err, err
 
 
 def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkeypatch, capsys):
