@@ -2,7 +2,7 @@
 # The GPU checks of the Triton kernels on a machine with CUDA, PyTorch and Triton but no network.
 #
 #   bash benchmarks/device.sh wheels                 # with network, once: the wheels that machine lacks -> .whl/
-#   bash benchmarks/device.sh run tests              # on the GPU machine (the repository and .whl/ copied there)
+#   bash benchmarks/device.sh run tests [-n 12]      # on the GPU machine (the repository and .whl/ copied there)
 #   bash benchmarks/device.sh run kernels [--quick]  #   benchmarks/kernels.py, JSON and log to $OUT
 #   bash benchmarks/device.sh run modules [--seq 2048,8192]
 #
@@ -43,7 +43,7 @@ case "${1:-}" in
       tests)
         # the gpu-marked tests, then the same files' CPU-sized tests compiled for this GPU
         python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests-gpu.log"
-        python3 -m pytest -q -p no:cacheprovider -m "not slow" -x "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests.log"
+        python3 -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests.log"
         ;;
       kernels) python3 benchmarks/kernels.py --json "$out/kernels.json" "$@" 2>&1 | tee "$out/kernels.log" ;;
       modules) python3 benchmarks/modules.py --json "$out/modules.json" "$@" 2>&1 | tee "$out/modules.log" ;;

@@ -21,22 +21,22 @@ if TYPE_CHECKING:
 FAMILIES = ("attention", "attention-wide", "linear", "epilogue")
 
 # (B, H, T, d, dtype) for attention and linear; ((dims...), dtype) for the elementwise epilogues
+# B and H fixed while T doubles from 1k to 16k: time should grow ~T^2 (attention) or ~T (linear), and peak
+# memory ~T (issue 4's targets). The T x T references run out of memory at the long end: reported as OOM.
 ATTENTION_SHAPES = [
-    (8, 16, 1024, 64, "bf16"),
-    (8, 16, 4096, 64, "bf16"),
-    (8, 8, 2048, 128, "bf16"),
-    (8, 8, 4096, 128, "bf16"),
-    (8, 16, 1024, 64, "fp32"),
-    (8, 8, 2048, 128, "fp32"),
+    *((4, 16, t, 64, "bf16") for t in (1024, 2048, 4096, 8192, 16384)),
+    (4, 8, 2048, 128, "bf16"),
+    (4, 8, 8192, 128, "bf16"),
+    (4, 16, 1024, 64, "fp32"),
+    (4, 8, 2048, 128, "fp32"),
 ]
 LINEAR_SHAPES = [
-    (8, 16, 1024, 64, "bf16"),
-    (8, 16, 4096, 64, "bf16"),
-    (8, 8, 4096, 128, "bf16"),
-    (8, 16, 2048, 64, "fp32"),
+    *((4, 16, t, 64, "bf16") for t in (2048, 8192, 16384)),
+    (4, 8, 8192, 128, "bf16"),
+    (4, 16, 2048, 64, "fp32"),
 ]
 # (B, H, T, Dk, Dv, dtype)
-WIDE_SHAPES = [(4, 12, 2048, 832, 64, "bf16"), (4, 12, 4096, 832, 64, "bf16")]
+WIDE_SHAPES = [(4, 12, 2048, 832, 64, "bf16"), (4, 12, 4096, 832, 64, "bf16"), (2, 12, 8192, 832, 64, "bf16")]
 EPILOGUE_SHAPES = [((8, 2048, 4096), "bf16"), ((8, 4096, 4096), "bf16"), ((8, 2048, 4096), "fp32")]
 QUICK = {
     "attention": [(8, 8, 1024, 64, "bf16")],

@@ -138,7 +138,8 @@ def _meta(cuda: bool) -> dict[str, Any]:
 
     meta: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "git_commit": _git("rev-parse", "HEAD"),
+        # a copy without .git (a GPU machine the tree was sent to) names its commit in ENERGYDSL_COMMIT
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("ENERGYDSL_COMMIT"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -160,11 +161,12 @@ def _meta(cuda: bool) -> dict[str, Any]:
     return meta
 
 
-def _write_json(path: str, payload: dict[str, Any]) -> None:
+def _write_json(path: str, payload: dict[str, Any], quiet: bool = False) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    print(f"wrote {p}")
+    if not quiet:
+        print(f"wrote {p}")
 
 
 def _print_table(title: str, headers: list[str], rows: list[list[str]]) -> None:
@@ -494,6 +496,8 @@ def benchmark(families: list[str], args: Any) -> int:
     summary: list[list[str]] = []
     notes: dict[str, str] = {}
     shapes = QUICK if args.quick else FULL
+    mode = "quick" if args.quick else "full"
+    meta["do_bench"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "quantiles": [0.5, 0.2, 0.8]}
     for fam in families:
         cases, note = build_cases(fam, shapes[fam], cuda=True)
         if note:
@@ -521,15 +525,15 @@ def benchmark(families: list[str], args: Any) -> int:
                     _fmt(ref_ratio, ".2f", "x"),
                 ]
             )
+            if args.json:  # after every case: a run cut short keeps what it measured
+                _write_json(args.json, {"meta": {**meta, "notes": notes}, "mode": mode, "results": results}, quiet=True)
     _print_table(
         "summary: triton kernel / peer (below 1: the kernel is faster / smaller)",
         ["case", "peer", "fwd", "fwd+bwd", "peak mem f+b", "fwd+bwd vs torch ref"],
         summary,
     )
     if args.json:
-        meta["notes"] = notes
-        meta["do_bench"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "quantiles": [0.5, 0.2, 0.8]}
-        _write_json(args.json, {"meta": meta, "mode": "quick" if args.quick else "full", "results": results})
+        _write_json(args.json, {"meta": {**meta, "notes": notes}, "mode": mode, "results": results})
     return 0
 
 

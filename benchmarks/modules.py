@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -116,8 +117,9 @@ def _bench(fn: Callable[[], Any], leaves: list[Any], warmup: int, rep: int) -> t
     return ms, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run_case(label: str, path: str, energy: str, batch: int, seq: int, heads: int, head_dim: int,
-             args: argparse.Namespace) -> dict[str, Any]:
+def run_case(label: str, path: str, energy: str, batch: int, seqs: list[int], heads: int, head_dim: int,
+             args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One example at every sequence length (one torch.compile per example: the lengths reuse it)."""
     import torch
 
     d = heads * head_dim
@@ -126,30 +128,37 @@ def run_case(label: str, path: str, energy: str, batch: int, seq: int, heads: in
     tri, ref = tri.cuda().to(dtype), ref.cuda().to(dtype)
     torch._dynamo.reset()
     impls = {"triton": tri, "compiled": torch.compile(ref), "plain": plain_attention(d, heads).cuda().to(dtype)}
-    x = torch.randn(batch, seq, d, device="cuda", dtype=dtype, requires_grad=True)
-    g = torch.randn_like(x)
-    row: dict[str, Any] = {"case": label, "B": batch, "T": seq, "H": heads, "Dh": head_dim}
-    for name, m in impls.items():
-        params = [p for p in m.parameters() if p.requires_grad]
+    rows = []
+    for seq in seqs:
+        x = torch.randn(batch, seq, d, device="cuda", dtype=dtype, requires_grad=True)
+        g = torch.randn_like(x)
+        row: dict[str, Any] = {"case": label, "B": batch, "T": seq, "H": heads, "Dh": head_dim}
+        for name, m in impls.items():
+            params = [p for p in m.parameters() if p.requires_grad]
 
-        def fwd(m: Any = m) -> None:
-            with torch.no_grad():
-                m(x, delta=True)
+            def fwd(m: Any = m, x: Any = x) -> None:
+                with torch.no_grad():
+                    m(x, delta=True)
 
-        def fwd_bwd(m: Any = m) -> None:
-            torch.autograd.backward(m(x, delta=True), g)
+            def fwd_bwd(m: Any = m, x: Any = x, g: Any = g) -> None:
+                torch.autograd.backward(m(x, delta=True), g)
 
-        try:
-            row[f"{name}_fwd_ms"], _ = _bench(fwd, [], args.warmup, args.rep)
-            row[f"{name}_fwdbwd_ms"], row[f"{name}_peak_mib"] = _bench(fwd_bwd, [x, *params], args.warmup, args.rep)
-        except Exception as e:  # an OOM or a compile failure is a result too
-            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            torch.cuda.empty_cache()
-    for peer in ("compiled", "plain"):
-        for key in ("fwd", "fwdbwd"):
-            a, b = row.get(f"triton_{key}_ms"), row.get(f"{peer}_{key}_ms")
-            row[f"{key}_vs_{peer}"] = a / b if a and b else None
-    return row
+            try:
+                row[f"{name}_fwd_ms"], _ = _bench(fwd, [], args.warmup, args.rep)
+                row[f"{name}_fwdbwd_ms"], row[f"{name}_peak_mib"] = _bench(
+                    fwd_bwd, [x, *params], args.warmup, args.rep
+                )
+            except Exception as e:  # an OOM or a compile failure is a result too
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                torch.cuda.empty_cache()
+        for peer in ("compiled", "plain"):
+            for key in ("fwd", "fwdbwd"):
+                a, b = row.get(f"triton_{key}_ms"), row.get(f"{peer}_{key}_ms")
+                row[f"{key}_vs_{peer}"] = a / b if a and b else None
+        print(json.dumps(row), flush=True)  # a run cut short keeps what it measured
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
 
 
 def benchmark(args: argparse.Namespace) -> int:
@@ -157,10 +166,14 @@ def benchmark(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    rows = []
-    for seq in args.seq:
-        for label, path, energy in CASES:
-            rows.append(run_case(label, path, energy, args.batch, seq, args.heads, args.head_dim, args))
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "argv": sys.argv[1:], "commit": _commit()}
+    rows: list[dict[str, Any]] = []
+    for label, path, energy in CASES:
+        rows += run_case(label, path, energy, args.batch, args.seq, args.heads, args.head_dim, args)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     table = Table(title=f"generated modules on {torch.cuda.get_device_name()}, bf16, B={args.batch}, "
                         f"H={args.heads}, Dh={args.head_dim} (ratios: triton / peer, below 1 = faster)")
     for col in ("case", "T", "triton fwd+bwd ms", "compiled ms", "plain ms", "vs compiled", "vs plain",
@@ -176,12 +189,16 @@ def benchmark(args: argparse.Namespace) -> int:
                       f(r.get("triton_peak_mib"), ".0f"))
     Console().print(table)
     print("targets: vs compiled <= 0.5 (2x faster), vs plain <= 1.3; peak MiB linear in T")
-    if args.json:
-        meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
-                "torch": torch.__version__, "argv": sys.argv[1:]}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     return 0
+
+
+def _commit() -> str | None:
+    """HEAD, or ENERGYDSL_COMMIT on a copy of the tree without .git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    return (out.stdout.strip() if out and out.returncode == 0 else None) or os.environ.get("ENERGYDSL_COMMIT")
 
 
 def main(argv: list[str] | None = None) -> int:
