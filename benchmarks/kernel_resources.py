@@ -84,13 +84,16 @@ def jobs() -> list[Job]:
     return out
 
 
-def compile_for_sm90(kernel: Any, flags: dict[str, Any], dtype: str, num_warps: int, num_stages: int) -> Any:
+def compile_for_sm90(
+    kernel: Any, flags: dict[str, Any], dtype: str, num_warps: int, num_stages: int, scale_type: str = "fp32"
+) -> Any:
     """Compile an attention template (narrow or wide) for sm_90 without a GPU: `flags` holds its constexprs
     (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32.
 
     Specialised as the JIT specialises a launch at the benchmark shapes: every tensor 16-byte aligned and T
     and the head dims multiples of 16. Without those hints the loads do not vectorise (one 2-byte load per
-    element) and the counts describe a kernel no benchmark runs.
+    element) and the counts describe a kernel no benchmark runs. `scale_type`: "fp64" is how torch.compile
+    (Inductor) types the Python float `scale` when it launches a triton_op's kernel.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -98,6 +101,7 @@ def compile_for_sm90(kernel: Any, flags: dict[str, Any], dtype: str, num_warps: 
 
     consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
     sig = {a: _SCALAR_ARGS.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
+    sig["scale"] = scale_type
     sig |= {c: "constexpr" for c in consts}
     multiples_of_16 = [a for a in kernel.arg_names if sig[a].startswith("*") or a in _MULTIPLES_OF_16]
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in multiples_of_16}

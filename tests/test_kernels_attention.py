@@ -470,6 +470,30 @@ print("compiled")
 """
 
 
+_FP64_SCALE_SCRIPT = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+from kernel_resources import compile_for_sm90
+from energydsl.kernels import attention_kernels as N, attention_wide_kernels as W
+
+for kernel, wide in [(N._fwd_kernel, False), (N._bwd_dkdv_kernel, False), (N._bwd_dq_kernel, False),
+                     (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True), (W._bwd_dq_wide_kernel, True)]:
+    flags = dict(STRICT=False, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=False, DOT_PREC="tf32",
+                 NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64)
+    flags |= dict(BLOCK_D=64) if wide else dict(BLOCK_DK=64, BLOCK_DV=64)
+    ttir = compile_for_sm90(kernel, flags, "bf16", num_warps=4, num_stages=2, scale_type="fp64").asm["ttir"]
+    f64 = [ln.strip() for ln in ttir.splitlines() if "f64" in ln and "tt.func" not in ln and "truncf" not in ln]
+    assert not f64, (kernel.__name__, f64[:3])
+print("compiled")
+"""
+
+
+def test_kernels_take_an_fp64_scale_in_fp32() -> None:
+    """Under torch.compile, Inductor launches the kernels with `scale` typed fp64 (a Python float): each
+    kernel must truncate it once, not compute its scores in fp64 (or fail to build a dot, as on an H100)."""
+    compile_for_gpu(_FP64_SCALE_SCRIPT)
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_gpu() -> None:
     """The narrow and wide templates, every variant's code path, compile for sm_90 on a CPU-only machine

@@ -320,6 +320,46 @@ print("compiled")
 """
 
 
+def test_references_take_fp32_decays_with_bf16_inputs() -> None:
+    """The kernels take fp32 log decays beside 16-bit q, k, v; so do the references (the benchmark's peer)."""
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.bfloat16) for _ in range(3))
+    g = -0.3 * torch.rand(1, 2, 9)
+    exact = linear_attention_parallel_ref(q.double(), k.double(), v.double(), log_decay=g.double())
+    for ref in REFS:
+        out = ref(q, k, v, log_decay=g)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, exact) < 3e-2
+
+
+_FP64_SCALE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from energydsl.kernels import linear as L
+
+ptrs = {
+    "_fwd_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "o_ptr"],
+    "_bwd_dq_kernel": ["k_ptr", "v_ptr", "g_ptr", "do_ptr", "dq_ptr"],
+    "_bwd_dkv_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "do_ptr", "dk_ptr", "dv_ptr"],
+}
+for name in ptrs:
+    consts = dict(HAS_DECAY=True, STRICT=False, DOT_PREC="ieee", C=16, BK=64, BV=64)
+    sig = {p: "*fp32" for p in ptrs[name]} | {"T": "i32", "K": "i32", "V": "i32", "scale": "fp64"}
+    sig |= {c: "constexpr" for c in consts}
+    src = ASTSource(getattr(L, name), sig, constexprs=consts)
+    ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttir"]
+    f64 = [ln.strip() for ln in ttir.splitlines() if "f64" in ln and "tt.func" not in ln and "truncf" not in ln]
+    assert not f64, (name, f64[:3])
+print("compiled")
+"""
+
+
+def test_kernels_take_an_fp64_scale_in_fp32() -> None:
+    """Under torch.compile, Inductor launches the kernels with `scale` typed fp64 (a Python float). On an
+    H100 the backward then failed to build: `dO * scale` was fp64 and `tl.dot` refuses fp64 with fp32."""
+    compile_for_gpu(_FP64_SCALE_SCRIPT)
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_gpu() -> None:
     """Catches errors of the GPU code path (layouts, dot shapes, loop-carried types) on a CPU-only machine."""

@@ -157,6 +157,7 @@ def _fwd_kernel(
         other=0.0,
     )
     # scores in log2 units: every score term times log2(e), so that exp(x) is exp2 of it (no extra multiply)
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634
     slope = 0.0
     self_b = 0.0
@@ -287,6 +288,7 @@ def _bwd_dkdv_kernel(
         mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
         other=0.0,
     )
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
@@ -423,6 +425,7 @@ def _bwd_dq_kernel(
     # log2 units, as in _fwd_kernel; padded rows get lse = inf, hence p = 0
     lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634
     slope = 0.0
     self_b = 0.0

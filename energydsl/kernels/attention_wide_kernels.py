@@ -91,6 +91,7 @@ def _fwd_wide_kernel(
     offs_dv = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     dv_ok = offs_dv < D_V
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
@@ -197,6 +198,7 @@ def _bwd_dkdv_wide_kernel(
     col_ok = offs_n < T
     dk_ok = offs_d < D_QK
     dv_ok = offs_d < D_V
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0
@@ -312,6 +314,7 @@ def _bwd_dq_wide_kernel(
     dv_ok = offs_d < D_V
     lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
     self_b = 0.0

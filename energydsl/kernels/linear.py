@@ -89,6 +89,7 @@ def _fwd_kernel(
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     offs_c = tl.arange(0, C)
@@ -146,6 +147,7 @@ def _bwd_dq_kernel(
 ):  # fmt: skip
     """Forward sweep: dq_i = sum_j M_ij (dO_i . v_j) k_j + exp(b_i) S_{n-1} dO_i, over this program's
     Dv-block only: dq_ptr is the (NV, B*H, T, K) fp32 buffer of partial sums."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     n_bh = tl.num_programs(1)
@@ -199,6 +201,7 @@ def _bwd_dkv_kernel(
 ):  # fmt: skip
     """Reverse sweep with D_n = sum_{i after chunk n} exp(log decay from chunk n's end to i) q_i dO_i^T.
     dk is a partial sum over this Dv-block ((NV, B*H, T, K) fp32 buffer); dv is complete (Dk is whole)."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     n_bh = tl.num_programs(1)
