@@ -10,7 +10,8 @@
 # the compiler needs, and flash-linear-attention's kernels (fla-core), the linear family's peer. `wheels`
 # fetches both as Python 3.12 wheels; `run` installs them under /tmp/site without touching the machine's
 # environment, then runs one step, writing its log (and the benchmark's JSON, with device, versions, commit
-# and date) to $OUT (default runs/device). Only the GPU-relevant test files are collected: the others import
+# and date) to $OUT (default runs/device). Set ENERGYDSL_COMMIT to the commit sent: the copy's .git, if it has
+# one, may be an older checkout's. Only the GPU-relevant test files are collected: the others import
 # optuna and ray, which the image does not have.
 set -euo pipefail
 cd "$(dirname "$0")/.."

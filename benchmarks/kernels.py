@@ -138,9 +138,11 @@ def _meta(cuda: bool) -> dict[str, Any]:
 
     meta: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        # a copy without .git (a GPU machine the tree was sent to) names its commit in ENERGYDSL_COMMIT
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("ENERGYDSL_COMMIT"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # a copy sent to a GPU machine names its commit in ENERGYDSL_COMMIT: its .git, if any, may be stale
+        "git_commit": os.environ.get("ENERGYDSL_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_dirty": None
+        if os.environ.get("ENERGYDSL_COMMIT")
+        else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "argv": sys.argv[1:],

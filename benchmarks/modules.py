@@ -193,12 +193,14 @@ def benchmark(args: argparse.Namespace) -> int:
 
 
 def _commit() -> str | None:
-    """HEAD, or ENERGYDSL_COMMIT on a copy of the tree without .git."""
+    """ENERGYDSL_COMMIT where set (a copy sent to a GPU machine: its .git, if any, may be stale), else HEAD."""
+    if os.environ.get("ENERGYDSL_COMMIT"):
+        return os.environ["ENERGYDSL_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        out = None
-    return (out.stdout.strip() if out and out.returncode == 0 else None) or os.environ.get("ENERGYDSL_COMMIT")
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

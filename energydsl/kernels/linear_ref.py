@@ -59,7 +59,7 @@ def linear_attention_parallel_ref(
             log_gamma = c[..., :, None] - c[..., None, :]  # (B, H, T, T)
         # -inf before exp: the masked (j > i) entries would overflow, and give 0 with 0 gradient this way
         gamma = torch.exp(log_gamma.masked_fill(~mask, float("-inf")))
-        weights = scores * gamma
+        weights = scores * gamma.to(scores.dtype)  # fp32 decays on 16-bit inputs, as the kernels take them
     return scale * (weights @ v)
 
 
@@ -81,7 +81,7 @@ def linear_attention_recurrent_ref(
     for t in range(T):
         if log_decay is not None:
             a = torch.exp(log_decay[:, :, t] if log_decay.dim() == 3 else log_decay[None, :].expand(B, H))
-            S = a[..., None, None] * S
+            S = a[..., None, None].to(S.dtype) * S
         if strict:  # read the state before this token's key/value is written
             outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], S))
         S = S + k[:, :, t, :, None] * v[:, :, t, None, :]
