@@ -274,6 +274,16 @@ def test_wide_widths_take_the_wide_kernels(monkeypatch: pytest.MonkeyPatch) -> N
     assert calls, "the wide kernels were not launched"
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the autotuner owns the tiles")
+@pytest.mark.parametrize("tiles", [(32, 128), (128, 32)], ids=["keys-4x-queries", "queries-4x-keys"])
+@pytest.mark.parametrize("kind", ["with_lse", "second"])
+def test_unequal_row_tiles(monkeypatch, tiles: tuple[int, int], kind: str) -> None:
+    """The autotuner may pick 128-key dK/dV and 128-query dQ programs (the Hopper backward tiles): the causal
+    diagonal then spans four blocks of the other axis. Every kernel, forward and backward, at both shapes."""
+    monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
+    check(Case(T=300, H=1, Dk=16, Dv=16, strict=False, biases="all", B=1), kind)
+
+
 @pytest.mark.parametrize("width", [832, 300, 64, 24])
 def test_the_grid_follows_each_configs_feature_tile(width: int) -> None:
     """On a GPU the autotuner picks the wide kernels' BLOCK_D with the row tiles: for every config the grid
