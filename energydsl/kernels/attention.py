@@ -60,9 +60,9 @@ def _configs(shapes: list[tuple[int, ...]]) -> list[triton.Config]:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)])
 # The last dK/dV and dQ configs are the Triton tutorial's Hopper backward tiles (128 keys per dK/dV program,
-# 128 queries per dQ program), at 8 warps, where ptxas fits them (4 warps spill): added after the first H100
-# run found the backward 1.5-1.7x FA2's at long T with tiles of at most 64 (benchmarks/RESULTS.md), not yet
-# timed.
+# 128 queries per dQ program) at 8 warps (at 4 they spill; at head dim 128 the dK/dV one still spills 32-40
+# bytes). Added, not yet timed, after the first H100 run found the backward 1.5-1.7x FA2's at long T with
+# tiles of at most 64 (benchmarks/RESULTS.md).
 _DKDV_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1),
                           (32, 128, 8, 3)])
 _DQ_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1),
