@@ -284,6 +284,16 @@ def test_unequal_row_tiles(monkeypatch, tiles: tuple[int, int], kind: str) -> No
     check(Case(T=300, H=1, Dk=16, Dv=16, strict=False, biases="all", B=1), kind)
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the autotuner owns the tiles")
+@pytest.mark.parametrize("kind", ["with_lse", "second"])
+def test_wide_kernels_with_a_256_feature_tile(monkeypatch, kind: str) -> None:
+    """The wide backward's widest autotune tile (256 features, 32 x 32 rows): a 300-wide score is one full tile
+    and a masked tail, values fit in the first tile and the other programs' value tiles are empty."""
+    monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", dict(BLOCK_M=32, BLOCK_N=32))
+    monkeypatch.setattr(kernels, "INTERPRET_FEATURE_TILE", 256)
+    check(Case(T=70, H=1, Dk=300, Dv=24, strict=False, biases="all", B=1), kind, impl=WIDE)
+
+
 @pytest.mark.parametrize("width", [832, 300, 64, 24])
 def test_the_grid_follows_each_configs_feature_tile(width: int) -> None:
     """On a GPU the autotuner picks the wide kernels' BLOCK_D with the row tiles: for every config the grid

@@ -72,9 +72,13 @@ _DQ_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32,
 _WIDE_FWD_CONFIGS = _configs([(64, 64, 64, 8, 2), (64, 64, 128, 8, 2), (32, 64, 128, 8, 2), (64, 32, 64, 8, 2),
                               (32, 32, 64, 4, 2)])
 _WIDE_DKDV_CONFIGS = _configs([(32, 64, 64, 8, 2), (64, 32, 64, 8, 2), (64, 64, 32, 8, 2), (32, 32, 64, 8, 2),
-                               (32, 32, 32, 4, 2)])
+                               (32, 32, 32, 4, 2), (32, 32, 256, 8, 2)])
 _WIDE_DQ_CONFIGS = _configs([(64, 64, 64, 8, 2), (32, 64, 64, 8, 2), (64, 32, 64, 8, 2), (32, 32, 128, 8, 2),
-                             (32, 32, 64, 4, 2)])
+                             (32, 32, 64, 4, 2), (32, 32, 256, 8, 2), (64, 32, 128, 8, 2)])
+# The 256-wide feature tiles of the wide backward (4 programs recompute CEM's 832-wide scores instead of 13)
+# were added after the first H100 run found that recomputation made its backward 4.7x slower than the T x T
+# torch reference at T = 2k (benchmarks/RESULTS.md); ptxas fits them (8 bytes spilled by dK/dV with the second
+# moment, 16 by dQ); not yet timed.
 # what the autotuner tries for (forward, dK/dV, dQ), by `wide`
 AUTOTUNE_CONFIGS = {
     False: (_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS),
