@@ -50,7 +50,7 @@ def space_spec(space: str) -> str:
 def output_dir(storage: str, study: str) -> Path:
     """Where the report and the best candidate go by default: next to the storage (a journal or an SQLite
     file), else runs/STUDY."""
-    from energydsl.search.report import local_file, safe_name
+    from energydsl.search.storage import local_file, safe_name
 
     local = local_file(storage)
     return local.parent if local is not None else Path("runs") / safe_name(study)
@@ -146,7 +146,8 @@ def report(
     """Write a self-contained HTML report of a study (plots, leaderboard, every trial's spec and equations)."""
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.report import check_output, default_storage_path
+    from energydsl.search.report import check_output
+    from energydsl.search.storage import default_storage_path
 
     store, study_name = _locate(study, storage, name, default_storage_path)
     path = Path(out) if out else output_dir(store, study_name) / "report.html"
@@ -166,12 +167,20 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
     """(storage, study name) from what the user gave: a study name, a journal path or a URL."""
     import optuna
 
-    from energydsl.search.report import local_file, open_storage
+    from energydsl.search.storage import NO_STUDIES_HINT, check_storage_given, local_file, open_storage, slashless_url
 
     if storage is not None and not storage.strip():
         raise UserError("--storage is empty", hint="give the journal file or the storage URL of the study")
-    if storage is None and ("://" in study or Path(study).is_file()):
-        storage, study = (study if "://" in study else str(Path(study).resolve())), ""
+    if name is not None and not name.strip():
+        raise UserError("--study is empty", hint="give the study's name, or leave --study out when the storage "
+                                                 "holds one study")
+    if not study.strip():
+        raise UserError("STUDY is empty", hint="give a study name (its storage: runs/STUDY/optuna.journal), a "
+                                               "journal file or a storage URL")
+    if storage is None and ("://" in study or slashless_url(study) or Path(study).is_file()):
+        storage, study = (study if "://" in study or slashless_url(study) else str(Path(study).resolve())), ""
+    if storage is not None:
+        check_storage_given(storage)  # a URL without its `//`, an in-memory SQLite one
     if storage is None:
         storage = default(study)
         if not Path(storage).exists():
@@ -185,8 +194,13 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
     if wanted:
         return storage, wanted
     names = optuna.get_all_study_names(open_storage(storage))
+    if not names:
+        where = storage
+        if local is not None:  # where it looked: the file, absolute
+            where = str(local.resolve()) if "://" not in storage else f"{storage} (the file {local.resolve()})"
+        raise UserError(f"the storage {where} holds no studies", hint=NO_STUDIES_HINT)
     if len(names) != 1:
-        raise UserError(f"{storage} holds {len(names)} studies ({', '.join(names) or 'none'})",
+        raise UserError(f"{storage} holds {len(names)} studies ({', '.join(names)})",
                         hint="pick one with --study NAME")
     return storage, names[0]
 

@@ -9,6 +9,7 @@ stopped, killed or moved between backends and continued, and `write_report` read
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,7 @@ from energydsl.search.local import (
     storage_lock,
     study_lock,
 )
-from energydsl.search.report import (
-    check_storage_given,
-    default_storage_path,
-    export_best,
-    load_study,
-    open_storage,
-    summarize,
-    write_report,
-)
+from energydsl.search.report import export_best, summarize, write_report
 from energydsl.search.settings import HOLE
 from energydsl.search.space import (
     Candidate,
@@ -48,6 +41,7 @@ from energydsl.search.space import (
     registered_spaces,
     resolve_space,
 )
+from energydsl.search.storage import check_storage_given, default_storage_path, load_study, open_storage
 
 __all__ = [
     "Candidate", "SearchSpace", "SpaceRef", "register_space", "registered_spaces", "resolve_space",
@@ -172,6 +166,49 @@ def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: S
                      f"to continue this one, write the hole as {_show(old)} again") from None
 
 
+def check_options(*, backend: str, trials: int | None, timeout: float | None, workers: int, storage: str | None,
+                  study_name: str | None, pruner: str, device: str, address: str | None, gpus_per_trial: float,
+                  cpus_per_trial: float, seed: int | None) -> None:
+    """Refuse `run_search`'s options (the `energy search` flags, named as the command line spells them) that are
+    out of range or meaningless together, before the space loads, a storage opens or a backend starts."""
+    if backend not in BACKENDS:
+        raise UserError(f"unknown --backend {backend!r}; choose one of {', '.join(BACKENDS)}",
+                        hint="local: worker processes on this machine; ray: Ray Tune trials, on a local Ray "
+                             "runtime or the cluster at --address")
+    if pruner not in PRUNERS:
+        raise UserError(f"unknown pruner {pruner!r}; choose one of {', '.join(PRUNERS)}")
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, not {workers}", hint="the number of trials run at once")
+    if trials is not None and trials < 1:
+        raise UserError(f"--trials must be at least 1, not {trials}",
+                        hint="the number of finished trials the study should hold")
+    if seed is not None and not 0 <= seed <= 2**32 - 1:
+        raise UserError(f"--seed: the seed must be between 0 and 2**32 - 1, not {seed}")
+    if timeout is not None and not timeout > 0:
+        raise UserError(f"--timeout: the timeout must be a positive number of seconds, not {timeout}",
+                        hint="leave --timeout out for no time limit")
+    if storage is not None:
+        check_storage_given(storage)
+    if study_name is not None and not study_name.strip():
+        raise UserError("--study is empty", hint="give a study name, or leave --study out for the search's name")
+    resources = "each Ray trial reserves gpus_per_trial >= 0 and cpus_per_trial > 0 (fractions allowed), e.g. " \
+                "--gpus-per-trial 0.5 --cpus-per-trial 2"
+    if not (math.isfinite(gpus_per_trial) and gpus_per_trial >= 0):
+        raise UserError(f"--gpus-per-trial must be a number at least 0, not {gpus_per_trial:g}", hint=resources)
+    if not (math.isfinite(cpus_per_trial) and cpus_per_trial > 0):
+        raise UserError(f"--cpus-per-trial must be a number above 0, not {cpus_per_trial:g}", hint=resources)
+    if address is not None and backend != "ray":
+        raise UserError(f"--address {address!r} names a Ray cluster, and the {backend} backend does not use one",
+                        hint="add --backend ray to run the trials on that cluster, or leave --address out to run "
+                             "them on this machine")
+    if address is not None and not address.strip():
+        raise UserError("--address is empty", hint="give auto (on a node of the cluster) or HEAD_IP:6379; without "
+                                                   "--address, the ray backend starts a Ray runtime of its own")
+    if backend == "ray" and device.startswith("cuda") and gpus_per_trial == 0:
+        raise UserError(f"--device {device} on the ray backend needs GPUs reserved per trial",
+                        hint="give --gpus-per-trial, e.g. 0.5 (two trials per GPU)")
+
+
 def run_search(
     ref: SpaceRef | str,
     *,
@@ -198,21 +235,9 @@ def run_search(
     lost with their worker are retried and not counted. Defaults come from the space's budget.
     Returns a summary: completed, pruned, failed, invalid, duplicates, lost, best (params and objective
     values; the Pareto front list with several objectives), study, storage, ..."""
-    if backend not in BACKENDS:
-        raise UserError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if pruner not in PRUNERS:
-        raise UserError(f"unknown pruner {pruner!r}; choose one of {', '.join(PRUNERS)}")
-    if workers < 1:
-        raise UserError(f"workers must be at least 1, not {workers}")
-    if seed is not None and not 0 <= seed <= 2**32 - 1:
-        raise UserError(f"the seed must be between 0 and 2**32 - 1, not {seed}")
-    if timeout is not None and not timeout > 0:
-        raise UserError(f"the timeout must be a positive number of seconds, not {timeout}")
-    if storage is not None:
-        check_storage_given(storage)
-    if backend == "ray" and not (gpus_per_trial >= 0 and cpus_per_trial > 0):
-        raise UserError(f"need gpus_per_trial >= 0 and cpus_per_trial > 0, not {gpus_per_trial} and "
-                        f"{cpus_per_trial}")
+    check_options(backend=backend, trials=trials, timeout=timeout, workers=workers, storage=storage,
+                  study_name=study_name, pruner=pruner, device=device, address=address,
+                  gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, seed=seed)
     ref = ref if isinstance(ref, SpaceRef) else SpaceRef(str(ref))
     ref = absolute(ref)  # workers (Ray's above all) may run in another directory
     quiet_optuna()

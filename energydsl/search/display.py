@@ -20,17 +20,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from energydsl.search.report import (
-    DUPLICATE_OF,
-    REASON,
-    best_of,
-    ledger,
-    objectives_of,
-    open_storage,
-    pareto,
-    ranked,
-    trial_kind,
-)
+from energydsl.search.report import DUPLICATE_OF, REASON, best_of, ledger, objectives_of, pareto, ranked, trial_kind
+from energydsl.search.storage import open_storage
 
 
 def _fmt(v: Any) -> str:

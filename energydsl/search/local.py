@@ -51,14 +51,12 @@ from energydsl.search.report import (
     finite,
     is_counted,
     ledger,
-    local_file,
-    open_storage,
     owner_info,
-    safe_name,
     stale_reason,
     trial_kind,
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_space
+from energydsl.search.storage import local_file, open_storage, safe_name
 from energydsl.signal_handlers import handlers_restored
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)

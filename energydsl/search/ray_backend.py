@@ -54,10 +54,9 @@ from energydsl.search.report import (
     TRACEBACK,
     finite,
     ledger,
-    open_storage,
-    safe_name,
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, plain, resolve_space
+from energydsl.search.storage import open_storage, safe_name
 from energydsl.signal_handlers import handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
@@ -335,9 +334,6 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
         from ray.tune.schedulers import ASHAScheduler
     except ImportError as e:
         raise UserError("the ray backend needs Ray Tune: pip install 'ray[tune]'") from e
-    if device.startswith("cuda") and gpus_per_trial <= 0:
-        raise UserError("device cuda on Ray needs GPUs reserved per trial",
-                        hint="pass gpus_per_trial, e.g. 0.5")
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
         recovered = recover_stale(study, storage)

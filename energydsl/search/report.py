@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import html
-import json
 import math
 import os
-import re
 import socket
 import tempfile
 import threading
@@ -27,6 +25,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
+from energydsl.search.storage import load_study
 
 # --- user attrs (what a person reads in the report) ---
 KIND = "kind"  # complete | duplicate | invalid | pruned | error | lost | interrupted
@@ -49,105 +48,6 @@ RETRY_OF = "energy:retry_of"
 # same parameters and does not count toward the budget.
 UNCOUNTED_KINDS = frozenset({"lost", "interrupted"})
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-
-
-def safe_name(name: str) -> str:
-    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "study"
-
-
-def default_storage_path(study_name: str) -> str:
-    """Where a study lives when no --storage is given: a journal file any local process can append to."""
-    return os.path.join("runs", safe_name(study_name), "optuna.journal")
-
-
-def local_file(spec: str) -> Path | None:
-    """The file on this machine a storage lives in (a journal, or an SQLite database), else None."""
-    if "://" not in spec:
-        return Path(spec)
-    if spec.startswith("sqlite:///"):
-        path = spec.removeprefix("sqlite:///").split("?", 1)[0]
-        return Path(path) if path and path != ":memory:" else None
-    return None
-
-
-def _check_journal(path: Path) -> None:
-    """Refuse, before Optuna opens (or appends to) it, a path that is not a journal file or cannot become one."""
-    hint = "give the journal of an earlier search, or a new file name (e.g. runs/NAME/optuna.journal)"
-    if path.is_dir():
-        raise UserError(f"storage {path} is a directory, not an Optuna journal file",
-                        hint=f"give a file in it, e.g. {path / 'optuna.journal'}")
-    if not path.exists():
-        return
-    if not path.is_file():
-        raise UserError(f"storage {path} is not a regular file, so not an Optuna journal", hint=hint)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-    except OSError as e:
-        raise UserError(f"cannot read the storage {path}: {e.strerror or e}") from None
-    if not head:
-        return  # an empty journal: Optuna creates one so
-    first, newline, _ = head.partition(b"\n")
-    if newline:
-        try:
-            record = json.loads(first)
-        except ValueError:
-            record = None
-        ok = isinstance(record, dict) and "op_code" in record
-    else:  # a first line still being written
-        ok = head.startswith(b'{"op_code"')
-    if not ok:
-        raise UserError(f"storage {path} is not an Optuna journal file (it does not start with a journal record)",
-                        hint=hint)
-
-
-def check_storage_given(spec: str) -> None:
-    """An empty storage string is refused (checked before a search starts, and when a storage is opened)."""
-    if not spec.strip():
-        raise UserError("the storage is empty",
-                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
-
-
-def open_storage(spec: str) -> BaseStorage:
-    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path.
-
-    Raises UserError, naming the path, for an empty spec, a directory, a file that is not an Optuna
-    journal (never appended to), or a journal that cannot be read or created."""
-    check_storage_given(spec)
-    if "://" in spec:
-        kwargs: dict[str, Any] = {}
-        if spec.startswith("sqlite"):  # several processes write: wait for the lock instead of failing
-            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
-        try:
-            return optuna.storages.RDBStorage(spec, **kwargs)
-        except Exception as e:  # bad URL, missing driver, unreachable server
-            raise UserError(f"cannot open storage {spec!r}: {e}") from e
-    from optuna.storages.journal import JournalFileBackend, JournalStorage
-
-    path = Path(spec)
-    _check_journal(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        backend = JournalFileBackend(str(path))
-    except OSError as e:
-        raise UserError(f"cannot create the storage {path}: {e.strerror or e}",
-                        hint="give a journal path in a directory you can write to") from None
-    try:
-        return JournalStorage(backend)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged journal (JSON, fields)
-        raise UserError(f"storage {path} is not a readable Optuna journal ({type(e).__name__}: {e})") from None
-
-
-def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
-    """Open an existing study, with a readable error listing the names that do exist."""
-    if isinstance(storage, str) and "://" not in storage and not Path(storage).exists():
-        raise UserError(f"no study storage at {storage}")  # checked first: opening a journal creates it
-    st = open_storage(storage) if isinstance(storage, str) else storage
-    try:
-        return optuna.load_study(study_name=study_name, storage=st)
-    except KeyError as e:
-        names = optuna.get_all_study_names(st)
-        raise UserError(f"no study {study_name!r} in {storage}; studies there: {names}") from e
 
 
 def objectives_of(study: optuna.Study) -> list[tuple[str, str]]:

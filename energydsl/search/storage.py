@@ -1,0 +1,171 @@
+"""Where a study is stored: the storage string a user gives (a journal file or a database URL), checked, and
+opened as an Optuna storage.
+
+A wrong string is refused before anything is written, with the form that was probably meant: an empty one, a
+URL missing the `//` after its scheme, an in-memory SQLite database, a folder, a file that is not a journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage
+
+from energydsl.errors import UserError
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "study"
+
+
+def default_storage_path(study_name: str) -> str:
+    """Where a study lives when no --storage is given: a journal file any local process can append to."""
+    return os.path.join("runs", safe_name(study_name), "optuna.journal")
+
+
+def local_file(spec: str) -> Path | None:
+    """The file on this machine a storage lives in (a journal, or an SQLite database), else None."""
+    if "://" not in spec:
+        return Path(spec)
+    if spec.startswith("sqlite:///"):
+        path = spec.removeprefix("sqlite:///").split("?", 1)[0]
+        return Path(path) if path and path != ":memory:" else None
+    return None
+
+
+def _check_journal(path: Path) -> None:
+    """Refuse, before Optuna opens (or appends to) it, a path that is not a journal file or cannot become one."""
+    hint = "give the journal of an earlier search, or a new file name (e.g. runs/NAME/optuna.journal)"
+    if path.is_dir():
+        raise UserError(f"storage {path} is a directory, not an Optuna journal file",
+                        hint=f"give a file in it, e.g. {path / 'optuna.journal'}")
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise UserError(f"storage {path} is not a regular file, so not an Optuna journal", hint=hint)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise UserError(f"cannot read the storage {path}: {e.strerror or e}") from None
+    if not head:
+        return  # an empty journal: Optuna creates one so
+    first, newline, _ = head.partition(b"\n")
+    if newline:
+        try:
+            record = json.loads(first)
+        except ValueError:
+            record = None
+        ok = isinstance(record, dict) and "op_code" in record
+    else:  # a first line still being written
+        ok = head.startswith(b'{"op_code"')
+    if not ok:
+        raise UserError(f"storage {path} is not an Optuna journal file (it does not start with a journal record)",
+                        hint=hint)
+
+
+# what a URL's scheme looks like (RFC 3986); two letters at least, so that a Windows drive (C:) is a path
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):")
+# SQLAlchemy's dialects (the part of a scheme before `+driver`): `NAME:anything` without `//` is a mistyped URL
+_DIALECTS = frozenset({"sqlite", "postgresql", "postgres", "mysql", "mariadb", "oracle", "mssql", "cockroachdb"})
+
+
+def slashless_url(spec: str) -> str | None:
+    """The scheme of a storage URL written without the `//` after it (`sqlite:/x.db`, `postgresql:host/db`), which
+    would otherwise be taken as a journal path (a folder named `sqlite:`), else None. A path that means it
+    starts with `./`."""
+    m = _SCHEME.match(spec)
+    if m is None or "://" in spec:
+        return None
+    scheme = m.group(1)
+    rest = spec[m.end():]
+    return scheme if rest.startswith("/") or scheme.split("+")[0].lower() in _DIALECTS else None
+
+
+def _in_memory_sqlite(spec: str) -> bool:
+    """`sqlite://`, `sqlite:///:memory:`: a database each connection sees empty (the engine opens several)."""
+    scheme, sep, rest = spec.partition("://")
+    return bool(sep) and scheme.split("+")[0].lower() == "sqlite" and \
+        rest.split("?", 1)[0].removeprefix("/") in ("", ":memory:")
+
+
+def check_storage_given(spec: str) -> None:
+    """Refuse a storage string that cannot be the storage meant (checked before a search starts, and when a
+    storage is opened): an empty one; a URL missing the `//` after its scheme (`sqlite:/x.db` would be a journal
+    file in a folder named `sqlite:`); an in-memory SQLite database (the search's processes, its report and a
+    rerun would each see an empty one)."""
+    if not spec.strip():
+        raise UserError("the storage is empty",
+                        hint="give a journal file (e.g. runs/NAME/optuna.journal) or a URL such as sqlite:///s.db")
+    scheme = slashless_url(spec)
+    if scheme is not None:
+        rest = spec[len(scheme) + 1:]
+        if scheme.split("+")[0].lower() == "sqlite":
+            path = rest.lstrip("/") or "NAME.db"
+            form = (f"an SQLite URL is {scheme}:/// and the file's path: {scheme}:///{path} for {path} in the "
+                    f"working directory, {scheme}:////{path} for /{path}")
+        else:
+            form = f"a database URL is {scheme}://USER:PASSWORD@HOST/DATABASE"
+        folder, slash, _ = spec.partition("/")
+        as_path = f"a journal file in a folder named `{folder}`" if slash else "a journal file of that name"
+        raise UserError(f"storage {spec!r} looks like a URL without the `//` after `{scheme}:` (as a path, it would be "
+                        f"{as_path})", hint=f"{form}; for a journal file whose path starts so, write ./{spec}")
+    if _in_memory_sqlite(spec):
+        raise UserError(f"storage {spec!r} is an in-memory SQLite database: every connection to it sees an empty "
+                        "one, so the search's trials, its report and a rerun could not share the study",
+                        hint="give a database file (e.g. sqlite:///runs/NAME.db) or a journal file")
+
+
+def open_storage(spec: str) -> BaseStorage:
+    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path.
+
+    Raises UserError, naming the path, for an empty spec, a URL without its `//` or an in-memory SQLite one
+    (`check_storage_given`), a directory, a file that is not an Optuna journal (never appended to), or a
+    journal that cannot be read or created."""
+    check_storage_given(spec)
+    if "://" in spec:
+        kwargs: dict[str, Any] = {}
+        if spec.startswith("sqlite"):  # several processes write: wait for the lock instead of failing
+            kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
+        try:
+            return optuna.storages.RDBStorage(spec, **kwargs)
+        except Exception as e:  # bad URL, missing driver, unreachable server
+            raise UserError(f"cannot open storage {spec!r}: {e}") from e
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    path = Path(spec)
+    _check_journal(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        backend = JournalFileBackend(str(path))
+    except OSError as e:
+        raise UserError(f"cannot create the storage {path}: {e.strerror or e}",
+                        hint="give a journal path in a directory you can write to") from None
+    try:
+        return JournalStorage(backend)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged journal (JSON, fields)
+        raise UserError(f"storage {path} is not a readable Optuna journal ({type(e).__name__}: {e})") from None
+
+
+NO_STUDIES_HINT = ("a search writes its study there first (energy search SPACE --storage ...); without --storage a "
+                   "study is runs/STUDY/optuna.journal")
+
+
+def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
+    """Open an existing study, with a readable error listing the names that do exist."""
+    if isinstance(storage, str) and "://" not in storage and not Path(storage).exists():
+        raise UserError(f"no study storage at {storage}")  # checked first: opening a journal creates it
+    st = open_storage(storage) if isinstance(storage, str) else storage
+    try:
+        return optuna.load_study(study_name=study_name, storage=st)
+    except KeyError as e:
+        names = optuna.get_all_study_names(st)
+        if not names:
+            raise UserError(f"no study {study_name!r} in {storage}: it holds no studies",
+                            hint=NO_STUDIES_HINT) from None
+        raise UserError(f"no study {study_name!r} in {storage}; studies there: {names}") from e

@@ -1,0 +1,171 @@
+"""The search flags an audit found unchecked: `energy search` / `energy report` refuse them with exit status 2 and a
+message naming the flag and what is allowed, before a storage is opened, a trial runs or a backend starts.
+
+The CLI runs in this process (`cli.main()`, as the `energy` script does), on the toy space (no DSL, no torch); every
+storage is a real Optuna journal or SQLite file in tmp_path, and no test starts Ray.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from energydsl.errors import UserError
+from energydsl.search import SpaceRef, load_study, open_storage, run_search
+
+
+def toy(tmp_path: Path) -> SpaceRef:
+    return SpaceRef("energydsl.search.toy:make_space", {"calls": str(tmp_path / "calls.txt"), "sleep": "0",
+                                                        "mixers": "ssm,attn"})
+
+
+def energy(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`energy ARGS` in this process: (exit status, stderr)."""
+    from energydsl import cli
+
+    monkeypatch.setattr(sys, "argv", ["energy", *args])
+    code: object = 0
+    try:
+        cli.main()
+    except SystemExit as e:
+        code = e.code
+    return int(code or 0), capsys.readouterr().err
+
+
+def refused(result: tuple[int, str], *words: str) -> None:
+    code, err = result
+    assert code == 2, (code, err[-2000:])
+    assert "Traceback" not in err and "internal error" not in err, err[-2000:]
+    for w in words:
+        assert w in err, err[-2000:]
+
+
+def toy_search(tmp_path: Path, *flags: str) -> list[str]:
+    return ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--trials", "1",
+            "--json", *flags]
+
+
+# ----------------------------------------------------------------------------- 1. storage URLs
+
+
+def test_a_storage_url_without_its_slashes_is_refused_with_the_right_form(tmp_path, monkeypatch, capsys) -> None:
+    """`sqlite:/x.db` used to make a folder `sqlite:` holding a journal `x.db`, and search there."""
+    monkeypatch.chdir(tmp_path)
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "sqlite:/x.db")),
+            "error: storage 'sqlite:/x.db'", "without the `//`", "hint:", "sqlite:///x.db", "sqlite:////x.db")
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "postgresql:host/db")),
+            "postgresql://USER:PASSWORD@HOST/DATABASE")
+    refused(energy(monkeypatch, capsys, "report", "sqlite:/x.db"), "sqlite:///x.db")
+    refused(energy(monkeypatch, capsys, "report", "Q", "--storage", "sqlite:/x.db"), "sqlite:///x.db")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no `sqlite:` folder, no trial, no runs/
+    for spec in ("sqlite:x.db", "mysql+pymysql:/db", "anything:/x.journal"):
+        with pytest.raises(UserError, match="without the `//`"):
+            open_storage(spec)
+
+
+def test_an_in_memory_sqlite_storage_is_refused(tmp_path, monkeypatch, capsys) -> None:
+    """Every connection sees an empty in-memory database: the search used to end in an internal error (exit 70,
+    KeyError 'Record does not exist') after its trials ran."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("sqlite://", "sqlite:///:memory:", "sqlite+pysqlite://"):
+        refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", url)), "in-memory SQLite", url)
+    refused(energy(monkeypatch, capsys, "report", "Q", "--storage", "sqlite://"), "in-memory SQLite")
+    assert not (tmp_path / "calls.txt").exists() and not (tmp_path / "runs").exists()
+
+
+def test_the_legal_storage_forms_still_work(tmp_path, monkeypatch) -> None:
+    """SQLite URLs (relative, absolute, with a driver), server URLs, journal paths (a colon in a name, a Windows
+    drive), and a journal whose path starts like a URL, written as the hint says (./)."""
+    from energydsl.search.storage import check_storage_given
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for spec in ("sqlite:///rel.db", "sqlite:////abs/s.db", "sqlite+pysqlite:///s.db", "sqlite:///s.db?timeout=5",
+                 "postgresql://user@host/db", "postgresql+psycopg2://u:p@h:5432/db", "mysql://u@h/db",
+                 "runs/a:b/optuna.journal", "study:v2.journal", "C:/runs/s.journal", "./sqlite:/x.db"):
+        check_storage_given(spec)
+    specs = {"sqlite:///rel.db": work / "rel.db", "./sqlite:/x.db": work / "sqlite:" / "x.db"}
+    for spec, file in specs.items():
+        s = run_search(toy(tmp_path), storage=spec, study_name="t", trials=1, progress=False, json=True)
+        assert s["finished"] == 1 and file.is_file(), spec
+        assert len(load_study(spec, "t").trials) == 1
+
+
+# ----------------------------------------------------------------------------- 2. numeric and other flags
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--gpus-per-trial", "-1"], ["--gpus-per-trial must be a number at least 0, not -1", "gpus_per_trial >= 0"]),
+    (["--gpus-per-trial", "nan"], ["--gpus-per-trial must be a number at least 0, not nan"]),
+    (["--gpus-per-trial", "inf"], ["--gpus-per-trial must be a number at least 0, not inf"]),
+    (["--cpus-per-trial", "0"], ["--cpus-per-trial must be a number above 0, not 0", "cpus_per_trial > 0"]),
+    (["--cpus-per-trial", "-2"], ["--cpus-per-trial must be a number above 0, not -2"]),
+    (["--cpus-per-trial", "nan"], ["--cpus-per-trial must be a number above 0, not nan"]),
+    (["--study", ""], ["--study is empty"]),
+    (["--study", "  "], ["--study is empty"]),
+    (["--address", "auto"], ["--address 'auto' names a Ray cluster", "local backend", "hint: add --backend ray"]),
+    (["--workers", "0"], ["--workers must be at least 1, not 0"]),
+    (["--trials", "0"], ["--trials must be at least 1, not 0"]),
+    (["--trials", "-3"], ["--trials must be at least 1, not -3"]),
+    (["--timeout", "nan"], ["--timeout", "positive number of seconds"]),
+    (["--seed", "-1"], ["--seed", "between 0 and 2**32 - 1"]),
+    (["--backend", "ray", "--device", "cuda"], ["--device cuda on the ray backend", "--gpus-per-trial"]),
+])
+def test_out_of_range_search_flags_exit_2_naming_the_flag(tmp_path, monkeypatch, capsys, flags, words) -> None:
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), *flags)), *words)
+    assert not journal.exists() and not (tmp_path / "calls.txt").exists()  # no study opened, no trial ran
+
+
+def test_an_empty_address_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys) -> None:
+    """`--address ''` used to start a local Ray runtime, as no --address does."""
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--backend", "ray",
+                                                    "--address", "")), "--address is empty", "HEAD_IP:6379")
+    assert not journal.exists() and not (tmp_path / "calls.txt").exists()
+
+
+def test_the_api_refuses_what_the_flags_refuse(tmp_path) -> None:
+    bad = [dict(gpus_per_trial=-1.0), dict(gpus_per_trial=float("nan")), dict(cpus_per_trial=0.0),
+           dict(study_name=""), dict(address="auto"), dict(trials=0)]
+    for kwargs in bad:
+        with pytest.raises(UserError):
+            run_search(toy(tmp_path), storage=str(tmp_path / "s.journal"), progress=False, json=True,
+                       **{"trials": 1, **kwargs})
+    assert not (tmp_path / "s.journal").exists() and not (tmp_path / "calls.txt").exists()
+
+
+# ----------------------------------------------------------------------------- 3. a storage without studies
+
+
+def test_report_on_a_storage_without_studies_says_so_and_where(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.journal").write_text("")
+    db = tmp_path / "new.db"
+    optuna.storages.RDBStorage(f"sqlite:///{db}")  # a database with its tables and no study
+    for args in (["report", "empty.journal"], ["report", f"sqlite:///{db}"],
+                 ["report", "x", "--storage", "empty.journal", "--study", "q"]):
+        code, err = energy(monkeypatch, capsys, *args)
+        refused((code, err), "holds no studies")
+        assert "pick one with --study" not in err and "studies there: []" not in err, err
+    refused(energy(monkeypatch, capsys, "report", "empty.journal"), str(tmp_path / "empty.journal"))
+    refused(energy(monkeypatch, capsys, "report", f"sqlite:///{db}"), f"sqlite:///{db}")
+    refused(energy(monkeypatch, capsys, "report", "x", "--storage", "empty.journal", "--study", ""), "--study is empty")
+    assert not (tmp_path / "report.html").exists()
+
+
+# ----------------------------------------------------------------------------- 4. --backend
+
+
+def test_an_unknown_backend_names_the_flag_and_the_cli_values(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--backend", "bogus"))
+    refused((code, err), "unknown --backend 'bogus'; choose one of local, ray")
+    assert "run_search" not in err and "backend=" not in err
+    assert not (tmp_path / "runs").exists()
