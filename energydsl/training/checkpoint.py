@@ -61,8 +61,23 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask (Linux reports it in /proc; elsewhere it is read by setting it and back)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _write_weights(path: Path, tensors: dict[str, Tensor], header: dict[str, str]) -> None:
     save_file(tensors, str(path), metadata=header)
+    # safetensors writes a private temporary file (mode 0600) and renames it: give the weights the mode of
+    # any file the user writes (0644 under umask 022), as the other checkpoint files have
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _write_resume_state(path: Path, state: Mapping[str, Any]) -> None:
@@ -219,6 +234,14 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
         state, header = _read(weights, _read_weights)
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise DataError(f"cannot read checkpoint {weights}: {e}") from e
+    damaged = _nonfinite(state)
+    if damaged:  # saves never hold a diverged state: NaN or inf in the weights means damaged bytes
+        shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        other = {"last": "best", "best": "last"}.get(weights.stem)
+        hint = (f"use the run's other checkpoint, {weights.with_name(f'{other}.safetensors')}, if it is intact, or "
+                "train again" if other else "use another checkpoint, or train again")
+        raise DataError(f"checkpoint {weights} is damaged: its weights hold NaN or infinite values ({shown})",
+                        hint=hint)
     for alias, target in json.loads(header.get("aliases", "{}")).items():
         state[alias] = state[target]
     metadata: dict[str, Any] = {}
@@ -230,9 +253,22 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
     return state, metadata, header
 
 
+def _nonfinite(value: Any, where: str = "") -> list[str]:
+    """Where nested dicts and lists hold a floating tensor with NaN or infinite values."""
+    if isinstance(value, Tensor):
+        return [where or "a tensor"] if value.is_floating_point() and not bool(torch.isfinite(value).all()) else []
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    return [hit for key, v in items for hit in _nonfinite(v, f"{where}.{key}" if where else str(key))]
+
+
 def read_resume_state(path: Path) -> dict[str, Any]:
     """The committed `<stem>.optim.pt` at `path` (optimizer, scaler and RNG states)."""
-    return _read(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    state = _read(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    damaged = _nonfinite(state)
+    if damaged:  # as for the weights: a save never holds a diverged state
+        raise DataError(f"checkpoint {path} is damaged: its optimizer state holds NaN or infinite values "
+                        f"({', '.join(damaged[:3])}{' and more' if len(damaged) > 3 else ''})")
+    return state
 
 
 def load_checkpoint(
@@ -242,7 +278,9 @@ def load_checkpoint(
 
     `path_or_dir` is an output directory (its `best`, else `last`, checkpoint; `which` picks), a
     `.safetensors` file or its `.json` sidecar. The metadata is the sidecar: the dict the trainer's
-    caller gave, plus `training` (step, losses, config, dataset). Tensors load on the CPU.
+    caller gave, plus `training` (step, losses, config, dataset). Tensors load on the CPU. Weights with NaN or
+    infinite values are a `DataError` naming the file: a save never holds a diverged state, so its bytes were
+    damaged (`read_resume_state` checks the optimizer state the same way).
     """
     state, metadata, _ = read_checkpoint(path_or_dir, which=which)
     return state, metadata

@@ -247,6 +247,12 @@ def find_shakespeare() -> Path:
     explicit = os.environ.get("ENERGYDSL_SHAKESPEARE")
     if explicit:
         path = Path(explicit).expanduser()
+        if path.is_dir():
+            inside = [p for p in (path / "input.txt", path / SHAKESPEARE_REL) if p.is_file()]
+            raise DataError(f"ENERGYDSL_SHAKESPEARE points to a directory, not to the tiny Shakespeare text file "
+                            f"(input.txt): {path}",
+                            hint=f"set ENERGYDSL_SHAKESPEARE={inside[0]}" if inside else
+                            "set it to the path of input.txt, or unset it to search the usual places")
         if not path.is_file():
             raise DataError(f"ENERGYDSL_SHAKESPEARE points to a missing file: {path}",
                             hint="fix the variable, or unset it to search the usual places")

@@ -181,6 +181,7 @@ class RunDir:
         self.params = params
         self.last_plot = 0.0
         self.good: tuple[int, float] | None = None  # (step, val loss) of `last` as this run wrote or resumed it
+        self.pending: list[str] | None = None  # metrics rows of an attempt that has not begun yet (`start`)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self.metrics = out_dir / "metrics.jsonl"
@@ -204,7 +205,7 @@ class RunDir:
         return record if isinstance(record, dict) else None
 
     def mark_diverged(self, record: dict[str, Any]) -> None:
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.pending is None:  # an attempt that never began changed nothing
             text = json.dumps(finite_or_none(record), indent=1, allow_nan=False)
             tmp = self.diverged.with_name(f".{self.diverged.name}.tmp")
             tmp.write_text(text)
@@ -231,7 +232,9 @@ class RunDir:
             state, sidecar, header = read_checkpoint(self.out_dir / "last.safetensors")
             extra = read_resume_state(self.out_dir / "last.optim.pt")
         except Exception as e:  # noqa: BLE001 - whatever is wrong with the files, the answer is the same
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            # a UserError's str() is its rendering, `error: ...` and a hint: this message wraps its text alone
+            text = e.message if isinstance(e, UserError) else str(e)
+            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
             raise UserError(f"the checkpoint last.* in {self.out_dir} cannot be read, so the run cannot resume: "
                             f"{first[:200]}", hint=_START_OVER) from None
         training = sidecar.pop("training", {})
@@ -260,7 +263,12 @@ class RunDir:
         return state, training, extra
 
     def start(self, resumed_step: int | None) -> None:
-        """Fresh run: empty the metrics. Resumed: drop metrics written after the checkpoint."""
+        """Fresh run: empty the metrics. Resumed: drop metrics written after the checkpoint.
+
+        Nothing is written yet: the new metrics (and the rows logged meanwhile) replace the file, and the previous
+        attempt's divergence record goes, only when this attempt `begin`s (its first checkpoint or training step).
+        An attempt that fails before (a model that cannot run, out of memory, Ctrl-C, NaN at step 0) leaves the
+        previous run's files as they were, `--fresh` or not."""
         if self.out_dir is None:
             return
         keep: list[str] = []
@@ -270,14 +278,26 @@ class RunDir:
                     row = json.loads(line)
                     if row.get("step", 0) <= resumed_step and row.get("kind") != "diverged":
                         keep.append(line + "\n")
-        self.metrics.write_text("".join(keep))
+        self.pending = keep
+
+    def begin(self) -> None:
+        """The attempt has begun (saved a checkpoint, or took a training step): write what `start` prepared."""
+        if self.out_dir is None or self.pending is None:
+            return
+        tmp = self.metrics.with_name(f".{self.metrics.name}.tmp")
+        tmp.write_text("".join(self.pending))
+        tmp.replace(self.metrics)
+        self.pending = None
         self.diverged.unlink(missing_ok=True)  # this attempt starts from a good state
 
     def log(self, **row: Any) -> None:
         if self.out_dir is not None:
-            row = finite_or_none(row)
+            line = json.dumps(finite_or_none(row), allow_nan=False) + "\n"
+            if self.pending is not None:
+                self.pending.append(line)
+                return
             with self.metrics.open("a") as f:
-                f.write(json.dumps(row, allow_nan=False) + "\n")
+                f.write(line)
 
     def save(self, stems: tuple[str, ...], model: nn.Module, state: RunState, resume_state: dict[str, Any]) -> None:
         """Save the model under each of `stems` (`last`, and `best` when it improved) in one transaction: a kill
@@ -297,6 +317,7 @@ class RunDir:
         save_checkpoints(self.out_dir, model, {stem: sidecar(stem) for stem in stems}, resume_state)
         if "last" in stems:
             self.good = (state.step, state.val_loss)
+            self.begin()  # after the commit: a kill before it leaves the previous run whole
 
     def best_is_stale(self, state: RunState) -> bool:
         """Whether `best.*` lags behind a resumed `last` that the run state names the best: left so by a kill
@@ -312,7 +333,7 @@ class RunDir:
             return True
 
     def plot(self, force: bool = False) -> None:
-        if self.out_dir is None or not (force or time.monotonic() - self.last_plot > 30):
+        if self.out_dir is None or self.pending is not None or not (force or time.monotonic() - self.last_plot > 30):
             return
         self.last_plot = time.monotonic()
         try:
