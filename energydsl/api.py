@@ -313,21 +313,10 @@ class Spec:
 
     def model(self, name: str | None = None, backend: str = "torch", **dims: float):
         """The language model a `model` declaration describes (`energydsl.runtime.model.LanguageModel`)."""
-        from .codegen import check_backend, module_class
-        from .composition import plan_model
-        from .kernels import use_triton
-        from .runtime.model import LanguageModel, StageInfo
+        from .codegen import check_backend
 
         check_backend(backend)
-        name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
-        plan = plan_model(self.syntax, name, dims)
-        classes, infos = [], []
-        for stage in plan.stages:
-            derived = derive(stage.decl, stage.dims)
-            classes.append(module_class(derived, backend))
-            infos.append(StageInfo(stage.label, derived, derived.flops_per_token(plan.context)))
-        fused = backend == "triton" and use_triton()  # as module_class: no kernels here means plain torch
-        return LanguageModel(plan, classes, infos, fused_momentum=fused)
+        return model_of_plan(self.plan(name, **dims), backend)
 
     def module(self, name: str | None = None, backend: str = "torch", **dims: float):
         """An nn.Module for an energy (its update) or a model (a language model); `name` may be left out
@@ -444,3 +433,18 @@ def load_search(path: str | Path, **sets: object):
     from .search.dsl import load_search as _load_search
 
     return _load_search(path, **sets)
+
+def model_of_plan(plan: Any, backend: str = "torch"):
+    """The `LanguageModel` of a composition plan (`Spec.plan`). Every layer's weights have the first layer's
+    shapes, so a plan with `layers=1` sizes a model of any depth (`LanguageModel.info(layers=...)`)."""
+    from .codegen import module_class
+    from .kernels import use_triton
+    from .runtime.model import LanguageModel, StageInfo
+
+    classes, infos = [], []
+    for stage in plan.stages:
+        derived = derive(stage.decl, stage.dims)
+        classes.append(module_class(derived, backend))
+        infos.append(StageInfo(stage.label, derived, derived.flops_per_token(plan.context)))
+    fused = backend == "triton" and use_triton()  # as module_class: no kernels here means plain torch
+    return LanguageModel(plan, classes, infos, fused_momentum=fused)

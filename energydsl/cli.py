@@ -114,6 +114,7 @@ def check(
             derived = spec.derive(**dims)
             if not derived:
                 raise no_energy(path, spec)
+            report = [(d, results, all(r.ok for r in results)) for d in derived for results in [d.check()]]
         except Exception as e:  # --json: one object per file, and the files after a bad one still run
             if not as_json:
                 raise
@@ -122,13 +123,7 @@ def check(
             print(json.dumps({"file": path, "ok": False, "error": error, "energies": []}))
             all_ok, status = False, max(status, 70 if internal else 2)
             continue
-        report = []
-        file_ok = True
-        for d in derived:
-            results = d.check()
-            ok = all(r.ok for r in results)
-            file_ok &= ok
-            report.append((d, results, ok))
+        file_ok = all(ok for _, _, ok in report)
         all_ok &= file_ok
         seconds = time.perf_counter() - t0
         if as_json:
@@ -181,22 +176,34 @@ def compile_(
     err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
 
 
-def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *, sizes_only: bool = False,
-           train_on: torch.device | None = None):
-    """The spec and its model; `sizes_only` builds it on the meta device (no memory, however large the dims).
-    A model too large to train on `train_on` (default: the CPU) is a user error that says how large it is."""
+def _sized(spec, name: str | None, backend: str, dims: dict[str, float]):
+    """The model built on the meta device (no memory, however large the dims) with one layer, and the number of
+    layers it has: every layer's weights have the first one's shapes, so `.info(layers=...)` and
+    `.num_params(layers=...)` count them all without building them (a million layers would take hours)."""
+    import dataclasses
+
     import torch
 
+    from .api import model_of_plan
+    from .codegen import check_backend
+
+    check_backend(backend)
+    plan = spec.plan(name, **dims)
+    with torch.device("meta"):
+        return model_of_plan(dataclasses.replace(plan, layers=1), backend), plan.layers
+
+
+def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *,
+           train_on: torch.device | None = None):
+    """The spec and its model. A model too large to train on `train_on` (default: the CPU) is a user error that
+    says how large it is, before any layer is built."""
     from .api import load
 
     spec = load(file)
     dims = parse_sets(sets)
-    with torch.device("meta"):
-        sized = spec.model(name, backend, **dims)
-    if sizes_only:
-        return spec, sized
+    sized, layers = _sized(spec, name, backend, dims)
     hint = "check the dims (--set); `energy info` shows sizes without building the weights"
-    params = sized.num_params()
+    params = sized.num_params(layers=layers)
     on_gpu = train_on is not None and train_on.type == "cuda"
     # the weights are built in host memory; training keeps weights, gradients and AdamW's two moments
     # (16 bytes a parameter in float32) on its device. Refused before any allocation: an overcommitted
@@ -239,8 +246,10 @@ def info(
     sets: SetOpt = None,
 ) -> None:
     """Sizes and costs: parameters (total, non-embedding), forward FLOPs and activation memory per token."""
-    _, model = _model(file, name, sets, sizes_only=True)
-    data = model.info()
+    from .api import load
+
+    model, layers = _sized(load(file), name, "torch", parse_sets(sets))
+    data = model.info(layers=layers)
     if as_json:
         print(json.dumps(data))
         return
@@ -317,7 +326,14 @@ def train_(
 ) -> None:
     """Train a model: AdamW, warmup + cosine, clipping, best-validation checkpoint (safetensors), resumable.
 
-    Exit status 0 when done, 1 when the training diverged (the last good checkpoint is kept), 2 for bad input.
+    Exit status:
+    0 done;
+    1 diverged (the last good checkpoint is kept);
+    2 bad input (spec, flags, data, a run directory of another model or a damaged one, out of memory);
+    70 an internal error;
+    130 interrupted (Ctrl-C: the run is saved first; a second Ctrl-C stops at once).
+
+    With --fresh, the previous run's files in --out are replaced only once the new run writes its first checkpoint.
     """
     import torch
 
@@ -335,29 +351,37 @@ def train_(
                          eval_iters=eval_iters, device=device, seed=seed, dtype=dtype)
     config.validate(TRAIN_FLAGS)
     train_on = config.resolve_device(TRAIN_FLAGS)
-    with torch.random.fork_rng(devices=[]):  # --seed fixes the initial weights too: a fresh run is reproducible
-        torch.manual_seed(seed)
-        spec, model = _model(file, name, sets, backend, train_on=train_on)
-    run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
-    _writable_dir(run_dir, "--out")
-    config.block_size = block_size or model.block_size
-    if config.block_size > model.block_size:
-        raise UserError(f"--block-size {config.block_size} is longer than the model's context {model.block_size}")
-    dataset = load_dataset(data, block_size=config.block_size)
-    if dataset.vocab_size > model.vocab_size:
-        raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is {model.vocab_size}",
-                        hint=f"add --set vocab={dataset.vocab_size}")
-    metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file), "model": model.plan.name,
-                "dims": model.plan.dims, "context": model.block_size, "equation_hash": model.equation_hash()}
+    run_dir: Path | None = None
     try:
-        result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh, progress=not as_json,
-                       names=TRAIN_FLAGS, notify=lambda notice: print(notice, file=sys.stderr))
-    except TrainingDiverged as e:
-        _report_divergence(e, run_dir, as_json)
-        raise typer.Exit(1) from None
-    except TrainingInterrupted as e:
-        print(f"interrupted at step {e.step}: saved {e.checkpoint}; rerun the same command to resume",
-              file=sys.stderr)
+        # --seed fixes the initial weights too: a fresh run is reproducible
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            spec, model = _model(file, name, sets, backend, train_on=train_on)
+        run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
+        _writable_dir(run_dir, "--out")
+        config.block_size = block_size or model.block_size
+        if config.block_size > model.block_size:
+            raise UserError(f"--block-size {config.block_size} is longer than the model's context "
+                            f"{model.block_size}")
+        dataset = load_dataset(data, block_size=config.block_size)
+        if dataset.vocab_size > model.vocab_size:
+            raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
+                            f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")
+        metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file),
+                    "model": model.plan.name, "dims": model.plan.dims, "context": model.block_size,
+                    "equation_hash": model.equation_hash()}
+        try:
+            result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh,
+                           progress=not as_json, names=TRAIN_FLAGS,
+                           notify=lambda notice: print(notice, file=sys.stderr))
+        except TrainingDiverged as e:
+            _report_divergence(e, run_dir, as_json)
+            raise typer.Exit(1) from None
+        except TrainingInterrupted as e:
+            print(f"interrupted at step {e.step}: saved {e.checkpoint}; {_resume_hint(fresh)}", file=sys.stderr)
+            raise typer.Exit(130) from None
+    except KeyboardInterrupt:  # a Ctrl-C before the training loop, or a second one, which stops at once
+        print(_interrupted_at_once(run_dir, fresh), file=sys.stderr)
         raise typer.Exit(130) from None
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
@@ -406,6 +430,31 @@ def _spec_text(file: str) -> str:
             return f.read()
     except OSError as e:
         raise UserError(f"cannot read {file}: {e.strerror}") from None
+
+
+def _resume_hint(fresh: bool) -> str:
+    """How to resume from `last`: the same command, less --fresh (which would start over again)."""
+    return "rerun without --fresh to resume" if fresh else "rerun the same command to resume"
+
+
+def _interrupted_at_once(run_dir: Path | None, fresh: bool) -> str:
+    """The note for a Ctrl-C that stopped `energy train` at once (before the training loop, or a second Ctrl-C):
+    nothing is saved then, so it says which checkpoint the run directory keeps."""
+    from .training.checkpoint import checkpoint_file
+
+    if run_dir is None:
+        return "interrupted before training started: nothing was written"
+    step = None
+    try:  # the committed last.json, as resuming reads it (a save the Ctrl-C cut short reads as the previous one)
+        sidecar = checkpoint_file(run_dir / "last.json")
+        if sidecar is not None:
+            step = json.loads(sidecar.read_text())["training"]["step"]
+    except Exception:  # noqa: BLE001 - a damaged run directory: say what is certain
+        step = None
+    if step is None:
+        return f"interrupted at once, before a checkpoint was written: nothing was saved in {run_dir}"
+    return (f"interrupted at once, without saving: kept the last checkpoint, step {step}: "
+            f"{run_dir / 'last.safetensors'}; {_resume_hint(fresh)} from it")
 
 
 @app.command()
@@ -474,8 +523,16 @@ def main() -> None:
     spec_name = next((a for a in argv if a.endswith(".energy")), "the command")
     try:
         code = app(standalone_mode=False)
+        sys.stdout.flush()  # a reader gone away (`| head`) shows here, not in Python's flush at exit
         if isinstance(code, int) and code:
             sys.exit(code)
+    except SystemExit as e:  # click answers a broken pipe with exit status 1, which is an outcome's here
+        context = e.__context__
+        if isinstance(context, OSError) and context.errno == errno.EPIPE:
+            _broken_pipe()
+        raise
+    except BrokenPipeError:
+        _broken_pipe()
     except UserError as e:
         print(e.render(), file=sys.stderr)  # plain print: never wrap a file:line:col location
         sys.exit(2)
@@ -494,9 +551,25 @@ def main() -> None:
         if "ClickException" in kinds:
             e.show()  # type: ignore[attr-defined]
             sys.exit(2 if "UsageError" in kinds else e.exit_code)  # type: ignore[attr-defined]
-        print(f"internal error while processing {spec_name}: {type(e).__name__}: {e} "
+        first = (str(e).strip().splitlines() or [""])[0]  # one line: torch appends pages of C++ frames
+        print(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
               "(please report this with the spec)", file=sys.stderr)
         sys.exit(70)
+
+
+BROKEN_PIPE = 128 + 13  # 141: as a shell reports a command that SIGPIPE stopped (`energy derive x | head`)
+
+
+def _broken_pipe() -> None:
+    """The reader of stdout went away: exit quietly with BROKEN_PIPE. What is still buffered for stdout goes
+    to /dev/null (Python's flush at exit would meet the broken pipe again and print a warning)."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no file (a test's capture, or already closed)
+        pass
+    sys.exit(BROKEN_PIPE)
 
 
 if __name__ == "__main__":

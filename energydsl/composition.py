@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     import networkx as nx
 
 NORMS = ("layernorm", "rmsnorm")
+# The largest size (an axis, a dim used as one, a number of layers) and the most entries of one tensor: a float64
+# tensor's size in bytes must fit the platform's 64-bit index type (torch's int64), so it has fewer than 2**60
+# entries. Checked where sizes are resolved, so that torch never sees a size it cannot hold (no C++ trace).
+MAX_SIZE = 2**60 - 1
+SIZE_LIMIT_HINT = ("a size, and the number of entries of any tensor it shapes, is at most 2**60 - 1 (about 1.2e18): "
+                   "a tensor's size in bytes must fit the platform's 64-bit index type")
 ACROSS = {"momentum": {"beta": 0.9, "eta": 1.0}, "nag": {"beta": 0.9, "eta": 1.0}}
 
 
@@ -148,7 +154,16 @@ def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
 def _whole(v: float, what: str, span: Span | None, low: int = 1) -> int:
     if not math.isfinite(v) or abs(v - round(v)) > 1e-9 or round(v) < low:
         raise SpecError(f"{what} must be a whole number ≥ {low}, got {v:g}", span)
+    if round(v) > MAX_SIZE:
+        raise SpecError(f"{what} must be a whole number from {low} to 2**60 - 1, got {v:g}", span, SIZE_LIMIT_HINT)
     return int(round(v))
+
+
+def _check_entries(shape: tuple[int, ...], what: str, span: Span | None) -> None:
+    """A tensor of the model (a table, the stream of a token) no larger than MAX_SIZE entries."""
+    if math.prod(shape) > MAX_SIZE:
+        raise SpecError(f"{what} [{', '.join(map(str, shape))}] has {math.prod(shape):.3g} entries, more than "
+                        "2**60 - 1", span, SIZE_LIMIT_HINT)
 
 
 def _stage_dims(decl: ast.EnergyDecl, ref: ast.StageRef, env: dict[str, float]) -> dict[str, float]:
@@ -304,6 +319,14 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
         head_rank = embed_rank
     vocab = _whole(env["vocab"], "`vocab`", decl.span)
     context = _whole(env["context"], "`context`", decl.span)
+    _check_entries(stream, "the stream of a token", decl.span)
+    tables = [("the token embedding", vocab, embed_rank)]
+    if positions:
+        tables.append(("the position embedding", context, embed_rank))
+    if not tied:
+        tables.append(("the head", vocab, head_rank))
+    for what, rows, rank in tables:  # [rows, d], or [rows, R, dv] factorised
+        _check_entries((rows, rank, stream[-1]) if rank else (rows, math.prod(stream)), what, decl.span)
     return ModelPlan(name, env, vocab, context, math.prod(stream), positions, stages, layers, shared, across, norm,
                      final, tied, decl.span, stream=stream, embed_rank=embed_rank, head_rank=head_rank)
 

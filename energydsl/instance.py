@@ -6,12 +6,14 @@ derived program and autograd on them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy as sp
 import torch
 
 from .calculus import substitute_var
+from .errors import SpecError
 from .evaluate import Env, Value, evaluate
 from .ir import Expr, IndexInfo, Var
 from .optimizers import UpdateProgram
@@ -112,6 +114,7 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
     module can produce.
     """
     spec = prog.spec
+    _check_instance_size(prog, batch, seq, dtype)
     g = torch.Generator().manual_seed(seed)
     scalars = _base_scalars(prog)
     params: dict[str, torch.Tensor] = {}
@@ -134,6 +137,32 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
     elif spec.input is not None:
         inp = torch.randn((batch, seq) + shape(spec.input.shape), generator=g, dtype=dtype) * scale
     return Instance(params, scalars, x, ctx, inp, seq)
+
+
+# The most memory one random instance may take: the checks run the update, autograd and second derivatives on
+# it, several times its size. Checks are meant for small dims (the derivation is the same at every size).
+MAX_INSTANCE_BYTES = 2**32
+
+
+def _check_instance_size(prog: UpdateProgram, batch: int, seq: int, dtype: torch.dtype) -> None:
+    """Refuse, before drawing it, an instance too large to hold (`energy check --set d=1e9`): a user error at the
+    energy, not an allocation failure deep in torch."""
+    spec = prog.spec
+    tensors = {name: tuple(spec.size(s) for s in p.shape) for name, p in prog.params.items()}
+    for var in (spec.state, spec.context, spec.input):
+        if var is not None:
+            tensors[var.name] = (batch, seq) + tuple(spec.size(s) for s in var.shape)
+    entries = {name: math.prod(shape) for name, shape in tensors.items()}
+    needed = sum(entries.values()) * dtype.itemsize
+    if needed > MAX_INSTANCE_BYTES:
+        name = max(entries, key=entries.__getitem__)
+        dims = ", ".join(f"{k}={v:g}" for k, v in spec.dim_values.items())
+        raise SpecError(f"a random instance of `{spec.name}` at {dims} is too large to check: its tensors take "
+                        f"{needed / 2**30:,.3g} GiB in {str(dtype).removeprefix('torch.')} (`{name}` "
+                        f"[{', '.join(map(str, tensors[name]))}] alone has {entries[name]:,} entries), more than "
+                        f"{MAX_INSTANCE_BYTES / 2**30:g} GiB", spec.span,
+                        "check it at smaller dims: the derivation is symbolic and the same at every size "
+                        "(`energy info` gives a model's sizes at any dims)")
 
 
 def _base_scalars(prog: UpdateProgram) -> dict[sp.Symbol, torch.Tensor | float]:

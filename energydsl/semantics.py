@@ -16,7 +16,7 @@ import sympy as sp
 
 from . import ir
 from . import syntax as ast
-from .composition import dim_override
+from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
 from .errors import Span, SpecError
 from .ir import Expr, IndexInfo, Var
 from .semantics_expr import ExpressionLowering
@@ -262,6 +262,8 @@ class _Lowering(ExpressionLowering):
         if not math.isfinite(v) or v < 1 or abs(v - round(v)) > 1e-9:
             raise SpecError(f"{what} = {e} = {_fmt_num(v)} is not a positive whole number (with {given})", span,
                             "choose dims that divide evenly")
+        if round(v) > MAX_SIZE:
+            raise SpecError(f"{what} = {e} = {_fmt_num(v)} is too large (with {given})", span, SIZE_LIMIT_HINT)
 
     def _dims(self, nodes: list[ast.Node], what: str) -> tuple[sp.Expr, ...]:
         out = []
@@ -271,7 +273,18 @@ class _Lowering(ExpressionLowering):
                 raise SpecError(f"a size in {what} must be built from numbers and dims", n.span)
             self._check_size(e.value, n.span, "this size")
             out.append(e.value)
+        entries = math.prod(self._size(e) for e in out)
+        if entries > MAX_SIZE:  # each axis fits, their product does not: [d, d] at d = 2**40
+            first, last = nodes[0].span, nodes[-1].span
+            end = last.end_column if last.line == first.line else None
+            given = ", ".join(f"{k}={_fmt_num(x)}" for k, x in self.dim_values.items())
+            raise SpecError(f"{what} of shape {ir.fmt_shape(tuple(out))} has {entries:.3g} entries (with {given})",
+                            Span(first.file, first.line, first.column, first.source, end), SIZE_LIMIT_HINT)
         return tuple(out)
+
+    def _size(self, e: sp.Expr) -> int:
+        """A size (checked by `_check_size`) at this instance's dims."""
+        return int(round(float(sp.sympify(e).subs({self.dim_symbols[k]: v for k, v in self.dim_values.items()}))))
 
     def _state(self, c: ast.Clause, opt: OptimizerSpec) -> None:
         self.scope.declare(c.name, c.span)
@@ -542,4 +555,4 @@ def _hyper_symbol(name: str) -> sp.Symbol:
 
 
 def _fmt_num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"  # 1e+30, not its 31 digits

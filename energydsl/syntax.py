@@ -6,6 +6,7 @@ cycles reported at the offending `import`.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import math
 import re
@@ -540,10 +541,18 @@ def _check_depth(tree: lark.Tree, text: str, file: str) -> None:
         stack.extend((c, depth + 1) for c in node.children if isinstance(c, lark.Tree))
 
 
+def _position(text: str, offset: int) -> tuple[int, int]:
+    """The 1-based line and column of `offset` in `text`, as the parser counts them (lines end at \\n)."""
+    start = text.rfind("\n", 0, offset) + 1
+    return text.count("\n", 0, offset) + 1, offset - start + 1
+
+
 def _check_text(text: str, file: str) -> None:
     if "\x00" in text:
-        raise SpecError("this is not a text file (it contains NUL bytes)", Span(file, 1, 1),
-                        "a .energy spec is UTF-8 text")
+        line, col = _position(text, text.index("\x00"))
+        shown = text.replace("\x00", "\u2400")  # the source line quoted with ␀ where a NUL is (a NUL prints nothing)
+        raise SpecError("this is not a text file (it contains NUL bytes)", Span(file, line, col, shown),
+                        "a .energy spec is UTF-8 text (a file saved as UTF-16 has a NUL after every ASCII character)")
     if len(text.encode("utf-8", "ignore")) > MAX_SOURCE_BYTES:
         raise SpecError(f"the spec is larger than {MAX_SOURCE_BYTES // (1024 * 1024)} MiB", Span(file, 1, 1))
     depth = 0
@@ -563,7 +572,7 @@ def _check_text(text: str, file: str) -> None:
 
 def parse_text(text: str, file: str = "<string>") -> list[Any]:
     """Parse one source text into a list of declarations and ("import", path, span) tuples."""
-    text = text.removeprefix("\ufeff")  # a byte-order mark some editors write: not part of the spec
+    text = _lines(text.removeprefix("\ufeff"))  # a byte-order mark some editors write: not part of the spec
     _check_text(text, file)
     try:
         tree = _parser().parse(text)
@@ -582,7 +591,15 @@ def parse_text(text: str, file: str = "<string>") -> list[Any]:
         raise
 
 
-def _read(path: Path, span: Span | None) -> str:
+def _lines(text: str) -> str:
+    """Lines ended by \\n: a lone \\r (old Mac OS line ends) becomes one, so that the parser counts lines as an
+    editor shows them and a `#` comment ends at its line's end. \\r\\n stays as it is (the parser reads the \\r as
+    a space)."""
+    return re.sub(r"\r(?!\n)", "\n", text) if "\r" in text else text
+
+
+def _read(path: Path, span: Span | None, name: str | None = None) -> str:
+    """The text of a spec file; `span` is the `import` that names it, `name` how its own spans name it."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -591,11 +608,16 @@ def _read(path: Path, span: Span | None) -> str:
         raise SpecError(f"{path} is a directory, not a .energy file", span) from None
     except OSError as e:
         raise SpecError(f"cannot read {path}: {e.strerror}", span) from None
+    data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark (some Windows editors write one) is dropped
     try:
-        return data.decode("utf-8-sig")  # a leading byte-order mark (some Windows editors write one) is dropped
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{path} is not UTF-8 text (bad byte at offset {e.start})", span,
-                        "a .energy spec is UTF-8 text") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:  # located as the parser would locate it: the text before the bad byte is UTF-8
+        text = _lines(data.decode("utf-8", "replace"))
+        line, col = _position(text, len(_lines(data[: e.start].decode("utf-8"))))
+        imported = f"; it is imported at {span}" if span else ""
+        raise SpecError(f"this is not UTF-8 text: byte 0x{data[e.start]:02X} cannot start or continue a character "
+                        "here", Span(name or str(path), line, col, text), "a .energy spec is UTF-8 text: save it as "
+                        f"UTF-8 (a Latin-1 `é` is the single byte 0xE9){imported}") from None
 
 
 def parse_module(source: str | Path, *, name: str | None = None, base: Path | None = None) -> Module:
@@ -633,7 +655,7 @@ def _load(text: str, file: str, base: Path, module: Module, stack: list[str], se
             if str(target) in seen:
                 continue
             seen.add(str(target))
-            sub = _read(target, span)
+            sub = _read(target, span, str(base / rel))
             _load(sub, str(base / rel), target.parent, module, stack + [str(target)], seen, top=False)
             continue
         table = {EnergyDecl: module.energies, BlockDecl: module.blocks, ModelDecl: module.models,

@@ -209,16 +209,23 @@ class LanguageModel(nn.Module):
 
     # ------------------------------------------------------------------ sizes and costs
 
-    def num_params(self, non_embedding: bool = False) -> int:
+    def num_params(self, non_embedding: bool = False, layers: int | None = None) -> int:
         """Parameters counted once (a tied head is the embedding); non-embedding leaves out wte, wpe, lm_head
-        (with their keys, when factorised)."""
-        return sum(p.numel() for n, p in self.named_parameters()
-                   if not (non_embedding and n.split(".")[0] in EMBEDDINGS))
+        (with their keys, when factorised).
 
-    def flops_per_token(self) -> float:
-        """Forward matmul FLOPs per token: the stages (attention at full context), times the layers, plus the
-        head; a factorised embedding adds its rank-R writes and a factorised head its reads (table lookups
-        are free)."""
+        `layers`: the count of this model with that many layers instead of its own, without building them: every
+        layer's weights (stages and norms) have the first layer's shapes (`energy info` of a deep model)."""
+        total = sum(p.numel() for n, p in self.named_parameters()
+                    if not (non_embedding and n.split(".")[0] in EMBEDDINGS))
+        if layers is None or self.plan.shared:
+            return total
+        first = [self.layers[0]] + ([self.norms[0]] if self.norms is not None else [])
+        return total + sum(p.numel() for m in first for p in m.parameters()) * (layers - len(self.layers))
+
+    def flops_per_token(self, layers: int | None = None) -> float:
+        """Forward matmul FLOPs per token: the stages (attention at full context), times the layers (`layers`,
+        default the model's), plus the head; a factorised embedding adds its rank-R writes and a factorised
+        head its reads (table lookups are free)."""
         stages = sum(s.flops_per_token for s in self.stage_info)
         plan = self.plan
         embed = 2.0 * (plan.embed_rank or 0) * self.d * (2 if plan.embed_positions else 1)  # Σ_h w_h ⊗ W_h[s]
@@ -226,21 +233,22 @@ class LanguageModel(nn.Module):
             head = 2.0 * plan.head_rank * (self.d + plan.stream[1] * self.vocab_size)
         else:
             head = 2.0 * self.d * self.vocab_size
-        return plan.layers * stages + embed + head
+        return (layers or plan.layers) * stages + embed + head
 
-    def activation_floats_per_token(self) -> int:
+    def activation_floats_per_token(self, layers: int | None = None) -> int:
         """A rough activation-memory estimate: the stream and one displacement per stage, per layer."""
-        return (2 * len(self.stage_info) * self.plan.layers + 2) * self.d + self.vocab_size
+        return (2 * len(self.stage_info) * (layers or self.plan.layers) + 2) * self.d + self.vocab_size
 
-    def info(self) -> dict:
+    def info(self, layers: int | None = None) -> dict:
+        """Sizes and costs; `layers`: of this model with that many layers instead of its own (see num_params)."""
         return {
             "model": self.plan.name,
             "dims": {k: (int(v) if float(v).is_integer() else v) for k, v in self.plan.dims.items()},
-            "params": self.num_params(),
-            "params_non_embedding": self.num_params(non_embedding=True),
-            "flops_per_token": int(round(self.flops_per_token())),
-            "activation_bytes_per_token": 4 * self.activation_floats_per_token(),
-            "layers": self.plan.layers,
+            "params": self.num_params(layers=layers),
+            "params_non_embedding": self.num_params(non_embedding=True, layers=layers),
+            "flops_per_token": int(round(self.flops_per_token(layers))),
+            "activation_bytes_per_token": 4 * self.activation_floats_per_token(layers),
+            "layers": layers or self.plan.layers,
             "shared": self.plan.shared,
             "stages": [s.label for s in self.stage_info],
         }

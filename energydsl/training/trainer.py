@@ -16,6 +16,10 @@ raises `TrainingDiverged` without writing `last` or `best` from the diverged sta
 last good checkpoint; it records the divergence in `metrics.jsonl` and in `diverged.json`. Resuming
 such a run with identical settings would replay the divergence, so it is refused (`UserError`);
 with any setting changed (typically a lower lr) it resumes from the last good checkpoint.
+
+An attempt changes nothing in `out_dir` until it has begun (`RunDir.begin`: its first checkpoint, or a resumed
+run's first step): a fresh run (`resume=False`) that fails before its step-0 checkpoint leaves the previous run's
+files whole. Running out of memory on a batch is a `UserError` naming the sizes to lower; `last` is kept.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from energydsl.composition import MAX_SIZE, SIZE_LIMIT_HINT
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 from energydsl.signal_handlers import handlers_restored
 
@@ -87,6 +92,15 @@ class TrainConfig:
         for field in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval"):
             if not getattr(self, field) >= 1:
                 raise UserError(f"{name(field)} must be at least 1, got {getattr(self, field)}")
+        # a batch is a (batch_size, block_size) tensor of token ids: its entries must fit torch's 64-bit index
+        # (refused here rather than as an overflow deep in torch, exit 70)
+        for field in ("batch_size", "block_size"):
+            if getattr(self, field) > MAX_SIZE:
+                raise UserError(f"{name(field)} must be at most 2**60 - 1, got {getattr(self, field)}",
+                                hint=SIZE_LIMIT_HINT)
+        if self.batch_size * self.block_size > MAX_SIZE:
+            raise UserError(f"{name('batch_size')} x {name('block_size')} = {self.batch_size * self.block_size} "
+                            "token ids in a batch is more than 2**60 - 1", hint=SIZE_LIMIT_HINT)
         for field in ("steps", "warmup_steps", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:
                 raise UserError(f"{name(field)} must not be negative, got {getattr(self, field)}")
@@ -312,10 +326,42 @@ def train(
                 result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
                                run, resumed=found is not None, progress=progress, on_eval=on_eval,
                                interrupt=interrupt)
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if not _out_of_memory(e):
+                raise
+            raise _memory_error(e, config, device, run, names) from e
         finally:
             torch.set_float32_matmul_precision(precision)
     result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
     return result
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's error."""
+    if isinstance(e, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return "can't allocate memory" in text or "out of memory" in text.lower()
+
+
+def _memory_error(e: BaseException, config: TrainConfig, device: torch.device, run: RunDir,
+                  names: dict[str, str] | None) -> UserError:
+    """Running out of memory on a batch is the settings', not a bug: say which ones to lower and what was kept."""
+    def name(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = text.split("] err == 0. ", 1)[-1]  # the CPU allocator's `[enforce fail at alloc_cpu.cpp:N]` prefix
+    sizes = f"{name('batch_size')} (now {config.batch_size}) or {name('block_size')} (now {config.block_size})"
+    if run.last_checkpoint is not None and run.good is not None:
+        kept = (f"the last good checkpoint, step {run.good[0]}, is kept: {run.last_checkpoint} (another "
+                f"{name('batch_size')} or {name('block_size')} starts a new run: --fresh (resume=False) or another "
+                "--out directory)")
+    else:
+        untouched = run.out_dir is not None and run.pending is not None  # this attempt never began
+        kept = "no checkpoint was written" + (f", and {run.out_dir} is as it was" if untouched else "")
+    return UserError(f"out of memory while training on {device}: {text[:300]}",
+                     hint=f"train with a smaller {sizes}, or a smaller model; {kept}")
 
 
 def _warn(message: str) -> None:
@@ -467,6 +513,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        run.begin()  # this attempt has begun: from here on it writes into the run directory
         bar.update(1)
         if step % config.log_interval == 0:
             check_pending()

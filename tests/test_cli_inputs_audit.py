@@ -1,0 +1,211 @@
+"""Bad input found by an audit: huge sizes, deep models, misplaced error locations, a broken stdout pipe.
+
+Each is a user error (exit 2, a located message, no traceback), a quick answer, or a quiet exit: never exit 70
+with pages of C++ frames, a hang, or a status that reads as an outcome."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from energydsl import cli, load
+from energydsl.errors import SpecError
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples/models"
+GPT = str(MODELS / "gpt.energy")
+MHA = str(ROOT / "examples/intrinsic-optimizers/mha.energy")
+
+
+def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`energy ARGS` in this process: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["energy", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def energy(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, **kwargs)
+
+
+# ----------------------------------------------------------------------------- huge sizes
+
+
+@pytest.mark.parametrize("args,says", [
+    (["info", GPT, "--set", "d=1e30"], "`d` must be a whole number from 1 to 2**60 - 1, got 1e+30"),
+    (["info", GPT, "--set", "vocab=1e30"], "`vocab` must be a whole number from 1 to 2**60 - 1"),
+    (["info", GPT, "--set", "context=1e17"], "the position embedding [100000000000000000, 128] has 1.28e+19 entries"),
+    (["info", GPT, "--set", "d=4e9"], "a param of shape [heads, d/heads, d] has 1.6e+19 entries (with d=4000000000"),
+    (["check", MHA, "--set", "d=1e30"], "dim `dh` = d/heads = 5e+29 is too large (with d=1e+30"),
+    (["derive", MHA, "--set", "d=4e9"], "has 1.6e+19 entries"),
+    (["train", GPT, "--data", "shakespeare_char", "--set", "context=1e30"], "`context` must be a whole number"),
+])
+def test_a_size_too_large_for_a_tensor_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args, says) -> None:
+    if args[0] == "train":
+        args = [*args, "--out", str(tmp_path / "run")]
+    code, _, err = run_main(monkeypatch, capsys, *args)
+    assert code == 2, err
+    assert says in err and "2**60 - 1" in err and "internal error" not in err and "frame #" not in err, err
+    assert err.splitlines()[0].count(":") >= 3  # file:line:col: error: ...
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--batch-size", "99999999999999999999"], "--batch-size must be at most 2**60 - 1, got 99999999999999999999"),
+    (["--batch-size", "2000000000000", "--block-size", "2000000000"], "--batch-size x --block-size = 4000000"),
+])
+def test_a_batch_too_large_for_a_tensor_is_exit_2_naming_the_flags(monkeypatch, capsys, tmp_path, flags, says):
+    """A batch is a (batch size, block size) tensor of token ids: past torch's 64-bit index it was exit 70."""
+    code, _, err = run_main(monkeypatch, capsys, "train", GPT, "--data", "shakespeare_char", *flags,
+                            "--out", str(tmp_path / "run"))
+    assert code == 2, err
+    assert says in err and "internal error" not in err, err
+
+
+def test_check_refuses_an_instance_too_large_to_draw(monkeypatch, capsys) -> None:
+    code, _, err = run_main(monkeypatch, capsys, "check", MHA, "--set", "d=1e9")
+    assert code == 2, err
+    assert "mha.energy:9:8: error: a random instance of `MHA` at d=1e+09, heads=2, eta=0.5 is too large" in err, err
+    assert "`W1` [2, 500000000, 1000000000] alone has 1,000,000,000,000,000,000 entries" in err
+
+
+def test_check_json_reports_an_instance_too_large_to_draw_as_its_files_row(monkeypatch, capsys) -> None:
+    """--json: one object per file, also when the refusal comes from drawing the check instance."""
+    code, out, err = run_main(monkeypatch, capsys, "check", "--json", MHA, "--set", "d=1e9")
+    assert code == 2, err
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["ok"] is False and "is too large" in row["error"], row
+
+
+def test_an_internal_error_is_one_line(monkeypatch, capsys) -> None:
+    def crash(*args, **kwargs):
+        raise RuntimeError("something broke\nException raised from f at x.cpp:1\nframe #0: 0x1234")
+
+    monkeypatch.setattr(cli, "_sized", crash)
+    code, _, err = run_main(monkeypatch, capsys, "info", GPT)
+    assert code == 70
+    assert err.strip() == (f"internal error while processing {GPT}: RuntimeError: something broke (please report "
+                           "this with the spec)")
+
+
+# ----------------------------------------------------------------------------- deep models
+
+
+@pytest.mark.parametrize("model,dims", [
+    ("gpt.energy", {"layers": 3}),
+    ("momentum-gpt.energy", {"layers": 3}),  # learned hyper-parameters across layers: counted once
+    ("rmt.energy", {"layers": 3}),  # matrix stream, factorised tables
+    ("nrgpt.energy", {"layers": 3}),  # one shared block
+])
+def test_info_counts_every_layer_from_the_first(model: str, dims: dict) -> None:
+    import torch
+
+    spec = load(MODELS / model)
+    with torch.device("meta"):
+        full = spec.model(**dims).info()
+    shallow, layers = cli._sized(spec, None, "torch", dims)
+    assert len(shallow.layers) == 1 and layers == 3
+    assert shallow.info(layers=layers) == full
+
+
+def test_info_and_train_of_a_billion_layers_answer_at_once(tmp_path: Path) -> None:
+    """`energy info` used to build every layer (hours); `energy train` built them before refusing the size."""
+    t0 = time.perf_counter()
+    proc = energy("info", GPT, "--json", "--set", "layers=1e9", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert '"params": 196864000016640,' in proc.stdout and '"layers": 1000000000,' in proc.stdout
+    proc = energy("train", GPT, "--data", "shakespeare_char", "--set", "layers=1e9", "--out", str(tmp_path / "r"),
+                  timeout=60)
+    assert proc.returncode == 2 and "does not fit in host memory here: 196,864,000,016,640 parameters" in proc.stderr
+    assert time.perf_counter() - t0 < 60
+
+
+# ----------------------------------------------------------------------------- error locations
+
+UNDEFINED = "energy A(d = 4) {\n  state z[d]\n  # a comment\n  global F = z . q\n  optimizer gd(eta = 1)\n}\n"
+
+
+def spec_error(path: Path) -> SpecError:
+    with pytest.raises(SpecError) as e:
+        load(path).derive()
+    return e.value
+
+
+@pytest.mark.parametrize("newline", ["\r", "\r\n", "\n"])
+def test_an_error_in_a_file_with_any_line_ends_is_at_its_line(tmp_path: Path, newline: str) -> None:
+    path = tmp_path / "a.energy"
+    path.write_bytes(UNDEFINED.replace("\n", newline).encode())
+    e = spec_error(path)
+    assert str(e.span) == f"{path}:4:18" and "undefined name `q`" in e.message
+    assert e.render().splitlines()[1:3] == ["    global F = z . q", "                   ^"]
+
+
+def test_a_nul_byte_is_reported_where_it_is(tmp_path: Path) -> None:
+    path = tmp_path / "nul.energy"
+    path.write_bytes(UNDEFINED.replace("q\n", "z\x00\n").encode())
+    e = spec_error(path)
+    assert str(e.span) == f"{path}:4:19" and "NUL" in e.message
+    assert e.render().splitlines()[1:3] == ["    global F = z . z\u2400", "                    ^"]
+
+
+def test_a_byte_that_is_not_utf8_is_reported_at_its_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.energy"
+    path.write_bytes(UNDEFINED.replace("a comment", "café").encode("latin-1"))
+    e = spec_error(path)
+    assert str(e.span) == f"{path}:3:8" and "not UTF-8 text: byte 0xE9" in e.message
+    assert e.render().splitlines()[1:3] == ["    # caf\ufffd", "         ^"]
+    (tmp_path / "main.energy").write_text('\n  import "latin1.energy"\n')  # located in the imported file itself
+    e = spec_error(tmp_path / "main.energy")
+    assert str(e.span) == f"{tmp_path / 'latin1.energy'}:3:8"
+    assert e.hint.endswith(f"imported at {tmp_path / 'main.energy'}:2:3")
+
+
+# ----------------------------------------------------------------------------- a broken pipe
+
+
+def test_a_broken_stdout_pipe_exits_141_quietly() -> None:
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written: every write fails, deterministically
+    try:
+        proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "derive", MHA], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, cwd=ROOT)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+class _Gone:
+    """A stdout whose reader went away: at the first write, or only when the buffer is flushed."""
+
+    def __init__(self, at_flush: bool):
+        self.at_flush = at_flush
+
+    def write(self, text: str) -> int:
+        if not self.at_flush:
+            raise BrokenPipeError(32, "Broken pipe")
+        return len(text)
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        raise OSError("no file")
+
+
+@pytest.mark.parametrize("at_flush", [False, True])
+def test_a_broken_pipe_is_141_wherever_it_shows(monkeypatch, capsys, at_flush: bool) -> None:
+    monkeypatch.setattr(sys, "argv", ["energy", "derive", MHA])
+    monkeypatch.setattr(sys, "stdout", _Gone(at_flush))
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 141
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,342 @@
+"""`energy train` and `energy sample` against damaged checkpoints, memory exhaustion, Ctrl-C, `--fresh` and file
+modes: exit 2 with a message (never 70), and a failing run never destroys what an earlier one left (CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from energydsl.errors import DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def energy(*args: str) -> tuple[int, str, str]:
+    """Run the `energy` CLI in this process: exit status, stdout, stderr."""
+    from energydsl import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        mp.setattr(sys, "argv", ["energy", *args])
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def tiny(corpus: Path, out: Path, *more: str) -> list[str]:
+    """A tiny GPT on the test corpus: 4 steps, checkpoints at steps 0, 2 and 4 (seconds on a CPU)."""
+    return ["train", str(ROOT / "examples/models/gpt.energy"), "--data", f"chars:{corpus}", "--set", "d=16",
+            "--set", "layers=1", "--set", "heads=2", "--set", "context=16", "--steps", "4", "--eval-interval",
+            "2", "--eval-iters", "2", "--batch-size", "4", "--out", str(out), *more]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> Path:
+    """A finished tiny run (step 4); tests work on copies (`run`)."""
+    path = tmp_path_factory.mktemp("trained") / "run"
+    code, _, err = energy(*tiny(corpus, path))
+    assert code == 0, err
+    return path
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(trained, copy)
+    return copy
+
+
+def files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def garble_weights(path: Path) -> None:
+    """Same size, garbage content: every byte of the tensor data 0xFF, which reads back as NaN."""
+    raw = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", raw[:8])[0]  # the u64 header length, the JSON header, then the data
+    raw[start:] = b"\xff" * (len(raw) - start)
+    path.write_bytes(bytes(raw))
+
+
+class CtrlC(BaseException):
+    """For `forward_fails`: a real Ctrl-C (SIGINT to this process) rather than an exception raised."""
+
+
+@contextlib.contextmanager
+def forward_fails(at_call: int, error: BaseException, *, training: bool = True):
+    """The model's forward raises `error` at its `at_call`-th call in training mode (or in eval mode); `CtrlC()`
+    sends this process a SIGINT there instead, which the training loop defers to the end of the step."""
+    from energydsl.runtime.model import LanguageModel
+
+    original = LanguageModel.forward
+    calls = {"n": 0}
+
+    def forward(self, idx):
+        if self.training == training:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                if isinstance(error, CtrlC):  # a real Ctrl-C: the training loop's handler takes it
+                    signal.raise_signal(signal.SIGINT)
+                else:
+                    raise error
+        return original(self, idx)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LanguageModel, "forward", forward)
+        yield calls
+
+
+# ---------------------------------------------------------------------------------- 1. damaged weights
+
+
+def test_sample_refuses_weights_with_nan_naming_the_file(run):
+    """Garbage bytes of the right size used to load, and sampling failed on NaN probabilities (exit 70)."""
+    weights = run / "last.safetensors"
+    garble_weights(weights)
+    code, out, err = energy("sample", str(weights), "--tokens", "5")
+    assert code == 2, err
+    assert err.startswith(f"error: checkpoint {weights} is damaged: its weights hold NaN or infinite values"), err
+    assert f"hint: use the run's other checkpoint, {run / 'best.safetensors'}" in err
+    assert "internal error" not in err and out == ""
+    code, out, err = energy("sample", str(run / "best.safetensors"), "--tokens", "5", "--prompt", "the")
+    assert code == 0 and out.startswith("the"), err  # the intact checkpoint still samples
+
+
+def test_resume_refuses_weights_with_nan_as_a_damaged_checkpoint(run, corpus):
+    """A resumed run used to load NaN weights and report a divergence ("lower --lr"): misleading."""
+    garble_weights(run / "last.safetensors")
+    before = files(run)
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2, err
+    assert err.startswith(f"error: the checkpoint last.* in {run} cannot be read, so the run cannot resume: "
+                          f"checkpoint {run / 'last.safetensors'} is damaged: its weights hold NaN or infinite "
+                          "values"), err
+    assert "hint: pass --fresh" in err and "diverged" not in err and "--lr" not in err
+    assert files(run) == before
+
+
+def test_resume_refuses_an_optimizer_state_with_nan(run, corpus):
+    """The same damage in last.optim.pt (torch.load does not notice it): NaN moments would make the loss NaN."""
+    path = run / "last.optim.pt"
+    state = torch.load(path, weights_only=True)
+    state["optimizer"]["state"][0]["exp_avg"].fill_(float("nan"))
+    torch.save(state, path)
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2 and f"checkpoint {path} is damaged: its optimizer state holds NaN" in err, err
+    assert "diverged" not in err
+
+
+# ---------------------------------------------------------------------------------- 2. out of memory
+
+
+def test_out_of_memory_on_a_batch_is_exit_2_with_a_hint(corpus, tmp_path):
+    """A real allocation failure, no memory touched: 2**59 sequences of 16 tokens need 2**62 bytes of indices,
+    more than any address space, so the allocator refuses at once (whatever the overcommit setting)."""
+    code, _, err = energy(*tiny(corpus, tmp_path / "run", "--batch-size", str(2**59)))
+    assert code == 2, err
+    assert err.startswith("error: out of memory while training on cpu: DefaultCPUAllocator: can't allocate memory"), err
+    assert f"hint: train with a smaller --batch-size (now {2**59}) or --block-size (now 16), or a smaller model; " \
+           "no checkpoint was written" in err
+    assert "internal error" not in err
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 4294967296 bytes. Error code 12 (Cannot allocate memory)"),
+    MemoryError(),
+], ids=["cuda", "cpu-allocator", "MemoryError"])
+def test_out_of_memory_mid_run_keeps_the_last_good_checkpoint(error, run, corpus):
+    """Injected at the model's forward, through the real training loop: a resumed run cannot take a larger batch
+    than it was trained with (--batch-size must stay as it was), and a GPU is not at hand, so no real allocation
+    can fail after a checkpoint in a fast CPU test. The resumed run fails at its first step (5)."""
+    before = files(run)
+    with forward_fails(1, error):
+        code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2, err
+    first, hint = err.splitlines()[-2:]
+    assert first.startswith("error: out of memory while training on cpu: ") and "err == 0" not in first, err
+    assert hint == ("hint: train with a smaller --batch-size (now 4) or --block-size (now 16), or a smaller model; "
+                    f"the last good checkpoint, step 4, is kept: {run / 'last.safetensors'} (another --batch-size "
+                    "or --block-size starts a new run: --fresh (resume=False) or another --out directory)")
+    assert files(run) == before  # nothing written: not even metrics.jsonl
+
+
+def test_other_runtime_errors_stay_internal_errors(run, corpus):
+    with forward_fails(1, RuntimeError("a bug")):
+        code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 70 and "internal error" in err and "a bug" in err
+
+
+# ---------------------------------------------------------------------------------- 3. one `error:` prefix
+
+
+def test_resume_refusal_says_error_once(run, corpus):
+    weights = run / "last.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2 and err.startswith(f"error: the checkpoint last.* in {run} cannot be read"), err
+    assert err.count("error:") == 1, err
+
+
+# ---------------------------------------------------------------------------------- 4. ENERGYDSL_SHAKESPEARE
+
+
+def test_shakespeare_variable_naming_a_directory(tmp_path, monkeypatch):
+    from energydsl.training import load_dataset
+
+    monkeypatch.setenv("ENERGYDSL_SHAKESPEARE", str(tmp_path))
+    with pytest.raises(DataError) as err:
+        load_dataset("shakespeare_char")
+    assert err.value.message == ("ENERGYDSL_SHAKESPEARE points to a directory, not to the tiny Shakespeare text "
+                                 f"file (input.txt): {tmp_path}")
+    assert "missing" not in err.value.message and "input.txt" in err.value.hint
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("to be or not to be\n" * 50)
+    with pytest.raises(DataError) as err:
+        load_dataset("shakespeare_char")
+    assert err.value.hint == f"set ENERGYDSL_SHAKESPEARE={tmp_path / 'tinyshakespeare' / 'input.txt'}"
+
+
+# ---------------------------------------------------------------------------------- 5. file modes
+
+
+def test_run_files_get_the_mode_the_umask_gives(corpus, tmp_path):
+    """last.safetensors used to be 0600 (safetensors writes a private temporary file and renames it)."""
+    previous = os.umask(0o027)
+    try:
+        code, _, err = energy(*tiny(corpus, tmp_path / "run"))
+    finally:
+        os.umask(previous)
+    assert code == 0, err
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "run").iterdir()}
+    assert "last.safetensors" in modes and "best.safetensors" in modes
+    assert modes == dict.fromkeys(modes, oct(0o640))
+
+
+# ---------------------------------------------------------------------------------- 6. Ctrl-C at once
+
+
+def test_a_ctrl_c_that_stops_at_once_says_what_was_kept(corpus, tmp_path):
+    """A second Ctrl-C (the first restores Python's handler) raises KeyboardInterrupt wherever the run is; Typer
+    turned it into exit 130 without a word. Injected at the third training forward (step 2, after the step-2
+    checkpoint): sending two real SIGINTs into that window is a race."""
+    run = tmp_path / "run"
+    with forward_fails(3, KeyboardInterrupt()):
+        code, _, err = energy(*tiny(corpus, run))
+    assert code == 130
+    assert err == (f"interrupted at once, without saving: kept the last checkpoint, step 2: "
+                   f"{run / 'last.safetensors'}; rerun the same command to resume from it\n")
+    assert json.loads((run / "last.json").read_text())["training"]["step"] == 2
+    code, _, err = energy(*tiny(corpus, run))
+    assert code == 0, err  # and it does resume
+    with forward_fails(1, KeyboardInterrupt(), training=False):  # at the first evaluation: nothing saved yet
+        code, _, err = energy(*tiny(corpus, tmp_path / "other"))
+    assert code == 130
+    assert err == f"interrupted at once, before a checkpoint was written: nothing was saved in {tmp_path / 'other'}\n"
+
+
+def test_a_ctrl_c_before_training_says_nothing_was_written(corpus, tmp_path, monkeypatch):
+    from energydsl import api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "load", interrupted)  # while the spec is read and the model built
+    code, _, err = energy(*tiny(corpus, tmp_path / "run"))
+    assert code == 130 and err == "interrupted before training started: nothing was written\n"
+
+
+def test_the_interruption_notes_after_fresh_say_to_drop_it(run, corpus):
+    """Rerunning the same command, --fresh included, would start over instead of resuming."""
+    with forward_fails(3, KeyboardInterrupt()):
+        code, _, err = energy(*tiny(corpus, run, "--fresh"))
+    assert code == 130 and err.endswith("; rerun without --fresh to resume from it\n"), err
+    with forward_fails(3, CtrlC()):  # the first Ctrl-C: the run is saved (at step 3), then it stops
+        code, _, err = energy(*tiny(corpus, run, "--fresh"))
+    assert code == 130
+    assert err == f"interrupted at step 3: saved {run / 'last.safetensors'}; rerun without --fresh to resume\n"
+
+
+# ---------------------------------------------------------------------------------- 7. exit statuses in --help
+
+
+def test_train_help_lists_every_exit_status_as_the_docs_do():
+    code, out, err = energy("train", "--help")
+    assert code == 0, err
+    shown = " ".join(out.replace("│", " ").split())
+    docs = " ".join((ROOT / "docs/models.md").read_text().split())
+    for status in ("0 done", "1 diverged", "2 bad input", "70 an internal error", "130 interrupted"):
+        assert status in shown, status
+        assert f"{status}" in docs.split("- Exit status:")[1], status
+
+
+# ---------------------------------------------------------------------------------- 8. --fresh that fails early
+
+
+@pytest.mark.parametrize("failure", ["out of memory", "ctrl-c at once", "nan at step 0"])
+def test_a_fresh_run_that_fails_before_its_first_checkpoint_keeps_the_previous_run(failure, run, corpus):
+    """--fresh used to empty metrics.jsonl (and drop diverged.json) before the new run had done anything, so a run
+    that then failed (here: out of memory, a Ctrl-C that stops at once, a model that is NaN from the start) lost
+    the previous run's metrics. The previous run's files are replaced once the new run saves its first checkpoint."""
+    (run / "diverged.json").write_text('{"step": 3}')  # its divergence record is the previous run's, too
+    before = files(run)
+    if failure == "out of memory":
+        code, _, err = energy(*tiny(corpus, run, "--fresh", "--batch-size", str(2**59)))
+        assert code == 2 and "out of memory" in err, err
+    elif failure == "ctrl-c at once":
+        with forward_fails(1, KeyboardInterrupt(), training=False):
+            code, _, err = energy(*tiny(corpus, run, "--fresh"))
+        assert code == 130 and "kept the last checkpoint, step 4" in err and "without --fresh" in err, err
+    else:
+        from energydsl.runtime.model import LanguageModel
+
+        original = LanguageModel.forward
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(LanguageModel, "forward", lambda self, idx: original(self, idx) * float("nan"))
+            code, _, err = energy(*tiny(corpus, run, "--fresh"))
+        assert code == 1 and "training diverged at step 0" in err and "no good checkpoint was written" in err, err
+    assert files(run) == before
+
+
+def test_a_fresh_run_replaces_the_previous_files_once_it_has_begun(run, corpus):
+    old = (run / "metrics.jsonl").read_text()
+    (run / "diverged.json").write_text('{"step": 3}')
+    with forward_fails(3, KeyboardInterrupt()):  # stopped after its step-2 checkpoint
+        code, _, err = energy(*tiny(corpus, run, "--fresh", "--lr", "0.002"))
+    assert code == 130, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2] and (run / "metrics.jsonl").read_text() != old
+    assert not (run / "diverged.json").exists()
+    assert json.loads((run / "last.json").read_text())["training"]["config"]["lr"] == 0.002
+
+
+def test_a_resumed_run_that_fails_at_once_keeps_the_metrics_after_its_checkpoint(run, corpus):
+    """Resuming drops the metrics rows after the checkpoint (those steps are trained again) and the divergence
+    record: only once the resumed run has taken a step."""
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + json.dumps({"kind": "train", "step": 5, "loss": 1.0}) + "\n")
+    before = files(run)
+    with forward_fails(1, KeyboardInterrupt()):
+        code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 130, err
+    assert files(run) == before
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 0, err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4, 6, 8]
