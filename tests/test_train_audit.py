@@ -145,12 +145,12 @@ def test_resume_refuses_an_optimizer_state_with_nan(run, corpus):
 
 
 def test_out_of_memory_on_a_batch_is_exit_2_with_a_hint(corpus, tmp_path):
-    """A real allocation failure, no memory touched: 2**59 sequences of 16 tokens need 2**62 bytes of indices,
+    """A real allocation failure, no memory touched: 2**55 sequences of 16 tokens need 2**62 bytes of indices,
     more than any address space, so the allocator refuses at once (whatever the overcommit setting)."""
-    code, _, err = energy(*tiny(corpus, tmp_path / "run", "--batch-size", str(2**59)))
+    code, _, err = energy(*tiny(corpus, tmp_path / "run", "--batch-size", str(2**55)))
     assert code == 2, err
     assert err.startswith("error: out of memory while training on cpu: DefaultCPUAllocator: can't allocate memory"), err
-    assert f"hint: train with a smaller --batch-size (now {2**59}) or --block-size (now 16), or a smaller model; " \
+    assert f"hint: train with a smaller --batch-size (now {2**55}) or --block-size (now 16), or a smaller model; " \
            "no checkpoint was written" in err
     assert "internal error" not in err
 
@@ -297,7 +297,7 @@ def test_a_fresh_run_that_fails_before_its_first_checkpoint_keeps_the_previous_r
     (run / "diverged.json").write_text('{"step": 3}')  # its divergence record is the previous run's, too
     before = files(run)
     if failure == "out of memory":
-        code, _, err = energy(*tiny(corpus, run, "--fresh", "--batch-size", str(2**59)))
+        code, _, err = energy(*tiny(corpus, run, "--fresh", "--batch-size", str(2**55)))
         assert code == 2 and "out of memory" in err, err
     elif failure == "ctrl-c at once":
         with forward_fails(1, KeyboardInterrupt(), training=False):
