@@ -379,10 +379,10 @@ def train_(
             raise typer.Exit(1) from None
         except TrainingInterrupted as e:
             print(f"interrupted at step {e.step}: saved {e.checkpoint}; {_resume_hint(fresh)}", file=sys.stderr)
-            raise typer.Exit(130) from None
+            sys.exit(130)  # said why: SystemExit passes Typer and `main` without another note
     except KeyboardInterrupt:  # a Ctrl-C before the training loop, or a second one, which stops at once
         print(_interrupted_at_once(run_dir, fresh), file=sys.stderr)
-        raise typer.Exit(130) from None
+        sys.exit(130)
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
     if as_json:
@@ -525,6 +525,8 @@ def main() -> None:
         code = app(standalone_mode=False)
         sys.stdout.flush()  # a reader gone away (`| head`) shows here, not in Python's flush at exit
         if isinstance(code, int) and code:
+            if code == 130:  # Typer turns a Ctrl-C in a command into this status, silently
+                err.print("interrupted")
             sys.exit(code)
     except SystemExit as e:  # click answers a broken pipe with exit status 1, which is an outcome's here
         context = e.__context__

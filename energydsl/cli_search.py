@@ -128,7 +128,8 @@ def search(
     if summary.get("interrupted"):
         print("interrupted: run the same command again to continue the study", file=err)
         # the shell's status of a command stopped by the signal: 130 for Ctrl-C, 143 for SIGTERM
-        raise typer.Exit(143 if summary.get("interrupted_by") == "SIGTERM" else 130)
+        # (SystemExit: said why, so `main` adds no note of its own)
+        sys.exit(143 if summary.get("interrupted_by") == "SIGTERM" else 130)
 
 
 def report(

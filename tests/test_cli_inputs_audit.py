@@ -209,3 +209,18 @@ def test_a_broken_pipe_is_141_wherever_it_shows(monkeypatch, capsys, at_flush: b
         cli.main()
     assert e.value.code == 141
     assert capsys.readouterr().err == ""
+
+
+def test_a_ctrl_c_in_any_command_says_interrupted(monkeypatch, capsys) -> None:
+    """Typer turns a KeyboardInterrupt in a command into status 130 without a word; `main` says it (train and
+    search, which say what they kept, exit on their own and are not doubled: test_train_audit)."""
+    from energydsl import api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "load", interrupted)
+    code, _, err = run_main(monkeypatch, capsys, "derive", MHA)
+    assert code == 130
+    assert err.strip().splitlines()[-1] == "interrupted", err
+
