@@ -133,13 +133,18 @@ def _git(*args: str) -> str | None:
     return p.stdout.strip() if p.returncode == 0 else None
 
 
+def commit() -> str | None:
+    """ENERGYDSL_COMMIT where set (a copy sent to a GPU machine: its .git, if any, may be another checkout's),
+    else HEAD."""
+    return os.environ.get("ENERGYDSL_COMMIT") or _git("rev-parse", "HEAD")
+
+
 def _meta(cuda: bool) -> dict[str, Any]:
     import torch
 
     meta: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        # a copy sent to a GPU machine names its commit in ENERGYDSL_COMMIT: its .git, if any, may be stale
-        "git_commit": os.environ.get("ENERGYDSL_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_commit": commit(),
         "git_dirty": None
         if os.environ.get("ENERGYDSL_COMMIT")
         else bool(_git("status", "--porcelain", "--untracked-files=no")),

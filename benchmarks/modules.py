@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -173,11 +172,12 @@ def run_case(label: str, path: str, energy: str, batch: int, seqs: list[int], he
 
 def benchmark(args: argparse.Namespace) -> int:
     import torch
+    from kernels import commit  # benchmarks/kernels.py, beside this script
     from rich.console import Console
     from rich.table import Table
 
     meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "argv": sys.argv[1:], "commit": _commit()}
+            "torch": torch.__version__, "argv": sys.argv[1:], "commit": commit()}
     rows: list[dict[str, Any]] = []
     for label, path, energy in CASES:
         rows += run_case(label, path, energy, args.batch, args.seq, args.heads, args.head_dim, args)
@@ -204,17 +204,6 @@ def benchmark(args: argparse.Namespace) -> int:
     Console(width=200).print(table)
     print("targets: vs compiled <= 0.5 (2x faster), vs plain <= 1.3; peak MiB linear in T")
     return 0
-
-
-def _commit() -> str | None:
-    """ENERGYDSL_COMMIT where set (a copy sent to a GPU machine: its .git, if any, may be stale), else HEAD."""
-    if os.environ.get("ENERGYDSL_COMMIT"):
-        return os.environ["ENERGYDSL_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:

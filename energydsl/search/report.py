@@ -25,6 +25,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
+from energydsl.files import new_file_mode
 from energydsl.search.storage import load_study
 
 # --- user attrs (what a person reads in the report) ---
@@ -439,13 +440,6 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     return p
 
 
-def _new_file_mode() -> int:
-    """The mode open() gives a new file: 0o666 less the umask (which can only be read by setting it)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _write_atomic(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -453,7 +447,7 @@ def _write_atomic(path: Path, text: str) -> None:
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     try:
-        os.fchmod(fd, _new_file_mode())  # mkstemp makes 0600: give the report the mode open() would
+        os.fchmod(fd, new_file_mode())  # mkstemp makes 0600: give the report the mode open() would
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from energydsl.errors import DataError
+from energydsl.files import new_file_mode
 
 __all__ = ["COMMIT", "checkpoint_file", "load_checkpoint", "read_checkpoint", "read_resume_state", "save_checkpoint",
            "save_checkpoints"]
@@ -61,23 +62,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """The process's umask (Linux reports it in /proc; elsewhere it is read by setting it and back)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _write_weights(path: Path, tensors: dict[str, Tensor], header: dict[str, str]) -> None:
     save_file(tensors, str(path), metadata=header)
     # safetensors writes a private temporary file (mode 0600) and renames it: give the weights the mode of
     # any file the user writes (0644 under umask 022), as the other checkpoint files have
-    os.chmod(path, 0o666 & ~_umask())
+    os.chmod(path, new_file_mode())
 
 
 def _write_resume_state(path: Path, state: Mapping[str, Any]) -> None:
