@@ -1,17 +1,18 @@
-"""Registers, spills and shared memory of the softmax-family kernels' autotune configs on an H100, no GPU needed.
+"""Registers, spills and shared memory of the attention and linear kernels' autotune configs on an H100, no GPU needed.
 
-The autotuner times every config in `energydsl.kernels.attention.AUTOTUNE_CONFIGS` on the GPU and keeps the
-fastest, so a config list is only as good as its best member. A config that needs more than 255 registers
-per thread spills to local memory, which is slow; if every config of a kernel variant spills, no amount of
-tuning helps. Triton compiles for sm_90 without a GPU (ptxas ships with it), and ptxas reports what it
-allocated: this script compiles each (kernel, variant, config) and prints registers, spill stores and shared
-memory, and which variants have a spill-free config. It also prints the SASS instructions per iteration of
-each loop (nvdisasm ships with Triton too): the elementwise work per block that a register count misses.
+The autotuner times every config (`energydsl.kernels.attention.AUTOTUNE_CONFIGS`, `energydsl.kernels.linear`'s
+`_CONFIGS`) on the GPU and keeps the fastest, so a config list is only as good as its best member. A config that
+needs more than 255 registers per thread spills to local memory, which is slow; if every config of a kernel variant
+spills, no amount of tuning helps. Triton compiles for sm_90 without a GPU (ptxas ships with it), and ptxas reports
+what it allocated: this script compiles each (kernel, variant, config) and prints registers, spill stores and shared
+memory, and which variants have a spill-free config. It also prints the SASS instructions per iteration of each loop
+(nvdisasm ships with Triton too): the elementwise work per block that a register count misses.
 
-Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) and with CEM's score terms
-(ALiBi + self bias, their gradients), and the weighted second moment; the wide (feature-tiled) kernels with
-CEM's terms, first and second order. bf16 inputs. The numbers come from this machine's Triton and ptxas; a
-GPU machine with another Triton may allocate a little differently.
+Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) and with CEM's score terms (ALiBi +
+self bias, their gradients), and the weighted second moment; the wide (feature-tiled) kernels with CEM's terms,
+first and second order; the linear-attention kernels at head dims 64 (plain) and 128 (with a decay gate; the chunk-
+state kernel in its forward direction), whose tiles are fixed (`_tile_sizes`). bf16 inputs. The numbers come from
+this machine's Triton and ptxas; a GPU machine with another Triton may allocate a little differently.
 
     python benchmarks/kernel_resources.py                # the table (3-5 min on 2 cores)
     python benchmarks/kernel_resources.py --check        # exit 1 if a kernel variant has no spill-free config
@@ -33,31 +34,36 @@ from typing import Any, NamedTuple
 
 from energydsl.codegen.triton_source import FAMILIES
 
-# role -> (narrow template, wide template), in the families' launch order (AUTOTUNE_CONFIGS's too)
-KERNELS = dict(zip(("fwd", "dkdv", "dq"), zip(FAMILIES["attention"].kernels, FAMILIES["attention_wide"].kernels,
-                                              strict=True), strict=True))
+# each family's kernels by role, in launch order (AUTOTUNE_CONFIGS's too)
+ROLES = {"attention": ("fwd", "dkdv", "dq"), "attention_wide": ("fwd", "dkdv", "dq"),
+         "linear": ("state", "fwd", "dqk", "dv")}
 _CEM = dict(HAS_ALIBI=True, HAS_SELF=True, NEED_ALIBI=True, NEED_SELF=True)
 
 
 class Variant(NamedTuple):
     name: str
-    wide: bool
+    family: str  # a key of triton_source.FAMILIES
     flags: dict[str, Any]  # constexprs besides the tiles; absent switches are off
+    dims: tuple[int, int] = (0, 0)  # linear: (Dk, Dv), which set its fixed tiles
 
 
 VARIANTS = [
-    Variant("d64 plain", False, dict(BLOCK_DK=64, BLOCK_DV=64)),
-    Variant("d128 plain", False, dict(BLOCK_DK=128, BLOCK_DV=128)),
-    Variant("d64 alibi+self", False, dict(BLOCK_DK=64, BLOCK_DV=64, **_CEM)),
-    Variant("d128 alibi+self", False, dict(BLOCK_DK=128, BLOCK_DV=128, **_CEM)),
-    Variant("d64 second", False, dict(BLOCK_DK=64, BLOCK_DV=64, SECOND=True)),
-    Variant("wide alibi+self", True, dict(_CEM)),
-    Variant("wide second", True, dict(SECOND=True, HAS_SELF=True, NEED_SELF=True)),
+    Variant("d64 plain", "attention", dict(BLOCK_DK=64, BLOCK_DV=64)),
+    Variant("d128 plain", "attention", dict(BLOCK_DK=128, BLOCK_DV=128)),
+    Variant("d64 alibi+self", "attention", dict(BLOCK_DK=64, BLOCK_DV=64, **_CEM)),
+    Variant("d128 alibi+self", "attention", dict(BLOCK_DK=128, BLOCK_DV=128, **_CEM)),
+    Variant("d64 second", "attention", dict(BLOCK_DK=64, BLOCK_DV=64, SECOND=True)),
+    Variant("wide alibi+self", "attention_wide", dict(_CEM)),
+    Variant("wide second", "attention_wide", dict(SECOND=True, HAS_SELF=True, NEED_SELF=True)),
+    Variant("linear d64", "linear", {}, (64, 64)),
+    Variant("linear d128 gated", "linear", dict(HAS_DECAY=True), (128, 128)),
 ]
-_SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI")
-_FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST"}
+_SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI",
+             "HAS_DECAY", "REVERSE")
+_FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST", "g_ptr", "r_ptr"}
 _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32"}
 _MULTIPLES_OF_16 = {"T", "D_QK", "D_V"}
+_LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
 _LABEL = re.compile(r"\s*(\.L_x_\d+):")
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+\S")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
@@ -67,7 +73,7 @@ _PTXAS = re.compile(r"(\d+) bytes spill stores.*?Used (\d+) registers", re.S)
 class Job(NamedTuple):
     role: str
     variant: int  # index into VARIANTS
-    tiles: dict[str, int]  # BLOCK_M, BLOCK_N (and BLOCK_D)
+    tiles: dict[str, int]  # BLOCK_M, BLOCK_N (and BLOCK_D); linear: C, BK, BV
     num_warps: int
     num_stages: int
 
@@ -75,20 +81,30 @@ class Job(NamedTuple):
 def jobs() -> list[Job]:
     """Every config of every kernel, for every variant."""
     os.environ.pop("TRITON_INTERPRET", None)  # the real configs (the interpreter build has none)
+    from energydsl.kernels import linear
     from energydsl.kernels.attention import AUTOTUNE_CONFIGS
 
     out = []
     for v, variant in enumerate(VARIANTS):
-        for role, configs in zip(KERNELS, AUTOTUNE_CONFIGS[variant.wide]):
-            out += [Job(role, v, dict(c.kwargs), c.num_warps, c.num_stages) for c in configs]
+        if variant.family == "linear":
+            sizes = linear._tile_sizes(*variant.dims)
+            tiles = dict(zip(("C", "BK", "BV"), sizes, strict=True))
+            per_role = [[(tiles, c) for c in linear._CONFIGS]] * len(ROLES["linear"])
+        else:
+            per_role = [[(dict(c.kwargs), c) for c in configs]
+                        for configs in AUTOTUNE_CONFIGS[variant.family == "attention_wide"]]
+        for role, configs in zip(ROLES[variant.family], per_role, strict=True):
+            out += [Job(role, v, tiles, c.num_warps, c.num_stages) for tiles, c in configs]
     return out
 
 
 def compile_for_sm90(
-    kernel: Any, flags: dict[str, Any], dtype: str, num_warps: int, num_stages: int, scale_type: str = "fp32"
+    kernel: Any, flags: dict[str, Any], dtype: str, num_warps: int, num_stages: int, scale_type: str = "fp32",
+    dims: tuple[str, ...] = (),
 ) -> Any:
-    """Compile an attention template (narrow or wide) for sm_90 without a GPU: `flags` holds its constexprs
-    (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32.
+    """Compile a kernel template (attention, narrow or wide, or linear) for sm_90 without a GPU: `flags` holds its
+    constexprs (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32.
+    `dims` names integer head-dim arguments besides D_QK and D_V (the linear kernels' K and V).
 
     Specialised as the JIT specialises a launch at the benchmark shapes: every tensor 16-byte aligned and T
     and the head dims multiples of 16. Without those hints the loads do not vectorise (one 2-byte load per
@@ -100,10 +116,12 @@ def compile_for_sm90(
     from triton.compiler import ASTSource
 
     consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
-    sig = {a: _SCALAR_ARGS.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
-    sig["scale"] = scale_type
+    scalars = _SCALAR_ARGS | dict.fromkeys(dims, "i32")
+    sig = {a: scalars.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
+    if "scale" in sig:
+        sig["scale"] = scale_type
     sig |= {c: "constexpr" for c in consts}
-    multiples_of_16 = [a for a in kernel.arg_names if sig[a].startswith("*") or a in _MULTIPLES_OF_16]
+    multiples_of_16 = [a for a in kernel.arg_names if sig[a].startswith("*") or a in _MULTIPLES_OF_16 or a in dims]
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in multiples_of_16}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -144,18 +162,20 @@ def compile_job(job: Job) -> dict[str, Any]:
     os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached cubin would print no ptxas log
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    from energydsl.kernels import attention_kernels, attention_wide_kernels
+    import importlib
 
     variant = VARIANTS[job.variant]
-    module = attention_wide_kernels if variant.wide else attention_kernels
-    kernel = getattr(module, KERNELS[job.role][variant.wide])
+    family = FAMILIES[variant.family]
+    module = importlib.import_module(f"energydsl.kernels.{family.templates[-1]}")  # the kernels' own module
+    kernel = getattr(module, family.kernels[ROLES[variant.family].index(job.role)])
     flags = {s: False for s in _SWITCHES} | dict(DOT_PREC="tf32") | variant.flags | job.tiles
     row = dict(role=job.role, variant=variant.name, tiles=job.tiles, num_warps=job.num_warps,
                num_stages=job.num_stages)
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            compiled = compile_for_sm90(kernel, flags, "bf16", job.num_warps, job.num_stages)
+            dims = _LINEAR_DIMS if variant.family == "linear" else ()
+            compiled = compile_for_sm90(kernel, flags, "bf16", job.num_warps, job.num_stages, dims=dims)
     except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, not fatal
         return row | dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
     found = _PTXAS.search(log.getvalue())
@@ -168,7 +188,10 @@ def compile_job(job: Job) -> dict[str, Any]:
 
 def _tiles(row: dict[str, Any]) -> str:
     t = row["tiles"]
-    text = f"{t['BLOCK_M']}x{t['BLOCK_N']}" + (f" d{t['BLOCK_D']}" if "BLOCK_D" in t else "")
+    if "C" in t:  # linear: chunk length, Dk- and Dv-blocks
+        text = f"C{t['C']} {t['BK']}x{t['BV']}"
+    else:
+        text = f"{t['BLOCK_M']}x{t['BLOCK_N']}" + (f" d{t['BLOCK_D']}" if "BLOCK_D" in t else "")
     return f"{text} w{row['num_warps']} s{row['num_stages']}"
 
 
@@ -185,7 +208,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="attention kernels on sm_90, bf16: ptxas' allocation per autotune config",
+    table = Table(title="attention and linear kernels on sm_90, bf16: ptxas' allocation per autotune config",
                   title_justify="left")
     for h in ("kernel", "variant", "config", "registers", "spill bytes", "shared KiB", "loop instructions"):
         table.add_column(h, justify="left" if h in ("kernel", "variant", "config") else "right")

@@ -60,6 +60,14 @@ def test_kernel_resources_wide_second_moment_has_a_spill_free_config() -> None:
     assert "every kernel variant has a spill-free config (18 compilations)" in out.stdout
 
 
+def test_kernel_resources_linear_kernels_have_a_spill_free_config() -> None:
+    """The four linear-attention kernels (chunk states, outputs, dq/dk, dv) with a decay gate at head dim 128:
+    each has a config that fits in registers. 24 = 4 kernels x 6 configs (linear._CONFIGS)."""
+    out = _run("benchmarks/kernel_resources.py", "--check", "--variants", "linear d128 gated", "--jobs", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "every kernel variant has a spill-free config (24 compilations)" in out.stdout
+
+
 def test_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
     """Each narrow kernel visits the blocks wholly off the diagonal in a loop of its own, without the mask and
     the self-bias term: compiled for sm_90 (CEM's score terms, 64 x 32 tiles), it has two block loops, and

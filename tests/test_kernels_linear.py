@@ -293,6 +293,17 @@ def test_gpu_tied_and_compiled() -> None:
 # Without a GPU: the compiled (non-interpreted) kernels at least compile for sm_90 (ptxas ships with triton)
 # ---------------------------------------------------------------------------------------------------------
 
+# each kernel's pointer arguments, and the fp32 ones among them (the rest take the inputs' dtype)
+_KERNEL_POINTERS = """
+ptrs = {
+    "_state_kernel": ["x_ptr", "y_ptr", "g_ptr", "h_ptr"],
+    "_fwd_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "h_ptr", "o_ptr"],
+    "_bwd_dqk_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "h_ptr", "dh_ptr", "do_ptr", "dq_ptr", "dk_ptr", "r_ptr"],
+    "_bwd_dv_kernel": ["q_ptr", "k_ptr", "g_ptr", "dh_ptr", "do_ptr", "dv_ptr"],
+}
+fp32_ptrs = {"g_ptr", "r_ptr"}
+"""
+
 _COMPILE_SCRIPT = """
 import itertools
 import triton
@@ -301,21 +312,19 @@ from triton.compiler import ASTSource
 from energydsl.kernels import linear as L
 
 assert not L.INTERPRET
-ptrs = {
-    "_fwd_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "o_ptr"],
-    "_bwd_dq_kernel": ["k_ptr", "v_ptr", "g_ptr", "do_ptr", "dq_ptr"],
-    "_bwd_dkv_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "do_ptr", "dk_ptr", "dv_ptr"],
-}
-scalars = {"T": "i32", "K": "i32", "V": "i32", "scale": "fp32"}
+""" + _KERNEL_POINTERS + """
 for name, (dt, prec), (K, V), (decay, strict) in itertools.product(
     ptrs, [("bf16", "tf32"), ("fp32", "ieee")], [(64, 64), (128, 80)], [(True, True), (False, False)]
 ):
+    kernel = getattr(L, name)  # the templates: plain @triton.jit functions
     C, BK, BV = L._tile_sizes(K, V)
-    sig = {p: "*fp32" if p in ("g_ptr", "dq_ptr", "dk_ptr", "dv_ptr") else "*" + dt for p in ptrs[name]}
-    consts = dict(HAS_DECAY=decay, STRICT=strict, DOT_PREC=prec, C=C, BK=BK, BV=BV)
-    sig |= scalars | {c: "constexpr" for c in consts}
-    src = ASTSource(getattr(L, name), sig, constexprs=consts)  # the templates: plain @triton.jit functions
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
+    sig = {p: "*fp32" if p in fp32_ptrs else "*" + dt for p in ptrs[name]}
+    consts = dict(HAS_DECAY=decay, STRICT=strict, REVERSE=strict, DOT_PREC=prec, C=C, BK=BK, BV=BV)
+    consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
+    sig |= {s: t for s, t in {"T": "i32", "K": "i32", "V": "i32", "scale": "fp32"}.items() if s in kernel.arg_names}
+    sig |= {c: "constexpr" for c in consts}
+    src = ASTSource(kernel, sig, constexprs=consts)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
 print("compiled")
 """
 
@@ -336,14 +345,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from energydsl.kernels import linear as L
-
-ptrs = {
-    "_fwd_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "o_ptr"],
-    "_bwd_dq_kernel": ["k_ptr", "v_ptr", "g_ptr", "do_ptr", "dq_ptr"],
-    "_bwd_dkv_kernel": ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "do_ptr", "dk_ptr", "dv_ptr"],
-}
-for name in ptrs:
-    consts = dict(HAS_DECAY=True, STRICT=False, DOT_PREC="ieee", C=16, BK=64, BV=64)
+""" + _KERNEL_POINTERS + """
+for name in ["_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel"]:  # the kernels taking `scale`
+    consts = dict(HAS_DECAY=True, STRICT=False, DOT_PREC="ieee", C=64, BK=64, BV=64)
     sig = {p: "*fp32" for p in ptrs[name]} | {"T": "i32", "K": "i32", "V": "i32", "scale": "fp64"}
     sig |= {c: "constexpr" for c in consts}
     src = ASTSource(getattr(L, name), sig, constexprs=consts)

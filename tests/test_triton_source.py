@@ -66,10 +66,10 @@ def _kernels(src: str) -> dict[str, str]:
     # a strict mask and no bias at all
     ("nrgpt/attention.energy", "NRGPTAttention", ["valid = j < i"], ["tl.abs(i - j)", "i == j", "j <= i"]),
     # linear attention: the decay-free chunk update only; gated: the decay mask and state decay only
-    ("intrinsic-optimizers/linear-attention.energy", "LinearAttention", ["S += tl.dot(tl.trans(k), v"],
+    ("intrinsic-optimizers/linear-attention.energy", "LinearAttention", ["state += tl.dot(tl.trans(x), y"],
      ["tl.cumsum(g", "tl.exp(b_last)"]),
     ("intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention", ["tl.cumsum(g"],
-     ["S += tl.dot(tl.trans(k), v"]),
+     ["state += tl.dot(tl.trans(x), y"]),
 ])
 def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name: str, has: list[str],
                                                  lacks: list[str]) -> None:
@@ -84,8 +84,9 @@ def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name:
         assert {k.rsplit("_", 1)[0] for k in kernels} == {"_scores", "_key_blocks", "_query_blocks", "_fwd_kernel",
                                                          "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
         scores = next(v for k, v in kernels.items() if k.startswith("_scores"))
-    else:  # linear attention: forward, dq, dk/dv
-        assert {k.rsplit("_", 1)[0] for k in kernels} == {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel"}
+    else:  # linear attention: chunk states, forward, dq/dk, dv
+        assert {k.rsplit("_", 1)[0] for k in kernels} == {"_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel",
+                                                         "_bwd_dv_kernel"}
         scores = "\n".join(kernels.values())
     for text in has:
         assert text in scores, text
@@ -373,7 +374,8 @@ for req in requests:
             from triton.compiler import ASTSource
 
             values = dict(DOT_PREC="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_D=64,
-                          NEED_KB=True, NEED_SELF=False, NEED_ALIBI=False, C=64, BK=64, BV=64, BLOCK=1024)
+                          NEED_KB=True, NEED_SELF=False, NEED_ALIBI=False, C=64, BK=64, BV=64, BLOCK=1024,
+                          REVERSE=True)
             consts = {p.name: values[p.name] for p in copy.params if p.is_constexpr}
             ints = {"T", "H", "D_QK", "D_V", "N"} | ({"K", "V"} if req.family == "linear" else set())
             sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints
@@ -390,7 +392,7 @@ def test_copies_keep_their_constexprs_in_compiled_mode() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILED_COPIES.replace("{COMPILE}", "False")], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "compiled 23" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 24" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ FAMILIES = {
                              ("_scores", "_key_blocks", "_query_blocks", "_tile_dots"),
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
-                     ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkv_kernel")),
+                     ("_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel")),
     # the element-wise epilogues: value * act(pre) with ACT baked in; the heavy-ball step and nag's
     # look-ahead as they are
     "gated": Family(("epilogue_kernels",), "epilogue", "gated_activation_ops", ("_act_and_grad",),

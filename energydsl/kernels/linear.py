@@ -6,27 +6,33 @@ with gamma_ij = exp(sum_{s=j+1}^{i} g_s), g = log_decay <= 0 (per token (B,H,T),
 gamma_ij = a_h^(i-j), RetNet style). Equivalently S_i = a_i S_{i-1} + k_i v_i^T, o_i = q_i S_i.
 
 Chunkwise-parallel form (chunk size C, chunk n holds positions nC .. nC+C-1, b_t = sum_{s=nC}^{t} g_s the
-log decay accumulated inside the chunk, b_last the chunk's total):
+log decay accumulated inside the chunk, b_last the chunk's total, S_{n-1} the state after chunks 0..n-1):
     o_i   = scale * [ exp(b_i) q_i S_{n-1}  +  sum_{j in chunk, j<=i} exp(b_i - b_j) (q_i . k_j) v_j ]
     S_n   = exp(b_last) S_{n-1} + sum_{j in chunk} exp(b_last - b_j) k_j v_j^T
-Every exponent is <= 0 once the causal mask is applied first, so nothing overflows. The state S (Dk x Dv) is
-carried in registers across chunks: O(T C d + T d^2) work, no T x T matrix. One program owns one
-(batch, head, Dv-block); the Dk dimension is kept whole so q_i . k_j is complete inside a program. (This is
-flash-linear-attention's "fused chunk" scheme: parallel over B * H * Dv-blocks, sequential over chunks. Its
-"chunk" scheme, which stores every chunk's state to parallelize over chunks too, would suit small B * H.)
+Every exponent is <= 0 once the causal mask is applied first, so nothing overflows.
 
-Backward (dO already multiplied by scale), with M_ij = mask * exp(b_i - b_j) the intra-chunk decay mask:
-    dq = (M o (dO V^T)) K + exp(b) * (dO S_{n-1}^T)                     -- forward sweep, S recomputed
-    dk = (M o (dO V^T))^T Q + exp(b_last - b) * (V D_n^T)                -- reverse sweep
-    dv = (M o (Q K^T))^T dO + exp(b_last - b) * (K D_n)
-    D_{n-1} = exp(b_last) D_n + sum_{i in chunk} exp(b_i) q_i dO_i^T     (D = state of the reverse sweep)
+The work is split as in flash-linear-attention's "chunk" kernels, so that all but a light pass run in
+parallel over chunks (B * H alone is too few programs to fill a GPU at long T):
+1. `_state_kernel` walks the chunks in order and stores the state every chunk reads, S_{n-1} (B*H, NT, Dk, Dv):
+   one k^T v product per chunk, parallel over (Dk-block, Dv-block, batch * head);
+2. `_fwd_kernel` computes each chunk's outputs from its state, parallel over (Dv-block, chunk, batch * head).
+Backward (dO unscaled; every gradient is linear in dO, so `scale` is applied once at the end), with
+M_ij = mask * exp(b_i - b_j) the intra-chunk decay mask and D_n the reverse state, the sum over positions i
+after chunk n of exp(log decay from chunk n's end to i) q_i dO_i^T:
+    D_{n-1} = exp(b_last) D_n + sum_{i in chunk n} exp(b_i) q_i dO_i^T           -- `_state_kernel`, reversed
+    dq = (M o (dO V^T)) K + exp(b) * (dO S_{n-1}^T)                              -- `_bwd_dqk_kernel`
+    dk = (M o (dO V^T))^T Q + exp(b_last - b) * (V D_n^T)                        -- `_bwd_dqk_kernel`
+    dv = (M o (Q K^T))^T dO + exp(b_last - b) * (K D_n)                          -- `_bwd_dv_kernel`
     d log_decay_s = sum_{t >= s} (q_t . dq_t - k_t . dk_t)
 The last identity: g_s enters every pair (i >= s > j), and sum_j P_ij = q_i . dq_i, sum_i P_ij = k_j . dk_j
-for P_ij = M_ij (q_i . k_j)(dO_i . v_j). dq and dk are summed over Dv-blocks in torch (deterministic).
+for P_ij = M_ij (q_i . k_j)(dO_i . v_j). `_bwd_dqk_kernel` writes the row terms q_t . dq_t - k_t . dk_t per
+Dk-block; their sum and the reverse cumulative sum over time are done in torch. The states are recomputed in
+the backward, not kept from the forward: O(T Dk Dv / C) memory each, alive only inside one call.
 
-The ops are registered and launched as every family's (`launch.py`: triton_ops on CUDA, custom_ops under the
-interpreter). Tensors that no kernel can take (CPU without the interpreter) go to the torch backend's
-chunked op.
+Products are taken in the inputs' dtype (bf16 on tensor cores) with fp32 accumulation; states are stored in
+the inputs' dtype, as flash-linear-attention does. The ops are registered and launched as every family's
+(`launch.py`: triton_ops on CUDA, custom_ops under the interpreter). Tensors that no kernel can take (CPU
+without the interpreter) go to the torch backend's chunked op.
 """
 
 from __future__ import annotations
@@ -52,233 +58,261 @@ __all__ = [
 
 
 def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
-    """(C, BK, BV): chunk length, padded Dk (a power of two >= 16, kept whole) and the Dv-block.
+    """(C, BK, BV): chunk length and the Dk- and Dv-blocks (powers of two >= 16, tl.dot's minimum).
 
-    Fixed, not autotuned: autotuning C would make the rounding depend on the run, and BV sets how many dq/dk
-    partial sums are allocated before launch. C = 16 everywhere. Under the interpreter BV = 16, so that tests
-    already cover several Dv-blocks. On GPU BV = 64 (32 for Dk > 64): compiled for sm_90 with ptxas (no GPU
-    at hand), C = 32/64 or wider BV spilled registers; these sizes do not spill with tf32 products (16-bit
-    inputs, or fp32 where torch allows TF32) at 8 warps, while exact fp32 ("ieee", FMA) products still spill up to
-    ~2 KB in the dk/dv kernel.
+    Fixed, not autotuned: C sets the states' shape and BK, BV the grids, which are allocated and sized before
+    launch. On GPU C = 64 and 64-wide blocks, flash-linear-attention's chunk sizes. Under the interpreter
+    everything is 16, so that small test shapes already span several chunks and several Dk- and Dv-blocks.
     """
-    BK = max(16, triton.next_power_of_2(K))
-    cap = 16 if INTERPRET else (64 if BK <= 64 else 32)
-    return 16, BK, min(max(16, triton.next_power_of_2(V)), cap)
+    if INTERPRET:
+        return 16, 16, 16
+    return 64, min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
 
 
-_CONFIGS = [
-    triton.Config({}, num_warps=4, num_stages=1),
-    triton.Config({}, num_warps=4, num_stages=2),
-    triton.Config({}, num_warps=8, num_stages=1),
-    triton.Config({}, num_warps=8, num_stages=2),
-]
-_KEY = ["K", "V", "HAS_DECAY", "STRICT", "C", "BK", "BV"]
+# Compiled for sm_90 with ptxas (no GPU at hand; `benchmarks/kernel_resources.py --variants "linear d64,linear
+# d128 gated"`): in bf16 no config spills (4 warps: 71-176 registers, 8 warps: 48-126); 2 warps spilled in the
+# output and gradient kernels. With exact fp32 ("ieee", FMA) products the dq/dk kernel spills 4 bytes at 8 warps.
+_CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
+_KEY = ["K", "V", "HAS_DECAY", "STRICT", "REVERSE", "C", "BK", "BV"]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Kernels. Grid: (cdiv(Dv, BV), B * H); tensors are contiguous (B*H, T, D); all arithmetic in fp32.
-# Loads and the decay mask are written out in each kernel rather than in @triton.jit helpers: the
-# interpreter re-patches triton.language on every device-function call, which tripled the test time.
+# Kernels. Tensors are contiguous (B*H, T, D) and states (B*H, NT, Dk, Dv); accumulation in fp32. Loads and
+# the decay mask are written out in each kernel rather than in @triton.jit helpers: the interpreter
+# re-patches triton.language on every device-function call, which tripled the test time.
 # ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
+def _state_kernel(
+    x_ptr, y_ptr, g_ptr, h_ptr,
+    T, K, V,
+    HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr, DOT_PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """h[n] = the state chunk n reads, one (Dk-block, Dv-block) tile of it per program.
+
+    Forward (x, y = k, v; first chunk first): S_{n-1}, with S_n = exp(b_last) S_{n-1} + (exp(b_last - b) k)^T v.
+    Reverse (x, y = q, dO; last chunk first): D_n, with D_{n-1} = exp(b_last) D_n + (exp(b) q)^T dO.
+    """
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    n_chunks = tl.cdiv(T, C)
+    offs_c = tl.arange(0, C)
+    offs_k = i_k * BK + tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_kv = (offs_k < K)[:, None] & (offs_v < V)[None, :]
+    # int32 offsets inside one chunk, added to a scalar pointer per chunk: a 64-bit pointer per tile element,
+    # held across the loop, spilled registers at 4 warps
+    x_tile = offs_c[:, None] * K + offs_k[None, :]
+    y_tile = offs_c[:, None] * V + offs_v[None, :]
+    h_tile = offs_k[:, None] * V + offs_v[None, :]
+    state = tl.zeros([BK, BV], dtype=tl.float32)
+    for n in range(0, n_chunks):
+        if REVERSE:
+            i_c = n_chunks - 1 - n
+        else:
+            i_c = n
+        tl.store(h_ptr + (i_bh * n_chunks + i_c) * K * V + h_tile, state.to(h_ptr.dtype.element_ty), mask=mask_kv)
+        row0 = i_c * C
+        mask_t = row0 + offs_c < T  # the last chunk is padded with zeros
+        x = tl.load(x_ptr + (i_bh * T + row0) * K + x_tile, mask=mask_t[:, None] & (offs_k < K)[None, :], other=0.0)
+        y = tl.load(y_ptr + (i_bh * T + row0) * V + y_tile, mask=mask_t[:, None] & (offs_v < V)[None, :], other=0.0)
+        if HAS_DECAY:
+            g = tl.load(g_ptr + i_bh * T + row0 + offs_c, mask=mask_t, other=0.0).to(tl.float32)
+            b = tl.cumsum(g, axis=0)  # log decay from the chunk start through t
+            b_last = tl.sum(g, axis=0)  # the whole chunk's
+            if REVERSE:
+                w = tl.exp(b)  # q_i reads what lies before it, from the chunk start on
+            else:
+                w = tl.exp(b_last - b)  # k_j is read from the chunk's end on
+            x_w = (x * w[:, None]).to(x.dtype)
+            state = state * tl.exp(b_last) + tl.dot(tl.trans(x_w), y, input_precision=DOT_PREC)
+        else:
+            state += tl.dot(tl.trans(x), y, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr,
     T, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
+    """One chunk's outputs, one Dv-block of them: o = scale * [exp(b) * (Q S_{n-1}) + (M o (Q K^T)) V]."""
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    n_chunks = tl.cdiv(T, C)
     offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
+    offs_t = i_c * C + offs_c
     offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
+    mask_t = offs_t < T
     mask_v = offs_v < V
-    # tiles of chunk 0 of this (batch, head); chunk i_c lies i_c * C rows further
-    p_q = q_ptr + i_bh * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_k = k_ptr + i_bh * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_v = v_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_o = o_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_g = g_ptr + i_bh * T + offs_c
+    p_q = q_ptr + i_bh * T * K + offs_t[:, None] * K
+    p_k = k_ptr + i_bh * T * K + offs_t[:, None] * K
+    p_h = h_ptr + (i_bh * n_chunks + i_c) * K * V + offs_v[None, :]
+
+    o = tl.zeros([C, BV], dtype=tl.float32)
+    A = tl.zeros([C, C], dtype=tl.float32)  # A_ij = q_i . k_j, summed over Dk-blocks
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        q = tl.load(p_q + offs_k[None, :], mask=mask_tk, other=0.0)
+        k = tl.load(p_k + offs_k[None, :], mask=mask_tk, other=0.0)
+        h = tl.load(p_h + offs_k[:, None] * V, mask=mask_k[:, None] & mask_v[None, :], other=0.0)
+        o += tl.dot(q, h, input_precision=DOT_PREC)
+        A += tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     # which (i, j) inside a chunk interact: j <= i, or j < i for the strict (exclusive) form
     if STRICT:
         causal = offs_c[:, None] > offs_c[None, :]
     else:
         causal = offs_c[:, None] >= offs_c[None, :]
-
-    S = tl.zeros([BK, BV], dtype=tl.float32)  # sum over earlier chunks of gamma(j -> chunk end) k_j v_j^T
-    for i_c in range(0, tl.cdiv(T, C)):
-        row0 = i_c * C
-        mask_t = row0 + offs_c < T  # the last chunk is padded with zeros
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        mask_tv = mask_t[:, None] & mask_v[None, :]
-        q = tl.load(p_q + row0 * K, mask=mask_tk, other=0.0).to(tl.float32)
-        k = tl.load(p_k + row0 * K, mask=mask_tk, other=0.0).to(tl.float32)
-        v = tl.load(p_v + row0 * V, mask=mask_tv, other=0.0).to(tl.float32)
-        A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # (C, C): A_ij = q_i . k_j
-        if HAS_DECAY:
-            g = tl.load(p_g + row0, mask=mask_t, other=0.0).to(tl.float32)
-            b = tl.cumsum(g, axis=0)  # log decay from the chunk start through t
-            b_last = tl.sum(g, axis=0)  # the whole chunk's
-            # M_ij = exp(b_i - b_j) on causal pairs; masked before exp, where j > i could overflow
-            M = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
-            o = tl.dot(A * M, v, input_precision=DOT_PREC)
-            # earlier chunks reach position i through the state, decayed by exp(b_i)
-            o += tl.dot(q * tl.exp(b)[:, None], S, input_precision=DOT_PREC)
-            # S_n = exp(b_last) S_{n-1} + sum_j exp(b_last - b_j) k_j v_j^T
-            k_w = k * tl.exp(b_last - b)[:, None]
-            S = S * tl.exp(b_last) + tl.dot(tl.trans(k_w), v, input_precision=DOT_PREC)
-        else:
-            o = tl.dot(tl.where(causal, A, 0.0), v, input_precision=DOT_PREC)
-            o += tl.dot(q, S, input_precision=DOT_PREC)
-            S += tl.dot(tl.trans(k), v, input_precision=DOT_PREC)
-        tl.store(p_o + row0 * V, (o * scale).to(o_ptr.dtype.element_ty), mask=mask_tv)
+    if HAS_DECAY:
+        g = tl.load(g_ptr + i_bh * T + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+        b = tl.cumsum(g, axis=0)
+        o = o * tl.exp(b)[:, None]  # earlier chunks reach position i through the state, decayed by exp(b_i)
+        # M_ij = exp(b_i - b_j) on causal pairs; masked before exp, where j > i could overflow
+        A = A * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+    else:
+        A = tl.where(causal, A, 0.0)
+    v = tl.load(v_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :],
+                mask=mask_t[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
+    o += tl.dot(A.to(v.dtype), v, input_precision=DOT_PREC)
+    tl.store(o_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :],
+             (o * scale).to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])  # fmt: skip
 
 
 @triton.jit
-def _bwd_dq_kernel(
-    k_ptr, v_ptr, g_ptr, do_ptr, dq_ptr,
+def _bwd_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, dh_ptr, do_ptr, dq_ptr, dk_ptr, r_ptr,
     T, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """Forward sweep: dq_i = sum_j M_ij (dO_i . v_j) k_j + exp(b_i) S_{n-1} dO_i, over this program's
-    Dv-block only: dq_ptr is the (NV, B*H, T, K) fp32 buffer of partial sums."""
+    """One chunk's dq and dk, one Dk-block of them; with a decay also r_t = q_t . dq_t - k_t . dk_t over this
+    Dk-block (r_ptr: (NK, B*H, T) fp32), from which torch forms d log_decay."""
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    n_bh = tl.num_programs(1)
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    p_k = k_ptr + i_bh * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_v = v_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_do = do_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_dq = dq_ptr + (i_v * n_bh + i_bh) * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_g = g_ptr + i_bh * T + offs_c
-    if STRICT:
-        causal = offs_c[:, None] > offs_c[None, :]
-    else:
-        causal = offs_c[:, None] >= offs_c[None, :]
-
-    S = tl.zeros([BK, BV], dtype=tl.float32)  # the forward state, recomputed
-    for i_c in range(0, tl.cdiv(T, C)):
-        row0 = i_c * C
-        mask_t = row0 + offs_c < T
-        mask_tk = mask_t[:, None] & mask_k[None, :]
-        mask_tv = mask_t[:, None] & mask_v[None, :]
-        k = tl.load(p_k + row0 * K, mask=mask_tk, other=0.0).to(tl.float32)
-        v = tl.load(p_v + row0 * V, mask=mask_tv, other=0.0).to(tl.float32)
-        do = tl.load(p_do + row0 * V, mask=mask_tv, other=0.0).to(tl.float32) * scale
-        dP = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (C, C): dP_ij = dO_i . v_j
-        if HAS_DECAY:
-            g = tl.load(p_g + row0, mask=mask_t, other=0.0).to(tl.float32)
-            b = tl.cumsum(g, axis=0)
-            b_last = tl.sum(g, axis=0)
-            M = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
-            dq = tl.dot(dP * M, k, input_precision=DOT_PREC)
-            dq += tl.dot(do, tl.trans(S), input_precision=DOT_PREC) * tl.exp(b)[:, None]
-            k_w = k * tl.exp(b_last - b)[:, None]
-            S = S * tl.exp(b_last) + tl.dot(tl.trans(k_w), v, input_precision=DOT_PREC)
-        else:
-            dq = tl.dot(tl.where(causal, dP, 0.0), k, input_precision=DOT_PREC)
-            dq += tl.dot(do, tl.trans(S), input_precision=DOT_PREC)
-            S += tl.dot(tl.trans(k), v, input_precision=DOT_PREC)
-        tl.store(p_dq + row0 * K, dq, mask=mask_tk)
-
-
-@triton.jit
-def _bwd_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, do_ptr, dk_ptr, dv_ptr,
-    T, K, V, scale,
-    HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    """Reverse sweep with D_n = sum_{i after chunk n} exp(log decay from chunk n's end to i) q_i dO_i^T.
-    dk is a partial sum over this Dv-block ((NV, B*H, T, K) fp32 buffer); dv is complete (Dk is whole)."""
-    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    n_bh = tl.num_programs(1)
-    offs_c = tl.arange(0, C)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    p_q = q_ptr + i_bh * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_k = k_ptr + i_bh * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_v = v_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_do = do_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_dk = dk_ptr + (i_v * n_bh + i_bh) * T * K + offs_c[:, None] * K + offs_k[None, :]
-    p_dv = dv_ptr + i_bh * T * V + offs_c[:, None] * V + offs_v[None, :]
-    p_g = g_ptr + i_bh * T + offs_c
-    if STRICT:
-        causal = offs_c[:, None] > offs_c[None, :]
-    else:
-        causal = offs_c[:, None] >= offs_c[None, :]
-
-    D = tl.zeros([BK, BV], dtype=tl.float32)
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    n_bh = tl.num_programs(2)
     n_chunks = tl.cdiv(T, C)
-    for n in range(0, n_chunks):
-        row0 = (n_chunks - 1 - n) * C  # last chunk first
-        mask_t = row0 + offs_c < T
-        mask_tk = mask_t[:, None] & mask_k[None, :]
+    offs_c = tl.arange(0, C)
+    offs_t = i_c * C + offs_c
+    offs_k = i_k * BK + tl.arange(0, BK)
+    mask_t = offs_t < T
+    mask_k = offs_k < K
+    mask_tk = mask_t[:, None] & mask_k[None, :]
+    p_v = v_ptr + i_bh * T * V + offs_t[:, None] * V
+    p_do = do_ptr + i_bh * T * V + offs_t[:, None] * V
+    p_h = h_ptr + (i_bh * n_chunks + i_c) * K * V + offs_k[None, :] * V  # read transposed: (BV, BK) tiles
+    p_dh = dh_ptr + (i_bh * n_chunks + i_c) * K * V + offs_k[None, :] * V
+
+    dP = tl.zeros([C, C], dtype=tl.float32)  # dP_ij = dO_i . v_j, summed over Dv-blocks
+    dq = tl.zeros([C, BK], dtype=tl.float32)  # dO S_{n-1}^T
+    dk = tl.zeros([C, BK], dtype=tl.float32)  # V D_n^T
+    for v0 in range(0, V, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        mask_v = offs_v < V
         mask_tv = mask_t[:, None] & mask_v[None, :]
-        q = tl.load(p_q + row0 * K, mask=mask_tk, other=0.0).to(tl.float32)
-        k = tl.load(p_k + row0 * K, mask=mask_tk, other=0.0).to(tl.float32)
-        v = tl.load(p_v + row0 * V, mask=mask_tv, other=0.0).to(tl.float32)
-        do = tl.load(p_do + row0 * V, mask=mask_tv, other=0.0).to(tl.float32) * scale
-        A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)  # A_ij = q_i . k_j
-        dP = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dP_ij = dO_i . v_j
-        if HAS_DECAY:
-            g = tl.load(p_g + row0, mask=mask_t, other=0.0).to(tl.float32)
-            b = tl.cumsum(g, axis=0)
-            b_last = tl.sum(g, axis=0)
-            M = tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
-            A = A * M
-            dP = dP * M
-            # later chunks saw k_j, v_j through the state, decayed by exp(b_last - b_j)
-            w_out = tl.exp(b_last - b)[:, None]
-            dk = tl.dot(tl.trans(dP), q, input_precision=DOT_PREC)
-            dk += tl.dot(v, tl.trans(D), input_precision=DOT_PREC) * w_out
-            dv = tl.dot(tl.trans(A), do, input_precision=DOT_PREC)
-            dv += tl.dot(k, D, input_precision=DOT_PREC) * w_out
-            # D_{n-1} = exp(b_last) D_n + sum_i exp(b_i) q_i dO_i^T
-            q_w = q * tl.exp(b)[:, None]
-            D = D * tl.exp(b_last) + tl.dot(tl.trans(q_w), do, input_precision=DOT_PREC)
-        else:
-            A = tl.where(causal, A, 0.0)
-            dP = tl.where(causal, dP, 0.0)
-            dk = tl.dot(tl.trans(dP), q, input_precision=DOT_PREC)
-            dk += tl.dot(v, tl.trans(D), input_precision=DOT_PREC)
-            dv = tl.dot(tl.trans(A), do, input_precision=DOT_PREC)
-            dv += tl.dot(k, D, input_precision=DOT_PREC)
-            D += tl.dot(tl.trans(q), do, input_precision=DOT_PREC)
-        tl.store(p_dk + row0 * K, dk, mask=mask_tk)
-        tl.store(p_dv + row0 * V, dv, mask=mask_tv)
+        v = tl.load(p_v + offs_v[None, :], mask=mask_tv, other=0.0)
+        do = tl.load(p_do + offs_v[None, :], mask=mask_tv, other=0.0)
+        mask_vk = mask_v[:, None] & mask_k[None, :]
+        h_t = tl.load(p_h + offs_v[:, None], mask=mask_vk, other=0.0)
+        dh_t = tl.load(p_dh + offs_v[:, None], mask=mask_vk, other=0.0)
+        dP += tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        dq += tl.dot(do, h_t, input_precision=DOT_PREC)
+        dk += tl.dot(v, dh_t, input_precision=DOT_PREC)
+    if STRICT:
+        causal = offs_c[:, None] > offs_c[None, :]
+    else:
+        causal = offs_c[:, None] >= offs_c[None, :]
+    if HAS_DECAY:
+        g = tl.load(g_ptr + i_bh * T + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+        b = tl.cumsum(g, axis=0)
+        b_last = tl.sum(g, axis=0)
+        dq = dq * tl.exp(b)[:, None]
+        dk = dk * tl.exp(b_last - b)[:, None]  # later chunks saw k_j through the state, decayed by this
+        dP = dP * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
+    else:
+        dP = tl.where(causal, dP, 0.0)
+    q = tl.load(q_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :], mask=mask_tk, other=0.0)
+    k = tl.load(k_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :], mask=mask_tk, other=0.0)
+    dq = (dq + tl.dot(dP.to(k.dtype), k, input_precision=DOT_PREC)) * scale
+    dk = (dk + tl.dot(tl.trans(dP).to(q.dtype), q, input_precision=DOT_PREC)) * scale
+    tl.store(dq_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=mask_tk)  # fmt: skip
+    tl.store(dk_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=mask_tk)  # fmt: skip
+    if HAS_DECAY:
+        r = tl.sum(q.to(tl.float32) * dq - k.to(tl.float32) * dk, axis=1)
+        tl.store(r_ptr + (i_k * n_bh + i_bh) * T + offs_t, r, mask=mask_t)
+
+
+@triton.jit
+def _bwd_dv_kernel(
+    q_ptr, k_ptr, g_ptr, dh_ptr, do_ptr, dv_ptr,
+    T, K, V, scale,
+    HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """One chunk's dv, one Dv-block of it: dv = scale * [(M o (Q K^T))^T dO + exp(b_last - b) * (K D_n)]."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    n_chunks = tl.cdiv(T, C)
+    offs_c = tl.arange(0, C)
+    offs_t = i_c * C + offs_c
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_t = offs_t < T
+    mask_v = offs_v < V
+    mask_tv = mask_t[:, None] & mask_v[None, :]
+    p_q = q_ptr + i_bh * T * K + offs_t[:, None] * K
+    p_k = k_ptr + i_bh * T * K + offs_t[:, None] * K
+    p_dh = dh_ptr + (i_bh * n_chunks + i_c) * K * V + offs_v[None, :]
+
+    dv = tl.zeros([C, BV], dtype=tl.float32)  # K D_n
+    At = tl.zeros([C, C], dtype=tl.float32)  # At_ji = k_j . q_i, summed over Dk-blocks
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < K
+        mask_tk = mask_t[:, None] & mask_k[None, :]
+        q = tl.load(p_q + offs_k[None, :], mask=mask_tk, other=0.0)
+        k = tl.load(p_k + offs_k[None, :], mask=mask_tk, other=0.0)
+        dh = tl.load(p_dh + offs_k[:, None] * V, mask=mask_k[:, None] & mask_v[None, :], other=0.0)
+        dv += tl.dot(k, dh, input_precision=DOT_PREC)
+        At += tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
+    # transposed mask: row j, column i, i >= j (i > j when strict)
+    if STRICT:
+        causal_t = offs_c[:, None] < offs_c[None, :]
+    else:
+        causal_t = offs_c[:, None] <= offs_c[None, :]
+    if HAS_DECAY:
+        g = tl.load(g_ptr + i_bh * T + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+        b = tl.cumsum(g, axis=0)
+        b_last = tl.sum(g, axis=0)
+        dv = dv * tl.exp(b_last - b)[:, None]
+        At = At * tl.exp(tl.where(causal_t, b[None, :] - b[:, None], float("-inf")))
+    else:
+        At = tl.where(causal_t, At, 0.0)
+    do = tl.load(do_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :], mask=mask_tv, other=0.0)
+    dv = (dv + tl.dot(At.to(do.dtype), do, input_precision=DOT_PREC)) * scale
+    tl.store(dv_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=mask_tv)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The ops: one set per kernel triple, registered under its own name
+# The ops: one set per kernel template set, registered under its own name
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _launch_meta(
-    K: int, V: int, BH: int, has_decay: bool, strict: bool, dtype: torch.dtype
-) -> tuple[dict[str, Any], tuple[int, int]]:
-    """Compile-time parameters shared by the three kernels, and their grid (Dv-blocks, batch * heads)."""
-    C, BK, BV = _tile_sizes(K, V)
-    meta = dict(HAS_DECAY=has_decay, STRICT=strict, DOT_PREC=dot_precision(dtype), C=C, BK=BK, BV=BV)
-    return meta | launch_options(num_warps=4), (triton.cdiv(V, BV), BH)
 
 
 class LinearAttentionOps:
-    """The three chunkwise kernels, launched by torch ops registered under one name.
+    """The four chunkwise kernels, launched by torch ops registered under one name.
 
     `GENERIC` below runs the templates themselves (HAS_DECAY and STRICT chosen at launch). The triton code
     generator writes copies with the energy's decay and mask baked in (energydsl/codegen/triton_source.py)
@@ -286,11 +320,14 @@ class LinearAttentionOps:
     needs others is refused.
     """
 
-    def __init__(self, name: str, fwd: Any, dq: Any, dkv: Any, baked: dict[str, Any] | None = None):
+    def __init__(
+        self, name: str, state: Any, fwd: Any, dqk: Any, dv: Any, baked: dict[str, Any] | None = None
+    ):
         self.name = name
         self.baked = dict(baked or {})
-        self._fwd, self._dq, self._dkv = (
-            maybe_autotune(_CONFIGS, [k for k in _KEY if k in kernel.arg_names])(kernel) for kernel in (fwd, dq, dkv)
+        self._state, self._fwd, self._dqk, self._dv = (
+            maybe_autotune(_CONFIGS, [k for k in _KEY if k in kernel.arg_names])(kernel)
+            for kernel in (state, fwd, dqk, dv)
         )
         self._bwd_op = register_op(f"{name}_bwd", self._bwd_impl(), _linear_attention_bwd_fake)
         self._fwd_op = register_op(
@@ -301,9 +338,23 @@ class LinearAttentionOps:
             setup_context=_setup_context,
         )
 
-    def _meta(self, K: int, V: int, BH: int, has_decay: bool, strict: bool, dtype: torch.dtype) -> tuple:
-        meta, grid = _launch_meta(K, V, BH, has_decay, strict, dtype)
-        return {k: v for k, v in meta.items() if k not in self.baked}, grid
+    def _meta(self, kernel: Any, dtype: torch.dtype, **flags: Any) -> dict[str, Any]:
+        """`kernel`'s compile-time arguments: `flags` it takes and has not baked in, the dot precision, the
+        launch options under the interpreter (autotuned on CUDA)."""
+        flags = {k: v for k, v in flags.items() if k in kernel.arg_names and k not in self.baked}
+        return flags | dict(DOT_PREC=dot_precision(dtype)) | launch_options(num_warps=4)
+
+    def _states(self, x: Tensor, y: Tensor, g: Tensor, has_decay: bool, reverse: bool) -> Tensor:
+        """The state every chunk reads, (B*H, NT, Dk, Dv) in x's dtype: S_{n-1} from (k, v) forward, D_n from
+        (q, dO) reversed."""
+        B, H, T, K = x.shape
+        V = y.shape[-1]
+        C, BK, BV = _tile_sizes(K, V)
+        h = torch.empty((B * H, triton.cdiv(T, C), K, V), dtype=x.dtype, device=x.device)
+        meta = self._meta(self._state, x.dtype, HAS_DECAY=has_decay, REVERSE=reverse, C=C, BK=BK, BV=BV)
+        grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
+        wrap_triton(self._state)[grid](x, y, g, h, T, K, V, **meta)
+        return h
 
     # -- launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`) -----
 
@@ -314,11 +365,15 @@ class LinearAttentionOps:
             """o = scale * sum_{j<=i} gamma_ij (q_i . k_j) v_j; log_decay, if given, is per token (B, H, T)."""
             B, H, T, K = q.shape
             V = v.shape[-1]
+            C, BK, BV = _tile_sizes(K, V)
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            g = log_decay.contiguous() if log_decay is not None else q  # dummy pointer when HAS_DECAY is off
+            has_decay = log_decay is not None
+            g = log_decay.contiguous() if has_decay else q  # dummy pointer when HAS_DECAY is off
+            h = self._states(k, v, g, has_decay, reverse=False)
             o = torch.empty((B, H, T, V), dtype=v.dtype, device=v.device)
-            meta, grid = self._meta(K, V, B * H, log_decay is not None, strict, q.dtype)
-            wrap_triton(self._fwd)[grid](q, k, v, g, o, T, K, V, scale, **meta)
+            meta = self._meta(self._fwd, q.dtype, HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
+            grid = (triton.cdiv(V, BV), triton.cdiv(T, C), B * H)
+            wrap_triton(self._fwd)[grid](q, k, v, g, h, o, T, K, V, scale, **meta)
             return o
 
         return linear_attention_fwd
@@ -337,26 +392,31 @@ class LinearAttentionOps:
             """(dq, dk, dv, d log_decay); the last is empty when there is no decay or it is not needed."""
             B, H, T, K = q.shape
             V = v.shape[-1]
-            q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
-            g = log_decay.contiguous() if log_decay is not None else q
-            meta, grid = self._meta(K, V, B * H, log_decay is not None, strict, q.dtype)
-            NV = grid[0]
-            # dq and dk are reduced over Dv-blocks: one fp32 slab per block, summed below (no atomics)
-            dq_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
-            dk_part = torch.empty((NV, B, H, T, K), dtype=torch.float32, device=q.device)
-            dv = torch.empty((B, H, T, V), dtype=torch.float32, device=q.device)
-            wrap_triton(self._dq)[grid](k, v, g, do, dq_part, T, K, V, scale, **meta)
-            wrap_triton(self._dkv)[grid](q, k, v, g, do, dk_part, dv, T, K, V, scale, **meta)
-            dq = dq_part.sum(0)
-            dk = dk_part.sum(0)
-            if log_decay is not None and need_dg:
-                # d g_s = sum_{t >= s} (q_t . dq_t - k_t . dk_t): a reverse cumulative sum over time. g_0 decays
-                # nothing (gamma_ij sums g from j+1 on), so d g_0 is exactly 0 rather than a full sum's rounding.
-                r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
+            C, BK, BV = _tile_sizes(K, V)
+            q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
+            has_decay = log_decay is not None
+            g = log_decay.contiguous() if has_decay else q
+            h = self._states(k, v, g, has_decay, reverse=False)
+            dh = self._states(q, do, g, has_decay, reverse=True)
+            NK, NT = triton.cdiv(K, BK), triton.cdiv(T, C)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            # the row terms of d log_decay, one slab per Dk-block (summed below, no atomics)
+            r = torch.empty((NK, B, H, T) if has_decay else (0,), dtype=torch.float32, device=q.device)
+            flags = dict(HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
+            wrap_triton(self._dqk)[(NK, NT, B * H)](
+                q, k, v, g, h, dh, do, dq, dk, r, T, K, V, scale, **self._meta(self._dqk, q.dtype, **flags)
+            )
+            wrap_triton(self._dv)[(triton.cdiv(V, BV), NT, B * H)](
+                q, k, g, dh, do, dv, T, K, V, scale, **self._meta(self._dv, q.dtype, **flags)
+            )
+            if has_decay and need_dg:
+                # d g_s = sum_{t >= s} r_t: a reverse cumulative sum over time. g_0 decays nothing (gamma_ij
+                # sums g from j+1 on), so d g_0 is exactly 0 rather than a full sum's rounding.
+                r = r.sum(0)
                 dg = torch.nn.functional.pad(r[..., 1:].flip(-1).cumsum(-1).flip(-1), (1, 0)).to(log_decay.dtype)
             else:
                 dg = q.new_empty((0,))
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg
+            return dq, dk, dv, dg
 
         return linear_attention_bwd
 
@@ -446,10 +506,12 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 # The generic set and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
-def linear_attention_ops(name: str, fwd: Any, dq: Any, dkv: Any, baked: dict[str, Any]) -> LinearAttentionOps:
-    """The op set over a specialised kernel triple, registered once per process under `energydsl::{name}_*`."""
-    return op_set(name, lambda: LinearAttentionOps(name, fwd, dq, dkv, baked))
+def linear_attention_ops(
+    name: str, state: Any, fwd: Any, dqk: Any, dv: Any, baked: dict[str, Any]
+) -> LinearAttentionOps:
+    """The op set over specialised kernels, registered once per process under `energydsl::{name}_*`."""
+    return op_set(name, lambda: LinearAttentionOps(name, state, fwd, dqk, dv, baked))
 
 
-GENERIC = LinearAttentionOps("linear_attention", _fwd_kernel, _bwd_dq_kernel, _bwd_dkv_kernel)
+GENERIC = LinearAttentionOps("linear_attention", _state_kernel, _fwd_kernel, _bwd_dqk_kernel, _bwd_dv_kernel)
 linear_attention = GENERIC.linear_attention
