@@ -40,7 +40,8 @@ def run_case(label: str, ref: SpaceRef, backend: str, workers: int, trials: int,
     storage = str(root / f"{label}.journal")
     t0 = time.perf_counter()
     run_search(ref, backend=backend, workers=workers, trials=trials, storage=storage, study_name=label,
-               pruner="none", sampler="random", seed=0, progress=False, json=True, cpus_per_trial=1)
+               pruner="none", sampler="random", seed=0, progress=False, json=True,
+               cpus_per_trial=1 if backend == "ray" else None)  # the local backend reserves nothing
     wall = time.perf_counter() - t0
     done = [t for t in load_study(storage, label).get_trials(deepcopy=False)
             if t.state.is_finished() and trial_kind(t) not in ("lost", "interrupted")]

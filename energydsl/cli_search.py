@@ -62,7 +62,8 @@ def search(
     trials: Annotated[int | None, typer.Option(help="Finished trials the study should hold (default: the "
                                                     "space's `trials`). A rerun continues the study.")] = None,
     timeout: Annotated[float | None, typer.Option(help="Seconds after which no new trial starts.")] = None,
-    workers: Annotated[int, typer.Option(help="Trials run at once (worker processes, or Ray trials).")] = 1,
+    workers: Annotated[int, typer.Option(help="Trials run at once (worker processes, or Ray trials); on this "
+                                              "machine (not a Ray --address), at most 4 per CPU.")] = 1,
     storage: Annotated[str | None, typer.Option(help="Optuna storage: a journal file or a URL such as "
                                                      "sqlite:///runs/s.db (default runs/STUDY/optuna.journal).")
                        ] = None,
@@ -72,8 +73,12 @@ def search(
     backend: Annotated[str, typer.Option(help="local | ray")] = "local",
     address: Annotated[str | None, typer.Option(help="Ray cluster address (ray backend), e.g. auto or "
                                                      "HEAD_IP:6379; default a local Ray runtime.")] = None,
-    gpus_per_trial: Annotated[float, typer.Option(help="GPUs reserved per Ray trial (fractions allowed).")] = 0.0,
-    cpus_per_trial: Annotated[float, typer.Option(help="CPUs reserved per Ray trial.")] = 1.0,
+    gpus_per_trial: Annotated[float | None, typer.Option(help="GPUs reserved per Ray trial (--backend ray; "
+                                                              "fractions allowed; default 0).", show_default=False)
+                              ] = None,
+    cpus_per_trial: Annotated[float | None, typer.Option(help="CPUs reserved per Ray trial (--backend ray; "
+                                                              "fractions allowed; default 1).", show_default=False)
+                              ] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N | auto (local workers spread over the GPUs).")
                       ] = "cpu",
     sampler: Annotated[str, typer.Option(help="auto (TPE for one objective, NSGA-II for several) | tpe | nsga2 "
@@ -151,13 +156,14 @@ def report(
     from energydsl.search.storage import default_storage_path
 
     store, study_name = _locate(study, storage, name, default_storage_path)
+    loaded = load_study(store, study_name)  # a missing study is refused (naming those there) before any folder is made
     path = Path(out) if out else output_dir(store, study_name) / "report.html"
     check_output(path, "-o/--output" if out else "report")
     if export:
         check_output(export, "--export", "best.energy")
     write_report(store, study_name, path)
     if leaderboard:
-        print_leaderboard(load_study(store, study_name))
+        print_leaderboard(loaded)
     print(f"report: {path}", file=sys.stderr)
     if export:
         number = export_best(store, study_name, export)

@@ -169,3 +169,104 @@ def test_an_unknown_backend_names_the_flag_and_the_cli_values(tmp_path, monkeypa
     refused((code, err), "unknown --backend 'bogus'; choose one of local, ray")
     assert "run_search" not in err and "backend=" not in err
     assert not (tmp_path / "runs").exists()
+
+
+# ----------------------------------------------------------------------------- 5. --workers past this machine
+
+
+def test_more_workers_than_this_machine_runs_are_refused_before_anything_starts(tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
+    """`--workers 100000` used to start 100000 worker processes (or declare as many CPUs to a local Ray runtime)."""
+    import energydsl.search
+
+    def went_on(*args: object, **kwargs: object) -> None:  # a regression fails here, before any process starts
+        raise AssertionError("the search went on to open its study")
+
+    monkeypatch.setattr(energydsl.search, "open_study", went_on)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    for flags, cluster in ((["--workers", "100000"], "--backend ray --address HEAD_IP:6379"),
+                           (["--workers", "9"], "--backend ray --address HEAD_IP:6379"),
+                           (["--backend", "ray", "--workers", "9"], "(--address HEAD_IP:6379)")):
+        refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), *flags)),
+                f"error: --workers {flags[-1]} is more than this machine runs at once: at most 8 (4 per CPU, 2 CPUs "
+                "here)", "hint: these trials all run on this machine: give --workers 8 or fewer", cluster)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no study opened, no trial ran, no runs/
+
+
+def test_the_workers_bound_counts_only_trials_run_on_this_machine(monkeypatch) -> None:
+    """At the bound is fine; more workers than trials too (the extra ones exit); a Ray cluster is not this machine."""
+    from energydsl.search import check_options
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    ok = dict(backend="local", trials=1, timeout=None, storage=None, study_name=None, pruner="asha", device="cpu",
+              address=None, gpus_per_trial=None, cpus_per_trial=None, seed=None)
+    check_options(**{**ok, "workers": 8})
+    check_options(**{**ok, "backend": "ray", "address": "auto", "workers": 100000})
+    with pytest.raises(UserError, match="at most 8"):
+        check_options(**{**ok, "backend": "ray", "workers": 9})
+
+
+# ----------------------------------------------------------------------------- 6. Ray's resource flags on local
+
+
+@pytest.mark.parametrize("flags", [["--gpus-per-trial", "0.5"], ["--cpus-per-trial", "2"],
+                                   ["--gpus-per-trial", "0"], ["--cpus-per-trial", "1"],  # Ray's defaults, given
+                                   ["--backend", "local", "--cpus-per-trial", "4"]])
+def test_ray_resource_flags_without_backend_ray_are_refused(tmp_path, monkeypatch, capsys, flags) -> None:
+    """The local backend used to ignore --gpus-per-trial / --cpus-per-trial without a word."""
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    flag, value = flags[-2:]
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), *flags)),
+            f"error: {flag} {value} reserves resources for each Ray trial, and the local backend does not use it",
+            "hint: add --backend ray", f"or leave {flag} out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(UserError, match="the local backend does not use it"):
+        run_search(toy(tmp_path), storage=str(journal), trials=1, progress=False, json=True,
+                   **{flag.removeprefix("--").replace("-", "_"): float(value)})
+    assert not journal.exists()
+
+
+def test_without_the_resource_flags_local_runs_and_ray_reserves_its_defaults(tmp_path, monkeypatch, capsys) -> None:
+    """Not giving them is not giving them: the local backend runs, and a Ray trial still reserves 0 GPUs, 1 CPU."""
+    monkeypatch.chdir(tmp_path)
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "s.journal"))
+    assert code == 0, err[-2000:]
+    assert len(load_study("s.journal", "toy").trials) == 1
+    pytest.importorskip("ray")
+    import energydsl.search.ray_backend as ray_backend
+
+    reserved: list[tuple[float, float]] = []
+    monkeypatch.setattr(ray_backend, "run_ray", lambda *a, **kw: reserved.append(
+        (kw["gpus_per_trial"], kw["cpus_per_trial"])) or {})  # no Ray started: what it would have been given
+    for flags in ([], ["--gpus-per-trial", "0.5", "--cpus-per-trial", "2"]):
+        code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "r.journal", "--backend", "ray",
+                                                            *flags))
+        assert code == 0, err[-2000:]
+    assert reserved == [(0.0, 1.0), (0.5, 2.0)]
+
+
+# ----------------------------------------------------------------------------- 7. a report of a missing study
+
+
+def test_a_report_of_a_study_the_storage_does_not_hold_leaves_no_trace(tmp_path, monkeypatch, capsys) -> None:
+    """`energy report NAME --storage URL` used to create runs/NAME/ (or -o's, --export's folder) before finding
+    that the storage holds no study NAME."""
+    db = tmp_path / "store" / "s.db"
+    db.parent.mkdir()
+    run_search(toy(tmp_path), storage=f"sqlite:///{db}", study_name="t", trials=1, progress=False, json=True)
+    (tmp_path / "store" / "empty.journal").write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = sorted(tmp_path.rglob("*"))
+    for args, words in (
+        (["report", "Nope", "--storage", f"sqlite+pysqlite:///{db}"], ["studies there: ['t']"]),  # no local file
+        (["report", "Nope", "--storage", f"sqlite:///{db}", "-o", "out/new/r.html", "--export", "ex/b.energy"],
+         ["studies there: ['t']"]),
+        (["report", "Nope", "--storage", str(db.parent / "empty.journal"), "-o", "out/new/r.html"],
+         ["holds no studies"])):
+        refused(energy(monkeypatch, capsys, *args), "error: no study 'Nope' in", "hint:", *words)
+        assert sorted(tmp_path.rglob("*")) == before, args  # no runs/Nope, out/new or ex folder

@@ -22,8 +22,10 @@ from energydsl.search.display import LiveProgress, print_leaderboard
 from energydsl.search.local import (
     PRUNERS,
     SAMPLERS,
+    WORKERS_PER_CPU,
     Terminated,
     make_sampler,
+    max_local_workers,
     pruning_plan,
     quiet_optuna,
     run_local,
@@ -50,6 +52,10 @@ __all__ = [
 ]
 
 BACKENDS = ("local", "ray")
+# what each Ray trial reserves when --gpus-per-trial / --cpus-per-trial are not given (None: "not given", so that
+# a value given to the local backend, which reserves nothing, can be refused)
+RAY_GPUS_PER_TRIAL = 0.0
+RAY_CPUS_PER_TRIAL = 1.0
 
 
 def open_study(storage: str, study_name: str, space: SearchSpace,
@@ -167,10 +173,11 @@ def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: S
 
 
 def check_options(*, backend: str, trials: int | None, timeout: float | None, workers: int, storage: str | None,
-                  study_name: str | None, pruner: str, device: str, address: str | None, gpus_per_trial: float,
-                  cpus_per_trial: float, seed: int | None) -> None:
+                  study_name: str | None, pruner: str, device: str, address: str | None,
+                  gpus_per_trial: float | None, cpus_per_trial: float | None, seed: int | None) -> None:
     """Refuse `run_search`'s options (the `energy search` flags, named as the command line spells them) that are
-    out of range or meaningless together, before the space loads, a storage opens or a backend starts."""
+    out of range or meaningless together, before the space loads, a storage opens or a backend starts.
+    `gpus_per_trial` / `cpus_per_trial` are None when not given; given, they need the ray backend."""
     if backend not in BACKENDS:
         raise UserError(f"unknown --backend {backend!r}; choose one of {', '.join(BACKENDS)}",
                         hint="local: worker processes on this machine; ray: Ray Tune trials, on a local Ray "
@@ -193,9 +200,9 @@ def check_options(*, backend: str, trials: int | None, timeout: float | None, wo
         raise UserError("--study is empty", hint="give a study name, or leave --study out for the search's name")
     resources = "each Ray trial reserves gpus_per_trial >= 0 and cpus_per_trial > 0 (fractions allowed), e.g. " \
                 "--gpus-per-trial 0.5 --cpus-per-trial 2"
-    if not (math.isfinite(gpus_per_trial) and gpus_per_trial >= 0):
+    if gpus_per_trial is not None and not (math.isfinite(gpus_per_trial) and gpus_per_trial >= 0):
         raise UserError(f"--gpus-per-trial must be a number at least 0, not {gpus_per_trial:g}", hint=resources)
-    if not (math.isfinite(cpus_per_trial) and cpus_per_trial > 0):
+    if cpus_per_trial is not None and not (math.isfinite(cpus_per_trial) and cpus_per_trial > 0):
         raise UserError(f"--cpus-per-trial must be a number above 0, not {cpus_per_trial:g}", hint=resources)
     if address is not None and backend != "ray":
         raise UserError(f"--address {address!r} names a Ray cluster, and the {backend} backend does not use one",
@@ -204,7 +211,21 @@ def check_options(*, backend: str, trials: int | None, timeout: float | None, wo
     if address is not None and not address.strip():
         raise UserError("--address is empty", hint="give auto (on a node of the cluster) or HEAD_IP:6379; without "
                                                    "--address, the ray backend starts a Ray runtime of its own")
-    if backend == "ray" and device.startswith("cuda") and gpus_per_trial == 0:
+    for flag, value in (("--gpus-per-trial", gpus_per_trial), ("--cpus-per-trial", cpus_per_trial)):
+        if value is not None and backend != "ray":
+            raise UserError(f"{flag} {value:g} reserves resources for each Ray trial, and the {backend} backend does "
+                            "not use it", hint=f"add --backend ray to run the trials as Ray trials, or leave {flag} "
+                                               "out (the local backend runs --workers processes, on --device)")
+    if backend == "local" or address is None:  # the trials run on this machine: worker processes, or a local Ray
+        most = max_local_workers()
+        if workers > most:
+            cpus = most // WORKERS_PER_CPU
+            elsewhere = "--backend ray --address HEAD_IP:6379" if backend == "local" else "--address HEAD_IP:6379"
+            raise UserError(f"--workers {workers} is more than this machine runs at once: at most {most} "
+                            f"({WORKERS_PER_CPU} per CPU, {cpus} CPU{'s' if cpus != 1 else ''} here)",
+                            hint=f"these trials all run on this machine: give --workers {most} or fewer ({cpus}, "
+                                 f"one per CPU, trains fastest), or run them on a Ray cluster ({elsewhere})")
+    if backend == "ray" and device.startswith("cuda") and not gpus_per_trial:
         raise UserError(f"--device {device} on the ray backend needs GPUs reserved per trial",
                         hint="give --gpus-per-trial, e.g. 0.5 (two trials per GPU)")
 
@@ -223,8 +244,8 @@ def run_search(
     device: str = "cpu",
     json: bool = False,
     address: str | None = None,
-    gpus_per_trial: float = 0.0,
-    cpus_per_trial: float = 1.0,
+    gpus_per_trial: float | None = None,
+    cpus_per_trial: float | None = None,
     progress: bool = True,
     seed: int | None = None,
 ) -> dict[str, Any]:
@@ -234,7 +255,10 @@ def run_search(
     `trials` counts every finished trial, invalid and duplicate ones included (they are cheap); trials
     lost with their worker are retried and not counted. Defaults come from the space's budget.
     Returns a summary: completed, pruned, failed, invalid, duplicates, lost, best (params and objective
-    values; the Pareto front list with several objectives), study, storage, ..."""
+    values; the Pareto front list with several objectives), study, storage, ...
+
+    `gpus_per_trial` and `cpus_per_trial` are for the ray backend only (given to the local one, they are refused);
+    left out, each Ray trial reserves RAY_GPUS_PER_TRIAL GPUs and RAY_CPUS_PER_TRIAL CPUs."""
     check_options(backend=backend, trials=trials, timeout=timeout, workers=workers, storage=storage,
                   study_name=study_name, pruner=pruner, device=device, address=address,
                   gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, seed=seed)
@@ -274,7 +298,9 @@ def run_search(
                 from energydsl.search.ray_backend import run_ray
 
                 extra = run_ray(ref, space, study, storage_spec, address=address,
-                                gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, **common)
+                                gpus_per_trial=RAY_GPUS_PER_TRIAL if gpus_per_trial is None else gpus_per_trial,
+                                cpus_per_trial=RAY_CPUS_PER_TRIAL if cpus_per_trial is None else cpus_per_trial,
+                                **common)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM to the local backend (`Terminated`)
         interrupted = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
     elapsed = round(time.time() - started, 3)

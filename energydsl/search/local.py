@@ -62,6 +62,16 @@ from energydsl.signal_handlers import handlers_restored
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
 SAMPLERS = ("auto", "tpe", "nsga2", "random", "cmaes", "qmc")
 PRUNERS = ("asha", "hyperband", "none")
+# trials run at once on this machine, per CPU, that --workers may ask for: each local worker is a process that
+# imports torch and trains with (CPUs // workers) threads, so more only adds processes fighting for the cores
+WORKERS_PER_CPU = 4
+
+
+def max_local_workers() -> int:
+    """The most trials `--workers` may run at once on this machine: WORKERS_PER_CPU per CPU (`os.cpu_count()`, as
+    `_run_workers` divides the threads by)."""
+    return WORKERS_PER_CPU * (os.cpu_count() or 1)
+
 
 # ----------------------------------------------------------------------------- samplers, pruners
 

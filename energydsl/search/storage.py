@@ -168,4 +168,5 @@ def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
         if not names:
             raise UserError(f"no study {study_name!r} in {storage}: it holds no studies",
                             hint=NO_STUDIES_HINT) from None
-        raise UserError(f"no study {study_name!r} in {storage}; studies there: {names}") from e
+        raise UserError(f"no study {study_name!r} in {storage}; studies there: {names}",
+                        hint="name one of them (energy report: STUDY, or --study NAME)") from e
