@@ -15,7 +15,7 @@ import sympy as sp
 import torch
 
 from .functions import REGISTRY, sympy_to_torch
-from .ir import (
+from .ir_nodes import (
     Add,
     Count,
     Diag,

@@ -15,7 +15,7 @@ import torch
 from .calculus import substitute_var
 from .errors import SpecError
 from .evaluate import Env, Value, evaluate
-from .ir import Expr, IndexInfo, Var
+from .ir_nodes import Expr, IndexInfo, Var
 from .optimizers import UpdateProgram
 from .semantics import EnergyIR, ParamSpec
 
@@ -274,7 +274,7 @@ def run_program(prog: UpdateProgram, inst: Instance, x0: torch.Tensor | None = N
 
 def _clear_step_cache(env: Env) -> None:
     """Keep cached hoisted values (computed once); drop everything that depends on the state."""
-    from .ir import Let
+    from .ir_nodes import Let
 
     env.cache = {k: v for k, v in env.cache.items() if isinstance(v[0], Let)}
 

@@ -5,363 +5,53 @@ indices* (named loop indices such as the head `k` or the context token `j`). Red
 Scalar sub-expressions that depend on nothing but dims and scalar parameters are folded into one
 `Scalar` node holding a SymPy expression: SymPy is the scalar engine, this IR is the tensor engine.
 
-Nodes are built through the smart constructors at the bottom (`add`, `mul`, `matmul`, ...), which
-check shapes, fold constants and drop zeros, so every pass can stay small.
+Nodes are built through the smart constructors here (`add`, `mul`, `matmul`, ...), which
+check shapes, fold constants and drop zeros, so every pass can stay small; `substitute` and `rebuild`
+rewrite through them, `walk` visits. The node types are in `ir_nodes.py`, re-exported here: `ir.X` names
+the whole IR.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
-
 import sympy as sp
 
-
-class ShapeError(Exception):
-    """A shape or index mismatch; semantics attaches the source span."""
-
-
-Shape = tuple[sp.Expr, ...]
-
-
-@dataclass(frozen=True, eq=False)
-class Expr:
-    """Base class. Equality is structural (via `key`), hashing is cached.
-
-    Nodes are immutable, so `key`, `children`, `shape` and `free` are computed once per node and kept
-    in its `__dict__` (not dataclass fields: equality and hashing are unchanged). Without this every
-    smart constructor re-walked the whole subtree to recompute shapes and free indices.
-    """
-
-    @cached_property
-    def key(self) -> tuple:
-        return (type(self).__name__,) + tuple(
-            (c.key if isinstance(c, Expr) else tuple(x.key for x in c) if isinstance(c, tuple)
-             and c and isinstance(c[0], Expr) else c)
-            for c in self._fields()
-        )
-
-    def _fields(self) -> tuple:
-        return tuple(getattr(self, f) for f in self.__dataclass_fields__)
-
-    @cached_property
-    def _hash(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        return isinstance(other, Expr) and self._hash == other._hash and self.key == other.key
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __getstate__(self) -> dict:
-        """Pickle without the cached hash: string hashes differ between processes (PYTHONHASHSEED)."""
-        state = dict(self.__dict__)
-        state.pop("_hash", None)
-        return state
-
-    @cached_property
-    def children(self) -> tuple[Expr, ...]:
-        out: list[Expr] = []
-        for c in self._fields():
-            if isinstance(c, Expr):
-                out.append(c)
-            elif isinstance(c, tuple):
-                out.extend(x for x in c if isinstance(x, Expr))
-        return tuple(out)
-
-    @property
-    def shape(self) -> Shape:
-        raise NotImplementedError
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        out: frozenset[str] = frozenset()
-        for c in self.children:
-            out |= c.free
-        return out
-
-    @property
-    def is_scalar(self) -> bool:
-        return len(self.shape) == 0
-
-
-@dataclass(frozen=True, eq=False)
-class Scalar(Expr):
-    """A scalar built from numbers, dims and scalar parameters (SymPy symbols named like them)."""
-
-    value: sp.Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return ()
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class Var(Expr):
-    """A named tensor. role: state | leaf | context | input | param. A context var carries its index."""
-
-    name: str
-    role: str
-    var_shape: Shape
-    index: str | None = None
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.var_shape
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return frozenset([self.index]) if self.index else frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class Index(Expr):
-    """`base[k]`: the first axis of `base` becomes the free index `k`."""
-
-    base: Expr
-    index: str
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.base.shape[1:]
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return self.base.free | {self.index}
-
-
-@dataclass(frozen=True, eq=False)
-class Pos(Expr):
-    """The position of token i (index None) or of context token j, as a number."""
-
-    index: str | None
-
-    @cached_property
-    def shape(self) -> Shape:
-        return ()
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return frozenset([self.index]) if self.index else frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class Ones(Expr):
-    var_shape: Shape
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.var_shape
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class Identity(Expr):
-    size: sp.Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return (self.size, self.size)
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class Add(Expr):
-    terms: tuple[Expr, ...]
-
-    @cached_property
-    def shape(self) -> Shape:
-        return max((t.shape for t in self.terms), key=len)
-
-
-@dataclass(frozen=True, eq=False)
-class Mul(Expr):
-    """Element-wise product; scalar factors broadcast."""
-
-    factors: tuple[Expr, ...]
-
-    @cached_property
-    def shape(self) -> Shape:
-        return max((f.shape for f in self.factors), key=len)
-
-
-@dataclass(frozen=True, eq=False)
-class Pow(Expr):
-    base: Expr
-    exponent: sp.Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.base.shape
-
-
-@dataclass(frozen=True, eq=False)
-class MatMul(Expr):
-    a: Expr
-    b: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.a.shape[:-1] + self.b.shape[1:]
-
-
-@dataclass(frozen=True, eq=False)
-class Dot(Expr):
-    """Full contraction of two tensors of one shape (vector dot, Frobenius for matrices)."""
-
-    a: Expr
-    b: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return ()
-
-
-@dataclass(frozen=True, eq=False)
-class Outer(Expr):
-    a: Expr
-    b: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.a.shape + self.b.shape
-
-
-@dataclass(frozen=True, eq=False)
-class Transpose(Expr):
-    a: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return (self.a.shape[1], self.a.shape[0])
-
-
-@dataclass(frozen=True, eq=False)
-class Func(Expr):
-    """An element-wise function from `functions.REGISTRY` (SymPy knows its formula)."""
-
-    name: str
-    arg: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.arg.shape
-
-
-@dataclass(frozen=True, eq=False)
-class SumAll(Expr):
-    """Sum of all elements: a tensor to a scalar."""
-
-    a: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return ()
-
-
-@dataclass(frozen=True, eq=False)
-class Reduce(Expr):
-    """`op[index](body)`: sum, logsumexp, mean, prod or max over a named index."""
-
-    op: str
-    index: str
-    body: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.body.shape
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return self.body.free - {self.index}
-
-
-@dataclass(frozen=True, eq=False)
-class Softmax(Expr):
-    """The softmax weights over `index` of a scalar body; keeps `index` free."""
-
-    index: str
-    body: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return ()
-
-
-@dataclass(frozen=True, eq=False)
-class Count(Expr):
-    """The number of terms a reduction over `index` has (context size for j).
-
-    `at_least_one`: max(count, 1), the divisor of a mean, so that an empty context (a strict mask at the
-    first token) gives 0 / 1 = 0 rather than 0 / 0.
-    """
-
-    index: str
-    at_least_one: bool = False
-
-    @cached_property
-    def shape(self) -> Shape:
-        return ()
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return frozenset()
-
-
-@dataclass(frozen=True, eq=False)
-class StopGrad(Expr):
-    a: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.a.shape
-
-
-@dataclass(frozen=True, eq=False)
-class Diag(Expr):
-    a: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return (self.a.shape[0], self.a.shape[0])
-
-
-@dataclass(frozen=True, eq=False)
-class Inverse(Expr):
-    a: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.a.shape
-
-
-@dataclass(frozen=True, eq=False)
-class Let(Expr):
-    """A named value computed once (hoisted); `body` is its definition."""
-
-    name: str
-    body: Expr
-
-    @cached_property
-    def shape(self) -> Shape:
-        return self.body.shape
-
-    @cached_property
-    def free(self) -> frozenset[str]:
-        return self.body.free
+from .ir_nodes import (
+    Add,
+    Count,
+    Diag,
+    Dot,
+    Expr,
+    Func,
+    Identity,
+    Index,
+    IndexInfo,
+    Inverse,
+    Let,
+    MatMul,
+    Mul,
+    Ones,
+    Outer,
+    Pos,
+    Pow,
+    Reduce,
+    Scalar,
+    Shape,
+    ShapeError,
+    Softmax,
+    StopGrad,
+    SumAll,
+    Transpose,
+    Var,
+)
+
+__all__ = [  # the node types are re-exported: codegen, api and the tests name them `ir.X`
+    "Add", "Count", "Diag", "Dot", "Expr", "Func", "Identity", "Index", "IndexInfo", "Inverse", "Let", "MatMul",
+    "Mul", "Ones", "Outer", "Pos", "Pow", "Reduce", "Scalar", "Shape", "ShapeError", "Softmax", "StopGrad",
+    "SumAll", "Transpose", "Var",
+    "ONE", "ZERO", "add", "add_broadcast", "count_nodes", "dot", "fmt_shape", "func", "is_one", "is_zero",
+    "matmul", "mul", "neg", "outer", "power", "rebuild", "reduce", "same_shape", "scalar", "substitute",
+    "sum_all", "transpose", "walk",
+]
 
 
 # ----------------------------------------------------------------------------- smart constructors
@@ -595,17 +285,6 @@ def reduce(op: str, index: str, body: Expr) -> Expr:
     if op == "mean" and index not in body.free:
         return body
     return Reduce(op, index, body)
-
-
-@dataclass
-class IndexInfo:
-    """What a named index ranges over: a dim size (heads), or a causal context (`j <= i`)."""
-
-    name: str
-    size: sp.Expr | None = None  # for a range index
-    context: str | None = None  # the context variable for a context index
-    strict: bool = False  # j < i rather than j <= i
-    aliases: list[str] = field(default_factory=list)
 
 
 def walk(e: Expr):

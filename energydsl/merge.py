@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import syntax as ast
+from . import syntax_tree as ast
 from .errors import Span, SpecError
 
 SHARED_KINDS = ("state", "context", "input", "param", "let", "local", "dim")

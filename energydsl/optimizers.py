@@ -24,7 +24,7 @@ import sympy as sp
 from . import ir
 from .calculus import NotDifferentiable, absorb_constants, directional, gradient, substitute_var, untie
 from .errors import SpecError
-from .ir import Expr, Let, Var
+from .ir_nodes import Expr, Let, Var
 from .semantics import EnergyIR, ParamSpec
 
 SOFTPLUS_ONE = math.log(math.e - 1)  # softplus(SOFTPLUS_ONE) = 1: preconditioners start at the identity

@@ -15,10 +15,10 @@ from typing import Any
 import sympy as sp
 
 from . import ir
-from . import syntax as ast
+from . import syntax_tree as ast
 from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
 from .errors import Span, SpecError
-from .ir import Expr, IndexInfo, Var
+from .ir_nodes import Expr, IndexInfo, Var
 from .semantics_expr import ExpressionLowering
 
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from . import ir
-from . import syntax as ast
+from . import syntax_tree as ast
 from .errors import SpecError
 from .functions import antiderivative
-from .ir import Expr, IndexInfo, ShapeError, Var
+from .ir_nodes import Expr, IndexInfo, ShapeError, Var
 
 if TYPE_CHECKING:
     from .semantics import _Scope

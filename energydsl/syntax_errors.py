@@ -18,7 +18,8 @@ from typing import Any
 import lark
 
 from .errors import Span, SpecError
-from .syntax import EXPECT_NAMES, _parser
+from .syntax import _parser
+from .syntax_tree import EXPECT_NAMES
 
 # ----------------------------------------------------------------------------- syntax errors
 #
