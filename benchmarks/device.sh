@@ -5,6 +5,7 @@
 #   bash benchmarks/device.sh run tests [-n 12]      # on the GPU machine (the repository and .whl/ copied there)
 #   bash benchmarks/device.sh run kernels [--quick]  #   benchmarks/kernels.py, JSON and log to $OUT
 #   bash benchmarks/device.sh run modules [--seq 2048,8192]
+#   bash benchmarks/device.sh run profile [--families attention,linear]   # profile_kernels.py, traces to $OUT
 #
 # Such a machine (an image with torch, triton, sympy, numpy, einops and pytest, Python 3.12) lacks lark, which
 # the compiler needs, and flash-linear-attention's kernels (fla-core), the linear family's peer. `wheels`
@@ -28,7 +29,7 @@ case "${1:-}" in
     ;;
   run)
     step="${2:-}"
-    case "$step" in tests|kernels|modules) ;; *) echo "usage: $0 run tests|kernels|modules [args...]" >&2; exit 2 ;; esac
+    case "$step" in tests|kernels|modules|profile) ;; *) echo "usage: $0 run tests|kernels|modules|profile [args...]" >&2; exit 2 ;; esac
     shift 2
     out="${OUT:-runs/device}"
     mkdir -p "$out"
@@ -48,10 +49,11 @@ case "${1:-}" in
         ;;
       kernels) python3 benchmarks/kernels.py --json "$out/kernels.json" "$@" 2>&1 | tee "$out/kernels.log" ;;
       modules) python3 benchmarks/modules.py --json "$out/modules.json" "$@" 2>&1 | tee "$out/modules.log" ;;
+      profile) python3 benchmarks/profile_kernels.py --trace "$out/traces" "$@" 2>&1 | tee "$out/profile.log" ;;
     esac
     ;;
   *)
-    echo "usage: $0 wheels | run tests|kernels|modules [args...]" >&2
+    echo "usage: $0 wheels | run tests|kernels|modules|profile [args...]" >&2
     exit 2
     ;;
 esac

@@ -43,8 +43,19 @@ def test_modules_benchmark_interpret_smoke() -> None:
     assert "0 failed" in out.stdout
 
 
+def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> None:
+    """The GPU profiling script's own code paths, on tiny interpreted shapes: a summary row and a trace for the
+    kernel and the peer of each case."""
+    out = _run("benchmarks/profile_kernels.py", "--device", "cpu", "--families", "attention,linear", "--steps",
+               "1", "--trace", str(tmp_path), interpret=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # attention: 3 kernels + 2 SDPA peers; linear: 2 kernels + 2 chunked torch peers
+    assert "profiled 9 implementations" in out.stdout
+    assert len(list(tmp_path.glob("*.json"))) == 9
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the benchmark itself")
-@pytest.mark.parametrize("script", ["benchmarks/kernels.py", "benchmarks/modules.py"])
+@pytest.mark.parametrize("script", ["benchmarks/kernels.py", "benchmarks/modules.py", "benchmarks/profile_kernels.py"])
 def test_without_a_gpu_the_benchmarks_say_so_and_exit_0(script: str) -> None:
     out = _run(script)
     assert out.returncode == 0, out.stderr[-3000:]
