@@ -20,10 +20,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 
 if TYPE_CHECKING:  # torch is imported where a command needs it: start-up stays fast
-    import torch
+    pass
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -31,6 +32,22 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)  # paths are never b
 out = Console(highlight=False, soft_wrap=True)  # tables still fit the terminal
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a dim: NAME=VALUE (repeatable).")]
+
+
+def backend_flag(value: str) -> str:
+    """`--backend`, checked as the flag is read, in the command line's terms (`codegen.check_backend`'s message
+    speaks to Python callers of `.module(...)`)."""
+    from .codegen import BACKENDS
+
+    if value not in BACKENDS:
+        raise UserError(
+            f"unknown backend `{value}` given to --backend",
+            hint=f"--backend takes {' or '.join(BACKENDS)} (default: torch)",
+        )
+    return value
+
+
+BACKEND_METAVAR = "<torch|triton>"
 
 
 def parse_sets(items: list[str] | None) -> dict[str, float]:
@@ -149,7 +166,12 @@ def compile_(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Which energy (default: all of them).")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="torch | triton")] = "torch",
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend", metavar=BACKEND_METAVAR, callback=backend_flag, help="torch, or triton (Triton kernels)"
+        ),
+    ] = "torch",
     sets: SetOpt = None,
 ) -> None:
     """Generate readable PyTorch modules: one nn.Module per energy, its forward the derived update."""
@@ -176,68 +198,6 @@ def compile_(
     err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
 
 
-def _sized(spec, name: str | None, backend: str, dims: dict[str, float]):
-    """The model built on the meta device (no memory, however large the dims) with one layer, and the number of
-    layers it has: every layer's weights have the first one's shapes, so `.info(layers=...)` and
-    `.num_params(layers=...)` count them all without building them (a million layers would take hours)."""
-    import dataclasses
-
-    import torch
-
-    from .api import model_of_plan
-    from .codegen import check_backend
-
-    check_backend(backend)
-    plan = spec.plan(name, **dims)
-    with torch.device("meta"):
-        return model_of_plan(dataclasses.replace(plan, layers=1), backend), plan.layers
-
-
-def _model(file: str, name: str | None, sets: list[str] | None, backend: str = "torch", *,
-           train_on: torch.device | None = None):
-    """The spec and its model. A model too large to train on `train_on` (default: the CPU) is a user error that
-    says how large it is, before any layer is built."""
-    from .api import load
-
-    spec = load(file)
-    dims = parse_sets(sets)
-    sized, layers = _sized(spec, name, backend, dims)
-    hint = "check the dims (--set); `energy info` shows sizes without building the weights"
-    params = sized.num_params(layers=layers)
-    on_gpu = train_on is not None and train_on.type == "cuda"
-    # the weights are built in host memory; training keeps weights, gradients and AdamW's two moments
-    # (16 bytes a parameter in float32) on its device. Refused before any allocation: an overcommitted
-    # allocation succeeds, and the kernel kills the process when the initialisation touches the pages.
-    for where, needed, available in (("host memory", params * (4 if on_gpu else 16), _available_memory()),
-                                     ("GPU memory", params * 16, _free_gpu_memory(train_on) if on_gpu else None)):
-        if available is not None and needed > available:
-            raise UserError(f"the model does not fit in {where} here: {params:,} parameters need about "
-                            f"{needed / 2**30:,.1f} GiB to train; {available / 2**30:,.1f} GiB are available",
-                            hint=hint)
-    try:
-        return spec, spec.model(name, backend, **dims)
-    except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and "allocate" not in str(e):
-            raise
-        raise UserError(f"the model does not fit in memory here: {params:,} parameters", hint=hint) from None
-
-
-def _free_gpu_memory(device: torch.device) -> int:
-    import torch
-
-    return torch.cuda.mem_get_info(device)[0]
-
-
-def _available_memory() -> int | None:
-    """Bytes of host memory available now (Linux's MemAvailable; None where the system does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
 @app.command()
 def info(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file with a model.")],
@@ -248,7 +208,7 @@ def info(
     """Sizes and costs: parameters (total, non-embedding), forward FLOPs and activation memory per token."""
     from .api import load
 
-    model, layers = _sized(load(file), name, "torch", parse_sets(sets))
+    model, layers = sized_model(load(file), name, "torch", parse_sets(sets))
     data = model.info(layers=layers)
     if as_json:
         print(json.dumps(data))
@@ -268,7 +228,10 @@ def graph(
     dot: Annotated[str | None, typer.Option("--dot", help="Also write the graph as Graphviz DOT here.")] = None,
     sets: SetOpt = None,
 ) -> None:
-    """Print a model's composition (embeddings, stages per layer, norms, head) and write it as DOT."""
+    """Print a model's composition (embeddings, stages per layer, norms, head) and write it as DOT.
+
+    Up to 32 layers are drawn one by one; a deeper stack (its layers are identical) is drawn once, in a box
+    labelled `layer × N`."""
     import networkx as nx
 
     from .api import load
@@ -282,18 +245,33 @@ def graph(
     if dot:
         g = plan.graph()
         lines = [f'digraph "{plan.name}" {{', "  rankdir=TB;"]
+        repeated = []
         for node, data in g.nodes(data=True):
-            lines.append(f'  "{node}" [label="{data.get("label", node)}", shape='
-                         f'{"box" if data.get("kind") == "stage" else "ellipse"}];')
+            line = f'  "{node}" [label="{data.get("label", node)}", shape={_dot_shape(data)}];'
+            (repeated if "repeat" in data else lines).append(line)
+        if repeated:  # a deep stack drawn once: its nodes in one box, labelled with the number of layers
+            weights = "shared weights" if plan.shared else "weights per layer"
+            lines += [
+                '  subgraph "cluster_layer" {',
+                f'    label="layer × {plan.layers:,} ({weights})";',
+                "    style=dashed;",
+                *(f"  {line}" for line in repeated),
+                "  }",
+            ]
         for a, b in g.edges():
             lines.append(f'  "{a}" -> "{b}";')
         lines.append("}")
         try:
-            with open(dot, "w") as f:
+            with open(dot, "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
         except OSError as e:
             raise UserError(f"cannot write {dot}: {e.strerror}") from None
-        err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes)")
+        drawn = f": {plan.layers:,} identical layers drawn once, as `layer × {plan.layers:,}`" if repeated else ""
+        err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes{drawn})")
+
+
+def _dot_shape(data: dict) -> str:
+    return "box" if data.get("kind") == "stage" else "ellipse"
 
 
 @app.command("train")
@@ -318,7 +296,12 @@ def train_(
     eval_iters: Annotated[int, typer.Option("--eval-iters")] = 20,
     warmup: Annotated[int, typer.Option("--warmup")] = 30,
     device: Annotated[str, typer.Option("--device", help="cpu | cuda | cuda:N | auto")] = "cpu",
-    backend: Annotated[str, typer.Option("--backend", help="torch | triton (fused kernels; a GPU)")] = "torch",
+    backend: Annotated[
+        str,
+        typer.Option(
+            "--backend", metavar=BACKEND_METAVAR, callback=backend_flag, help="torch, or triton (fused kernels; a GPU)"
+        ),
+    ] = "torch",
     seed: Annotated[int, typer.Option("--seed")] = 1337,
     fresh: Annotated[bool, typer.Option("--fresh", help="Ignore an existing checkpoint in --out.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a final JSON summary.")] = False,
@@ -356,7 +339,8 @@ def train_(
         # --seed fixes the initial weights too: a fresh run is reproducible
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            spec, model = _model(file, name, sets, backend, train_on=train_on)
+            spec, model = load_model(file, name, parse_sets(sets), backend, train_on=train_on,
+                                     block_size=block_size, dtype=dtype)
         run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
         _writable_dir(run_dir, "--out")
         config.block_size = block_size or model.block_size

@@ -32,6 +32,10 @@ MAX_SIZE = 2**60 - 1
 SIZE_LIMIT_HINT = ("a size, and the number of entries of any tensor it shapes, is at most 2**60 - 1 (about 1.2e18): "
                    "a tensor's size in bytes must fit the platform's 64-bit index type")
 ACROSS = {"momentum": {"beta": 0.9, "eta": 1.0}, "nag": {"beta": 0.9, "eta": 1.0}}
+# `ModelPlan.graph` (and `energy graph`) draws up to this many layers one by one; a deeper stack, whose layers are
+# identical, is drawn once as `layer × N` (a million layers drawn one by one took 75 s and 5 GiB, for a picture no
+# one could read). Every model under examples/ (the RMT paper's 24 layers included) stays drawn in full.
+GRAPH_LAYERS = 32
 
 
 @dataclass
@@ -70,26 +74,31 @@ class ModelPlan:
         if not self.stream:
             self.stream = (self.d,)
 
-    def graph(self) -> nx.DiGraph:
-        """tokens → embed → (norm →) stage → ... per layer → (final norm →) head → logits."""
+    def graph(self, unroll: int | None = GRAPH_LAYERS) -> nx.DiGraph:
+        """tokens → embed → (norm →) stage → ... per layer → (final norm →) head → logits.
+
+        A stack of more than `unroll` layers (None: no limit) is drawn as one layer, its nodes named `L*.…` and
+        marked `repeat=N` (N layers), as is the graph itself (`g.graph["repeat"]`; 1 when every layer is drawn)."""
         import networkx as nx  # only here: importing it costs a search worker ~0.1 s
 
-        g = nx.DiGraph(name=self.name)
+        collapsed = unroll is not None and self.layers > unroll
+        g = nx.DiGraph(name=self.name, repeat=self.layers if collapsed else 1)
         g.add_node("tokens", kind="input")
         g.add_node("embed", kind="embed", label=self.embed_label())
         g.add_edge("tokens", "embed")
         prev = "embed"
-        for layer in range(self.layers):
+        for layer in ["*"] if collapsed else range(self.layers):
+            repeat = {"repeat": self.layers} if collapsed else {}
             for s, stage in enumerate(self.stages):
                 node = f"L{layer}.{stage.label}"
-                weights = "shared" if self.shared else f"layer {layer}"
+                weights = "shared" if self.shared else "per layer" if collapsed else f"layer {layer}"
                 if self.norm and (self.norm[1] == "stage" or s == 0):
                     norm = f"L{layer}.{s}.{self.norm[0]}"
-                    g.add_node(norm, kind="norm", label=self.norm[0])
+                    g.add_node(norm, kind="norm", label=self.norm[0], **repeat)
                     g.add_edge(prev, norm)
                     prev = norm
-                g.add_node(node, kind="stage", label=stage.label, weights=weights,
-                           energies=", ".join(n for n, _ in stage.energies))
+                energies = ", ".join(n for n, _ in stage.energies)
+                g.add_node(node, kind="stage", label=stage.label, weights=weights, energies=energies, **repeat)
                 g.add_edge(prev, node, across=self.across[0] if self.across else "residual")
                 prev = node
         if self.final_norm:

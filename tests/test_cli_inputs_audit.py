@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from energydsl import cli, load
+from energydsl import cli, cli_sizing, load
 from energydsl.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def test_an_internal_error_is_one_line(monkeypatch, capsys) -> None:
     def crash(*args, **kwargs):
         raise RuntimeError("something broke\nException raised from f at x.cpp:1\nframe #0: 0x1234")
 
-    monkeypatch.setattr(cli, "_sized", crash)
+    monkeypatch.setattr(cli, "sized_model", crash)  # what `energy info` calls first
     code, _, err = run_main(monkeypatch, capsys, "info", GPT)
     assert code == 70
     assert err.strip() == (f"internal error while processing {GPT}: RuntimeError: something broke (please report "
@@ -112,7 +112,7 @@ def test_info_counts_every_layer_from_the_first(model: str, dims: dict) -> None:
     spec = load(MODELS / model)
     with torch.device("meta"):
         full = spec.model(**dims).info()
-    shallow, layers = cli._sized(spec, None, "torch", dims)
+    shallow, layers = cli_sizing.sized_model(spec, None, "torch", dims)
     assert len(shallow.layers) == 1 and layers == 3
     assert shallow.info(layers=layers) == full
 
@@ -224,3 +224,112 @@ def test_a_ctrl_c_in_any_command_says_interrupted(monkeypatch, capsys) -> None:
     assert code == 130
     assert err.strip().splitlines()[-1] == "interrupted", err
 
+
+
+# ----------------------------------------------------------------------------- --backend in the command line's terms
+
+
+@pytest.mark.parametrize("command", [["compile", GPT], ["train", GPT, "--data", "shakespeare_char", "--out"]])
+def test_an_unknown_backend_flag_names_the_flag_and_its_values(monkeypatch, capsys, tmp_path, command) -> None:
+    """The message was the Python API's (`sizes are keywords, for example .module("MHA", d=16)`)."""
+    if command[-1] == "--out":
+        command = [*command, str(tmp_path / "r")]
+    code, out, err = run_main(monkeypatch, capsys, *command, "--backend", "bogus")
+    assert code == 2, err
+    assert err.splitlines() == [
+        "error: unknown backend `bogus` given to --backend",
+        "hint: --backend takes torch or triton (default: torch)",
+    ], err
+    assert not (tmp_path / "r").exists() and out == ""
+
+
+def test_the_python_api_keeps_its_own_backend_message() -> None:
+    from energydsl.errors import UserError
+
+    with pytest.raises(UserError, match=r"sizes are keywords, for example \.module") as e:
+        load(GPT).module("MHA", 16)
+    assert "unknown backend `16`" in e.value.message
+
+
+def test_compile_help_lists_the_backends(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run_main(monkeypatch, capsys, "compile", "--help")
+    assert code == 0 and "<torch|triton>" in out
+
+
+# ----------------------------------------------------------------------------- the graph of a deep stack
+
+
+def dot_of(monkeypatch, capsys, tmp_path: Path, *sets: str) -> tuple[str, str]:
+    path = tmp_path / "g.dot"
+    code, _, err = run_main(monkeypatch, capsys, "graph", GPT, "--dot", str(path), *sets)
+    assert code == 0, err
+    return path.read_text(encoding="utf-8"), err
+
+
+def test_a_graph_of_up_to_32_layers_draws_each_layer(monkeypatch, capsys, tmp_path) -> None:
+    dot, err = dot_of(monkeypatch, capsys, tmp_path, "--set", "layers=32")
+    assert '"L31.MLP" [label="MLP", shape=box];' in dot and "cluster" not in dot and "L*" not in dot
+    assert err.strip().endswith("(133 nodes)")  # tokens, embed, 32 x (2 norms + 2 stages), final norm, head, logits
+    plan = load(GPT).plan(layers=32)
+    assert list(plan.graph().nodes(data=True)) == list(plan.graph(unroll=None).nodes(data=True))
+
+
+def test_a_deeper_graph_draws_its_identical_layers_once(monkeypatch, capsys, tmp_path) -> None:
+    dot, err = dot_of(monkeypatch, capsys, tmp_path, "--set", "layers=33")
+    assert 'label="layer × 33 (weights per layer)";' in dot and '"L*.MHA" [label="MHA", shape=box];' in dot
+    assert '"embed" -> "L*.0.layernorm";' in dot and '"L*.MLP" -> "final_norm";' in dot and "L0." not in dot
+    assert "(9 nodes: 33 identical layers drawn once, as `layer × 33`)" in err
+    g = load(MODELS / "nrgpt.energy").plan(layers=33).graph()
+    assert g.graph["repeat"] == 33 and g.nodes["L*.NRGPTAttention+NRGPTFF2W"]["weights"] == "shared"
+
+
+def test_the_graph_of_a_million_layers_answers_at_once(tmp_path: Path) -> None:
+    """Drawn one by one, a million layers took 75 s and 5 GiB for a 370 MB DOT file."""
+    proc = energy("graph", GPT, "--dot", str(tmp_path / "g.dot"), "--set", "layers=1e6", timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "1000000× [ MHA -> MLP ]" in proc.stdout and "(9 nodes: 1,000,000 identical layers" in proc.stderr
+    assert 'label="layer × 1,000,000 (weights per layer)";' in (tmp_path / "g.dot").read_text(encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------- activations grow with depth
+
+NRGPT = str(MODELS / "nrgpt.energy")  # `repeat layers shared`: 189,570 parameters at any depth
+
+
+def test_train_refuses_a_billion_shared_layers_for_their_activations(monkeypatch, capsys, tmp_path) -> None:
+    """The shared weights passed the memory check, then every forward pass ran a billion layers."""
+    import energydsl.training
+
+    def started(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(energydsl.training, "train", started)
+    args = ["train", NRGPT, "--data", "shakespeare_char", "--set", "layers=1e9", "--out", str(tmp_path / "r")]
+    code, _, err = run_main(monkeypatch, capsys, *args)
+    assert code == 2, err
+    assert (
+        "error: the model does not fit in host memory here: training even one sequence of 64 tokens (--batch-size 1) "
+        "keeps at least 61,035.2 GiB of activations for the backward pass through its 1,000,000,000 layers, besides "
+        "2.9 MiB for 189,570 parameters;"
+    ) in err, err
+    assert "hint: lower --set layers (every layer keeps its own activations, shared weights or not)" in err
+    assert not (tmp_path / "r").exists()
+    code, out, err = run_main(monkeypatch, capsys, "info", NRGPT, "--json", "--set", "layers=1e9")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["layers"] == 10**9 and info["params"] == 189570 and info["shared"] is True
+    assert info["activation_bytes_per_token"] == 4 * ((2 * 10**9 + 2) * 128 + 65)
+
+
+def test_the_activation_check_counts_the_block_and_the_dtype(monkeypatch) -> None:
+    from energydsl.errors import UserError
+
+    monkeypatch.setattr(cli_sizing, "available_memory", lambda: 100 * 2**20)  # 100 MiB
+    # 2,000 shared layers: 2.9 MiB of weights; one sequence of 64 tokens keeps at least 125.1 MiB in float32
+    for block in (None, 64, 10**6):  # a block longer than the context is counted as the context (refused later)
+        with pytest.raises(UserError, match=r"one sequence of 64 tokens \(--batch-size 1\) keeps at least 125\.1 MiB"):
+            cli_sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype="float32")
+    for block, dtype in ((None, "bfloat16"), (16, "float32"), (None, None)):  # 62.5 MiB, 31.3 MiB, unchecked
+        _, model = cli_sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype=dtype)
+        assert model.plan.layers == 2000 and len(model.layers) == 1
