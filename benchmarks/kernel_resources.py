@@ -61,8 +61,8 @@ VARIANTS = [
 _SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI",
              "HAS_DECAY", "REVERSE")
 _FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST", "g_ptr", "r_ptr"}
-_SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32"}
-_MULTIPLES_OF_16 = {"T", "D_QK", "D_V"}
+_SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "T_TUNE": "i32"}
+_MULTIPLES_OF_16 = {"T", "D_QK", "D_V", "T_TUNE"}
 _LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
 _LABEL = re.compile(r"\s*(\.L_x_\d+):")
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+\S")

@@ -309,6 +309,35 @@ def test_the_grid_follows_each_configs_feature_tile(width: int) -> None:
                    for cfg in configs)
 
 
+def test_every_launch_passes_the_sequence_length_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the autotuner keys on T's power-of-two bucket (`T_TUNE`), so that long sequences are not run
+    with the tiles tuned at the first, short one, and generation (T + 1 at each step) does not retune. Every
+    launch, forward, dK/dV and dQ, narrow and wide, must pass that bucket."""
+    assert [kernels.tune_bucket(t) for t in (1, 1000, 1024, 1025, 5000, 16384)] == [1024, 1024, 1024, 2048,
+                                                                                      8192, 16384]
+    assert all("T_TUNE" in keys for keys in kernels._TUNE_KEYS.values())
+    launched = []
+    wrap = kernels.wrap_triton
+
+    def spy(kernel):  # wrap_triton(kernel)[grid](*args), recording (kernel, T, T_TUNE)
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    names = list(kernel.arg_names)
+                    launched.append((kernel.__name__, args[names.index("T")], args[names.index("T_TUNE")]))
+                    return wrap(kernel)[grid](*args, **kw)
+                return launch
+        return Launcher()
+
+    monkeypatch.setattr(kernels, "wrap_triton", spy)
+    for ops, (d_qk, d_v) in ((kernels.GENERIC, (16, 16)), (kernels.GENERIC_WIDE, (40, 24))):
+        q, k = (torch.randn(1, 2, 21, d_qk, device=DEVICE, requires_grad=True) for _ in range(2))
+        v = torch.randn(1, 2, 21, d_v, device=DEVICE, requires_grad=True)
+        ops.energy_attention(q, k, v, scale=0.3).sum().backward()
+    assert len({name for name, _, _ in launched}) == 6, launched
+    assert all(T == 21 and bucket == 1024 for _, T, bucket in launched), launched
+
+
 def test_strict_first_row_is_zero_and_lse_finite() -> None:
     leaves = make_leaves(Case(T=5, H=2, Dk=16, Dv=16, strict=True, biases="all"), torch.float32)
     o, lse = kernels.energy_attention_with_lse(

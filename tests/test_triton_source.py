@@ -377,7 +377,7 @@ for req in requests:
                           NEED_KB=True, NEED_SELF=False, NEED_ALIBI=False, C=64, BK=64, BV=64, BLOCK=1024,
                           REVERSE=True)
             consts = {p.name: values[p.name] for p in copy.params if p.is_constexpr}
-            ints = {"T", "H", "D_QK", "D_V", "N"} | ({"K", "V"} if req.family == "linear" else set())
+            ints = {"T", "H", "D_QK", "D_V", "N", "T_TUNE"} | ({"K", "V"} if req.family == "linear" else set())
             sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints
                    else "fp32" if p.name == "scale" else "*fp32" for p in copy.params}
             triton.compile(ASTSource(copy, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

@@ -85,12 +85,21 @@ AUTOTUNE_CONFIGS = {
     True: (_WIDE_FWD_CONFIGS, _WIDE_DKDV_CONFIGS, _WIDE_DQ_CONFIGS),
 }
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
-# tuned once per head-dim pair (padded for the narrow kernels) and variant (dtypes are added to the key by
-# triton); not per sequence length
-_TUNE_KEYS = {False: ["BLOCK_DK", "BLOCK_DV", "SECOND"], True: ["D_QK", "D_V", "SECOND"]}
+# tuned once per head-dim pair (padded for the narrow kernels), variant (dtypes are added to the key by triton)
+# and sequence-length bucket (`tune_bucket`): the best tiles depend on T (how many programs fill the GPU, how
+# long each runs), but tuning at every length would retune at every step of generation
+_TUNE_KEYS = {False: ["BLOCK_DK", "BLOCK_DV", "SECOND", "T_TUNE"], True: ["D_QK", "D_V", "SECOND", "T_TUNE"]}
+_SHORTEST_BUCKET = 1024
 # the wide kernels' feature tile under the interpreter: small, so that tests at small widths cover several
 # tiles and a masked tail
 INTERPRET_FEATURE_TILE = 16
+
+
+def tune_bucket(T: int) -> int:
+    """The sequence-length bucket the autotuner keys on: T rounded up to a power of two, at least 1024 (one
+    tuning for every short sequence). Keyed on head dims alone, the first H100 run's attention rows at
+    T = 2k-16k ran the tiles tuned at T = 1k."""
+    return max(_SHORTEST_BUCKET, triton.next_power_of_2(T))
 
 
 def _tuned(kernel: Any, configs: list[triton.Config], wide: bool) -> Any:
@@ -208,6 +217,7 @@ class AttentionOps:
             H,
             Dqk,
             Dv,
+            tune_bucket(T),
             **_unbaked(meta, self.baked),
             **_blocks(),
         )
@@ -314,6 +324,7 @@ class AttentionOps:
                 H,
                 Dqk,
                 Dv,
+                tune_bucket(T),
                 **_unbaked({**flags, **needs}, self.baked),
                 **_blocks(),
             )
@@ -335,6 +346,7 @@ class AttentionOps:
                 H,
                 Dqk,
                 Dv,
+                tune_bucket(T),
                 **_unbaked(flags, self.baked),
                 **_blocks(),
             )

@@ -127,6 +127,7 @@ def _fwd_kernel(
     H,
     D_QK,
     D_V,
+    T_TUNE,  # the autotuner's key only (`attention.tune_bucket(T)`); the kernel does not read it
     STRICT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
@@ -252,6 +253,7 @@ def _bwd_dkdv_kernel(
     H,
     D_QK,
     D_V,
+    T_TUNE,  # the autotuner's key only (`attention.tune_bucket(T)`); the kernel does not read it
     STRICT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
@@ -390,6 +392,7 @@ def _bwd_dq_kernel(
     H,
     D_QK,
     D_V,
+    T_TUNE,  # the autotuner's key only (`attention.tune_bucket(T)`); the kernel does not read it
     STRICT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,

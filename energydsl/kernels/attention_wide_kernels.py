@@ -67,6 +67,7 @@ def _fwd_wide_kernel(
     H,
     D_QK,
     D_V,
+    T_TUNE,  # the autotuner's key only (`attention.tune_bucket(T)`); the kernel does not read it
     STRICT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
@@ -169,6 +170,7 @@ def _bwd_dkdv_wide_kernel(
     H,
     D_QK,
     D_V,
+    T_TUNE,  # the autotuner's key only (`attention.tune_bucket(T)`); the kernel does not read it
     STRICT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
@@ -289,6 +291,7 @@ def _bwd_dq_wide_kernel(
     H,
     D_QK,
     D_V,
+    T_TUNE,  # the autotuner's key only (`attention.tune_bucket(T)`); the kernel does not read it
     STRICT: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_SELF: tl.constexpr,
