@@ -161,12 +161,12 @@ def report(
     check_output(path, "-o/--output" if out else "report")
     if export:
         check_output(export, "--export", "best.energy")
-    write_report(store, study_name, path)
+    write_report(store, study_name, path, study=loaded)
     if leaderboard:
         print_leaderboard(loaded)
     print(f"report: {path}", file=sys.stderr)
     if export:
-        number = export_best(store, study_name, export)
+        number = export_best(store, study_name, export, study=loaded)
         print(f"best candidate (trial #{number}): {export}", file=sys.stderr)
 
 

@@ -270,3 +270,21 @@ def test_a_report_of_a_study_the_storage_does_not_hold_leaves_no_trace(tmp_path,
          ["holds no studies"])):
         refused(energy(monkeypatch, capsys, *args), "error: no study 'Nope' in", "hint:", *words)
         assert sorted(tmp_path.rglob("*")) == before, args  # no runs/Nope, out/new or ex folder
+
+
+def test_a_report_reads_the_storage_once(tmp_path, monkeypatch, capsys) -> None:
+    """The HTML report, the leaderboard and --export share one loaded study (a large journal is replayed once)."""
+    import energydsl.search as search_pkg
+    import energydsl.search.report as report_mod
+
+    journal = tmp_path / "s.journal"
+    run_search(toy(tmp_path), storage=str(journal), study_name="t", trials=1, progress=False, json=True)
+    loads = []
+    for module in (search_pkg, report_mod):
+        real = module.load_study
+        monkeypatch.setattr(module, "load_study", lambda *a, real=real, **k: loads.append(a) or real(*a, **k))
+    code, err = energy(monkeypatch, capsys, "report", "t", "--storage", str(journal), "-o",
+                       str(tmp_path / "r.html"), "--export", str(tmp_path / "best.energy"))
+    assert code == 0, err
+    assert (tmp_path / "r.html").exists() and (tmp_path / "best.energy").exists()
+    assert len(loads) == 1, loads

@@ -459,21 +459,23 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_report(storage: str | BaseStorage, study_name: str, out_html: str | os.PathLike[str]) -> Path:
-    """Write one self-contained HTML file (no CDN, no network) describing the whole study."""
-    study = load_study(storage, study_name)
+def write_report(storage: str | BaseStorage, study_name: str, out_html: str | os.PathLike[str], *,
+                 study: optuna.Study | None = None) -> Path:
+    """Write one self-contained HTML file (no CDN, no network) describing the whole study (`study`, when the
+    caller has loaded it already: a large journal is replayed once, not once per output)."""
+    study = study or load_study(storage, study_name)
     out = Path(out_html)
     _write_atomic(out, render_report(study))
     return out
 
 
 def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
-                trial: int | None = None) -> int:
+                trial: int | None = None, *, study: optuna.Study | None = None) -> int:
     """Write the best trial's composition (or trial number `trial`'s) as a plain .energy file.
 
-    With several objectives "best" is the Pareto-front trial best on the first objective.
-    Returns the trial number written."""
-    study = load_study(storage, study_name)
+    With several objectives "best" is the Pareto-front trial best on the first objective. `study`: as in
+    `write_report`. Returns the trial number written."""
+    study = study or load_study(storage, study_name)
     if trial is None:
         order = ranked(study)
         if not order:
