@@ -6,7 +6,8 @@ needs more than 255 registers per thread spills to local memory, which is slow; 
 spills, no amount of tuning helps. Triton compiles for sm_90 without a GPU (ptxas ships with it), and ptxas reports
 what it allocated: this script compiles each (kernel, variant, config) and prints registers, spill stores and shared
 memory, and which variants have a spill-free config. It also prints the SASS instructions per iteration of each loop
-(nvdisasm ships with Triton too): the elementwise work per block that a register count misses.
+(nvdisasm ships with Triton too): the elementwise work per block that a register count misses; and, in brackets, the
+stores to shared memory per iteration where there are any (a register tile staged there on every block).
 
 Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) and with CEM's score terms (ALiBi +
 self bias, their gradients), and the weighted second moment; the wide (feature-tiled) kernels with CEM's terms,
@@ -65,7 +66,7 @@ _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "
 _MULTIPLES_OF_16 = {"T", "D_QK", "D_V", "T_TUNE"}
 _LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
 _LABEL = re.compile(r"\s*(\.L_x_\d+):")
-_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+\S")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 _PTXAS = re.compile(r"(\d+) bytes spill stores.*?Used (\d+) registers", re.S)
 
@@ -127,11 +128,13 @@ def compile_for_sm90(
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def loop_sizes(cubin: bytes) -> list[int]:
-    """SASS instructions in each loop of a kernel (nvdisasm; a loop is a backward branch), in code order.
+def loops(cubin: bytes) -> list[list[str]]:
+    """The SASS opcodes of each loop of a kernel (nvdisasm; a loop is a backward branch), in code order.
 
-    For the narrow kernels these are the per-block costs of the unmasked blocks, then of the diagonal's:
-    what the tile's non-matmul work costs, which a GPU timing would show and a register count does not.
+    For the narrow kernels their lengths are the per-block costs of the unmasked blocks, then of the
+    diagonal's: what the tile's non-matmul work costs, which a GPU timing would show and a register count does
+    not. A shared-memory store (STS, STSM) inside a loop stages a register tile through shared memory on every
+    block, e.g. a transposed score tile fed to a matmul (loads from global memory land there without one).
     """
     import subprocess
     import tempfile
@@ -144,16 +147,18 @@ def loop_sizes(cubin: bytes) -> list[int]:
         sass = subprocess.run([triton.knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True,
                               text=True, check=True).stdout
     labels: dict[str, int] = {}
-    count, sizes = 0, []
+    opcodes: list[str] = []
+    found = []
     for line in sass.splitlines():
         if label := _LABEL.match(line):
-            labels[label.group(1)] = count
-        elif _INSTRUCTION.search(line):
+            labels[label.group(1)] = len(opcodes)
+        elif instruction := _INSTRUCTION.search(line):
+            opcodes.append(instruction.group(1))
             branch = _BRANCH.search(line)
-            if branch and labels.get(branch.group(1), count + 1) <= count:
-                sizes.append(count - labels[branch.group(1)] + 1)
-            count += 1
-    return [n for n in sizes if n > 1]  # a one-instruction self-branch is the exit trap, not a loop
+            start = labels.get(branch.group(1), len(opcodes)) if branch else len(opcodes)
+            if start < len(opcodes) - 1:  # a one-instruction self-branch is the exit trap, not a loop
+                found.append(opcodes[start:])
+    return found
 
 
 def compile_job(job: Job) -> dict[str, Any]:
@@ -182,8 +187,10 @@ def compile_job(job: Job) -> dict[str, Any]:
     if found is None:
         return row | dict(error="no ptxas log (this Triton ignores TRITON_DUMP_PTXAS_LOG)")
     spill, regs = map(int, found.groups())
+    bodies = loops(compiled.asm["cubin"])
     return row | dict(registers=regs, spill_bytes=spill, shared_kib=compiled.metadata.shared / 1024,
-                      loop_instructions=loop_sizes(compiled.asm["cubin"]))
+                      loop_instructions=[len(b) for b in bodies],
+                      loop_shared_stores=[sum(op.startswith("STS") for op in b) for b in bodies])
 
 
 def _tiles(row: dict[str, Any]) -> str:
@@ -217,9 +224,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             table.add_row(r["role"], r["variant"], _tiles(r), "-", r["error"], "-", "-")
         else:
             spill = str(r["spill_bytes"])
+            loops_text = " / ".join(map(str, r["loop_instructions"]))
+            if any(r["loop_shared_stores"]):
+                loops_text += " (STS " + " / ".join(map(str, r["loop_shared_stores"])) + ")"
             table.add_row(r["role"], r["variant"], _tiles(r), str(r["registers"]),
-                          f"[red]{spill}[/red]" if r["spill_bytes"] else spill, f"{r['shared_kib']:.0f}",
-                          " / ".join(map(str, r["loop_instructions"])))
+                          f"[red]{spill}[/red]" if r["spill_bytes"] else spill, f"{r['shared_kib']:.0f}", loops_text)
     Console(width=120).print(table)
 
 

@@ -99,6 +99,26 @@ def test_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
         assert unmasked < 0.9 * diagonal, r
 
 
+def test_dkdv_blocks_stage_nothing_through_shared_memory() -> None:
+    """The dK/dV kernel holds its score tiles keys x queries, so p and dS enter the dV and dK matmuls as
+    they are: compiled for sm_90 with 64 keys per program or more (Hopper wgmma), its block loops store
+    nothing to shared memory. Held queries x keys, each block staged both transposed tiles there (8 STSM
+    and 4 STS per block at 64 x 64, with a barrier each)."""
+    script = (
+        "import json, sys; sys.path.insert(0, 'benchmarks')\n"
+        "from kernel_resources import VARIANTS, compile_job, jobs\n"
+        "todo = [j for j in jobs() if j.role == 'dkdv' and VARIANTS[j.variant].name in ('d64 plain', 'd64 second')\n"
+        "        and j.tiles in ({'BLOCK_M': 64, 'BLOCK_N': 64}, {'BLOCK_M': 32, 'BLOCK_N': 128})]\n"
+        "print(json.dumps([compile_job(j) for j in todo]))\n"
+    )
+    out = _run("-c", script)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.splitlines()[-1])
+    assert len(rows) == 4
+    for r in rows:
+        assert len(r["loop_shared_stores"]) == 2 and not any(r["loop_shared_stores"]), r
+
+
 @pytest.mark.slow
 def test_kernel_resources_every_variant_has_a_spill_free_config() -> None:
     out = _run("benchmarks/kernel_resources.py", "--check")

@@ -248,7 +248,11 @@ def _wrapped(statement: str, indent: str) -> str | None:
         return None
     node = tree[0]
     if isinstance(node, ast.FunctionDef):
-        return f"{indent}def {node.name}(" + _items([ast.unparse(a) for a in node.args.args], indent) + "):"
+        args = node.args.args
+        defaults = [None] * (len(args) - len(node.args.defaults)) + list(node.args.defaults)
+        params = [ast.unparse(a) + ("" if d is None else (" = " if a.annotation else "=") + ast.unparse(d))
+                  for a, d in zip(args, defaults, strict=True)]
+        return f"{indent}def {node.name}(" + _items(params, indent) + "):"
     match node:
         case ast.Assign(targets=[target], value=ast.Call() as call):
             prefix = f"{ast.unparse(target)} = "

@@ -59,12 +59,14 @@ def _configs(shapes: list[tuple[int, ...]]) -> list[triton.Config]:
 # more shared memory than the device has fail with OutOfResources and are skipped by the autotuner.
 # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)])
-# The last dK/dV and dQ configs are the Triton tutorial's Hopper backward tiles (128 keys per dK/dV program,
-# 128 queries per dQ program) at 8 warps (at 4 they spill; at head dim 128 the dK/dV one still spills 32-40
-# bytes). Added, not yet timed, after the first H100 run found the backward 1.5-1.7x FA2's at long T with
-# tiles of at most 64 (benchmarks/RESULTS.md).
+# The dK/dV configs with 128 keys per program and the last dQ config are the Triton tutorial's Hopper backward
+# tiles (128 keys per dK/dV program, 128 queries per dQ program), at 8 warps (at 4 they spill). Added, not yet
+# timed, after the first H100 run found the backward 1.5-1.7x FA2's at long T with tiles of at most 64
+# (benchmarks/RESULTS.md). The dK/dV kernel holds its tiles keys x queries, so BLOCK_N is its matmuls' M: at
+# 128 keys they run as Hopper wgmma (a 32-row M ran as mma.sync) and fit in registers at head dims 64 and 128
+# (CEM's score terms at 128 still spill 32 bytes).
 _DKDV_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1),
-                          (32, 128, 8, 3)])
+                          (32, 128, 8, 3), (16, 128, 8, 2), (64, 128, 8, 2)])
 _DQ_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1),
                         (128, 32, 8, 3)])
 # the wide kernels tune their feature tile too (it sets the grid's third axis): (BLOCK_M, BLOCK_N, BLOCK_D,

@@ -53,21 +53,30 @@ def _scores(
     HAS_SELF: tl.constexpr,
     HAS_KB: tl.constexpr,
     MASKED: tl.constexpr,
+    KEYS_FIRST: tl.constexpr = False,
 ):
     """Score tile s_ij (BLOCK_M, BLOCK_N) in fp32 from the dot products qk = q_i . k_j, in the unit of the
     terms passed (the kernels pass scale, slope, self_b and kb times log2(e), so that p = exp2(s - m)).
 
+    KEYS_FIRST: the tile is transposed, (BLOCK_N, BLOCK_M) from qk = k_j . q_i, as the dK/dV kernels hold it.
     MASKED: -inf where key j is not admissible for query i. A key block wholly before the query block (every
     j < every i) needs no mask and holds no diagonal: the kernels visit those blocks with MASKED=False, which
     skips the comparisons and selects that dominate the tile's non-matmul work.
     """
     s = qk * scale
-    i = offs_m[:, None]
-    j = offs_n[None, :]
+    if KEYS_FIRST:
+        i = offs_m[None, :]
+        j = offs_n[:, None]
+    else:
+        i = offs_m[:, None]
+        j = offs_n[None, :]
     if HAS_ALIBI:  # linear distance penalty, one slope per head
         s -= slope * tl.abs(i - j).to(tl.float32)
     if HAS_KB:  # per-key additive bias, e.g. -||k_j||^2 / (2T) turning dot products into l2 distances
-        s += kb[None, :]
+        if KEYS_FIRST:
+            s += kb[:, None]
+        else:
+            s += kb[None, :]
     if MASKED:
         if HAS_SELF:  # self-affinity on the diagonal only
             s += tl.where(i == j, self_b, 0.0)
@@ -304,6 +313,10 @@ def _bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if SECOND:
+        # the (dr_i . v_j) u_i part of dV_j: both products summed into dv made Triton move dv between two
+        # matmul layouts through shared memory on every block (sm_90)
+        dv_u = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dkb = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij
     ddiag = tl.zeros([BLOCK_N], tl.float32)  # dS_jj
     ddist = tl.zeros([BLOCK_N], tl.float32)  # sum_i dS_ij |i - j|
@@ -325,36 +338,40 @@ def _bwd_dkdv_kernel(
             # padded rows: lse = inf gives p = 0 where the scores are not masked
             lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            # the tiles are held keys x queries (transposed), so that p and dS enter dV and dK as they are:
+            # a transposed register tile would be stored to and reloaded from shared memory on every block
+            qk = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
-                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
-            p = tl.exp2(s - lse[:, None])  # recomputed softmax, 0 outside the mask
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked, KEYS_FIRST=True)
+            p = tl.exp2(s - lse[None, :])  # recomputed softmax p_ij at [j, i], 0 outside the mask
             if SECOND:
                 u = tl.load(
                     U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
                     other=0.0,
                 )
-                w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # u_i . v_j
-                g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dr_i . v_j
+                w = tl.dot(v, tl.trans(u), input_precision=DOT_PREC)  # u_i . v_j
+                g = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # dr_i . v_j
                 dp = w * g
                 # v_j enters r_i twice, (u_i . v_j) v_j: dV_j = sum_i p_ij [(u_i . v_j) dr_i + (dr_i . v_j) u_i]
-                dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
-                dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+                dv += tl.dot((p * w).to(do.dtype), do, input_precision=DOT_PREC)
+                dv_u += tl.dot((p * g).to(u.dtype), u, input_precision=DOT_PREC)
             else:
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # dO_i . v_j
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-            ds = p * (dp - delta[:, None])  # softmax Jacobian applied to dP
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+                dp = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # dO_i . v_j
+                dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PREC)
+            ds = p * (dp - delta[None, :])  # softmax Jacobian applied to dP
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
             if NEED_KB:
-                dkb += tl.sum(ds, 0)
+                dkb += tl.sum(ds, 1)
             if NEED_SELF:
                 if masked:  # the diagonal lies in the masked blocks only
-                    ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+                    ddiag += tl.sum(tl.where(offs_n[:, None] == offs_m[None, :], ds, 0.0), 1)
             if NEED_ALIBI:
-                ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+                ddist += tl.sum(ds * tl.abs(offs_n[:, None] - offs_m[None, :]).to(tl.float32), 1)
 
     dk = dk * scale
+    if SECOND:
+        dv += dv_u
     tl.store(
         DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
         dk.to(DK.dtype.element_ty),

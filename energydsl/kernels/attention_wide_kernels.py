@@ -214,6 +214,8 @@ def _bwd_dkdv_wide_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if SECOND:
+        dv_u = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)  # as in _bwd_dkdv_kernel
     dkb = tl.zeros([BLOCK_N], tl.float32)
     ddiag = tl.zeros([BLOCK_N], tl.float32)
     ddist = tl.zeros([BLOCK_N], tl.float32)
@@ -228,31 +230,34 @@ def _bwd_dkdv_wide_kernel(
                          other=0.0)
             lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
-            qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            # keys x queries, as in _bwd_dkdv_kernel: p and dS enter dV and dK untransposed
+            qk = _tile_dots(Kh, Qh, offs_n, offs_m, col_ok, row_ok, D_QK, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
-                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
-            p = tl.exp2(s - lse[:, None])
-            g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                        STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked, KEYS_FIRST=True)
+            p = tl.exp2(s - lse[None, :])
+            g = _tile_dots(Vh, DOh, offs_n, offs_m, col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
             if SECOND:
                 u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :],
                             other=0.0)
-                w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                w = _tile_dots(Vh, Uh, offs_n, offs_m, col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
                 dp = w * g
-                dv += tl.dot(tl.trans(p * w).to(do.dtype), do, input_precision=DOT_PREC)
-                dv += tl.dot(tl.trans(p * g).to(u.dtype), u, input_precision=DOT_PREC)
+                dv += tl.dot((p * w).to(do.dtype), do, input_precision=DOT_PREC)
+                dv_u += tl.dot((p * g).to(u.dtype), u, input_precision=DOT_PREC)
             else:
                 dp = g
-                dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PREC)
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PREC)
+                dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PREC)
+            ds = p * (dp - delta[None, :])
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
             if NEED_KB:
-                dkb += tl.sum(ds, 0)
+                dkb += tl.sum(ds, 1)
             if NEED_SELF:
                 if masked:
-                    ddiag += tl.sum(tl.where(offs_m[:, None] == offs_n[None, :], ds, 0.0), 0)
+                    ddiag += tl.sum(tl.where(offs_n[:, None] == offs_m[None, :], ds, 0.0), 1)
             if NEED_ALIBI:
-                ddist += tl.sum(ds * tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32), 0)
+                ddist += tl.sum(ds * tl.abs(offs_n[:, None] - offs_m[None, :]).to(tl.float32), 1)
 
+    if SECOND:
+        dv += dv_u
     tl.store(
         DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_d[None, :],
         (dk * scale).to(DK.dtype.element_ty),
