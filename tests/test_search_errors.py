@@ -270,6 +270,9 @@ def test_sqlite_lock_lives_next_to_the_database(tmp_path: Path, monkeypatch: pyt
     assert not (work / "runs").exists()  # nothing in the working directory
     server = lock_path("postgresql://u@host/db", "q")  # a server: one lock per URL on this host, not per cwd
     assert work not in server.parents and server == lock_path("postgresql://u@host/db", "q")
+    # the same file named with SQLAlchemy's driver: the same lock, whichever way a worker spells it
+    assert lock_path(f"sqlite+pysqlite:///{db}", "q") == lock_path(url, "q")
+    assert lock_path(f"SQLite:///{db}?timeout=5", "q") == lock_path(url, "q")
 
 
 _RACE = """

@@ -29,11 +29,13 @@ def default_storage_path(study_name: str) -> str:
 
 
 def local_file(spec: str) -> Path | None:
-    """The file on this machine a storage lives in (a journal, or an SQLite database), else None."""
+    """The file on this machine a storage lives in (a journal, or an SQLite database, with or without a driver:
+    `sqlite:///s.db`, `sqlite+pysqlite:///s.db`), else None."""
     if "://" not in spec:
         return Path(spec)
-    if spec.startswith("sqlite:///"):
-        path = spec.removeprefix("sqlite:///").split("?", 1)[0]
+    scheme, _, rest = spec.partition("://")
+    if scheme.split("+")[0].lower() == "sqlite" and rest.startswith("/"):
+        path = rest[1:].split("?", 1)[0]
         return Path(path) if path and path != ":memory:" else None
     return None
 
