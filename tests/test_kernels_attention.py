@@ -249,12 +249,17 @@ def test_gpu_sized_tiles_interpreted(
 WIDE_WIDTHS = {"dk40-dv24": (40, 24, False), "dk16-dv36": (16, 36, False), "tied-d40": (40, 40, True)}
 
 
+@pytest.mark.parametrize("loop", [False, True], ids=["tiled", "loop"])
 @pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
 @pytest.mark.parametrize("widths", list(WIDE_WIDTHS))
 @pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
-def test_wide_kernels_match_reference(strict: bool, widths: str, kind: str) -> None:
+def test_wide_kernels_match_reference(monkeypatch, strict: bool, widths: str, kind: str, loop: bool) -> None:
     """The feature-tiled kernels: every output and gradient, every bias, two heads, several row blocks (on a
-    GPU the tile is 64 wide: GPU_CASES has the wide widths)."""
+    GPU the tile is 64 wide: GPU_CASES has the wide widths). The backward both ways: a program per feature
+    tile, and one per row block adding to every tile (FEATURE_LOOP; on a GPU the autotuner picks)."""
+    if loop and CUDA:
+        pytest.skip("on a GPU the autotuner owns FEATURE_LOOP")
+    monkeypatch.setattr(kernels, "INTERPRET_FEATURE_LOOP", loop)
     dk, dv, tied = WIDE_WIDTHS[widths]
     check(Case(T=21, H=2, Dk=dk, Dv=dv, strict=strict, biases="all", tied=tied, B=1), kind, impl=WIDE)
 
@@ -286,11 +291,13 @@ def test_unequal_row_tiles(monkeypatch, tiles: tuple[int, int], kind: str) -> No
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the autotuner owns the tiles")
 @pytest.mark.parametrize("kind", ["with_lse", "second"])
-def test_wide_kernels_with_a_256_feature_tile(monkeypatch, kind: str) -> None:
+@pytest.mark.parametrize("loop", [False, True], ids=["tiled", "loop"])
+def test_wide_kernels_with_a_256_feature_tile(monkeypatch, kind: str, loop: bool) -> None:
     """The wide backward's widest autotune tile (256 features, 32 x 32 rows): a 300-wide score is one full tile
     and a masked tail, values fit in the first tile and the other programs' value tiles are empty."""
     monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", dict(BLOCK_M=32, BLOCK_N=32))
     monkeypatch.setattr(kernels, "INTERPRET_FEATURE_TILE", 256)
+    monkeypatch.setattr(kernels, "INTERPRET_FEATURE_LOOP", loop)
     check(Case(T=70, H=1, Dk=300, Dv=24, strict=False, biases="all", B=1), kind, impl=WIDE)
 
 
@@ -302,7 +309,10 @@ def test_the_grid_follows_each_configs_feature_tile(width: int) -> None:
         for cfg in configs:
             rows, _, tiles = kernels.GENERIC_WIDE._grid(100, 6, block, width)(cfg.kwargs)
             tile = cfg.kwargs["BLOCK_D"]
-            assert (tiles - 1) * tile < width <= tiles * tile, cfg
+            if cfg.kwargs.get("FEATURE_LOOP"):  # one program loops over every tile
+                assert tiles == 1, cfg
+            else:
+                assert (tiles - 1) * tile < width <= tiles * tile, cfg
             assert (rows - 1) * cfg.kwargs[block] < 100 <= rows * cfg.kwargs[block], cfg
     for configs in kernels.AUTOTUNE_CONFIGS[False]:  # the narrow kernels hold whole widths: one tile
         assert all("BLOCK_D" not in cfg.kwargs and kernels.GENERIC._grid(100, 6, "BLOCK_M", width)(cfg.kwargs)[2] == 1
@@ -485,6 +495,29 @@ def test_gpu_long_sequences(dtype: torch.dtype, case: Case, kind: str) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("loop", [False, True], ids=["tiled", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_wide_backward_in_each_mode(monkeypatch, dtype: torch.dtype, loop: bool) -> None:
+    """The autotuner picks the wide backward's mode per shape, so the tests above may never run the other:
+    here each mode alone (an op set over only its configs), CEM's 832-wide scores, first and second order."""
+    from energydsl.kernels import attention_wide_kernels as W
+    from energydsl.kernels import op_set
+
+    fwd, dkdv, dq = kernels.AUTOTUNE_CONFIGS[True]
+    only = [[c for c in configs if bool(c.kwargs.get("FEATURE_LOOP")) == loop] for configs in (dkdv, dq)]
+    monkeypatch.setitem(kernels.AUTOTUNE_CONFIGS, True, (fwd, *only))
+    name = f"test_wide_{'loop' if loop else 'tiled'}_only"
+    ops = op_set(name, lambda: kernels.AttentionOps(name, W._fwd_wide_kernel, W._bwd_dkdv_wide_kernel,
+                                                    W._bwd_dq_wide_kernel, wide=True))
+    impl = {"with_lse": ops.energy_attention_with_lse, "second": ops.weighted_second_moment}
+    case = Case(T=700, H=2, Dk=832, Dv=64, strict=False, biases="all")
+    for kind in ("with_lse", "second"):
+        check(case, kind, dtype, impl=impl, tol=TOL if dtype == torch.float32 else 2e-2,
+              factor=2.0 if dtype == torch.float32 else 3.0)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_tf32_dots() -> None:
     case = Case(T=1024, H=2, Dk=64, Dv=64, strict=False, biases="all")
     previous = torch.get_float32_matmul_precision()
@@ -507,13 +540,14 @@ from kernel_resources import compile_for_sm90
 from energydsl.kernels import attention_kernels as N, attention_wide_kernels as W
 
 kernels = [(N._fwd_kernel, False), (N._bwd_dkdv_kernel, False), (N._bwd_dq_kernel, False),
-           (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True), (W._bwd_dq_wide_kernel, True)]
+           (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True), (W._bwd_dq_wide_kernel, True),
+           (W._bwd_dkdv_wide_kernel, "loop"), (W._bwd_dq_wide_kernel, "loop")]
 for (kernel, wide), (dt, prec), second, strict in itertools.product(
     kernels, [("bf16", "tf32"), ("fp32", "ieee")], [False, True], [False, True]
 ):
     flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=second, DOT_PREC=prec,
                  NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64)
-    flags |= dict(BLOCK_D=64) if wide else dict(BLOCK_DK=128, BLOCK_DV=64)
+    flags |= dict(BLOCK_D=64, FEATURE_LOOP=wide == "loop") if wide else dict(BLOCK_DK=128, BLOCK_DV=64)
     compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2)
 print("compiled")
 """

@@ -102,7 +102,8 @@ FAMILIES = {
                         ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")),
     # feature widths above 256 (CEM's exact diagonal term): the same scores, every feature axis tiled
     "attention_wide": Family(("attention_kernels", "attention_wide_kernels"), "attention", "attention_wide_ops",
-                             ("_scores", "_key_blocks", "_query_blocks", "_tile_dots"),
+                             ("_scores", "_key_blocks", "_query_blocks", "_tile_dots", "_zero_rows",
+                              "_add_products"),
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel")),

@@ -9,9 +9,10 @@ generated module (energydsl/codegen/triton_source.py) and builds an op set over 
 Feature widths above 256 (CEM's exact diagonal term) run the tiled templates of `attention_wide_kernels.py`
 (`GENERIC_WIDE`, `attention_wide_ops`); the module-level functions choose by width.
 Ops are registered and launched as every family's (`launch.py`): triton_ops on CUDA, where BLOCK_M /
-BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D) are autotuned per head-dim pair
-and variant, over config lists checked to fit in registers on sm_90 (`benchmarks/kernel_resources.py`);
-custom_ops under the interpreter, with blocks fixed at 16 x 16 and the wide kernels' feature tile at 16.
+BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D and backward mode FEATURE_LOOP)
+are autotuned per head-dim pair, variant and sequence-length bucket, over config lists checked to fit in
+registers on sm_90 (`benchmarks/kernel_resources.py`); custom_ops under the interpreter, with blocks fixed at
+16 x 16, the wide kernels' feature tile at 16 and their backward tiled over features (`INTERPRET_*` below).
 """
 
 from collections.abc import Callable
@@ -45,11 +46,12 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _configs(shapes: list[tuple[int, ...]]) -> list[triton.Config]:
-    """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages), or with BLOCK_D third for the wide kernels."""
+def _configs(shapes: list[tuple[int, ...]], **fixed: Any) -> list[triton.Config]:
+    """Configs from (BLOCK_M, BLOCK_N, num_warps, num_stages), or with BLOCK_D third for the wide kernels;
+    `fixed`: further meta-parameters, the same in each."""
     names = ("BLOCK_M", "BLOCK_N") if len(shapes[0]) == 4 else ("BLOCK_M", "BLOCK_N", "BLOCK_D")
     return [
-        triton.Config(dict(zip(names, s[:-2])), num_warps=s[-2], num_stages=s[-1]) for s in shapes
+        triton.Config(dict(zip(names, s[:-2])) | fixed, num_warps=s[-2], num_stages=s[-1]) for s in shapes
     ]
 
 
@@ -74,13 +76,19 @@ _DQ_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32,
 _WIDE_FWD_CONFIGS = _configs([(64, 64, 64, 8, 2), (64, 64, 128, 8, 2), (32, 64, 128, 8, 2), (64, 32, 64, 8, 2),
                               (32, 32, 64, 4, 2)])
 _WIDE_DKDV_CONFIGS = _configs([(32, 64, 64, 8, 2), (64, 32, 64, 8, 2), (64, 64, 32, 8, 2), (32, 32, 64, 8, 2),
-                               (32, 32, 32, 4, 2), (32, 32, 256, 8, 2)])
+                               (32, 32, 32, 4, 2), (32, 32, 256, 8, 2)], FEATURE_LOOP=False) + _configs(
+    [(64, 64, 64, 8, 2), (32, 64, 64, 4, 2), (32, 128, 64, 8, 2), (64, 64, 128, 8, 2)], FEATURE_LOOP=True)
 _WIDE_DQ_CONFIGS = _configs([(64, 64, 64, 8, 2), (32, 64, 64, 8, 2), (64, 32, 64, 8, 2), (32, 32, 128, 8, 2),
-                             (32, 32, 64, 4, 2), (32, 32, 256, 8, 2), (64, 32, 128, 8, 2)])
+                             (32, 32, 64, 4, 2), (32, 32, 256, 8, 2), (64, 32, 128, 8, 2)], FEATURE_LOOP=False
+                            ) + _configs(
+    [(64, 64, 64, 8, 2), (64, 32, 64, 4, 2), (128, 64, 64, 8, 2), (128, 32, 64, 8, 2), (64, 64, 128, 8, 2)],
+    FEATURE_LOOP=True)
 # The 256-wide feature tiles of the wide backward (4 programs recompute CEM's 832-wide scores instead of 13)
-# were added after the first H100 run found that recomputation made its backward 4.7x slower than the T x T
-# torch reference at T = 2k (benchmarks/RESULTS.md); ptxas fits them (8 bytes spilled by dK/dV with the second
-# moment, 16 by dQ); not yet timed.
+# and the FEATURE_LOOP configs (one program per row block computes each score tile once and adds its products
+# to every feature tile of fp32 outputs in memory: about 3x fewer FLOPs than 256-wide tiles at CEM's 832, for
+# a read and a write of each output tile per block) were added after the first H100 run found that
+# recomputation made its backward 4.7x slower than the T x T torch reference at T = 2k (benchmarks/RESULTS.md).
+# ptxas fits the loop configs without spilling (the 256-wide tiles spill 8-12 bytes); none is timed yet.
 # what the autotuner tries for (forward, dK/dV, dQ), by `wide`
 AUTOTUNE_CONFIGS = {
     False: (_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS),
@@ -95,6 +103,9 @@ _SHORTEST_BUCKET = 1024
 # the wide kernels' feature tile under the interpreter: small, so that tests at small widths cover several
 # tiles and a masked tail
 INTERPRET_FEATURE_TILE = 16
+# the wide backward's mode under the interpreter (the tests run both): one program per feature tile, or one
+# looping over the tiles (FEATURE_LOOP; on a GPU the autotuner chooses)
+INTERPRET_FEATURE_LOOP = False
 
 
 def tune_bucket(T: int) -> int:
@@ -178,10 +189,16 @@ class AttentionOps:
         return launch_options(BLOCK_D=INTERPRET_FEATURE_TILE)
 
     def _grid(self, T: int, BH: int, block: str, width: int) -> Callable[[dict], tuple[int, int, int]]:
-        """Programs over (row blocks, batch*head, feature tiles of `width`): one feature tile unless wide."""
+        """Programs over (row blocks, batch*head, feature tiles of `width`): one feature tile unless wide, or
+        a wide backward config that loops over them (FEATURE_LOOP)."""
         if not self.wide:
             return lambda meta: (triton.cdiv(T, meta[block]), BH, 1)
-        return lambda meta: (triton.cdiv(T, meta[block]), BH, triton.cdiv(width, meta["BLOCK_D"]))
+        return lambda meta: (triton.cdiv(T, meta[block]), BH,
+                             1 if meta.get("FEATURE_LOOP") else triton.cdiv(width, meta["BLOCK_D"]))
+
+    def _loop(self) -> dict[str, bool]:
+        """The wide backward's FEATURE_LOOP to pass at launch: none on a GPU (a tuned meta-parameter)."""
+        return launch_options(FEATURE_LOOP=INTERPRET_FEATURE_LOOP) if self.wide else {}
 
     def _launch_fwd(
         self,
@@ -287,10 +304,12 @@ class AttentionOps:
             B, H, T, Dqk = q.shape
             Dv = v.shape[-1]
             second = u is not None
-            dq = torch.empty_like(q)
-            dk = torch.empty_like(k)
-            dv = torch.empty_like(v)
-            du = torch.empty_like(u) if second else q.new_empty(0)
+            # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
+            out_dtype = torch.float32 if self.wide else None
+            dq = torch.empty_like(q, dtype=out_dtype)
+            dk = torch.empty_like(k, dtype=out_dtype)
+            dv = torch.empty_like(v, dtype=out_dtype)
+            du = torch.empty_like(u, dtype=out_dtype) if second else q.new_empty(0)
 
             def cols(need: bool) -> Tensor:
                 return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
@@ -329,6 +348,7 @@ class AttentionOps:
                 tune_bucket(T),
                 **_unbaked({**flags, **needs}, self.baked),
                 **_blocks(),
+                **self._loop(),
             )
             wrap_triton(self._dq)[self._grid(T, B * H, "BLOCK_M", dq_tiles)](
                 q,
@@ -351,7 +371,11 @@ class AttentionOps:
                 tune_bucket(T),
                 **_unbaked(flags, self.baked),
                 **_blocks(),
+                **self._loop(),
             )
+            if self.wide:
+                dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+                du = du.to(u.dtype) if second else du
             return dq, dk, dv, du, dkb, ddiag, ddist
 
         return softmax_family_bwd

@@ -9,11 +9,14 @@ feature axis is cut into tiles of BLOCK_D:
 * a score tile is the sum over feature tiles, `_tile_dots(Q, K, ...)`, loaded as it is summed, so nothing
   D wide is held;
 * each program owns one feature tile of its output (a third grid axis: the value tile of o or r, the key
-  tile of dQ, the key and value tiles of dK / dV) and recomputes the scores it needs.
+  tile of dQ, the key and value tiles of dK / dV) and recomputes the scores it needs;
+* or, in the backward with FEATURE_LOOP (an autotune choice), one program per row block computes each score
+  tile once and adds its products to every feature tile of the fp32 gradients in memory (`_add_products`).
 
-The recomputation costs FLOPs (the scores are computed once per output tile), not memory: nothing T x T or
-T x D beyond the inputs and outputs is stored, so peak memory stays linear in T, which the torch fallback
-(an additive T x T mask whenever there is a bias or a strict mask) is not.
+The recomputation costs FLOPs (the scores are computed once per output tile), the loop memory traffic (each
+gradient tile read and written once per block), neither costs memory: nothing T x T or T x D beyond the
+inputs and outputs is stored, so peak memory stays linear in T, which the torch fallback (an additive T x T
+mask whenever there is a bias or a strict mask) is not.
 """
 
 import triton
@@ -48,6 +51,33 @@ def _tile_dots(
         b = tl.load(B + rows_b[:, None] * D + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(b), input_precision=DOT_PREC)
     return acc
+
+
+@triton.jit
+def _zero_rows(OUT, rows, ok, D, BLOCK_D: tl.constexpr):
+    """OUT[rows, :D] = 0 (OUT: one (batch, head)'s row-major (T, D) fp32 matrix)."""
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        tl.store(OUT + rows[:, None] * D + offs_d[None, :], tl.zeros([rows.shape[0], BLOCK_D], tl.float32),
+                 mask=ok[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _add_products(OUT, rows_out, ok_out, A, B, rows_b, ok_b, D, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """OUT[rows_out, :D] += A @ B[rows_b, :D] in fp32, one feature tile at a time (read, add, write back).
+
+    The FEATURE_LOOP backward's accumulation: A (a dS or p tile) is computed once and applied to every
+    feature tile, where the grid-tiled kernels recompute it per tile.
+    """
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        b = tl.load(B + rows_b[:, None] * D + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
+        out = OUT + rows_out[:, None] * D + offs_d[None, :]
+        out_ok = ok_out[:, None] & d_ok[None, :]
+        acc = tl.load(out, mask=out_ok, other=0.0)
+        acc += tl.dot(A.to(b.dtype), b, input_precision=DOT_PREC)
+        tl.store(out, acc, mask=out_ok)
 
 
 @triton.jit
@@ -183,10 +213,15 @@ def _bwd_dkdv_wide_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FEATURE_LOOP: tl.constexpr = False,
 ):
     """One (key block, batch*head, feature tile) program: `_bwd_dkdv_kernel` for key tile and value tile
     `program_id(2)` (a tile past D_QK or D_V computes nothing there: its loads and stores are masked).
 
+    FEATURE_LOOP: one program per key block instead (the grid's third axis is 1), which computes each score
+    tile once and adds its products to every feature tile of DK and DV, fp32 buffers read and written back
+    (`_add_products`); the grid-tiled programs recompute the scores once per feature tile instead. Which
+    costs less (FLOPs against memory traffic) is the autotuner's to find.
     The first tile writes the bias column sums.
     """
     start_n = tl.program_id(0) * BLOCK_N
@@ -212,6 +247,11 @@ def _bwd_dkdv_wide_kernel(
     if HAS_KB:
         kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
+    DKh, DVh = DK + bh * T * D_QK, DV + bh * T * D_V
+    if FEATURE_LOOP:
+        _zero_rows(DKh, offs_n, col_ok, D_QK, BLOCK_D)
+        _zero_rows(DVh, offs_n, col_ok, D_V, BLOCK_D)
+        tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if SECOND:
@@ -224,10 +264,6 @@ def _bwd_dkdv_wide_kernel(
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
-            q = tl.load(Qh + offs_m[:, None] * D_QK + offs_d[None, :], mask=row_ok[:, None] & dk_ok[None, :],
-                        other=0.0)
-            do = tl.load(DOh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :],
-                         other=0.0)
             lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
             # keys x queries, as in _bwd_dkdv_kernel: p and dS enter dV and dK untransposed
@@ -237,17 +273,30 @@ def _bwd_dkdv_wide_kernel(
             p = tl.exp2(s - lse[None, :])
             g = _tile_dots(Vh, DOh, offs_n, offs_m, col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
             if SECOND:
-                u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :], mask=row_ok[:, None] & dv_ok[None, :],
-                            other=0.0)
                 w = _tile_dots(Vh, Uh, offs_n, offs_m, col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
                 dp = w * g
-                dv += tl.dot((p * w).to(do.dtype), do, input_precision=DOT_PREC)
-                dv_u += tl.dot((p * g).to(u.dtype), u, input_precision=DOT_PREC)
+                pv = p * w  # dV_j's weights on dr_i, and p * g those on u_i (see _bwd_dkdv_kernel)
             else:
                 dp = g
-                dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PREC)
+                pv = p
             ds = p * (dp - delta[None, :])
-            dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
+            if FEATURE_LOOP:
+                _add_products(DKh, offs_n, col_ok, ds * scale, Qh, offs_m, row_ok, D_QK, BLOCK_D, DOT_PREC)
+                _add_products(DVh, offs_n, col_ok, pv, DOh, offs_m, row_ok, D_V, BLOCK_D, DOT_PREC)
+                if SECOND:
+                    _add_products(DVh, offs_n, col_ok, p * g, Uh, offs_m, row_ok, D_V, BLOCK_D, DOT_PREC)
+                tl.debug_barrier()  # this block's sums are written before the next block reads them
+            else:
+                q = tl.load(Qh + offs_m[:, None] * D_QK + offs_d[None, :],
+                            mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
+                do = tl.load(DOh + offs_m[:, None] * D_V + offs_d[None, :],
+                             mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                dv += tl.dot(pv.to(do.dtype), do, input_precision=DOT_PREC)
+                if SECOND:
+                    u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :],
+                                mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+                    dv_u += tl.dot((p * g).to(u.dtype), u, input_precision=DOT_PREC)
+                dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
             if NEED_KB:
                 dkb += tl.sum(ds, 1)
             if NEED_SELF:
@@ -256,18 +305,13 @@ def _bwd_dkdv_wide_kernel(
             if NEED_ALIBI:
                 ddist += tl.sum(ds * tl.abs(offs_n[:, None] - offs_m[None, :]).to(tl.float32), 1)
 
-    if SECOND:
-        dv += dv_u
-    tl.store(
-        DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_d[None, :],
-        (dk * scale).to(DK.dtype.element_ty),
-        mask=col_ok[:, None] & dk_ok[None, :],
-    )
-    tl.store(
-        DV + bh * T * D_V + offs_n[:, None] * D_V + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=col_ok[:, None] & dv_ok[None, :],
-    )
+    if not FEATURE_LOOP:
+        if SECOND:
+            dv += dv_u
+        tl.store(DKh + offs_n[:, None] * D_QK + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+                 mask=col_ok[:, None] & dk_ok[None, :])
+        tl.store(DVh + offs_n[:, None] * D_V + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=col_ok[:, None] & dv_ok[None, :])
     if tile == 0:
         if NEED_KB:
             tl.store(DKB + bh * T + offs_n, dkb, mask=col_ok)
@@ -306,9 +350,11 @@ def _bwd_dq_wide_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FEATURE_LOOP: tl.constexpr = False,
 ):
     """One (query block, batch*head, feature tile) program: `_bwd_dq_kernel` for query tile (and, SECOND,
-    dU's value tile) `program_id(2)`."""
+    dU's value tile) `program_id(2)`; with FEATURE_LOOP one program per query block, adding to every tile
+    of the fp32 DQ (and DU), as in `_bwd_dkdv_wide_kernel`."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
@@ -330,17 +376,20 @@ def _bwd_dq_wide_kernel(
         slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
         self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
+    DQh, DUh = DQ + bh * T * D_QK, DU + bh * T * D_V
+    if FEATURE_LOOP:
+        _zero_rows(DQh, offs_m, row_ok, D_QK, BLOCK_D)
+        if SECOND:
+            _zero_rows(DUh, offs_m, row_ok, D_V, BLOCK_D)
+        tl.debug_barrier()
     if SECOND:
         du = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for masked in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
         lo, hi = _key_blocks(start_m, T, masked, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T
-            k = tl.load(Kh + offs_n[:, None] * D_QK + offs_d[None, :], mask=col_ok[:, None] & dk_ok[None, :],
-                        other=0.0)
             kb = 0.0
             if HAS_KB:
                 kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -352,22 +401,26 @@ def _bwd_dq_wide_kernel(
             if SECOND:
                 w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
                 dp = w * g
-                v = tl.load(Vh + offs_n[:, None] * D_V + offs_d[None, :], mask=col_ok[:, None] & dv_ok[None, :],
-                            other=0.0)
-                du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
             else:
                 dp = g
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            if FEATURE_LOOP:
+                _add_products(DQh, offs_m, row_ok, ds * scale, Kh, offs_n, col_ok, D_QK, BLOCK_D, DOT_PREC)
+                if SECOND:
+                    _add_products(DUh, offs_m, row_ok, p * g, Vh, offs_n, col_ok, D_V, BLOCK_D, DOT_PREC)
+                tl.debug_barrier()  # as in _bwd_dkdv_wide_kernel
+            else:
+                k = tl.load(Kh + offs_n[:, None] * D_QK + offs_d[None, :],
+                            mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+                if SECOND:
+                    v = tl.load(Vh + offs_n[:, None] * D_V + offs_d[None, :],
+                                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+                    du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
 
-    tl.store(
-        DQ + bh * T * D_QK + offs_m[:, None] * D_QK + offs_d[None, :],
-        (dq * scale).to(DQ.dtype.element_ty),
-        mask=row_ok[:, None] & dk_ok[None, :],
-    )
-    if SECOND:
-        tl.store(
-            DU + bh * T * D_V + offs_m[:, None] * D_V + offs_d[None, :],
-            du.to(DU.dtype.element_ty),
-            mask=row_ok[:, None] & dv_ok[None, :],
-        )
+    if not FEATURE_LOOP:
+        tl.store(DQh + offs_m[:, None] * D_QK + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & dk_ok[None, :])
+        if SECOND:
+            tl.store(DUh + offs_m[:, None] * D_V + offs_d[None, :], du.to(DU.dtype.element_ty),
+                     mask=row_ok[:, None] & dv_ok[None, :])
