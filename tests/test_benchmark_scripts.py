@@ -80,20 +80,25 @@ def test_kernel_resources_linear_kernels_have_a_spill_free_config() -> None:
     assert "every kernel variant has a spill-free config (24 compilations)" in out.stdout
 
 
-def test_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
-    """Each narrow kernel visits the blocks wholly off the diagonal in a loop of its own, without the mask and
-    the self-bias term: compiled for sm_90 (CEM's score terms, 64 x 32 tiles), it has two block loops, and
-    the first, unmasked one costs at least 10% fewer instructions per block than the diagonal's."""
+def _compiled_rows(condition: str) -> list[dict]:
+    """kernel_resources' rows (registers, loop sizes, ...) of the autotune jobs `j` meeting `condition`, compiled
+    for sm_90 in a process of their own (outside the interpreter)."""
     script = (
         "import json, sys; sys.path.insert(0, 'benchmarks')\n"
         "from kernel_resources import VARIANTS, compile_job, jobs\n"
-        "todo = [j for j in jobs() if VARIANTS[j.variant].name == 'd64 alibi+self'\n"
-        "        and j.tiles == {'BLOCK_M': 64, 'BLOCK_N': 32}]\n"
+        f"todo = [j for j in jobs() if {condition}]\n"
         "print(json.dumps([compile_job(j) for j in todo]))\n"
     )
     out = _run("-c", script)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout.splitlines()[-1])
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
+    """Each narrow kernel visits the blocks wholly off the diagonal in a loop of its own, without the mask and
+    the self-bias term: compiled for sm_90 (CEM's score terms, 64 x 32 tiles), it has two block loops, and
+    the first, unmasked one costs at least 10% fewer instructions per block than the diagonal's."""
+    rows = _compiled_rows("VARIANTS[j.variant].name == 'd64 alibi+self' and j.tiles == {'BLOCK_M': 64, 'BLOCK_N': 32}")
     assert [r["role"] for r in rows] == ["fwd", "dkdv", "dq"]
     for r in rows:
         unmasked, diagonal = r["loop_instructions"]
@@ -105,16 +110,8 @@ def test_dkdv_blocks_stage_nothing_through_shared_memory() -> None:
     they are: compiled for sm_90 with 64 keys per program or more (Hopper wgmma), its block loops store
     nothing to shared memory. Held queries x keys, each block staged both transposed tiles there (8 STSM
     and 4 STS per block at 64 x 64, with a barrier each)."""
-    script = (
-        "import json, sys; sys.path.insert(0, 'benchmarks')\n"
-        "from kernel_resources import VARIANTS, compile_job, jobs\n"
-        "todo = [j for j in jobs() if j.role == 'dkdv' and VARIANTS[j.variant].name in ('d64 plain', 'd64 second')\n"
-        "        and j.tiles in ({'BLOCK_M': 64, 'BLOCK_N': 64}, {'BLOCK_M': 32, 'BLOCK_N': 128})]\n"
-        "print(json.dumps([compile_job(j) for j in todo]))\n"
-    )
-    out = _run("-c", script)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout.splitlines()[-1])
+    rows = _compiled_rows("j.role == 'dkdv' and VARIANTS[j.variant].name in ('d64 plain', 'd64 second') and "
+                          "j.tiles in ({'BLOCK_M': 64, 'BLOCK_N': 64}, {'BLOCK_M': 32, 'BLOCK_N': 128})")
     assert len(rows) == 4
     for r in rows:
         assert len(r["loop_shared_stores"]) == 2 and not any(r["loop_shared_stores"]), r
