@@ -284,6 +284,7 @@ def _bwd_dkdv_wide_kernel(
                 _add_products(DKh, offs_n, col_ok, ds * scale, Qh, offs_m, row_ok, D_QK, BLOCK_D, DOT_PREC)
                 _add_products(DVh, offs_n, col_ok, pv, DOh, offs_m, row_ok, D_V, BLOCK_D, DOT_PREC)
                 if SECOND:
+                    tl.debug_barrier()  # DV's first sums are written before it is read again
                     _add_products(DVh, offs_n, col_ok, p * g, Uh, offs_m, row_ok, D_V, BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # this block's sums are written before the next block reads them
             else:
