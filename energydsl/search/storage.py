@@ -33,11 +33,22 @@ def local_file(spec: str) -> Path | None:
     `sqlite:///s.db`, `sqlite+pysqlite:///s.db`), else None."""
     if "://" not in spec:
         return Path(spec)
-    scheme, _, rest = spec.partition("://")
-    if scheme.split("+")[0].lower() == "sqlite" and rest.startswith("/"):
-        path = rest[1:].split("?", 1)[0]
-        return Path(path) if path and path != ":memory:" else None
-    return None
+    rest = _sqlite_rest(spec)
+    if rest is None or not rest.startswith("/"):
+        return None
+    path = rest[1:].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _dialect(scheme: str) -> str:
+    """A URL scheme's SQLAlchemy dialect: `sqlite+pysqlite` -> `sqlite`, in lower case."""
+    return scheme.split("+")[0].lower()
+
+
+def _sqlite_rest(spec: str) -> str | None:
+    """What follows `://` in an SQLite URL (any driver, any case), else None."""
+    scheme, sep, rest = spec.partition("://")
+    return rest if sep and _dialect(scheme) == "sqlite" else None
 
 
 def _check_journal(path: Path) -> None:
@@ -86,14 +97,13 @@ def slashless_url(spec: str) -> str | None:
         return None
     scheme = m.group(1)
     rest = spec[m.end():]
-    return scheme if rest.startswith("/") or scheme.split("+")[0].lower() in _DIALECTS else None
+    return scheme if rest.startswith("/") or _dialect(scheme) in _DIALECTS else None
 
 
 def _in_memory_sqlite(spec: str) -> bool:
     """`sqlite://`, `sqlite:///:memory:`: a database each connection sees empty (the engine opens several)."""
-    scheme, sep, rest = spec.partition("://")
-    return bool(sep) and scheme.split("+")[0].lower() == "sqlite" and \
-        rest.split("?", 1)[0].removeprefix("/") in ("", ":memory:")
+    rest = _sqlite_rest(spec)
+    return rest is not None and rest.split("?", 1)[0].removeprefix("/") in ("", ":memory:")
 
 
 def check_storage_given(spec: str) -> None:
@@ -107,7 +117,7 @@ def check_storage_given(spec: str) -> None:
     scheme = slashless_url(spec)
     if scheme is not None:
         rest = spec[len(scheme) + 1:]
-        if scheme.split("+")[0].lower() == "sqlite":
+        if _dialect(scheme) == "sqlite":
             path = rest.lstrip("/") or "NAME.db"
             form = (f"an SQLite URL is {scheme}:/// and the file's path: {scheme}:///{path} for {path} in the "
                     f"working directory, {scheme}:////{path} for /{path}")
@@ -132,7 +142,7 @@ def open_storage(spec: str) -> BaseStorage:
     check_storage_given(spec)
     if "://" in spec:
         kwargs: dict[str, Any] = {}
-        if spec.startswith("sqlite"):  # several processes write: wait for the lock instead of failing
+        if _sqlite_rest(spec) is not None:  # several processes write: wait for the lock instead of failing
             kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
         try:
             return optuna.storages.RDBStorage(spec, **kwargs)
