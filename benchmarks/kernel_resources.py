@@ -61,7 +61,8 @@ VARIANTS = [
 ]
 _SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI",
              "HAS_DECAY", "REVERSE")
-_FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST", "g_ptr", "r_ptr"}
+_FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST", "DQ_ACC", "DU_ACC",
+              "g_ptr", "r_ptr"}
 _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "T_TUNE": "i32"}
 _MULTIPLES_OF_16 = {"T", "D_QK", "D_V", "T_TUNE"}
 _LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
@@ -116,7 +117,9 @@ def compile_for_sm90(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    consts = {k: v for k, v in flags.items() if k in kernel.arg_names}
+    # a constexpr left out takes its default, as at a launch (else it would be typed a pointer, hence true)
+    consts = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    consts |= {k: v for k, v in flags.items() if k in kernel.arg_names}
     scalars = _SCALAR_ARGS | dict.fromkeys(dims, "i32")
     sig = {a: scalars.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
     if "scale" in sig:
@@ -190,7 +193,9 @@ def compile_job(job: Job) -> dict[str, Any]:
     bodies = loops(compiled.asm["cubin"])
     return row | dict(registers=regs, spill_bytes=spill, shared_kib=compiled.metadata.shared / 1024,
                       loop_instructions=[len(b) for b in bodies],
-                      loop_shared_stores=[sum(op.startswith("STS") for op in b) for b in bodies])
+                      loop_shared_stores=[sum(op.startswith("STS") for op in b) for b in bodies],
+                      loop_reductions=[b.count("REDG") for b in bodies],
+                      loop_atomics=[b.count("ATOMG") for b in bodies])
 
 
 def _tiles(row: dict[str, Any]) -> str:
@@ -200,15 +205,18 @@ def _tiles(row: dict[str, Any]) -> str:
     else:
         text = f"{t['BLOCK_M']}x{t['BLOCK_N']}" + (f" d{t['BLOCK_D']}" if "BLOCK_D" in t else "")
         text += " loop" if t.get("FEATURE_LOOP") else ""
+        text += " +dq" if t.get("DQ_ATOMIC") else ""
     return f"{text} w{row['num_warps']} s{row['num_stages']}"
 
 
 def without_fit(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(kernel, variant) pairs none of whose configs compiles without spilling; the wide backward's two modes
-    (a program per feature tile, or FEATURE_LOOP) count as two variants."""
+    """(kernel, variant) pairs none of whose configs compiles without spilling; each backward mode counts as a
+    variant of its own: the wide backward's (a program per feature tile, or FEATURE_LOOP), and the narrow
+    dK/dV kernel's (alone, or adding dQ: DQ_ATOMIC)."""
     fits: dict[tuple[str, str], bool] = {}
     for r in rows:
-        key = (r["role"], r["variant"] + (" loop" if r["tiles"].get("FEATURE_LOOP") else ""))
+        mode = " loop" if r["tiles"].get("FEATURE_LOOP") else " +dq" if r["tiles"].get("DQ_ATOMIC") else ""
+        key = (r["role"], r["variant"] + mode)
         fits[key] = fits.get(key, False) or r.get("spill_bytes") == 0
     return [k for k, ok in fits.items() if not ok]
 

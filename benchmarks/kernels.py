@@ -486,6 +486,13 @@ def _print_case(case: Case, rows: list[dict[str, Any]], peer: str) -> None:
     _print_table(f"{case.family}: {case.label} - peer: {peer}", headers, table)
 
 
+def _backward_choices() -> dict[tuple, Any]:
+    """The narrow softmax backward's mode per shape so far, fused or split, with the times it was chosen on."""
+    from energydsl.kernels.attention import GENERIC
+
+    return dict(GENERIC.backward_choices)
+
+
 def benchmark(families: list[str], args: Any) -> int:
     import triton
 
@@ -514,10 +521,17 @@ def benchmark(families: list[str], args: Any) -> int:
             else:
                 print(f"{fam}: peer {note}")
         for case in cases:
+            before = _backward_choices()
             rows, peer = _bench_case(case, args)
             _print_case(case, rows, peer)
             results += rows
             kern = next((r for r in rows if r["role"] == "kernel"), {})
+            chosen = [c for key, c in _backward_choices().items() if key not in before]
+            if chosen and kern:  # the shape's first backward timed its two modes (`AttentionOps._fuse_dq`)
+                kern["backward"] = [c._asdict() for c in chosen]
+                print("  backward: " + "; ".join(
+                    f"{'fused' if c.fused else 'split'} (split {c.split_ms:.3f} ms, fused {c.fused_ms:.3f} ms)"
+                    for c in chosen))
             ref = next((r for r in rows if r["role"] == "reference"), {})
             ref_ratio = (
                 kern["fwdbwd_ms"][0] / ref["fwdbwd_ms"][0] if "fwdbwd_ms" in kern and "fwdbwd_ms" in ref else None

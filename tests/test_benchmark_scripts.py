@@ -117,6 +117,16 @@ def test_dkdv_blocks_stage_nothing_through_shared_memory() -> None:
         assert len(r["loop_shared_stores"]) == 2 and not any(r["loop_shared_stores"]), r
 
 
+def test_fused_dkdv_adds_dq_by_vector_reductions() -> None:
+    """The fused backward's dK/dV kernel adds each block's dQ with relaxed atomics whose results it never reads:
+    compiled for sm_90, reductions of 4 floats each (REDG, 2 per thread per block at 32 x 128, d64, 8 warps) and
+    no ATOMG, which returns the old value and, ordered acq_rel, adds fences and cache flushes to every block."""
+    rows = _compiled_rows("j.role == 'dkdv' and VARIANTS[j.variant].name == 'd64 plain' and "
+                          "j.tiles == {'BLOCK_M': 32, 'BLOCK_N': 128, 'DQ_ATOMIC': True}")
+    assert len(rows) == 1
+    assert rows[0]["loop_reductions"] == [2, 2] and rows[0]["loop_atomics"] == [0, 0], rows[0]
+
+
 @pytest.mark.slow
 def test_kernel_resources_every_variant_has_a_spill_free_config() -> None:
     out = _run("benchmarks/kernel_resources.py", "--check")

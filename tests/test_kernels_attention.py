@@ -326,10 +326,21 @@ def test_every_launch_passes_the_sequence_length_bucket(monkeypatch: pytest.Monk
     assert [kernels.tune_bucket(t) for t in (1, 1000, 1024, 1025, 5000, 16384)] == [1024, 1024, 1024, 2048,
                                                                                       8192, 16384]
     assert all("T_TUNE" in keys for keys in kernels._TUNE_KEYS.values())
+    launched = record_launches(monkeypatch)
+    for ops, (d_qk, d_v) in ((kernels.GENERIC, (16, 16)), (kernels.GENERIC_WIDE, (40, 24))):
+        q, k = (torch.randn(1, 2, 21, d_qk, device=DEVICE, requires_grad=True) for _ in range(2))
+        v = torch.randn(1, 2, 21, d_v, device=DEVICE, requires_grad=True)
+        ops.energy_attention(q, k, v, scale=0.3).sum().backward()
+    assert len({name for name, _, _ in launched}) == 6, launched
+    assert all(T == 21 and bucket == 1024 for _, T, bucket in launched), launched
+
+
+def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """(kernel name, T, T_TUNE) of every kernel launch from here on, in launch order."""
     launched = []
     wrap = kernels.wrap_triton
 
-    def spy(kernel):  # wrap_triton(kernel)[grid](*args), recording (kernel, T, T_TUNE)
+    def spy(kernel):  # wrap_triton(kernel)[grid](*args)
         class Launcher:
             def __getitem__(self, grid):
                 def launch(*args, **kw):
@@ -340,12 +351,83 @@ def test_every_launch_passes_the_sequence_length_bucket(monkeypatch: pytest.Monk
         return Launcher()
 
     monkeypatch.setattr(kernels, "wrap_triton", spy)
-    for ops, (d_qk, d_v) in ((kernels.GENERIC, (16, 16)), (kernels.GENERIC_WIDE, (40, 24))):
-        q, k = (torch.randn(1, 2, 21, d_qk, device=DEVICE, requires_grad=True) for _ in range(2))
-        v = torch.randn(1, 2, 21, d_v, device=DEVICE, requires_grad=True)
-        ops.energy_attention(q, k, v, scale=0.3).sum().backward()
-    assert len({name for name, _, _ in launched}) == 6, launched
-    assert all(T == 21 and bucket == 1024 for _, T, bucket in launched), launched
+    return launched
+
+
+# the fused backward (the dK/dV kernel adds dQ, and the second moment's dU, by atomics): the cases where its
+# additions could go wrong: several key blocks adding into one dQ row, the strict empty row, padded query rows,
+# tied values, a query block spanning several key blocks and the reverse
+FUSED_CASES = {
+    "causal-all": (Case(T=33, H=3, Dk=32, Dv=24, strict=False, biases="all"), None),
+    "strict-all": (Case(T=33, H=2, Dk=16, Dv=24, strict=True, biases="all"), None),
+    "strict-T1": (Case(T=1, H=1, Dk=16, Dv=16, strict=True), None),
+    "tied-alibi": (Case(T=20, H=2, Dk=32, Dv=32, strict=False, biases="alibi", tied=True, B=1), None),
+    "keys-4x-queries": (Case(T=90, H=1, Dk=16, Dv=16, strict=False, biases="key", B=1), (16, 64)),
+    "queries-4x-keys": (Case(T=90, H=1, Dk=16, Dv=16, strict=True, biases="self", B=1), (64, 16)),
+}
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU `_fuse_dq` times both backwards; test_gpu_narrow_backward_in_each_mode")
+@pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_fused_backward_matches_reference(monkeypatch, name: str, kind: str) -> None:
+    """The narrow backward with dQ (and dU) added by the dK/dV kernel's atomics: every output and gradient.
+    No dQ kernel runs."""
+    case, tiles = FUSED_CASES[name]
+    monkeypatch.setattr(kernels, "INTERPRET_DQ_ATOMIC", True)
+    if tiles:
+        monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
+    launched = record_launches(monkeypatch)
+    check(case, kind)
+    names = {name for name, _, _ in launched}
+    assert "_bwd_dkdv_kernel" in names and "_bwd_dq_kernel" not in names, names
+
+
+def test_backward_mode_is_the_faster_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_fuse_dq` as on a GPU (the interpreter's switch off; do_bench replaced, as it needs one): the first call
+    of a shape runs and times both backwards and records the faster; later calls reuse it; a traced call for an
+    untimed shape, or deterministic algorithms, run split without timing."""
+    import triton.testing
+
+    ops = kernels.AttentionOps.__new__(kernels.AttentionOps)  # no op registration: _fuse_dq reads these two
+    ops._dkdv_fused, ops.backward_choices = object(), {}
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    times = {"split": 2.0, "fused": 1.5}
+    runs = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[fn()])
+    split, fused = (lambda: runs.append("split") or "split"), (lambda: runs.append("fused") or "fused")
+    q = torch.zeros(1)
+    assert ops._fuse_dq("a", q, split, fused) is True
+    assert ops.backward_choices["a"] == kernels.BackwardChoice(True, 2.0, 1.5) and runs.count("fused") == 2
+    runs.clear()
+    times["fused"] = 3.0  # a later call reuses the choice, without timing
+    assert ops._fuse_dq("a", q, split, fused) is True and not runs
+    assert ops._fuse_dq("b", q, split, fused) is False and ops.backward_choices["b"].fused is False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    runs.clear()
+    assert ops._fuse_dq("c", q, split, fused) is False and not runs and "c" not in ops.backward_choices
+    assert ops._fuse_dq("a", q, split, fused) is True  # a timed shape keeps its choice when traced
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert ops._fuse_dq("a", q, split, fused) is False
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's switch; on a GPU the same rule holds before any timing")
+def test_deterministic_algorithms_keep_the_dq_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Atomics add in no fixed order, so with torch.use_deterministic_algorithms(True) the backward runs the
+    dQ kernel even where the fused mode would be chosen."""
+    monkeypatch.setattr(kernels, "INTERPRET_DQ_ATOMIC", True)
+    launched = record_launches(monkeypatch)
+    q = torch.randn(1, 2, 9, 16, requires_grad=True)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        kernels.energy_attention(q, q, q, scale=0.25).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert "_bwd_dq_kernel" in {name for name, _, _ in launched}, launched
 
 
 def test_strict_first_row_is_zero_and_lse_finite() -> None:
@@ -518,6 +600,34 @@ def test_gpu_wide_backward_in_each_mode(monkeypatch, dtype: torch.dtype, loop: b
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_narrow_backward_in_each_mode(monkeypatch, dtype: torch.dtype, fused: bool) -> None:
+    """`_fuse_dq` times the split and fused backwards per shape and keeps one, so the tests above may never
+    run the other: here each alone, first and second order, over the narrow GPU cases."""
+    monkeypatch.setattr(kernels.AttentionOps, "_fuse_dq", lambda self, key, q, split, run_fused: fused)
+    for case in GPU_CASES[:4]:
+        for kind in ("with_lse", "second"):
+            check(case, kind, dtype, tol=TOL if dtype == torch.float32 else 2e-2,
+                  factor=2.0 if dtype == torch.float32 else 3.0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_backward_mode_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first eager backward of a shape times both modes and records the choice; later ones reuse it."""
+    ops = kernels.GENERIC
+    monkeypatch.setattr(ops, "backward_choices", {})
+    q = torch.randn(2, 4, 3000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        ops.energy_attention(q, q, q, scale=0.125).sum().backward()
+    (choice,) = ops.backward_choices.values()
+    assert choice.split_ms > 0 and choice.fused_ms > 0
+    assert choice.fused == (choice.fused_ms < choice.split_ms)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_gpu_tf32_dots() -> None:
     case = Case(T=1024, H=2, Dk=64, Dv=64, strict=False, biases="all")
     previous = torch.get_float32_matmul_precision()
@@ -540,14 +650,18 @@ from kernel_resources import compile_for_sm90
 from energydsl.kernels import attention_kernels as N, attention_wide_kernels as W
 
 kernels = [(N._fwd_kernel, False), (N._bwd_dkdv_kernel, False), (N._bwd_dq_kernel, False),
-           (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True), (W._bwd_dq_wide_kernel, True),
+           (N._bwd_dkdv_kernel, "fused"), (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True),
+           (W._bwd_dq_wide_kernel, True),
            (W._bwd_dkdv_wide_kernel, "loop"), (W._bwd_dq_wide_kernel, "loop")]
 for (kernel, wide), (dt, prec), second, strict in itertools.product(
     kernels, [("bf16", "tf32"), ("fp32", "ieee")], [False, True], [False, True]
 ):
     flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=second, DOT_PREC=prec,
                  NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64)
-    flags |= dict(BLOCK_D=64, FEATURE_LOOP=wide == "loop") if wide else dict(BLOCK_DK=128, BLOCK_DV=64)
+    if wide in (True, "loop"):
+        flags |= dict(BLOCK_D=64, FEATURE_LOOP=wide == "loop")
+    else:
+        flags |= dict(BLOCK_DK=128, BLOCK_DV=64, DQ_ATOMIC=wide == "fused")
     compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2)
 print("compiled")
 """

@@ -89,6 +89,20 @@ def test_kernels_match_torch_backend(path: str, name: str, dims: dict, T: int) -
     _compare_backends(derived, name, T=T)
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the backward mode is timed per shape (test_kernels_attention)")
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/mha.energy", "MHA"),
+                                       ("intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"),
+                                       ("cem/alibi.energy", "CEMAlibiAttention"),
+                                       ("nrgpt/attention.energy", "NRGPTAttention")])
+def test_generated_copies_run_the_fused_backward(path: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernels written into a generated module keep the fused backward (the dK/dV kernel adding
+    dQ by atomics): first and second order, ALiBi and self bias, a strict context."""
+    from energydsl.kernels import attention
+
+    monkeypatch.setattr(attention, "INTERPRET_DQ_ATOMIC", True)
+    _compare_backends(load(ROOT / "examples" / path).energy(name), name)
+
+
 # CEM's exact diagonal term at widths above 256: the score's concatenated features are d wide
 # (kq-diagonal-exact: keys and values d wide) or d/heads + d (the model's attention, with ALiBi and self bias)
 WIDE = [

@@ -11,12 +11,14 @@ Feature widths above 256 (CEM's exact diagonal term) run the tiled templates of 
 Ops are registered and launched as every family's (`launch.py`): triton_ops on CUDA, where BLOCK_M /
 BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D and backward mode FEATURE_LOOP)
 are autotuned per head-dim pair, variant and sequence-length bucket, over config lists checked to fit in
-registers on sm_90 (`benchmarks/kernel_resources.py`); custom_ops under the interpreter, with blocks fixed at
-16 x 16, the wide kernels' feature tile at 16 and their backward tiled over features (`INTERPRET_*` below).
+registers on sm_90 (`benchmarks/kernel_resources.py`), and the narrow backward's mode, split (dK/dV and dQ
+kernels) or fused (dQ added by atomics in the dK/dV kernel), is timed per shape (`AttentionOps._fuse_dq`);
+custom_ops under the interpreter, with blocks fixed at 16 x 16, the wide kernels' feature tile at 16 and their
+backward tiled over features (`INTERPRET_*` below).
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -69,6 +71,14 @@ _FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 
 # (CEM's score terms at 128 still spill 32 bytes).
 _DKDV_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1),
                           (32, 128, 8, 3), (16, 128, 8, 2), (64, 128, 8, 2)])
+# The fused backward's dK/dV configs (DQ_ATOMIC: the program also adds each block's dQ_i into fp32 with atomics,
+# FlashAttention-2's dQ, and no dQ kernel runs). Added after the same H100 run, not yet timed: the two-kernel
+# backward recomputes the scores, p and dP for dQ, 7 matmuls per block against FA2's 5. Compiled for sm_90 the
+# fused block costs about a quarter fewer instructions than a dK/dV block plus a dQ block of the same pairs
+# (337 against 258 + 197 at 32 x 128 / 128 x 32, d64), its dQ additions vector reductions (RED, 4 floats each);
+# whether the atomic traffic eats that is for a GPU to show, so `_fuse_dq` times both backwards per shape.
+# More keys per program mean fewer additions to each dQ row (T / BLOCK_N in all).
+_FUSED_DKDV_CONFIGS = _configs([(32, 128, 8, 3), (16, 128, 8, 2), (64, 128, 8, 2), (32, 64, 8, 2)], DQ_ATOMIC=True)
 _DQ_CONFIGS = _configs([(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1),
                         (128, 32, 8, 3)])
 # the wide kernels tune their feature tile too (it sets the grid's third axis): (BLOCK_M, BLOCK_N, BLOCK_D,
@@ -91,7 +101,7 @@ _WIDE_DQ_CONFIGS = _configs([(64, 64, 64, 8, 2), (32, 64, 64, 8, 2), (64, 32, 64
 # ptxas fits the loop configs without spilling (the 256-wide tiles spill 8-12 bytes); none is timed yet.
 # what the autotuner tries for (forward, dK/dV, dQ), by `wide`
 AUTOTUNE_CONFIGS = {
-    False: (_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS),
+    False: (_FWD_CONFIGS, _DKDV_CONFIGS + _FUSED_DKDV_CONFIGS, _DQ_CONFIGS),
     True: (_WIDE_FWD_CONFIGS, _WIDE_DKDV_CONFIGS, _WIDE_DQ_CONFIGS),
 }
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -106,6 +116,29 @@ INTERPRET_FEATURE_TILE = 16
 # the wide backward's mode under the interpreter (the tests run both): one program per feature tile, or one
 # looping over the tiles (FEATURE_LOOP; on a GPU the autotuner chooses)
 INTERPRET_FEATURE_LOOP = False
+# the narrow backward under the interpreter (the tests run both): dK/dV and dQ kernels, or the dK/dV kernel
+# adding dQ by atomics (DQ_ATOMIC; on a GPU `_fuse_dq` times both per shape)
+INTERPRET_DQ_ATOMIC = False
+
+
+class BackwardChoice(NamedTuple):
+    """How one shape's backward runs (`AttentionOps._fuse_dq`), and the median times it was chosen on."""
+
+    fused: bool
+    split_ms: float
+    fused_ms: float
+
+    @classmethod
+    def time(cls, split: Callable[[], Any], fused: Callable[[], Any]) -> "BackwardChoice":
+        """Time both backwards on the call's own tensors (each writes fresh outputs, so reruns are harmless);
+        a first call of each lets the autotuner tune its kernels outside the timing."""
+        from triton.testing import do_bench
+
+        split()
+        fused()
+        split_ms = do_bench(split, warmup=10, rep=50, return_mode="median")
+        fused_ms = do_bench(fused, warmup=10, rep=50, return_mode="median")
+        return cls(fused_ms < split_ms, split_ms, fused_ms)
 
 
 def tune_bucket(T: int) -> int:
@@ -170,9 +203,13 @@ class AttentionOps:
         self.baked = dict(baked or {})
         self.wide = wide
         fwd_configs, dkdv_configs, dq_configs = AUTOTUNE_CONFIGS[wide]
+        fused_configs = [c for c in dkdv_configs if c.kwargs.get("DQ_ATOMIC")]
         self._fwd = _tuned(fwd, fwd_configs, wide)
-        self._dkdv = _tuned(dkdv, dkdv_configs, wide)
+        self._dkdv = _tuned(dkdv, [c for c in dkdv_configs if c not in fused_configs], wide)
+        self._dkdv_fused = _tuned(dkdv, fused_configs, wide) if fused_configs else None  # narrow sets only
         self._dq = _tuned(dq, dq_configs, wide)
+        # the narrow backward's choice per shape (`_fuse_dq`), with the times it was made on
+        self.backward_choices: dict[tuple, BackwardChoice] = {}
         self._attention_fwd_op = register_op(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd,
                                              backward=self._attention_backward, setup_context=_attention_setup)
         self._second_fwd_op = register_op(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd,
@@ -195,6 +232,25 @@ class AttentionOps:
             return lambda meta: (triton.cdiv(T, meta[block]), BH, 1)
         return lambda meta: (triton.cdiv(T, meta[block]), BH,
                              1 if meta.get("FEATURE_LOOP") else triton.cdiv(width, meta["BLOCK_D"]))
+
+    def _fuse_dq(self, key: tuple, q: Tensor, split: Callable[[], Any], fused: Callable[[], Any]) -> bool:
+        """Whether this backward runs fused (the dK/dV kernel adds dQ by atomics) rather than split (dK/dV
+        and dQ kernels): the faster of the two for this shape, timed once per `key` on its first eager call.
+
+        Split where the fused mode cannot run or must not: wide kernels; deterministic algorithms requested
+        (atomics add in no fixed order, so dQ may differ in its last bits from run to run); a traced call
+        (torch.compile, a CUDA graph capture) for a shape not yet timed, as there is nothing to time there.
+        """
+        if self._dkdv_fused is None or torch.are_deterministic_algorithms_enabled():
+            return False
+        if INTERPRET:
+            return INTERPRET_DQ_ATOMIC
+        if key not in self.backward_choices:
+            traced = torch.compiler.is_compiling() or type(q) not in (Tensor, torch.nn.Parameter)
+            if traced or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return False
+            self.backward_choices[key] = BackwardChoice.time(split, fused)
+        return self.backward_choices[key].fused
 
     def _loop(self) -> dict[str, bool]:
         """The wide backward's FEATURE_LOOP to pass at launch: none on a GPU (a tuned meta-parameter)."""
@@ -306,10 +362,8 @@ class AttentionOps:
             second = u is not None
             # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
             out_dtype = torch.float32 if self.wide else None
-            dq = torch.empty_like(q, dtype=out_dtype)
             dk = torch.empty_like(k, dtype=out_dtype)
             dv = torch.empty_like(v, dtype=out_dtype)
-            du = torch.empty_like(u, dtype=out_dtype) if second else q.new_empty(0)
 
             def cols(need: bool) -> Tensor:
                 return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
@@ -318,61 +372,40 @@ class AttentionOps:
             dummy = q
             flags = dict(SECOND=second, **_flags(q, strict, alibi_slopes, self_bias, key_bias),
                          **self._widths(Dqk, Dv))
-            alibi = dummy if alibi_slopes is None else alibi_slopes
-            self_b = dummy if self_bias is None else self_bias
-            key_b = dummy if key_bias is None else key_bias
-            # wide kernels: a program per feature tile of dK and dV (of dQ, and dU for the second moment)
-            dq_tiles = max(Dqk, Dv) if second else Dqk
             needs = dict(NEED_KB=need_key_bias, NEED_SELF=need_self, NEED_ALIBI=need_alibi)
-            wrap_triton(self._dkdv)[self._grid(T, B * H, "BLOCK_N", max(Dqk, Dv))](
-                q,
-                k,
-                v,
-                u if second else dummy,
-                do,
-                lse,
-                delta,
-                dk,
-                dv,
-                alibi,
-                self_b,
-                key_b,
-                dkb if need_key_bias else dummy,
-                ddiag if need_self else dummy,
-                ddist if need_alibi else dummy,
-                scale,
-                T,
-                H,
-                Dqk,
-                Dv,
-                tune_bucket(T),
-                **_unbaked({**flags, **needs}, self.baked),
-                **_blocks(),
-                **self._loop(),
-            )
-            wrap_triton(self._dq)[self._grid(T, B * H, "BLOCK_M", dq_tiles)](
-                q,
-                k,
-                v,
-                u if second else dummy,
-                do,
-                lse,
-                delta,
-                dq,
-                du if second else dummy,
-                alibi,
-                self_b,
-                key_b,
-                scale,
-                T,
-                H,
-                Dqk,
-                Dv,
-                tune_bucket(T),
-                **_unbaked(flags, self.baked),
-                **_blocks(),
-                **self._loop(),
-            )
+            head = (q, k, v, u if second else dummy, do, lse, delta)
+            biases = (dummy if alibi_slopes is None else alibi_slopes, dummy if self_bias is None else self_bias,
+                      dummy if key_bias is None else key_bias)
+            sizes = (scale, T, H, Dqk, Dv, tune_bucket(T))
+
+            def dkdv_kernel(kernel: Any, *dq_sums: Tensor, **mode: bool) -> None:
+                """dK, dV and the bias columns; narrow kernels also take the fp32 dQ (and dU) sums of DQ_ATOMIC"""
+                wrap_triton(kernel)[self._grid(T, B * H, "BLOCK_N", max(Dqk, Dv))](
+                    *head, dk, dv, *dq_sums, *biases, dkb if need_key_bias else dummy,
+                    ddiag if need_self else dummy, ddist if need_alibi else dummy, *sizes,
+                    **_unbaked({**flags, **needs}, self.baked), **_blocks(), **self._loop(), **mode,
+                )
+
+            def split() -> tuple[Tensor, Tensor]:
+                dq = torch.empty_like(q, dtype=out_dtype)
+                du = torch.empty_like(u, dtype=out_dtype) if second else q.new_empty(0)
+                dkdv_kernel(self._dkdv, *(() if self.wide else (dummy, dummy)))
+                # wide kernels: a program per feature tile of dQ (and dU for the second moment)
+                dq_tiles = max(Dqk, Dv) if second else Dqk
+                wrap_triton(self._dq)[self._grid(T, B * H, "BLOCK_M", dq_tiles)](
+                    *head, dq, du if second else dummy, *biases, *sizes,
+                    **_unbaked(flags, self.baked), **_blocks(), **self._loop(),
+                )
+                return dq, du
+
+            def fused() -> tuple[Tensor, Tensor]:
+                dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+                du = torch.zeros(u.shape, dtype=torch.float32, device=u.device) if second else q.new_empty(0)
+                dkdv_kernel(self._dkdv_fused, dq, du if second else dummy, **launch_options(DQ_ATOMIC=True))
+                return dq.to(q.dtype), du.to(u.dtype) if second else du
+
+            key = (tune_bucket(T), Dqk, Dv, q.dtype, q.device, tuple(flags.items()), tuple(needs.items()))
+            dq, du = fused() if self._fuse_dq(key, q, split, fused) else split()
             if self.wide:
                 dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
                 du = du.to(u.dtype) if second else du

@@ -17,6 +17,8 @@ passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
     second moment:  dP_ij = (u_i . v_j)(dr_i . v_j)    delta_i = dr_i . r_i
 
 (delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
+The backward runs split (a dK/dV kernel over key blocks and a dQ kernel over query blocks, each recomputing p
+and dP) or fused (the dK/dV kernel with DQ_ATOMIC adds dQ too, by atomics); `attention.py` times both.
 
 Two FlashAttention-2 economies on the elementwise work around the dots, which is what bounds these kernels
 besides the dots themselves: every loop over blocks runs twice, first over the blocks wholly on one side of
@@ -251,6 +253,8 @@ def _bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    DQ_ACC,
+    DU_ACC,
     ALIBI,
     SELF_B,
     KEY_B,
@@ -276,11 +280,15 @@ def _bwd_dkdv_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr = False,
 ):
     """One (key block, batch*head) program: loops over the query blocks that can see these keys.
 
     dK_j = scale sum_i dS_ij q_i and dV_j (see module docstring) are owned by this program, and so are the
-    column reductions of dS that give the bias gradients, so every output is written once (no atomics).
+    column reductions of dS that give the bias gradients, so these outputs are written once (no atomics).
+    DQ_ATOMIC (the fused backward): the program also adds each block's part of dQ_i = scale sum_j dS_ij k_j
+    (and of the second moment's dU_i) into the fp32 sums DQ_ACC (DU_ACC) with atomics, as FlashAttention-2
+    does, so that no dQ kernel recomputes p and dP; the sums start at zero and many programs add to each row.
     """
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
@@ -361,6 +369,22 @@ def _bwd_dkdv_kernel(
                 dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PREC)
             ds = p * (dp - delta[None, :])  # softmax Jacobian applied to dP
             dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
+            if DQ_ATOMIC:  # unused results and relaxed order: vector reductions (RED) on sm_90, no fences
+                dq = tl.dot(tl.trans(ds.to(k.dtype)), k, input_precision=DOT_PREC) * scale
+                tl.atomic_add(
+                    DQ_ACC + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+                    dq,
+                    mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+                    sem="relaxed",
+                )
+                if SECOND:  # dU_i = sum_j p_ij (dr_i . v_j) v_j
+                    du = tl.dot(tl.trans((p * g).to(v.dtype)), v, input_precision=DOT_PREC)
+                    tl.atomic_add(
+                        DU_ACC + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                        du,
+                        mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+                        sem="relaxed",
+                    )
             if NEED_KB:
                 dkb += tl.sum(ds, 1)
             if NEED_SELF:
