@@ -414,6 +414,23 @@ def test_backward_mode_is_the_faster_timed_once_per_shape(monkeypatch: pytest.Mo
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.skipif(CUDA, reason="on CUDA the autotuner picks the tiles")
+@pytest.mark.parametrize(
+    "blocks, case",
+    [
+        ((32, 128), Case(T=300, H=2, Dk=64, Dv=64, strict=False, biases="all", B=1)),
+        ((64, 128), Case(T=200, H=1, Dk=128, Dv=96, strict=True, biases="all", B=1, tied=False)),
+    ],
+    ids=["M32-N128-d64", "M64-N128-d128x96"],
+)
+def test_fused_backward_at_gpu_sized_tiles(blocks: tuple[int, int], case: Case, monkeypatch) -> None:
+    """The fused backward's autotune tiles (128 keys per program), head dims 64 and 128, interpreted."""
+    monkeypatch.setattr(kernels, "INTERPRET_DQ_ATOMIC", True)
+    monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", {"BLOCK_M": blocks[0], "BLOCK_N": blocks[1]})
+    for kind in ("with_lse", "second"):
+        check(case, kind)
+
+
 @pytest.mark.skipif(CUDA, reason="the interpreter's switch; on a GPU the same rule holds before any timing")
 def test_deterministic_algorithms_keep_the_dq_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Atomics add in no fixed order, so with torch.use_deterministic_algorithms(True) the backward runs the
