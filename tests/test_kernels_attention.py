@@ -379,8 +379,8 @@ def test_fused_backward_matches_reference(monkeypatch, name: str, kind: str) -> 
         monkeypatch.setattr(kernels, "_INTERPRET_BLOCKS", dict(BLOCK_M=tiles[0], BLOCK_N=tiles[1]))
     launched = record_launches(monkeypatch)
     check(case, kind)
-    names = {name for name, _, _ in launched}
-    assert "_bwd_dkdv_kernel" in names and "_bwd_dq_kernel" not in names, names
+    kernel_names = {kernel for kernel, _, _ in launched}
+    assert "_bwd_dkdv_kernel" in kernel_names and "_bwd_dq_kernel" not in kernel_names, kernel_names
 
 
 def test_backward_mode_is_the_faster_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
