@@ -666,19 +666,18 @@ sys.path.insert(0, {str(ROOT / "benchmarks")!r})
 from kernel_resources import compile_for_sm90
 from energydsl.kernels import attention_kernels as N, attention_wide_kernels as W
 
-kernels = [(N._fwd_kernel, False), (N._bwd_dkdv_kernel, False), (N._bwd_dq_kernel, False),
-           (N._bwd_dkdv_kernel, "fused"), (W._fwd_wide_kernel, True), (W._bwd_dkdv_wide_kernel, True),
-           (W._bwd_dq_wide_kernel, True),
-           (W._bwd_dkdv_wide_kernel, "loop"), (W._bwd_dq_wide_kernel, "loop")]
-for (kernel, wide), (dt, prec), second, strict in itertools.product(
+NARROW, WIDE = dict(BLOCK_DK=128, BLOCK_DV=64), dict(BLOCK_D=64)
+# each kernel with its tile flags; the backward modes (fused dQ, the wide FEATURE_LOOP) as kernels of their own
+kernels = [(N._fwd_kernel, NARROW), (N._bwd_dkdv_kernel, NARROW), (N._bwd_dq_kernel, NARROW),
+           (N._bwd_dkdv_kernel, dict(NARROW, DQ_ATOMIC=True)),
+           (W._fwd_wide_kernel, WIDE), (W._bwd_dkdv_wide_kernel, WIDE), (W._bwd_dq_wide_kernel, WIDE),
+           (W._bwd_dkdv_wide_kernel, dict(WIDE, FEATURE_LOOP=True)),
+           (W._bwd_dq_wide_kernel, dict(WIDE, FEATURE_LOOP=True))]
+for (kernel, tiles), (dt, prec), second, strict in itertools.product(
     kernels, [("bf16", "tf32"), ("fp32", "ieee")], [False, True], [False, True]
 ):
     flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=second, DOT_PREC=prec,
-                 NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64)
-    if wide in (True, "loop"):
-        flags |= dict(BLOCK_D=64, FEATURE_LOOP=wide == "loop")
-    else:
-        flags |= dict(BLOCK_DK=128, BLOCK_DV=64, DQ_ATOMIC=wide == "fused")
+                 NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64) | tiles
     compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2)
 print("compiled")
 """
