@@ -8,10 +8,12 @@ kept small because the interpreter executes every program in Python. With CUDA t
 and the `gpu`-marked tests add long sequences in float32 and bfloat16.
 """
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -383,19 +385,27 @@ def test_fused_backward_matches_reference(monkeypatch, name: str, kind: str) -> 
     assert "_bwd_dkdv_kernel" in kernel_names and "_bwd_dq_kernel" not in kernel_names, kernel_names
 
 
+def _timed_backwards(monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """An op set whose `_fuse_dq` runs as on a GPU (the interpreter's switch off), with do_bench replaced (it
+    needs one): (ops, the times do_bench reports, the backwards run, split, fused)."""
+    import triton.testing
+
+    ops = kernels.AttentionOps.__new__(kernels.AttentionOps)  # no op registration: _fuse_dq reads these
+    ops._dkdv_fused, ops.backward_choices, ops._kernels_id = object(), {}, "kernels"
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+    times = {"split": 2.0, "fused": 1.5}
+    runs: list[str] = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[fn()])
+    split, fused = (lambda: runs.append("split") or "split"), (lambda: runs.append("fused") or "fused")
+    return ops, times, runs, split, fused
+
+
 def test_backward_mode_is_the_faster_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """`_fuse_dq` as on a GPU (the interpreter's switch off; do_bench replaced, as it needs one): the first call
     of a shape runs and times both backwards and records the faster; later calls reuse it; a traced call for an
     untimed shape, or deterministic algorithms, run split without timing."""
-    import triton.testing
-
-    ops = kernels.AttentionOps.__new__(kernels.AttentionOps)  # no op registration: _fuse_dq reads these two
-    ops._dkdv_fused, ops.backward_choices = object(), {}
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-    times = {"split": 2.0, "fused": 1.5}
-    runs = []
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[fn()])
-    split, fused = (lambda: runs.append("split") or "split"), (lambda: runs.append("fused") or "fused")
+    monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", "off")  # this process's memory only (the disk: below)
+    ops, times, runs, split, fused = _timed_backwards(monkeypatch)
     q = torch.zeros(1)
     assert ops._fuse_dq("a", q, split, fused) is True
     assert ops.backward_choices["a"] == kernels.BackwardChoice(True, 2.0, 1.5) and runs.count("fused") == 2
@@ -412,6 +422,54 @@ def test_backward_mode_is_the_faster_timed_once_per_shape(monkeypatch: pytest.Mo
         assert ops._fuse_dq("a", q, split, fused) is False
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_backward_mode_is_kept_on_disk_for_later_processes(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A choice timed in one process is read by the next (an op set with empty memory) without timing, also
+    when that one is traced; a file that is not a choice is timed over; `off` writes nothing."""
+    monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", str(tmp_path))
+    ops, times, runs, split, fused = _timed_backwards(monkeypatch)
+    q = torch.zeros(1)
+    assert ops._fuse_dq(("a", q.device), q, split, fused) is True and runs
+    (record,) = tmp_path.glob("*.json")
+    later, times, runs, split, fused = _timed_backwards(monkeypatch)
+    times["fused"] = 3.0  # were it timed again, split would win
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert later._fuse_dq(("a", q.device), q, split, fused) is True and not runs
+    assert later.backward_choices[("a", q.device)] == kernels.BackwardChoice(True, 2.0, 1.5)
+    other, times, runs, split, fused = _timed_backwards(monkeypatch)
+    other._kernels_id = "changed kernels"  # another kernel source: its own record, so timed afresh
+    assert other._fuse_dq(("a", q.device), q, split, fused) is False and not runs  # traced, nothing on disk
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    record.write_text('{"format": 1, "fused": "yes", "split_ms": 2.0, "fused_ms": 1.5}')
+    again, times, runs, split, fused = _timed_backwards(monkeypatch)
+    times["fused"] = 3.0
+    assert again._fuse_dq(("a", q.device), q, split, fused) is False and runs  # unreadable: timed again
+    assert json.loads(record.read_text())["fused"] is False
+    monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", "off")
+    last, *_, split, fused = _timed_backwards(monkeypatch)
+    assert last._fuse_dq(("b", q.device), q, split, fused) is True and len(list(tmp_path.glob("*"))) == 1
+
+
+def test_autotuners_keep_their_choices_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """On a GPU every family's autotuner is built with Triton's disk cache of its choices, unless
+    ENERGYDSL_TUNING_CACHE is off (read when the kernels are wrapped)."""
+    import triton
+
+    from energydsl.kernels import launch
+
+    built = []
+
+    def autotune(configs: list, key: list, cache_results: bool = False) -> Callable:  # records its call
+        built.append(cache_results)
+        return lambda kernel: kernel
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(triton, "autotune", autotune)
+    for setting in ("off", str(tmp_path)):
+        monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", setting)
+        launch.maybe_autotune([], ["T_TUNE"])(object())
+    assert built == [False, True]
 
 
 @pytest.mark.skipif(CUDA, reason="on CUDA the autotuner picks the tiles")
@@ -631,8 +689,12 @@ def test_gpu_narrow_backward_in_each_mode(monkeypatch, dtype: torch.dtype, fused
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_backward_mode_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first eager backward of a shape times both modes and records the choice; later ones reuse it."""
+def test_gpu_backward_mode_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The first eager backward of a shape times both modes and records the choice; later ones reuse it, and
+    so does a later process, from disk."""
+    import triton.testing
+
+    monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", str(tmp_path))
     ops = kernels.GENERIC
     monkeypatch.setattr(ops, "backward_choices", {})
     q = torch.randn(2, 4, 3000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -641,6 +703,11 @@ def test_gpu_backward_mode_is_timed_once_per_shape(monkeypatch: pytest.MonkeyPat
     (choice,) = ops.backward_choices.values()
     assert choice.split_ms > 0 and choice.fused_ms > 0
     assert choice.fused == (choice.fused_ms < choice.split_ms)
+    # a later process (empty memory) reads the choice from disk instead of timing
+    monkeypatch.setattr(ops, "backward_choices", {})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda *a, **kw: pytest.fail("timed again"))
+    ops.energy_attention(q, q, q, scale=0.125).sum().backward()
+    assert list(ops.backward_choices.values()) == [choice]
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@ Ops are registered and launched as every family's (`launch.py`): triton_ops on C
 BLOCK_N / num_warps / num_stages (and the wide kernels' feature tile BLOCK_D and backward mode FEATURE_LOOP)
 are autotuned per head-dim pair, variant and sequence-length bucket, over config lists checked to fit in
 registers on sm_90 (`benchmarks/kernel_resources.py`), and the narrow backward's mode, split (dK/dV and dQ
-kernels) or fused (dQ added by atomics in the dK/dV kernel), is timed per shape (`AttentionOps._fuse_dq`);
+kernels) or fused (dQ added by atomics in the dK/dV kernel), is timed per shape (`AttentionOps._fuse_dq`),
+both kept on disk for later processes (`tuning.py`);
 custom_ops under the interpreter, with blocks fixed at 16 x 16, the wide kernels' feature tile at 16 and their
 backward tiled over features (`INTERPRET_*` below).
 """
@@ -24,7 +25,7 @@ import torch
 import triton
 from torch import Tensor
 
-from . import MAX_HEAD_DIM, kernels_take, op_set
+from . import MAX_HEAD_DIM, kernels_take, op_set, tuning
 from .attention_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
@@ -140,6 +141,16 @@ class BackwardChoice(NamedTuple):
         fused_ms = do_bench(fused, warmup=10, rep=50, return_mode="median")
         return cls(fused_ms < split_ms, split_ms, fused_ms)
 
+    @classmethod
+    def read(cls, record: dict[str, Any] | None) -> "BackwardChoice | None":
+        """A choice stored by `tuning.store(..., choice._asdict())`, or None if `record` is not one."""
+        if record is None or not isinstance(record.get("fused"), bool):
+            return None
+        times = record.get("split_ms"), record.get("fused_ms")
+        if not all(isinstance(t, float) for t in times):
+            return None
+        return cls(record["fused"], *times)
+
 
 def tune_bucket(T: int) -> int:
     """The sequence-length bucket the autotuner keys on: T rounded up to a power of two, at least 1024 (one
@@ -210,6 +221,7 @@ class AttentionOps:
         self._dq = _tuned(dq, dq_configs, wide)
         # the narrow backward's choice per shape (`_fuse_dq`), with the times it was made on
         self.backward_choices: dict[tuple, BackwardChoice] = {}
+        self._kernels_id: str | None = None  # their part of a choice's disk record, computed on first use
         self._attention_fwd_op = register_op(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd,
                                              backward=self._attention_backward, setup_context=_attention_setup)
         self._second_fwd_op = register_op(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd,
@@ -235,22 +247,40 @@ class AttentionOps:
 
     def _fuse_dq(self, key: tuple, q: Tensor, split: Callable[[], Any], fused: Callable[[], Any]) -> bool:
         """Whether this backward runs fused (the dK/dV kernel adds dQ by atomics) rather than split (dK/dV
-        and dQ kernels): the faster of the two for this shape, timed once per `key` on its first eager call.
+        and dQ kernels): the faster of the two for this shape, timed once per `key` on its first eager call
+        and kept on disk for later processes on the same kind of device (`tuning.py`).
 
         Split where the fused mode cannot run or must not: wide kernels; deterministic algorithms requested
         (atomics add in no fixed order, so dQ may differ in its last bits from run to run); a traced call
-        (torch.compile, a CUDA graph capture) for a shape not yet timed, as there is nothing to time there.
+        (torch.compile, a CUDA graph capture) for a shape neither this process nor the disk has timed, as
+        there is nothing to time there.
         """
         if self._dkdv_fused is None or torch.are_deterministic_algorithms_enabled():
             return False
         if INTERPRET:
             return INTERPRET_DQ_ATOMIC
         if key not in self.backward_choices:
-            traced = torch.compiler.is_compiling() or type(q) not in (Tensor, torch.nn.Parameter)
-            if traced or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-                return False
-            self.backward_choices[key] = BackwardChoice.time(split, fused)
+            record = self._choice_record(key, q)
+            stored = BackwardChoice.read(tuning.load(record))
+            if stored is not None:
+                self.backward_choices[key] = stored
+            else:
+                traced = torch.compiler.is_compiling() or type(q) not in (Tensor, torch.nn.Parameter)
+                if traced or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    return False
+                self.backward_choices[key] = BackwardChoice.time(split, fused)
+                tuning.store(record, self.backward_choices[key]._asdict())
         return self.backward_choices[key].fused
+
+    def _choice_record(self, key: tuple, q: Tensor) -> str:
+        """The disk record of a backward choice: the shape key with the device's name for the device, the
+        versions and the kernels' source and configs (a changed kernel is timed afresh)."""
+        if self._kernels_id is None:
+            kernels = (self._dkdv, self._dkdv_fused, self._dq)
+            self._kernels_id = tuning.digest(*((t.fn.cache_key, [str(c) for c in t.configs]) for t in kernels))
+        device = torch.cuda.get_device_name(q.device) if q.is_cuda else q.device.type
+        shape = tuple(device if isinstance(part, torch.device) else part for part in key)
+        return tuning.digest(self._kernels_id, torch.__version__, triton.__version__, shape)
 
     def _loop(self) -> dict[str, bool]:
         """The wide backward's FEATURE_LOOP to pass at launch: none on a GPU (a tuned meta-parameter)."""

@@ -19,6 +19,8 @@ import torch
 import triton
 from torch.library import wrap_triton  # the launch wrapper triton_op discovers kernels by (name kept)
 
+from .tuning import autotune_options
+
 __all__ = ["INTERPRET", "dot_precision", "launch_options", "maybe_autotune", "register_op", "wrap_triton"]
 
 
@@ -56,10 +58,11 @@ def register_op(
 
 
 def maybe_autotune(configs: list[triton.Config], key: list[str]) -> Callable[[Any], Any]:
-    """`triton.autotune` on CUDA; identity under the interpreter (the caller then passes fixed tiles)."""
+    """`triton.autotune` on CUDA, its choices kept on disk (`tuning.py`); identity under the interpreter (the
+    caller then passes fixed tiles)."""
 
     def wrap(kernel: Any) -> Any:
-        return kernel if INTERPRET else triton.autotune(configs=configs, key=key)(kernel)
+        return kernel if INTERPRET else triton.autotune(configs=configs, key=key, **autotune_options())(kernel)
 
     return wrap
 
