@@ -216,6 +216,25 @@ def test_unequal_query_and_key_tiles(blocks: tuple[int, int], monkeypatch: pytes
         check(Case(T=45, H=1, Dk=16, Dv=24, strict=strict, biases="all", B=1), "with_lse")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T, D", [(1, 16), (70, 24), (130, 300)], ids=["T1-d16", "T70-d24", "T130-d300"])
+def test_backward_row_term_matches_torch(T: int, D: int, dtype: torch.dtype) -> None:
+    """`_bwd_delta_kernel`, delta_i = dO_i . o_i - dlse_i in fp32, against the torch form it replaces: rows in
+    several blocks with a padded tail, one feature tile and several (300 = 2 x 128 + a masked 44), with and
+    without an lse gradient."""
+    gen = torch.Generator(device=DEVICE).manual_seed(T + D)
+    o, do = (torch.randn(2, 3, T, D, generator=gen, device=DEVICE).to(dtype) for _ in range(2))
+    dlse = torch.randn(2, 3, T, generator=gen, device=DEVICE)
+    for grad_lse in (None, dlse):
+        delta = torch.full((2, 3, T), float("nan"), device=DEVICE)
+        kernels._bwd_delta_kernel[(-(-T // kernels._DELTA_ROWS), 6)](
+            o, do, o if grad_lse is None else grad_lse, delta, T, D, HAS_DLSE=grad_lse is not None,
+            BLOCK_M=kernels._DELTA_ROWS, BLOCK_D=min(kernels._pad(D), kernels._DELTA_FEATURES),
+        )
+        want = (o.double() * do.double()).sum(-1) - (0 if grad_lse is None else grad_lse.double())
+        torch.testing.assert_close(delta.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_padded_rows_stay_inert_under_large_scores(wide: bool) -> None:
     """The backward visits the query blocks wholly after a key block without a mask; the last of them is padded
@@ -333,12 +352,13 @@ def test_every_launch_passes_the_sequence_length_bucket(monkeypatch: pytest.Monk
         q, k = (torch.randn(1, 2, 21, d_qk, device=DEVICE, requires_grad=True) for _ in range(2))
         v = torch.randn(1, 2, 21, d_v, device=DEVICE, requires_grad=True)
         ops.energy_attention(q, k, v, scale=0.3).sum().backward()
-    assert len({name for name, _, _ in launched}) == 6, launched
-    assert all(T == 21 and bucket == 1024 for _, T, bucket in launched), launched
+    tuned = [(name, T, bucket) for name, T, bucket in launched if name != "_bwd_delta_kernel"]  # untuned
+    assert len({name for name, _, _ in tuned}) == 6 and len(tuned) == len(launched) - 2, launched
+    assert all(T == 21 and bucket == 1024 for _, T, bucket in tuned), launched
 
 
-def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """(kernel name, T, T_TUNE) of every kernel launch from here on, in launch order."""
+def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int | None]]:
+    """(kernel name, T, T_TUNE or None for an untuned kernel) of every kernel launch from here on, in order."""
     launched = []
     wrap = kernels.wrap_triton
 
@@ -347,7 +367,8 @@ def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int
             def __getitem__(self, grid):
                 def launch(*args, **kw):
                     names = list(kernel.arg_names)
-                    launched.append((kernel.__name__, args[names.index("T")], args[names.index("T_TUNE")]))
+                    bucket = args[names.index("T_TUNE")] if "T_TUNE" in names else None
+                    launched.append((kernel.__name__, args[names.index("T")], bucket))
                     return wrap(kernel)[grid](*args, **kw)
                 return launch
         return Launcher()
@@ -739,13 +760,14 @@ kernels = [(N._fwd_kernel, NARROW), (N._bwd_dkdv_kernel, NARROW), (N._bwd_dq_ker
            (N._bwd_dkdv_kernel, dict(NARROW, DQ_ATOMIC=True)),
            (W._fwd_wide_kernel, WIDE), (W._bwd_dkdv_wide_kernel, WIDE), (W._bwd_dq_wide_kernel, WIDE),
            (W._bwd_dkdv_wide_kernel, dict(WIDE, FEATURE_LOOP=True)),
-           (W._bwd_dq_wide_kernel, dict(WIDE, FEATURE_LOOP=True))]
+           (W._bwd_dq_wide_kernel, dict(WIDE, FEATURE_LOOP=True)),
+           (N._bwd_delta_kernel, dict(HAS_DLSE=True, BLOCK_D=128))]  # the backward's row term, shared
 for (kernel, tiles), (dt, prec), second, strict in itertools.product(
     kernels, [("bf16", "tf32"), ("fp32", "ieee")], [False, True], [False, True]
 ):
     flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=second, DOT_PREC=prec,
                  NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64) | tiles
-    compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2)
+    compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2, dims=("D",))  # D: the row term's width
 print("compiled")
 """
 

@@ -26,7 +26,7 @@ import triton
 from torch import Tensor
 
 from . import MAX_HEAD_DIM, kernels_take, op_set, tuning
-from .attention_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
+from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
 from .launch import INTERPRET, dot_precision, launch_options, maybe_autotune, register_op, wrap_triton
@@ -106,6 +106,9 @@ AUTOTUNE_CONFIGS = {
     True: (_WIDE_FWD_CONFIGS, _WIDE_DKDV_CONFIGS, _WIDE_DQ_CONFIGS),
 }
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
+# the backward's row term (`_bwd_delta_kernel`): rows per program and the feature tile it sums over; a
+# memory-bound pass, not tuned
+_DELTA_ROWS, _DELTA_FEATURES = 64, 128
 # tuned once per head-dim pair (padded for the narrow kernels), variant (dtypes are added to the key by triton)
 # and sequence-length bucket (`tune_bucket`): the best tiles depend on T (how many programs fill the GPU, how
 # long each runs), but tuning at every length would retune at every step of generation
@@ -373,7 +376,8 @@ class AttentionOps:
             v: Tensor,
             u: Tensor | None,
             lse: Tensor,
-            delta: Tensor,
+            out: Tensor,
+            dlse: Tensor | None,
             scale: float,
             strict: bool,
             alibi_slopes: Tensor | None,
@@ -385,11 +389,20 @@ class AttentionOps:
         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
             """(dq, dk, dv, du, d_key_bias, dS diagonal, sum_i dS_ij |i-j|); unrequested outputs are empty.
 
-            The last two are per (b, h, j) partial sums, reduced to per-head gradients by the caller.
+            `do` is the gradient of `out`, the forward's output (o, or the second moment's r), and `dlse` that
+            of the first-order forward's lse (None: none). The last two outputs are per (b, h, j) partial
+            sums, reduced to per-head gradients by the caller.
             """
             B, H, T, Dqk = q.shape
             Dv = v.shape[-1]
             second = u is not None
+            # FlashAttention-2's preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i (dr_i . r_i for the
+            # second moment); a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
+            delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+            wrap_triton(_bwd_delta_kernel)[(triton.cdiv(T, _DELTA_ROWS), B * H)](
+                out, do, q if dlse is None else dlse, delta, T, Dv, HAS_DLSE=dlse is not None,
+                BLOCK_M=_DELTA_ROWS, BLOCK_D=min(_pad(Dv), _DELTA_FEATURES),
+            )
             # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
             out_dtype = torch.float32 if self.wide else None
             dk = torch.empty_like(k, dtype=out_dtype)
@@ -448,22 +461,17 @@ class AttentionOps:
     def _attention_backward(self, ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
-        # FA-2 preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i;
-        # a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
-        delta = (do.float() * o.float()).sum(-1)
-        if dlse is not None:
-            delta = delta - dlse.float()
+        dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv, _, dkb, ddiag, ddist = self._bwd_op(
-            do.contiguous(), q, k, v, None, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+            do.contiguous(), q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
         return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
 
     def _second_backward(self, ctx: Any, dr: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
-        delta = (dr.float() * r.float()).sum(-1)  # = sum_j p_ij (u_i . v_j)(dr_i . v_j)
         dq, dk, dv, du, dkb, ddiag, ddist = self._bwd_op(
-            dr.contiguous(), q, k, v, u, lse, delta, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+            dr.contiguous(), q, k, v, u, lse, r, None, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
         # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
         # biases is already in dS above, so it receives no gradient of its own.

@@ -17,6 +17,8 @@ passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
     second moment:  dP_ij = (u_i . v_j)(dr_i . v_j)    delta_i = dr_i . r_i
 
 (delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
+`_bwd_delta_kernel` computes delta in one pass before the backward proper; it has no flags to bake, so every
+op set launches this one and generated files do not copy it.
 The backward runs split (a dK/dV kernel over key blocks and a dQ kernel over query blocks, each recomputing p
 and dP) or fused (the dK/dV kernel with DQ_ATOMIC adds dQ too, by atomics); `attention.py` times both.
 
@@ -530,3 +532,37 @@ def _bwd_dq_kernel(
             du.to(DU.dtype.element_ty),
             mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
         )
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    O,
+    DO,
+    DLSE,
+    DELTA,
+    T,
+    D,
+    HAS_DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (row block, batch*head) program: delta_i = dO_i . O_i - dlse_i in fp32 (the backward's row term).
+
+    FlashAttention-2's preprocessing: one pass over the output and its gradient in their own dtype, where
+    torch ops would write fp32 copies of both, their product, and then the sum. Any feature width: the rows
+    are summed over feature tiles of BLOCK_D. Shared by every op set (it has no flags to bake), not copied.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1).to(tl.int64)
+    row_ok = offs_m < T
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    for start_d in range(0, D, BLOCK_D):
+        offs_d = start_d + tl.arange(0, BLOCK_D)
+        offs = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
+        ok = row_ok[:, None] & (offs_d[None, :] < D)
+        o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(DO + offs, mask=ok, other=0.0).to(tl.float32)
+        delta += tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * T + offs_m, mask=row_ok, other=0.0)
+    tl.store(DELTA + bh * T + offs_m, delta, mask=row_ok)
