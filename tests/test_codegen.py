@@ -10,6 +10,7 @@ import torch
 
 import energydsl
 from energydsl.codegen import energy_source, module_class
+from energydsl.codegen.hoist import hoist_invariants
 from energydsl.codegen.torch_module import module_source
 from energydsl.instance import instance_from_params, run_program
 from energydsl.kernels.linear_ref import linear_attention_recurrent_ref
@@ -209,6 +210,64 @@ def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
     assert len(to_bhtd.findall(before)) == 1 and len(to_bhtd.findall(loop)) == 1
     layout = to_bhtd.findall(before)[0]
     assert f", {layout}, {layout}," in loop  # k and v: the same tensor
+
+
+def test_invariant_lines_leave_the_steps_loop() -> None:
+    """`hoist_invariants` moves a line before the loop when it reads nothing the steps change, and keeps in
+    the loop a line that reads the state, a kept line's result, a name the body reads before assigning it,
+    or that assigns a carried name or mutates."""
+    body = [
+        "t0 = F.softplus(P)  # a constrained weight",
+        "t1 = t0.transpose(-1, -2)",
+        "t2 = x_ @ t1",
+        "t3 = t2 * 2",
+        "t4 = torch.cat([c1, t0], dim=-1)",
+        "t5 = t9 + 1",  # t9: assigned below, so carried from the previous step
+        "t9 = t4 * 3",
+        "t6[0] = 1.0",  # mutates: never moved
+        "x_, m_ = step(x_, m_, t3, t5)",
+        "t7 = m_ * t4",
+    ]
+    hoisted, kept = hoist_invariants(body, {"x_", "m_"})
+    assert hoisted == [body[0], body[1], body[4]]
+    assert kept == [b for b in body if b not in hoisted]
+
+
+def test_a_steps_loop_computes_what_the_steps_share_once() -> None:
+    """In CEM's two-step layers the parameters' transposes and softplus, the position biases and the
+    concatenated key features with their (B, H, T, D) copy are computed once, before the loop."""
+    source = energy_source(energydsl.load("examples/models/cem.energy").energy("CEMAttention"), "triton")
+    before, loop = source.split("def forward", 1)[1].split("for step in range(2):")
+    for shared in ("torch.cat([c1,", ".transpose(-1, -2)", "torch.as_tensor(b_self"):
+        assert shared in before and shared not in loop, shared
+    features = re.search(r"(t\d+) = torch\.cat\(\[c1,", before).group(1)
+    keys = re.search(rf"(t\d+) = {features}\.permute\(", before).group(1)
+    assert "energy_attention(" in loop and f", {keys}, " in loop  # the keys' layout, read at every step
+
+
+_SHARED_LETS = """
+energy E(d = 4) {
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.5)
+  let     a[j] = tanh(h[j])
+  let     b[j] = W @ tanh(h[j])
+  global  F = -logsumexp[j](z . a[j]) + 0.5 * z . z - sum[j](z . b[j]) / 4
+  optimizer gd(eta = 0.5) steps 2
+}
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lets_share_what_they_have_in_common(backend: str) -> None:
+    """The prologue computes a value once for every let that needs it: tanh(h) for `a` and again inside `b`,
+    whose code refers to it by the name `a` got (not by the temporary it had before it was named)."""
+    derived = energydsl.load(_SHARED_LETS).energy()
+    assert energy_source(derived, backend).count("torch.tanh(") == 1
+    module = _perturbed(module_class(derived, backend)())
+    x = module.example_input(2, 5).double()
+    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
+    torch.testing.assert_close(module(x), ref, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("term", ["tanh(z)", "gelu(z)", "abs(z) * z", "softplus(z)"])

@@ -179,6 +179,7 @@ class Emitter:
         self.lines = self.body
         self.count = 0
         self.memo: dict[Expr, Val] = {}
+        self.prologue_memo: dict[Expr, Val] = {}  # the prologue's values, which no step changes
         self.lets: dict[str, Val] = {}
         # (B, H, T, D) layouts for attention ops, by (value, heads, position): those of the current step
         # (forgotten with the memo) and those of values the steps do not change (emitted in the prologue)
@@ -304,15 +305,17 @@ class Emitter:
         if e.name in self.lets:
             return self.lets[e.name]
         saved, saved_memo = self.lines, self.memo
-        self.lines, self.memo = self.prologue, {}
+        self.lines, self.memo = self.prologue, self.prologue_memo  # shared by every let: computed once
         v = self.emit(e.body)
         if not v.scalar:
             last = self.lines[-1] if self.lines else ""
+            named = Val(e.name, v.axes, v.rank)
             if last.startswith(f"{v.code} = "):  # name the value itself rather than copying it
                 self.lines[-1] = f"{e.name} = " + last[len(v.code) + 3:]
+                self.memo.update({k: named for k, hit in self.memo.items() if hit.code == v.code})
             else:
                 self.lines.append(f"{e.name} = {v.code}")
-            v = Val(e.name, v.axes, v.rank)
+            v = named
         self.lines, self.memo = saved, saved_memo
         self.lets[e.name] = v
         return v
@@ -489,7 +492,9 @@ class Emitter:
             flat = f"{w.code}.reshape(-1, {w.code}.shape[-1])"
             return self.tmp(f"F.linear({v.code}, {flat}).unflatten(-1, ({heads}, -1))", axes, 1)
         if len(w.axes) == 1 and drop == set(w.axes) and v.axes and v.axes[-1] == w.axes[0] and axes == v.axes[:-1]:
-            return self.tmp(f"F.linear({v.code}.flatten(-2), {w.code}.movedim(0, 1).flatten(1))", axes, 1,
+            # the weight's own line: a steps loop computes it once (`hoist.py`)
+            weight = self.tmp(f"{w.code}.movedim(0, 1).flatten(1)", (), 2, f"the {w.axes[0]} weights side by side")
+            return self.tmp(f"F.linear({v.code}.flatten(-2), {weight.code})", axes, 1,
                             f"sum over {w.axes[0]} in one matmul")
         return None
 

@@ -19,6 +19,7 @@ from .. import ir
 from ..instance import unconstrain
 from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
+from .hoist import hoist_invariants
 from .torch_expr import Emitter, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 
@@ -206,9 +207,12 @@ class ModuleWriter:
         if re.search(r"\bcount_strict\b", text):
             lines.append("count_strict = torch.arange(0, T, device=dev, dtype=dt)")
         lines += [f"{_local(p.name)} = {self._constrained(p)}" for p in prog.params.values()]
-        if em.prologue:
+        hoisted: list[str] = []
+        if prog.steps > 1:  # what every step would compute alike: once, before the loop
+            hoisted, steps_body = hoist_invariants(steps_body, {x, *(names[m.name] for m in prog.aux)})
+        if em.prologue or hoisted:
             lines.append("# computed once, outside the optimizer's steps (state-independent)")
-            lines += em.prologue
+            lines += em.prologue + hoisted
         lines.append(f"{x} = x")
         for m in prog.aux:
             lines.append(f"{names[m.name]} = torch.zeros_like(x)  # optimizer state, zero at the start")
