@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import threading
+from pathlib import Path
+from typing import Any
 
 
 def new_file_mode() -> int:
@@ -20,3 +24,25 @@ def new_file_mode() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def read_record(path: Path, format: int) -> dict[str, Any] | None:
+    """A cache's JSON record written by `write_record`, or None: missing, unreadable, or of another format."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == format else None
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write a cache's JSON record whole or not at all (renamed into place: a reader in another process never
+    sees half of it). A cache that cannot be written is only slower, so a failure is ignored."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()

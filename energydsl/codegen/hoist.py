@@ -39,8 +39,7 @@ def hoist_invariants(body: list[str], carried: set[str]) -> tuple[list[str], lis
 
     `carried` names what each step reassigns (the state, the optimizer's buffers). A line stays in the loop
     when it is not a plain assignment to names, or reads or assigns a carried name, or reads a line that
-    stays; a name
-    the body reads before assigning it, or assigns twice, is carried whatever the caller said.
+    stays; a name the body reads before assigning it, or assigns twice, is carried whatever the caller said.
     """
     lines = [ast.parse(line.strip()).body for line in body]
     variant, read_first, assigned = set(carried), set(), set()

@@ -19,14 +19,13 @@ ignored: the choice is then timed again, never wrong.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
-import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
+
+from ..files import read_record, write_record
 
 __all__ = ["autotune_options", "cache_dir", "digest", "load", "store"]
 
@@ -61,25 +60,11 @@ def digest(*parts: object) -> str:
 def load(name: str) -> dict[str, Any] | None:
     """The record stored under `name`, or None (absent, unreadable, another format, or the cache is off)."""
     where = cache_dir()
-    if where is None:
-        return None
-    try:
-        data = json.loads((where / f"{name}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+    return None if where is None else read_record(where / f"{name}.json", FORMAT)
 
 
 def store(name: str, record: dict[str, Any]) -> None:
-    """Write `record` under `name` whole or not at all (a reader in another process never sees half a file)."""
+    """Write `record` under `name`, whole or not at all (`files.write_record`)."""
     where = cache_dir()
-    if where is None:
-        return
-    tmp = where / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:  # a cache that cannot be written is only slower
-        where.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": FORMAT, **record}), encoding="utf-8")
-        os.replace(tmp, where / f"{name}.json")
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    if where is not None:
+        write_record(where / f"{name}.json", {"format": FORMAT, **record})

@@ -16,17 +16,15 @@ safe: at worst two of them check the same energy once each.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import json
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from energydsl.errors import UserError
+from energydsl.files import read_record, write_record
 
 SHRINK = (4, 8, 16, 32)  # checks run at small dims: sizes above the bound are halved while whole
 FORMAT = 1  # of the files; part of the hash
@@ -99,11 +97,8 @@ def _lookup(digest: str) -> Verdict | None:
     where = cache_dir()
     if where is None:
         return None
-    try:
-        data = json.loads((where / f"{digest}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("fits"), bool):
+    data = read_record(where / f"{digest}.json", FORMAT)
+    if data is None or not isinstance(data.get("fits"), bool):
         return None
     reason = data.get("reason")
     if reason is not None and not isinstance(reason, str):
@@ -118,14 +113,7 @@ def _remember(digest: str, verdict: Verdict, name: str, dims: dict[str, float]) 
     if where is None:
         return
     record = {"format": FORMAT, "energy": name, "dims": dims, "fits": verdict.fits, "reason": verdict.reason}
-    tmp = where / f"{digest}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:  # a cache that cannot be written is only slower
-        where.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record), encoding="utf-8")
-        os.replace(tmp, where / f"{digest}.json")  # whole or not at all, for readers in other processes
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    write_record(where / f"{digest}.json", record)
 
 
 def stage_check(decl: Any, dims: dict[str, float]) -> str | None:
