@@ -467,9 +467,11 @@ def test_backward_mode_is_kept_on_disk_for_later_processes(monkeypatch: pytest.M
     times["fused"] = 3.0
     assert again._fuse_dq(("a", q.device), q, split, fused) is False and runs  # unreadable: timed again
     assert json.loads(record.read_text())["fused"] is False
-    monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", "off")
-    last, *_, split, fused = _timed_backwards(monkeypatch)
-    assert last._fuse_dq(("b", q.device), q, split, fused) is True and len(list(tmp_path.glob("*"))) == 1
+    monkeypatch.chdir(tmp_path)
+    for off in ("off", ""):  # an empty setting is off too, not the working directory
+        monkeypatch.setenv("ENERGYDSL_TUNING_CACHE", off)
+        last, *_, split, fused = _timed_backwards(monkeypatch)
+        assert last._fuse_dq(("b", q.device), q, split, fused) is True and len(list(tmp_path.glob("*"))) == 1
 
 
 def test_autotuners_keep_their_choices_on_disk(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -12,8 +12,8 @@ process finds what an earlier one measured on the same kind of device:
   ~/.cache/energydsl/codegen), one small JSON file per choice, keyed by the device's name, the torch and
   Triton versions, the kernels' source, their configs and the shape key.
 
-`ENERGYDSL_TUNING_CACHE=off` keeps both in memory (the autotuners' setting is read when a kernel module is
-imported); a path puts the backward's choices there instead. A file that cannot be read or written is
+`ENERGYDSL_TUNING_CACHE=off` (or empty) keeps both in memory (the autotuners' setting is read when a kernel
+module is imported); a path puts the backward's choices there instead. A file that cannot be read or written is
 ignored: the choice is then timed again, never wrong.
 """
 
@@ -30,7 +30,7 @@ from ..files import read_record, write_record
 __all__ = ["autotune_options", "cache_dir", "digest", "load", "store"]
 
 FORMAT = 1
-_OFF = {"off", "0", "false", "no", "none"}
+_OFF = {"", "off", "0", "false", "no", "none"}
 
 
 def cache_dir() -> Path | None:
