@@ -35,14 +35,33 @@ def read_record(path: Path, format: int) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("format") == format else None
 
 
-def write_record(path: Path, record: dict[str, Any]) -> None:
-    """Write a cache's JSON record whole or not at all (renamed into place: a reader in another process never
-    sees half of it). A cache that cannot be written is only slower, so a failure is ignored."""
+def write_whole(path: Path, text: str) -> None:
+    """Write a cache file whole or not at all (renamed into place: a reader in another process never sees half
+    of it). A cache that cannot be written is only slower, so a failure is ignored."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(record), encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write a cache's JSON record with `write_whole`; `read_record` reads it back."""
+    write_whole(path, json.dumps(record))
+
+
+_OFF = ("", "0", "off", "no", "false", "none")
+
+
+def cache_setting(env: str, default_subdir: str) -> Path | None:
+    """A cache's directory: the path in `$env`, None when that says off (`off`, `0`, `no`, `false`, `none`
+    or empty), else `default_subdir` under the code generator's cache (`$ENERGYDSL_CACHE`)."""
+    value = os.environ.get(env)
+    if value is not None:
+        return None if value.strip().lower() in _OFF else Path(value)
+    from .codegen import cache_dir
+
+    return cache_dir() / default_subdir

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
 import torch
+
+from .files import write_whole
 
 X = sp.Symbol("x", real=True)
 
@@ -174,12 +175,9 @@ def _closed_form_integral(formula: sp.Expr) -> sp.Expr:
     try:
         if sp.sympify(text) != closed:  # a form whose text does not read back: not kept
             return closed
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)  # whole or not at all: concurrent workers never read half a file
-    except (OSError, sp.SympifyError, SyntaxError, TypeError, ValueError):
-        pass
+    except (sp.SympifyError, SyntaxError, TypeError, ValueError):
+        return closed
+    write_whole(path, text)  # whole or not at all: concurrent workers never read half a file
     return closed
 
 

@@ -42,15 +42,14 @@ def hoist_invariants(body: list[str], carried: set[str]) -> tuple[list[str], lis
     stays; a name the body reads before assigning it, or assigns twice, is carried whatever the caller said.
     """
     lines = [ast.parse(line.strip()).body for line in body]
+    names = [_names(line) for line in lines]
     variant, read_first, assigned = set(carried), set(), set()
-    for line in lines:
-        reads, writes = _names(line)
+    for reads, writes in names:
         read_first |= reads - assigned
         variant |= writes & (assigned | read_first)
         assigned |= writes
     hoisted, kept = [], []
-    for text, line in zip(body, lines, strict=True):
-        reads, writes = _names(line)
+    for text, line, (reads, writes) in zip(body, lines, names, strict=True):
         if line and all(_plain(stmt) for stmt in line) and not (reads | writes) & variant:
             hoisted.append(text)
         else:

@@ -21,26 +21,19 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 from pathlib import Path
 from typing import Any
 
-from ..files import read_record, write_record
+from ..files import cache_setting, read_record, write_record
 
 __all__ = ["autotune_options", "cache_dir", "digest", "load", "store"]
 
 FORMAT = 1
-_OFF = {"", "off", "0", "false", "no", "none"}
 
 
 def cache_dir() -> Path | None:
-    """Where the backward's choices are kept; None when `ENERGYDSL_TUNING_CACHE` is `off`."""
-    env = os.environ.get("ENERGYDSL_TUNING_CACHE")
-    if env is not None:
-        return None if env.strip().lower() in _OFF else Path(env)
-    from ..codegen import cache_dir as codegen_dir
-
-    return codegen_dir() / "tuning"
+    """Where the backward's choices are kept; None when `ENERGYDSL_TUNING_CACHE` is `off` (or empty)."""
+    return cache_setting("ENERGYDSL_TUNING_CACHE", "tuning")
 
 
 def autotune_options() -> dict[str, Any]:

@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from energydsl.errors import UserError
-from energydsl.files import read_record, write_record
+from energydsl.files import cache_setting, read_record, write_record
 
 SHRINK = (4, 8, 16, 32)  # checks run at small dims: sizes above the bound are halved while whole
 FORMAT = 1  # of the files; part of the hash
-_OFF = ("", "0", "off", "no", "false", "none")
 
 
 @dataclass(frozen=True)
@@ -44,12 +42,7 @@ _MEMORY: dict[str, Verdict] = {}  # digest -> verdict, this process
 
 def cache_dir() -> Path | None:
     """Where verdicts are kept across processes; None when `ENERGYDSL_CHECK_CACHE` is `off`."""
-    env = os.environ.get("ENERGYDSL_CHECK_CACHE")
-    if env is not None:
-        return None if env.strip().lower() in _OFF else Path(env)
-    from energydsl.codegen import cache_dir as codegen_dir
-
-    return codegen_dir() / "checks"
+    return cache_setting("ENERGYDSL_CHECK_CACHE", "checks")
 
 
 @functools.cache
