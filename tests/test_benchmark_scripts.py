@@ -54,6 +54,13 @@ def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> 
     assert len(list(tmp_path.glob("*.json"))) == 9
 
 
+def test_host_overhead_script_times_every_op_and_layer_with_launches_stubbed() -> None:
+    """The CPU host-time script: 10 op cases (its own TRITON_INTERPRET=1) and the 8 generated layers."""
+    out = _run("benchmarks/host_overhead.py", "--min-run-time", "0.01")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "measured 18 cases" in out.stdout and "MomenMHA" in out.stdout and "torch backend" in out.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the benchmark itself")
 @pytest.mark.parametrize("script", ["benchmarks/kernels.py", "benchmarks/modules.py", "benchmarks/profile_kernels.py"])
 def test_without_a_gpu_the_benchmarks_say_so_and_exit_0(script: str) -> None:

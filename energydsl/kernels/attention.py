@@ -29,7 +29,16 @@ from . import MAX_HEAD_DIM, kernels_take, op_set, tuning
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
-from .launch import INTERPRET, dot_precision, launch_options, maybe_autotune, register_op, wrap_triton
+from .launch import (
+    INTERPRET,
+    cdiv,
+    dot_precision,
+    launch_options,
+    maybe_autotune,
+    next_power_of_2,
+    register_op,
+    wrap_triton,
+)
 
 __all__ = [
     "GENERIC",
@@ -159,7 +168,7 @@ def tune_bucket(T: int) -> int:
     """The sequence-length bucket the autotuner keys on: T rounded up to a power of two, at least 1024 (one
     tuning for every short sequence). Keyed on head dims alone, the first H100 run's attention rows at
     T = 2k-16k ran the tiles tuned at T = 1k."""
-    return max(_SHORTEST_BUCKET, triton.next_power_of_2(T))
+    return max(_SHORTEST_BUCKET, next_power_of_2(T))
 
 
 def _tuned(kernel: Any, configs: list[triton.Config], wide: bool) -> Any:
@@ -174,7 +183,7 @@ def _blocks() -> dict[str, int]:
 
 def _pad(d: int) -> int:
     """Head dims are padded to a power of two >= 16 (tl.dot's minimum); the padding is masked out."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def _flags(
@@ -244,9 +253,9 @@ class AttentionOps:
         """Programs over (row blocks, batch*head, feature tiles of `width`): one feature tile unless wide, or
         a wide backward config that loops over them (FEATURE_LOOP)."""
         if not self.wide:
-            return lambda meta: (triton.cdiv(T, meta[block]), BH, 1)
-        return lambda meta: (triton.cdiv(T, meta[block]), BH,
-                             1 if meta.get("FEATURE_LOOP") else triton.cdiv(width, meta["BLOCK_D"]))
+            return lambda meta: (cdiv(T, meta[block]), BH, 1)
+        return lambda meta: (cdiv(T, meta[block]), BH,
+                             1 if meta.get("FEATURE_LOOP") else cdiv(width, meta["BLOCK_D"]))
 
     def _fuse_dq(self, key: tuple, q: Tensor, split: Callable[[], Any], fused: Callable[[], Any]) -> bool:
         """Whether this backward runs fused (the dK/dV kernel adds dQ by atomics) rather than split (dK/dV
@@ -399,7 +408,7 @@ class AttentionOps:
             # FlashAttention-2's preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i (dr_i . r_i for the
             # second moment); a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
             delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-            wrap_triton(_bwd_delta_kernel)[(triton.cdiv(T, _DELTA_ROWS), B * H)](
+            wrap_triton(_bwd_delta_kernel)[(cdiv(T, _DELTA_ROWS), B * H)](
                 out, do, q if dlse is None else dlse, delta, T, Dv, HAS_DLSE=dlse is not None,
                 BLOCK_M=_DELTA_ROWS, BLOCK_D=min(_pad(Dv), _DELTA_FEATURES),
             )

@@ -49,7 +49,7 @@ from energydsl.kernels.epilogue_ref import (
     momentum_update_ref,
     nesterov_lookahead_ref,
 )
-from energydsl.kernels.launch import INTERPRET, launch_options, maybe_autotune, register_op, wrap_triton
+from energydsl.kernels.launch import INTERPRET, cdiv, launch_options, maybe_autotune, register_op, wrap_triton
 
 __all__ = [
     "ACTIVATIONS",
@@ -82,7 +82,7 @@ _INTERPRET_BLOCK = 256
 
 
 def _ew_grid(n: int) -> Any:
-    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+    return lambda meta: (cdiv(n, meta["BLOCK"]),)
 
 
 def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
@@ -134,7 +134,7 @@ class _KernelPairOps:
 
 def _partials(n: int, like: Tensor) -> Tensor:
     """A scalar's gradient over n elements, as fp32 partial sums: one per _RED_BLOCK-element program."""
-    return torch.empty(triton.cdiv(n, _RED_BLOCK), dtype=torch.float32, device=like.device)
+    return torch.empty(cdiv(n, _RED_BLOCK), dtype=torch.float32, device=like.device)
 
 
 def _reduced(partials: Tensor, scalar: Tensor) -> Tensor:

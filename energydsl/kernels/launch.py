@@ -7,7 +7,8 @@
   `torch.library.custom_op`s with explicit fake (shape) functions; eager and compiled calls both work. Tiles
   are fixed and passed at launch (`launch_options`).
 
-Both APIs are in every torch the project supports (>= 2.6). Gradients are wired with `register_autograd`.
+Both APIs are in every torch the project supports (>= 2.6). Gradients: a `torch.autograd.Function` around
+each op (and `register_autograd` on the op itself, for direct callers): see `register_op`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from torch.library import wrap_triton  # the launch wrapper triton_op discovers 
 
 from .tuning import autotune_options
 
-__all__ = ["INTERPRET", "dot_precision", "launch_options", "maybe_autotune", "register_op", "wrap_triton"]
+__all__ = [
+    "INTERPRET",
+    "cdiv",
+    "dot_precision",
+    "launch_options",
+    "maybe_autotune",
+    "next_power_of_2",
+    "register_op",
+    "wrap_triton",
+]
 
 
 def _interpreting() -> bool:
@@ -44,17 +54,43 @@ def register_op(
     *,
     backward: Callable[..., Any] | None = None,
     setup_context: Callable[..., Any] | None = None,
-) -> Any:
-    """`impl` as torch.ops.energydsl.<name>: a triton_op on CUDA, a custom_op with `fake` under the interpreter."""
+) -> Callable[..., Any]:
+    """`impl` as torch.ops.energydsl.<name> (a triton_op on CUDA, a custom_op with `fake` under the
+    interpreter), returned as the function the op sets call.
+
+    With a `backward`, that function is a `torch.autograd.Function` around the op, whose forward calls the op
+    with grad mode off, and the op itself is differentiable too (`register_autograd`, the same two functions),
+    for callers of torch.ops.energydsl.* and `torch.library.opcheck`. Why both: autograd registered on a
+    custom op runs its forward through the op's generated Function with grad on, which fills in the schema's
+    defaults and redispatches on every call; wired outside, a fwd+bwd of one attention op spends about a
+    quarter less host time (`docs/models.md`, "Host time per call"). Without grad mode the call is the op
+    alone. Dynamo traces the Function and the op inside it, so compiled callers see the same kernels.
+    """
     qualname = f"energydsl::{name}"
     if INTERPRET:
         op = torch.library.custom_op(qualname, impl, mutates_args=())
         op.register_fake(fake)
     else:
         op = torch.library.triton_op(qualname, impl, mutates_args=())
-    if backward is not None:
-        op.register_autograd(backward, setup_context=setup_context)
-    return op
+    if backward is None:
+        return op
+    op.register_autograd(backward, setup_context=setup_context)
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        output = op(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    def differentiate(ctx: Any, *grads: Any) -> Any:  # a plain function: Dynamo misbinds a bound method here
+        return backward(ctx, *grads)
+
+    function = type(f"{name}_function", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(differentiate)})
+
+    def call(*args: Any) -> Any:
+        return function.apply(*args) if torch.is_grad_enabled() else op(*args)  # no graph: the op alone
+
+    return call
 
 
 def maybe_autotune(configs: list[triton.Config], key: list[str]) -> Callable[[Any], Any]:
@@ -79,3 +115,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     if INTERPRET or (dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"):
         return "ieee"
     return "tf32"
+
+
+# Host-side integer helpers. Since Triton 3.5 `triton.cdiv` and `triton.next_power_of_2` are constexpr_functions,
+# which cost about 2.6 us a call on the host (measured on the project's CPU box, Triton 3.9), and a fwd+bwd
+# of one attention op computes nine of them; these are the same arithmetic as plain Python (SymInts included).
+
+
+def cdiv(n: int, d: int) -> int:
+    """ceil(n / d) for positive d, as `triton.cdiv`."""
+    return (n + d - 1) // d
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), as `triton.next_power_of_2`."""
+    n -= 1
+    for shift in (1, 2, 4, 8, 16, 32):
+        n |= n >> shift
+    return n + 1

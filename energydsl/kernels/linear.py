@@ -46,7 +46,16 @@ import triton.language as tl
 from torch import Tensor
 
 from . import kernels_take, op_set
-from .launch import INTERPRET, dot_precision, launch_options, maybe_autotune, register_op, wrap_triton
+from .launch import (
+    INTERPRET,
+    cdiv,
+    dot_precision,
+    launch_options,
+    maybe_autotune,
+    next_power_of_2,
+    register_op,
+    wrap_triton,
+)
 
 __all__ = [
     "GENERIC",
@@ -66,7 +75,7 @@ def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
     """
     if INTERPRET:
         return 16, 16, 16
-    return 64, min(64, max(16, triton.next_power_of_2(K))), min(64, max(16, triton.next_power_of_2(V)))
+    return 64, min(64, max(16, next_power_of_2(K))), min(64, max(16, next_power_of_2(V)))
 
 
 # Compiled for sm_90 with ptxas (no GPU at hand; `benchmarks/kernel_resources.py --variants "linear d64,linear
@@ -350,9 +359,9 @@ class LinearAttentionOps:
         B, H, T, K = x.shape
         V = y.shape[-1]
         C, BK, BV = _tile_sizes(K, V)
-        h = torch.empty((B * H, triton.cdiv(T, C), K, V), dtype=x.dtype, device=x.device)
+        h = torch.empty((B * H, cdiv(T, C), K, V), dtype=x.dtype, device=x.device)
         meta = self._meta(self._state, x.dtype, HAS_DECAY=has_decay, REVERSE=reverse, C=C, BK=BK, BV=BV)
-        grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)
+        grid = (cdiv(K, BK), cdiv(V, BV), B * H)
         wrap_triton(self._state)[grid](x, y, g, h, T, K, V, **meta)
         return h
 
@@ -372,7 +381,7 @@ class LinearAttentionOps:
             h = self._states(k, v, g, has_decay, reverse=False)
             o = torch.empty((B, H, T, V), dtype=v.dtype, device=v.device)
             meta = self._meta(self._fwd, q.dtype, HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
-            grid = (triton.cdiv(V, BV), triton.cdiv(T, C), B * H)
+            grid = (cdiv(V, BV), cdiv(T, C), B * H)
             wrap_triton(self._fwd)[grid](q, k, v, g, h, o, T, K, V, scale, **meta)
             return o
 
@@ -398,7 +407,7 @@ class LinearAttentionOps:
             g = log_decay.contiguous() if has_decay else q
             h = self._states(k, v, g, has_decay, reverse=False)
             dh = self._states(q, do, g, has_decay, reverse=True)
-            NK, NT = triton.cdiv(K, BK), triton.cdiv(T, C)
+            NK, NT = cdiv(K, BK), cdiv(T, C)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             # the row terms of d log_decay, one slab per Dk-block (summed below, no atomics)
             r = torch.empty((NK, B, H, T) if has_decay else (0,), dtype=torch.float32, device=q.device)
@@ -406,7 +415,7 @@ class LinearAttentionOps:
             wrap_triton(self._dqk)[(NK, NT, B * H)](
                 q, k, v, g, h, dh, do, dq, dk, r, T, K, V, scale, **self._meta(self._dqk, q.dtype, **flags)
             )
-            wrap_triton(self._dv)[(triton.cdiv(V, BV), NT, B * H)](
+            wrap_triton(self._dv)[(cdiv(V, BV), NT, B * H)](
                 q, k, g, dh, do, dv, T, K, V, scale, **self._meta(self._dv, q.dtype, **flags)
             )
             if has_decay and need_dg:
