@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the attention and linear kernels' autotune configs on an H100, no GPU needed.
 
-The autotuner times every config (`energydsl.kernels.attention.AUTOTUNE_CONFIGS`, `energydsl.kernels.linear`'s
+The autotuner times every config (`energydsl.kernels.attention_configs.AUTOTUNE_CONFIGS`, `energydsl.kernels.linear`'s
 `_CONFIGS`) on the GPU and keeps the fastest, so a config list is only as good as its best member. A config that
 needs more than 255 registers per thread spills to local memory, which is slow; if every config of a kernel variant
 spills, no amount of tuning helps. Triton compiles for sm_90 without a GPU (ptxas ships with it), and ptxas reports
@@ -84,7 +84,7 @@ def jobs() -> list[Job]:
     """Every config of every kernel, for every variant."""
     os.environ.pop("TRITON_INTERPRET", None)  # the real configs (the interpreter build has none)
     from energydsl.kernels import linear
-    from energydsl.kernels.attention import AUTOTUNE_CONFIGS
+    from energydsl.kernels.attention_configs import AUTOTUNE_CONFIGS
 
     out = []
     for v, variant in enumerate(VARIANTS):

@@ -72,7 +72,7 @@ def test_without_a_gpu_the_benchmarks_say_so_and_exit_0(script: str) -> None:
 def test_kernel_resources_wide_second_moment_has_a_spill_free_config() -> None:
     """ptxas' allocation for sm_90 (no GPU needed): the tightest variant, the wide kernels' second moment, has
     a config for each kernel, and each backward mode, that fits in registers (the whole table: `-m slow`).
-    27 = 5 + 10 + 12 wide configs (attention.AUTOTUNE_CONFIGS[True], not imported here: it would load the
+    27 = 5 + 10 + 12 wide configs (attention_configs.AUTOTUNE_CONFIGS[True], not imported here: it would load the
     kernels outside the interpreter)."""
     out = _run("benchmarks/kernel_resources.py", "--check", "--variants", "wide second", "--jobs", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
