@@ -5,7 +5,7 @@
 #   bash benchmarks/device.sh run tests [-n 12]      # on the GPU machine (the repository and .whl/ copied there)
 #   bash benchmarks/device.sh run kernels [--quick]  #   benchmarks/kernels.py, JSON and log to $OUT
 #   bash benchmarks/device.sh run modules [--seq 2048,8192]
-#   bash benchmarks/device.sh run profile [--families attention,linear]   # profile_kernels.py, traces to $OUT
+#   bash benchmarks/device.sh run profile [--families attention,layers]   # profile_kernels.py, traces to $OUT
 #
 # Such a machine (an image with torch, triton, sympy, numpy, einops and pytest, Python 3.12) lacks lark, which
 # the compiler needs, and flash-linear-attention's kernels (fla-core), the linear family's peer. `wheels`
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 
 WHEELS=(lark==1.3.1 fla-core==0.6.0)
 GPU_TESTS=(tests/test_kernels_attention.py tests/test_kernels_linear.py tests/test_kernels_epilogue.py
-           tests/test_triton_backend.py tests/test_triton_source.py)
+           tests/test_kernels_launch.py tests/test_triton_backend.py tests/test_triton_source.py)
 
 case "${1:-}" in
   wheels)
