@@ -28,7 +28,7 @@ from typing import Any
 os.environ["TRITON_INTERPRET"] = "1"  # the ops' CPU registration; must precede the first import of triton
 
 from kernel_cases import FAMILIES, SMOKE, build_cases, torch_dtype  # noqa: E402
-from kernels import _as_tuple, _detach_leaves, _leaves  # noqa: E402
+from kernels import _as_tuple, _detach_leaves, _leaves, fwd_bwd_step  # noqa: E402
 from modules import CASES as MODULE_CASES  # noqa: E402
 from modules import build  # noqa: E402
 
@@ -69,14 +69,9 @@ def time_pair(forward: Callable[[], Any], leaves: list[Any], min_run_time: float
     outs = _as_tuple(forward())
     grads = [torch.ones_like(o) for o in outs]
 
-    def step() -> None:
-        torch.autograd.backward(_as_tuple(forward()), grads)
-        for t in leaves:
-            t.grad = None
-
     with torch.no_grad():
         fwd = per_call_us(forward, min_run_time)
-    return fwd, per_call_us(step, min_run_time)
+    return fwd, per_call_us(fwd_bwd_step(forward, grads, leaves), min_run_time)
 
 
 # (case, (fwd, fwd+bwd) us, peer name, the peer's (fwd, fwd+bwd) us)

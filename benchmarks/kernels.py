@@ -53,7 +53,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,6 +106,19 @@ def _leaves(x: dict[str, Any]) -> dict[str, Tensor]:
     import torch
 
     return {k: v for k, v in x.items() if torch.is_tensor(v) and v.requires_grad}
+
+
+def fwd_bwd_step(forward: Callable[[], Any], grads: Sequence[Tensor], leaves: list[Tensor]) -> Callable[[], None]:
+    """One forward + backward with `grads` on the outputs, the leaves' gradients dropped after (each step
+    starts as the first did)."""
+    import torch
+
+    def step() -> None:
+        torch.autograd.backward(_as_tuple(forward()), grads)
+        for t in leaves:
+            t.grad = None
+
+    return step
 
 
 def rel_err(got: Tensor, ref: Tensor) -> float:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kernel_cases import FAMILIES, SMOKE, Case, Impl, build_cases, generator, torch_dtype
-from kernels import NO_CUDA, _as_tuple, _detach_leaves, _leaves
+from kernels import NO_CUDA, _as_tuple, _detach_leaves, _leaves, fwd_bwd_step
 
 # a short and a long sequence per family, bf16 at the benchmark's batch and heads
 PROFILE_SHAPES = {
@@ -57,19 +57,18 @@ def layer_cases(device: str) -> list[Case]:
     import torch
     from modules import CASES, build
 
-    B, T, heads, head_dim, dtype = LAYER_SHAPES[device]
+    B, T, heads, head_dim, dtype_name = LAYER_SHAPES[device]
     d = heads * head_dim
 
-    def inputs(torch_dtype: Any, device: str) -> dict[str, Any]:
-        return {"x": torch.randn(B, T, d, generator=generator(device), device=device, dtype=torch_dtype,
-                                 requires_grad=True)}
+    def inputs(dtype: Any, on: str) -> dict[str, Any]:  # Case.make_inputs: (torch dtype, device)
+        return {"x": torch.randn(B, T, d, generator=generator(on), device=on, dtype=dtype, requires_grad=True)}
 
     cases = []
     for label, path, energy in CASES:
-        layers = [m.to(device=device, dtype=torch_dtype(dtype)) for m in build(path, energy, d, heads)]
+        layers = [m.to(device=device, dtype=torch_dtype(dtype_name)) for m in build(path, energy, d, heads)]
         impls = [Impl(name, role, lambda x, m=m: m(x["x"], delta=True))
                  for name, role, m in zip(("triton backend", "torch backend"), ("kernel", "peer"), layers)]
-        cases.append(Case(LAYERS, label, dict(B=B, T=T, H=heads, Dh=head_dim), dtype, inputs, impls))
+        cases.append(Case(LAYERS, label, dict(B=B, T=T, H=heads, Dh=head_dim), dtype_name, inputs, impls))
     return cases
 
 
@@ -90,10 +89,7 @@ def profile_impl(case: Case, impl: Any, base: dict[str, Any], device: str, steps
     gen = generator(device)
     grads = tuple(torch.randn(o.shape, generator=gen, device=device).to(o.dtype) for o in _as_tuple(impl.fn(x)))
 
-    def step() -> None:
-        torch.autograd.backward(_as_tuple(impl.fn(x)), grads)
-        for t in leaves:
-            t.grad = None
+    step = fwd_bwd_step(lambda: impl.fn(x), grads, leaves)
 
     def sync() -> None:
         if cuda:
