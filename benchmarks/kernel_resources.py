@@ -108,10 +108,11 @@ def compile_for_sm90(
     constexprs (extra keys are ignored), `dtype` ("bf16" or "fp32") its q/k/v/o tensors; the statistics are fp32.
     `dims` names integer head-dim arguments besides D_QK and D_V (the linear kernels' K and V).
 
-    Specialised as the JIT specialises a launch at the benchmark shapes: every tensor 16-byte aligned and T
-    and the head dims multiples of 16. Without those hints the loads do not vectorise (one 2-byte load per
-    element) and the counts describe a kernel no benchmark runs. `scale_type`: "fp64" is how torch.compile
-    (Inductor) types the Python float `scale` when it launches a triton_op's kernel.
+    Specialised as the JIT specialises a launch at the benchmark shapes: every tensor 16-byte aligned and T,
+    the head dims and the attention kernels' strides (`stride_*`) multiples of 16. Without those hints the
+    loads do not vectorise (one 2-byte load per element) and the counts describe a kernel no benchmark runs.
+    `scale_type`: "fp64" is how torch.compile (Inductor) types the Python float `scale` when it launches a
+    triton_op's kernel.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -120,12 +121,14 @@ def compile_for_sm90(
     # a constexpr left out takes its default, as at a launch (else it would be typed a pointer, hence true)
     consts = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     consts |= {k: v for k, v in flags.items() if k in kernel.arg_names}
-    scalars = _SCALAR_ARGS | dict.fromkeys(dims, "i32")
+    strides = [a for a in kernel.arg_names if a.startswith("stride_")]  # the attention kernels' row layouts
+    scalars = _SCALAR_ARGS | dict.fromkeys((*dims, *strides), "i32")
     sig = {a: scalars.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
     if "scale" in sig:
         sig["scale"] = scale_type
     sig |= {c: "constexpr" for c in consts}
-    multiples_of_16 = [a for a in kernel.arg_names if sig[a].startswith("*") or a in _MULTIPLES_OF_16 or a in dims]
+    multiples_of_16 = [a for a in kernel.arg_names
+                       if sig[a].startswith("*") or a in _MULTIPLES_OF_16 or a in dims or a in strides]
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in multiples_of_16}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))

@@ -8,6 +8,7 @@ kept small because the interpreter executes every program in Python. With CUDA t
 and the `gpu`-marked tests add long sequences in float32 and bfloat16.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -67,6 +68,7 @@ class Case:
     tied: bool = False  # v is k
     B: int = 2
     key_shift: float = 0.0  # added to every key bias: softmax-invariant, but exp of it overflows float32 past ~88
+    layout: str = "head"  # of q, k, v, u: head (contiguous) | token (heads of a (B, T, H * D) tensor) | sliced
 
     def has(self, bias: str) -> bool:
         return self.biases in (bias, "all")
@@ -100,6 +102,17 @@ def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torc
     return {n: t.to(device=DEVICE, dtype=dtype).requires_grad_() for n, t in leaves.items()}
 
 
+def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
+    off a projection arrive, which the kernels read through its strides) or sliced (every other column block of
+    a wider tensor: neither layout, so copied before the kernels)."""
+    if layout == "token":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "sliced":
+        return torch.cat([t, t.detach()], dim=-1)[..., : t.shape[-1]]
+    return t
+
+
 def run(
     impl: dict,
     case: Case,
@@ -113,8 +126,8 @@ def run(
     kind: "attention" (o), "with_lse" (o, lse, r = second moment fed the differentiable lse),
     "second" (r with lse=None, i.e. recomputed inside).
     """
-    q, k, u = leaves["q"], leaves["k"], leaves["u"]
-    v = k if case.tied else leaves["v"]
+    q, k, u = (lay(leaves[n], case.layout) for n in ("q", "k", "u"))
+    v = k if case.tied else lay(leaves["v"], case.layout)
     kw = dict(
         scale=case.Dk**-0.5,
         strict=case.strict,
@@ -207,6 +220,49 @@ def test_second_moment_recomputes_lse(strict: bool, tied: bool) -> None:
     check(Case(T=33, H=1, Dk=16, Dv=16, strict=strict, biases="all", tied=tied, B=1), "second")
 
 
+# the backward modes a layout must hold in: narrow split or fused (dQ by atomics), wide tiled or looping
+MODES = {"narrow-split": (False, False), "narrow-fused": (False, True), "wide-tiled": (True, False),
+         "wide-loop": (True, True)}
+
+
+@pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("layout", ["token", "sliced"])
+def test_layouts_match_reference(monkeypatch, layout: str, mode: str, kind: str) -> None:
+    """q, k, v and u token-major (read in place through their strides) or sliced (copied first): every output
+    and gradient, in each backward mode of the narrow and the wide kernels."""
+    wide, other_mode = MODES[mode]
+    if CUDA and other_mode:
+        pytest.skip("on a GPU the backward's mode is timed or tuned")
+    monkeypatch.setattr(kernels, "INTERPRET_FEATURE_LOOP" if wide else "INTERPRET_DQ_ATOMIC", other_mode)
+    case = Case(T=21, H=3, Dk=40 if wide else 16, Dv=24, strict=False, biases="all", B=2, layout=layout)
+    check(case, kind, impl=WIDE if wide else None)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_token_major_heads_stay_token_major(wide: bool) -> None:
+    """Heads split off (B, T, H * D) projections reach the kernels without a copy and come back the same way:
+    o and r are written token-major, so that merging their heads is a view of the kernels' own output, and
+    the gradients of q, k, v and u arrive with those tensors' strides (no copy in the views' backward)."""
+    ops = kernels.GENERIC_WIDE if wide else kernels.GENERIC
+    B, T, H, Dk, Dv = 2, 19, 3, (40 if wide else 16), 24
+    g = torch.Generator().manual_seed(0)
+    flat = {n: torch.randn(B, T, H * d, generator=g).to(DEVICE).requires_grad_()
+            for n, d in (("q", Dk), ("k", Dk), ("v", Dv), ("u", Dv))}
+    heads = {n: t.unflatten(-1, (H, -1)).transpose(1, 2) for n, t in flat.items()}  # (B, H, T, D) views
+    grad_strides = {}
+    for name, t in heads.items():
+        t.register_hook(lambda grad, name=name: grad_strides.__setitem__(name, grad.stride()))
+    o, lse = ops.energy_attention_with_lse(heads["q"], heads["k"], heads["v"], scale=0.25)
+    r = ops.weighted_second_moment(heads["q"], heads["k"], heads["v"], lse, heads["u"], scale=0.25)
+    for out in (o, r):
+        merged = out.transpose(1, 2).flatten(-2)
+        assert out.stride() == heads["v"].stride() and merged.data_ptr() == out.data_ptr()
+        assert merged._base is not None  # a view, not a copy
+    (o.transpose(1, 2).flatten(-2).sum() + r.transpose(1, 2).flatten(-2).square().sum()).backward()
+    assert grad_strides == {n: t.stride() for n, t in heads.items()}, grad_strides
+
+
 @pytest.mark.skipif(CUDA, reason="on CUDA the autotuner picks the tiles")
 @pytest.mark.parametrize("blocks", [(16, 32), (32, 16)], ids=lambda b: f"M{b[0]}-N{b[1]}")
 def test_unequal_query_and_key_tiles(blocks: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -221,14 +277,21 @@ def test_unequal_query_and_key_tiles(blocks: tuple[int, int], monkeypatch: pytes
 def test_backward_row_term_matches_torch(T: int, D: int, dtype: torch.dtype) -> None:
     """`_bwd_delta_kernel`, delta_i = dO_i . o_i - dlse_i in fp32, against the torch form it replaces: rows in
     several blocks with a padded tail, one feature tile and several (300 = 2 x 128 + a masked 44), with and
-    without an lse gradient."""
+    without an lse gradient; o and dO each head-major (B, H, T, D) or token-major ((B, T, H, D) in memory), read
+    through their strides."""
     gen = torch.Generator(device=DEVICE).manual_seed(T + D)
-    o, do = (torch.randn(2, 3, T, D, generator=gen, device=DEVICE).to(dtype) for _ in range(2))
     dlse = torch.randn(2, 3, T, generator=gen, device=DEVICE)
-    for grad_lse in (None, dlse):
+    def rows(token_major: bool) -> torch.Tensor:
+        shape = (2, T, 3, D) if token_major else (2, 3, T, D)
+        t = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+        return t.transpose(1, 2) if token_major else t
+
+    for grad_lse, o_token, do_token in itertools.product((None, dlse), (False, True), (False, True)):
+        o, do = rows(o_token), rows(do_token)
         delta = torch.full((2, 3, T), float("nan"), device=DEVICE)
         kernels._bwd_delta_kernel[(-(-T // kernels._DELTA_ROWS), 6)](
-            o, do, o if grad_lse is None else grad_lse, delta, T, D, HAS_DLSE=grad_lse is not None,
+            o, do, o if grad_lse is None else grad_lse, delta, *o.stride()[:3], *do.stride()[:3], T, 3, D,
+            HAS_DLSE=grad_lse is not None,
             BLOCK_M=kernels._DELTA_ROWS, BLOCK_D=min(kernels._pad(D), kernels._DELTA_FEATURES),
         )
         want = (o.double() * do.double()).sum(-1) - (0 if grad_lse is None else grad_lse.double())

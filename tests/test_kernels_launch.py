@@ -81,3 +81,48 @@ def test_host_integer_helpers_are_tritons_arithmetic() -> None:
         assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 16, 64, 128, 256):
             assert launch.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def _mix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + 2 * y
+
+
+def _mix_setup(ctx, inputs, output) -> None:
+    pass
+
+
+MIX = launch.register_op("test_launch_mix", _mix, lambda x, y: torch.empty_like(x),
+                         backward=lambda ctx, grad: (grad, 2 * grad), setup_context=_mix_setup)
+
+
+def test_one_tensor_given_twice_compiles() -> None:
+    """Tied values pass one tensor as k and v; Dynamo refuses an autograd.Function given one tensor twice, so
+    a compiled call passes the repeat as a view of it (no copy), and both gradients reach it."""
+    x = torch.randn(4, requires_grad=True)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return MIX(x, x).sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    assert torch.allclose(got, 3 * x.sum())
+    assert torch.equal(torch.autograd.grad(got, x)[0], torch.full_like(x, 3.0))
+
+
+def test_layouts_the_kernels_take_in_place() -> None:
+    """Head-major and token-major (B, H, T, D) tensors go to the kernels as they are; any other layout is
+    copied. Outputs follow the query's layout; gradients, allocated by `torch.empty_like`, their input's."""
+    head = torch.randn(2, 3, 5, 4)
+    token = torch.randn(2, 5, 3, 4).transpose(1, 2)
+    sliced = torch.randn(2, 3, 5, 8)[..., :4]
+    expanded = torch.randn(2, 1, 5, 4).expand(2, 3, 5, 4)
+    assert launch.kernel_layout(head) is head and launch.kernel_layout(token) is token
+    for other in (sliced, expanded, head.transpose(2, 3)):
+        copied = launch.kernel_layout(other)
+        assert copied.is_contiguous() and torch.equal(copied, other)
+    # token-major rows span T * H * D elements: up to 2^31 the kernels' 32-bit row offsets hold, past it a copy
+    fits, huge = (torch.empty(1, T, 128, 128, device="meta").transpose(1, 2) for T in (2**17 - 1, 2**17))
+    assert launch.kernel_layout(fits) is fits and launch.kernel_layout(huge).is_contiguous()
+    assert launch.empty_in_order(token, 6, torch.float16).stride() == (90, 6, 18, 1)
+    assert launch.empty_in_order(head, 6, torch.float16).stride() == (90, 30, 6, 1)
+    assert torch.empty_like(token, dtype=torch.float32).stride() == token.stride()  # what the backward relies on

@@ -103,6 +103,32 @@ def test_generated_copies_run_the_fused_backward(path: str, name: str, monkeypat
     _compare_backends(load(ROOT / "examples" / path).energy(name), name)
 
 
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/mha.energy", "MHA"),
+                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+                                       ("intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"),
+                                       ("cem/alibi.energy", "CEMAlibiAttention")])
+def test_heads_reach_the_kernels_without_copies(path: str, name: str) -> None:
+    """The generated glue splits heads off its projections and merges the kernels' outputs back by views:
+    the kernels read token-major heads through their strides and write token-major outputs, so a forward and
+    backward copies no sequence-long tensor (only weights are reshaped by copy, once)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    T = 13
+    copies = []
+
+    class RecordCopies(TorchDispatchMode):  # sees the glue's aten ops; a custom op's body runs below it
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default) and T in args[0].shape:
+                copies.append((str(func), tuple(args[0].shape)))
+            return func(*args, **(kwargs or {}))
+
+    module = load(ROOT / "examples" / path).module(name, backend="triton").to(DEVICE)
+    x = torch.randn(2, T, *module.state_shape, device=DEVICE, requires_grad=True)
+    with RecordCopies():
+        module(x).square().sum().backward()
+    assert not copies, copies
+
+
 # CEM's exact diagonal term at widths above 256: the score's concatenated features are d wide
 # (kq-diagonal-exact: keys and values d wide) or d/heads + d (the model's attention, with ALiBi and self bias)
 WIDE = [

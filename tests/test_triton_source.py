@@ -395,7 +395,7 @@ for req in requests:
                           REVERSE=True, FEATURE_LOOP=True, DQ_ATOMIC=True)
             consts = {p.name: values[p.name] for p in copy.params if p.is_constexpr}
             ints = {"T", "H", "D_QK", "D_V", "N", "T_TUNE"} | ({"K", "V"} if req.family == "linear" else set())
-            sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints
+            sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints or p.name.startswith("stride_")
                    else "fp32" if p.name == "scale" else "*fp32" for p in copy.params}
             triton.compile(ASTSource(copy, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 4, "num_stages": 2})

@@ -34,6 +34,8 @@ from .launch import (
     INTERPRET,
     cdiv,
     dot_precision,
+    empty_in_order,
+    kernel_layout,
     launch_options,
     maybe_autotune,
     next_power_of_2,
@@ -98,6 +100,13 @@ def _flags(
         HAS_KB=key_b is not None,
         DOT_PREC=dot_precision(q.dtype),
     )
+
+
+def _strides(q: Tensor, k: Tensor, v: Tensor, u: Tensor | None, last: Tensor) -> tuple[int, ...]:
+    """The kernels' stride arguments: the batch, head and row strides of q, k, v, u (q's stand in without a
+    second moment) and `last`, the output in the forward and its gradient in the backward."""
+    return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *(q if u is None else u).stride()[:3],
+            *last.stride()[:3])
 
 
 def _unbaked(meta: dict, baked: dict[str, Any]) -> dict:
@@ -231,6 +240,7 @@ class AttentionOps:
             dummy if alibi is None else alibi,
             dummy if self_b is None else self_b,
             dummy if key_b is None else key_b,
+            *_strides(q, k, v, u, out),
             scale,
             T,
             H,
@@ -253,7 +263,7 @@ class AttentionOps:
             key_bias: Tensor | None,
         ) -> tuple[Tensor, Tensor]:
             B, H, T, _ = q.shape
-            o = torch.empty((B, H, T, v.shape[-1]), dtype=v.dtype, device=v.device)
+            o = empty_in_order(q, v.shape[-1], v.dtype)
             lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
             self._launch_fwd(q, k, v, None, None, o, lse, scale, strict, alibi_slopes, self_bias, key_bias)
             return o, lse
@@ -273,7 +283,7 @@ class AttentionOps:
             self_bias: Tensor | None,
             key_bias: Tensor | None,
         ) -> Tensor:
-            r = torch.empty(u.shape, dtype=v.dtype, device=v.device)
+            r = torch.empty_like(u, dtype=v.dtype)
             self._launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
             return r
 
@@ -311,13 +321,13 @@ class AttentionOps:
             # second moment); a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
             delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
             wrap_triton(_bwd_delta_kernel)[(cdiv(T, _DELTA_ROWS), B * H)](
-                out, do, q if dlse is None else dlse, delta, T, Dv, HAS_DLSE=dlse is not None,
+                out, do, q if dlse is None else dlse, delta, *out.stride()[:3], *do.stride()[:3], T, H, Dv,
+                HAS_DLSE=dlse is not None,
                 BLOCK_M=_DELTA_ROWS, BLOCK_D=min(_pad(Dv), _DELTA_FEATURES),
             )
             # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
             out_dtype = torch.float32 if self.wide else None
-            dk = torch.empty_like(k, dtype=out_dtype)
-            dv = torch.empty_like(v, dtype=out_dtype)
+            dk, dv = torch.empty_like(k, dtype=out_dtype), torch.empty_like(v, dtype=out_dtype)  # k's, v's layouts
 
             def cols(need: bool) -> Tensor:
                 return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
@@ -330,7 +340,7 @@ class AttentionOps:
             head = (q, k, v, u if second else dummy, do, lse, delta)
             biases = (dummy if alibi_slopes is None else alibi_slopes, dummy if self_bias is None else self_bias,
                       dummy if key_bias is None else key_bias)
-            sizes = (scale, T, H, Dqk, Dv, tune_bucket(T))
+            sizes = (*_strides(q, k, v, u, do), scale, T, H, Dqk, Dv, tune_bucket(T))
 
             def dkdv_kernel(kernel: Any, *dq_sums: Tensor, **mode: bool) -> None:
                 """dK, dV and the bias columns; narrow kernels also take the fp32 dQ (and dU) sums of DQ_ATOMIC"""
@@ -353,8 +363,8 @@ class AttentionOps:
                 return dq, du
 
             def fused() -> tuple[Tensor, Tensor]:
-                dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-                du = torch.zeros(u.shape, dtype=torch.float32, device=u.device) if second else q.new_empty(0)
+                dq = torch.zeros_like(q, dtype=torch.float32)
+                du = torch.zeros_like(u, dtype=torch.float32) if second else q.new_empty(0)
                 dkdv_kernel(self._dkdv_fused, dq, du if second else dummy, **launch_options(DQ_ATOMIC=True))
                 return dq.to(q.dtype), du.to(u.dtype) if second else du
 
@@ -374,7 +384,7 @@ class AttentionOps:
         need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
         dlse = None if dlse is None else dlse.float().contiguous()
         dq, dk, dv, _, dkb, ddiag, ddist = self._bwd_op(
-            do.contiguous(), q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+            kernel_layout(do), q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
         return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
 
@@ -382,7 +392,7 @@ class AttentionOps:
         q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
         dq, dk, dv, du, dkb, ddiag, ddist = self._bwd_op(
-            dr.contiguous(), q, k, v, u, lse, r, None, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+            kernel_layout(dr), q, k, v, u, lse, r, None, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
         # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
         # biases is already in dS above, so it receives no gradient of its own.
@@ -401,7 +411,8 @@ class AttentionOps:
         self_bias: Tensor | None,
         key_bias: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-        """Validate shapes early (a kernel would silently read out of bounds) and make everything contiguous."""
+        """Validate shapes early (a kernel would silently read out of bounds); q, k and v in a layout the kernels
+        take (`kernel_layout`: a permuted view needs no copy), the biases contiguous."""
         if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
             raise ValueError(
                 f"expected q, k (B, H, T, Dk) and v (B, H, T, Dv); got {q.shape}, {k.shape}, {v.shape}"
@@ -428,7 +439,8 @@ class AttentionOps:
         def c(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.contiguous()
 
-        return q.contiguous(), k.contiguous(), v.contiguous(), c(alibi_slopes), c(self_bias), c(key_bias)
+        k, v = (kernel_layout(k),) * 2 if v is k else (kernel_layout(k), kernel_layout(v))  # tied: one copy at most
+        return kernel_layout(q), k, v, c(alibi_slopes), c(self_bias), c(key_bias)
 
     def energy_attention_with_lse(
         self,
@@ -534,18 +546,18 @@ class AttentionOps:
             raise ValueError(f"lse must have shape {tuple(q.shape[:3])}; got {tuple(lse.shape)}")
         lse = lse.detach().float().contiguous()
         return self._second_fwd_op(
-            q, k, v, lse, u.contiguous(), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
+            q, k, v, lse, kernel_layout(u), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
         )
 
 
 # Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops.
 def _fake_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
     B, H, T, _d = q.shape
-    return q.new_empty((B, H, T, v.shape[-1]), dtype=v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
+    return empty_in_order(q, v.shape[-1], v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 def _fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> Tensor:
-    return u.new_empty(u.shape, dtype=v.dtype)
+    return torch.empty_like(u, dtype=v.dtype)
 
 
 def _fake_bwd(

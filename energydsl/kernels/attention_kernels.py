@@ -29,6 +29,11 @@ mask (MASKED=False), then over the blocks the diagonal crosses; and scores are k
 term times log2 e), so that softmax weights are one exp2 each. lse is stored in natural units.
 `benchmarks/kernel_resources.py` counts the instructions per block of each loop on sm_90.
 
+Every (B, H, T, D) tensor is read and written through its batch, head and row strides (`stride_*`), the
+features adjacent: heads split off a (B, T, H * D) projection arrive as a permuted view and are read in
+place, and the output of such queries is written token-major (`launch.kernel_layout`, `empty_in_order`).
+Gradients share their inputs' strides; the output's gradient has its own.
+
 These are templates: `attention.GENERIC` launches them with every flag chosen at launch, and the triton
 code generator (energydsl/codegen/triton_source.py) reads this file's text and writes copies into each
 generated module with the flags its energy fixes baked in and dead branches removed.
@@ -135,6 +140,21 @@ def _fwd_kernel(
     ALIBI,
     SELF_B,
     KEY_B,
+    stride_qb,  # batch, head and row strides of q; the feature stride is 1
+    stride_qh,
+    stride_qt,
+    stride_kb,  # of k
+    stride_kh,
+    stride_kt,
+    stride_vb,  # of v
+    stride_vh,
+    stride_vt,
+    stride_ub,  # of u; unused unless SECOND
+    stride_uh,
+    stride_ut,
+    stride_ob,  # of the output (o or r)
+    stride_oh,
+    stride_ot,
     scale,
     T,
     H,
@@ -159,14 +179,20 @@ def _fwd_kernel(
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
     h = bh % H
+    Qh = Q + b * stride_qb + h * stride_qh  # this (batch, head)'s rows, in any layout
+    Kh = K + b * stride_kb + h * stride_kh
+    Vh = V + b * stride_vb + h * stride_vh
+    Uh = U + b * stride_ub + h * stride_uh
+    Oh = O + b * stride_ob + h * stride_oh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < T
     # padded head dims load as 0, which leaves every dot product unchanged
     q = tl.load(
-        Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
         mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
         other=0.0,
     )
@@ -181,7 +207,7 @@ def _fwd_kernel(
         self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if SECOND:
         u = tl.load(
-            U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            Uh + offs_m[:, None] * stride_ut + offs_dv[None, :],
             mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
             other=0.0,
         )
@@ -197,12 +223,12 @@ def _fwd_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T
             k = tl.load(
-                K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+                Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
                 mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
                 other=0.0,
             )
             v = tl.load(
-                V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+                Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
                 mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
                 other=0.0,
             )
@@ -238,7 +264,7 @@ def _fwd_kernel(
         lse_out = (m_i + tl.log2(l_safe)) * 0.6931471805599453
         tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, lse_out), mask=row_ok)
     tl.store(
-        O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        Oh + offs_m[:, None] * stride_ot + offs_dv[None, :],
         out.to(O.dtype.element_ty),
         mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
     )
@@ -263,6 +289,21 @@ def _bwd_dkdv_kernel(
     DKB,
     DDIAG,
     DDIST,
+    stride_qb,  # batch, head and row strides of q (and of dq); the feature stride is 1
+    stride_qh,
+    stride_qt,
+    stride_kb,  # of k (and dk)
+    stride_kh,
+    stride_kt,
+    stride_vb,  # of v (and dv)
+    stride_vh,
+    stride_vt,
+    stride_ub,  # of u (and du); unused unless SECOND
+    stride_uh,
+    stride_ut,
+    stride_dob,  # of the output's gradient dO (or dr)
+    stride_doh,
+    stride_dot,
     scale,
     T,
     H,
@@ -294,18 +335,28 @@ def _bwd_dkdv_kernel(
     """
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
     h = bh % H
+    Qh = Q + b * stride_qb + h * stride_qh  # this (batch, head)'s rows, in any layout
+    Kh = K + b * stride_kb + h * stride_kh
+    Vh = V + b * stride_vb + h * stride_vh
+    Uh = U + b * stride_ub + h * stride_uh
+    DOh = DO + b * stride_dob + h * stride_doh
+    DKh = DK + b * stride_kb + h * stride_kh  # gradients have their inputs' strides
+    DVh = DV + b * stride_vb + h * stride_vh
+    DQh = DQ_ACC + b * stride_qb + h * stride_qh
+    DUh = DU_ACC + b * stride_ub + h * stride_uh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < T
     k = tl.load(
-        K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+        Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
         mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
         other=0.0,
     )
     v = tl.load(
-        V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+        Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
         mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
         other=0.0,
     )
@@ -336,12 +387,12 @@ def _bwd_dkdv_kernel(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
             q = tl.load(
-                Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+                Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
                 mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
                 other=0.0,
             )
             do = tl.load(
-                DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
                 other=0.0,
             )
@@ -356,7 +407,7 @@ def _bwd_dkdv_kernel(
             p = tl.exp2(s - lse[None, :])  # recomputed softmax p_ij at [j, i], 0 outside the mask
             if SECOND:
                 u = tl.load(
-                    U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                    Uh + offs_m[:, None] * stride_ut + offs_dv[None, :],
                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
                     other=0.0,
                 )
@@ -374,7 +425,7 @@ def _bwd_dkdv_kernel(
             if DQ_ATOMIC:  # unused results and relaxed order: vector reductions (RED) on sm_90, no fences
                 dq = tl.dot(tl.trans(ds.to(k.dtype)), k, input_precision=DOT_PREC) * scale
                 tl.atomic_add(
-                    DQ_ACC + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+                    DQh + offs_m[:, None] * stride_qt + offs_dk[None, :],
                     dq,
                     mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
                     sem="relaxed",
@@ -382,7 +433,7 @@ def _bwd_dkdv_kernel(
                 if SECOND:  # dU_i = sum_j p_ij (dr_i . v_j) v_j
                     du = tl.dot(tl.trans((p * g).to(v.dtype)), v, input_precision=DOT_PREC)
                     tl.atomic_add(
-                        DU_ACC + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+                        DUh + offs_m[:, None] * stride_ut + offs_dv[None, :],
                         du,
                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
                         sem="relaxed",
@@ -399,12 +450,12 @@ def _bwd_dkdv_kernel(
     if SECOND:
         dv += dv_u
     tl.store(
-        DK + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+        DKh + offs_n[:, None] * stride_kt + offs_dk[None, :],
         dk.to(DK.dtype.element_ty),
         mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
     )
     tl.store(
-        DV + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+        DVh + offs_n[:, None] * stride_vt + offs_dv[None, :],
         dv.to(DV.dtype.element_ty),
         mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
     )
@@ -430,6 +481,21 @@ def _bwd_dq_kernel(
     ALIBI,
     SELF_B,
     KEY_B,
+    stride_qb,  # batch, head and row strides of q (and of dq); the feature stride is 1
+    stride_qh,
+    stride_qt,
+    stride_kb,  # of k (and dk)
+    stride_kh,
+    stride_kt,
+    stride_vb,  # of v (and dv)
+    stride_vh,
+    stride_vt,
+    stride_ub,  # of u (and du); unused unless SECOND
+    stride_uh,
+    stride_ut,
+    stride_dob,  # of the output's gradient dO (or dr)
+    stride_doh,
+    stride_dot,
     scale,
     T,
     H,
@@ -453,18 +519,26 @@ def _bwd_dq_kernel(
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
     h = bh % H
+    Qh = Q + b * stride_qb + h * stride_qh  # this (batch, head)'s rows, in any layout
+    Kh = K + b * stride_kb + h * stride_kh
+    Vh = V + b * stride_vb + h * stride_vh
+    Uh = U + b * stride_ub + h * stride_uh
+    DOh = DO + b * stride_dob + h * stride_doh
+    DQh = DQ + b * stride_qb + h * stride_qh  # gradients have their inputs' strides
+    DUh = DU + b * stride_ub + h * stride_uh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < T
     q = tl.load(
-        Q + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
         mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
         other=0.0,
     )
     do = tl.load(
-        DO + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
         mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
         other=0.0,
     )
@@ -481,7 +555,7 @@ def _bwd_dq_kernel(
         self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     if SECOND:
         u = tl.load(
-            U + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            Uh + offs_m[:, None] * stride_ut + offs_dv[None, :],
             mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
             other=0.0,
         )
@@ -494,12 +568,12 @@ def _bwd_dq_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T
             k = tl.load(
-                K + bh * T * D_QK + offs_n[:, None] * D_QK + offs_dk[None, :],
+                Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
                 mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
                 other=0.0,
             )
             v = tl.load(
-                V + bh * T * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+                Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
                 mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
                 other=0.0,
             )
@@ -522,13 +596,13 @@ def _bwd_dq_kernel(
 
     dq = dq * scale
     tl.store(
-        DQ + bh * T * D_QK + offs_m[:, None] * D_QK + offs_dk[None, :],
+        DQh + offs_m[:, None] * stride_qt + offs_dk[None, :],
         dq.to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
     )
     if SECOND:
         tl.store(
-            DU + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+            DUh + offs_m[:, None] * stride_ut + offs_dv[None, :],
             du.to(DU.dtype.element_ty),
             mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
         )
@@ -540,7 +614,14 @@ def _bwd_delta_kernel(
     DO,
     DLSE,
     DELTA,
+    stride_ob,  # batch, head and row strides of the output
+    stride_oh,
+    stride_ot,
+    stride_dob,  # and of its gradient
+    stride_doh,
+    stride_dot,
     T,
+    H,
     D,
     HAS_DLSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -554,14 +635,17 @@ def _bwd_delta_kernel(
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    Oh = O + b * stride_ob + h * stride_oh
+    DOh = DO + b * stride_dob + h * stride_doh
     row_ok = offs_m < T
     delta = tl.zeros([BLOCK_M], tl.float32)
     for start_d in range(0, D, BLOCK_D):
         offs_d = start_d + tl.arange(0, BLOCK_D)
-        offs = bh * T * D + offs_m[:, None] * D + offs_d[None, :]
         ok = row_ok[:, None] & (offs_d[None, :] < D)
-        o = tl.load(O + offs, mask=ok, other=0.0).to(tl.float32)
-        do = tl.load(DO + offs, mask=ok, other=0.0).to(tl.float32)
+        o = tl.load(Oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
         delta += tl.sum(o * do, axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + bh * T + offs_m, mask=row_ok, other=0.0)

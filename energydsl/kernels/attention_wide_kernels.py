@@ -31,6 +31,8 @@ def _tile_dots(
     B,
     rows_a,
     rows_b,
+    stride_a,
+    stride_b,
     ok_a,
     ok_b,
     D,
@@ -41,29 +43,31 @@ def _tile_dots(
 ):
     """(BLOCK_A, BLOCK_B) fp32 tile of A[rows_a] . B[rows_b], summed over feature tiles of BLOCK_D.
 
-    A and B point at one (batch, head)'s row-major (T, D) matrix; masked rows and features load as 0.
+    A and B point at one (batch, head)'s (T, D) rows, `stride_a` and `stride_b` apart (features adjacent);
+    masked rows and features load as 0.
     """
     acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        a = tl.load(A + rows_a[:, None] * D + offs_d[None, :], mask=ok_a[:, None] & d_ok[None, :], other=0.0)
-        b = tl.load(B + rows_b[:, None] * D + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
+        a = tl.load(A + rows_a[:, None] * stride_a + offs_d[None, :], mask=ok_a[:, None] & d_ok[None, :], other=0.0)
+        b = tl.load(B + rows_b[:, None] * stride_b + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(b), input_precision=DOT_PREC)
     return acc
 
 
 @triton.jit
-def _zero_rows(OUT, rows, ok, D, BLOCK_D: tl.constexpr):
-    """OUT[rows, :D] = 0 (OUT: one (batch, head)'s row-major (T, D) fp32 matrix)."""
+def _zero_rows(OUT, rows, stride, ok, D, BLOCK_D: tl.constexpr):
+    """OUT[rows, :D] = 0 (OUT: one (batch, head)'s fp32 rows, `stride` apart)."""
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        tl.store(OUT + rows[:, None] * D + offs_d[None, :], tl.zeros([rows.shape[0], BLOCK_D], tl.float32),
+        tl.store(OUT + rows[:, None] * stride + offs_d[None, :], tl.zeros([rows.shape[0], BLOCK_D], tl.float32),
                  mask=ok[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
-def _add_products(OUT, rows_out, ok_out, A, B, rows_b, ok_b, D, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+def _add_products(OUT, rows_out, stride_out, ok_out, A, B, rows_b, stride_b, ok_b, D, BLOCK_D: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
     """OUT[rows_out, :D] += A @ B[rows_b, :D] in fp32, one feature tile at a time (read, add, write back).
 
     The FEATURE_LOOP backward's accumulation: A (a dS or p tile) is computed once and applied to every
@@ -72,8 +76,8 @@ def _add_products(OUT, rows_out, ok_out, A, B, rows_b, ok_b, D, BLOCK_D: tl.cons
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        b = tl.load(B + rows_b[:, None] * D + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
-        out = OUT + rows_out[:, None] * D + offs_d[None, :]
+        b = tl.load(B + rows_b[:, None] * stride_b + offs_d[None, :], mask=ok_b[:, None] & d_ok[None, :], other=0.0)
+        out = OUT + rows_out[:, None] * stride_out + offs_d[None, :]
         out_ok = ok_out[:, None] & d_ok[None, :]
         acc = tl.load(out, mask=out_ok, other=0.0)
         acc += tl.dot(A.to(b.dtype), b, input_precision=DOT_PREC)
@@ -92,6 +96,21 @@ def _fwd_wide_kernel(
     ALIBI,
     SELF_B,
     KEY_B,
+    stride_qb,  # batch, head and row strides of q, k, v, u and the output (the backward: the output's gradient),
+    stride_qh,  # as in `_fwd_kernel`; gradients have their inputs' strides
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ub,
+    stride_uh,
+    stride_ut,
+    stride_ob,
+    stride_oh,
+    stride_ot,
     scale,
     T,
     H,
@@ -115,9 +134,11 @@ def _fwd_wide_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
+    b = bh // H
     h = bh % H
-    Qh, Kh = Q + bh * T * D_QK, K + bh * T * D_QK
-    Vh, Uh = V + bh * T * D_V, U + bh * T * D_V
+    Qh, Kh = Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh
+    Vh, Uh = V + b * stride_vb + h * stride_vh, U + b * stride_ub + h * stride_uh
+    Oh = O + b * stride_ob + h * stride_oh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
@@ -141,17 +162,19 @@ def _fwd_wide_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = offs_n < T
-            v = tl.load(Vh + offs_n[:, None] * D_V + offs_dv[None, :], mask=col_ok[:, None] & dv_ok[None, :],
+            v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :], mask=col_ok[:, None] & dv_ok[None, :],
                         other=0.0)
             kb = 0.0
             if HAS_KB:
                 kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            qk = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt,
+                            row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             if SECOND:
                 p = tl.exp2(s - lse[:, None])
-                w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                w = _tile_dots(Uh, Vh, offs_m, offs_n, stride_ut, stride_vt,
+                               row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
                 acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -172,7 +195,7 @@ def _fwd_wide_kernel(
             lse_out = (m_i + tl.log2(l_safe)) * 0.6931471805599453
             tl.store(LSE + bh * T + offs_m, tl.where(empty, 0.0, lse_out), mask=row_ok)
     tl.store(
-        O + bh * T * D_V + offs_m[:, None] * D_V + offs_dv[None, :],
+        Oh + offs_m[:, None] * stride_ot + offs_dv[None, :],
         out.to(O.dtype.element_ty),
         mask=row_ok[:, None] & dv_ok[None, :],
     )
@@ -195,6 +218,21 @@ def _bwd_dkdv_wide_kernel(
     DKB,
     DDIAG,
     DDIST,
+    stride_qb,  # batch, head and row strides of q, k, v, u and the output (the backward: the output's gradient),
+    stride_qh,  # as in `_fwd_kernel`; gradients have their inputs' strides
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ub,
+    stride_uh,
+    stride_ut,
+    stride_dob,
+    stride_doh,
+    stride_dot,
     scale,
     T,
     H,
@@ -227,9 +265,11 @@ def _bwd_dkdv_wide_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
+    b = bh // H
     h = bh % H
-    Qh, Kh = Q + bh * T * D_QK, K + bh * T * D_QK
-    Vh, Uh, DOh = V + bh * T * D_V, U + bh * T * D_V, DO + bh * T * D_V
+    Qh, Kh = Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh
+    Vh, Uh = V + b * stride_vb + h * stride_vh, U + b * stride_ub + h * stride_uh
+    DOh = DO + b * stride_dob + h * stride_doh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = offs_n < T
@@ -247,10 +287,10 @@ def _bwd_dkdv_wide_kernel(
     if HAS_KB:
         kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
-    DKh, DVh = DK + bh * T * D_QK, DV + bh * T * D_V
+    DKh, DVh = DK + b * stride_kb + h * stride_kh, DV + b * stride_vb + h * stride_vh
     if FEATURE_LOOP:
-        _zero_rows(DKh, offs_n, col_ok, D_QK, BLOCK_D)
-        _zero_rows(DVh, offs_n, col_ok, D_V, BLOCK_D)
+        _zero_rows(DKh, offs_n, stride_kt, col_ok, D_QK, BLOCK_D)
+        _zero_rows(DVh, offs_n, stride_vt, col_ok, D_V, BLOCK_D)
         tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -267,13 +307,16 @@ def _bwd_dkdv_wide_kernel(
             lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
             # keys x queries, as in _bwd_dkdv_kernel: p and dS enter dV and dK untransposed
-            qk = _tile_dots(Kh, Qh, offs_n, offs_m, col_ok, row_ok, D_QK, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
+            qk = _tile_dots(Kh, Qh, offs_n, offs_m, stride_kt, stride_qt,
+                            col_ok, row_ok, D_QK, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked, KEYS_FIRST=True)
             p = tl.exp2(s - lse[None, :])
-            g = _tile_dots(Vh, DOh, offs_n, offs_m, col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
+            g = _tile_dots(Vh, DOh, offs_n, offs_m, stride_vt, stride_dot,
+                           col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
             if SECOND:
-                w = _tile_dots(Vh, Uh, offs_n, offs_m, col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
+                w = _tile_dots(Vh, Uh, offs_n, offs_m, stride_vt, stride_ut,
+                               col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC)
                 dp = w * g
                 pv = p * w  # dV_j's weights on dr_i, and p * g those on u_i (see _bwd_dkdv_kernel)
             else:
@@ -281,20 +324,23 @@ def _bwd_dkdv_wide_kernel(
                 pv = p
             ds = p * (dp - delta[None, :])
             if FEATURE_LOOP:
-                _add_products(DKh, offs_n, col_ok, ds * scale, Qh, offs_m, row_ok, D_QK, BLOCK_D, DOT_PREC)
-                _add_products(DVh, offs_n, col_ok, pv, DOh, offs_m, row_ok, D_V, BLOCK_D, DOT_PREC)
+                _add_products(DKh, offs_n, stride_kt, col_ok, ds * scale, Qh, offs_m, stride_qt,
+                              row_ok, D_QK, BLOCK_D, DOT_PREC)
+                _add_products(DVh, offs_n, stride_vt, col_ok, pv, DOh, offs_m, stride_dot,
+                              row_ok, D_V, BLOCK_D, DOT_PREC)
                 if SECOND:
                     tl.debug_barrier()  # DV's first sums are written before it is read again
-                    _add_products(DVh, offs_n, col_ok, p * g, Uh, offs_m, row_ok, D_V, BLOCK_D, DOT_PREC)
+                    _add_products(DVh, offs_n, stride_vt, col_ok, p * g, Uh, offs_m, stride_ut,
+                                  row_ok, D_V, BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # this block's sums are written before the next block reads them
             else:
-                q = tl.load(Qh + offs_m[:, None] * D_QK + offs_d[None, :],
+                q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_d[None, :],
                             mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-                do = tl.load(DOh + offs_m[:, None] * D_V + offs_d[None, :],
+                do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :],
                              mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
                 dv += tl.dot(pv.to(do.dtype), do, input_precision=DOT_PREC)
                 if SECOND:
-                    u = tl.load(Uh + offs_m[:, None] * D_V + offs_d[None, :],
+                    u = tl.load(Uh + offs_m[:, None] * stride_ut + offs_d[None, :],
                                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
                     dv_u += tl.dot((p * g).to(u.dtype), u, input_precision=DOT_PREC)
                 dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
@@ -309,9 +355,9 @@ def _bwd_dkdv_wide_kernel(
     if not FEATURE_LOOP:
         if SECOND:
             dv += dv_u
-        tl.store(DKh + offs_n[:, None] * D_QK + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+        tl.store(DKh + offs_n[:, None] * stride_kt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
                  mask=col_ok[:, None] & dk_ok[None, :])
-        tl.store(DVh + offs_n[:, None] * D_V + offs_d[None, :], dv.to(DV.dtype.element_ty),
+        tl.store(DVh + offs_n[:, None] * stride_vt + offs_d[None, :], dv.to(DV.dtype.element_ty),
                  mask=col_ok[:, None] & dv_ok[None, :])
     if tile == 0:
         if NEED_KB:
@@ -336,6 +382,21 @@ def _bwd_dq_wide_kernel(
     ALIBI,
     SELF_B,
     KEY_B,
+    stride_qb,  # batch, head and row strides of q, k, v, u and the output (the backward: the output's gradient),
+    stride_qh,  # as in `_fwd_kernel`; gradients have their inputs' strides
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ub,
+    stride_uh,
+    stride_ut,
+    stride_dob,
+    stride_doh,
+    stride_dot,
     scale,
     T,
     H,
@@ -359,9 +420,11 @@ def _bwd_dq_wide_kernel(
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
+    b = bh // H
     h = bh % H
-    Qh, Kh = Q + bh * T * D_QK, K + bh * T * D_QK
-    Vh, Uh, DOh = V + bh * T * D_V, U + bh * T * D_V, DO + bh * T * D_V
+    Qh, Kh = Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh
+    Vh, Uh = V + b * stride_vb + h * stride_vh, U + b * stride_ub + h * stride_uh
+    DOh = DO + b * stride_dob + h * stride_doh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
@@ -377,11 +440,11 @@ def _bwd_dq_wide_kernel(
         slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
         self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
-    DQh, DUh = DQ + bh * T * D_QK, DU + bh * T * D_V
+    DQh, DUh = DQ + b * stride_qb + h * stride_qh, DU + b * stride_ub + h * stride_uh
     if FEATURE_LOOP:
-        _zero_rows(DQh, offs_m, row_ok, D_QK, BLOCK_D)
+        _zero_rows(DQh, offs_m, stride_qt, row_ok, D_QK, BLOCK_D)
         if SECOND:
-            _zero_rows(DUh, offs_m, row_ok, D_V, BLOCK_D)
+            _zero_rows(DUh, offs_m, stride_ut, row_ok, D_V, BLOCK_D)
         tl.debug_barrier()
     if SECOND:
         du = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -394,34 +457,39 @@ def _bwd_dq_wide_kernel(
             kb = 0.0
             if HAS_KB:
                 kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            qk = _tile_dots(Qh, Kh, offs_m, offs_n, row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            qk = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt,
+                            row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             p = tl.exp2(s - lse[:, None])
-            g = _tile_dots(DOh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            g = _tile_dots(DOh, Vh, offs_m, offs_n, stride_dot, stride_vt,
+                           row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             if SECOND:
-                w = _tile_dots(Uh, Vh, offs_m, offs_n, row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                w = _tile_dots(Uh, Vh, offs_m, offs_n, stride_ut, stride_vt,
+                               row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
                 dp = w * g
             else:
                 dp = g
             ds = p * (dp - delta[:, None])
             if FEATURE_LOOP:
-                _add_products(DQh, offs_m, row_ok, ds * scale, Kh, offs_n, col_ok, D_QK, BLOCK_D, DOT_PREC)
+                _add_products(DQh, offs_m, stride_qt, row_ok, ds * scale, Kh, offs_n, stride_kt,
+                              col_ok, D_QK, BLOCK_D, DOT_PREC)
                 if SECOND:
-                    _add_products(DUh, offs_m, row_ok, p * g, Vh, offs_n, col_ok, D_V, BLOCK_D, DOT_PREC)
+                    _add_products(DUh, offs_m, stride_ut, row_ok, p * g, Vh, offs_n, stride_vt,
+                                  col_ok, D_V, BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # as in _bwd_dkdv_wide_kernel
             else:
-                k = tl.load(Kh + offs_n[:, None] * D_QK + offs_d[None, :],
+                k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_d[None, :],
                             mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
                 if SECOND:
-                    v = tl.load(Vh + offs_n[:, None] * D_V + offs_d[None, :],
+                    v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_d[None, :],
                                 mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
                     du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
 
     if not FEATURE_LOOP:
-        tl.store(DQh + offs_m[:, None] * D_QK + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        tl.store(DQh + offs_m[:, None] * stride_qt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & dk_ok[None, :])
         if SECOND:
-            tl.store(DUh + offs_m[:, None] * D_V + offs_d[None, :], du.to(DU.dtype.element_ty),
+            tl.store(DUh + offs_m[:, None] * stride_ut + offs_d[None, :], du.to(DU.dtype.element_ty),
                      mask=row_ok[:, None] & dv_ok[None, :])

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import triton
+from torch import Tensor
 from torch.library import wrap_triton  # the launch wrapper triton_op discovers kernels by (name kept)
 
 from .tuning import autotune_options
@@ -26,6 +27,8 @@ __all__ = [
     "INTERPRET",
     "cdiv",
     "dot_precision",
+    "empty_in_order",
+    "kernel_layout",
     "launch_options",
     "maybe_autotune",
     "next_power_of_2",
@@ -88,9 +91,27 @@ def register_op(
                     {"forward": staticmethod(forward), "backward": staticmethod(differentiate)})
 
     def call(*args: Any) -> Any:
-        return function.apply(*args) if torch.is_grad_enabled() else op(*args)  # no graph: the op alone
+        if not torch.is_grad_enabled():
+            return op(*args)  # no graph: the op alone
+        if torch.compiler.is_compiling():
+            args = _distinct(args)
+        return function.apply(*args)
 
     return call
+
+
+def _distinct(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """args with each repeated tensor (tied values: v is k) replaced by a view of it, which costs no copy:
+    Dynamo refuses to trace an autograd.Function given one tensor as two inputs."""
+    seen: set[int] = set()
+    out = []
+    for arg in args:
+        if isinstance(arg, Tensor):
+            if id(arg) in seen:
+                arg = arg.view_as(arg)
+            seen.add(id(arg))
+        out.append(arg)
+    return tuple(out)
 
 
 def maybe_autotune(configs: list[triton.Config], key: list[str]) -> Callable[[Any], Any]:
@@ -133,3 +154,31 @@ def next_power_of_2(n: int) -> int:
     for shift in (1, 2, 4, 8, 16, 32):
         n |= n >> shift
     return n + 1
+
+
+# Layouts. The attention kernels address each (B, H, T, D) tensor through its batch, head and row strides, with
+# the features adjacent. They take two layouts without a copy: head-major (contiguous) and token-major, a
+# (B, H, T, D) view of a contiguous (B, T, H, D) tensor, which is how heads split off a (B, T, H * D)
+# projection arrive; for token-major queries the output is written token-major, so that merging its heads
+# back is a view too. Gradients are allocated with `torch.empty_like`, which keeps the strides of such a
+# dense tensor, so a gradient has its input's layout and is written through the input's strides.
+
+
+def kernel_layout(t: Tensor) -> Tensor:
+    """t itself if it is head-major or token-major, else a contiguous copy. Also a copy where token-major rows
+    would overflow the kernels' 32-bit row offsets (T * H * D elements past 2^31); head-major rows are D apart."""
+    if t.is_contiguous():
+        return t
+    B, H, T, D = t.shape
+    if t.stride() == (T * H * D, D, H * D, 1) and T * H * D < 2**31:  # token-major, read off the strides
+        return t
+    return t.contiguous()
+
+
+def empty_in_order(like: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised (B, H, T, width) tensor, token-major if `like` (as `kernel_layout` returns it) is."""
+    B, H, T, _ = like.shape
+    if like.is_contiguous():
+        return torch.empty((B, H, T, width), dtype=dtype, device=like.device)
+    return torch.empty_strided((B, H, T, width), (T * H * width, width, H * width, 1), dtype=dtype,
+                               device=like.device)
