@@ -104,8 +104,8 @@ def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torc
 
 def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
     """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
-    off a projection arrive, which the kernels read through its strides) or sliced (every other column block of
-    a wider tensor: neither layout, so copied before the kernels)."""
+    off a projection arrive, which the kernels read through its strides) or sliced (the first D columns of a
+    wider tensor: neither layout, so copied before the kernels)."""
     if layout == "token":
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     if layout == "sliced":
@@ -281,6 +281,7 @@ def test_backward_row_term_matches_torch(T: int, D: int, dtype: torch.dtype) -> 
     through their strides."""
     gen = torch.Generator(device=DEVICE).manual_seed(T + D)
     dlse = torch.randn(2, 3, T, generator=gen, device=DEVICE)
+
     def rows(token_major: bool) -> torch.Tensor:
         shape = (2, T, 3, D) if token_major else (2, 3, T, D)
         t = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
