@@ -3,7 +3,7 @@
 The emitter hoists what the IR marks as state-independent (a `let`, the context's keys and their layout). The
 lowering rules also write lines of their own around a sum, and some read only parameters and hoisted values:
 a constrained weight (`softplus(P_d)`), a transposed projection, the concatenated key features of CEM's
-diagonal term and their (B, H, T, D) copy. In a `steps T` loop each would run T times, forward and backward.
+diagonal term and their (B, H, T, D) layout. In a `steps T` loop each would run T times, forward and backward.
 This pass moves such lines before the loop, on the generated lines themselves: a line is invariant when it
 reads no name that the steps change. Every line is a pure assignment (the generated code has no randomness
 and no in-place updates), so moving it changes no value.

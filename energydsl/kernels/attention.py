@@ -340,7 +340,8 @@ class AttentionOps:
             head = (q, k, v, u if second else dummy, do, lse, delta)
             biases = (dummy if alibi_slopes is None else alibi_slopes, dummy if self_bias is None else self_bias,
                       dummy if key_bias is None else key_bias)
-            sizes = (*_strides(q, k, v, u, do), scale, T, H, Dqk, Dv, tune_bucket(T))
+            bucket = tune_bucket(T)
+            sizes = (*_strides(q, k, v, u, do), scale, T, H, Dqk, Dv, bucket)
 
             def dkdv_kernel(kernel: Any, *dq_sums: Tensor, **mode: bool) -> None:
                 """dK, dV and the bias columns; narrow kernels also take the fp32 dQ (and dU) sums of DQ_ATOMIC"""
@@ -368,7 +369,7 @@ class AttentionOps:
                 dkdv_kernel(self._dkdv_fused, dq, du if second else dummy, **launch_options(DQ_ATOMIC=True))
                 return dq.to(q.dtype), du.to(u.dtype) if second else du
 
-            key = (tune_bucket(T), Dqk, Dv, q.dtype, q.device, tuple(flags.items()), tuple(needs.items()))
+            key = (bucket, Dqk, Dv, q.dtype, q.device, tuple(flags.items()), tuple(needs.items()))
             dq, du = fused() if self._fuse_dq(key, q, split, fused) else split()
             if self.wide:
                 dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
