@@ -66,6 +66,9 @@ _FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIA
 _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "T_TUNE": "i32"}
 _MULTIPLES_OF_16 = {"T", "D_QK", "D_V", "T_TUNE"}
 _LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
+# strides that are 1 at the benchmark shapes, which the JIT specialises to the constant: the time stride of the
+# contiguous per-token log decays of the linear kernels
+_UNIT_STRIDES = {"stride_gt": 1}
 _LABEL = re.compile(r"\s*(\.L_x_\d+):")
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
@@ -109,8 +112,9 @@ def compile_for_sm90(
     `dims` names integer head-dim arguments besides D_QK and D_V (the linear kernels' K and V).
 
     Specialised as the JIT specialises a launch at the benchmark shapes: every tensor 16-byte aligned and T,
-    the head dims and the attention kernels' strides (`stride_*`) multiples of 16. Without those hints the
-    loads do not vectorise (one 2-byte load per element) and the counts describe a kernel no benchmark runs.
+    the head dims and the kernels' strides (`stride_*`) multiples of 16, but for the log decays' time stride,
+    which is 1. Without those hints the loads do not vectorise (one 2-byte load per element) and the counts
+    describe a kernel no benchmark runs.
     `scale_type`: "fp64" is how torch.compile (Inductor) types the Python float `scale` when it launches a
     triton_op's kernel.
     """
@@ -121,7 +125,8 @@ def compile_for_sm90(
     # a constexpr left out takes its default, as at a launch (else it would be typed a pointer, hence true)
     consts = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     consts |= {k: v for k, v in flags.items() if k in kernel.arg_names}
-    strides = [a for a in kernel.arg_names if a.startswith("stride_")]  # the attention kernels' row layouts
+    consts |= {k: v for k, v in _UNIT_STRIDES.items() if k in kernel.arg_names}
+    strides = [a for a in kernel.arg_names if a.startswith("stride_") and a not in consts]  # the row layouts
     scalars = _SCALAR_ARGS | dict.fromkeys((*dims, *strides), "i32")
     sig = {a: scalars.get(a, "*fp32" if a in _FP32_ARGS else "*" + dtype) for a in kernel.arg_names}
     if "scale" in sig:

@@ -3,7 +3,9 @@
 Issue 4's third target: the variants no library has (momentum, Nesterov, second-order, CEM with ALiBi and
 its diagonal term, preconditioners, T = 2 steps) must run at least 2x faster than `torch.compile` of the
 torch backend, and take at most 1.3x the time of plain softmax attention of the same shape (a standard
-causal multi-head layer: q, k, v, o projections around `scaled_dot_product_attention`). Each example is
+causal multi-head layer: q, k, v, o projections around `scaled_dot_product_attention`). A multi-head gated
+linear attention is timed beside them: the linear family's layer, whose kernels' own peer is fla
+(`kernels.py`). Each example is
 generated at d = heads x head_dim, the same weights go into every implementation, and the displacement
 (update minus x) is timed forward and forward+backward in bfloat16 with `triton.testing.do_bench`.
 
@@ -42,6 +44,7 @@ CASES = [
     ("CEM diagonal, exact", "cem/kq-diagonal-exact.energy", "CEMKQDiagonalExact"),
     ("CEM DPLR", "cem/dplr.energy", "CEMAttentionDPLR"),
     ("CEM T = 2", "cem/steps2.energy", "CEMAttentionSteps2"),
+    ("Multi-head gated linear", "intrinsic-optimizers/multi-head-linear-attention.energy", "MultiHeadLinearAttention"),
 ]
 
 

@@ -210,6 +210,50 @@ def test_partial_requires_grad() -> None:
     assert rel_err(dq, dq_ref) < TOL
 
 
+def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
+    off a projection arrive; read in place through the strides) or sliced (the first D columns of a wider
+    tensor: neither layout, so copied before the kernels)."""
+    if layout == "token":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return torch.cat([t, t.detach()], dim=-1)[..., : t.shape[-1]]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("decay", [None, "token", "head"])
+@pytest.mark.parametrize("layout", ["token", "sliced"])
+def test_layouts_match_references(layout: str, decay: str | None, tied: bool) -> None:
+    """q, k, v and dO token-major or sliced, every output and gradient: three heads, two batches, ragged Dk-
+    and Dv-blocks and three chunks, so that a batch, head or row stride taken for another would show."""
+    inputs, do = make_inputs(2, 3, 37, 20, 24, decay, tied=tied, seed=11)
+    q, k, v, g = inputs
+    laid_k = lay(k, layout)
+    inputs = [lay(q, layout), laid_k, laid_k if tied else lay(v, layout), g]
+    check_against_refs(inputs, lay(do, layout), scale=0.3)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_token_major_heads_stay_token_major(tied: bool) -> None:
+    """Heads split off (B, T, H * D) projections reach the kernels without a copy and come back the same way:
+    o is written token-major, so that merging its heads is a view of the kernels' own output, and the
+    gradients of q, k and v arrive with those tensors' strides (no copy in the views' backward)."""
+    B, T, H, Dk, Dv = 2, 19, 3, 16, 24
+    gen = torch.Generator().manual_seed(0)
+    widths = {"q": Dk, "k": Dk} | ({} if tied else {"v": Dv})
+    flat = {n: torch.randn(B, T, H * d, generator=gen).to(DEVICE).requires_grad_() for n, d in widths.items()}
+    heads = {n: t.unflatten(-1, (H, -1)).transpose(1, 2) for n, t in flat.items()}  # (B, H, T, D) views
+    grad_strides = {}
+    for name, t in heads.items():
+        t.register_hook(lambda grad, name=name: grad_strides.__setitem__(name, grad.stride()))
+    log_decay = -0.5 * torch.rand(H, generator=gen).to(DEVICE)
+    o = linear_attention(heads["q"], heads["k"], heads["k" if tied else "v"], scale=0.25, log_decay=log_decay)
+    merged = o.transpose(1, 2).flatten(-2)
+    assert o.stride() == heads["k" if tied else "v"].stride() and merged.data_ptr() == o.data_ptr()
+    assert merged._base is not None  # a view, not a copy
+    merged.square().sum().backward()
+    assert grad_strides == {n: t.stride() for n, t in heads.items()}, grad_strides
+
+
 def test_registered_ops() -> None:
     assert hasattr(torch.ops.energydsl, "linear_attention_fwd")
     assert hasattr(torch.ops.energydsl, "linear_attention_bwd")
@@ -321,7 +365,9 @@ for name, (dt, prec), (K, V), (decay, strict) in itertools.product(
     sig = {p: "*fp32" if p in fp32_ptrs else "*" + dt for p in ptrs[name]}
     consts = dict(HAS_DECAY=decay, STRICT=strict, REVERSE=strict, DOT_PREC=prec, C=C, BK=BK, BV=BV)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
-    sig |= {s: t for s, t in {"T": "i32", "K": "i32", "V": "i32", "scale": "fp32"}.items() if s in kernel.arg_names}
+    sig |= {s: t for s, t in {"T": "i32", "H": "i32", "K": "i32", "V": "i32", "scale": "fp32"}.items()
+            if s in kernel.arg_names}
+    sig |= {a: "i32" for a in kernel.arg_names if a.startswith("stride_")}  # batch, head and row strides
     sig |= {c: "constexpr" for c in consts}
     src = ASTSource(kernel, sig, constexprs=consts)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
@@ -348,7 +394,8 @@ from energydsl.kernels import linear as L
 """ + _KERNEL_POINTERS + """
 for name in ["_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel"]:  # the kernels taking `scale`
     consts = dict(HAS_DECAY=True, STRICT=False, DOT_PREC="ieee", C=64, BK=64, BV=64)
-    sig = {p: "*fp32" for p in ptrs[name]} | {"T": "i32", "K": "i32", "V": "i32", "scale": "fp64"}
+    sig = {p: "*fp32" for p in ptrs[name]} | {"T": "i32", "H": "i32", "K": "i32", "V": "i32", "scale": "fp64"}
+    sig |= {a: "i32" for a in getattr(L, name).arg_names if a.startswith("stride_")}
     sig |= {c: "constexpr" for c in consts}
     src = ASTSource(getattr(L, name), sig, constexprs=consts)
     ttir = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ttir"]

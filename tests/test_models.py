@@ -186,6 +186,17 @@ def test_linear_attention_equals_its_recurrence(path: str) -> None:
     torch.testing.assert_close(m(x), x + 0.5 * temp * o)  # z + eta T sum_j gamma (z.k_j) k_j
 
 
+def test_multi_head_linear_attention_equals_its_recurrence() -> None:
+    """Each head a retention with its own queries, keys and values and the shared decay; the heads' outputs
+    summed through Wo (untie strips eta/H, eta stays a factor)."""
+    m = _perturbed(energydsl.load("examples/intrinsic-optimizers/multi-head-linear-attention.energy").module())
+    x = m.example_input(2, 11).double()
+    q, key, value = (torch.einsum("kmd,btd->bktm", w, x) for w in (m.W1, m.W2, m.Wv))
+    decay = torch.log(torch.sigmoid(m.a)).expand(m.W1.shape[0])
+    o = linear_attention_recurrent_ref(q, key, value, log_decay=decay)
+    torch.testing.assert_close(m(x), x + 0.5 * torch.einsum("kdm,bktm->btd", m.Wo, o))
+
+
 def test_nrgpt_attention_is_causal_softmax_attention_with_values_equal_to_keys_and_no_self_term() -> None:
     m = _perturbed(energydsl.load("examples/nrgpt/attention.energy").module())
     x = m.example_input(2, 6).double()

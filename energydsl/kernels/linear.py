@@ -50,6 +50,8 @@ from .launch import (
     INTERPRET,
     cdiv,
     dot_precision,
+    empty_in_order,
+    kernel_layout,
     launch_options,
     maybe_autotune,
     next_power_of_2,
@@ -79,23 +81,30 @@ def _tile_sizes(K: int, V: int) -> tuple[int, int, int]:
 
 
 # Compiled for sm_90 with ptxas (no GPU at hand; `benchmarks/kernel_resources.py --variants "linear d64,linear
-# d128 gated"`): in bf16 no config spills (4 warps: 71-176 registers, 8 warps: 48-126); 2 warps spilled in the
+# d128 gated"`): in bf16 no config spills (4 warps: 80-225 registers, 8 warps: 46-126); 2 warps spilled in the
 # output and gradient kernels. With exact fp32 ("ieee", FMA) products the dq/dk kernel spills 4 bytes at 8 warps.
 _CONFIGS = [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (1, 2, 3)]
 _KEY = ["K", "V", "HAS_DECAY", "STRICT", "REVERSE", "C", "BK", "BV"]
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Kernels. Tensors are contiguous (B*H, T, D) and states (B*H, NT, Dk, Dv); accumulation in fp32. Loads and
-# the decay mask are written out in each kernel rather than in @triton.jit helpers: the interpreter
-# re-patches triton.language on every device-function call, which tripled the test time.
+# Kernels. q, k, v, o and their gradients are (B, H, T, D), read and written through their batch, head and row
+# strides with the features adjacent: head-major (contiguous) or token-major, as `launch.kernel_layout` passes
+# them; a gradient has its input's strides. Log decays (B, H, T) are read through their strides too (a per-head
+# decay is one (H,) tensor expanded, stride 0 over batch and time). States are contiguous (B*H, NT, Dk, Dv);
+# accumulation in fp32. Loads and the decay mask are written out in each kernel rather than in @triton.jit
+# helpers: the interpreter re-patches triton.language on every device-function call, which tripled the test
+# time.
 # ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _state_kernel(
     x_ptr, y_ptr, g_ptr, h_ptr,
-    T, K, V,
+    stride_xb, stride_xh, stride_xt,  # batch, head and row strides of x; the feature stride is 1
+    stride_yb, stride_yh, stride_yt,  # of y
+    stride_gb, stride_gh, stride_gt,  # of the log decays (B, H, T); 0 along what a per-head decay repeats
+    T, H, K, V,
     HAS_DECAY: tl.constexpr, REVERSE: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
@@ -107,6 +116,8 @@ def _state_kernel(
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
     n_chunks = tl.cdiv(T, C)
     offs_c = tl.arange(0, C)
     offs_k = i_k * BK + tl.arange(0, BK)
@@ -114,8 +125,11 @@ def _state_kernel(
     mask_kv = (offs_k < K)[:, None] & (offs_v < V)[None, :]
     # int32 offsets inside one chunk, added to a scalar pointer per chunk: a 64-bit pointer per tile element,
     # held across the loop, spilled registers at 4 warps
-    x_tile = offs_c[:, None] * K + offs_k[None, :]
-    y_tile = offs_c[:, None] * V + offs_v[None, :]
+    x_tile = offs_c[:, None] * stride_xt + offs_k[None, :]
+    y_tile = offs_c[:, None] * stride_yt + offs_v[None, :]
+    x_seq = x_ptr + i_b * stride_xb + i_h * stride_xh
+    y_seq = y_ptr + i_b * stride_yb + i_h * stride_yh
+    g_seq = g_ptr + i_b * stride_gb + i_h * stride_gh
     h_tile = offs_k[:, None] * V + offs_v[None, :]
     state = tl.zeros([BK, BV], dtype=tl.float32)
     for n in range(0, n_chunks):
@@ -126,10 +140,10 @@ def _state_kernel(
         tl.store(h_ptr + (i_bh * n_chunks + i_c) * K * V + h_tile, state.to(h_ptr.dtype.element_ty), mask=mask_kv)
         row0 = i_c * C
         mask_t = row0 + offs_c < T  # the last chunk is padded with zeros
-        x = tl.load(x_ptr + (i_bh * T + row0) * K + x_tile, mask=mask_t[:, None] & (offs_k < K)[None, :], other=0.0)
-        y = tl.load(y_ptr + (i_bh * T + row0) * V + y_tile, mask=mask_t[:, None] & (offs_v < V)[None, :], other=0.0)
+        x = tl.load(x_seq + row0 * stride_xt + x_tile, mask=mask_t[:, None] & (offs_k < K)[None, :], other=0.0)
+        y = tl.load(y_seq + row0 * stride_yt + y_tile, mask=mask_t[:, None] & (offs_v < V)[None, :], other=0.0)
         if HAS_DECAY:
-            g = tl.load(g_ptr + i_bh * T + row0 + offs_c, mask=mask_t, other=0.0).to(tl.float32)
+            g = tl.load(g_seq + (row0 + offs_c) * stride_gt, mask=mask_t, other=0.0).to(tl.float32)
             b = tl.cumsum(g, axis=0)  # log decay from the chunk start through t
             b_last = tl.sum(g, axis=0)  # the whole chunk's
             if REVERSE:
@@ -145,7 +159,12 @@ def _state_kernel(
 @triton.jit
 def _fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, o_ptr,
-    T, K, V, scale,
+    stride_qb, stride_qh, stride_qt,  # batch, head and row strides of q; the feature stride is 1
+    stride_kb, stride_kh, stride_kt,  # of k
+    stride_vb, stride_vh, stride_vt,  # of v
+    stride_ob, stride_oh, stride_ot,  # of o
+    stride_gb, stride_gh, stride_gt,  # of the log decays
+    T, H, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
@@ -154,14 +173,16 @@ def _fwd_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
     n_chunks = tl.cdiv(T, C)
     offs_c = tl.arange(0, C)
     offs_t = i_c * C + offs_c
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_t = offs_t < T
     mask_v = offs_v < V
-    p_q = q_ptr + i_bh * T * K + offs_t[:, None] * K
-    p_k = k_ptr + i_bh * T * K + offs_t[:, None] * K
+    p_q = q_ptr + i_b * stride_qb + i_h * stride_qh + offs_t[:, None] * stride_qt
+    p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + offs_t[:, None] * stride_kt
     p_h = h_ptr + (i_bh * n_chunks + i_c) * K * V + offs_v[None, :]
 
     o = tl.zeros([C, BV], dtype=tl.float32)
@@ -181,24 +202,30 @@ def _fwd_kernel(
     else:
         causal = offs_c[:, None] >= offs_c[None, :]
     if HAS_DECAY:
-        g = tl.load(g_ptr + i_bh * T + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+        p_g = g_ptr + i_b * stride_gb + i_h * stride_gh + offs_t * stride_gt
+        g = tl.load(p_g, mask=mask_t, other=0.0).to(tl.float32)
         b = tl.cumsum(g, axis=0)
         o = o * tl.exp(b)[:, None]  # earlier chunks reach position i through the state, decayed by exp(b_i)
         # M_ij = exp(b_i - b_j) on causal pairs; masked before exp, where j > i could overflow
         A = A * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
     else:
         A = tl.where(causal, A, 0.0)
-    v = tl.load(v_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :],
+    v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + offs_t[:, None] * stride_vt + offs_v[None, :],
                 mask=mask_t[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
     o += tl.dot(A.to(v.dtype), v, input_precision=DOT_PREC)
-    tl.store(o_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :],
+    tl.store(o_ptr + i_b * stride_ob + i_h * stride_oh + offs_t[:, None] * stride_ot + offs_v[None, :],
              (o * scale).to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])  # fmt: skip
 
 
 @triton.jit
 def _bwd_dqk_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, dh_ptr, do_ptr, dq_ptr, dk_ptr, r_ptr,
-    T, K, V, scale,
+    stride_qb, stride_qh, stride_qt,  # batch, head and row strides of q and dq; the feature stride is 1
+    stride_kb, stride_kh, stride_kt,  # of k and dk
+    stride_vb, stride_vh, stride_vt,  # of v
+    stride_dob, stride_doh, stride_dot,  # of dO
+    stride_gb, stride_gh, stride_gt,  # of the log decays
+    T, H, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
@@ -208,6 +235,8 @@ def _bwd_dqk_kernel(
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
     n_bh = tl.num_programs(2)
     n_chunks = tl.cdiv(T, C)
     offs_c = tl.arange(0, C)
@@ -216,8 +245,8 @@ def _bwd_dqk_kernel(
     mask_t = offs_t < T
     mask_k = offs_k < K
     mask_tk = mask_t[:, None] & mask_k[None, :]
-    p_v = v_ptr + i_bh * T * V + offs_t[:, None] * V
-    p_do = do_ptr + i_bh * T * V + offs_t[:, None] * V
+    p_v = v_ptr + i_b * stride_vb + i_h * stride_vh + offs_t[:, None] * stride_vt
+    p_do = do_ptr + i_b * stride_dob + i_h * stride_doh + offs_t[:, None] * stride_dot
     p_h = h_ptr + (i_bh * n_chunks + i_c) * K * V + offs_k[None, :] * V  # read transposed: (BV, BK) tiles
     p_dh = dh_ptr + (i_bh * n_chunks + i_c) * K * V + offs_k[None, :] * V
 
@@ -241,7 +270,8 @@ def _bwd_dqk_kernel(
     else:
         causal = offs_c[:, None] >= offs_c[None, :]
     if HAS_DECAY:
-        g = tl.load(g_ptr + i_bh * T + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+        p_g = g_ptr + i_b * stride_gb + i_h * stride_gh + offs_t * stride_gt
+        g = tl.load(p_g, mask=mask_t, other=0.0).to(tl.float32)
         b = tl.cumsum(g, axis=0)
         b_last = tl.sum(g, axis=0)
         dq = dq * tl.exp(b)[:, None]
@@ -249,14 +279,14 @@ def _bwd_dqk_kernel(
         dP = dP * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
     else:
         dP = tl.where(causal, dP, 0.0)
-    q = tl.load(q_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :], mask=mask_tk, other=0.0)
-    k = tl.load(k_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :], mask=mask_tk, other=0.0)
+    q_rows = i_b * stride_qb + i_h * stride_qh + offs_t[:, None] * stride_qt + offs_k[None, :]  # q's and dq's
+    k_rows = i_b * stride_kb + i_h * stride_kh + offs_t[:, None] * stride_kt + offs_k[None, :]  # k's and dk's
+    q = tl.load(q_ptr + q_rows, mask=mask_tk, other=0.0)
+    k = tl.load(k_ptr + k_rows, mask=mask_tk, other=0.0)
     dq = (dq + tl.dot(dP.to(k.dtype), k, input_precision=DOT_PREC)) * scale
     dk = (dk + tl.dot(tl.trans(dP).to(q.dtype), q, input_precision=DOT_PREC)) * scale
-    tl.store(dq_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :],
-             dq.to(dq_ptr.dtype.element_ty), mask=mask_tk)  # fmt: skip
-    tl.store(dk_ptr + i_bh * T * K + offs_t[:, None] * K + offs_k[None, :],
-             dk.to(dk_ptr.dtype.element_ty), mask=mask_tk)  # fmt: skip
+    tl.store(dq_ptr + q_rows, dq.to(dq_ptr.dtype.element_ty), mask=mask_tk)
+    tl.store(dk_ptr + k_rows, dk.to(dk_ptr.dtype.element_ty), mask=mask_tk)
     if HAS_DECAY:
         r = tl.sum(q.to(tl.float32) * dq - k.to(tl.float32) * dk, axis=1)
         tl.store(r_ptr + (i_k * n_bh + i_bh) * T + offs_t, r, mask=mask_t)
@@ -265,7 +295,12 @@ def _bwd_dqk_kernel(
 @triton.jit
 def _bwd_dv_kernel(
     q_ptr, k_ptr, g_ptr, dh_ptr, do_ptr, dv_ptr,
-    T, K, V, scale,
+    stride_qb, stride_qh, stride_qt,  # batch, head and row strides of q; the feature stride is 1
+    stride_kb, stride_kh, stride_kt,  # of k
+    stride_vb, stride_vh, stride_vt,  # of v, which dv shares
+    stride_dob, stride_doh, stride_dot,  # of dO
+    stride_gb, stride_gh, stride_gt,  # of the log decays
+    T, H, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
@@ -274,6 +309,8 @@ def _bwd_dv_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // H
+    i_h = i_bh % H
     n_chunks = tl.cdiv(T, C)
     offs_c = tl.arange(0, C)
     offs_t = i_c * C + offs_c
@@ -281,8 +318,8 @@ def _bwd_dv_kernel(
     mask_t = offs_t < T
     mask_v = offs_v < V
     mask_tv = mask_t[:, None] & mask_v[None, :]
-    p_q = q_ptr + i_bh * T * K + offs_t[:, None] * K
-    p_k = k_ptr + i_bh * T * K + offs_t[:, None] * K
+    p_q = q_ptr + i_b * stride_qb + i_h * stride_qh + offs_t[:, None] * stride_qt
+    p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + offs_t[:, None] * stride_kt
     p_dh = dh_ptr + (i_bh * n_chunks + i_c) * K * V + offs_v[None, :]
 
     dv = tl.zeros([C, BV], dtype=tl.float32)  # K D_n
@@ -302,16 +339,18 @@ def _bwd_dv_kernel(
     else:
         causal_t = offs_c[:, None] <= offs_c[None, :]
     if HAS_DECAY:
-        g = tl.load(g_ptr + i_bh * T + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+        p_g = g_ptr + i_b * stride_gb + i_h * stride_gh + offs_t * stride_gt
+        g = tl.load(p_g, mask=mask_t, other=0.0).to(tl.float32)
         b = tl.cumsum(g, axis=0)
         b_last = tl.sum(g, axis=0)
         dv = dv * tl.exp(b_last - b)[:, None]
         At = At * tl.exp(tl.where(causal_t, b[None, :] - b[:, None], float("-inf")))
     else:
         At = tl.where(causal_t, At, 0.0)
-    do = tl.load(do_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :], mask=mask_tv, other=0.0)
+    do = tl.load(do_ptr + i_b * stride_dob + i_h * stride_doh + offs_t[:, None] * stride_dot + offs_v[None, :],
+                 mask=mask_tv, other=0.0)  # fmt: skip
     dv = (dv + tl.dot(At.to(do.dtype), do, input_precision=DOT_PREC)) * scale
-    tl.store(dv_ptr + i_bh * T * V + offs_t[:, None] * V + offs_v[None, :],
+    tl.store(dv_ptr + i_b * stride_vb + i_h * stride_vh + offs_t[:, None] * stride_vt + offs_v[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=mask_tv)  # fmt: skip
 
 
@@ -353,16 +392,18 @@ class LinearAttentionOps:
         flags = {k: v for k, v in flags.items() if k in kernel.arg_names and k not in self.baked}
         return flags | dict(DOT_PREC=dot_precision(dtype)) | launch_options(num_warps=4)
 
-    def _states(self, x: Tensor, y: Tensor, g: Tensor, has_decay: bool, reverse: bool) -> Tensor:
+    def _states(
+        self, x: Tensor, y: Tensor, g: Tensor, strides: tuple[int, ...], has_decay: bool, reverse: bool
+    ) -> Tensor:
         """The state every chunk reads, (B*H, NT, Dk, Dv) in x's dtype: S_{n-1} from (k, v) forward, D_n from
-        (q, dO) reversed."""
+        (q, dO) reversed. `strides`: the batch, head and row strides of x, y and g, as the caller has them."""
         B, H, T, K = x.shape
         V = y.shape[-1]
         C, BK, BV = _tile_sizes(K, V)
         h = torch.empty((B * H, cdiv(T, C), K, V), dtype=x.dtype, device=x.device)
         meta = self._meta(self._state, x.dtype, HAS_DECAY=has_decay, REVERSE=reverse, C=C, BK=BK, BV=BV)
         grid = (cdiv(K, BK), cdiv(V, BV), B * H)
-        wrap_triton(self._state)[grid](x, y, g, h, T, K, V, **meta)
+        wrap_triton(self._state)[grid](x, y, g, h, *strides, T, H, K, V, **meta)
         return h
 
     # -- launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`) -----
@@ -375,14 +416,15 @@ class LinearAttentionOps:
             B, H, T, K = q.shape
             V = v.shape[-1]
             C, BK, BV = _tile_sizes(K, V)
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             has_decay = log_decay is not None
-            g = log_decay.contiguous() if has_decay else q  # dummy pointer when HAS_DECAY is off
-            h = self._states(k, v, g, has_decay, reverse=False)
-            o = torch.empty((B, H, T, V), dtype=v.dtype, device=v.device)
+            g = log_decay if has_decay else q  # dummy pointer when HAS_DECAY is off
+            sq, sk, sv, sg = _strides(q, k, v, log_decay)
+            h = self._states(k, v, g, (*sk, *sv, *sg), has_decay, reverse=False)
+            o = empty_in_order(q, V, v.dtype)  # token-major for token-major queries
             meta = self._meta(self._fwd, q.dtype, HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
             grid = (cdiv(V, BV), cdiv(T, C), B * H)
-            wrap_triton(self._fwd)[grid](q, k, v, g, h, o, T, K, V, scale, **meta)
+            strides = (*sq, *sk, *sv, *o.stride()[:3], *sg)
+            wrap_triton(self._fwd)[grid](q, k, v, g, h, o, *strides, T, H, K, V, scale, **meta)
             return o
 
         return linear_attention_fwd
@@ -402,21 +444,23 @@ class LinearAttentionOps:
             B, H, T, K = q.shape
             V = v.shape[-1]
             C, BK, BV = _tile_sizes(K, V)
-            q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.to(v.dtype).contiguous()
             has_decay = log_decay is not None
-            g = log_decay.contiguous() if has_decay else q
-            h = self._states(k, v, g, has_decay, reverse=False)
-            dh = self._states(q, do, g, has_decay, reverse=True)
+            g = log_decay if has_decay else q
+            sq, sk, sv, sg = _strides(q, k, v, log_decay)
+            sdo = do.stride()[:3]
+            h = self._states(k, v, g, (*sk, *sv, *sg), has_decay, reverse=False)
+            dh = self._states(q, do, g, (*sq, *sdo, *sg), has_decay, reverse=True)
             NK, NT = cdiv(K, BK), cdiv(T, C)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # q's, k's, v's layouts
             # the row terms of d log_decay, one slab per Dk-block (summed below, no atomics)
             r = torch.empty((NK, B, H, T) if has_decay else (0,), dtype=torch.float32, device=q.device)
             flags = dict(HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
+            sizes = (*sq, *sk, *sv, *sdo, *sg, T, H, K, V, scale)
             wrap_triton(self._dqk)[(NK, NT, B * H)](
-                q, k, v, g, h, dh, do, dq, dk, r, T, K, V, scale, **self._meta(self._dqk, q.dtype, **flags)
+                q, k, v, g, h, dh, do, dq, dk, r, *sizes, **self._meta(self._dqk, q.dtype, **flags)
             )
             wrap_triton(self._dv)[(cdiv(V, BV), NT, B * H)](
-                q, k, g, dh, do, dv, T, K, V, scale, **self._meta(self._dv, q.dtype, **flags)
+                q, k, g, dh, do, dv, *sizes, **self._meta(self._dv, q.dtype, **flags)
             )
             if has_decay and need_dg:
                 # d g_s = sum_{t >= s} r_t: a reverse cumulative sum over time. g_0 decays nothing (gamma_ij
@@ -432,6 +476,7 @@ class LinearAttentionOps:
     def _backward_op(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, log_decay = ctx.saved_tensors
         need_dg = log_decay is not None and ctx.needs_input_grad[3]
+        do = kernel_layout(do.to(v.dtype))
         dq, dk, dv, dg = self._bwd_op(do, q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
         return dq, dk, dv, (dg if need_dg else None), None, None
 
@@ -475,19 +520,30 @@ class LinearAttentionOps:
                     f"log_decay must be (B,H,T)={(B, H, T)} or (H,)={(H,)}; got {tuple(log_decay.shape)}"
                 )
             log_decay = log_decay.to(q.device)
+            if log_decay.stride(-1) * T >= 2**31:  # past the kernels' 32-bit offsets along time
+                log_decay = log_decay.contiguous()
         if not kernels_take(q):  # no kernel can take these tensors: the torch backend's chunked op
             from ..runtime.ops import linear_attention as chunked
 
             return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
         if T == 0:
             return v.new_empty(v.shape)
-        return self._fwd_op(q, k, v, log_decay, float(scale), bool(strict))
+        # head- or token-major as given (`kernel_layout`: heads split off a projection need no copy); tied
+        # values are laid out once
+        k, v = (kernel_layout(k),) * 2 if v is k else (kernel_layout(k), kernel_layout(v))
+        return self._fwd_op(kernel_layout(q), k, v, log_decay, float(scale), bool(strict))
+
+
+def _strides(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None) -> tuple[tuple[int, ...], ...]:
+    """The batch, head and row strides of q, k, v and the log decays, each taken once per call. The log decays
+    are read in place: a per-head decay expanded over (B, H, T) repeats with stride 0."""
+    return q.stride()[:3], k.stride()[:3], v.stride()[:3], (0, 0, 0) if log_decay is None else log_decay.stride()
 
 
 def _linear_attention_fwd_fake(
     q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
 ) -> Tensor:
-    return v.new_empty((*q.shape[:3], v.shape[-1]))
+    return empty_in_order(q, v.shape[-1], v.dtype)
 
 
 def _linear_attention_bwd_fake(
@@ -501,7 +557,7 @@ def _linear_attention_bwd_fake(
     need_dg: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dg = log_decay.new_empty(log_decay.shape) if (log_decay is not None and need_dg) else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dg
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
