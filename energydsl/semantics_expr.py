@@ -142,9 +142,10 @@ class ExpressionLowering:
                     raise SpecError("an exponent must be a scalar", n.right.span)
                 if isinstance(b, ir.Scalar):
                     return ir.power(a, b.value)
-                if a.shape or not isinstance(a, ir.Scalar):
+                if a.shape:
                     raise SpecError("a tensor power needs a constant exponent", n.right.span)
-                return ir.func("exp", ir.mul(b, ir.Scalar(sp.log(a.value))))
+                log_a = ir.Scalar(sp.log(a.value)) if isinstance(a, ir.Scalar) else ir.func("log", a)
+                return ir.func("exp", ir.mul(b, log_a))  # a^b = exp(b log a): a > 0
         raise SpecError(f"unknown operator {n.op}", n.span)
 
     def _index(self, n: ast.Index) -> Expr:

@@ -19,6 +19,17 @@ def compile_for_gpu(script: str) -> None:
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+def multi_head_linear_attention(per_head: bool = True) -> str:
+    """The multi-head linear attention example's text: RetNet's decay per head, or one decay shared by all."""
+    text = (ROOT / "examples/intrinsic-optimizers/multi-head-linear-attention.energy").read_text(encoding="utf-8")
+    if per_head:
+        return text
+    out = text.replace("param   a[heads] ~ uniform(1.4, 4.6) in (0, 1)", "param   a in (0, 1) = 0.9")
+    out = out.replace("a[k]^(i - j)", "a^(i - j)")
+    assert out.count("a^(i - j)") == 2 and "a[heads]" not in out
+    return out
+
+
 def strict_json(text: str):
     """json.loads that rejects NaN and Infinity, as strict parsers (JavaScript, jq) do."""
     def reject(name: str):

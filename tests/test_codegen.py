@@ -51,6 +51,7 @@ def test_generated_module_matches_interpreter(path: str, name: str) -> None:
 
 @pytest.mark.parametrize("path", ["examples/intrinsic-optimizers/mha.energy",
                                   "examples/intrinsic-optimizers/gated-linear-attention.energy",
+                                  "examples/intrinsic-optimizers/multi-head-linear-attention.energy",  # decay per head
                                   "examples/nrgpt/attention.energy", "examples/cem/alibi.energy"])
 def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     """SDPA / chunked linear attention give what the plain masked T x T reduction gives, gradients included."""

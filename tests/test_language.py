@@ -91,6 +91,9 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "d/heads is not a size with d=3, heads=0: it divides by zero", 2, 12),
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer adam(eta = 1)\n}",
          "unknown optimizer", 4, 13),
+        # a non-constant exponent takes a scalar base only (a[k] is one: exp((i - j) log a[k])), not a vector
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d]\n"
+         "  global F = sum[j]((W^(i - j)) . h[j])\n}", "a tensor power needs a constant exponent", 5, 25),
         # a scalar that is complex or not finite is an error where it first arises, not a crash later
         ("energy A(d = 2) {\n  state z[d]\n  let T = 2 * sqrt(-d)\n  global F = T * z . z\n}",
          "not a real number", 3, 15),

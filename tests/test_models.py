@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import multi_head_linear_attention
 
 import energydsl
 from benchmarks.reference_gpt import GPT
@@ -186,13 +187,16 @@ def test_linear_attention_equals_its_recurrence(path: str) -> None:
     torch.testing.assert_close(m(x), x + 0.5 * temp * o)  # z + eta T sum_j gamma (z.k_j) k_j
 
 
-def test_multi_head_linear_attention_equals_its_recurrence() -> None:
-    """Each head a retention with its own queries, keys and values and the shared decay; the heads' outputs
-    summed through Wo (untie strips eta/H, eta stays a factor)."""
-    m = _perturbed(energydsl.load("examples/intrinsic-optimizers/multi-head-linear-attention.energy").module())
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "shared"])
+def test_multi_head_linear_attention_equals_its_recurrence(per_head: bool) -> None:
+    """Each head a retention with its own queries, keys, values and decay a_k (or one decay a for all); the
+    heads' outputs summed through Wo (untie strips eta/H, eta stays a factor)."""
+    m = _perturbed(energydsl.load(multi_head_linear_attention(per_head)).module())
+    assert m.a.shape == ((2,) if per_head else ())
     x = m.example_input(2, 11).double()
     q, key, value = (torch.einsum("kmd,btd->bktm", w, x) for w in (m.W1, m.W2, m.Wv))
     decay = torch.log(torch.sigmoid(m.a)).expand(m.W1.shape[0])
+    assert decay.unique().numel() == (2 if per_head else 1)
     o = linear_attention_recurrent_ref(q, key, value, log_decay=decay)
     torch.testing.assert_close(m(x), x + 0.5 * torch.einsum("kdm,bktm->btd", m.Wo, o))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import multi_head_linear_attention
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -157,6 +158,14 @@ def test_strict_linear_kernels_match_torch_backend(path: str, name: str) -> None
     derived = load((ROOT / "examples" / path).read_text(encoding="utf-8").replace("j <= i", "j < i")).energy(name)
     assert derived.relations() == {"j": "<i"} and "@triton.jit" in energy_source(derived, "triton")
     _compare_backends(derived, name)
+
+
+def test_decay_shared_by_heads_matches_torch_backend() -> None:
+    """One decay for every head (expanded over heads, batch and time with stride 0), beside the example's
+    decay per head (in LOWERED)."""
+    derived = load(multi_head_linear_attention(per_head=False)).energy()
+    assert ".reshape(1).expand(2)" in energy_source(derived, "triton")
+    _compare_backends(derived, "MultiHeadLinearAttention")
 
 
 def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13) -> None:

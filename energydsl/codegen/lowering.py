@@ -400,7 +400,7 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     coupling = None
     for f in both:
         g = f.body if isinstance(f, ir.Let) else f
-        d = _decay(g, j)
+        d = _decay(em, g, j)
         if d is not None and decay is None:
             decay = d
         elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
@@ -420,16 +420,16 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     heads = _heads(q, k, v, j=j)
     if any(h not in em.sizes for h in heads):
         return None
+    if decay is not None and not token_axes(decay, em.indices) <= set(heads):  # a decay over another axis
+        return None
     rank = v.rank
     if rank == 0:
         v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     dv = em.shape_size(e.shape[0]) if e.shape else 1
     em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
     qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
-    ld = "None" if decay is None else f"torch.as_tensor({sympy_src(decay, em.scalars)}, dtype=dt, device=dev)"
+    ld = _log_decay(em, decay, heads)
     if em.backend == "triton":
-        if decay is not None:  # the kernel takes one log decay per head
-            ld = f"{ld}.reshape(1).expand({_n_heads(em, heads)})"
         ops = em.kernel_set(KernelRequest.linear(strict=info.strict, decay=decay is not None))
         code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
         comment = "sum over j of (q.k_j) v_j: the chunked Triton linear-attention kernels above"
@@ -445,16 +445,30 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     return out
 
 
-def _decay(e: Expr, j: str) -> sp.Expr | None:
-    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j)."""
+def _decay(em: Emitter, e: Expr, j: str) -> Expr | None:
+    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j): a number (ir.Scalar), or a
+    value per head (a[k]^(i - j), RetNet's multi-scale retention) that depends on no token and not on the state."""
     if not (isinstance(e, ir.Func) and e.name == "exp"):
         return None
     arg = e.arg
-    if not (isinstance(arg, ir.Mul) and len(arg.factors) == 2 and isinstance(arg.factors[0], ir.Scalar)):
+    if not (isinstance(arg, ir.Mul) and len(arg.factors) == 2):
         return None
-    c, dist = arg.factors[0].value, arg.factors[1]
     want = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
-    return c if dist == want else None
+    c = next((a for a, b in (arg.factors, arg.factors[::-1]) if b == want), None)
+    if c is None or c.shape or _state_dependent(c) or token_axes(c, em.indices) & {BATCH, POS, j}:
+        return None
+    return c
+
+
+def _log_decay(em: Emitter, c: Expr | None, heads: tuple[str, ...]) -> str:
+    """The linear-attention ops' `log_decay` argument for gamma_ij = exp(c (i - j)): None, or one log decay per
+    head of the (B, H, T, D) layout, (H,) in the order `_as_bhtd` flattens the heads."""
+    if c is None:
+        return "None"
+    n_heads = _n_heads(em, heads)
+    if isinstance(c, ir.Scalar):
+        return f"torch.as_tensor({sympy_src(c.value, em.scalars)}, dtype=dt, device=dev).reshape(1).expand({n_heads})"
+    return f"{em.expand(em.emit(c), canonical(set(heads))).code}.reshape({n_heads})"
 
 
 # ----------------------------------------------------------------------------- layout helpers
