@@ -126,3 +126,8 @@ def test_layouts_the_kernels_take_in_place() -> None:
     assert launch.empty_in_order(token, 6, torch.float16).stride() == (90, 6, 18, 1)
     assert launch.empty_in_order(head, 6, torch.float16).stride() == (90, 30, 6, 1)
     assert torch.empty_like(token, dtype=torch.float32).stride() == token.stride()  # what the backward relies on
+    # tied values stay one tensor (one copy at most); untied ones are laid out each on its own
+    q, k, v = launch.kernel_layouts(token, sliced, sliced)
+    assert q is token and v is k and k.is_contiguous() and torch.equal(k, sliced)
+    q, k, v = launch.kernel_layouts(head, token, sliced)
+    assert q is head and k is token and v is not k and v.is_contiguous()

@@ -36,6 +36,7 @@ from .launch import (
     dot_precision,
     empty_in_order,
     kernel_layout,
+    kernel_layouts,
     launch_options,
     maybe_autotune,
     next_power_of_2,
@@ -440,8 +441,7 @@ class AttentionOps:
         def c(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.contiguous()
 
-        k, v = (kernel_layout(k),) * 2 if v is k else (kernel_layout(k), kernel_layout(v))  # tied: one copy at most
-        return kernel_layout(q), k, v, c(alibi_slopes), c(self_bias), c(key_bias)
+        return (*kernel_layouts(q, k, v), c(alibi_slopes), c(self_bias), c(key_bias))
 
     def energy_attention_with_lse(
         self,

@@ -29,6 +29,7 @@ __all__ = [
     "dot_precision",
     "empty_in_order",
     "kernel_layout",
+    "kernel_layouts",
     "launch_options",
     "maybe_autotune",
     "next_power_of_2",
@@ -173,6 +174,12 @@ def kernel_layout(t: Tensor) -> Tensor:
     if t.stride() == (T * H * D, D, H * D, 1) and T * H * D < 2**31:  # token-major, read off the strides
         return t
     return t.contiguous()
+
+
+def kernel_layouts(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v through `kernel_layout`, tied values (v is k) laid out once and kept tied."""
+    k, v = (kernel_layout(k),) * 2 if v is k else (kernel_layout(k), kernel_layout(v))
+    return kernel_layout(q), k, v
 
 
 def empty_in_order(like: Tensor, width: int, dtype: torch.dtype) -> Tensor:

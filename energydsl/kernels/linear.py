@@ -52,6 +52,7 @@ from .launch import (
     dot_precision,
     empty_in_order,
     kernel_layout,
+    kernel_layouts,
     launch_options,
     maybe_autotune,
     next_power_of_2,
@@ -528,10 +529,8 @@ class LinearAttentionOps:
             return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
         if T == 0:
             return v.new_empty(v.shape)
-        # head- or token-major as given (`kernel_layout`: heads split off a projection need no copy); tied
-        # values are laid out once
-        k, v = (kernel_layout(k),) * 2 if v is k else (kernel_layout(k), kernel_layout(v))
-        return self._fwd_op(kernel_layout(q), k, v, log_decay, float(scale), bool(strict))
+        q, k, v = kernel_layouts(q, k, v)  # head- or token-major as given: heads split off a projection need no copy
+        return self._fwd_op(q, k, v, log_decay, float(scale), bool(strict))
 
 
 def _strides(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None) -> tuple[tuple[int, ...], ...]:
