@@ -641,6 +641,46 @@ def test_opcheck(ops: kernels.AttentionOps) -> None:
     )
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a layout the kernels do not read in place: a (B, H, T, D) tensor with its features T apart
+    (a transposed (..., D, T) tensor), any other with every other element of a wider one."""
+    t = t.detach()
+    if t.dim() == 4:
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0]
+
+
+@pytest.mark.parametrize("ops", [kernels.GENERIC, kernels.GENERIC_WIDE], ids=["narrow", "wide"])
+def test_direct_op_calls_take_any_layout(ops: kernels.AttentionOps) -> None:
+    """The three ops called directly (the public functions lay out their inputs first, a direct caller need
+    not), every tensor in a layout the kernels cannot read in place, give what laid-out inputs give; and
+    opcheck's fake tensors get the strides the op bodies give."""
+    leaves = make_leaves(Case(T=7, H=2, Dk=24, Dv=16, strict=True, biases="all", B=1), torch.float32)
+    q, k, v, u, alibi, self_b, key_b = (leaves[n].detach().contiguous() for n in (
+        "q", "k", "v", "u", "alibi_slopes", "self_bias", "key_bias"))
+    gen = torch.Generator().manual_seed(3)
+    do, dr = (torch.randn(v.shape, generator=gen).to(v) for _ in range(2))
+    dlse = torch.randn(q.shape[:3], generator=gen).to(q)
+    namespace = torch.ops.energydsl
+    fwd, second, bwd = (getattr(namespace, f"{ops.name}_{op}").default for op in ("fwd", "second_fwd", "bwd"))
+    biases = (alibi, self_b, key_b)
+    o, lse = fwd(q, k, v, 0.25, True, *biases)
+    r = second(q, k, v, lse, u, 0.25, True, *biases)
+    calls = [  # (op, its arguments laid out)
+        (fwd, (q, k, v, 0.25, True, *biases)),
+        (second, (q, k, v, lse, u, 0.25, True, *biases)),
+        (bwd, (do, q, k, v, None, lse, o, dlse, 0.25, True, *biases, True, True, True)),
+        (bwd, (dr, q, k, v, u, lse, r, None, 0.25, True, *biases, True, True, True)),
+    ]
+    for op, args in calls:
+        odd = tuple(strided(a) if isinstance(a, torch.Tensor) else a for a in args)
+        got, want = op(*odd), op(*args)
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and (b.numel() == 0 or rel_err(a, b) < 1e-6), op
+        torch.library.opcheck(op, odd)
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_torch_compile_matches_eager(wide: bool) -> None:
     """A small model using both ops compiles without graph breaks and gives the eager values and gradients.

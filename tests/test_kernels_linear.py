@@ -254,6 +254,33 @@ def test_token_major_heads_stay_token_major(tied: bool) -> None:
     assert grad_strides == {n: t.stride() for n, t in heads.items()}, grad_strides
 
 
+def feature_strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a layout no kernel reads in place: features T apart (a transposed (..., D, T) tensor)."""
+    return t.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("decay", [None, "token"])
+def test_direct_op_calls_take_any_layout(decay: str | None) -> None:
+    """torch.ops.energydsl.linear_attention_{fwd,bwd} called directly (`linear_attention` lays out its inputs
+    first, a direct caller need not) with features not adjacent and every other log decay of a longer tensor
+    give what the laid-out call gives; and opcheck's fake tensors get the strides the op bodies give."""
+    (q, k, v, g), do = make_inputs(2, 2, 21, 16, 8, decay, seed=5)
+    if g is not None:
+        g = torch.stack([g.detach(), torch.zeros_like(g)], dim=-1).flatten(-2)[..., ::2]  # time stride 2
+    laid = [t.detach().contiguous() for t in (q, k, v)]
+    odd = [feature_strided(t) for t in (q, k, v)]
+    ops = torch.ops.energydsl
+    want = ops.linear_attention_fwd(*laid, g, 0.5, False)
+    assert rel_err(ops.linear_attention_fwd(*odd, g, 0.5, False), want) < 1e-6
+    need_dg = g is not None
+    want = ops.linear_attention_bwd(do, *laid, g, 0.5, False, need_dg)
+    got = ops.linear_attention_bwd(feature_strided(do), *odd, g, 0.5, False, need_dg)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) < 1e-6)
+    torch.library.opcheck(ops.linear_attention_fwd.default, (*odd, g, 0.5, False))
+    torch.library.opcheck(ops.linear_attention_bwd.default, (feature_strided(do), *odd, g, 0.5, False, need_dg))
+
+
 def test_registered_ops() -> None:
     assert hasattr(torch.ops.energydsl, "linear_attention_fwd")
     assert hasattr(torch.ops.energydsl, "linear_attention_bwd")

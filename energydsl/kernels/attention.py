@@ -263,6 +263,8 @@ class AttentionOps:
             self_bias: Tensor | None,
             key_bias: Tensor | None,
         ) -> tuple[Tensor, Tensor]:
+            q, k, v = kernel_layouts(q, k, v)  # any strides from a direct caller; none copied when laid out
+            alibi_slopes, self_bias, key_bias = _contiguous(alibi_slopes, self_bias, key_bias)
             B, H, T, _ = q.shape
             o = empty_in_order(q, v.shape[-1], v.dtype)
             lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
@@ -284,6 +286,9 @@ class AttentionOps:
             self_bias: Tensor | None,
             key_bias: Tensor | None,
         ) -> Tensor:
+            q, k, v = kernel_layouts(q, k, v)
+            u = kernel_layout(u)
+            lse, alibi_slopes, self_bias, key_bias = _contiguous(lse, alibi_slopes, self_bias, key_bias)
             r = torch.empty_like(u, dtype=v.dtype)
             self._launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
             return r
@@ -315,6 +320,9 @@ class AttentionOps:
             of the first-order forward's lse (None: none). The last two outputs are per (b, h, j) partial
             sums, reduced to per-head gradients by the caller.
             """
+            q, k, v = kernel_layouts(q, k, v)
+            do, out, u = kernel_layout(do), kernel_layout(out), None if u is None else kernel_layout(u)
+            lse, dlse, alibi_slopes, self_bias, key_bias = _contiguous(lse, dlse, alibi_slopes, self_bias, key_bias)
             B, H, T, Dqk = q.shape
             Dv = v.shape[-1]
             second = u is not None
@@ -384,9 +392,9 @@ class AttentionOps:
     def _attention_backward(self, ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
-        dlse = None if dlse is None else dlse.float().contiguous()
+        dlse = None if dlse is None else dlse.float()
         dq, dk, dv, _, dkb, ddiag, ddist = self._bwd_op(
-            kernel_layout(do), q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+            do, q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
         return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
 
@@ -394,7 +402,7 @@ class AttentionOps:
         q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
         dq, dk, dv, du, dkb, ddiag, ddist = self._bwd_op(
-            kernel_layout(dr), q, k, v, u, lse, r, None, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
+            dr, q, k, v, u, lse, r, None, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
         # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
         # biases is already in dS above, so it receives no gradient of its own.
@@ -414,7 +422,8 @@ class AttentionOps:
         key_bias: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """Validate shapes early (a kernel would silently read out of bounds); q, k and v in a layout the kernels
-        take (`kernel_layout`: a permuted view needs no copy), the biases contiguous."""
+        take (`kernel_layout`: a permuted view needs no copy), the biases contiguous. The ops lay out their
+        inputs themselves too, for direct callers; laid out here, they are what autograd saves."""
         if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
             raise ValueError(
                 f"expected q, k (B, H, T, Dk) and v (B, H, T, Dv); got {q.shape}, {k.shape}, {v.shape}"
@@ -437,11 +446,7 @@ class AttentionOps:
         wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
         if wrong:
             raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
-
-        def c(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.contiguous()
-
-        return (*kernel_layouts(q, k, v), c(alibi_slopes), c(self_bias), c(key_bias))
+        return (*kernel_layouts(q, k, v), *_contiguous(alibi_slopes, self_bias, key_bias))
 
     def energy_attention_with_lse(
         self,
@@ -545,20 +550,26 @@ class AttentionOps:
                 )
         elif tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse must have shape {tuple(q.shape[:3])}; got {tuple(lse.shape)}")
-        lse = lse.detach().float().contiguous()
+        lse = lse.detach().float().contiguous()  # saved for the backward as the kernels read it
         return self._second_fwd_op(
             q, k, v, lse, kernel_layout(u), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
         )
 
 
-# Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops.
+def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Each tensor contiguous (the biases and row statistics are read as flat arrays), None kept."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+# Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops: laid
+# out as the bodies lay out, so that outputs and gradients have the strides the bodies give them.
 def _fake_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
     B, H, T, _d = q.shape
-    return empty_in_order(q, v.shape[-1], v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
+    return empty_in_order(kernel_layout(q), v.shape[-1], v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 def _fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> Tensor:
-    return torch.empty_like(u, dtype=v.dtype)
+    return torch.empty_like(kernel_layout(u), dtype=v.dtype)
 
 
 def _fake_bwd(
@@ -570,7 +581,8 @@ def _fake_bwd(
     def cols(need: bool) -> Tensor:
         return q.new_empty((B, H, T), dtype=torch.float32) if need else q.new_empty(0)
 
-    du = torch.empty_like(u) if u is not None else q.new_empty(0)
+    q, k, v = kernel_layouts(q, k, v)
+    du = torch.empty_like(kernel_layout(u)) if u is not None else q.new_empty(0)
     return (
         torch.empty_like(q),
         torch.empty_like(k),

@@ -414,7 +414,9 @@ class LinearAttentionOps:
             q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
         ) -> Tensor:
             """o = scale * sum_{j<=i} gamma_ij (q_i . k_j) v_j; log_decay, if given, is per token (B, H, T)."""
+            q, k, v = kernel_layouts(q, k, v)  # any strides from a direct caller; none copied when laid out
             B, H, T, K = q.shape
+            log_decay = _decay_layout(log_decay, T)
             V = v.shape[-1]
             C, BK, BV = _tile_sizes(K, V)
             has_decay = log_decay is not None
@@ -442,7 +444,10 @@ class LinearAttentionOps:
             need_dg: bool,
         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             """(dq, dk, dv, d log_decay); the last is empty when there is no decay or it is not needed."""
+            q, k, v = kernel_layouts(q, k, v)
+            do = kernel_layout(do)
             B, H, T, K = q.shape
+            log_decay = _decay_layout(log_decay, T)
             V = v.shape[-1]
             C, BK, BV = _tile_sizes(K, V)
             has_decay = log_decay is not None
@@ -477,8 +482,7 @@ class LinearAttentionOps:
     def _backward_op(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, log_decay = ctx.saved_tensors
         need_dg = log_decay is not None and ctx.needs_input_grad[3]
-        do = kernel_layout(do.to(v.dtype))
-        dq, dk, dv, dg = self._bwd_op(do, q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
+        dq, dk, dv, dg = self._bwd_op(do.to(v.dtype), q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
         return dq, dk, dv, (dg if need_dg else None), None, None
 
     # -- public API ----------------------------------------------------------------------------------------
@@ -521,15 +525,15 @@ class LinearAttentionOps:
                     f"log_decay must be (B,H,T)={(B, H, T)} or (H,)={(H,)}; got {tuple(log_decay.shape)}"
                 )
             log_decay = log_decay.to(q.device)
-            if log_decay.stride(-1) * T >= 2**31:  # past the kernels' 32-bit offsets along time
-                log_decay = log_decay.contiguous()
         if not kernels_take(q):  # no kernel can take these tensors: the torch backend's chunked op
             from ..runtime.ops import linear_attention as chunked
 
             return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
         if T == 0:
             return v.new_empty(v.shape)
-        q, k, v = kernel_layouts(q, k, v)  # head- or token-major as given: heads split off a projection need no copy
+        # head- or token-major as given (heads split off a projection need no copy); the op lays out its inputs
+        # itself too, for direct callers, but laid out here they are what autograd saves for the backward
+        q, k, v = kernel_layouts(q, k, v)
         return self._fwd_op(q, k, v, log_decay, float(scale), bool(strict))
 
 
@@ -539,10 +543,22 @@ def _strides(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None) -> tuple
     return q.stride()[:3], k.stride()[:3], v.stride()[:3], (0, 0, 0) if log_decay is None else log_decay.stride()
 
 
+def _decay_layout(log_decay: Tensor | None, T: int) -> Tensor | None:
+    """The log decays as the kernels read them: in place through any strides (a per-head decay expanded over
+    (B, H, T) repeats with stride 0), copied only where time offsets would pass the kernels' 32 bits."""
+    if log_decay is not None and log_decay.stride(-1) * T >= 2**31:
+        return log_decay.contiguous()
+    return log_decay
+
+
+# Shape-only twins of the op bodies (torch.compile traces the interpreter's custom_ops through them): laid out
+# as the bodies lay out, so that outputs and gradients have the strides the bodies give them.
+
+
 def _linear_attention_fwd_fake(
     q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor | None, scale: float, strict: bool
 ) -> Tensor:
-    return empty_in_order(q, v.shape[-1], v.dtype)
+    return empty_in_order(kernel_layout(q), v.shape[-1], v.dtype)
 
 
 def _linear_attention_bwd_fake(
@@ -556,6 +572,7 @@ def _linear_attention_bwd_fake(
     need_dg: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dg = log_decay.new_empty(log_decay.shape) if (log_decay is not None and need_dg) else q.new_empty((0,))
+    q, k, v = kernel_layouts(q, k, v)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg
 
 
