@@ -329,7 +329,7 @@ def train_(
         raise UserError(f"--block-size must be at least 1, got {block_size}")
     # checked before the model and the data are built; the block size defaults to the model's context, below
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr,
-                         min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=min(warmup, steps),
+                         min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=warmup,
                          weight_decay=weight_decay, grad_clip=grad_clip, eval_interval=eval_interval,
                          eval_iters=eval_iters, device=device, seed=seed, dtype=dtype)
     config.validate(TRAIN_FLAGS)

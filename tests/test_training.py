@@ -70,6 +70,14 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[100] == pytest.approx(0.1)
 
 
+def test_a_warmup_longer_than_the_run_ends_with_it():
+    """The same schedule as a warmup of exactly the run's steps, while the config keeps what was asked for."""
+    long, exact = config(steps=20, warmup_steps=30, lr=1.0, min_lr=0.1), config(steps=20, warmup_steps=20, lr=1.0,
+                                                                                   min_lr=0.1)
+    assert [lr_at(s, long) for s in range(21)] == [lr_at(s, exact) for s in range(21)]
+    assert long.warmup_steps == 30
+
+
 def test_weight_decay_only_on_matrices():
     model = tiny_gpt(20)
     opt = configure_optimizer(model, config(), torch.device("cpu"))

@@ -133,12 +133,17 @@ class TrainConfig:
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
-    """Linear warmup to `lr`, then cosine decay to `min_lr` at `steps` (nanoGPT's get_lr)."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / (config.warmup_steps + 1)
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at `steps` (nanoGPT's get_lr).
+
+    A warmup longer than the run ends with it. The clamp is applied here, not to the config, so that the
+    config records the warmup asked for, and a resume with more steps does not report a warmup change that
+    nobody made."""
+    warmup = min(config.warmup_steps, config.steps)
+    if step < warmup:
+        return config.lr * (step + 1) / (warmup + 1)
     if step >= config.steps:
         return config.min_lr
-    ratio = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    ratio = (step - warmup) / max(1, config.steps - warmup)
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (config.lr - config.min_lr)
 
 
