@@ -723,6 +723,18 @@ def test_dispatcher() -> None:
     assert use_triton() and use_triton(DEVICE)
 
 
+def test_kernels_take_what_use_triton_allows_in_their_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kernels_take` orders its test for speed; it must still mean a kernel dtype on a device `use_triton` allows."""
+    from energydsl.kernels import kernels_take
+
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", flag)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            t = torch.zeros(1, dtype=dtype, device=DEVICE)
+            assert kernels_take(t) == (dtype != torch.float64 and use_triton(t.device)), (flag, dtype)
+        assert kernels_take(torch.zeros(1)) == (flag == "1")  # a CPU tensor: only under the interpreter
+
+
 def test_package_imports_and_falls_back_without_triton() -> None:
     """energydsl.kernels imports, and its dispatching functions use the reference, when triton is absent."""
     code = textwrap.dedent(

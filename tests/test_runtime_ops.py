@@ -31,11 +31,11 @@ def test_kernel_dispatch_without_triton_uses_the_chunked_torch_form(monkeypatch:
     """Where no kernel can run, `kernels.linear_attention` is the torch backend's chunked op, not the T x T one."""
     from energydsl import kernels, runtime
 
-    monkeypatch.setattr(kernels, "use_triton", lambda device=None: False)
+    monkeypatch.setattr(kernels, "kernels_take", lambda t: False)
     seen = []
     real = runtime.ops.linear_attention
     monkeypatch.setattr(runtime.ops, "linear_attention", lambda *a, **k: seen.append(1) or real(*a, **k))
-    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 9, 4) for _ in range(3))  # float32: a dtype the kernels take
     got = kernels.linear_attention(q, k, v, strict=True)
     assert seen == [1]
     torch.testing.assert_close(got, linear_attention_parallel_ref(q, k, v, strict=True))

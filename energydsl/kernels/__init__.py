@@ -89,10 +89,13 @@ def interpret_requested() -> bool:
 def kernels_take(t: Tensor) -> bool:
     """Whether the fused kernels can take tensor `t`: on a device `use_triton` allows, and in a dtype they
     compute in (float32, bfloat16, float16). float64 keeps the torch references, which are exact: the kernels
-    accumulate in float32, and the attention kernels do not compile for float64."""
+    accumulate in float32, and the attention kernels do not compile for float64. The same test as
+    `use_triton(t.device)`, ordered so that a CUDA tensor, every call on a GPU, reads no environment."""
     import torch
 
-    return t.dtype in (torch.float32, torch.bfloat16, torch.float16) and use_triton(t.device)
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not triton_available():
+        return False
+    return t.is_cuda or interpret_requested()
 
 
 def use_triton(device: torch.device | str | None = None) -> bool:
