@@ -681,6 +681,27 @@ def test_direct_op_calls_take_any_layout(ops: kernels.AttentionOps) -> None:
         torch.library.opcheck(op, odd)
 
 
+@pytest.mark.parametrize("used", ["o", "lse"])
+def test_an_unused_output_gets_no_gradient_of_zeros(used: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loss through o alone passes the backward no dlse (autograd fills no (B, H, T) of zeros, the row term
+    reads none); through lse alone, the backward makes the zero dO itself. Both give the reference's gradients."""
+    leaves = make_leaves(Case(T=11, H=2, Dk=16, Dv=16, strict=False, biases="key", B=1), torch.float32)
+    args = [leaves[n] for n in ("q", "k", "v", "key_bias")]
+    seen = []
+    real = kernels.GENERIC._bwd_op
+    monkeypatch.setattr(kernels.GENERIC, "_bwd_op", lambda *a: seen.append(a[7]) or real(*a))  # a[7]: dlse
+
+    def loss(with_lse: Callable) -> torch.Tensor:
+        o, lse = with_lse(*args[:3], scale=0.25, key_bias=args[3])
+        return o.sin().sum() if used == "o" else lse.sin().sum()
+
+    got = torch.autograd.grad(loss(kernels.energy_attention_with_lse), args)
+    assert len(seen) == 1 and (seen[0] is None) == (used == "o")
+    want = torch.autograd.grad(loss(ref.energy_attention_lse_ref), args, allow_unused=True)  # lse has no v
+    for g, w, leaf in zip(got, want, args, strict=True):
+        assert rel_err(g, torch.zeros_like(leaf) if w is None else w) < TOL
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_torch_compile_matches_eager(wide: bool) -> None:
     """A small model using both ops compiles without graph breaks and gives the eager values and gradients.

@@ -392,6 +392,8 @@ class AttentionOps:
     def _attention_backward(self, ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
+        # gradients are not materialised (`_attention_setup`): an unused output's is None, not zeros
+        do = torch.zeros_like(o) if do is None else do
         dlse = None if dlse is None else dlse.float()
         dq, dk, dv, _, dkb, ddiag, ddist = self._bwd_op(
             do, q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
@@ -616,6 +618,9 @@ def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Te
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, alibi, self_b, key_b)
     ctx.scale, ctx.strict = scale, strict
+    # most callers use o alone: lse's gradient then stays None, and the backward's row term reads no (B, H, T)
+    # of zeros that autograd would have filled for it
+    ctx.set_materialize_grads(False)
 
 
 def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
