@@ -394,13 +394,15 @@ class LinearAttentionOps:
         return flags | dict(DOT_PREC=dot_precision(dtype)) | launch_options(num_warps=4)
 
     def _states(
-        self, x: Tensor, y: Tensor, g: Tensor, strides: tuple[int, ...], has_decay: bool, reverse: bool
+        self, x: Tensor, y: Tensor, g: Tensor, strides: tuple[int, ...], tiles: tuple[int, int, int],
+        has_decay: bool, reverse: bool,
     ) -> Tensor:
         """The state every chunk reads, (B*H, NT, Dk, Dv) in x's dtype: S_{n-1} from (k, v) forward, D_n from
-        (q, dO) reversed. `strides`: the batch, head and row strides of x, y and g, as the caller has them."""
+        (q, dO) reversed. `strides`: the batch, head and row strides of x, y and g, and `tiles` the caller's
+        `_tile_sizes`, as the caller has them."""
         B, H, T, K = x.shape
         V = y.shape[-1]
-        C, BK, BV = _tile_sizes(K, V)
+        C, BK, BV = tiles
         h = torch.empty((B * H, cdiv(T, C), K, V), dtype=x.dtype, device=x.device)
         meta = self._meta(self._state, x.dtype, HAS_DECAY=has_decay, REVERSE=reverse, C=C, BK=BK, BV=BV)
         grid = (cdiv(K, BK), cdiv(V, BV), B * H)
@@ -422,7 +424,7 @@ class LinearAttentionOps:
             has_decay = log_decay is not None
             g = log_decay if has_decay else q  # dummy pointer when HAS_DECAY is off
             sq, sk, sv, sg = _strides(q, k, v, log_decay)
-            h = self._states(k, v, g, (*sk, *sv, *sg), has_decay, reverse=False)
+            h = self._states(k, v, g, (*sk, *sv, *sg), (C, BK, BV), has_decay, reverse=False)
             o = empty_in_order(q, V, v.dtype)  # token-major for token-major queries
             meta = self._meta(self._fwd, q.dtype, HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
             grid = (cdiv(V, BV), cdiv(T, C), B * H)
@@ -454,8 +456,8 @@ class LinearAttentionOps:
             g = log_decay if has_decay else q
             sq, sk, sv, sg = _strides(q, k, v, log_decay)
             sdo = do.stride()[:3]
-            h = self._states(k, v, g, (*sk, *sv, *sg), has_decay, reverse=False)
-            dh = self._states(q, do, g, (*sq, *sdo, *sg), has_decay, reverse=True)
+            h = self._states(k, v, g, (*sk, *sv, *sg), (C, BK, BV), has_decay, reverse=False)
+            dh = self._states(q, do, g, (*sq, *sdo, *sg), (C, BK, BV), has_decay, reverse=True)
             NK, NT = cdiv(K, BK), cdiv(T, C)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # q's, k's, v's layouts
             # the row terms of d log_decay, one slab per Dk-block (summed below, no atomics)
