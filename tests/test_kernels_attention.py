@@ -653,8 +653,8 @@ def strided(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("ops", [kernels.GENERIC, kernels.GENERIC_WIDE], ids=["narrow", "wide"])
 def test_direct_op_calls_take_any_layout(ops: kernels.AttentionOps) -> None:
     """The three ops called directly (the public functions lay out their inputs first, a direct caller need
-    not), every tensor in a layout the kernels cannot read in place, give what laid-out inputs give; and
-    opcheck's fake tensors get the strides the op bodies give."""
+    not), every tensor in a layout the kernels cannot read in place, give what laid-out inputs give, as does
+    the backward given dO in another dtype; and opcheck's fake tensors get the strides the op bodies give."""
     leaves = make_leaves(Case(T=7, H=2, Dk=24, Dv=16, strict=True, biases="all", B=1), torch.float32)
     q, k, v, u, alibi, self_b, key_b = (leaves[n].detach().contiguous() for n in (
         "q", "k", "v", "u", "alibi_slopes", "self_bias", "key_bias"))
@@ -679,6 +679,9 @@ def test_direct_op_calls_take_any_layout(ops: kernels.AttentionOps) -> None:
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and (b.numel() == 0 or rel_err(a, b) < 1e-6), op
         torch.library.opcheck(op, odd)
+    for grad, args in ((do, calls[2][1]), (dr, calls[3][1])):  # the backward given dO in another dtype: cast
+        for a, b in zip(bwd(grad.double(), *args[1:]), bwd(*args), strict=True):
+            assert a.dtype == b.dtype and (b.numel() == 0 or rel_err(a, b) < 1e-6)
 
 
 @pytest.mark.parametrize("used", ["o", "lse"])

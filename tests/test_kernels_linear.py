@@ -263,7 +263,8 @@ def feature_strided(t: torch.Tensor) -> torch.Tensor:
 def test_direct_op_calls_take_any_layout(decay: str | None) -> None:
     """torch.ops.energydsl.linear_attention_{fwd,bwd} called directly (`linear_attention` lays out its inputs
     first, a direct caller need not) with features not adjacent and every other log decay of a longer tensor
-    give what the laid-out call gives; and opcheck's fake tensors get the strides the op bodies give."""
+    give what the laid-out call gives, as does a dO in another dtype; and opcheck's fake tensors get the strides
+    the op bodies give."""
     (q, k, v, g), do = make_inputs(2, 2, 21, 16, 8, decay, seed=5)
     if g is not None:
         g = torch.stack([g.detach(), torch.zeros_like(g)], dim=-1).flatten(-2)[..., ::2]  # time stride 2
@@ -275,8 +276,10 @@ def test_direct_op_calls_take_any_layout(decay: str | None) -> None:
     need_dg = g is not None
     want = ops.linear_attention_bwd(do, *laid, g, 0.5, False, need_dg)
     got = ops.linear_attention_bwd(feature_strided(do), *odd, g, 0.5, False, need_dg)
-    for a, b in zip(got, want, strict=True):
+    cast = ops.linear_attention_bwd(do.double(), *laid, g, 0.5, False, need_dg)  # dO in another dtype: cast
+    for a, b, c in zip(got, want, cast, strict=True):
         assert a.shape == b.shape and (a.numel() == 0 or rel_err(a, b) < 1e-6)
+        assert c.dtype == b.dtype and (c.numel() == 0 or rel_err(c, b) < 1e-6)
     torch.library.opcheck(ops.linear_attention_fwd.default, (*odd, g, 0.5, False))
     torch.library.opcheck(ops.linear_attention_bwd.default, (feature_strided(do), *odd, g, 0.5, False, need_dg))
 

@@ -321,7 +321,8 @@ class AttentionOps:
             sums, reduced to per-head gradients by the caller.
             """
             q, k, v = kernel_layouts(q, k, v)
-            do, out, u = kernel_layout(do), kernel_layout(out), None if u is None else kernel_layout(u)
+            out, u = kernel_layout(out), None if u is None else kernel_layout(u)
+            do = kernel_layout(do.to(out.dtype))  # the kernels multiply dO with tiles in the output's dtype
             lse, dlse, alibi_slopes, self_bias, key_bias = _contiguous(lse, dlse, alibi_slopes, self_bias, key_bias)
             B, H, T, Dqk = q.shape
             Dv = v.shape[-1]

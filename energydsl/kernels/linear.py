@@ -447,7 +447,7 @@ class LinearAttentionOps:
         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             """(dq, dk, dv, d log_decay); the last is empty when there is no decay or it is not needed."""
             q, k, v = kernel_layouts(q, k, v)
-            do = kernel_layout(do)
+            do = kernel_layout(do.to(v.dtype))  # the kernels multiply dO with tiles in v's dtype
             B, H, T, K = q.shape
             log_decay = _decay_layout(log_decay, T)
             V = v.shape[-1]
@@ -484,7 +484,7 @@ class LinearAttentionOps:
     def _backward_op(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, log_decay = ctx.saved_tensors
         need_dg = log_decay is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dg = self._bwd_op(do.to(v.dtype), q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
+        dq, dk, dv, dg = self._bwd_op(do, q, k, v, log_decay, ctx.scale, ctx.strict, need_dg)
         return dq, dk, dv, (dg if need_dg else None), None, None
 
     # -- public API ----------------------------------------------------------------------------------------
