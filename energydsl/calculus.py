@@ -88,8 +88,10 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
             case Var():
                 if e.name == wrt.name and e.role == wrt.role:
                     parts.append((g, bound))
-            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Index():
+            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad():
                 return
+            case Index():  # the language refuses it (semantics); never a silent zero
+                raise NotDifferentiable(f"no derivative rule for an entry of a value of `{wrt.name}`")
             case Let():
                 visit(e.body, g, bound)
             case Add():
@@ -174,7 +176,11 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
         match x:
             case Var():
                 return v if (x.name == wrt.name and x.role == wrt.role) else ZERO
-            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Index():
+            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad():
+                return ZERO
+            case Index():
+                if any(isinstance(y, Var) and y.name == wrt.name and y.role == wrt.role for y in walk(x)):
+                    raise NotDifferentiable(f"no derivative rule for an entry of a value of `{wrt.name}`")
                 return ZERO
             case Let():
                 return tangent(x.body)

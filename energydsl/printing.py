@@ -28,6 +28,10 @@ class Style:
         n = GREEK.get(n, n)
         return n + ("_" + ",".join(sub) if sub else "")
 
+    def entry(self, body: str, sub: list[str]) -> str:
+        """An entry of a value that is not a name, `body` already printed in parentheses: (W x)_k."""
+        return body + "_" + ",".join(sub)
+
     def pos(self, idx: str | None) -> str:
         return idx or "i"
 
@@ -118,6 +122,9 @@ class LatexStyle(Style):
             sub = ([digits] if digits else []) + sub
         return base + ("_{" + ",".join(sub) + "}" if sub else "")
 
+    def entry(self, body: str, sub: list[str]) -> str:
+        return "{" + body + "}_{" + ",".join(sub) + "}"
+
     @staticmethod
     def _rel(rel: str) -> str:
         return rel.replace("<=", " \\le ").replace("<", " < ") if "<=" in rel else rel.replace("<", " < ")
@@ -193,6 +200,9 @@ class MathMLStyle(Style):
             return f"<msub><mi>∇</mi>{self.name_(point, [])}</msub>{self.name_(energy, [])}"
         base = f"<mi>{html.escape(GREEK.get(n, n))}</mi>"
         return f"<msub>{base}<mrow><mi>{','.join(sub)}</mi></mrow></msub>" if sub else base
+
+    def entry(self, body, sub):
+        return f"<msub><mrow>{body}</mrow><mrow><mi>{','.join(sub)}</mi></mrow></msub>"
 
     def pos(self, idx):
         return f"<mi>{idx or 'i'}</mi>"
@@ -415,9 +425,9 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
                 while isinstance(base, ir.Index):
                     subs.insert(0, base.index)
                     base = base.base
-                if isinstance(base, ir.Var):
-                    return st.name_(base.name, subs)
-                return st.name_(p(base), subs)
+                if isinstance(base, ir.Var):  # a context token keeps its own index first: h_{j,k}
+                    return st.name_(base.name, [base.index, *subs] if base.index else subs)
+                return st.entry(st.paren(p(base)), subs)  # (W x)_k, not W x_k
             case ir.Let():
                 return p(x.body)
             case ir.Pos():

@@ -170,6 +170,12 @@ class ExpressionLowering:
                                     f"its relation is declared as `{ctx.index} <= i` or `{ctx.index} < i`")
                 return ctx
         out = self.expr(base)
+        moving = next((x for x in ir.walk(out) if isinstance(x, Var) and x.role in ("state", "leaf")), None)
+        if moving is not None:
+            name = f"the state `{moving.name}`" if moving.role == "state" else f"the `via` variable `{moving.name}`"
+            what = name if out is moving else f"a value of {name}"
+            raise SpecError(f"cannot index {what} by `{n.indices[0]}`: indexing by a name takes the leading axis of a "
+                            "param (or of a value of params and the frozen tokens)", n.span, _state_index_hint(out))
         for i in n.indices:
             if not out.shape:
                 raise SpecError("too many indices: this is a scalar", n.span)
@@ -311,6 +317,15 @@ def _close(a: str, b: str) -> bool:
     if abs(len(a) - len(b)) > 1 or a == b:
         return False
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b)) <= 1 or sorted(a) == sorted(b)
+
+
+def _state_index_hint(base: Expr) -> str:
+    """How to write without the index what indexing the state was meant to say (the calculus has no rule for
+    picking one entry of a value that the optimizer moves)."""
+    if len(base.shape) == 1:
+        return "write the sum over entries as a dot product, e.g. `z . z` for sum[k](z[k] * z[k]), or " \
+               "`sum(x * z)` for sum[k](x[k] * z[k])"
+    return "write it with whole tensors: `@`, `.`, `*`, `^T` and `sum(...)`"
 
 
 def _token_index_message(i: str, context: Var | None) -> str:

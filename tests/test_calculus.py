@@ -448,3 +448,17 @@ def test_mean_over_an_empty_strict_context_is_zero_not_nan(backend):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:, 0], x[:, 0])  # nothing to attend to: the first token does not move
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_an_entry_of_the_differentiated_variable_has_no_silent_zero_derivative() -> None:
+    """The language refuses `z[k]` (a located error); the calculus, reached some other way, raises rather
+    than taking the entry as a constant, in both modes."""
+    from energydsl import ir
+    from energydsl.calculus import NotDifferentiable, directional, gradient
+
+    z = ir.Var("z", "state", (4,))
+    f = ir.reduce("sum", "k", ir.mul(ir.Index(z, "k"), ir.Index(z, "k")))
+    with pytest.raises(NotDifferentiable, match="an entry of a value of `z`"):
+        gradient(f, z)
+    with pytest.raises(NotDifferentiable, match="an entry of a value of `z`"):
+        directional(f, z, z)

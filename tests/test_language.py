@@ -357,6 +357,40 @@ def test_a_tensor_indexed_by_a_token_index_says_which_one(index: str, message: s
     assert info.value.message == message and (info.value.span.line, info.value.span.column) == (5, 39)
 
 
+@pytest.mark.parametrize("decl, energy, col, what", [
+    ("state z[d]", "sum[k](z[k] * z[k])", 21, "the state `z`"),
+    ("state z[d]\n  input x[d]", "sum[k](x[k] * z[k])", 28, "the state `z`"),
+    ("state z[d]\n  param W[d, d]", "sum[k]((W @ z)[k] * (W @ z)[k])", 21, "a value of the state `z`"),
+    ("state Z[d, d]", "sum[k](Z[k] . Z[k])", 21, "the state `Z`"),
+    ("state z[d]\n  context h[j, d] where j <= i", "sum[j](sum[k](h[j][k] * z[k]))", 38, "the state `z`"),
+    ("state x[d] via u = rmsnorm(x)", "sum[k](u[k] * u[k])", 21, "the `via` variable `u`"),
+])
+def test_an_entry_of_the_state_is_a_located_error(decl: str, energy: str, col: int, what: str) -> None:
+    """Indexing what the optimizer moves by a name has no derivative rule: before this was refused, the
+    entries were taken as constants and the derived update silently dropped them (∇ sum[k](z[k] z[k]) = 0)."""
+    text = f"energy A(d = 4) {{\n  {decl}\n  global F = {energy}\n}}"
+    with pytest.raises(SpecError) as info:
+        load(text).energy()
+    line = text.count("\n", 0, text.index("global")) + 1
+    assert info.value.message.startswith(f"cannot index {what} by `k`"), info.value.message
+    assert (info.value.span.line, info.value.span.column) == (line, col)
+    assert "dot product" in (info.value.hint or "") or "whole tensors" in (info.value.hint or "")
+
+
+def test_entries_of_frozen_values_derive_print_and_check() -> None:
+    """What may be indexed by a name (a param, the input, a context token, a value of those) derives with the
+    state's terms kept, prints each entry unambiguously, and passes every check."""
+    text = ("energy A(d = 4) {\n  state z[d]\n  input x[d]\n  context h[j, d] where j <= i\n"
+            "  param W[d, d] ~ normal(0, 0.1)\n"
+            "  global F = sum(x * z) + sum[k]((W @ x)[k] * x[k]) * (z . z)\n"
+            "             + sum[j](sum[k](h[j][k] * x[k]) * (z . h[j]))\n}")
+    layer = load(text).energy()
+    assert all(r.ok for r in layer.check())
+    equations = layer.equations("text")
+    assert "∇_z F = x + 2 (Σ_{k} ((W x)_k x_k)) z + Σ_{j<=i} ((Σ_{k} (h_j,k x_k)) h_j)" in equations, equations
+    assert "{\\left(W x\\right)}_{k}" in layer.equations("latex") and "h_{j,k}" in layer.equations("latex")
+
+
 def test_an_indexed_local_may_be_renamed_in_a_reduction(tmp_path) -> None:
     """`E[head, j]` for `local E[k, j]` (as docs/language.md promises): `head` ranges over what `k` does, and
     the derived layer is the same as with `k`, down to the fused kernels it gets."""
