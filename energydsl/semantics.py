@@ -525,6 +525,13 @@ class _Lowering(ExpressionLowering):
     def _untie_rule(self, rule) -> tuple[Expr, Expr]:
         lhs_node, rhs_node, span = rule
         lhs = self.expr(lhs_node)
+        token = next((x for x in ir.walk(lhs) if isinstance(x, Var) and x.role != "param"), None)
+        if token is not None:
+            what = {"state": "the state", "leaf": "the `via` variable", "input": "the input",
+                    "context": "the context"}.get(token.role, "a token's value")
+            raise SpecError(f"an untie pattern is built from params only; `{token.name}` is {what}, which changes "
+                            "from token to token and cannot become a parameter", lhs_node.span,
+                            "untie a weight as it appears in the update, e.g. `untie value W1[k]^T -> Wo[k]`")
         rhs_base = rhs_node
         idx: list[str] = []
         while isinstance(rhs_base, ast.Index):

@@ -101,6 +101,12 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "not a finite number", 3, 11),
         ("energy A(d = 2) {\n  state z[d]\n  let T = sqrt(d) / 0\n  global F = T * z . z\n}",
          "not a finite number", 3, 11),
+        # an untie pattern that moves from token to token: it was accepted, and the untied update lost the state
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer momentum(beta = 0.9, eta = 1) steps 3\n"
+         "  untie value z -> Q\n}", "an untie pattern is built from params only; `z` is the state", 5, 15),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
+         "  global F = -logsumexp[j](z . (W @ h[j]))\n  untie value W @ h[j] -> V\n}",
+         "`h` is the context", 6, 15),
     ],
 )
 def test_located_errors(text, message, line, col):
