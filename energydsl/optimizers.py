@@ -25,6 +25,7 @@ from . import ir
 from .calculus import NotDifferentiable, absorb_constants, directional, gradient, substitute_var, untie
 from .errors import SpecError
 from .ir_nodes import Expr, Let, Var
+from .printing import show
 from .semantics import EnergyIR, ParamSpec
 
 SOFTPLUS_ONE = math.log(math.e - 1)  # softplus(SOFTPLUS_ONE) = 1: preconditioners start at the identity
@@ -75,6 +76,15 @@ def head_split(f: Expr) -> tuple[Expr, str, Expr] | None:
     return None
 
 
+def _not_a_head_sum(f: Expr) -> str | None:
+    """Why an energy written as a sum over heads is not one any more: a factor that does not depend on the head
+    is taken out of the sum (sum[k](G_k * H) is (sum[k] G_k) * H), so the heads' energies are not separate."""
+    if not isinstance(f, ir.Mul) or not any(isinstance(x, ir.Reduce) and x.op in ("sum", "mean") for x in f.factors):
+        return None
+    return (f"this energy reads F = {show(f)}: a factor that does not depend on the head is taken out of the "
+            "sum over heads, which leaves a product, not a sum of the heads' own energies")
+
+
 def build_program(spec: EnergyIR) -> UpdateProgram:
     """The update program of an energy: its optimizer's steps on the derived gradient (or Newton direction)."""
     try:
@@ -108,7 +118,7 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
     needs_heads = opt.per_head
     if needs_heads and split is None:
         raise SpecError("`per head` needs a global energy of the form c * sum[k](...) or mean[k](...)",
-                        opt.span)
+                        opt.span, _not_a_head_sum(energy))
 
     grad_full = gradient(energy, point)
     if needs_heads:

@@ -225,6 +225,22 @@ def test_per_head_newton_needs_heads_no_wider_than_the_state():
     assert load(text.replace("dq = 2 * d", "dq = d")).energy()  # as wide as the state: allowed
 
 
+def test_per_head_on_a_product_with_the_heads_sum_says_what_the_energy_became():
+    """sum[k](G_k * (z . z)) is a sum over heads as written, but the shared factor is taken out of the sum:
+    the refusal shows the energy as it became, since "needs the form c * sum[k](...)" alone reads as wrong."""
+    from energydsl.errors import SpecError
+
+    text = ("energy R(d = 4, heads = 2) { state z[d]  param W[heads, 2, d]\n"
+            "  global F = sum[k](sum(exp(W[k] @ z)) * (z . z))  optimizer newton(eta = 1) per head }")
+    with pytest.raises(SpecError, match="needs a global energy of the form") as info:
+        load(text).energy()
+    assert info.value.hint.startswith("this energy reads F = ⟨z, z⟩ (Σ_{k} (Σ(exp(W_k z)))): a factor that does "
+                                      "not depend on the head is taken out of the sum"), info.value.hint
+    with pytest.raises(SpecError) as plain:  # no sum over heads at all: no hint to give
+        load(text.replace("sum[k](sum(exp(W[k] @ z)) * (z . z))", "z . z")).energy()
+    assert plain.value.hint is None
+
+
 PER_HEAD = ("energy R(d = 4, heads = 2) {{ dim dh = d / heads  state z[d]\n"
             "  context h[j, d] where j <= i  param W[heads, dh, d]  param K[heads, dh, d]\n"
             "  global F = {reduce}[k](-logsumexp[j](-0.5 * (W[k] @ z - K[k] @ h[j]) . (W[k] @ z - K[k] @ h[j])))\n"
