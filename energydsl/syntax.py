@@ -81,7 +81,8 @@ def _check_depth(tree: lark.Tree, text: str, file: str) -> None:
         node, depth = stack.pop()
         if depth > MAX_TREE_DEPTH:
             line, col = getattr(node.meta, "line", 1), getattr(node.meta, "column", 1)
-            raise SpecError(f"expression nested too deeply (more than {MAX_TREE_DEPTH} operators inside one another)",
+            raise SpecError(f"expression nested too deeply: more than {MAX_TREE_DEPTH} levels of operators, counting "
+                            "a chain too (each `+` of a long sum nests in the next, as each `-` of `---x` does)",
                             Span(file, line, col, text), "split it with `let` bindings")
         stack.extend((c, depth + 1) for c in node.children if isinstance(c, lark.Tree))
 
