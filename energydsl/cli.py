@@ -346,8 +346,17 @@ def train_(
         config.block_size = block_size or model.block_size
         if config.block_size > model.block_size:
             raise UserError(f"--block-size {config.block_size} is longer than the model's context "
-                            f"{model.block_size}")
-        dataset = load_dataset(data, block_size=config.block_size)
+                            f"{model.block_size}", hint=f"add --set context={config.block_size}, or give a "
+                            f"--block-size of at most {model.block_size}")
+        dataset = load_dataset(data)
+        example = getattr(dataset, "seq_len", None)  # a task's examples are whole rows of this many tokens
+        if example is not None and config.block_size < example:
+            fix = ([f"--set context={example}"] if example > model.block_size else []) + \
+                ([f"--block-size {example}"] if block_size else [])
+            raise UserError(f"{dataset.name} examples are {example} tokens long but the block size is "
+                            f"{config.block_size}" + ("" if block_size else " (the model's context)"),
+                            hint=f"add {' '.join(fix)}")
+        dataset.check_block_size(config.block_size)
         if dataset.vocab_size > model.vocab_size:
             raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
                             f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")

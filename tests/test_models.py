@@ -445,7 +445,15 @@ def test_a_model_names_what_is_wrong_with_its_token_ids(idx, message: str) -> No
     (["graph", "examples/cem/mlp.energy"], "declares no model"),
     (["sample", "/no/such/run"], "checkpoint not found"),
     (["train", "examples/models/gpt.energy", "--data", "shakespeare_char", "--block-size", "999"],
-     "longer than the model's context 64"),
+     "longer than the model's context 64\nhint: add --set context=999, or give a --block-size of at most 64"),
+    # a task's examples longer than the block: the hint names the flags that fix it (it said "use a block size
+    # of at least 65", which --block-size 65 then refused as longer than the context)
+    (["train", "examples/models/gpt.energy", "--data", "listops"],
+     "listops examples are 65 tokens long but the block size is 64 (the model's context)\nhint: add --set context=65"),
+    (["train", "examples/models/gpt.energy", "--data", "listops", "--block-size", "32"],
+     "listops examples are 65 tokens long but the block size is 32\nhint: add --set context=65 --block-size 65"),
+    (["train", "examples/models/gpt.energy", "--data", "listops", "--block-size", "32", "--set", "context=128"],
+     "block size is 32\nhint: add --block-size 65"),
 ])
 def test_model_cli_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
     r = _run(*args)
