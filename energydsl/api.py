@@ -351,10 +351,12 @@ class Spec:
         if name not in every:
             kinds = {"model": self.syntax.models, "block": self.syntax.blocks, "energy": self.syntax.energies}
             other = next((k for k, decls in kinds.items() if name in decls), None)
-            hint = {"model": f"`{name}` is a model: use .model(...) or .plan(...)",
+            hint = {"model": f"`{name}` is a model: `energy info`, `graph` and `train` take it; in Python, "
+                             ".model(...) or .plan(...)",
                     "block": f"`{name}` is a block: .energy(\"{name}\") or .block(...) derives it, a model's "
                              "`layer = ...` uses it",
-                    "energy": f"`{name}` is an energy: use .energy(...) or .module(...)"}.get(other or "")
+                    "energy": f"`{name}` is an energy: `energy derive`, `check` and `compile` take it; in Python, "
+                              ".energy(...) or .module(...)"}.get(other or "")
             raise SpecError(f"no {one} named `{name}` in {self.path} (it has: "
                             f"{', '.join(every) or 'none'})", None, hint)
         return name

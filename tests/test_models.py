@@ -501,7 +501,15 @@ def test_asking_for_a_model_or_block_as_an_energy_says_what_it_is() -> None:
     spec = energydsl.load(ROOT / "examples/models/nrgpt.energy")
     with pytest.raises(energydsl.SpecError) as err:
         spec.energy("NRGPT")
-    assert "no energy named `NRGPT`" in err.value.message and "is a model: use .model(...)" in err.value.hint
+    assert "no energy named `NRGPT`" in err.value.message
+    assert err.value.hint == "`NRGPT` is a model: `energy info`, `graph` and `train` take it; in Python, " \
+                             ".model(...) or .plan(...)"
+    r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT")  # the command line's user reads it too
+    assert r.returncode == 2 and "`energy info`, `graph` and `train` take it" in r.stderr, r.stderr
+    r = _run("info", "examples/models/nrgpt.energy", "--name", "NRGPTBlock")
+    assert r.returncode == 2 and "is a block" in r.stderr, r.stderr
+    r = _run("info", "examples/intrinsic-optimizers/mha.energy", "--name", "MHA")
+    assert r.returncode == 2 and "`MHA` is an energy: `energy derive`, `check` and `compile` take it" in r.stderr
     with pytest.raises(energydsl.SpecError) as err:
         spec.model("NRGPTBlock")
     assert "no model named `NRGPTBlock`" in err.value.message
