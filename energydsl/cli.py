@@ -464,6 +464,7 @@ def sample(
 
     from .api import load
     from .training import load_dataset
+    from .training.checkpoint import checkpoint_file, checkpoint_paths
     from .training.sampling import codec_from_json, load_checkpoint
     from .training.sampling import sample as generate
 
@@ -474,6 +475,12 @@ def sample(
         raise UserError(f"--seed must be in [0, 2**64), got {seed}")
     state, meta = load_checkpoint(checkpoint)
     if "model" not in meta:
+        weights, sidecar = checkpoint_paths(checkpoint, "best")
+        if checkpoint_file(sidecar) is None:  # a run's weights whose .json was lost, or weights from elsewhere
+            other = weights.with_name({"best": "last", "last": "best"}.get(weights.stem, "last") + ".safetensors")
+            raise UserError(f"{weights} has no metadata beside it ({sidecar.name} is missing), so the model it "
+                            "holds is unknown", hint=f"a run written by `energy train` has both files: "
+                            f"`energy sample {other}` if that checkpoint is whole, or train again")
         raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
     # the spec as trained travels in the checkpoint: the file at spec_path may have been edited since (its
     # path is used only while it still holds that text, so that its imports resolve next to it)

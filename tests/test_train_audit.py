@@ -130,6 +130,34 @@ def test_resume_refuses_weights_with_nan_as_a_damaged_checkpoint(run, corpus):
     assert files(run) == before
 
 
+@pytest.mark.parametrize("damage, message", [
+    # torch's own text explained weights_only loading ("you have two options..."), beside the point here
+    (lambda run: (run / "last.optim.pt").write_bytes(b"PK\x03\x04 not a zip"),
+     "checkpoint {run}/last.optim.pt is damaged: it is not an optimizer state PyTorch can read (RuntimeError)"),
+    # an emptied sidecar read as "a checkpoint (step None) of a different model or dataset: the dataset is null"
+    (lambda run: (run / "last.json").write_text("{}"),
+     "the checkpoint's last.json in {run} is damaged: it lacks the training record that `energy train` writes"),
+], ids=["optim-not-torch", "sidecar-emptied"])
+def test_resume_names_a_damaged_file_as_damaged(run, corpus, damage, message):
+    damage(run)
+    before = files(run)
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2 and message.format(run=run) in err, err
+    assert "different model" not in err and "weights_only" not in err and "hint: pass --fresh" in err
+    assert files(run) == before
+
+
+def test_sample_names_lost_metadata_and_the_other_checkpoint(run):
+    """Weights whose .json was lost were "not written by `energy train` (no model in its metadata)"."""
+    (run / "best.json").unlink()
+    code, out, err = energy("sample", str(run), "--tokens", "5")
+    assert code == 2 and out == "", err
+    assert err.startswith(f"error: {run / 'best.safetensors'} has no metadata beside it (best.json is missing)"), err
+    assert f"`energy sample {run / 'last.safetensors'}` if that checkpoint is whole" in err
+    code, out, err = energy("sample", str(run / "last.safetensors"), "--tokens", "5", "--prompt", "the")
+    assert code == 0 and out.startswith("the"), err
+
+
 def test_resume_refuses_an_optimizer_state_with_nan(run, corpus):
     """The same damage in last.optim.pt (torch.load does not notice it): NaN moments would make the loss NaN."""
     path = run / "last.optim.pt"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,8 +37,8 @@ from torch import Tensor, nn
 from energydsl.errors import DataError
 from energydsl.files import new_file_mode
 
-__all__ = ["COMMIT", "checkpoint_file", "load_checkpoint", "read_checkpoint", "read_resume_state", "save_checkpoint",
-           "save_checkpoints"]
+__all__ = ["COMMIT", "checkpoint_file", "checkpoint_paths", "load_checkpoint", "read_checkpoint", "read_resume_state",
+           "save_checkpoint", "save_checkpoints"]
 
 COMMIT = ".checkpoint.commit"
 SUFFIXES = (".safetensors", ".optim.pt", ".json")
@@ -177,7 +178,7 @@ def save_checkpoint(out_dir: Path, stem: str, model: nn.Module, sidecar: dict[st
     return out_dir / f"{stem}.safetensors"
 
 
-def _checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
+def checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
     """The weights and sidecar named by a directory (its `which`, else `last`), a .safetensors or a .json."""
     path = Path(path_or_dir).expanduser()
     if path.is_dir():
@@ -218,7 +219,7 @@ def _read_weights(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
                     ) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, str]]:
     """`load_checkpoint`, plus the weights' header (its `step` says which save the weights are from)."""
-    weights, sidecar = _checkpoint_paths(path_or_dir, which)
+    weights, sidecar = checkpoint_paths(path_or_dir, which)
     try:
         state, header = _read(weights, _read_weights)
     except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -252,7 +253,12 @@ def _nonfinite(value: Any, where: str = "") -> list[str]:
 
 def read_resume_state(path: Path) -> dict[str, Any]:
     """The committed `<stem>.optim.pt` at `path` (optimizer, scaler and RNG states)."""
-    state = _read(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    try:
+        state = _read(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        # torch's own text for a damaged file explains weights_only loading, which is beside the point here
+        raise DataError(f"checkpoint {path} is damaged: it is not an optimizer state PyTorch can read "
+                        f"({type(e).__name__})") from e
     damaged = _nonfinite(state)
     if damaged:  # as for the weights: a save never holds a diverged state
         raise DataError(f"checkpoint {path} is damaged: its optimizer state holds NaN or infinite values "

@@ -237,8 +237,11 @@ class RunDir:
             first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
             raise UserError(f"the checkpoint last.* in {self.out_dir} cannot be read, so the run cannot resume: "
                             f"{first[:200]}", hint=_START_OVER) from None
-        training = sidecar.pop("training", {})
-        data = training.get("dataset", {})
+        training = sidecar.pop("training", None)
+        if not isinstance(training, dict) or "step" not in training or not isinstance(training.get("dataset"), dict):
+            raise UserError(f"the checkpoint's last.json in {self.out_dir} is damaged: it lacks the training record "
+                            "that `energy train` writes, so the run cannot resume", hint=_START_OVER)
+        data = training["dataset"]
         diffs = []
         if data.get("name") != self.dataset_info["name"]:
             diffs.append(f"the dataset is {_show(data.get('name'))} there, {_show(self.dataset_info['name'])} now")
