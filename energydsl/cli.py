@@ -22,6 +22,7 @@ from rich.text import Text
 
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
+from .files import check_output, make_dirs
 
 if TYPE_CHECKING:  # torch is imported where a command needs it: start-up stays fast
     pass
@@ -178,6 +179,8 @@ def compile_(
     from .api import load
     from .codegen import energy_source
 
+    if output is not None:
+        check_output(output, "-o/--output", "layers.py")  # before the derivation, which may take a while
     spec = load(file)
     dims = parse_sets(sets)
     derived = spec.derivations(name, **dims)
@@ -238,6 +241,8 @@ def graph(
     from .composition import describe
     from .semantics import lower_energy
 
+    if dot:
+        check_output(dot, "--dot", "model.dot")  # before the composition is printed, not after
     plan = load(file).plan(name, **parse_sets(sets))
     for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs
         lower_energy(stage.decl, stage.dims)
@@ -391,7 +396,7 @@ def _writable_dir(path: Path, flag: str) -> None:
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a directory", hint=f"choose another {flag}")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_dirs(path)
     except OSError as e:
         raise UserError(f"cannot create {flag} {path}: {e.strerror}") from None
     if not os.access(path, os.W_OK | os.X_OK):

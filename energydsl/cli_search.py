@@ -93,8 +93,8 @@ def search(
     sets: SetOpt = None,
 ) -> None:
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
+    from energydsl.files import check_output
     from energydsl.search import export_best, run_search, write_report
-    from energydsl.search.report import check_output
     from energydsl.search.space import SpaceRef, resolve_space
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
@@ -150,9 +150,9 @@ def report(
     leaderboard: Annotated[bool, typer.Option(help="Print the leaderboard too.")] = True,
 ) -> None:
     """Write a self-contained HTML report of a study (plots, leaderboard, every trial's spec and equations)."""
+    from energydsl.files import check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.report import check_output
     from energydsl.search.storage import default_storage_path
 
     store, study_name = _locate(study, storage, name, default_storage_path)

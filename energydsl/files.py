@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
+
+from .errors import UserError
 
 
 def new_file_mode() -> int:
@@ -24,6 +28,18 @@ def new_file_mode() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def make_dirs(path: Path) -> None:
+    """`path.mkdir(parents=True, exist_ok=True)`, except that an ancestor which is a file is named: mkdir says
+    "File exists" there (errno EEXIST, strerror only), which reads as if `path` itself existed."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is None:
+            raise
+        raise NotADirectoryError(errno.ENOTDIR, f"{blocking} is a file, not a directory", str(blocking)) from None
 
 
 def read_record(path: Path, format: int) -> dict[str, Any] | None:
@@ -65,3 +81,21 @@ def cache_setting(env: str, default_subdir: str) -> Path | None:
     from .codegen import cache_dir
 
     return cache_dir() / default_subdir
+
+
+def check_output(path: str | os.PathLike[str], what: str = "output", example: str = "report.html") -> Path:
+    """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
+    or its folder cannot be created or written. Call it before the work whose result goes there."""
+    p = Path(path)
+    if str(path) == "" or p.is_dir():
+        raise UserError(f"{what} {str(path)!r} is a directory, not a file",
+                        hint=f"give a file name, e.g. {p / example}")
+    try:
+        make_dirs(p.parent)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise UserError(f"{what} {path}: cannot write a file there ({e.strerror or e})",
+                        hint="give a path in a directory you can write to") from None
+    return p

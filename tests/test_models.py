@@ -460,6 +460,16 @@ def test_model_cli_bad_input_is_a_clear_error(args: list[str], message: str) -> 
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args", [["graph", "examples/models/gpt.energy", "--dot"],
+                                  ["compile", "examples/cem/mlp.energy", "-o"]], ids=["graph", "compile"])
+def test_an_output_path_under_a_file_is_refused_first_and_named(tmp_path: Path, args: list[str]) -> None:
+    """`graph` printed the whole composition before failing on --dot, with mkdir's "File exists" elsewhere."""
+    (tmp_path / "file.txt").write_text("x")
+    r = _run(*args, str(tmp_path / "file.txt" / "out"))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert f"cannot write a file there ({tmp_path / 'file.txt'} is a file, not a directory)" in r.stderr, r.stderr
+
+
 def test_rmt_trains_from_the_cli(tmp_path: Path) -> None:
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question. " * 200)

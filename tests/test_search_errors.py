@@ -98,11 +98,15 @@ def test_search_checks_its_output_paths_before_any_trial(tmp_path: Path) -> None
     journal = str(tmp_path / "s.journal")
     for flag, path, message in [("--report", str(tmp_path), "is a directory"),
                                 ("--export", str(tmp_path), "is a directory"),
-                                ("--report", str(tmp_path / "file.txt" / "r.html"), "cannot write a file there")]:
+                                ("--report", str(tmp_path / "file.txt" / "r.html"),
+                                 f"cannot write a file there ({tmp_path / 'file.txt'} is a file, not a directory)"),
+                                ("--storage", str(tmp_path / "file.txt" / "s.journal"),
+                                 f"cannot create the storage {tmp_path / 'file.txt' / 's.journal'}: "
+                                 f"{tmp_path / 'file.txt'} is a file, not a directory")]:
         (tmp_path / "file.txt").write_text("x")
         r = energy("search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--trials", "1",
-                   "--storage", journal, flag, path, cwd=tmp_path)
-        clean_exit_2(r, flag, message)
+                   *(["--storage", journal] if flag != "--storage" else []), flag, path, cwd=tmp_path)
+        clean_exit_2(r, *([flag] if flag != "--storage" else []), message)
     assert not (tmp_path / "calls.txt").exists() and not Path(journal).exists()  # no trial ran, no study made
 
 
@@ -111,7 +115,7 @@ def test_report_checks_its_output_paths_before_writing(tmp_path: Path) -> None:
     (tmp_path / "file.txt").write_text("x")
     clean_exit_2(energy("report", str(journal), "-o", str(tmp_path), cwd=tmp_path), "is a directory")
     clean_exit_2(energy("report", str(journal), "-o", str(tmp_path / "file.txt" / "r.html"), cwd=tmp_path),
-                 "cannot write a file there")
+                 f"cannot write a file there ({tmp_path / 'file.txt'} is a file, not a directory)")
     r = energy("report", str(journal), "-o", str(tmp_path / "r.html"), "--export", str(tmp_path), cwd=tmp_path)
     clean_exit_2(r, "--export", "is a directory")
     assert not (tmp_path / "r.html").exists()  # refused before writing anything

@@ -33,6 +33,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
+from energydsl.files import make_dirs
 from energydsl.search.report import (
     CLAIMER,
     CURVE,
@@ -150,7 +151,7 @@ def lock_path(storage_spec: str, study_name: str) -> Path:
 @contextlib.contextmanager
 def _flock(path: Path, what: str) -> Iterator[None]:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         f = open(path, "a")  # noqa: SIM115 (closed below)
     except OSError as e:
         raise UserError(f"cannot create {what} lock file {path}: {e.strerror or e}") from None

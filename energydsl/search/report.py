@@ -25,7 +25,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
-from energydsl.files import new_file_mode
+from energydsl.files import make_dirs, new_file_mode
 from energydsl.search.storage import load_study
 
 # --- user attrs (what a person reads in the report) ---
@@ -422,27 +422,9 @@ def render_report(study: optuna.Study) -> str:
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def check_output(path: str | os.PathLike[str], what: str = "output", example: str = "report.html") -> Path:
-    """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
-    or its folder cannot be created or written. Call it before the work whose result goes there."""
-    p = Path(path)
-    if str(path) == "" or p.is_dir():
-        raise UserError(f"{what} {str(path)!r} is a directory, not a file",
-                        hint=f"give a file name, e.g. {p / example}")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise UserError(f"{what} {path}: cannot write a file there ({e.strerror or e})",
-                        hint="give a path in a directory you can write to") from None
-    return p
-
-
 def _write_atomic(path: Path, text: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None

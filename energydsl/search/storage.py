@@ -17,6 +17,7 @@ import optuna
 from optuna.storages import BaseStorage
 
 from energydsl.errors import UserError
+from energydsl.files import make_dirs
 
 
 def safe_name(name: str) -> str:
@@ -153,7 +154,7 @@ def open_storage(spec: str) -> BaseStorage:
     path = Path(spec)
     _check_journal(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         backend = JournalFileBackend(str(path))
     except OSError as e:
         raise UserError(f"cannot create the storage {path}: {e.strerror or e}",
