@@ -285,7 +285,9 @@ def train_(
     data: Annotated[str, typer.Option("--data", help="shakespeare_char | bytes:PATH | chars:PATH | listops | mqar")],
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.")] = 300,
     name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
-    out_dir: Annotated[str | None, typer.Option("--out", help="Run directory (default runs/<model>).")] = None,
+    out_dir: Annotated[
+        str | None, typer.Option("--out", help="Run directory (default runs/<model>, lower case).")
+    ] = None,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 16,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Default: the model's context.")] = None,
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
@@ -332,6 +334,8 @@ def train_(
         raise UserError(f"--steps must be at least 1, got {steps}")
     if block_size is not None and block_size < 1:
         raise UserError(f"--block-size must be at least 1, got {block_size}")
+    if out_dir is not None and not out_dir.strip():
+        raise UserError("--out is empty", hint="give a run directory, or leave --out out for runs/<model>")
     # checked before the model and the data are built; the block size defaults to the model's context, below
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr,
                          min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=warmup,

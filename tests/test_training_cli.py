@@ -92,6 +92,7 @@ def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path):
     (("--grad-clip", "nan"), "--grad-clip must not be negative, got nan"),
     (("--dtype", "fp8"), "unknown --dtype 'fp8'"),
     (("--dtype", "float16"), "--dtype float16 needs CUDA"),
+    (("--out", ""), "--out is empty"),  # it fell back to runs/<model> silently
 ])
 def test_cli_training_flags_are_named_in_errors(flags, message, corpus, tmp_path, monkeypatch, capsys):
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run", *flags))
