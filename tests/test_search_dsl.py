@@ -334,6 +334,21 @@ def test_good_settings_and_datasets_are_accepted(tmp_path: Path) -> None:
     assert load_search(no_trials).budget["trials"] == 20
 
 
+def test_a_file_dataset_is_written_quoted_in_the_data_clause(tmp_path: Path, monkeypatch) -> None:
+    """docs/search.md names `chars:PATH` datasets, which the clause refused ("unexpected `:`"): quoted, a relative
+    path is read from the search file's folder, wherever the search runs from."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "text.txt").write_text("abc abd\n" * 10)
+    path = write(tmp_path, TINY + SEARCH.replace("data shakespeare_char", 'data "chars:corpus/text.txt"'))
+    monkeypatch.chdir("/")
+    assert load_search(path).settings["data"].fixed == f"chars:{tmp_path / 'corpus' / 'text.txt'}"
+    absolute = write(tmp_path, TINY + SEARCH.replace("data shakespeare_char", f'data "bytes:{tmp_path}/x.txt"'), "a.e")
+    with pytest.raises(UserError, match=f"file not found: {tmp_path}/x.txt"):
+        load_search(absolute)
+    assert load_search(write(tmp_path, TINY + SEARCH.replace("data shakespeare_char", 'data "listops"'), "l.energy")
+                       ).settings["data"].fixed == "listops"
+
+
 def test_a_device_the_trials_cannot_use_is_refused_before_any_trial(tmp_path: Path) -> None:
     import torch
 

@@ -12,7 +12,7 @@ across-layer optimizers. The `search` declaration adds holes and overrides of it
     across layers choice{none, nag(...)}   M's `across layers` clause (`none`: no clause)
     optimizer E: choice{gd, nag(...)}      the optimizer of E's `optimizer` clause (modifiers kept)
     precondition E: choice{none, diag}     the preconditioner of E's optimizer (`none`: no preconditioner)
-    data NAME, steps N                     the dataset and training steps
+    data NAME, steps N                     the dataset and training steps ("chars:PATH" quoted: a file)
     train lr = float 1e-4..1e-2 log, ...   training settings (see energydsl.search.settings)
     objective minimize val_loss, ...       see OBJECTIVES; TPE for one, NSGA-II for several
     trials N                               the default budget
@@ -161,7 +161,8 @@ class DslSpace:
                                     f"energies: {', '.join(energies) or 'none'}")
                 (opt_over if kind == "search_optimizer" else pre_over)[target] = (clause.children[1], span)
             elif kind == "search_data":
-                self.settings["data"] = _Value(fixed=str(clause.children[0]), span=sf.span(clause.children[0]))
+                self.settings["data"] = _Value(fixed=_dataset_name(clause.children[0], sf.path),
+                                               span=sf.span(clause.children[0]))
                 if clause.children[1] is not None:
                     self.settings["steps"] = _setting(col, clause.children[1], "steps", "steps")
             elif kind == "search_train":
@@ -540,6 +541,18 @@ class DslSpace:
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
         }
+
+
+def _dataset_name(token: lark.Token, file: str) -> str:
+    """A `data` clause's dataset: a name (`shakespeare_char`), or a quoted one that holds a path
+    (`"chars:corpus.txt"`), whose relative path is read from the search file's folder, as an import's is."""
+    if token.type != "STRING":
+        return str(token)
+    name = str(token)[1:-1]
+    kind, sep, rest = name.partition(":")
+    if sep and kind in ("chars", "bytes") and rest and not Path(rest).expanduser().is_absolute():
+        return f"{kind}:{Path(file).parent / rest}"
+    return name
 
 
 # ----------------------------------------------------------------------------- entry point
