@@ -28,7 +28,7 @@ from typing import Any
 os.environ["TRITON_INTERPRET"] = "1"  # the ops' CPU registration; must precede the first import of triton
 
 from kernel_cases import FAMILIES, SMOKE, build_cases, torch_dtype  # noqa: E402
-from kernels import _as_tuple, _detach_leaves, _leaves, fwd_bwd_step  # noqa: E402
+from kernels import as_tuple, detach_leaves, fwd_bwd_step, grad_leaves  # noqa: E402
 from modules import CASES as MODULE_CASES  # noqa: E402
 from modules import build  # noqa: E402
 
@@ -66,7 +66,7 @@ def time_pair(forward: Callable[[], Any], leaves: list[Any], min_run_time: float
     """(forward without grad, forward + backward) in microseconds per call."""
     import torch
 
-    outs = _as_tuple(forward())
+    outs = as_tuple(forward())
     grads = [torch.ones_like(o) for o in outs]
 
     with torch.no_grad():
@@ -91,8 +91,8 @@ def op_rows(families: list[str], min_run_time: float) -> list[Row]:
                 continue
             times = []
             for impl in (kernel, peer):
-                x = _detach_leaves(impl.prepare(base) if impl.prepare else base)
-                times.append(time_pair(partial(impl.fn, x), list(_leaves(x).values()), min_run_time))
+                x = detach_leaves(impl.prepare(base) if impl.prepare else base)
+                times.append(time_pair(partial(impl.fn, x), list(grad_leaves(x).values()), min_run_time))
             rows.append((case.label, times[0], peer.name, times[1]))
     return rows
 

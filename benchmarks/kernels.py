@@ -78,11 +78,11 @@ SMOKE_TOL = 1e-4  # relative, float32 (interpreted kernel, peers) against the fl
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _as_tuple(out: Any) -> tuple[Tensor, ...]:
+def as_tuple(out: Any) -> tuple[Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _detach_leaves(x: dict[str, Any]) -> dict[str, Any]:
+def detach_leaves(x: dict[str, Any]) -> dict[str, Any]:
     """Prepared inputs as fresh leaves (a layout change in `prepare` is not part of what is timed)."""
     import torch
 
@@ -102,7 +102,7 @@ def _cast(x: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     return out
 
 
-def _leaves(x: dict[str, Any]) -> dict[str, Tensor]:
+def grad_leaves(x: dict[str, Any]) -> dict[str, Tensor]:
     import torch
 
     return {k: v for k, v in x.items() if torch.is_tensor(v) and v.requires_grad}
@@ -114,7 +114,7 @@ def fwd_bwd_step(forward: Callable[[], Any], grads: Sequence[Tensor], leaves: li
     import torch
 
     def step() -> None:
-        torch.autograd.backward(_as_tuple(forward()), grads)
+        torch.autograd.backward(as_tuple(forward()), grads)
         for t in leaves:
             t.grad = None
 
@@ -224,11 +224,11 @@ def _smoke_case(case: Case) -> list[dict[str, Any]]:
     base = case.make_inputs(torch.float32, "cpu")
     ref = next(i for i in case.impls if i.role == "reference")
     x64 = _cast(base, torch.float64)
-    out64 = _as_tuple(ref.fn(ref.prepare(x64) if ref.prepare else x64))
+    out64 = as_tuple(ref.fn(ref.prepare(x64) if ref.prepare else x64))
     gen = torch.Generator().manual_seed(1)
     grads64 = tuple(torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in out64)
     torch.autograd.backward(out64, grads64)
-    truth = {k: v.grad for k, v in _leaves(x64).items()}
+    truth = {k: v.grad for k, v in grad_leaves(x64).items()}
 
     rows = []
     for impl in case.impls:
@@ -241,7 +241,7 @@ def _smoke_case(case: Case) -> list[dict[str, Any]]:
         if not impl.cpu_backward:  # eager flex refuses inputs that require grad on the CPU
             x = {k: v.detach() if torch.is_tensor(v) else v for k, v in x.items()}
         try:
-            out = _as_tuple(impl.fn(impl.prepare(x) if impl.prepare else x))
+            out = as_tuple(impl.fn(impl.prepare(x) if impl.prepare else x))
             row["fwd_err"] = max(rel_err(o, t) for o, t in zip(out, out64, strict=True))
             if not impl.cpu_backward:
                 row["note"] = "forward only (no backward on the CPU)"
@@ -249,7 +249,7 @@ def _smoke_case(case: Case) -> list[dict[str, Any]]:
             torch.autograd.backward(out, tuple(g.float() for g in grads64))
             errs = []
             for k, t in truth.items():
-                g = _leaves(x)[k].grad
+                g = grad_leaves(x)[k].grad
                 if g is None:
                     raise RuntimeError(f"no gradient reached {k!r}")
                 errs.append(rel_err(g, t))
@@ -371,14 +371,14 @@ def _free() -> None:
 def _measure(impl: Impl, x: dict[str, Any], grads: tuple[Tensor, ...], row: dict[str, Any], args: Any) -> None:
     import torch
 
-    leaves = list(_leaves(x).values())
+    leaves = list(grad_leaves(x).values())
 
     def fwd() -> None:
         with torch.no_grad():
             impl.fn(x)
 
     def fwd_bwd() -> None:
-        torch.autograd.backward(_as_tuple(impl.fn(x)), grads)
+        torch.autograd.backward(as_tuple(impl.fn(x)), grads)
 
     for key, fn, g2n in (("fwd", fwd, None), ("fwdbwd", fwd_bwd, leaves)):
         try:
@@ -411,9 +411,9 @@ def _bench_case(case: Case, args: Any) -> tuple[list[dict[str, Any]], str]:
             "role": impl.role,
         }
         try:
-            x = _detach_leaves(impl.prepare(base) if impl.prepare else base)
+            x = detach_leaves(impl.prepare(base) if impl.prepare else base)
             with torch.no_grad():
-                outs[impl.name] = _as_tuple(impl.fn(x))
+                outs[impl.name] = as_tuple(impl.fn(x))
             torch.cuda.synchronize()
             prepared[impl.name] = x
         except Exception as e:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kernel_cases import FAMILIES, SMOKE, Case, Impl, build_cases, generator, torch_dtype
-from kernels import NO_CUDA, _as_tuple, _detach_leaves, _leaves, fwd_bwd_step
+from kernels import NO_CUDA, as_tuple, detach_leaves, fwd_bwd_step, grad_leaves
 
 # a short and a long sequence per family, bf16 at the benchmark's batch and heads
 PROFILE_SHAPES = {
@@ -84,10 +84,10 @@ def profile_impl(case: Case, impl: Any, base: dict[str, Any], device: str, steps
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device == "cuda"
-    x = _detach_leaves(impl.prepare(base) if impl.prepare else base)
-    leaves = list(_leaves(x).values())
+    x = detach_leaves(impl.prepare(base) if impl.prepare else base)
+    leaves = list(grad_leaves(x).values())
     gen = generator(device)
-    grads = tuple(torch.randn(o.shape, generator=gen, device=device).to(o.dtype) for o in _as_tuple(impl.fn(x)))
+    grads = tuple(torch.randn(o.shape, generator=gen, device=device).to(o.dtype) for o in as_tuple(impl.fn(x)))
 
     step = fwd_bwd_step(lambda: impl.fn(x), grads, leaves)
 

@@ -16,6 +16,7 @@ kernels) or fused (dQ added by atomics in the dK/dV kernel), is timed per shape 
 both kept on disk for later processes (`tuning.py`);
 custom_ops under the interpreter, with blocks fixed at 16 x 16, the wide kernels' feature tile at 16 and their
 backward tiled over features (`INTERPRET_*` below).
+The ops' fake-tensor twins, autograd contexts and bias-gradient reductions are in `attention_autograd.py`.
 """
 
 from collections.abc import Callable
@@ -26,6 +27,14 @@ import triton
 from torch import Tensor
 
 from . import MAX_HEAD_DIM, kernels_take, op_set, tuning
+from .attention_autograd import (
+    attention_setup,
+    bias_grads,
+    fake_attention_fwd,
+    fake_bwd,
+    fake_second_fwd,
+    second_setup,
+)
 from .attention_configs import AUTOTUNE_CONFIGS, TUNE_KEYS, BackwardChoice, tune_bucket
 from .attention_kernels import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel
 from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
@@ -146,11 +155,11 @@ class AttentionOps:
         # the narrow backward's choice per shape (`_fuse_dq`), with the times it was made on
         self.backward_choices: dict[tuple, BackwardChoice] = {}
         self._kernels_id: str | None = None  # their part of a choice's disk record, computed on first use
-        self._attention_fwd_op = register_op(f"{name}_fwd", self._op_attention_fwd(), _fake_attention_fwd,
-                                             backward=self._attention_backward, setup_context=_attention_setup)
-        self._second_fwd_op = register_op(f"{name}_second_fwd", self._op_second_fwd(), _fake_second_fwd,
-                                          backward=self._second_backward, setup_context=_second_setup)
-        self._bwd_op = register_op(f"{name}_bwd", self._op_bwd(), _fake_bwd)
+        self._attention_fwd_op = register_op(f"{name}_fwd", self._op_attention_fwd(), fake_attention_fwd,
+                                             backward=self._attention_backward, setup_context=attention_setup)
+        self._second_fwd_op = register_op(f"{name}_second_fwd", self._op_second_fwd(), fake_second_fwd,
+                                          backward=self._second_backward, setup_context=second_setup)
+        self._bwd_op = register_op(f"{name}_bwd", self._op_bwd(), fake_bwd)
 
     # -- launches (only torch ops and wrap_triton launches, as triton_op requires) -------------------------
 
@@ -393,13 +402,13 @@ class AttentionOps:
     def _attention_backward(self, ctx: Any, do: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, o, lse, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[5], ctx.needs_input_grad[6], ctx.needs_input_grad[7])
-        # gradients are not materialised (`_attention_setup`): an unused output's is None, not zeros
+        # gradients are not materialised (`attention_setup`): an unused output's is None, not zeros
         do = torch.zeros_like(o) if do is None else do
         dlse = None if dlse is None else dlse.float()
         dq, dk, dv, _, dkb, ddiag, ddist = self._bwd_op(
             do, q, k, v, None, lse, o, dlse, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
-        return (dq, dk, dv, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
+        return (dq, dk, dv, None, None, *bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
 
     def _second_backward(self, ctx: Any, dr: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
@@ -409,7 +418,7 @@ class AttentionOps:
         )
         # lse is a cache of the softmax normaliser, not an independent input: its dependence on q, k and the
         # biases is already in dS above, so it receives no gradient of its own.
-        return (dq, dk, dv, None, du, None, None, *_bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
+        return (dq, dk, dv, None, du, None, None, *bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
 
     # -- public API ----------------------------------------------------------------------------------------
 
@@ -562,72 +571,6 @@ class AttentionOps:
 def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """Each tensor contiguous (the biases and row statistics are read as flat arrays), None kept."""
     return tuple(None if t is None else t.contiguous() for t in tensors)
-
-
-# Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops: laid
-# out as the bodies lay out, so that outputs and gradients have the strides the bodies give them.
-def _fake_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
-    B, H, T, _d = q.shape
-    return empty_in_order(kernel_layout(q), v.shape[-1], v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
-
-
-def _fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> Tensor:
-    return torch.empty_like(kernel_layout(u), dtype=v.dtype)
-
-
-def _fake_bwd(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, u: Tensor | None, *rest: Any
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    B, H, T, _d = q.shape
-    need_alibi, need_self, need_kb = rest[-3:]
-
-    def cols(need: bool) -> Tensor:
-        return q.new_empty((B, H, T), dtype=torch.float32) if need else q.new_empty(0)
-
-    q, k, v = kernel_layouts(q, k, v)
-    du = torch.empty_like(kernel_layout(u)) if u is not None else q.new_empty(0)
-    return (
-        torch.empty_like(q),
-        torch.empty_like(k),
-        torch.empty_like(v),
-        du,
-        cols(need_kb),
-        cols(need_self),
-        cols(need_alibi),
-    )
-
-
-def _bias_grads(
-    dkb: Tensor,
-    ddiag: Tensor,
-    ddist: Tensor,
-    alibi: Tensor | None,
-    self_b: Tensor | None,
-    key_b: Tensor | None,
-    need: tuple[bool, bool, bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Per-head reductions of the kernel's column sums: d slope_h = -sum dS_ij |i-j|, d self_h = sum dS_ii."""
-    need_alibi, need_self, need_kb = need
-    d_alibi = (-ddist.sum(dim=(0, 2))).to(alibi.dtype) if need_alibi else None
-    d_self = ddiag.sum(dim=(0, 2)).to(self_b.dtype) if need_self else None
-    d_kb = dkb.to(key_b.dtype) if need_kb else None
-    return d_alibi, d_self, d_kb
-
-
-def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, scale, strict, alibi, self_b, key_b = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, alibi, self_b, key_b)
-    ctx.scale, ctx.strict = scale, strict
-    # most callers use o alone: lse's gradient then stays None, and the backward's row term reads no (B, H, T)
-    # of zeros that autograd would have filled for it
-    ctx.set_materialize_grads(False)
-
-
-def _second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    q, k, v, lse, u, scale, strict, alibi, self_b, key_b = inputs
-    ctx.save_for_backward(q, k, v, lse, u, output, alibi, self_b, key_b)
-    ctx.scale, ctx.strict = scale, strict
 
 
 # ----------------------------------------------------------------------------------------------------------
