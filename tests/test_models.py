@@ -327,6 +327,26 @@ def test_across_layer_optimizers_reduce_to_gpt_when_beta_is_zero(variant: str) -
     assert not torch.allclose(model(idx), plain(idx))
 
 
+@pytest.mark.parametrize("across", ["", "momentum(beta = 0.7, eta = 0.9)", "nag(beta = 0.7, eta = 0.9)"])
+def test_a_norm_before_each_layer_of_one_stage_is_a_norm_before_each_stage(across: str) -> None:
+    """A one-stage layer has one place for its norm: `before each layer` and `before each stage` agree, across
+    layers too (nag evaluates the layer at the look-ahead point either way)."""
+    energies = (ROOT / "examples/models/gpt.energy").read_text().split("model GPT")[0]
+
+    def model(placement: str) -> torch.nn.Module:
+        clause = f"  across layers {across}\n" if across else ""
+        source = (energies + "model M(vocab = 13, context = 8, d = 8, layers = 3, heads = 2) {\n  embed tokens\n"
+                  f"  layer = MHA(d, heads)\n  repeat layers\n{clause}  norm rmsnorm before each {placement}\n"
+                  "  head tied\n}\n")
+        return energydsl.load(source).model().double()
+
+    per_stage = _perturbed(model("stage"))
+    per_layer = model("layer")
+    per_layer.load_state_dict(per_stage.state_dict())
+    idx = torch.randint(0, 13, (2, 8))
+    torch.testing.assert_close(per_layer(idx), per_stage(idx), rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- CLI
 
 

@@ -5,6 +5,8 @@
     for each layer, for each stage:             (one set of weights per layer, or one shared set)
         s = norm(x)                             (with `norm ... before each stage`; else s = x), over the
                                                 whole stream of a token, with a gain of the stream's shape
+                                                (`before each layer`: one norm, then the layer's stages in
+                                                turn, and their summed displacement is the layer's f)
         f = stage(s) - s                        the stage's displacement: its derived update (a stage whose
                                                 state has another shape of the same size sees s reshaped)
         x = x + f                               or, across layers momentum: m = β m + f; x = x + η m
@@ -159,7 +161,7 @@ class LanguageModel(nn.Module):
             stages = self.layers[0 if self.plan.shared else layer]
             norms = self.norms[0 if self.plan.shared else layer] if self.norms is not None else None
             if per_layer:  # the layer's stages run on the normed stream; the layer's displacement is added
-                s0 = norms[0](x)
+                s0 = norms[0](self._lookahead(x, m) if self.across == "nag" else x)
                 s = s0
                 for n, stage in enumerate(stages):
                     s = self._run(n, stage, s)
