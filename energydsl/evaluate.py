@@ -59,6 +59,10 @@ class Env:
     scalars: dict[sp.Symbol, float | torch.Tensor]  # dims and scalar parameters by symbol
     seq_len: int
     cache: dict = field(default_factory=dict)
+    # `stopgrad` means a zero derivative in the derivation: evaluating an energy for autograd to differentiate
+    # (the checks' ground truth) detaches it. A derived update program has had its derivation; there it is
+    # the identity, so that training gradients flow through it as they do in the generated modules.
+    detach_stopgrad: bool = True
 
 
 def _align(v: Value, idx: tuple[str, ...]) -> torch.Tensor:
@@ -193,7 +197,7 @@ def _eval(e: Expr, env: Env) -> Value:
             return Value(a.tensor.sum(dim=tuple(range(-n, 0))), a.idx)
         case StopGrad():
             a = evaluate(e.a, env)
-            return Value(a.tensor.detach(), a.idx)
+            return Value(a.tensor.detach(), a.idx) if env.detach_stopgrad else a
         case Let():
             return evaluate(e.body, env)
         case Diag():

@@ -257,6 +257,7 @@ def run_program(prog: UpdateProgram, inst: Instance, x0: torch.Tensor | None = N
     for m in prog.aux:
         tensors[m.name] = torch.zeros_like(x)
     env = make_env(spec, inst, tensors)
+    env.detach_stopgrad = False  # the update is derived: training gradients flow through stopgrad (`Env`)
     assigns = prog.tied_assigns if tied else prog.assigns
     values = list(zip([a.target.name for a in assigns], bind_input(spec, inst, *(a.value for a in assigns))))
     for _ in range(steps or prog.steps):

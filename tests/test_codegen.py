@@ -43,10 +43,20 @@ def test_generated_module_matches_interpreter(path: str, name: str) -> None:
     derived = energydsl.load(path).energy(name)
     module = _perturbed(module_class(derived)())
     x = module.example_input(2, 7).double()
+    x.requires_grad_()
     out = module(x)
     ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(module(x, delta=True), ref - x, rtol=1e-9, atol=1e-11)
+    # training gradients: the input's and every parameter's, under a random cotangent
+    leaves = [x, *module.parameters()]
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    got = torch.autograd.grad(out, leaves, cotangent, allow_unused=True)
+    want = torch.autograd.grad(ref, leaves, cotangent, allow_unused=True)
+    for (label, _), g, w in zip([("x", x), *module.named_parameters()], got, want, strict=True):
+        assert (g is None) == (w is None), label
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.mark.parametrize("path", ["examples/intrinsic-optimizers/mha.energy",
