@@ -8,6 +8,10 @@ SymPy to differentiate a matrix-trace expression (its open bugs return 0 there).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import sympy as sp
+
 from .functions import derivative
 from .ir import (
     ZERO,
@@ -308,14 +312,17 @@ def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:
     return [(coef, e)]
 
 
-def absorb_constants(direction: Expr, new_params: list[str]) -> tuple[Expr, dict[str, object]]:
+def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[sp.Symbol] = ()
+                     ) -> tuple[Expr, dict[str, object]]:
     """An untied direction with each term that holds a new parameter written without its constant factor
     (sign included), which that parameter absorbs: the update reads `z + η (Σ …)`, as the papers write
-    untied layers. Terms without a new parameter are kept as derived.
+    untied layers. Terms without a new parameter are kept as derived. A factor of `learned` scalar params
+    stays in its term: absorbed, such a param would drop out of the update and never train.
 
     Returns the direction and, for each absorbing parameter, `scale` with which the untied update equals
     the tied one when the parameter is `scale` × its tied value. A term's first new parameter (in rule
     order) absorbs; when one parameter's terms have different factors, nothing is absorbed."""
+    learned = tuple(learned)
     kept: list[Expr] = []
     free: list[Expr] = []  # the terms whose factor is absorbed, without it
     absorbed: dict[str, object] = {}
@@ -325,9 +332,10 @@ def absorb_constants(direction: Expr, new_params: list[str]) -> tuple[Expr, dict
         if absorber is None:
             kept.append(mul(scalar(coef), rest))
             continue
-        if absorbed.setdefault(absorber, coef) != coef:
+        constant, learned_part = sp.sympify(coef).as_independent(*learned, as_Add=False) if learned else (coef, 1)
+        if absorbed.setdefault(absorber, constant) != constant:
             return direction, {}
-        free.append(rest)
+        free.append(mul(scalar(learned_part), rest))
     return add(neg(add(*free)), *kept), {name: -coef for name, coef in absorbed.items()}
 
 

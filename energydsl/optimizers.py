@@ -139,7 +139,9 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
             raise SpecError("untie: no pattern occurs on the value path of the derived update",
                             spec.untie_span or opt.span or spec.span,
                             "the left side must appear in the update exactly as written, e.g. `W1[k]^T`")
-        direction, untie_scales = absorb_constants(untied, [_base_name(new) for _, new in spec.untie_rules])
+        learned = [sym for name, sym in spec.scalar_params.items() if name in params and params[name].learn]
+        learned += [h.symbol for h in opt.hyper.values() if h.learn]
+        direction, untie_scales = absorb_constants(untied, [_base_name(new) for _, new in spec.untie_rules], learned)
 
     hyper = {h.symbol: h.value for h in opt.hyper.values()}
     for name, h in opt.hyper.items():

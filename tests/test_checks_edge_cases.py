@@ -396,6 +396,23 @@ def test_untie_keeps_the_factors_when_one_param_cannot_absorb_them_all():
     assert all(r.ok for r in layer.check())
 
 
+def test_untie_keeps_a_learned_scalar_factor_so_that_it_trains():
+    """-c · ½ in front of B's term: B absorbs the constant ½ (and the sign), never the learned c, which would
+    drop out of the update and get no gradient; a fixed (`learn` off) scalar is a constant and is absorbed."""
+    text = TWO.replace("  untie", "  param c = 0.7 positive\n  untie").replace("- 0.5 * sum", "- 0.5 * c * sum")
+    layer = load(text).energy()
+    assert "untied update  z⁺ = z + η (A gelu(U z) + c (B silu(V z)))" in layer.equations("text")
+    assert {k: float(v) for k, v in layer.program.untie_scales.items()} == {"A": 1, "B": 0.5}
+    assert all(r.ok for r in layer.check())
+    module = load(text).module().double()
+    x = module.example_input(2, 3).double()
+    (grad,) = torch.autograd.grad(module(x).square().sum(), [module.c], allow_unused=True)
+    assert grad is not None and float(grad.abs()) > 0
+    fixed = load(text.replace("= 0.7 positive", "= 0.7 positive fixed")).energy()
+    assert "z + η (A gelu(U z) + B silu(V z))" in fixed.equations("text")
+    assert str(fixed.program.untie_scales["B"]) == "c/2" and all(r.ok for r in fixed.check())
+
+
 def test_a_summed_block_untied_steps_as_each_part_does():
     """MHA + MLP summed: each part alone is `z + η (…)`; summed, the whole untied update was negated."""
     text = (ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8").replace(
