@@ -255,6 +255,8 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
     elif e.op == "max":
         s = t if mask is None else t.masked_fill(~mask, float("-inf"))
         out = s.amax(axis)
+        if mask is not None:  # an empty context contributes nothing (max := 0), as for logsumexp
+            out = torch.where(mask.any(axis), out, torch.zeros_like(out))
     else:
         raise NotImplementedError(e.op)
     return Value(out, rest)

@@ -211,7 +211,7 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
             if e.op == "prod":
                 return sp.Mul(*terms)
             if e.op == "max":
-                return sp.Max(*terms) if terms else -sp.oo  # as the evaluator: max of nothing
+                return sp.Max(*terms) if terms else sp.Integer(0)  # an empty context: 0, as the evaluator's
     raise NotImplementedError(type(e).__name__)
 
 

@@ -464,3 +464,30 @@ def test_ones_on_a_psd_param_sets_its_factor():
     s = constrain(p, raw_param(p, init_param(p, [4, 4], torch.Generator(), torch.float64, check_scale=0.5)))
     eye = torch.eye(4, dtype=torch.float64)
     torch.testing.assert_close(s, torch.full((4, 4), 4.0, dtype=torch.float64) + 1e-6 * eye)
+
+
+# ----------------------------------------------------------------------------- an empty strict context
+
+MAX_STRICT = """energy M(d = 4) {
+  state   z[d]
+  context h[j, d] where j < i
+  param   u[d] ~ normal(0, 0.5)
+  let     b = max[j](u . h[j])
+  global  F = sum[j](h[j] . z) * b + 0.5 * (z . z)
+  optimizer gd(eta = 0.1)
+}"""
+
+
+def test_max_over_an_empty_strict_context_is_zero_everywhere():
+    """Token 0 under `j < i` sees no context: max[j] there is 0, as logsumexp's, in the interpreter (and so
+    the checks), sympy's instance and the module alike; it was -inf, and the update NaN at token 0."""
+    from energydsl.instance import instance_from_params, run_program
+
+    layer = load(MAX_STRICT).energy()
+    assert all(r.ok for r in layer.check()), [r for r in layer.check() if not r.ok]
+    module = load(MAX_STRICT).module().double()
+    x = module.example_input(2, 5).double()
+    out = module(x)
+    raw = dict(module.named_parameters())
+    torch.testing.assert_close(out, run_program(layer.program, instance_from_params(layer.program, raw, x)))
+    torch.testing.assert_close(out[:, 0], 0.9 * x[:, 0])  # F = ½ z·z there: z - η z

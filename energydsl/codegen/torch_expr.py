@@ -541,8 +541,9 @@ class Emitter:
             ccode = self.align(Val(n, (POS,), 0), axes, body.rank)
             if isinstance(e, ir.Softmax):
                 raise NotImplementedError("softmax of a value that does not vary over the context")
-            code = {"sum": f"{bcode} * {ccode}", "mean": f"{bcode} * ({ccode} > 0)", "max": bcode,
-                    "logsumexp": f"{bcode} + torch.log({ccode}.clamp(min=1))", "prod": f"{bcode} ** {ccode}"}[e.op]
+            code = {"sum": f"{bcode} * {ccode}", "mean": f"{bcode} * ({ccode} > 0)", "max": f"{bcode} * ({ccode} > 0)",
+                    "logsumexp": f"({bcode} + torch.log({ccode}.clamp(min=1))) * ({ccode} > 0)",
+                    "prod": f"{bcode} ** {ccode}"}[e.op]  # an empty context: 0 (prod: 1), as `masked_reduce`
             return self.tmp(code, axes, body.rank)
         if POS not in body.axes and isinstance(e, ir.Reduce) and e.op in ("sum", "mean", "logsumexp"):
             return self._prefix(e, body, strict)

@@ -45,8 +45,8 @@ def masked_reduce(x: Tensor, mask: Tensor, dim: int, op: str) -> Tensor:
         return torch.where(torch.isneginf(out), torch.zeros_like(out), out)
     if op == "prod":
         return torch.where(mask, x, 1.0).prod(dim)
-    if op == "max":
-        return x.masked_fill(~mask, float("-inf")).amax(dim)
+    if op == "max":  # over no tokens: 0, as logsumexp's (not -inf, which would poison every gradient)
+        return torch.where(mask.any(dim), x.masked_fill(~mask, float("-inf")).amax(dim), 0.0)
     raise ValueError(op)
 
 
