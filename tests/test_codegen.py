@@ -62,10 +62,13 @@ def test_generated_module_matches_interpreter(path: str, name: str) -> None:
 @pytest.mark.parametrize("path", ["examples/intrinsic-optimizers/mha.energy",
                                   "examples/intrinsic-optimizers/gated-linear-attention.energy",
                                   "examples/intrinsic-optimizers/multi-head-linear-attention.energy",  # decay per head
-                                  "examples/nrgpt/attention.energy", "examples/cem/alibi.energy"])
+                                  "examples/nrgpt/attention.energy", "examples/cem/alibi.energy",
+                                  "tests/data/exp-decay-linear-attention.energy:ExpDecay",  # exp(-lam[k] (i - j))
+                                  "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict"])  # (j - i)
 def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     """SDPA / chunked linear attention give what the plain masked T x T reduction gives, gradients included."""
-    derived = energydsl.load(path).energy()
+    path, _, name = path.partition(":")
+    derived = energydsl.load(path).energy(name or None)
     mods = []
     for lowering in (True, False):
         src = module_source(derived.program, derived.equation_hash(), lowering=lowering)

@@ -168,6 +168,14 @@ def test_decay_shared_by_heads_matches_torch_backend() -> None:
     _compare_backends(derived, "MultiHeadLinearAttention")
 
 
+@pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict"])
+def test_a_decay_written_as_exp_of_the_distance_takes_the_linear_kernels(name: str) -> None:
+    """exp(-lam[k] (i - j)) and exp(lam[k] (j - i)): the decay lam[k]'s log per head, as a[k]^(i - j) is."""
+    derived = load(ROOT / "tests/data/exp-decay-linear-attention.energy").energy(name)
+    assert ".linear_attention(" in energy_source(derived, "triton")
+    _compare_backends(derived, name)
+
+
 def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13) -> None:
     """The triton module against the torch backend in float64: displacement and every gradient; with
     `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std).

@@ -447,15 +447,20 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
 
 def _decay(em: Emitter, e: Expr, j: str) -> Expr | None:
     """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j): a number (ir.Scalar), or a
-    value per head (a[k]^(i - j), RetNet's multi-scale retention) that depends on no token and not on the state."""
-    if not (isinstance(e, ir.Func) and e.name == "exp"):
+    value per head (a[k]^(i - j), RetNet's multi-scale retention; exp(-lam[k] * (i - j)) written out) that
+    depends on no token and not on the state. The distance may be written j - i (c changes sign)."""
+    if not (isinstance(e, ir.Func) and e.name == "exp" and isinstance(e.arg, ir.Mul)):
         return None
-    arg = e.arg
-    if not (isinstance(arg, ir.Mul) and len(arg.factors) == 2):
+    factors = list(e.arg.factors)
+    forward = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
+    for n, f in enumerate(factors):
+        sign = 1 if f == forward else -1 if f == ir.add(ir.Pos(j), ir.neg(ir.Pos(None))) else 0
+        if sign:
+            c = ir.mul(ir.scalar(sign), *factors[:n], *factors[n + 1:])
+            break
+    else:
         return None
-    want = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
-    c = next((a for a, b in (arg.factors, arg.factors[::-1]) if b == want), None)
-    if c is None or c.shape or _state_dependent(c) or token_axes(c, em.indices) & {BATCH, POS, j}:
+    if c.shape or _state_dependent(c) or token_axes(c, em.indices) & {BATCH, POS, j}:
         return None
     return c
 
