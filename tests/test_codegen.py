@@ -64,7 +64,8 @@ def test_generated_module_matches_interpreter(path: str, name: str) -> None:
                                   "examples/intrinsic-optimizers/multi-head-linear-attention.energy",  # decay per head
                                   "examples/nrgpt/attention.energy", "examples/cem/alibi.energy",
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecay",  # exp(-lam[k] (i - j))
-                                  "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict"])  # (j - i)
+                                  "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict",  # (j - i)
+                                  "tests/data/alibi-second-order.energy:CovPerHeadAlibi"])  # -(… + m |i - j|)
 def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     """SDPA / chunked linear attention give what the plain masked T x T reduction gives, gradients included."""
     path, _, name = path.partition(":")
@@ -78,10 +79,11 @@ def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
                    and v is not torch.nn.Module)
         torch.manual_seed(0)
         mods.append(_perturbed(cls()))
-        if lowering:
-            assert "attention(" in src
+        forward = src[src.index("def forward"):]
+        if lowering:  # attention, linear attention, or a second moment from the softmax weights
+            assert "masked_reduce(" not in forward
         else:
-            assert "attention(" not in src
+            assert "attention(" not in forward and "masked_reduce(" in forward
     mods[1].load_state_dict(mods[0].state_dict())
     x = mods[0].example_input(2, 70).double().requires_grad_()
     a, b = mods[0](x), mods[1](x)

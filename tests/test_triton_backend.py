@@ -176,6 +176,16 @@ def test_a_decay_written_as_exp_of_the_distance_takes_the_linear_kernels(name: s
     _compare_backends(derived, name)
 
 
+@pytest.mark.parametrize("name", ["NewtonAlibi", "CovPerHeadAlibi"])
+def test_second_order_updates_with_alibi_take_the_kernels(name: str) -> None:
+    """An ALiBi bias behind a minus sign, hoisted, or beside an L2 score: a kernel flag, not the T x T form."""
+    derived = load(ROOT / "tests/data/alibi-second-order.energy").energy(name)
+    source = energy_source(derived, "triton")
+    forward = source[source.index("def forward"):]
+    assert ".weighted_second_moment(" in forward and "masked_" not in forward
+    _compare_backends(derived, name)
+
+
 def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13) -> None:
     """The triton module against the torch backend in float64: displacement and every gradient; with
     `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std).

@@ -108,8 +108,7 @@ def _score_terms(em: Emitter, sm: ir.Softmax, j: str) -> tuple[list[tuple[sp.Exp
 
     Emits nothing, so a score that does not fit leaves no dead code behind.
     """
-    score = sm.body
-    terms = list(score.terms) if isinstance(score, ir.Add) else [score]
+    terms = _summands(sm.body)
     coupling = [t for t in terms if POS in token_axes(t, em.indices) and j in token_axes(t, em.indices)
                 and _state_dependent(t)]
     # a term constant over j (the query's own norm, say) shifts every score of a row alike: softmax ignores it
@@ -277,6 +276,17 @@ class TorchAttentionCall:
 _STEP_CACHE = ("lowering: per-step cache",)
 
 
+def _summands(e: Expr) -> list[Expr]:
+    """e as a flat list of terms, a number in front of a sum distributed over it: -(c·(q·k) + m |i - j|) is
+    -c·(q·k) and -m |i - j|, as the kernels take them (a coupling and an ALiBi bias)."""
+    if isinstance(e, ir.Add):
+        return [t for term in e.terms for t in _summands(term)]
+    if isinstance(e, ir.Mul) and len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar) \
+            and isinstance(e.factors[1], ir.Add):
+        return [ir.mul(e.factors[0], t) for t in _summands(e.factors[1])]
+    return [e]
+
+
 def step_cache(em: Emitter) -> dict:
     """Entries that live as long as the emitter's memo.
 
@@ -322,7 +332,7 @@ def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[st
                 return None
             kinds["key"].append(t)
             continue
-        factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
+        factors = _factors(body)
         positional = [f for f in factors if token_axes(f, em.indices) & {POS, j}]
         coef = [f for f in factors if f not in positional]
         if len(positional) != 1 or any(token_axes(f, em.indices) - set(em.sizes) for f in coef):
@@ -332,6 +342,15 @@ def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[st
             return None
         kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
     return kinds
+
+
+def _factors(e: Expr) -> list[Expr]:
+    """The factors of a product, through the values computed once (`-1 * c1` with c1 = m[k] |i - j| hoisted
+    is -1, m[k] and |i - j|), so that a bias's distance is found wherever the optimizer put it."""
+    body = e.body if isinstance(e, ir.Let) else e
+    if isinstance(body, ir.Mul):
+        return [g for f in body.factors for g in _factors(f)]
+    return [e]
 
 
 _I, _J = sp.symbols("_i _j", integer=True, nonnegative=True)

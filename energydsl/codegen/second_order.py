@@ -40,6 +40,7 @@ from .lowering import (  # the first-order forms this builds on, and their shape
     _n_heads,
     _numel,
     _split,
+    _state_dependent,
     _unflat,
     kernel_score_args,
     score_operands,
@@ -305,6 +306,8 @@ def _expand_raw(em: Emitter, e: Expr, j: str) -> list[Monomial] | None:
         return [(sp.Integer(1), canonical_softmax(em, e, j))]
     ax = token_axes(e, em.indices)
     if POS not in ax or j not in ax:
+        return [(sp.Integer(1), e)]
+    if not e.shape and not _state_dependent(e):  # a score bias (m_k |i - j|): the kernels take it whole
         return [(sp.Integer(1), e)]
     parts: list[list[Monomial] | None]
     match e:
