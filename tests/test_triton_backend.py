@@ -247,12 +247,12 @@ def test_bias_forms_reach_the_kernel_flags() -> None:
     assert "strict=True" in next(line for line in strict.splitlines() if ".energy_attention(" in line)
 
 
-def _position_bias_energy(bias: str) -> str:
+def _position_bias_energy(bias: str, relation: str = "j <= i") -> str:
     return textwrap.dedent(f"""
         energy Biased(d = 8, heads = 2) {{
           dim     dh = d / heads
           state   x[d]
-          context h[j, d] where j <= i
+          context h[j, d] where {relation}
           param   WQ[heads, dh, d] ~ normal(0, 0.3)
           param   WK[heads, dh, d] ~ normal(0, 0.3)
           param   m[heads] ~ normal(1, 0.1)
@@ -282,6 +282,22 @@ def test_a_position_bias_becomes_a_kernel_flag_only_when_proven(bias: str, kerne
     else:
         assert kernel_flag in call, call
     _compare_backends(derived, "Biased")  # T = 13: past the distance 7 where the look-alikes part
+
+
+@pytest.mark.parametrize("bias, flags", [
+    ("m[k] * relu(1 - abs(i - j))", []),  # the self bias: zero on every pair j < i, dropped
+    ("-m[k] * (i - j) + 0.3 * relu(1 - abs(i - j))", ["alibi_slopes="]),  # (i - j) = |i - j| there
+    ("m[k] * relu(abs(i - j) - 8)", None),  # zero up to distance 8 only: the torch op stays
+])
+def test_under_a_strict_context_a_bias_that_vanishes_is_dropped(bias: str, flags: list[str] | None) -> None:
+    derived = load(_position_bias_energy(bias, "j < i")).energy()
+    call = next((ln for ln in energy_source(derived, "triton").splitlines() if ".energy_attention(" in ln), None)
+    if flags is None:
+        assert call is None
+    else:
+        assert call is not None and "strict=True" in call
+        assert [f for f in ("alibi_slopes=", "self_bias=", "key_bias=") if f in call] == flags, call
+    _compare_backends(derived, "Biased")
 
 
 @pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),

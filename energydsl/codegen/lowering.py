@@ -16,7 +16,8 @@ The torch backend calls `softmax_attention` (SDPA; biases become a T x T additiv
 flags read off the IR (for the softmax family, copies specialised by those flags and written into the
 generated file: `triton_source.py`): causal or strict context, and each bias term
 classified as an ALiBi distance penalty (c_h |i - j|), a self-token bias (c_h [i = j]) or a per-key bias
-(no query position); terms constant over j are dropped (softmax ignores them). Feature widths above 256 take
+(no query position); terms constant over j are dropped (softmax ignores them), as are terms that vanish on
+every admissible pair (the self bias under a strict context). Feature widths above 256 take
 the feature-tiled (wide) copies of the kernels. A score the kernel cannot take (an unclassified bias) falls
 back to the torch op, which is always correct.
 """
@@ -340,7 +341,8 @@ def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[st
         kind = _distance_kind(positional[0], j, strict)
         if kind is None:
             return None
-        kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
+        if kind != "zero":  # a term that vanishes on every admissible pair adds nothing to the scores
+            kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
     return kinds
 
 
@@ -358,14 +360,17 @@ _N, _M = sp.symbols("_n _m", integer=True, nonnegative=True)
 
 
 def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
-    """"alibi" if e = |i - j|, "self" if e = [i = j], for every admissible pair (i, j): proven by SymPy with
-    i = j + n, n >= 0 (n >= 1 when strict). A small grid of pairs rejects most other forms quickly; what
-    passes the grid but cannot be proven (a capped distance, a window) is None: the torch op stays."""
+    """"alibi" if e = |i - j|, "self" if e = [i = j], "zero" if e = 0 (the self bias under a strict context),
+    for every admissible pair (i, j): proven by SymPy with i = j + n, n >= 0 (n >= 1 when strict). A small
+    grid of pairs rejects most other forms quickly; what passes the grid but cannot be proven (a capped
+    distance, a window) is None: the torch op stays."""
     f = _position_sympy(e, j)
     if f is None:
         return None
     pairs = [(a, b) for a in range(8) for b in range(a + (0 if strict else 1))]
     values = [complex(f.subs({_I: a, _J: b})) for a, b in pairs]
+    if all(abs(val) < 1e-12 for val in values):
+        return "zero" if _is_zero(f.subs(_I, _J + (_M + 1 if strict else _N))) else None
     if all(abs(val - abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
         n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
         return "alibi" if _is_zero(f.subs(_I, _J + n) - n) else None
