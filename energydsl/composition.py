@@ -248,7 +248,7 @@ def _stage(parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]) -
         return StagePlan(decl.name, [(decl.name, dims)], decl, dims, ref.span)
     from .merge import merge_energies
 
-    decl, dims = merge_energies([(d, dims) for d, dims, _ in parts])
+    decl, dims = merge_energies([(d, dims) for d, dims, _ in parts], [ref.span for _, _, ref in parts])
     return StagePlan("+".join(d.name for d, _, _ in parts), [(d.name, dm) for d, dm, _ in parts], decl, dims,
                      parts[0][2].span)
 

@@ -32,7 +32,27 @@ def _same(a: ast.Clause, b: ast.Clause) -> bool:
     return _shape(a) == _shape(b)
 
 
-def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]]) -> tuple[ast.EnergyDecl, dict[str, float]]:
+def _header_values(decl: ast.EnergyDecl, values: dict[str, float]) -> dict[str, float]:
+    """An energy's dims at its reference: those set there, the others at their defaults (in order, so that
+    `hidden = 4 * d` follows a set d). A default this cannot evaluate is left out, for lowering to report."""
+    from .composition import evaluate_number
+
+    out: dict[str, float] = {}
+    for name, node in decl.header:
+        if name in values:
+            out[name] = values[name]
+            continue
+        try:
+            out[name] = evaluate_number(node, out, f"the default of `{name}`")
+        except SpecError:
+            continue
+    return out
+
+
+def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: list[Span] | None = None
+                   ) -> tuple[ast.EnergyDecl, dict[str, float]]:
+    """One declaration for `A + B + …`, with the dims each part has at its reference (`refs`: where each part
+    is named, for errors about the sum; else at the declarations)."""
     first = parts[0][0]
     header: list[tuple[str, ast.Node]] = []
     dims: dict[str, float] = {}
@@ -40,15 +60,21 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]]) -> tupl
     clauses: list[ast.Clause] = []
     globals_: list[ast.Clause] = []
     optimizer: ast.Clause | None = None
-    for decl, values in parts:
+    owners: dict[str, tuple[str, bool]] = {}  # each dim's first energy, and whether it was set there
+    for n, (decl, values) in enumerate(parts):
+        for name, value in _header_values(decl, values).items():
+            if name in dims and dims[name] != value:
+                where = [f"`{owners[name][0]}`" + ("" if owners[name][1] else " (its default)"),
+                         f"`{decl.name}`" + ("" if name in values else " (its default)")]
+                raise SpecError(f"`{first.name} + {decl.name}`: dim `{name}` is {dims[name]:g} in {where[0]} and "
+                                f"{value:g} in {where[1]}", refs[n] if refs else decl.span,
+                                f"summed energies share their dims by name: give `{name}` one value in both, or "
+                                "rename it in one")
+            dims.setdefault(name, value)
+            owners.setdefault(name, (decl.name, name in values))
         for name, node in decl.header:
-            if name in dims and dims[name] != values.get(name, dims[name]):
-                raise SpecError(f"`{first.name} + {decl.name}`: dim `{name}` is {dims[name]:g} in one energy and "
-                                f"{values[name]:g} in the other", decl.span)
-            if all(name != have for have, _ in header):  # shared and not given: the first energy's default
+            if all(name != have for have, _ in header):
                 header.append((name, node))
-            if name in values:
-                dims[name] = values[name]
         for c in decl.clauses:
             if c.kind == "global":
                 globals_.append(c)

@@ -344,10 +344,35 @@ def test_a_blocks_dims_are_its_own_energies_and_defaults_evaluate_as_elsewhere()
                 "energy B(d = 8) {\n state z[d]\n global G = z . z\n optimizer gd(eta = 0.1)\n}\n"
                 "energy Other(d = 4, zz = 3) {\n state z[d]\n global H = z . z\n optimizer gd(eta = 0.1)\n}\n"
                 "block AB = A + B\n")
-    block = spec.energy("AB")
-    assert block.spec.dim_values == {"d": 4.0, "c": 2.0}  # the first energy's default for the shared d
+    # the summed energies share d: their defaults differ, so no one d is right for both (A's used to win)
+    with pytest.raises(SpecError, match=r"dim `d` is 4 in `A` \(its default\) and 8 in `B` \(its default\)") as e:
+        spec.energy("AB")
+    assert (e.value.span.line, e.value.span.column) == (16, 16) and "give `d` one value in both" in e.value.hint
+    block = spec.energy("AB", d=8)
+    assert block.spec.dim_values == {"d": 8.0, "c": 2.0}
     with pytest.raises(SpecError, match="`zz` is not a dim of any energy in block `AB`"):
-        spec.block("AB", zz=5)
+        spec.block("AB", zz=5, d=8)
+
+
+def test_summed_stages_of_a_model_agree_on_each_shared_dim_set_or_default() -> None:
+    """`hidden` defaults to 4 d in one energy and 16 in the other: summed, one size silently served both."""
+    energies = ("energy P(d = 8, hidden = 4 * d) {\n state z[d]\n param U[hidden, d]\n"
+                " global F = -sum(integral(relu)(U @ z))\n optimizer gd(eta = 0.1)\n}\n"
+                "energy Q(d = 8, hidden = 16) {\n state z[d]\n param V[hidden, d]\n"
+                " global G = -sum(integral(relu)(V @ z))\n optimizer gd(eta = 0.1)\n}\n")
+
+    def model(layer: str) -> str:
+        return energies + (f"model M(vocab = 11, context = 8, d = 8) {{\n embed tokens\n layer = {layer}\n"
+                           " head tied\n}\n")
+
+    for layer, message in [("P + Q", "dim `hidden` is 32 in `P` (its default) and 16 in `Q` (its default)"),
+                           ("Q + P", "dim `hidden` is 16 in `Q` (its default) and 32 in `P` (its default)"),
+                           ("P(d) + Q(d, hidden = 16)", "dim `hidden` is 32 in `P` (its default) and 16 in `Q`")]:
+        with pytest.raises(SpecError) as e:
+            load(model(layer)).model()
+        assert message in e.value.message and e.value.span.line == 15, (layer, e.value.message)
+    sizes = {k: tuple(v.shape) for k, v in load(model("P(hidden = 16) + Q")).model().state_dict().items()}
+    assert sizes["layers.0.0.U"] == sizes["layers.0.0.V"] == (16, 8)
 
 
 @pytest.mark.parametrize("index, message", [
