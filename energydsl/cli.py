@@ -293,7 +293,8 @@ def train_(
     lr: Annotated[float, typer.Option("--lr")] = 1e-3,
     min_lr: Annotated[float | None, typer.Option("--min-lr", help="The cosine schedule's end. Default: --lr / 10.")
                       ] = None,
-    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW's, on matrices only.")] = 0.1,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW's, on matrices only (not norm gains).")
+                            ] = 0.1,
     grad_clip: Annotated[float, typer.Option("--grad-clip", help="Gradient norm clipping; 0: off.")] = 1.0,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16 (autocast; float16: CUDA)")
                      ] = "float32",

@@ -16,6 +16,7 @@ import torch
 from conftest import strict_json
 from torch import nn
 
+import energydsl
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
 from energydsl.training import TrainConfig, load_checkpoint, load_dataset, sample, train
 from energydsl.training.checkpoint import checkpoint_file, read_checkpoint
@@ -87,6 +88,16 @@ def test_weight_decay_only_on_matrices():
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(
         p.numel() for p in model.parameters()
     )
+
+
+def test_a_matrix_streams_norm_gains_are_not_decayed():
+    """RMT's gains are [dk, dv] matrices: gains all the same, kept out of weight decay as a vector's are."""
+    model = energydsl.load(ROOT / "examples/models/rmt.energy").model(layers=1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = configure_optimizer(model, config(), torch.device("cpu")).param_groups
+    gains = sorted(names[id(p)] for p in no_decay["params"] if p.dim() >= 2)
+    assert gains == ["final_norm.weight", "norms.0.0.weight", "norms.0.1.weight"]
+    assert not any("norm" in names[id(p)] for p in decay["params"])
 
 
 # -------------------------------------------------------------------------------------- training

@@ -1,8 +1,8 @@
 """The training loop: nanoGPT's train.py as a function, with checkpoints, resuming and divergence checks.
 
 `train(model, dataset, config, out_dir, metadata=...)` trains any `model(idx[B, T]) -> logits[B, T, V]`
-with AdamW (weight decay on matrices only), linear warmup then cosine decay, gradient clipping and
-evaluation every `eval_interval` steps. In `out_dir` it keeps `last.*` (for resuming), `best.*` (the
+with AdamW (weight decay on matrices only, not norm gains), linear warmup then cosine decay, gradient clipping
+and evaluation every `eval_interval` steps. In `out_dir` it keeps `last.*` (for resuming), `best.*` (the
 lowest validation loss), `metrics.jsonl` and `loss.png`. Step `s` always means "after `s` updates".
 Checkpoints are written at evaluations, and when Ctrl-C stops a run that has an `out_dir`: the step
 under way finishes, the run is evaluated and saved, and `TrainingInterrupted` (a KeyboardInterrupt) is
@@ -148,13 +148,16 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def configure_optimizer(model: nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only; biases and norm gains are not decayed."""
+    """AdamW with weight decay on matrices and embeddings only; biases, vectors and norm gains are not decayed
+    (a matrix stream's gains are matrices, [dk, dv], and still gains: decay would pull them towards 0)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters")
+    gains = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for p in m.parameters()}
+    decayed = [p for p in params if p.dim() >= 2 and id(p) not in gains]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": decayed, "weight_decay": config.weight_decay},
+        {"params": [p for p in params if id(p) not in {id(q) for q in decayed}], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
     fused = device.type == "cuda" and all(p.is_floating_point() for p in params)
