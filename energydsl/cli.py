@@ -462,7 +462,8 @@ def _interrupted_at_once(run_dir: Path | None, fresh: bool) -> str:
 
 @app.command()
 def sample(
-    checkpoint: Annotated[str, typer.Argument(metavar="RUN", help="A run directory or a .safetensors checkpoint.")],
+    checkpoint: Annotated[str, typer.Argument(metavar="RUN", help="A run directory (its best checkpoint, else its "
+                                              "last) or a .safetensors checkpoint.")],
     prompt: Annotated[str, typer.Option("--prompt")] = "",
     tokens: Annotated[int, typer.Option("--tokens", help="How many tokens to generate.")] = 200,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.8,

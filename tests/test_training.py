@@ -591,6 +591,21 @@ def test_sample_length_determinism_and_cropping(text_dataset, tmp_path):
     assert fresh.training, "sampling restores the training mode"
 
 
+def test_sampling_reads_no_further_back_than_the_trained_block(text_dataset, tmp_path):
+    """Trained on blocks of 8 in a context of 32: positions 8..31 never had a gradient, so the sampler feeds the
+    model the last 8 tokens, not 32 (a run's metadata without a training block keeps the context)."""
+    model = tiny_gpt(text_dataset.vocab_size)
+    train(model, text_dataset, config(steps=5, eval_interval=5, block_size=8), tmp_path, metadata=META, progress=False)
+    state, meta = load_checkpoint(tmp_path)
+    lengths: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    sample(model, text_dataset, "the quick brown fox " * 3, 5, temperature=0, metadata=meta)
+    assert lengths == [8] * 5
+    lengths.clear()
+    sample(model, text_dataset, "the quick brown fox " * 3, 5, temperature=0, metadata=META)
+    assert lengths == [CONTEXT] * 5
+
+
 def test_bfloat16_autocast_on_cpu(text_dataset):
     result = train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=5, eval_interval=5,
                    dtype="bfloat16"), None, metadata={}, progress=False)

@@ -150,9 +150,15 @@ class TextCodec(Protocol):
 
 
 def _context_length(model: nn.Module, metadata: Mapping[str, Any] | None) -> int | None:
-    """The model's block size: metadata['context'], else a `context`/`block_size` attribute."""
+    """How many tokens the model reads: the block it was trained on (metadata['training']['config']), which
+    may be shorter than its context (positions past it never had a gradient), else metadata['context'], else
+    a `context`/`block_size` attribute."""
     for meta in (metadata, getattr(model, "metadata", None)):
         if isinstance(meta, Mapping) and meta.get("context"):
+            config = meta.get("training", {}).get("config", {}) if isinstance(meta.get("training"), Mapping) else {}
+            trained = config.get("block_size") if isinstance(config, Mapping) else None
+            if isinstance(trained, int) and 0 < trained < int(meta["context"]):
+                return trained
             return int(meta["context"])
     for owner in (model, getattr(model, "config", None)):
         for attr in ("context", "block_size"):
