@@ -322,7 +322,8 @@ def train_(
     1 diverged (the last good checkpoint is kept);
     2 bad input (spec, flags, data, a run directory of another model or a damaged one, out of memory);
     70 an internal error;
-    130 interrupted (Ctrl-C: the run is saved first; a second Ctrl-C stops at once).
+    130 interrupted (Ctrl-C: the run is saved first; a second Ctrl-C stops at once);
+    143 stopped by SIGTERM (saved first, as for Ctrl-C).
 
     With --fresh, the previous run's files in --out are replaced only once the new run writes its first checkpoint.
     """
@@ -382,7 +383,10 @@ def train_(
             raise typer.Exit(1) from None
         except TrainingInterrupted as e:
             print(f"interrupted at step {e.step}: saved {e.checkpoint}; {_resume_hint(fresh)}", file=sys.stderr)
-            sys.exit(130)  # said why: SystemExit passes Typer and `main` without another note
+            if as_json:  # an outcome, as a divergence is
+                print(json.dumps({"interrupted": True, "step": e.step, "checkpoint": e.checkpoint,
+                                  "out": str(run_dir)}))
+            sys.exit(128 + e.signum)  # 130 (Ctrl-C), 143 (SIGTERM); SystemExit passes Typer and `main` as is
     except KeyboardInterrupt:  # a Ctrl-C before the training loop, or a second one, which stops at once
         print(_interrupted_at_once(run_dir, fresh), file=sys.stderr)
         sys.exit(130)

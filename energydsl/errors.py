@@ -106,12 +106,15 @@ class TrainingDiverged(Exception):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during a training with a run directory: the run was evaluated and saved at `step` first.
+    """Ctrl-C (or SIGTERM) during a training with a run directory: the run was evaluated and saved at `step`
+    first.
 
-    A KeyboardInterrupt, so a notebook stops as usual; `checkpoint` names the `last` checkpoint written.
+    A KeyboardInterrupt, so a notebook stops as usual; `checkpoint` names the `last` checkpoint written and
+    `signum` the signal that asked (the CLI exits 128 + signum: 130, or 143 for SIGTERM).
     """
 
-    def __init__(self, step: int, checkpoint: str | None):
+    def __init__(self, step: int, checkpoint: str | None, signum: int = 2):
         super().__init__(f"training interrupted at step {step}; saved {checkpoint}")
         self.step = step
         self.checkpoint = checkpoint
+        self.signum = signum

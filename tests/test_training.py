@@ -356,38 +356,57 @@ class NaNAfter(nn.Module):
 
 
 class CtrlCAt(nn.Module):
-    """Wraps a model; its `k`-th training forward sends this process a SIGINT, as Ctrl-C does."""
+    """Wraps a model; its `k`-th training forward sends this process a SIGINT, as Ctrl-C does (or `signum`)."""
 
-    def __init__(self, inner: nn.Module, k: int):
+    def __init__(self, inner: nn.Module, k: int, signum: int = signal.SIGINT):
         super().__init__()
-        self.inner, self.k, self.calls = inner, k, 0
+        self.inner, self.k, self.calls, self.signum = inner, k, 0, signum
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         if self.training:
             self.calls += 1
             if self.calls == self.k:
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(self.signum)
         return self.inner(idx)
 
 
-def test_ctrl_c_finishes_the_step_saves_and_resumes_where_it_stopped(text_dataset, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_finishes_the_step_saves_and_resumes_where_it_stopped(text_dataset, tmp_path, signum):
+    """Ctrl-C, or SIGTERM (a scheduler's pre-emption, `timeout`): saved at the step, resumed as if never stopped,
+    the best checkpoint included (the interrupt's evaluation is saved as `last` but cannot become `best`)."""
     cfg = config(steps=20)
     straight = tiny_gpt(text_dataset.vocab_size)
     train(straight, text_dataset, cfg, tmp_path / "a", metadata=META, progress=False)
 
-    model = CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=13)
+    model = CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=13, signum=signum)
     with pytest.raises(KeyboardInterrupt) as err:  # a notebook stops as usual
         train(model, text_dataset, cfg, tmp_path / "b", metadata=META, progress=False)
-    assert isinstance(err.value, TrainingInterrupted)
+    assert isinstance(err.value, TrainingInterrupted) and err.value.signum == signum
     assert err.value.step == 13 and err.value.checkpoint == str(tmp_path / "b" / "last.safetensors")
     assert json.loads((tmp_path / "b" / "last.json").read_text())["training"]["step"] == 13
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert json.loads((tmp_path / "b" / "best.json").read_text())["training"]["step"] == 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
     again = CtrlCAt(tiny_gpt(text_dataset.vocab_size, seed=99), k=10**9)
     resumed = train(again, text_dataset, cfg, tmp_path / "b", metadata=META, progress=False)
     assert resumed["resumed_from"] == 13 and resumed["steps"] == 20
     for (name, a), b in zip(straight.state_dict().items(), again.inner.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)  # as if never interrupted
+    best = [json.loads((tmp_path / run / "best.json").read_text())["training"] for run in ("a", "b")]
+    assert best[0]["best_step"] == best[1]["best_step"] and best[0]["step"] == best[1]["step"]
+
+
+def test_sigterm_is_left_to_a_handler_already_installed(text_dataset, tmp_path):
+    """A search worker handles SIGTERM itself (its trial is requeued): training does not take it over."""
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        model = CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=3, signum=signal.SIGTERM)
+        train(model, text_dataset, config(steps=5, eval_interval=5), tmp_path, metadata=META, progress=False)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_ctrl_c_without_a_run_directory_stops_at_once(text_dataset):

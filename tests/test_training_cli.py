@@ -59,23 +59,29 @@ def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, mo
     assert code == 2 and "same settings" in err and "Traceback" not in err
 
 
-def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path):
+@pytest.mark.parametrize(("signum", "status", "as_json"), [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
+def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path, signum, status, as_json):
+    """Ctrl-C, and SIGTERM (a scheduler's pre-emption): the run is saved first (SIGTERM killed it unsaved)."""
     import subprocess
     import time
 
-    args = tiny_cli_run(corpus, tmp_path, "--steps", "1000000", "--eval-interval", "1000000")
+    args = tiny_cli_run(corpus, tmp_path, "--steps", "1000000", "--eval-interval", "1000000",
+                        *(("--json",) if as_json else ()))
     proc = subprocess.Popen([sys.executable, "-m", "energydsl.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while '"train"' not in (metrics.read_text() if metrics.exists() else "") and time.monotonic() < deadline:
         time.sleep(0.1)  # wait until it is training (step 0 evaluated, a few steps logged)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == status, err
     step = json.loads((tmp_path / "last.json").read_text())["training"]["step"]
     assert step > 0 and err.strip() == (f"interrupted at step {step}: saved {tmp_path / 'last.safetensors'}; "
                                         "rerun the same command to resume")
+    if as_json:  # an outcome on stdout, as a divergence's
+        assert strict_json(out) == {"interrupted": True, "step": step, "checkpoint": str(tmp_path / "last.safetensors"),
+                                    "out": str(tmp_path)}
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -4,9 +4,10 @@
 with AdamW (weight decay on matrices only, not norm gains), linear warmup then cosine decay, gradient clipping
 and evaluation every `eval_interval` steps. In `out_dir` it keeps `last.*` (for resuming), `best.*` (the
 lowest validation loss), `metrics.jsonl` and `loss.png`. Step `s` always means "after `s` updates".
-Checkpoints are written at evaluations, and when Ctrl-C stops a run that has an `out_dir`: the step
-under way finishes, the run is evaluated and saved, and `TrainingInterrupted` (a KeyboardInterrupt) is
-raised; a second Ctrl-C stops at once. A killed run resumes from its last checkpoint.
+Checkpoints are written at evaluations, and when Ctrl-C (or SIGTERM) stops a run that has an `out_dir`: the
+step under way finishes, the run is evaluated and saved as `last` (not `best`: an unscheduled evaluation would
+make the best depend on when the run was stopped), and `TrainingInterrupted` (a KeyboardInterrupt) is raised;
+a second signal stops at once. A killed run resumes from its last checkpoint.
 
 Divergence: a loss (any training step's, or an evaluation's train or validation loss) has diverged
 when it is NaN or infinite, or above `diverge_factor` (4) times the run's initial loss (the training
@@ -395,22 +396,27 @@ def _check_dtype(dtype: str, device: torch.device, name: str) -> None:
 @dataclass
 class _Interrupt:
     requested: bool = False
+    signum: int = signal.SIGINT  # which signal asked: TrainingInterrupted carries it (exit 130 or 143)
 
 
 @contextlib.contextmanager
 def _deferred_interrupt(enabled: bool):
-    """While active, the first Ctrl-C only sets `requested` (the loop then saves and stops between steps, so
-    no state is torn mid-update); it also restores the previous handler, so a second Ctrl-C stops at once.
-    Only in the main thread (signals go there) and when there is somewhere to save."""
+    """While active, the first Ctrl-C (or SIGTERM, as a batch scheduler or `timeout` sends) only sets
+    `requested` (the loop then saves and stops between steps, so no state is torn mid-update); it also
+    restores the previous handler, so a second signal stops at once. Only in the main thread (signals go
+    there) and when there is somewhere to save; SIGTERM only where nothing else handles it (a search worker
+    has its own handler)."""
     interrupt = _Interrupt()
-    with handlers_restored(signal.SIGINT) as previous:
+    with handlers_restored(signal.SIGINT, signal.SIGTERM) as previous:
         if enabled and previous is not None:
 
             def request(signum: int, frame: Any) -> None:
-                interrupt.requested = True
-                signal.signal(signal.SIGINT, previous[signal.SIGINT])
+                interrupt.requested, interrupt.signum = True, signum
+                signal.signal(signum, previous[signum])
 
             signal.signal(signal.SIGINT, request)
+            if previous[signal.SIGTERM] is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, request)
         yield interrupt
 
 
@@ -470,7 +476,8 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
 
     first = True
     while True:
-        due = step % config.eval_interval == 0 or step >= config.steps or interrupt.requested
+        scheduled = step % config.eval_interval == 0 or step >= config.steps
+        due = scheduled or interrupt.requested
         if due and not (first and resumed):  # a resumed run was evaluated just before it was saved
             check_pending()
             if device.type == "cuda":
@@ -484,7 +491,9 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                 if reason is not None:
                     diverge(step, losses[split], reason)
             state.step, state.train_loss, state.val_loss = step, losses["train"], losses["val"]
-            improved = losses["val"] < state.best_val_loss
+            # an evaluation only an interrupt asked for is shown and saved as `last`, but cannot become `best`:
+            # the resumed run then keeps the best the uninterrupted one would
+            improved = scheduled and losses["val"] < state.best_val_loss
             if improved:
                 state.best_val_loss, state.best_step = losses["val"], step
             run.log(kind="eval", step=step, train_loss=losses["train"], val_loss=losses["val"],
@@ -500,7 +509,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
         if interrupt.requested and step < config.steps and not stopped_early:  # saved just above (or resumed)
             run.log(kind="interrupted", step=step)
             bar.close()
-            raise TrainingInterrupted(step, run.last_checkpoint)
+            raise TrainingInterrupted(step, run.last_checkpoint, interrupt.signum)
         first = False
         if step >= config.steps or stopped_early:
             break
