@@ -215,8 +215,30 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_checkpoint_that_resumes_exactly(
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} after a kill at {ops[k - 1]}")
         state, meta = load_checkpoint(out)  # best.* is the step-10 model, too
         assert meta["training"]["step"] == 10 and all(torch.equal(best[n], t) for n, t in state.items())
-        assert not list(out.glob(".*")), (k, sorted(p.name for p in out.glob(".*")))  # no staged files left
+        staged = sorted(p.name for p in out.glob(".*") if p.name != ".train.lock")  # the lock stays, empty of use
+        assert not staged, (k, staged)  # no staged files left
     assert resumed_from == {None, 0, 5}
+
+
+def test_a_run_directory_in_use_is_refused_and_released_after(text_dataset, tmp_path):
+    """Two trainings in one directory interleaved their metrics and deleted each other's staged files: the
+    second is refused at once, naming the process; once the first ends (or fails), the directory is free."""
+    from energydsl.training.run_dir import _claim
+
+    held = _claim(tmp_path)  # what a running training holds
+    try:
+        with pytest.raises(UserError, match=rf"{tmp_path} is in use by another training \(pid {os.getpid()}\)"):
+            train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=2), tmp_path, metadata=META,
+                  progress=False)
+        assert not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        held.close()
+    model = CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(model, text_dataset, config(steps=4), tmp_path, metadata=META, progress=False)
+    result = train(CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=10**9), text_dataset, config(steps=4), tmp_path,
+                   metadata=META, progress=False)  # the interrupted run let go of it
+    assert result["resumed_from"] == 2
 
 
 def test_a_last_checkpoint_mixed_from_two_saves_is_refused(text_dataset, tmp_path):

@@ -7,8 +7,10 @@ Used by `energydsl.training.trainer.train`; every method is a no-op without an o
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
+import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -169,6 +171,27 @@ class RunState:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _claim(out_dir: Path) -> Any:
+    """Hold `out_dir` for this process (an exclusive lock on `.train.lock`, released when the file is closed or
+    the process ends): two runs writing one directory interleave their metrics and delete each other's staged
+    checkpoint files. A directory in use is refused at once, naming the process that holds it."""
+    lock = out_dir / ".train.lock"
+    f = open(lock, "a+")  # noqa: SIM115 (closed by RunDir.close, or with the process)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise UserError(f"{out_dir} is in use by another training{f' (pid {holder})' if holder else ''}",
+                        hint="wait for it to finish, or give this run another --out directory") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 class RunDir:
     """One training run's files: checkpoints, metrics and the plot (all no-ops without an out_dir)."""
 
@@ -182,10 +205,18 @@ class RunDir:
         self.last_plot = 0.0
         self.good: tuple[int, float] | None = None  # (step, val loss) of `last` as this run wrote or resumed it
         self.pending: list[str] | None = None  # metrics rows of an attempt that has not begun yet (`start`)
+        self._lock = None
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self.metrics = out_dir / "metrics.jsonl"
             self.diverged = out_dir / "diverged.json"
+            self._lock = _claim(out_dir)
+
+    def close(self) -> None:
+        """Release the directory for the next run (the lock also goes with the process)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     @property
     def last_checkpoint(self) -> str | None:

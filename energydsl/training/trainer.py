@@ -276,73 +276,76 @@ def train(
     model.to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
-    run = RunDir(out_dir, metadata, dataset, config, params)
-    optimizer = configure_optimizer(model, config, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "float16")
-    enabled = config.dtype != "float32"
+    run = RunDir(out_dir, metadata, dataset, config, params)  # holds out_dir until `close`
+    try:
+        optimizer = configure_optimizer(model, config, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "float16")
+        enabled = config.dtype != "float32"
 
-    def autocast() -> Any:
-        return torch.autocast(device.type, dtype=DTYPES[config.dtype], enabled=enabled)
+        def autocast() -> Any:
+            return torch.autocast(device.type, dtype=DTYPES[config.dtype], enabled=enabled)
 
-    generator = torch.Generator().manual_seed(config.seed)
-    state = RunState()
-    changes: dict[str, tuple[Any, Any]] = {}
-    found = run.find_resumable(model) if resume else None
-    if found is not None:
-        weights, training, extra = found
-        diverged = run.divergence()
-        now = _jsonable(asdict(config))
-        if diverged is not None and diverged.get("config") == finite_or_none(now):  # as diverged.json holds it
-            raise UserError(
-                f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
-                f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
-                "would diverge again",
-                hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
-                     "or pass --fresh (resume=False) to start over")
-        changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
-        model.load_state_dict(weights)
-        optimizer.load_state_dict(extra["optimizer"])
-        if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
-            scaler.load_state_dict(extra["scaler"])
-        generator.set_state(extra["rng"]["batches"])
-        state = RunState(**{f.name: training[f.name] for f in fields(RunState)})
-        run.good = (state.step, state.val_loss)
-        if run.best_is_stale(state):  # a run directory written before saves were transactions
-            run.save(("best",), model, state, extra)
-        if changes:
-            (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
-                              f"{describe_changes(changes, names)}")
-    run.start(state.step if found else None)
-    if changes:  # metrics.jsonl says from which step on the run trained with other settings
-        run.log(kind="resumed", step=state.step, changed={k: list(v) for k, v in changes.items()})
-
-    rng_devices = [device.index] if device.type == "cuda" else []
-    precision = torch.get_float32_matmul_precision()
-    with torch.random.fork_rng(devices=rng_devices):
+        generator = torch.Generator().manual_seed(config.seed)
+        state = RunState()
+        changes: dict[str, tuple[Any, Any]] = {}
+        found = run.find_resumable(model) if resume else None
         if found is not None:
-            torch.set_rng_state(extra["rng"]["torch"])
-            if "cuda" in extra["rng"] and device.type == "cuda":
-                torch.cuda.set_rng_state(extra["rng"]["cuda"], device)
-        else:  # seed only the generators fork_rng restores: the caller's RNG streams stay untouched
-            torch.random.default_generator.manual_seed(config.seed)
+            weights, training, extra = found
+            diverged = run.divergence()
+            now = _jsonable(asdict(config))
+            if diverged is not None and diverged.get("config") == finite_or_none(now):  # as diverged.json holds it
+                raise UserError(
+                    f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
+                    f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
+                    "would diverge again",
+                    hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
+                         "or pass --fresh (resume=False) to start over")
+            changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
+            model.load_state_dict(weights)
+            optimizer.load_state_dict(extra["optimizer"])
+            if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
+                scaler.load_state_dict(extra["scaler"])
+            generator.set_state(extra["rng"]["batches"])
+            state = RunState(**{f.name: training[f.name] for f in fields(RunState)})
+            run.good = (state.step, state.val_loss)
+            if run.best_is_stale(state):  # a run directory written before saves were transactions
+                run.save(("best",), model, state, extra)
+            if changes:
+                (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
+                                  f"{describe_changes(changes, names)}")
+        run.start(state.step if found else None)
+        if changes:  # metrics.jsonl says from which step on the run trained with other settings
+            run.log(kind="resumed", step=state.step, changed={k: list(v) for k, v in changes.items()})
+
+        rng_devices = [device.index] if device.type == "cuda" else []
+        precision = torch.get_float32_matmul_precision()
+        with torch.random.fork_rng(devices=rng_devices):
+            if found is not None:
+                torch.set_rng_state(extra["rng"]["torch"])
+                if "cuda" in extra["rng"] and device.type == "cuda":
+                    torch.cuda.set_rng_state(extra["rng"]["cuda"], device)
+            else:  # seed only the generators fork_rng restores: the caller's RNG streams stay untouched
+                torch.random.default_generator.manual_seed(config.seed)
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        torch.cuda.manual_seed(config.seed)
             if device.type == "cuda":
-                with torch.cuda.device(device):
-                    torch.cuda.manual_seed(config.seed)
-        if device.type == "cuda":
-            torch.set_float32_matmul_precision("high")  # TF32 matmuls, as nanoGPT
-        try:
-            with _deferred_interrupt(out_dir is not None) as interrupt:
-                result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
-                               run, resumed=found is not None, progress=progress, on_eval=on_eval,
-                               interrupt=interrupt)
-        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            if not _out_of_memory(e):
-                raise
-            raise _memory_error(e, config, device, run, names) from e
-        finally:
-            torch.set_float32_matmul_precision(precision)
-    result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
-    return result
+                torch.set_float32_matmul_precision("high")  # TF32 matmuls, as nanoGPT
+            try:
+                with _deferred_interrupt(out_dir is not None) as interrupt:
+                    result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
+                                   run, resumed=found is not None, progress=progress, on_eval=on_eval,
+                                   interrupt=interrupt)
+            except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+                if not _out_of_memory(e):
+                    raise
+                raise _memory_error(e, config, device, run, names) from e
+            finally:
+                torch.set_float32_matmul_precision(precision)
+        result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
+        return result
+    finally:
+        run.close()
 
 
 def _out_of_memory(e: BaseException) -> bool:
