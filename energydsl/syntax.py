@@ -73,6 +73,18 @@ def _parser() -> Lark:
     )
 
 
+def without_comments(text: str) -> str:
+    """`text` with the grammar's comments blanked; a `#` inside one of its strings stays."""
+    grammar = _parser()
+    string, comment = (grammar.get_terminal(t).pattern.to_regexp() for t in ("STRING", "COMMENT"))
+    return re.sub(f"({string})|{comment}", lambda m: m.group(1) or " ", text)
+
+
+def same_source(a: str, b: str) -> bool:
+    """Whether two spec texts say the same thing: equal but for comments and spacing."""
+    return " ".join(without_comments(a).split()) == " ".join(without_comments(b).split())
+
+
 def _check_depth(tree: lark.Tree, text: str, file: str) -> None:
     """Refuse a parse tree deeper than MAX_TREE_DEPTH (`----...x`, a sum of a thousand terms) before
     anything recursive walks it: the bracket count in `_check_text` doesn't see operator chains."""

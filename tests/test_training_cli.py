@@ -41,6 +41,27 @@ def tiny_cli_run(corpus: Path, out: Path, *more: str) -> list[str]:
             "2", "--eval-iters", "2", "--batch-size", "4", "--out", str(out), *more]
 
 
+def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(corpus, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The run's spec gains a comment and some spacing: the same spec, so the run resumes (it was refused as
+    "a different model", with --fresh, which overwrites best.*, as the hint). A changed init is a change."""
+    spec = tmp_path / "gpt.energy"
+    spec.write_text((ROOT / "examples/models/gpt.energy").read_text())
+    args = tiny_cli_run(corpus, tmp_path / "run")
+    args[1] = str(spec)
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0, err
+    edited = spec.read_text().replace("\n  state", "\n\n  # a note, and some spacing\n  state    ", 1)
+    spec.write_text(edited + "\n# the end\n")
+    code, _, err = energy(monkeypatch, capsys, *args[:args.index("--steps") + 1], "6",
+                          *args[args.index("--steps") + 2:])
+    assert code == 0 and "resuming" in err and "different model" not in err, err
+    spec.write_text(spec.read_text().replace("normal(0, 0.02)", "normal(0, 0.05)", 1))
+    code, _, err = energy(monkeypatch, capsys, *args[:args.index("--steps") + 1], "8",
+                          *args[args.index("--steps") + 2:])
+    assert code == 2 and "spec_source differs" in err, err
+
+
 def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, monkeypatch, capsys):
     args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "40", "--lr", "30", "--eval-interval", "5")
     code, out, err = energy(monkeypatch, capsys, *args)

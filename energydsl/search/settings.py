@@ -5,7 +5,6 @@ value training would refuse, before any trial runs (`check_settings`, used by en
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ import lark
 
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.holes import INT_SETTINGS, _convert, _File, _Hole, _kids, _pos, _Value
-from energydsl.syntax import _parser
+from energydsl.syntax import without_comments
 
 #: `train` keys (and `--set` keys) -> TrainConfig fields
 TRAIN_KEYS = {
@@ -119,13 +118,6 @@ HOLE = "hole: "  # how a fingerprint marks a setting that is a hole
 _UNHASHED = ("search_data", "search_train", "objectives", "trials")
 
 
-def _without_comments(text: str) -> str:
-    """`text` with the grammar's comments blanked; a `#` inside one of its strings stays."""
-    grammar = _parser()
-    string, comment = (grammar.get_terminal(t).pattern.to_regexp() for t in ("STRING", "COMMENT"))
-    return re.sub(f"({string})|{comment}", lambda m: m.group(1) or " ", text)
-
-
 def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _Value],
                 holes: Sequence[_Hole]) -> dict[str, str]:
     """What a trial's result depends on besides its hole values, so that a rerun with other settings is
@@ -152,6 +144,6 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
                 parts += [f.text[pos:start], " ? "]
             pos = max(pos, end)
         parts.append(f.text[pos:])
-        digest.update(" ".join(_without_comments("".join(parts)).split()).encode() + b"\0")
+        digest.update(" ".join(without_comments("".join(parts)).split()).encode() + b"\0")
     out["text"] = digest.hexdigest()[:16]
     return out

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from energydsl.errors import UserError
+from energydsl.syntax import same_source
 
 from .checkpoint import checkpoint_file, read_checkpoint, read_resume_state, save_checkpoints
 from .data import LMDataset
@@ -278,6 +279,9 @@ class RunDir:
             diffs.append(f"the dataset is {_show(data.get('name'))} there, {_show(self.dataset_info['name'])} now")
         elif any(data.get(k) != self.dataset_info[k] for k in ("vocab_size", "codec")):
             diffs.append(f"the dataset {_show(data.get('name'))} has another vocabulary there")
+        saved_source, source = sidecar.get("spec_source"), self.metadata.get("spec_source")
+        if isinstance(saved_source, str) and isinstance(source, str) and same_source(saved_source, source):
+            sidecar["spec_source"] = source  # a comment or spacing edited: the same spec, the same run
         diffs += _differences(sidecar, self.metadata)
         diffs += _shape_differences(state, model.state_dict())
         if diffs:  # most likely a typo in a flag: never overwrite a run unasked
