@@ -41,24 +41,28 @@ def tiny_cli_run(corpus: Path, out: Path, *more: str) -> list[str]:
             "2", "--eval-iters", "2", "--batch-size", "4", "--out", str(out), *more]
 
 
-def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(corpus, tmp_path, monkeypatch,
-                                                                                capsys):
-    """The run's spec gains a comment and some spacing: the same spec, so the run resumes (it was refused as
-    "a different model", with --fresh, which overwrites best.*, as the hint). A changed init is a change."""
+def trained_copy_of_gpt(corpus: Path, tmp_path: Path, monkeypatch, capsys) -> tuple[Path, list[str]]:
+    """A copy of examples/models/gpt.energy in tmp_path, trained by the tiny CLI run into tmp_path/run."""
     spec = tmp_path / "gpt.energy"
     spec.write_text((ROOT / "examples/models/gpt.energy").read_text())
     args = tiny_cli_run(corpus, tmp_path / "run")
     args[1] = str(spec)
     code, _, err = energy(monkeypatch, capsys, *args)
     assert code == 0, err
+    return spec, args
+
+
+def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(corpus, tmp_path, monkeypatch,
+                                                                                capsys):
+    """The run's spec gains a comment and some spacing: the same spec, so the run resumes (it was refused as
+    "a different model", with --fresh, which overwrites best.*, as the hint). A changed init is a change."""
+    spec, args = trained_copy_of_gpt(corpus, tmp_path, monkeypatch, capsys)
     edited = spec.read_text().replace("\n  state", "\n\n  # a note, and some spacing\n  state    ", 1)
     spec.write_text(edited + "\n# the end\n")
-    code, _, err = energy(monkeypatch, capsys, *args[:args.index("--steps") + 1], "6",
-                          *args[args.index("--steps") + 2:])
+    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6")  # the later --steps wins
     assert code == 0 and "resuming" in err and "different model" not in err, err
     spec.write_text(spec.read_text().replace("normal(0, 0.02)", "normal(0, 0.05)", 1))
-    code, _, err = energy(monkeypatch, capsys, *args[:args.index("--steps") + 1], "8",
-                          *args[args.index("--steps") + 2:])
+    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "8")
     assert code == 2 and "spec_source differs" in err, err
 
 
@@ -174,12 +178,7 @@ def test_cli_seed_fixes_the_initial_weights(corpus, tmp_path, monkeypatch, capsy
 def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeypatch, capsys):
     """Editing the spec file after training (here the MLP width) must not break sampling: the checkpoint
     carries the spec's text, and `sample` builds the model from that."""
-    spec = tmp_path / "gpt.energy"
-    spec.write_text((ROOT / "examples/models/gpt.energy").read_text())
-    args = tiny_cli_run(corpus, tmp_path / "run")
-    args[1] = str(spec)
-    code, _, err = energy(monkeypatch, capsys, *args)
-    assert code == 0, err
+    spec, args = trained_copy_of_gpt(corpus, tmp_path, monkeypatch, capsys)
     text = spec.read_text()
     assert "4 * d" in text
     spec.write_text(text.replace("4 * d", "2 * d"))
