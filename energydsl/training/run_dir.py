@@ -15,7 +15,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch import Tensor, nn
@@ -172,7 +172,7 @@ class RunState:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _claim(out_dir: Path) -> Any:
+def _claim(out_dir: Path) -> TextIO:
     """Hold `out_dir` for this process (an exclusive lock on `.train.lock`, released when the file is closed or
     the process ends): two runs writing one directory interleave their metrics and delete each other's staged
     checkpoint files. A directory in use is refused at once, naming the process that holds it."""
@@ -206,7 +206,7 @@ class RunDir:
         self.last_plot = 0.0
         self.good: tuple[int, float] | None = None  # (step, val loss) of `last` as this run wrote or resumed it
         self.pending: list[str] | None = None  # metrics rows of an attempt that has not begun yet (`start`)
-        self._lock = None
+        self._lock: TextIO | None = None
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self.metrics = out_dir / "metrics.jsonl"

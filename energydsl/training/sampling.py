@@ -155,8 +155,8 @@ def _context_length(model: nn.Module, metadata: Mapping[str, Any] | None) -> int
     a `context`/`block_size` attribute."""
     for meta in (metadata, getattr(model, "metadata", None)):
         if isinstance(meta, Mapping) and meta.get("context"):
-            config = meta.get("training", {}).get("config", {}) if isinstance(meta.get("training"), Mapping) else {}
-            trained = config.get("block_size") if isinstance(config, Mapping) else None
+            training = meta.get("training")
+            trained = training.get("config", {}).get("block_size") if isinstance(training, Mapping) else None
             if isinstance(trained, int) and 0 < trained < int(meta["context"]):
                 return trained
             return int(meta["context"])

@@ -155,10 +155,10 @@ def configure_optimizer(model: nn.Module, config: TrainConfig, device: torch.dev
     if not params:
         raise UserError("the model has no trainable parameters")
     gains = {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) for p in m.parameters()}
-    decayed = [p for p in params if p.dim() >= 2 and id(p) not in gains]
+    decayed = {id(p) for p in params if p.dim() >= 2 and id(p) not in gains}
     groups = [
-        {"params": decayed, "weight_decay": config.weight_decay},
-        {"params": [p for p in params if id(p) not in {id(q) for q in decayed}], "weight_decay": 0.0},
+        {"params": [p for p in params if id(p) in decayed], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
     fused = device.type == "cuda" and all(p.is_floating_point() for p in params)
