@@ -241,6 +241,21 @@ def test_a_run_directory_in_use_is_refused_and_released_after(text_dataset, tmp_
     assert result["resumed_from"] == 2
 
 
+def test_a_file_system_without_locks_trains_unguarded(text_dataset, tmp_path, monkeypatch):
+    """flock fails with ENOLCK on some network mounts: the run goes on, as it did before runs were locked."""
+    import errno
+
+    from energydsl.training import run_dir
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_dir.fcntl, "flock", no_locks)
+    result = train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=2, eval_interval=2), tmp_path,
+                   metadata=META, progress=False)
+    assert result["steps"] == 2
+
+
 def test_a_last_checkpoint_mixed_from_two_saves_is_refused(text_dataset, tmp_path):
     """An old run directory killed between two writes: weights from step 20, optimizer and sidecar from step
     10. The steps in all three files must agree, or the run would train on from the wrong weights."""

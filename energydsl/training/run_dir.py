@@ -177,7 +177,10 @@ def _claim(out_dir: Path) -> TextIO:
     the process ends): two runs writing one directory interleave their metrics and delete each other's staged
     checkpoint files. A directory in use is refused at once, naming the process that holds it."""
     lock = out_dir / ".train.lock"
-    f = open(lock, "a+")  # noqa: SIM115 (closed by RunDir.close, or with the process)
+    try:
+        f = open(lock, "a+")  # noqa: SIM115 (closed by RunDir.close, or with the process)
+    except OSError as e:
+        raise UserError(f"cannot write {lock}: {e.strerror or e}", hint="choose another --out directory") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -186,6 +189,8 @@ def _claim(out_dir: Path) -> TextIO:
         f.close()
         raise UserError(f"{out_dir} is in use by another training{f' (pid {holder})' if holder else ''}",
                         hint="wait for it to finish, or give this run another --out directory") from None
+    except OSError:  # a file system without locks (some network mounts): train unguarded, as before
+        return f
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
