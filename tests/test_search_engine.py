@@ -139,6 +139,20 @@ def test_pruning_records_pruned_trials(tmp_path: Path) -> None:
     assert all(t.user_attrs["curve"][-1][1] == t.intermediate_values[max(t.intermediate_values)] for t in pruned)
 
 
+@pytest.mark.parametrize(("objectives", "prunes"), [
+    ([("val_loss", "minimize")], True), ([("best_val_loss", "minimize")], True),
+    ([("params", "minimize")], False),  # ASHA compared val_loss curves and stored a val_loss as the params value
+    ([("flops_per_token", "minimize")], False), ([("val_loss", "maximize")], False),
+    ([("val_loss", "minimize"), ("params", "minimize")], False),
+])
+def test_pruning_applies_only_where_the_reports_stand_for_the_objective(objectives, prunes) -> None:
+    from energydsl.search.local import pruning_plan
+
+    prune, note = pruning_plan(objectives, "asha")
+    assert prune is prunes and (note is None) is prunes
+    assert pruning_plan(objectives, "none") == (False, None)
+
+
 def test_resume_continues_the_study(tmp_path: Path) -> None:
     ref = toy(tmp_path)
     search(tmp_path, ref, trials=4, pruner="none", seed=0)

@@ -77,13 +77,20 @@ def max_local_workers() -> int:
 # ----------------------------------------------------------------------------- samplers, pruners
 
 
+# objectives the intermediate reports (validation losses during training) stand for
+PRUNABLE = ("val_loss", "best_val_loss")
+
+
 def pruning_plan(objectives: list[tuple[str, str]], pruner: str) -> tuple[bool, str | None]:
     """Whether to prune, and a note when the user asked for pruning that cannot apply."""
     if pruner == "none":
         return False, None
     if len(objectives) > 1:
         return False, "pruning disabled: Optuna pruners do not support several objectives"
-    if objectives[0][1] != "minimize":
+    metric, direction = objectives[0]
+    if metric not in PRUNABLE:  # its value is known only at the end: pruning on val_loss would optimise that
+        return False, f"pruning disabled: intermediate reports are val_loss, the objective is {metric}"
+    if direction != "minimize":
         return False, "pruning disabled: intermediate reports are val_loss, the objective is maximized"
     return True, None
 
