@@ -80,6 +80,15 @@ def without_comments(text: str) -> str:
     return re.sub(f"({string})|{comment}", lambda m: m.group(1) or " ", text)
 
 
+def tokens(text: str) -> str:
+    """`text` as its tokens one space apart: spacing and comments gone (`beta=0.5` is `beta = 0.5`); text the
+    lexer cannot read keeps its words, one space apart."""
+    try:
+        return " ".join(t.value for t in _parser().lex(text))
+    except lark.exceptions.LarkError:
+        return " ".join(without_comments(text).split())
+
+
 def same_source(a: str, b: str) -> bool:
     """Whether two spec texts say the same thing: equal but for comments and spacing."""
     return " ".join(without_comments(a).split()) == " ".join(without_comments(b).split())

@@ -416,6 +416,29 @@ def test_a_rerun_with_other_training_settings_is_refused(tmp_path: Path) -> None
         open_study(journal, "T", load_search(path, steps="3"))
 
 
+def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Path) -> None:
+    """`momentum(beta = 0.5, eta = 1)` edited to `beta = 0.9`: Optuna records the option as `momentum` either way,
+    and the text hash leaves the whole choice out, so trials of two optimizers were ranked as one. A study
+    recorded before options were hashed is not compared on them."""
+    from energydsl.search import open_study
+
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    study = open_study(journal, "T", load_search(path))
+    study.add_trial(optuna.trial.create_trial(value=1.0))
+    write(tmp_path, TINY + SEARCH.replace("momentum(beta = 0.5, eta = 1)", "momentum(beta=0.5,  eta = 1)"))
+    open_study(journal, "T", load_search(path))  # spacing only
+    for edit in ("momentum(beta = 0.9, eta = 1)", "momentum(beta = float 0.5..0.9, eta = 1)",
+                 "momentum(beta = 0.5, eta = 2)", "momentum(beta = 0.5)"):
+        write(tmp_path, TINY + SEARCH.replace("momentum(beta = 0.5, eta = 1)", edit))
+        with pytest.raises(UserError, match="what a choice's options fix was edited") as e:
+            open_study(journal, "T", load_search(path))
+        assert "restore the space file" in (e.value.hint or ""), edit
+    legacy = dict(load_study(journal, "T").user_attrs["settings"])
+    del legacy["options"]
+    load_study(journal, "T").set_user_attr("settings", legacy)
+    open_study(journal, "T", load_search(path))  # not compared: the study never recorded them
+
+
 def test_cli_bad_settings_exit_2_located(tmp_path: Path) -> None:
     path = write(tmp_path, TINY + SEARCH.replace("batch = 4", "batch = 0"))
     r = energy("search", path, "--trials", "1", cwd=tmp_path)

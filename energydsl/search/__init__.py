@@ -33,7 +33,7 @@ from energydsl.search.local import (
     study_lock,
 )
 from energydsl.search.report import export_best, summarize, write_report
-from energydsl.search.settings import HOLE
+from energydsl.search.settings import HOLE, OPTIONS
 from energydsl.search.space import (
     Candidate,
     SearchSpace,
@@ -117,14 +117,19 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     trained = any(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     if not isinstance(old, dict) or not trained:
         return now  # a study from before fingerprints, or nothing trained yet (only waiting or failed trials)
-    changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))]
+    changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))
+               and (k in old or k != OPTIONS)]  # a study recorded before options were hashed: not compared
     if not changed:
         return now
-    diffs = [f"{k}: {_shown(old.get(k))} → {_shown(now.get(k))}" for k in changed if k != "text"]
-    back = ", ".join(f"{k} = {_shown(old[k])}" for k in changed if k != "text" and k in old)
+    texts = ("text", OPTIONS)
+    diffs = [f"{k}: {_shown(old.get(k))} → {_shown(now.get(k))}" for k in changed if k not in texts]
+    back = ", ".join(f"{k} = {_shown(old[k])}" for k in changed if k not in texts and k in old)
     hints = []
     if "text" in changed:
         diffs.append("the space's text outside its holes was edited")
+    if OPTIONS in changed:
+        diffs.append("what a choice's options fix was edited (an optimizer's or preconditioner's arguments, say)")
+    if "text" in changed or OPTIONS in changed:
         hints.append("restore the space file as the study searched it")
     if back:
         hints.append(f"give the study's settings again ({back})")

@@ -12,7 +12,7 @@ import lark
 
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.holes import INT_SETTINGS, _convert, _File, _Hole, _kids, _pos, _Value
-from energydsl.syntax import without_comments
+from energydsl.syntax import tokens, without_comments
 
 #: `train` keys (and `--set` keys) -> TrainConfig fields
 TRAIN_KEYS = {
@@ -112,6 +112,7 @@ def check_setting(key: str, value: Any) -> None:
 
 
 HOLE = "hole: "  # how a fingerprint marks a setting that is a hole
+OPTIONS = "options"  # the fingerprint's hash of the choices' options (a key studies recorded only later)
 
 # the search's clauses its fingerprint's text hash leaves out: settings (compared one by one), objectives
 # (compared by open_study), the budget (may change between runs)
@@ -124,7 +125,7 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
     refused rather than mixing incomparable trials in one study: each training setting as it is given (a
     value or the default; for a hole, HOLE and its text: its range may change as any hole's may), and `text`, a
     hash of the space's files outside the holes and outside the search's settings, objectives and
-    `trials`, comments and spacing ignored."""
+    `trials`, comments and spacing ignored; `options`, a hash of what the choices' options fix."""
     out: dict[str, str] = {}
     for key in sorted({*DEFAULTS, *settings}):
         v = settings.get(key)
@@ -146,4 +147,26 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
         parts.append(f.text[pos:])
         digest.update(" ".join(without_comments("".join(parts)).split()).encode() + b"\0")
     out["text"] = digest.hexdigest()[:16]
+    out[OPTIONS] = _options_digest(holes)
     return out
+
+
+def _options_digest(holes: Sequence[_Hole]) -> str:
+    """A hash of every choice's options as written, their own holes cut out: the text hash above leaves a
+    whole `choice{...}` out, and an optimizer option is recorded by its name alone, so without this
+    `momentum(beta = 0.9)` edited to `momentum(beta = 0.1)` would mix two optimizers under one name."""
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+    for top in holes:
+        for h in top.walk():
+            if id(h) in seen or not h.options:
+                continue
+            seen.add(id(h))
+            for o in h.options:
+                parts, pos = [], o.start
+                for start, end in sorted((n.start, n.end) for n in o.holes):
+                    parts.append(tokens(h.file.text[pos:start]))
+                    pos = end
+                parts.append(tokens(h.file.text[pos:o.end]))
+                digest.update(f"{h.name}: {' ? '.join(parts)}".encode() + b"\0")
+    return digest.hexdigest()[:16]
