@@ -97,6 +97,7 @@ def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     (lambda m: m(torch.randn(5, 16)), "MHA: x must be (batch, seq, 16), got shape (5, 16)"),
     (lambda m: m(torch.randn(2, 5, 15)), "MHA: x must be (batch, seq, 16), got shape (2, 5, 15)"),
     (lambda m: m(torch.randn(2, 0, 16)), "MHA: x has no tokens"),
+    (lambda m: m(torch.randn(0, 3, 16)), "MHA: x has no sequences"),  # a RuntimeError from a reshape before
     (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(2, 7, 16)),  # would reshape into the batch
      "MHA: context must have x's batch and length (2, 5)"),
     (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(1, 10, 16)),  # 10 = 2 x 5: silently wrong before

@@ -448,6 +448,7 @@ def test_every_model_example_trains_one_step(path: str) -> None:
     (torch.zeros(2, 5), "idx must be token ids (batch, seq) of an integer dtype, got shape (2, 5), torch.float32"),
     ([[1, 2]], "idx must be token ids (batch, seq) of an integer dtype, got list"),
     (torch.zeros(2, 0, dtype=torch.long), "idx has no tokens"),
+    (torch.zeros(0, 4, dtype=torch.long), "idx has no sequences"),  # a RuntimeError from idx.min() before
     (torch.zeros(2, 17, dtype=torch.long), "sequence of length 17 is longer than the model's context 16"),
     (torch.tensor([[100, 1]]), "token ids must be in [0, 65); got ids from 1 to 100"),
     (torch.tensor([[-1, 1]]), "token ids must be in [0, 65); got ids from -1 to 1"),

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 
 def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Tensor | None) -> None:
-    """Raise ValueError unless x is (batch, seq, *state_shape) with seq >= 1, and context and input (when
+    """Raise ValueError unless x is (batch, seq, *state_shape) with batch, seq >= 1, and context and input (when
     given) are tensors of the same batch, length, dtype and device with their own per-token shapes."""
     name = type(module).__name__
     _check_tensor(name, "x", x, None, tuple(module.state_shape))
@@ -21,6 +21,8 @@ def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Te
         raise ValueError(f"{name}: x must be floating point, got {x.dtype}")
     if x.shape[1] < 1:
         raise ValueError(f"{name}: x has no tokens (shape {tuple(x.shape)}); a sequence needs at least one")
+    if x.shape[0] < 1:
+        raise ValueError(f"{name}: x has no sequences (shape {tuple(x.shape)}); a batch needs at least one")
     for what, value, shape in (("context", context, module.context_shape), ("input", input, module.input_shape)):
         if value is None:
             continue

@@ -148,6 +148,8 @@ class LanguageModel(nn.Module):
             raise ValueError(f"sequence of length {T} is longer than the model's context {self.block_size}")
         if T < 1:
             raise ValueError(f"idx has no tokens (shape {tuple(idx.shape)}); a sequence needs at least one")
+        if B < 1:
+            raise ValueError(f"idx has no sequences (shape {tuple(idx.shape)}); a batch needs at least one")
         if idx.device.type == "cpu" and not torch.compiler.is_compiling():  # on a GPU this would sync every step
             low, high = int(idx.min()), int(idx.max())
             if low < 0 or high >= self.vocab_size:
