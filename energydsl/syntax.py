@@ -90,8 +90,8 @@ def tokens(text: str) -> str:
 
 
 def same_source(a: str, b: str) -> bool:
-    """Whether two spec texts say the same thing: equal but for comments and spacing."""
-    return " ".join(without_comments(a).split()) == " ".join(without_comments(b).split())
+    """Whether two spec texts say the same thing: the same tokens (comments and spacing aside)."""
+    return tokens(a) == tokens(b)
 
 
 def _check_depth(tree: lark.Tree, text: str, file: str) -> None:

@@ -58,6 +58,7 @@ def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(c
     "a different model", with --fresh, which overwrites best.*, as the hint). A changed init is a change."""
     spec, args = trained_copy_of_gpt(corpus, tmp_path, monkeypatch, capsys)
     edited = spec.read_text().replace("\n  state", "\n\n  # a note, and some spacing\n  state    ", 1)
+    edited = edited.replace("W1[k] @ z", "W1[k]@z", 1)
     spec.write_text(edited + "\n# the end\n")
     code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6")  # the later --steps wins
     assert code == 0 and "resuming" in err and "different model" not in err, err
