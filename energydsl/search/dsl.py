@@ -546,11 +546,13 @@ class DslSpace:
 def _dataset_name(token: lark.Token, file: str) -> str:
     """A `data` clause's dataset: a name (`shakespeare_char`), or a quoted one that holds a path
     (`"chars:corpus.txt"`), whose relative path is read from the search file's folder, as an import's is."""
+    from energydsl.training.data import file_dataset
+
     if token.type != "STRING":
         return str(token)
     name = str(token)[1:-1]
-    kind, sep, rest = name.partition(":")
-    if sep and kind in ("chars", "bytes") and rest and not Path(rest).expanduser().is_absolute():
+    kind, rest = file_dataset(name) or ("", "")
+    if rest and not Path(rest).expanduser().is_absolute():
         return f"{kind}:{Path(file).parent / rest}"
     return name
 

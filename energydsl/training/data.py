@@ -491,14 +491,21 @@ def _no_options(name: str, options: dict[str, Any], allowed: tuple[str, ...] = (
         raise DataError(f"unknown option {extra[0]!r} for dataset {name}", hint=hint)
 
 
+def file_dataset(name: str) -> tuple[str, str] | None:
+    """(kind, path as written) of a dataset read from a file, `bytes:PATH` or `chars:PATH` (the path may be
+    empty: callers say what is missing), else None."""
+    kind, colon, raw = name.strip().partition(":")
+    return (kind, raw) if colon and kind in ("bytes", "chars") else None
+
+
 def check_dataset(name: str) -> None:
     """Raise a DataError when `load_dataset(name)` would fail to find its data: the name is known and its file
     is there and readable, checked without reading it (a search checks every trial's dataset up front)."""
-    name = name.strip()
-    kind, colon, raw = name.partition(":")
+    name, file = name.strip(), file_dataset(name)
     if name == "shakespeare_char":
         find_shakespeare()
-    elif colon and kind in ("bytes", "chars"):
+    elif file is not None:
+        kind, raw = file
         if not raw:
             raise DataError(f"{kind}: needs a file path", hint=f"write {kind}:path/to/file.txt")
         path = Path(raw).expanduser()
@@ -512,17 +519,16 @@ def check_dataset(name: str) -> None:
 def dataset_vocab(name: str) -> int:
     """The vocabulary size `load_dataset(name)` gives (default options), without building its splits: a search
     compares it with the model's vocab before any trial. Text files are read (their characters count)."""
-    name = name.strip()
-    kind, _, raw = name.partition(":")
+    name, file = name.strip(), file_dataset(name)
     if name == "listops":
         return len(LISTOPS_TOKENS)
     if name == "mqar":
         return MQARConfig().vocab_size
-    if kind == "bytes":
+    if file is not None and file[0] == "bytes":
         return ByteCodec().vocab_size
     if name == "shakespeare_char":
         return len(set(_read_text(find_shakespeare(), "tiny Shakespeare corpus")[1]))
-    return len(set(_read_text(Path(raw).expanduser(), "text file")[1]))
+    return len(set(_read_text(Path(file[1] if file else "").expanduser(), "text file")[1]))
 
 
 def load_dataset(name: str, *, block_size: int | None = None, **options: Any) -> LMDataset:
@@ -544,8 +550,8 @@ def load_dataset(name: str, *, block_size: int | None = None, **options: Any) ->
         else:
             path = find_shakespeare()
         dataset: LMDataset = _char_dataset(name, path, "tiny Shakespeare corpus")
-    elif name.startswith(("bytes:", "chars:")):
-        kind, _, raw_path = name.partition(":")
+    elif (file := file_dataset(name)) is not None:
+        kind, raw_path = file
         _no_options(name, options)
         if not raw_path:
             raise DataError(f"{kind}: needs a file path", hint=f"write {kind}:path/to/file.txt")
