@@ -224,6 +224,12 @@ class RunDir:
             self._lock.close()
             self._lock = None
 
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def last_checkpoint(self) -> str | None:
         """`last.safetensors` if this run wrote or resumed it (never a stale one from another run)."""

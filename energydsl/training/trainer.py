@@ -276,8 +276,7 @@ def train(
     model.to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
-    run = RunDir(out_dir, metadata, dataset, config, params)  # holds out_dir until `close`
-    try:
+    with RunDir(out_dir, metadata, dataset, config, params) as run:  # holds out_dir while the run lasts
         optimizer = configure_optimizer(model, config, device)
         scaler = torch.amp.GradScaler(device.type, enabled=config.dtype == "float16")
         enabled = config.dtype != "float32"
@@ -290,29 +289,7 @@ def train(
         changes: dict[str, tuple[Any, Any]] = {}
         found = run.find_resumable(model) if resume else None
         if found is not None:
-            weights, training, extra = found
-            diverged = run.divergence()
-            now = _jsonable(asdict(config))
-            if diverged is not None and diverged.get("config") == finite_or_none(now):  # as diverged.json holds it
-                raise UserError(
-                    f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
-                    f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
-                    "would diverge again",
-                    hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
-                         "or pass --fresh (resume=False) to start over")
-            changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
-            model.load_state_dict(weights)
-            optimizer.load_state_dict(extra["optimizer"])
-            if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
-                scaler.load_state_dict(extra["scaler"])
-            generator.set_state(extra["rng"]["batches"])
-            state = RunState(**{f.name: training[f.name] for f in fields(RunState)})
-            run.good = (state.step, state.val_loss)
-            if run.best_is_stale(state):  # a run directory written before saves were transactions
-                run.save(("best",), model, state, extra)
-            if changes:
-                (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
-                                  f"{describe_changes(changes, names)}")
+            state, changes = _resume(found, run, model, optimizer, scaler, generator, config, names, notify)
         run.start(state.step if found else None)
         if changes:  # metrics.jsonl says from which step on the run trained with other settings
             run.log(kind="resumed", step=state.step, changed={k: list(v) for k, v in changes.items()})
@@ -321,9 +298,10 @@ def train(
         precision = torch.get_float32_matmul_precision()
         with torch.random.fork_rng(devices=rng_devices):
             if found is not None:
-                torch.set_rng_state(extra["rng"]["torch"])
-                if "cuda" in extra["rng"] and device.type == "cuda":
-                    torch.cuda.set_rng_state(extra["rng"]["cuda"], device)
+                rng = found[2]["rng"]  # the resume state's
+                torch.set_rng_state(rng["torch"])
+                if "cuda" in rng and device.type == "cuda":
+                    torch.cuda.set_rng_state(rng["cuda"], device)
             else:  # seed only the generators fork_rng restores: the caller's RNG streams stay untouched
                 torch.random.default_generator.manual_seed(config.seed)
                 if device.type == "cuda":
@@ -344,8 +322,40 @@ def train(
                 torch.set_float32_matmul_precision(precision)
         result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
         return result
-    finally:
-        run.close()
+
+
+def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run: RunDir, model: nn.Module,
+            optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, generator: torch.Generator,
+            config: TrainConfig, names: dict[str, str] | None, notify: Callable[[str], None] | None
+            ) -> tuple[RunState, dict[str, tuple[Any, Any]]]:
+    """Load the resumable checkpoint `found` into the model, optimizer, scaler and batch generator; returns the
+    run's state and the settings changed since (said through `notify`). A run that diverged with exactly these
+    settings is refused: it would diverge again."""
+    weights, training, extra = found
+    out_dir = run.out_dir
+    diverged = run.divergence()
+    now = _jsonable(asdict(config))
+    if diverged is not None and diverged.get("config") == finite_or_none(now):  # as diverged.json holds it
+        raise UserError(
+            f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
+            f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
+            "would diverge again",
+            hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
+                 "or pass --fresh (resume=False) to start over")
+    changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
+    model.load_state_dict(weights)
+    optimizer.load_state_dict(extra["optimizer"])
+    if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
+        scaler.load_state_dict(extra["scaler"])
+    generator.set_state(extra["rng"]["batches"])
+    state = RunState(**{f.name: training[f.name] for f in fields(RunState)})
+    run.good = (state.step, state.val_loss)
+    if run.best_is_stale(state):  # a run directory written before saves were transactions
+        run.save(("best",), model, state, extra)
+    if changes:
+        (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
+                          f"{describe_changes(changes, names)}")
+    return state, changes
 
 
 def _out_of_memory(e: BaseException) -> bool:
