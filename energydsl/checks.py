@@ -256,16 +256,16 @@ def check_causality(prog: UpdateProgram) -> CheckResult | None:
     inst = random_instance(prog, seed=3, seq=6)
     base = run_program(prog, inst, tied=True)
     worst = _Worst("the update with later context tokens moved", "the update")
+    noise = torch.Generator().manual_seed(33)
     for cut in range(1, inst.seq_len):
+        # random moves: a uniform shift is what a norm of the context (layernorm(h[j])) removes, hiding a leak.
+        # Only the context moves, also where the input shares its name: token i's own input is not its context
         moved = Instance(inst.params, inst.scalars, inst.x, inst.context.clone(), inst.input, inst.seq_len)
-        moved.context[:, cut:] += 1.0
-        if spec.input is not None and spec.input.name == spec.context.name:
-            moved.input = moved.context
+        later = moved.context[:, cut:]
+        later += torch.randn(later.shape, generator=noise, dtype=later.dtype)
         out = run_program(prog, moved, tied=True)
         # tokens i < cut may not see context tokens j >= cut (j <= i); with j < i, neither may i = cut
         upto = cut + 1 if info.strict else cut
-        if spec.input is not None and spec.input.name == spec.context.name:
-            upto = cut  # token `cut` itself changed its own input
         worst.add(out[:, :upto], base[:, :upto], metric=_abs)
     rel = "j < i" if info.strict else "j <= i"
     leak = "" if worst.error == 0.0 else f" (leak {worst.error:.1e})"
@@ -274,6 +274,10 @@ def check_causality(prog: UpdateProgram) -> CheckResult | None:
 
 def check_descent(prog: UpdateProgram) -> CheckResult:
     spec = prog.spec
+    eta = spec.optimizer.hyper["eta"].value
+    if not eta > 0:  # the first step is x − η D (momentum starts at 0): a small step along D says nothing then
+        return CheckResult("descent", "fail", f"the step size η = {eta} is not positive: the update x − η D "
+                           + ("does not move" if eta == 0 else "climbs F instead of descending"))
     inst = random_instance(prog, seed=4)
     # the step is applied to x, so descent is judged on F as a function of x: under `via` (with or
     # without `wrt u`) that is F(N(x)), never the spec's F(u), which the state's value cannot bind

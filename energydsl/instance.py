@@ -123,8 +123,10 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
         raw = raw_param(p, init_param(p, sizes, g, dtype, check_scale=scale))
         if p.init and p.init[0] in ("normal", "zeros", "uniform") and p.origin == "precondition":
             raw = torch.randn(tuple(sizes), generator=g, dtype=dtype) * scale
-        if p.init and p.init[0] == "value" and p.constraint is None and p.origin == "precondition":
-            raw = raw + 0.3 * torch.randn(tuple(sizes), generator=g, dtype=dtype)
+        if _set_value(p) and (p.learn and p.origin != "optimizer" or p.origin == "precondition"):
+            # a learned param set to a value (`= 2`, `~ ones()`) moves in training: a check that held only at
+            # its initial value would prove nothing, so move it (in raw space, where constraints still hold)
+            raw = raw + 0.3 * (1 + raw.abs()) * torch.randn(tuple(sizes), generator=g, dtype=dtype)
         _place(prog, name, constrain(p, raw), params, scalars)
     shape = lambda s: tuple(spec.size(e) for e in s)  # noqa: E731
     x = torch.randn((batch, seq) + shape(spec.state.shape), generator=g, dtype=dtype) * scale
@@ -171,6 +173,11 @@ def _base_scalars(prog: UpdateProgram) -> dict[sp.Symbol, torch.Tensor | float]:
     scalars: dict[sp.Symbol, torch.Tensor | float] = {sym: spec.dim_values[n] for n, sym in spec.dim_symbols.items()}
     scalars.update({sym: float(value) for sym, value in prog.hyper_values.items()})
     return scalars
+
+
+def _set_value(p: ParamSpec) -> bool:
+    """Is `p` initialised to a set value rather than drawn (`init_param` with `check_scale` draws the rest)?"""
+    return bool(p.init) and p.init[0] in ("value", "ones", "eye", "alibi_slopes")
 
 
 def _place(prog: UpdateProgram, name: str, value: torch.Tensor, params: dict[str, torch.Tensor],

@@ -179,6 +179,7 @@ class _Lowering(ExpressionLowering):
         for c in d.clauses:
             if c.kind in ("let", "local"):
                 self._let(c)
+        self._check_optimizer_names(opt)
         globals_ = by_kind.get("global", [])
         locals_ = by_kind.get("local", [])
         if len(globals_) > 1:
@@ -494,6 +495,21 @@ class _Lowering(ExpressionLowering):
                                     "preconditioner (scalar, diag, psd, dplr, full)")
         return spec
 
+    def _check_optimizer_names(self, opt: OptimizerSpec) -> None:
+        """The optimizer adds names of its own (η, β, λ, a learned `opt_eta`, its preconditioner's parameters,
+        momentum's `m_z`). A spec name equal to one would be merged with it, silently: refuse it where declared."""
+        made = {h.symbol.name: f"the symbol of the optimizer's `{key}`" for key, h in opt.hyper.items()}
+        made |= {f"opt_{key}": f"the optimizer's learned `{key}`" for key in opt.hyper}
+        made |= {name: f"a parameter of `precondition {opt.precondition}`"
+                 for name in PRECONDITIONER_PARAMS.get(opt.precondition, ())}
+        if opt.kind in ("momentum", "nag"):
+            made[f"m_{self.state.name}"] = "the momentum of the state"
+        for name, span in self.scope.decl_spans.items():
+            # a let is inlined and a dim is a number at each instance (`gd(eta = eta)` sets η from a dim)
+            if name in made and name not in self.scope.lets and name not in self.dim_symbols:
+                raise SpecError(f"`{name}` is also {made[name]} here, and the two would be one symbol", span,
+                                f"rename `{name}`")
+
     def _check_wrt(self, opt: OptimizerSpec, clauses: list[ast.Clause]) -> None:
         """`wrt` names the point the gradient is taken at: the state, or its `via` variable."""
         state, via = self.state.name, self.via[0].name if self.via else None
@@ -555,6 +571,11 @@ class _Lowering(ExpressionLowering):
         for i in idx:
             rhs = ir.Index(rhs, i)
         return lhs, rhs
+
+
+# The parameters each preconditioner adds (optimizers._pre_params creates them).
+PRECONDITIONER_PARAMS = {"scalar": ("P_s",), "diag": ("P_d",), "dplr": ("P_d", "P_U", "P_V"), "psd": ("P_d", "P_L"),
+                         "full": ("P_M",), "covariance": ("P_tau",)}
 
 
 def _hyper_symbol(name: str) -> sp.Symbol:

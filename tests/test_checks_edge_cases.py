@@ -112,8 +112,9 @@ CONSTRAINED = """energy Constrained(d = 4, heads = 2) {
   param   b ~ normal(0, 1) in (-2, 3)
   param   c in (0, 1) = 0.9
   param   e[d] ~ ones() positive
+  param   f = 0.7 fixed
   param   S[d, d] ~ orthogonal() psd
-  global  F = 0.5 * sum(g * z * z) - log(sum(g)) * (z . h) - sum[k](log(a[k])) * b * c * sum(e * z)
+  global  F = 0.5 * sum(g * z * z) - log(sum(g)) * (z . h) - sum[k](log(a[k])) * b * c * f * sum(e * z)
               + 0.5 * z . (S @ z)
 }"""
 
@@ -126,8 +127,11 @@ def test_random_instances_satisfy_declared_constraints():
         assert (inst.params["g"] > 0).all()
         assert ((inst.params["a"] > 0) & (inst.params["a"] < 1)).all()
         assert -2 < float(inst.scalars[syms["b"]]) < 3
-        assert float(inst.scalars[syms["c"]]) == pytest.approx(0.9, abs=1e-12)  # a value stays that value
-        assert torch.allclose(inst.params["e"], torch.ones(4, dtype=torch.float64))
+        # a learned param set to a value moves (a check at its initial value alone would prove nothing), within
+        # its constraint; a fixed one keeps its value, as in the module
+        assert 0 < float(inst.scalars[syms["c"]]) < 1 and float(inst.scalars[syms["c"]]) != pytest.approx(0.9)
+        assert (inst.params["e"] > 0).all() and not torch.allclose(inst.params["e"], torch.ones(4).double())
+        assert float(inst.scalars[syms["f"]]) == pytest.approx(0.7, abs=1e-12)
         assert float(torch.linalg.eigvalsh(inst.params["S"]).min()) > 0
 
 
@@ -491,3 +495,102 @@ def test_max_over_an_empty_strict_context_is_zero_everywhere():
     raw = dict(module.named_parameters())
     torch.testing.assert_close(out, run_program(layer.program, instance_from_params(layer.program, raw, x)))
     torch.testing.assert_close(out[:, 0], 0.9 * x[:, 0])  # F = ½ z·z there: z - η z
+
+
+# ----------------------------------------------------------------------------- s24 audit: claims check must not make
+
+CLASH = "energy A(d = 4) {{\n  state   z[d]\n  input   h[d]\n  {param}\n  global  F = 0.5 * (z - h) . (z - h){use}\n" \
+        "  optimizer {opt}\n}}\n"
+
+
+@pytest.mark.parametrize("param, use, opt, clash", [
+    ("param eta = 0.3 learn", " * eta", "gd(eta = 0.1)", "the symbol of the optimizer's `eta`"),
+    ("param beta[d] ~ ones()", " + sum(beta * z)", "momentum(beta = 0.9)", "the symbol of the optimizer's `beta`"),
+    ("param lambda = 0.5", " * lambda", "newton(damping = 0.1)", "the symbol of the optimizer's `damping`"),
+    ("param opt_eta = 2", " * opt_eta", "gd(eta = 0.1 learn)", "the optimizer's learned `eta`"),
+    ("param P_d[d] ~ ones()", " + sum(P_d * z)", "gd precondition diag", "a parameter of `precondition diag`"),
+    ("param m_z[d] ~ ones()", " + sum(m_z * z)", "nag", "the momentum of the state"),
+])
+def test_a_name_the_optimizer_makes_is_refused_where_the_spec_declares_it(tmp_path, param, use, opt, clash):
+    """One SymPy symbol (or module parameter) would serve both: check then proved a program that neither the
+    spec nor the module computes, and the user's parameter never trained."""
+    path = tmp_path / "clash.energy"
+    path.write_text(CLASH.format(param=param, use=use, opt=opt))
+    with pytest.raises(SpecError) as info:
+        load(path).energy()
+    name = param.split()[1].split("[")[0].split("=")[0].strip()
+    assert str(info.value).startswith(f"{path}:4:3: error: `{name}` is also {clash} here")
+
+
+def test_a_dim_may_set_the_step_size_it_is_named_after():
+    spec = "energy A(d = 4, eta = 0.5) {\n  state z[d]\n  input h[d]\n  global F = 0.5 * (z - h) . (z - h)\n" \
+           "  optimizer gd(eta = eta)\n}\n"
+    assert all(r.status == "ok" for r in checks_of(spec).values())
+
+
+@pytest.mark.parametrize("eta, why", [("-1", "climbs F"), ("0", "does not move"), ("-0.1", "climbs F")])
+def test_a_step_size_that_is_not_positive_fails_descent(eta, why):
+    """The first step is x − η D: a step along D descends, the update does not."""
+    spec = f"energy A(d = 4) {{\n  state z[d]\n  input h[d]\n  global F = 0.5 * (z - h) . (z - h)\n" \
+           f"  optimizer gd(eta = {eta})\n}}\n"
+    descent = checks_of(spec)["descent"]
+    assert descent.status == "fail" and why in descent.detail
+
+
+def test_a_wrong_expect_is_refuted_when_learned_params_start_at_neutral_values():
+    """`b = 0` and `g ~ ones()` cancel the extra terms only at their initial values; they train away from
+    them, so the claim is false and must be refuted."""
+    spec = """energy A(d = 4) {
+  state z[d]
+  input h[d]
+  param b = 0
+  param g[d] ~ ones()
+  global F = 0.5 * (z - h) . (z - h) + b * (z . z) + 0.5 * sum(g * z * z) - 0.5 * z . z
+  expect gradient = z - h
+}"""
+    assert checks_of(spec)["expect"].status == "fail"
+    fixed = spec.replace("param b = 0", "param b = 0 fixed").replace("~ ones()", "~ ones() fixed")
+    assert checks_of(fixed)["expect"].status == "ok"
+
+
+@pytest.mark.parametrize("spec", [
+    # the input shares the context's name: moving the context must not move each token's own input too
+    """energy A(d = 4) {
+  state z[d]
+  input h[d]
+  context h[j, d] where j < i
+  param W[d, d] ~ normal(0, 0.5)
+  global F = -logsumexp[j](z . (W @ h[j])) + 0.5 * (z - h) . (z - h)
+}""",
+    # layernorm removes a uniform shift of the context: the moves must be random
+    """energy A(d = 4) {
+  state z[d]
+  context h[j, d] where j < i
+  param W[d, d] ~ normal(0, 0.02)
+  global F = -logsumexp[j](z . (W @ layernorm(h[j])))
+}"""])
+def test_causality_sees_a_peek_at_the_token_itself(monkeypatch, spec):
+    """A mutation test of the check: with the mask widened to j <= i, a strict context leaks."""
+    from energydsl import evaluate
+    from energydsl.checks import check_causality
+
+    prog = load(spec).energy().program
+    assert check_causality(prog).status == "ok"
+
+    def peeking(env, index, device, dtype=torch.bool):
+        t = torch.arange(env.seq_len, device=device)
+        return (t[None, :] <= t[:, None]).to(dtype)
+
+    monkeypatch.setattr(evaluate, "context_mask", peeking)
+    leaked = check_causality(prog)
+    assert leaked.status == "fail" and leaked.max_error > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["scalar", "diag", "dplr", "psd", "full", "covariance"])
+def test_the_reserved_preconditioner_names_are_those_the_optimizer_creates(kind):
+    from energydsl.semantics import PRECONDITIONER_PARAMS
+
+    spec = f"energy A(d = 4) {{\n  state z[d]\n  context h[j, d] where j <= i\n" \
+           f"  global F = 0.5 * z . z - logsumexp[j](z . h[j])\n  optimizer gd precondition {kind}\n}}\n"
+    made = {name for name, p in load(spec).energy().program.params.items() if p.origin == "precondition"}
+    assert made == set(PRECONDITIONER_PARAMS[kind])
