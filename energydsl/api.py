@@ -13,16 +13,17 @@ import hashlib
 import html
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import syntax
+from . import ir, syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError
 from .ir import Expr, Var, walk
-from .optimizers import UpdateProgram, build_program, unhoist
-from .printing import STYLES, fold, mathml_block, name_repeats, show
+from .optimizers import Assign, UpdateProgram, build_program, unhoist
+from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show
 from .semantics import EnergyIR, lower_energy
 
 
@@ -78,11 +79,9 @@ class Derived:
         direction = folded(unhoist(prog.tied_direction if spec.untie_rules else prog.direction))
         out.append(("direction", "D", direction))
         named.append((direction, "D"))
-        for a in prog.tied_assigns:
-            out.append(("update", f"{a.target.name}⁺", folded(unhoist(a.value))))
+        out += [("update", *row) for row in _updates(prog.tied_assigns, folded)]
         if spec.untie_rules:
-            for a in prog.assigns:
-                out.append(("untied update", f"{a.target.name}⁺", folded(unhoist(a.value))))
+            out += [("untied update", *row) for row in _updates(prog.assigns, folded)]
         out += self._where(out)
         for h in prog.hoisted:
             out.append(("computed once", h.name, h.body))
@@ -93,7 +92,7 @@ class Derived:
         (`where p_k,j = softmax_j(...)`), in place: for reading only."""
         exprs = [e for _, _, e in rows[1:]]
         taken = {x.name for e in [self.spec.energy, *exprs] for x in walk(e) if isinstance(x, Var)}
-        taken |= {str(name) for name in [*self.spec.dims(), *self.program.hyper_values]}
+        taken |= {str(name) for name in [*self.spec.dims(), *self.program.hyper_values, *self.program.params]}
         context = {i for i, info in self.spec.indices.items() if info.context is not None}
         exprs, lets = name_repeats(exprs, sorted(self.spec.indices, key=lambda i: i in context), context, taken)
         rows[1:] = [(label, lhs, e) for (label, lhs, _), e in zip(rows[1:], exprs)]
@@ -104,7 +103,7 @@ class Derived:
         from .calculus import untie as untie_fn
         from .ir import Index, Transpose, walk
 
-        on_path: set[str] = set()
+        on_path: dict[str, set[str]] = {}  # a param's name: its forms on the value path (`W1_k`, `W1_kᵀ`)
         marker = []
         direction = self.program.tied_direction or self.program.direction
         for node in walk(unhoist(direction)):
@@ -118,7 +117,7 @@ class Derived:
             if isinstance(base, Var) and base.name in params:
                 _, hits = untie_fn(unhoist(direction), [(cand, Var("__probe", "param", cand.shape))])
                 if hits:
-                    on_path.add(show(cand))
+                    on_path.setdefault(base.name, set()).add(show(cand))
         scores: set[str] = set()
         from .ir import Func, Softmax
 
@@ -127,15 +126,9 @@ class Derived:
                 for inner in walk(node):
                     if isinstance(inner, Var) and inner.name in params:
                         scores.add(inner.name)
-        lines = []
-        seen: dict[str, list[str]] = {}
-        for v in sorted(on_path):
-            seen.setdefault(v.split("_")[0].rstrip("ᵀ"), []).append(v)
-        for name, forms in seen.items():
-            if name in scores:
-                lines.append(f"{name} is used in the scores and, as {' / '.join(forms)}, on the value path "
-                             "(the energy ties them; `untie` frees the value path)")
-        return lines
+        return [f"{name} is used in the scores and, as {' / '.join(sorted(forms))}, on the value path "
+                "(the energy ties them; `untie` frees the value path)"
+                for name, forms in sorted(on_path.items()) if name in scores]
 
     def equations(self, fmt: str = "text") -> str:
         if fmt not in ("text", "latex", "markdown", "mathml"):
@@ -162,6 +155,8 @@ class Derived:
             for label, lhs, e in rows:
                 parts.append(f"<p>{html.escape(label)}</p>" + mathml_block(
                     f"<mrow>{_lhs(lhs, 'mathml')}<mo>=</mo>{show(e, 'mathml', rel)}</mrow>"))
+            parts += [f"<p>tying: {html.escape(t)}</p>" for t in tying]
+            parts.append(f"<p>steps: {html.escape(self._steps())}</p>")
             return "\n".join(parts)
         lines = []
         if fmt == "markdown":
@@ -236,11 +231,19 @@ def _lhs(lhs: str | Expr, fmt: str) -> str:
         return show(lhs, fmt)
     if fmt == "text":
         return lhs
-    if lhs.startswith("∇_"):  # as the printer writes the gradient where a later equation names it
-        return STYLES[fmt].name_(lhs, [])
-    if fmt == "mathml":
-        return f"<mi>{html.escape(lhs)}</mi>"
-    return lhs.replace("⁺", "^{+}").replace("_untied", "_{\\mathrm{untied}}")
+    return STYLES[fmt].name_(lhs, [])  # as the printer writes the name where a later equation uses it
+
+
+def _updates(assigns: list[Assign], folded: Callable[[Expr], Expr]) -> list[tuple[str, Expr]]:
+    """The update rows `m_z⁺ = β m_z + D`, `z⁺ = z − η m_z⁺`: an assignment reads the values the ones before it
+    wrote, which carry the ⁺ mark."""
+    rows: list[tuple[str, Expr]] = []
+    written: dict[Expr, Expr] = {}
+    for a in assigns:
+        value = ir.substitute(folded(unhoist(a.value)), written) if written else folded(unhoist(a.value))
+        rows.append((f"{a.target.name}⁺", value))
+        written[a.target] = Var(f"{a.target.name}⁺", NAME, a.target.shape)
+    return rows
 
 
 def _num(v: float) -> str:

@@ -440,7 +440,7 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
             if worst.add(derived, expected, seed) and worst.not_finite is None:
                 flat = (derived - expected).abs().reshape(derived.shape[0], derived.shape[1], -1).amax(-1)
                 b, t = divmod(int(flat.argmax()), derived.shape[1])
-                where = (seed, b, t, derived[b, t].reshape(-1)[:4].tolist(), expected[b, t].reshape(-1)[:4].tolist())
+                where = (seed, t, derived[b, t].reshape(-1), expected[b, t].reshape(-1))
         if worst.not_finite is not None:
             out.append(CheckResult("expect", "fail", f"`expect {what}` at {span}: not finite: {worst.not_finite}",
                                    None))
@@ -448,11 +448,24 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
             out.append(CheckResult("expect", "ok", f"`expect {what}` holds on {len(SEEDS) + 2} random instances "
                                    f"(rel. error {worst.error:.1e})", worst.error))
         else:
-            seed, b, t, got, exp = where
+            seed, t, got, exp = where
             out.append(CheckResult("expect", "fail", f"`expect {what}` is refuted at {span}: seed {seed}, token "
-                                   f"{t}: derived {[round(v, 6) for v in got]} vs expected "
-                                   f"{[round(v, 6) for v in exp]} (rel. error {worst.error:.1e})", worst.error))
+                                   f"{t}: {_counterexample(got, exp)} (rel. error {worst.error:.1e})", worst.error))
     return out
+
+
+def _counterexample(got: torch.Tensor, expected: torch.Tensor, shown: int = 4) -> str:
+    """`derived [..] vs expected [..]` around the entry that differs most, with the digits that tell them apart
+    (a relative error of 1e-8 is invisible at 6)."""
+    worst = int((got - expected).abs().argmax())
+    lo = max(0, min(worst - 1, got.numel() - shown))
+    a, b = got[lo:lo + shown].tolist(), expected[lo:lo + shown].tolist()
+    for digits in range(6, 18):
+        fa, fb = ([f"{v:.{digits}g}" for v in xs] for xs in (a, b))
+        if fa != fb:
+            break
+    entries = f"entries {lo}..{lo + len(a) - 1} of {got.numel()}: " if got.numel() > shown else ""
+    return f"{entries}derived [{', '.join(fa)}] vs expected [{', '.join(fb)}]"
 
 
 @contextmanager

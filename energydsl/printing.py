@@ -14,6 +14,7 @@ import sympy as sp
 from . import ir
 from .functions import REGISTRY
 
+UPDATED = "⁺"  # the mark of a value after this step's assignment: `m_z⁺`
 GREEK = {"eta": "η", "beta": "β", "tau": "τ", "lambda": "λ", "gamma": "γ", "alpha": "α", "sigma": "σ"}
 
 
@@ -25,8 +26,14 @@ class Style:
         return re.sub(r"\b(" + "|".join(GREEK) + r")\b", lambda m: GREEK[m[0]], text)  # not "beta" -> "bη"
 
     def name_(self, n: str, sub: list[str]) -> str:
+        """A name with its index subscripts; `z⁺` (a value an earlier assignment updated) keeps its mark."""
+        if n.endswith(UPDATED):
+            return self.updated(self.name_(n[:-1], sub))
         n = GREEK.get(n, n)
         return n + ("_" + ",".join(sub) if sub else "")
+
+    def updated(self, s: str) -> str:
+        return s + UPDATED
 
     def entry(self, body: str, sub: list[str]) -> str:
         """An entry of a value that is not a name, `body` already printed in parentheses: (W x)_k."""
@@ -49,6 +56,10 @@ class Style:
 
     def join_mul(self, parts: list[str]) -> str:
         return " ".join(parts)
+
+    def hadamard(self, parts: list[str]) -> str:
+        """An element-wise product of tensors: never juxtaposed, which reads as a matrix product."""
+        return " ⊙ ".join(parts)
 
     def matmul(self, a: str, b: str) -> str:
         return f"{a} {b}"
@@ -81,8 +92,8 @@ class Style:
     def neg(self, s: str) -> str:
         return "-" + s
 
-    def ones(self) -> str:
-        return "1"
+    def ones(self, tensor: bool) -> str:
+        return "𝟙" if tensor else "1"  # a tensor of ones is not the number 1: Hᵀ 𝟙 sums H's rows
 
     def eye(self) -> str:
         return "I"
@@ -113,14 +124,15 @@ class LatexStyle(Style):
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
             point, energy = n[2:].split(" ", 1)
             return f"\\nabla_{{{self.name_(point, [])}}} {self.name_(energy, [])}"
+        if n.endswith(UPDATED):
+            return self.updated(self.name_(n[:-1], sub))
         base = {"eta": "\\eta", "beta": "\\beta", "tau": "\\tau", "lambda": "\\lambda"}.get(n)
-        if base is None:
-            head = n.rstrip("0123456789")
-            digits = n[len(head):]
-            escaped = head.replace("_", "\\_")
-            base = head if len(head) == 1 else "\\mathrm{" + escaped + "}"
-            sub = ([digits] if digits else []) + sub
+        if base is None:  # `W1_{k}`, not `W_{1,k}`, which reads as an entry of W
+            base = n if len(n) == 1 else "\\mathrm{" + n.replace("_", "\\_") + "}"
         return base + ("_{" + ",".join(sub) + "}" if sub else "")
+
+    def updated(self, s):
+        return f"{{{s}}}^{{+}}"
 
     def entry(self, body: str, sub: list[str]) -> str:
         return "{" + body + "}_{" + ",".join(sub) + "}"
@@ -140,6 +152,12 @@ class LatexStyle(Style):
 
     def paren(self, s):
         return f"\\left({s}\\right)"
+
+    def hadamard(self, parts):
+        return " \\odot ".join(parts)
+
+    def ones(self, tensor):
+        return "\\mathbf{1}" if tensor else "1"
 
     def dot(self, a, b):
         return f"\\langle {a}, {b} \\rangle"
@@ -192,9 +210,12 @@ class MathMLStyle(Style):
     name = "mathml"
 
     def scalar(self, v):
-        return sp.mathml(v, printer="presentation")
+        # SymPy writes the HTML entity &InvisibleTimes;, which XML does not define: its code point parses
+        return sp.mathml(v, printer="presentation").replace("&InvisibleTimes;", "&#x2062;")
 
     def name_(self, n, sub):
+        if n.endswith(UPDATED):
+            return self.updated(self.name_(n[:-1], sub))
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
             point, energy = n[2:].split(" ", 1)
             return f"<msub><mi>∇</mi>{self.name_(point, [])}</msub>{self.name_(energy, [])}"
@@ -232,6 +253,12 @@ class MathMLStyle(Style):
     def matmul(self, a, b):
         return f"<mrow>{a}<mo>&#x2062;</mo>{b}</mrow>"
 
+    def hadamard(self, parts):
+        return "<mrow>" + "<mo>⊙</mo>".join(parts) + "</mrow>"
+
+    def updated(self, s):
+        return f"<msup><mrow>{s}</mrow><mo>+</mo></msup>"
+
     def dot(self, a, b):
         return f"<mrow><mo>⟨</mo>{a}<mo>,</mo>{b}<mo>⟩</mo></mrow>"
 
@@ -250,20 +277,22 @@ class MathMLStyle(Style):
     def inverse(self, a):
         return f"<msup>{self.paren(a)}<mn>-1</mn></msup>"
 
+    NEG = "<mrow><mo>−</mo>"  # how `neg` opens; `add` writes such a term as a subtraction
+
     def add(self, terms):
         out = terms[0]
         for t in terms[1:]:
-            if t.startswith("-"):
-                out += f"<mo>−</mo>{t[1:]}"
+            if t.startswith(self.NEG):
+                out += f"<mo>−</mo>{t[len(self.NEG):-len('</mrow>')]}"
             else:
                 out += f"<mo>+</mo>{t}"
         return f"<mrow>{out}</mrow>"
 
     def neg(self, s):
-        return "-" + s
+        return f"{self.NEG}{s}</mrow>"  # a minus sign outside <mo> is no operator to a MathML renderer
 
-    def ones(self):
-        return "<mn>1</mn>"
+    def ones(self, tensor):
+        return '<mn mathvariant="bold">1</mn>' if tensor else "<mn>1</mn>"
 
     def eye(self):
         return "<mi>I</mi>"
@@ -406,7 +435,8 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
     rel = relations or {}
 
     def atomic(x: ir.Expr) -> bool:
-        return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.Func, ir.Let, ir.Transpose, ir.Dot)) or (
+        return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.Func, ir.Let, ir.Transpose, ir.Dot, ir.Ones,
+                              ir.Identity)) or (
             isinstance(x, ir.Scalar) and (x.value.is_Atom))
 
     def wrap(x: ir.Expr) -> str:
@@ -433,7 +463,7 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
             case ir.Pos():
                 return st.pos(x.index)
             case ir.Ones():
-                return st.ones()
+                return st.ones(bool(x.shape))
             case ir.Identity():
                 return st.eye()
             case ir.Count():
@@ -450,7 +480,11 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
                     if factors[0].value == 1:
                         factors = factors[1:]
                 parts = [wrap(f) if not isinstance(f, ir.Scalar) or f.value.is_Atom else st.paren(p(f))
-                         for f in factors]
+                         for f in factors if not f.shape]
+                tensors = [wrap(f) for f in factors if f.shape]
+                if len(tensors) > 1:
+                    tensors = [st.hadamard(tensors)]
+                parts += tensors
                 out = st.join_mul(parts) if len(parts) > 1 else parts[0]
                 return st.neg(out) if sign else out
             case ir.Pow():

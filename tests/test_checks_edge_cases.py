@@ -7,6 +7,7 @@ located message with exit status 2.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -594,3 +595,19 @@ def test_the_reserved_preconditioner_names_are_those_the_optimizer_creates(kind)
            f"  global F = 0.5 * z . z - logsumexp[j](z . h[j])\n  optimizer gd precondition {kind}\n}}\n"
     made = {name for name, p in load(spec).energy().program.params.items() if p.origin == "precondition"}
     assert made == set(PRECONDITIONER_PARAMS[kind])
+
+
+def test_a_refuted_expect_prints_numbers_that_differ():
+    """At a relative error of 4e-8 six digits print the same numbers: the counterexample must show the
+    digits that tell them apart, around the entry that differs most."""
+    spec = """energy A(d = 6) {
+  state z[d]
+  input h[d]
+  global F = 0.5 * (z - h) . (z - h)
+  optimizer gd(eta = 0.000000005)
+  expect update = z - 0.000000005 * (5 * (z - h))
+}"""
+    expect = checks_of(spec)["expect"]
+    assert expect.status == "fail"
+    derived, expected = re.search(r"derived \[(.*)\] vs expected \[(.*)\]", expect.detail).groups()
+    assert derived != expected and "entries " in expect.detail and "of 6" in expect.detail

@@ -1,5 +1,6 @@
 """Parser, semantics and error messages: every bad spec gets a located message, never a traceback."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,11 +244,12 @@ def test_later_equations_show_earlier_ones_by_name() -> None:
     from energydsl.printing import NAME, fold
 
     text = load("examples/models/cem.energy").energy("CEMMLP").equations("text")
-    assert "D = softplus(P_d) ∇_u xi + P_U (P_Vᵀ ∇_u xi) + P_V (P_Uᵀ ∇_u xi)" in text  # D = P ∇
+    assert "D = softplus(P_d) ⊙ ∇_u xi + P_U (P_Vᵀ ∇_u xi) + P_V (P_Uᵀ ∇_u xi)" in text  # D = P ∇
     assert "x⁺ = x − η D" in text
     assert "\\nabla_{u} \\mathrm{xi}" in load("examples/models/cem.energy").energy("CEMMLP").equations("latex")
     momentum = load("examples/intrinsic-optimizers/momen-mha.energy").energy().equations("text")
     assert "D = ∇_z F" in momentum and "m_z⁺ = β m_z + D" in momentum
+    assert "z⁺ = z − η m_z⁺" in momentum  # the position steps with the new momentum, as the program does
     for path in ("examples/cem/mlp.energy", "examples/models/cem.energy",
                  "examples/hopfield/energy-transformer.energy"):
         for derived in load(path).derive():
@@ -522,3 +524,61 @@ def test_a_constant_too_large_once_dims_are_set_is_located(tmp_path):
     path.write_text(BAD_VALUES_BASE.replace("eta = 0.1", "eta = d ^ 400"))
     res = run_cli("check", str(path), "--set", "d=10")
     assert res.returncode == 2 and f"{path}:6:22: error: `eta` is too large" in res.stderr, res.stderr
+
+
+PRINTED = """energy Hadamard(d = 3) {
+  state Z[d, d]
+  input H[d, d]
+  param A[d, d] ~ normal(0, 1)
+  global F = 0.5 * sum(A * Z * Z) - sum(H @ Z)
+}"""
+
+
+def test_an_elementwise_product_does_not_print_as_a_matrix_product() -> None:
+    """`A * Z` and `A @ Z` differ; a tensor of ones is not the number 1 (Hᵀ 𝟙 sums H over its rows)."""
+    derived = load(PRINTED).energy()
+    assert "∇_Z F = A ⊙ Z − (Hᵀ 𝟙)" in derived.equations("text")
+    assert "A \\odot Z - \\left(H^{\\top} \\mathbf{1}\\right)" in derived.equations("latex")
+    assert "<mo>⊙</mo>" in derived.equations("mathml") and 'mathvariant="bold">1<' in derived.equations("mathml")
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in Path("examples").glob("*/*.energy")))
+def test_mathml_is_well_formed_and_has_no_bare_minus(path: str) -> None:
+    """SymPy's `&InvisibleTimes;` is an HTML entity XML does not define, and a minus sign outside <mo> is no
+    operator to a renderer."""
+    import xml.etree.ElementTree as ET
+
+    for derived in load(path).derive():
+        mathml = derived.equations("mathml")
+        ET.fromstring(f"<div>{mathml}</div>")
+        assert "<mrow>-" not in mathml and "steps: " in mathml
+
+
+def test_a_where_name_is_not_a_scalar_params_name() -> None:
+    """A repeat's name (`t`, `t1`, ...) is never a name the equations already use: `where t = ...(1/t)...`
+    would define t in terms of itself."""
+    spec = """energy MHA(d = 8, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W1[heads, dh, d] ~ normal(0, 0.02)
+  param   W2[heads, dh, d] ~ normal(0, 0.02)
+  param   t = 2
+  local   E[k, j] = -(W1[k] @ z) . (W2[k] @ h[j])
+  global  F = -(t / heads) * sum[k](logsumexp[j](-E[k, j] / t))
+}"""
+    out = load(spec).energy().equations("text")
+    assert "(1/t)" in out and re.search(r"where  t1 = ", out) and not re.search(r"where  t = ", out)
+
+
+def test_a_param_with_an_underscore_in_its_name_keeps_its_tying_line() -> None:
+    source = Path("examples/intrinsic-optimizers/mha.energy").read_text().replace("W1", "W_q").replace("W2", "W_k")
+    tying = load(source).energy().tying()
+    assert any(line.startswith("W_q is used in the scores") for line in tying)
+    assert any(line.startswith("W_k is used in the scores") for line in tying)
+
+
+def test_latex_keeps_a_names_digits_apart_from_its_indices() -> None:
+    """`W1_k` is W1's k-th head; `W_{1,k}` would read as an entry of W."""
+    latex = load("examples/intrinsic-optimizers/mha.energy").energy().equations("latex")
+    assert "\\mathrm{W1}_{k}" in latex and "W_{1,k}" not in latex
