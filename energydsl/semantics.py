@@ -336,8 +336,16 @@ class _Lowering(ExpressionLowering):
         self.scope.declare(c.name, c.span)
         shape = self._dims(c.value, "a param")
         spec = ParamSpec(c.name, shape, span=c.span)
+        given: dict[str, Span] = {}
         for opt in c.extra["options"]:
             kind = opt[0]
+            role = {"init": "initial value", "value": "initial value", "interval": "constraint"}.get(kind) or (
+                "`learn` or `fixed`" if opt[1] in ("learn", "fixed") else "constraint")
+            if role in given:  # `learn fixed`, `= 1 = 2`, `positive psd`: which one was meant?
+                raise SpecError(f"`{c.name}` has a second {role} (the first is at {given[role]})", opt[-1],
+                                "a param takes at most one initialiser or value, one constraint, and `learn` or "
+                                "`fixed`")
+            given[role] = opt[-1]
             if kind == "init":
                 name, args = opt[1], opt[2]
                 if name not in ("normal", "uniform", "zeros", "ones", "orthogonal"):
@@ -362,6 +370,7 @@ class _Lowering(ExpressionLowering):
         if spec.init and spec.init[0] == "value":
             node = spec.init[1]
             if isinstance(node, ast.Call) and node.func == "alibi_slopes":
+                self._check_alibi(c.name, node, shape)
                 spec.init = ("alibi_slopes", [])
             else:  # numbers and dims (`= sqrt(dh)`), evaluated at this instance's dims
                 spec.init = ("value", [self._constant(
@@ -370,12 +379,31 @@ class _Lowering(ExpressionLowering):
         elif spec.init and spec.init[0] == "ones":
             init_span = next(o[3] for o in c.extra["options"] if o[0] == "init")
             self._check_in_constraint(spec, 1.0, init_span, " (`ones()`)")
+        if spec.constraint == ("psd",) and (len(shape) < 2 or self._size(shape[-1]) != self._size(shape[-2])):
+            raise SpecError(f"`psd` needs a square matrix (or a stack of them), but `{c.name}` is "
+                            f"{ir.fmt_shape(shape) if shape else 'a scalar'}", given["constraint"],
+                            "declare it [n, n], e.g. `param S[d, d] ~ normal(0, 1) psd`")
         self.scope.params[c.name] = spec
         if not shape:
             sym = sp.Symbol(c.name, real=True)
             self.scalar_params[c.name] = sym
         else:
             self.scope.vars[c.name] = Var(c.name, "param", shape)
+
+    def _check_alibi(self, name: str, call: ast.Call, shape: tuple) -> None:
+        """`m[heads] = alibi_slopes(heads)`: one slope per entry of a vector, as many as the argument says."""
+        if len(call.args) != 1:
+            raise SpecError("`alibi_slopes` takes one argument, the number of slopes", call.span,
+                            "write `= alibi_slopes(heads)`")
+        if len(shape) != 1:
+            raise SpecError(f"`alibi_slopes(n)` is a vector of n slopes, but `{name}` is "
+                            f"{ir.fmt_shape(shape) if shape else 'a scalar'}", call.span,
+                            f"declare `{name}[heads] = alibi_slopes(heads)`")
+        n = self._constant(call.args[0], "the number of slopes")
+        if n != self._size(shape[0]):
+            raise SpecError(f"`alibi_slopes({_fmt_num(n)})` gives {_fmt_num(n)} slopes, but `{name}` has "
+                            f"{self._size(shape[0])}", call.span, f"give it the size of `{name}`: "
+                            f"`alibi_slopes({shape[0]})`")
 
     def _init_args(self, name: str, args: list[ast.Node], span: Span, shape: tuple) -> list[float]:
         """An initialiser's arguments, checked as its implementation (`instance.init_param`) needs them."""

@@ -611,3 +611,30 @@ def test_a_refuted_expect_prints_numbers_that_differ():
     assert expect.status == "fail"
     derived, expected = re.search(r"derived \[(.*)\] vs expected \[(.*)\]", expect.detail).groups()
     assert derived != expected and "entries " in expect.detail and "of 6" in expect.detail
+
+
+@pytest.mark.parametrize("param, message, col", [
+    ("a[d] psd", "`psd` needs a square matrix (or a stack of them), but `a` is [d]", 14),
+    ("a psd", "`psd` needs a square matrix (or a stack of them), but `a` is a scalar", 11),
+    ("S[d, 3] ~ normal(0, 1) psd", "`psd` needs a square matrix (or a stack of them), but `S` is [d, 3]", 32),
+    ("a = alibi_slopes(2) learn", "`alibi_slopes(n)` is a vector of n slopes, but `a` is a scalar", 13),
+    ("m[d] = alibi_slopes(2) fixed", "`alibi_slopes(2)` gives 2 slopes, but `m` has 4", 16),
+    ("a learn fixed", "`a` has a second `learn` or `fixed`", 17),
+    ("a = 1 = 2", "`a` has a second initial value", 15),
+    ("a[d] ~ ones() ~ zeros()", "`a` has a second initial value", 23),
+    ("a[d] in (0, 1) in (0, 2)", "`a` has a second constraint", 24),
+    ("a[d] positive psd", "`a` has a second constraint", 23),
+])
+def test_a_param_option_that_cannot_hold_is_located(param, message, col):
+    """These crashed `check` and `compile` (psd off a square, alibi_slopes on a scalar), silently ignored an
+    argument (alibi_slopes(2) on a [4]), or let the last of two contradictory options win."""
+    spec = f"energy A(d = 4, heads = 2) {{\n  state z[d]\n  param {param}\n  global F = 0.5 * z . z\n}}\n"
+    with pytest.raises(SpecError) as info:
+        load(spec).energy()
+    assert str(info.value).startswith(f"<string>:3:{col}: error: {message}")
+
+
+def test_a_stack_of_psd_matrices_checks_and_keeps_each_positive_definite():
+    spec = "energy A(d = 4, heads = 2) {\n  state z[d]\n  param S[heads, d, d] ~ normal(0, 1) psd\n" \
+           "  global F = 0.5 * sum[k](z . (S[k] @ z))\n}\n"
+    assert all(r.status == "ok" for r in checks_of(spec).values())
