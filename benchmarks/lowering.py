@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="dims (of the model or the energy)")
+    ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="NAME=VALUE",
+                    help="dims (of the model or the energy): --set d=64 heads=4, or --set d=64 --set heads=4")
     args = ap.parse_args()
     torch.manual_seed(0)
     try:

@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as e:  # no such device here (a CPU build asked for cuda)
+        print(f"error: --device {args.device} is not available here: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     torch.manual_seed(0)
     dims = dict(vocab=args.vocab, context=args.context, d=args.d, layers=args.layers, heads=args.heads)
     generated = load(Path(__file__).resolve().parents[1] / "examples/models/gpt.energy").model(**dims).to(args.device)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kernel_cases import FAMILIES, SMOKE, Case, Impl, build_cases, generator, torch_dtype
-from kernels import NO_CUDA, as_tuple, detach_leaves, fwd_bwd_step, grad_leaves
+from kernels import as_tuple, detach_leaves, fwd_bwd_step, grad_leaves
 
 # a short and a long sequence per family, bf16 at the benchmark's batch and heads
 PROFILE_SHAPES = {
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print(NO_CUDA)
+            print("no CUDA device: nothing to profile (`TRITON_INTERPRET=1 python benchmarks/profile_kernels.py "
+                  "--device cpu` runs this script's own check on the interpreted kernels)")
             return 0
         if interpreting:
             print("TRITON_INTERPRET=1 is set: the profile would show the interpreter; unset it", file=sys.stderr)
