@@ -551,7 +551,7 @@ def main() -> None:
     except BrokenPipeError:
         _broken_pipe()
     except UserError as e:
-        print(e.render(), file=sys.stderr)  # plain print: never wrap a file:line:col location
+        _to_stderr(e.render())  # plain print: never wrap a file:line:col location
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -561,20 +561,39 @@ def main() -> None:
     except Exception as e:
         if isinstance(e, OSError) and e.errno in _FULL:  # the machine's state, not a bug: what was saved is kept
             where = f" {e.filename}" if e.filename else ""
-            print(f"error: cannot write{where}: {e.strerror}", file=sys.stderr)
+            _to_stderr(f"error: cannot write{where}: {e.strerror}")
             sys.exit(2)
         # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
         kinds = {c.__name__ for c in type(e).__mro__}
         if "ClickException" in kinds:
-            e.show()  # type: ignore[attr-defined]
+            try:
+                e.show()  # type: ignore[attr-defined]
+            except BrokenPipeError:
+                _to_stderr("")
             sys.exit(2 if "UsageError" in kinds else e.exit_code)  # type: ignore[attr-defined]
         first = (str(e).strip().splitlines() or [""])[0]  # one line: torch appends pages of C++ frames
-        print(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
-              "(please report this with the spec)", file=sys.stderr)
+        _to_stderr(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
+                   "(please report this with the spec)")
         sys.exit(70)
 
 
 BROKEN_PIPE = 128 + 13  # 141: as a shell reports a command that SIGPIPE stopped (`energy derive x | head`)
+
+
+def _to_stderr(text: str) -> None:
+    """Print a message to stderr; if its reader went away (`energy check x 2>&1 | true`), drop it and let the
+    command's own exit status stand, instead of a traceback that exits 1."""
+    import os
+
+    try:
+        if text:
+            print(text, file=sys.stderr)
+        sys.stderr.flush()
+    except BrokenPipeError:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        except (OSError, ValueError):
+            pass
 
 
 def _broken_pipe() -> None:

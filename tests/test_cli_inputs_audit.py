@@ -183,6 +183,19 @@ def test_a_broken_stdout_pipe_exits_141_quietly() -> None:
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
+@pytest.mark.parametrize("argv, status", [(["derive", "missing.energy"], 2), (["derive", "--format", "x"], 2)])
+def test_a_broken_stderr_pipe_keeps_the_commands_status(tmp_path, argv, status) -> None:
+    """The message cannot be delivered, but the outcome stands: 2, not a traceback's 1."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "energydsl.cli", *argv], stdout=subprocess.PIPE,
+                              stderr=write, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        os.close(write)
+    assert proc.returncode == status
+
+
 class _Gone:
     """A stdout whose reader went away: at the first write, or only when the buffer is flushed."""
 
