@@ -97,6 +97,11 @@ class EnergyIR:
         return int(round(float(sp.sympify(e).subs(subs))))
 
 
+# Words the expression grammar reads as its own (grammars/energy.lark, `atom`), with what they start
+EXPRESSION_WORDS = {"int": "`int 2..6`, a search hole", "float": "`float 0..1`, a search hole",
+                    "choice": "`choice{1, 2}`, a search hole", "integral": "`integral(gelu)(s)`"}
+
+
 class _Scope:
     """Names visible inside one energy declaration."""
 
@@ -108,6 +113,9 @@ class _Scope:
         self.decl_spans: dict[str, Span] = {}
 
     def declare(self, name: str, span: Span) -> None:
+        if name in EXPRESSION_WORDS:  # the parser reads `int` in an expression as a hole, never as this name
+            raise SpecError(f"`{name}` is a word of expressions ({EXPRESSION_WORDS[name]}), so it cannot name "
+                            "something the energy uses", span, f"rename `{name}`")
         if name in self.decl_spans:
             raise SpecError(f"`{name}` is already defined (at {self.decl_spans[name]})", span)
         self.decl_spans[name] = span

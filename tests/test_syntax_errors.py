@@ -253,3 +253,20 @@ def test_an_unnamed_expect_clause_is_told_to_name_what_it_states():
     assert e.span.line == 4 and "`expect update = z …`" in (e.hint or "")
     named = syntax_error("energy Q(d = 4) {\n state z[d]\n global E = 0.5 * z . z\n expect update z\n}\n")
     assert named.hint == "expected `=`"
+
+
+def test_the_words_expressions_reserve_are_refused_as_names() -> None:
+    """`param int = 2` parsed, but `int * z` could not (the parser reads `int` as a hole): refuse the
+    declaration, for exactly the words the grammar's `atom` rule spells out."""
+    from pathlib import Path
+
+    from energydsl import load
+    from energydsl.semantics import EXPRESSION_WORDS
+
+    grammar = (Path(__file__).resolve().parent.parent / "grammars" / "energy.lark").read_text()
+    atom = grammar.split("?atom:", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r'\|\s*"([a-z]+)"', atom)) == set(EXPRESSION_WORDS)
+    for word in EXPRESSION_WORDS:
+        with pytest.raises(SpecError) as info:
+            load(f"energy A(d = 4) {{\n  state z[d]\n  param {word} = 2\n  global F = z . z\n}}\n").energy()
+        assert str(info.value).startswith(f"<string>:3:3: error: `{word}` is a word of expressions")
