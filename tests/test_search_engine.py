@@ -332,24 +332,71 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
 
 
 def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
-    """A trial ASHA stops has the step it was stopped on as its last intermediate value and as its value
-    (Ray hands that result to on_trial_complete, not on_trial_result), and a timing; a trial that trained
-    every step is complete, not stopped at its final evaluation."""
+    """A trial the pruner stops has the step it was stopped on as its last intermediate value and as its value,
+    a timing and its Ray record; a trial that trained every step is complete, not stopped at its final
+    evaluation."""
     pytest.importorskip("ray")
     s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", steps=10, sleep=0.02), backend="ray", trials=12,
                workers=2, cpus_per_trial=1, sampler="random", seed=3)
     ts = trials(tmp_path)
-    stopped = [t for t in ts if str(t.user_attrs.get("reason", "")).startswith("stopped by ASHA")]
+    stopped = [t for t in ts if t.user_attrs.get("kind") == "pruned"]
     assert s["finished"] == 12 and stopped, [(t.state.name, t.user_attrs.get("reason")) for t in ts]
     for t in stopped:
         last_step, last_value = t.user_attrs["curve"][-1]
         assert t.state == TrialState.PRUNED and f"at step {last_step}" in t.user_attrs["reason"]
         assert max(t.intermediate_values) == last_step and t.value == pytest.approx(last_value)
         assert t.user_attrs["timing"]["total_s"] > 0 and t.user_attrs["timing"]["evaluate_s"] is not None
-        assert last_step < 10  # a trial's final evaluation is not reported to ASHA
+        assert last_step < 10  # a trial's final evaluation is not reported to the pruner
+        assert t.user_attrs["ray"]["trial_id"] and t.user_attrs["ray"]["node"]
+        assert any(k.startswith("completed_rung_") for k in t.system_attrs)  # the study's own rungs
     for t in ts:
         if t.user_attrs.get("kind") == "complete":
             assert t.user_attrs["curve"][-1][0] == 10 and "timing" in t.user_attrs
+
+
+def test_ray_prunes_against_the_study_history_a_local_run_left(tmp_path: Path) -> None:
+    """The study's own pruner judges Ray's trials: continued on Ray, hopeless trials (lr 1e-4, far worse than
+    the local run's lr 1e-2) are pruned at once. Tune's ASHA, built empty per run, let them all train."""
+    pytest.importorskip("ray")
+    search(tmp_path, toy(tmp_path, mixers="ssm", lr=0.01, steps=10, sleep=0.0), trials=6, sampler="random", seed=1)
+    s = search(tmp_path, toy(tmp_path, mixers="ssm", lr=0.0001, steps=10, sleep=0.02), backend="ray", trials=9,
+               workers=1, cpus_per_trial=1, sampler="random", seed=2)
+    new = [t for t in trials(tmp_path) if t.number >= 6]
+    assert s["finished"] == 9 and len(new) == 3
+    assert all(t.state == TrialState.PRUNED for t in new), [(t.state.name, t.user_attrs.get("reason")) for t in new]
+    trained = [t for t in new if t.user_attrs.get("kind") == "pruned"]
+    assert trained and all(t.user_attrs["curve"][-1][0] < 10 for t in trained)
+
+
+def test_ray_running_trials_finish_after_the_timeout(tmp_path: Path) -> None:
+    """--timeout stops new trials, as on the local backend; Tune's own time budget killed the running ones,
+    and a trial longer than the timeout could never finish."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=1, include_dashboard=False)  # up before the clock starts
+    try:
+        s = search(tmp_path, toy(tmp_path, mixers="ssm", sleep=3.0), backend="ray", trials=3, workers=1,
+                   cpus_per_trial=1, pruner="none", timeout=8)
+    finally:
+        ray.shutdown()
+    ts = trials(tmp_path)
+    assert s["completed"] >= 1 and all(t.state != TrialState.RUNNING for t in ts)
+    assert not [t for t in ts if t.user_attrs.get("kind") in ("interrupted", "lost")]
+
+
+def test_a_worker_refuses_a_space_that_is_not_the_drivers(tmp_path: Path) -> None:
+    """A search file edited during the search (or a node's stale copy) must not train silently in its new form
+    while the study records the old one."""
+    from energydsl.errors import UserError
+    from energydsl.search.local import worker_loop
+    from energydsl.search.space import resolve_as
+
+    ref = toy(tmp_path, steps=4)
+    assert resolve_as(ref, {"steps": "4"}).steps == 4
+    with pytest.raises(UserError, match=r"not the one the search started with \(steps differ\)"):
+        resolve_as(ref, {"steps": "6"})
+    with pytest.raises(UserError, match="not the one the search started with"):
+        worker_loop(ref, str(tmp_path / "study.journal"), "t", 1, None, "random", "none", "cpu", 0,
+                    fingerprint={"steps": "6"})
 
 
 def test_ray_two_node_cluster(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from energydsl.search.space import (
     register_space,
     registered_spaces,
     resolve_space,
+    space_fingerprint,
 )
 from energydsl.search.storage import check_storage_given, default_storage_path, load_study, open_storage
 
@@ -109,10 +110,9 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     its results would be ranked against incomparable ones; what does not change results (the trials budget,
     workers, timeout, device, backend) may change. Returns the space's fingerprint (`fingerprint()`: name ->
     text) to record, None for a space without one."""
-    get = getattr(space, "fingerprint", None)
-    if not callable(get):
+    now = space_fingerprint(space)
+    if now is None:
         return None
-    now = {str(k): str(v) for k, v in get().items()}
     old = study.user_attrs.get(SETTINGS)
     trained = any(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     if not isinstance(old, dict) or not trained:
@@ -292,7 +292,7 @@ def run_search(
     show = progress and not json
     display = LiveProgress(storage_spec, name, target, note) if show else contextlib.nullcontext()
     common = dict(target=target, deadline=deadline, workers=workers, sampler=sampler, pruner=pruner,
-                  device=device, seed=seed)
+                  device=device, seed=seed, fingerprint=space_fingerprint(space))  # what workers must rebuild
     extra: dict[str, Any] = {}
     interrupted: str | None = None
     try:

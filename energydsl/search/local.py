@@ -56,7 +56,7 @@ from energydsl.search.report import (
     stale_reason,
     trial_kind,
 )
-from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_space
+from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_as
 from energydsl.search.storage import local_file, open_storage, safe_name
 from energydsl.signal_handlers import handlers_restored
 
@@ -414,10 +414,11 @@ def quiet_optuna() -> None:
 
 
 def worker_loop(ref: SpaceRef, storage_spec: str, study_name: str, target: int, deadline: float | None,
-                sampler: str | None, pruner: str, device: str, seed: int | None, ahead: int = 2) -> int:
+                sampler: str | None, pruner: str, device: str, seed: int | None, ahead: int = 2,
+                fingerprint: dict[str, str] | None = None) -> int:
     """Claim and run trials until the budget or the deadline is reached; returns trials run here."""
     quiet_optuna()
-    space = resolve_space(ref)
+    space = resolve_as(ref, fingerprint)
     storage = open_storage(storage_spec)
     objectives = list(space.objectives)
     prune, _ = pruning_plan(objectives, pruner)
@@ -454,6 +455,9 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+USER_ERROR = 2  # a worker's exit status for a UserError (its message printed to stderr)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM in the driver, handled as Ctrl-C is: a batch scheduler's stop hands the running trials back
     as interrupted (a retry not held against them) instead of leaving them to be found lost."""
@@ -481,6 +485,9 @@ def _worker_entry(kwargs: dict[str, Any]) -> None:
         worker_loop(**kwargs)
     except KeyboardInterrupt:
         sys.exit(130)
+    except UserError as e:  # the driver stops the search on this status, the message above it
+        print(e.render(), file=sys.stderr)
+        sys.exit(USER_ERROR)
 
 
 # The worker reads the parent's sys.path (one JSON line), then its pickled arguments, from stdin. A plain
@@ -522,7 +529,7 @@ def worker_device(device: str, index: int, workers: int) -> str:
 
 def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: int, deadline: float | None,
               workers: int, sampler: str | None, pruner: str, device: str,
-              seed: int | None) -> dict[str, Any]:
+              seed: int | None, fingerprint: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the local backend to the budget; returns extra summary fields."""
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
@@ -538,7 +545,7 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
         return {"ref": ref, "storage_spec": storage_spec, "study_name": study.study_name, "target": target,
                 "deadline": deadline, "sampler": sampler, "pruner": pruner,
                 "device": worker_device(device, i, workers), "seed": worker_seed(seed, history, starts),
-                "ahead": 2 * workers}
+                "ahead": 2 * workers, "fingerprint": fingerprint}
 
     with sigterm_interrupts():
         if workers <= 1:
@@ -566,6 +573,9 @@ def _run_workers(kwargs: Any, storage: BaseStorage, study: optuna.Study, *, targ
                 del procs[i]
                 if p.returncode == 0:
                     continue
+                if p.returncode == USER_ERROR:  # not a crash another worker would escape: stop the search
+                    raise UserError(f"worker {i} stopped with the error above", hint="the study keeps what "
+                                    "finished; fix what the error names and run the search again to resume")
                 crashed += 1  # a worker died (segfault, OOM kill): put its trial back, start another
                 recovered += recover_stale(study, storage)
                 time_left = deadline is None or time.time() < deadline
@@ -577,7 +587,8 @@ def _run_workers(kwargs: Any, storage: BaseStorage, study: optuna.Study, *, targ
                         warn.append(f"{crashed} worker processes died; not replacing them any more "
                                     "(see the lost trials' reasons); run again to continue")
     except BaseException as e:  # Ctrl-C (the workers got it too) or an error here: let them hand back their trials
-        if isinstance(e, Terminated):  # SIGTERM reached this process only: pass it on to the workers
+        if isinstance(e, (Terminated, UserError)):  # SIGTERM, or a worker's error, reached this process only:
+            # the other workers hand back their trials as interrupted
             for p in procs.values():
                 with contextlib.suppress(OSError):
                     p.terminate()

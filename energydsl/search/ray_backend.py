@@ -1,5 +1,6 @@
 """Ray backend: Ray Tune runs the trials (on a cluster, with fractional GPUs); OptunaSearch samples them
-from the very Optuna study the local backend writes; ASHA stops weak ones early.
+from the very Optuna study the local backend writes; the study's own pruner (ASHA or Hyperband, as on the local
+backend, with the study's history) stops weak ones early.
 
 The searcher works directly on the engine's storage, so a trial is RUNNING there while Ray trains it
 and every result lands in the usual format (same user attrs), whichever backend ran it. Cheap work stays
@@ -15,6 +16,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -34,6 +36,7 @@ from energydsl.search.local import (
     Terminated,
     find_same,
     free_memory,
+    make_pruner,
     make_sampler,
     owner_info,
     pruning_plan,
@@ -55,20 +58,21 @@ from energydsl.search.report import (
     finite,
     ledger,
 )
-from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, plain, resolve_space
+from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, plain, resolve_as
 from energydsl.search.storage import open_storage, safe_name
 from energydsl.signal_handlers import handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
+    from ray.tune.schedulers import FIFOScheduler
     from ray.tune.search import Searcher
     from ray.tune.search.optuna import OptunaSearch
 except ImportError:  # pragma: no cover - reported by run_ray
-    Searcher = OptunaSearch = None  # type: ignore[assignment,misc]
+    Searcher = OptunaSearch = FIFOScheduler = None  # type: ignore[assignment,misc]
 
 # Keys of the config a trial gets and of the results it reports.
 PARAMS = "_energy_params"
 NUMBER = "_energy_trial"
-PROGRESS = "_energy_val_loss"  # the value ASHA watches (always val_loss, whatever the objectives)
+PROGRESS = "_energy_val_loss"  # the value the pruner watches (always val_loss, whatever the objectives)
 RKIND = "_energy_kind"  # progress | complete | pruned | error
 FINAL = "_energy_final"
 
@@ -83,32 +87,34 @@ def _node_id() -> str:
     return ""
 
 
-def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: list[tuple[str, str]],
-               cache_root: str) -> None:
-    """Runs inside a Ray worker: rebuild the space, rebuild the candidate from its params, train."""
+def _trainable(config: dict[str, Any], ref: SpaceRef, fingerprint: dict[str, str] | None, device: str,
+               objectives: list[tuple[str, str]], cache_root: str) -> None:
+    """Runs inside a Ray worker: rebuild the space (the driver's, by its fingerprint), rebuild the candidate from
+    its params, train."""
     from ray import tune
 
     trial_key = tune.get_context().get_trial_id() or f"pid{os.getpid()}"
     cache = os.path.join(cache_root, trial_key)  # private compile caches: no races between trials
     os.environ["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
-    key = repr((ref.spec, sorted(ref.sets.items())))
-    if key not in _SPACES:
-        _SPACES[key] = resolve_space(ref)
-    space = _SPACES[key]
+    key = repr((ref.spec, sorted(ref.sets.items()), fingerprint))
     pad = {name: math.nan for name, _ in objectives}  # Tune wants every metric in every result
+    node = _node_id()
     curve: list[list[float]] = []
     last_step = math.inf  # the candidate's own steps, where it has them
 
     def report(step: int, value: float) -> bool:
         curve.append([int(step), float(value)])
-        if step < last_step:  # ASHA must not stop (prune) a trial at its final evaluation: it completed
-            tune.report({**pad, PROGRESS: float(value), "step": int(step), RKIND: "progress"})
-        return False  # ASHA stops a trial by stopping its actor, not through this return value
+        if step < last_step:  # the pruner must not stop a trial at its final evaluation: it completed
+            tune.report({**pad, PROGRESS: float(value), "step": int(step), RKIND: "progress", "_energy_node": node})
+        return False  # the driver prunes a trial by stopping its actor (StudyPruning), not through this value
 
     final: dict[str, Any] = {**pad, FINAL: True, RKIND: "complete"}
     t0 = time.perf_counter()
     try:
+        if key not in _SPACES:
+            _SPACES[key] = resolve_as(ref, fingerprint)
+        space = _SPACES[key]
         cand = space.suggest(optuna.trial.FixedTrial(config[PARAMS]))
         own_steps = getattr(cand, "settings", {}).get("steps")
         last_step = int(own_steps) if own_steps else math.inf
@@ -121,7 +127,7 @@ def _trainable(config: dict[str, Any], ref: SpaceRef, device: str, objectives: l
         final.update({RKIND: "error", "_energy_reason": f"{type(e).__name__}: {e}",
                       "_energy_traceback": traceback.format_exc(limit=-12)})
     final.update({PROGRESS: curve[-1][1] if curve else math.nan, "_energy_curve": json.dumps(curve),
-                  "_energy_eval_s": time.perf_counter() - t0, "_energy_node": _node_id()})
+                  "_energy_eval_s": time.perf_counter() - t0, "_energy_node": node})
     cand = None  # the candidate (and whatever model it holds) goes before the next trial in this actor
     free_memory()
     shutil.rmtree(cache, ignore_errors=True)  # compiled kernels stay loaded; thousands of trials fill disks
@@ -134,17 +140,26 @@ if OptunaSearch is not None:
         """OptunaSearch on the engine's study, with the engine's bookkeeping around each trial."""
 
         def __init__(self, space: SearchSpace, study: optuna.Study, storage: Any, target: int,
-                     sampler: optuna.samplers.BaseSampler, prune: bool, deadline: float | None) -> None:
+                     sampler: optuna.samplers.BaseSampler, pruner: optuna.pruners.BasePruner | None,
+                     deadline: float | None) -> None:
             names = [n for n, _ in space.objectives]
             modes = ["min" if d == "minimize" else "max" for _, d in space.objectives]
             self._energy_space, self._energy_storage, self._energy_target = space, storage, target
-            self._energy_names, self._energy_prune, self._energy_deadline = names, prune, deadline
+            self._energy_names, self._energy_prune, self._energy_deadline = names, pruner is not None, deadline
+            self._energy_pruner = pruner or optuna.pruners.NopPruner()
+            self._energy_pruned: set[str] = set()  # Tune trials the pruner stopped (StudyPruning)
             self._energy_curves: dict[str, list[list[float]]] = {}
             self._energy_started: dict[str, float] = {}  # Tune trial id -> when it was handed to Ray
             self._energy_hb = Heartbeat(storage)
             super().__init__(space=self._define, metric=names if len(names) > 1 else names[0],
                              mode=modes if len(modes) > 1 else modes[0], sampler=sampler,
                              study_name=study.study_name, storage=storage)
+
+        def _setup_study(self, mode: Any) -> None:
+            """OptunaSearch opens the study with no pruner: give it the search's, so that trials are judged
+            against the study's own rungs, those of earlier runs and of the local backend included."""
+            super()._setup_study(mode)
+            self._ot_study.pruner = self._energy_pruner
 
         def _define(self, trial: Any) -> dict[str, Any]:
             """Define-by-run: sample, then settle on the driver whatever needs no training."""
@@ -201,7 +216,11 @@ if OptunaSearch is not None:
                     same = next(t for t in self._ot_study.get_trials(deepcopy=False)
                                 if t.number == config["_energy_same"])
                     origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
-                    attrs = {KIND: "duplicate", DUPLICATE_OF: origin, CURVE: same.user_attrs.get(CURVE) or [],
+                    curve = same.user_attrs.get(CURVE) or []
+                    if self._energy_prune:  # as the local backend does: a pruned duplicate gets the same value
+                        for step, value in curve:
+                            self._report(ot_trial, value, step)
+                    attrs = {KIND: "duplicate", DUPLICATE_OF: origin, CURVE: curve,
                              REASON: f"same equations as trial #{origin}"}
                     if same.state == TrialState.COMPLETE:
                         self._finish(ot_trial, TrialState.COMPLETE, list(same.values),
@@ -209,18 +228,34 @@ if OptunaSearch is not None:
                     else:
                         self._finish(ot_trial, TrialState.PRUNED, **attrs)
 
-        def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
-            if result.get(RKIND) != "progress" or trial_id not in self._ot_trials:
-                return
+        def progress(self, trial_id: str, result: dict[str, Any]) -> bool:
+            """A trial's evaluation (StudyPruning hands it over): record it, report it to the study, and say
+            whether the study's pruner stops the trial here, as `should_prune` does on the local backend."""
+            ot_trial = self._ot_trials.get(trial_id)
+            if result.get(RKIND) != "progress" or ot_trial is None:
+                return False
             curve = self._energy_curves.setdefault(trial_id, [])
             step, value = int(result["step"]), float(result[PROGRESS])
             if curve and step <= curve[-1][0]:
                 curve.clear()  # the trial restarted after its worker was lost
             curve.append([step, value])
-            if self._energy_prune and finite(value):
+            if not (self._energy_prune and finite(value)):
+                return False
+            self._report(ot_trial, value, step)
+            if not ot_trial.should_prune():
+                return False
+            self._energy_pruned.add(trial_id)
+            return True
+
+        def on_trial_result(self, trial_id: str, result: dict[str, Any]) -> None:
+            pass  # `progress` has it (OptunaSearch's own would report every result a second time)
+
+        @staticmethod
+        def _report(ot_trial: Any, value: float, step: int) -> None:
+            if finite(value):
                 with warnings.catch_warnings(), contextlib.suppress(Exception):
-                    warnings.simplefilter("ignore")
-                    self._ot_trials[trial_id].report(value, step)
+                    warnings.simplefilter("ignore")  # a step already reported (a retried trial) is ignored
+                    ot_trial.report(float(value), int(step))
 
         def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None,
                               error: bool = False) -> None:
@@ -231,7 +266,7 @@ if OptunaSearch is not None:
             curve = self._energy_curves.pop(trial_id, [])
             result = result or {}
             if result.get(RKIND) == "progress" and (not curve or int(result["step"]) > curve[-1][0]):
-                curve.append([int(result["step"]), float(result[PROGRESS])])  # the result ASHA stopped it on
+                curve.append([int(result["step"]), float(result[PROGRESS])])  # the result it was pruned on
             total_s = round(time.perf_counter() - self._energy_started.pop(trial_id, time.perf_counter()), 6)
             if result.get(FINAL):
                 curve = json.loads(result.get("_energy_curve") or "[]") or curve
@@ -259,27 +294,23 @@ if OptunaSearch is not None:
             elif error:
                 self._finish(ot_trial, TrialState.FAIL, kind="error", curve=curve,
                              reason=f"Ray trial failed {MAX_RETRIES + 1} times (worker lost or crashed)")
-            elif not self._energy_prune or (self._energy_deadline is not None
-                                            and time.time() >= self._energy_deadline):
-                self._completed_trials.discard(trial_id)  # stopped by the time limit: left for abandon()
-            else:  # stopped by ASHA on its last result: recorded as a local pruned trial is (value, timing)
+            elif trial_id not in self._energy_pruned:
+                self._completed_trials.discard(trial_id)  # stopped otherwise (the run ended): left for abandon()
+            else:  # pruned on its last result: recorded as a local pruned trial is (value, timing)
                 at = f" at step {curve[-1][0]}" if curve else ""
                 self._report_last(ot_trial, curve)
                 evaluate_s = result.get("time_total_s")  # Tune's clock of the trainable, start to that report
                 timing = {"evaluate_s": round(float(evaluate_s), 6) if finite(evaluate_s) else None,
                           "total_s": total_s}
-                self._finish(ot_trial, TrialState.PRUNED, kind="pruned", curve=curve,
-                             reason=f"stopped by ASHA{at}", **{TIMING: timing})
+                self._finish(ot_trial, TrialState.PRUNED, kind="pruned", curve=curve, reason=f"pruned{at}",
+                             ray={"node": result.get("_energy_node"), "pid": result.get("pid"), "trial_id": trial_id},
+                             **{TIMING: timing})
 
         def _report_last(self, ot_trial: Any, curve: list[list[float]]) -> None:
-            """Report the last point of a pruned trial's curve (the one it was stopped on, which Ray hands
-            to `on_trial_complete`, not `on_trial_result`): Optuna records a pruned trial's value as its
-            last intermediate value, and the local backend reports the pruning step before pruning."""
-            if not curve or not finite(curve[-1][1]):
-                return
-            with warnings.catch_warnings(), contextlib.suppress(Exception):
-                warnings.simplefilter("ignore")  # a step already reported is ignored, with a warning
-                ot_trial.report(float(curve[-1][1]), int(curve[-1][0]))
+            """Report the last point of a pruned trial's curve: Optuna records a pruned trial's value as its last
+            intermediate value (a trial that raised TrialPruned itself reported nothing yet)."""
+            if curve:
+                self._report(ot_trial, curve[-1][1], curve[-1][0])
 
         def abandon_unfinished(self) -> int:
             """Trials Ray never finished (time limit, Ctrl-C) go back to the queue for the next run."""
@@ -306,14 +337,26 @@ if OptunaSearch is not None:
             return {"_metric": self._metric, "_mode": self._mode}
 
 
+    class StudyPruning(FIFOScheduler):
+        """Tune's scheduler: trials run in order, and each evaluation goes to the study's pruner (through
+        `StudySearch.progress`), which stops a weak trial as it would on the local backend."""
+
+        def __init__(self, searcher: StudySearch) -> None:
+            super().__init__()
+            self._searcher = searcher
+
+        def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+            return self.STOP if self._searcher.progress(trial.trial_id, result) else self.CONTINUE
+
+
 # the signals Ray and Tune set handlers for (SIGUSR1 is Tune's "stop the run"; Windows has none)
 TUNE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
 def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
             deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
-            seed: int | None, address: str | None, gpus_per_trial: float,
-            cpus_per_trial: float) -> dict[str, Any]:
+            seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float,
+            fingerprint: dict[str, str] | None = None) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
     # Tune may install its own SIGINT and SIGUSR1 handlers (and Ray its SIGTERM one, _run_ray ours) and leave them:
     # the caller's come back, so that Ctrl-C in what runs after a search in this process (a training, a second
@@ -321,85 +364,120 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
     with handlers_restored(*TUNE_SIGNALS):
         return _run_ray(ref, space, study, storage_spec, target=target, deadline=deadline, workers=workers,
                         sampler=sampler, pruner=pruner, device=device, seed=seed, address=address,
-                        gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial)
+                        gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, fingerprint=fingerprint)
 
 
 def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
              deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
-             seed: int | None, address: str | None, gpus_per_trial: float,
-             cpus_per_trial: float) -> dict[str, Any]:
+             seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float,
+             fingerprint: dict[str, str] | None) -> dict[str, Any]:
     try:
         import ray
         from ray import tune
-        from ray.tune.schedulers import ASHAScheduler
     except ImportError as e:
         raise UserError("the ray backend needs Ray Tune: pip install 'ray[tune]'") from e
+    if not address:
+        _check_local_gpus(gpus_per_trial)
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
         recovered = recover_stale(study, storage)
     objectives = list(space.objectives)
     prune, _ = pruning_plan(objectives, pruner)
-    scheduler = None
-    if prune:
-        steps = int(space.budget.get("steps", 1000))
-        # the rungs below the last step (a trial's final evaluation is not reported as progress)
-        scheduler = ASHAScheduler(time_attr="step", metric=PROGRESS, mode="min", max_t=steps,
-                                  grace_period=int(space.budget.get("min_steps") or max(1, steps // 27)),
-                                  reduction_factor=3, brackets=3 if pruner == "hyperband" else 1,
-                                  stop_last_trials=False)
     base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent
     seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 0)
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
-    trainable = tune.with_parameters(_trainable, ref=ref, device="cuda" if gpus_per_trial > 0 else device,
-                                     objectives=objectives, cache_root=cache_root)
+    trainable = tune.with_parameters(_trainable, ref=ref, fingerprint=fingerprint,
+                                     device="cuda" if gpus_per_trial > 0 else device, objectives=objectives,
+                                     cache_root=cache_root)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
-    budget_s = None if deadline is None else max(1.0, deadline - time.time())
+    (base / "ray").mkdir(parents=True, exist_ok=True)
     started_ray = not ray.is_initialized()
-    if started_ray:
-        if address:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-        else:
-            # "local": a runtime of our own, never a cluster someone else started on this machine
-            ray.init(address="local", num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
-                     log_to_driver=False, logging_level=logging.WARNING)
     sigterm: list[int] = []
 
     def on_sigterm(signum: int, frame: Any) -> None:
         sigterm.append(signum)
         raise Terminated(signum)
 
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM as the local backend takes it (Ray's handler, set by ray.init, exits with status 1, no report)
-        signal.signal(signal.SIGTERM, on_sigterm)
     tune_log = logging.getLogger("ray.tune")
     level = tune_log.level
     searcher = None
-    try:
-        searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
-                               prune, deadline)
-        tuner = tune.Tuner(
-            trainable,
-            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler, num_samples=-1,
-                                        max_concurrent_trials=workers, time_budget_s=budget_s,
-                                        reuse_actors=True),  # a worker pays the import of torch & co once
-            run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
-                                      storage_path=str((base / "ray").resolve()), verbose=0,
-                                      failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
-        )
-        tune_log.setLevel(logging.WARNING)
-        (base / "ray").mkdir(parents=True, exist_ok=True)
-        # Ctrl-C as on the local backend: a KeyboardInterrupt. Tune's own SIGINT handler (set in `fit` unless
-        # this variable is 1) would end the run quietly, `fit` returning as if the search were done
-        with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log), \
-                mock.patch.dict(os.environ, {"TUNE_DISABLE_SIGINT_HANDLER": "1"}):
-            tuner.fit()  # Tune prints tables: keep them off stdout (JSON) and off the live panel
-    except KeyboardInterrupt as e:  # Ctrl-C; or SIGTERM's Terminated, which Ray's wait (C++) may turn into a plain one
-        if sigterm and not isinstance(e, Terminated):
-            raise Terminated(sigterm[0]) from None
-        raise
-    finally:
-        tune_log.setLevel(level)
-        requeued = searcher.abandon_unfinished() if searcher is not None else 0
-        if started_ray:
-            ray.shutdown()
+    # Tune prints tables, and Ray's thread for workers' errors (a trial's worker that died) prints to stdout from
+    # ray.init to ray.shutdown: keep them off stdout (JSON) and off the live panel
+    with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log):
+        try:
+            if started_ray:
+                _init_ray(ray, address, workers, cpus_per_trial)
+            if threading.current_thread() is threading.main_thread():
+                # SIGTERM as the local backend takes it (Ray's handler, set by ray.init, exits with status 1)
+                signal.signal(signal.SIGTERM, on_sigterm)
+            searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
+                                   make_pruner(pruner, space.budget) if prune else None, deadline)
+            # no time budget for Tune: at the deadline `suggest` starts no new trial and the running ones finish,
+            # as on the local backend (Tune's `time_budget_s` would kill them mid-training)
+            tuner = tune.Tuner(
+                trainable,
+                tune_config=tune.TuneConfig(search_alg=searcher, scheduler=StudyPruning(searcher), num_samples=-1,
+                                            max_concurrent_trials=workers,
+                                            reuse_actors=True),  # a worker pays the import of torch & co once
+                run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
+                                          storage_path=str((base / "ray").resolve()), verbose=0,
+                                          failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
+            )
+            tune_log.setLevel(logging.WARNING)
+            # Ctrl-C as on the local backend: a KeyboardInterrupt. Tune's own SIGINT handler (set in `fit` unless
+            # this variable is 1) would end the run quietly, `fit` returning as if the search were done
+            with mock.patch.dict(os.environ, {"TUNE_DISABLE_SIGINT_HANDLER": "1"}):
+                tuner.fit()
+        except KeyboardInterrupt as e:  # Ctrl-C; or SIGTERM's Terminated, which Ray's wait (C++) may make a plain one
+            if sigterm and not isinstance(e, Terminated):
+                raise Terminated(sigterm[0]) from None
+            raise
+        finally:
+            tune_log.setLevel(level)
+            requeued = searcher.abandon_unfinished() if searcher is not None else 0
+            if started_ray and ray.is_initialized():
+                ray.shutdown()
     return {"recovered": recovered, "requeued": requeued, "workers": workers}
+
+
+CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray tries (its own retries last many minutes)
+
+
+def _init_ray(ray: Any, address: str | None, workers: int, cpus_per_trial: float) -> None:
+    """Start a local runtime, or join the cluster at `address`; a cluster that cannot be reached is the user's
+    to fix (exit 2), not an internal error, and not a hang."""
+    if not address:
+        # "local": a runtime of our own, never a cluster someone else started on this machine
+        ray.init(address="local", num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.WARNING)
+        return
+    host, sep, port = address.rpartition(":")
+    if sep and host and "://" not in address and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise UserError(f"cannot reach the Ray cluster at --address {address}: {e}",
+                            hint="start it with `ray start --head` there, or give the head's address and port "
+                                 "(default 6379); `--address auto` finds a cluster started on this machine") from None
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot join the Ray cluster at --address {address}: {first}",
+                        hint="start it with `ray start --head` (then `--address auto` on that machine, or "
+                             "HEAD_IP:6379 elsewhere), or leave --address out for a Ray runtime on this machine") \
+            from None
+
+
+def _check_local_gpus(gpus_per_trial: float) -> None:
+    """A local runtime has this machine's GPUs: a trial that asks for more could never start (Tune would wait)."""
+    if gpus_per_trial <= 0:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if gpus_per_trial > count:
+        have = "no GPU" if count == 0 else f"{count} GPU{'s' if count > 1 else ''}"
+        raise UserError(f"--gpus-per-trial {gpus_per_trial:g}: this machine has {have}, so no trial could start "
+                        "on a local Ray runtime",
+                        hint="leave --gpus-per-trial out (CPU trials), or give --address of a cluster with GPUs")

@@ -148,6 +148,28 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
     return space
 
 
+def space_fingerprint(space: SearchSpace) -> dict[str, str] | None:
+    """What a trial's result depends on besides its hole values (a space's optional `fingerprint()`), as text."""
+    get = getattr(space, "fingerprint", None)
+    return {str(k): str(v) for k, v in get().items()} if callable(get) else None
+
+
+def resolve_as(ref: SpaceRef, expected: dict[str, str] | None) -> SearchSpace:
+    """`resolve_space` in a worker, which must rebuild the space the driver started with (`expected`, its
+    fingerprint): a search file edited during the search, or a node's stale copy of it, would otherwise train
+    something else than what the study records for the trial, silently."""
+    space = resolve_space(ref)
+    now = space_fingerprint(space)
+    if expected is not None and now is not None and now != expected:
+        changed = [k for k in dict.fromkeys([*expected, *now]) if expected.get(k) != now.get(k)]
+        raise UserError(f"the search space read here from {ref.spec} is not the one the search started with "
+                        f"({', '.join(changed)} differ): the file was edited during the search, or this node's "
+                        "copy of it is out of date",
+                        hint="restore the file (on a cluster: on every node) as it was when the search started, "
+                             "and run the search again; the study resumes")
+    return space
+
+
 def check_space(space: Any) -> None:
     """Fail early, with a readable message, when a space does not meet the protocol."""
     missing = [a for a in ("name", "objectives", "budget", "suggest", "evaluate") if not hasattr(space, a)]
