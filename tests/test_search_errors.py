@@ -148,6 +148,28 @@ def test_bad_ray_resources_are_refused_before_ray_starts(tmp_path: Path) -> None
     assert not (tmp_path / "s.journal").exists()
 
 
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1", "cannot reach the Ray cluster at --address 127.0.0.1:1"),  # a wrong port: no hang
+    ("garbage", "cannot join the Ray cluster at --address garbage"),
+])
+def test_a_ray_address_that_cannot_be_joined_exits_2(tmp_path: Path, address: str, message: str) -> None:
+    pytest.importorskip("ray")
+    r = energy("search", "toy", "--backend", "ray", "--address", address, "--trials", "1",
+               "--storage", str(tmp_path / "s.journal"), cwd=tmp_path)
+    clean_exit_2(r, message, "hint: start it with `ray start --head`")
+
+
+def test_more_gpus_per_trial_than_a_local_ray_runtime_has_exits_2(tmp_path: Path) -> None:
+    """Tune would wait forever for a GPU this machine does not have."""
+    pytest.importorskip("ray")
+    import torch
+
+    gpus = torch.cuda.device_count() + 1
+    r = energy("search", "toy", "--backend", "ray", "--gpus-per-trial", str(gpus), "--trials", "1",
+               "--storage", str(tmp_path / "s.journal"), cwd=tmp_path)
+    clean_exit_2(r, f"--gpus-per-trial {gpus}: this machine has", "no trial could start")
+
+
 def test_a_rerun_with_other_settings_exits_2_naming_them(tmp_path: Path) -> None:
     """(The first run's trial must train: a study whose trials all failed may change its settings. The toy's
     `diverge` choice fails, so the mixer is fixed.)"""
