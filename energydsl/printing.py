@@ -27,8 +27,9 @@ class Style:
 
     def name_(self, n: str, sub: list[str]) -> str:
         """A name with its index subscripts; `z⁺` (a value an earlier assignment updated) keeps its mark."""
-        if n.endswith(UPDATED):
-            return self.updated(self.name_(n[:-1], sub))
+        return self.updated(self.plain_name(n[:-1], sub)) if n.endswith(UPDATED) else self.plain_name(n, sub)
+
+    def plain_name(self, n: str, sub: list[str]) -> str:
         n = GREEK.get(n, n)
         return n + ("_" + ",".join(sub) if sub else "")
 
@@ -120,12 +121,10 @@ class LatexStyle(Style):
     def scalar(self, v: sp.Expr) -> str:
         return sp.latex(v)
 
-    def name_(self, n: str, sub: list[str]) -> str:
+    def plain_name(self, n: str, sub: list[str]) -> str:
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
             point, energy = n[2:].split(" ", 1)
             return f"\\nabla_{{{self.name_(point, [])}}} {self.name_(energy, [])}"
-        if n.endswith(UPDATED):
-            return self.updated(self.name_(n[:-1], sub))
         base = {"eta": "\\eta", "beta": "\\beta", "tau": "\\tau", "lambda": "\\lambda"}.get(n)
         if base is None:  # `W1_{k}`, not `W_{1,k}`, which reads as an entry of W
             base = n if len(n) == 1 else "\\mathrm{" + n.replace("_", "\\_") + "}"
@@ -213,9 +212,7 @@ class MathMLStyle(Style):
         # SymPy writes the HTML entity &InvisibleTimes;, which XML does not define: its code point parses
         return sp.mathml(v, printer="presentation").replace("&InvisibleTimes;", "&#x2062;")
 
-    def name_(self, n, sub):
-        if n.endswith(UPDATED):
-            return self.updated(self.name_(n[:-1], sub))
+    def plain_name(self, n, sub):
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
             point, energy = n[2:].split(" ", 1)
             return f"<msub><mi>∇</mi>{self.name_(point, [])}</msub>{self.name_(energy, [])}"

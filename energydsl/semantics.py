@@ -535,7 +535,7 @@ class _Lowering(ExpressionLowering):
         """The optimizer adds names of its own (η, β, λ, a learned `opt_eta`, its preconditioner's parameters,
         momentum's `m_z`). A spec name equal to one would be merged with it, silently: refuse it where declared."""
         made = {h.symbol.name: f"the symbol of the optimizer's `{key}`" for key, h in opt.hyper.items()}
-        made |= {f"opt_{key}": f"the optimizer's learned `{key}`" for key in opt.hyper}
+        made |= {f"opt_{key}": f"the optimizer's learned `{key}`" for key, h in opt.hyper.items() if h.learn}
         made |= {name: f"a parameter of `precondition {opt.precondition}`"
                  for name in PRECONDITIONER_PARAMS.get(opt.precondition, ())}
         if opt.kind in ("momentum", "nag"):

@@ -292,13 +292,13 @@ def run_search(
     show = progress and not json
     display = LiveProgress(storage_spec, name, target, note) if show else contextlib.nullcontext()
     common = dict(target=target, deadline=deadline, workers=workers, sampler=sampler, pruner=pruner,
-                  device=device, seed=seed, fingerprint=space_fingerprint(space))  # what workers must rebuild
+                  device=device, seed=seed)
     extra: dict[str, Any] = {}
     interrupted: str | None = None
     try:
         with display:
             if backend == "local":
-                extra = run_local(ref, study, storage_spec, **common)
+                extra = run_local(ref, study, storage_spec, fingerprint=space_fingerprint(space), **common)
             else:
                 from energydsl.search.ray_backend import run_ray
 

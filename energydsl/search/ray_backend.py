@@ -58,7 +58,15 @@ from energydsl.search.report import (
     finite,
     ledger,
 )
-from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, plain, resolve_as
+from energydsl.search.space import (
+    SearchSpace,
+    SpaceRef,
+    candidate_info,
+    check_metrics,
+    plain,
+    resolve_as,
+    space_fingerprint,
+)
 from energydsl.search.storage import open_storage, safe_name
 from energydsl.signal_handlers import handlers_restored
 
@@ -355,8 +363,7 @@ TUNE_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
             deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
-            seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float,
-            fingerprint: dict[str, str] | None = None) -> dict[str, Any]:
+            seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float) -> dict[str, Any]:
     """Run the search on Ray: a local runtime when `address` is None, else the cluster at `address`."""
     # Tune may install its own SIGINT and SIGUSR1 handlers (and Ray its SIGTERM one, _run_ray ours) and leave them:
     # the caller's come back, so that Ctrl-C in what runs after a search in this process (a training, a second
@@ -364,13 +371,12 @@ def run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec
     with handlers_restored(*TUNE_SIGNALS):
         return _run_ray(ref, space, study, storage_spec, target=target, deadline=deadline, workers=workers,
                         sampler=sampler, pruner=pruner, device=device, seed=seed, address=address,
-                        gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, fingerprint=fingerprint)
+                        gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial)
 
 
 def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spec: str, *, target: int,
              deadline: float | None, workers: int, sampler: str | None, pruner: str, device: str,
-             seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float,
-             fingerprint: dict[str, str] | None) -> dict[str, Any]:
+             seed: int | None, address: str | None, gpus_per_trial: float, cpus_per_trial: float) -> dict[str, Any]:
     try:
         import ray
         from ray import tune
@@ -386,7 +392,8 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
     base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent
     seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 0)
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
-    trainable = tune.with_parameters(_trainable, ref=ref, fingerprint=fingerprint,
+    # each worker rebuilds the space and must find this one (`resolve_as`)
+    trainable = tune.with_parameters(_trainable, ref=ref, fingerprint=space_fingerprint(space),
                                      device="cuda" if gpus_per_trial > 0 else device, objectives=objectives,
                                      cache_root=cache_root)
     trainable = tune.with_resources(trainable, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
