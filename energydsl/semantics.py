@@ -222,6 +222,7 @@ class _Lowering(ExpressionLowering):
                 raise SpecError(f"index {idx} is used outside a reduction in `expect {c.name}`", c.value.span,
                                 f"wrap it in sum[{idx}](...) or mean[{idx}](...)")
             expects[c.name] = (claim, c.span)
+        self._check_dims_named_like_hypers(opt, energy)
         return EnergyIR(
             name=d.name, span=d.span, dim_symbols=self.dim_symbols, dim_values=self.dim_values,
             derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,
@@ -545,6 +546,18 @@ class _Lowering(ExpressionLowering):
             if name in made and name not in self.scope.lets and name not in self.dim_symbols:
                 raise SpecError(f"`{name}` is also {made[name]} here, and the two would be one symbol", span,
                                 f"rename `{name}`")
+
+    def _check_dims_named_like_hypers(self, opt: OptimizerSpec, energy: Expr) -> None:
+        """A dim in the energy prints as its name, Greek where it has one: `eta` as η. Beside an optimizer whose
+        η is another number (`gd(eta = 0.1)`, or a learned one that moves away) every equation would show two
+        values under one name: refuse it where declared. `gd(eta = eta)`, η set from the dim, stays allowed."""
+        used = {s for node in ir.walk(energy) if isinstance(node, ir.Scalar) for s in node.value.free_symbols}
+        for key, h in opt.hyper.items():
+            name = h.symbol.name
+            if self.dim_symbols.get(name) in used and (h.learn or float(h.value) != self.dim_values[name]):
+                raise SpecError(f"the dim `{name}` is used in the energy, where it would print as the symbol of the "
+                                f"optimizer's `{key}`, which is {'learned' if h.learn else 'another number'}",
+                                self.scope.decl_spans[name], f"rename `{name}`")
 
     def _check_wrt(self, opt: OptimizerSpec, clauses: list[ast.Clause]) -> None:
         """`wrt` names the point the gradient is taken at: the state, or its `via` variable."""

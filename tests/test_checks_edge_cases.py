@@ -529,6 +529,19 @@ def test_a_dim_may_set_the_step_size_it_is_named_after():
     assert all(r.status == "ok" for r in checks_of(spec).values())
 
 
+@pytest.mark.parametrize("opt, what", [("gd(eta = 0.1)", "another number"), ("gd(eta = eta learn)", "learned")])
+def test_a_dim_named_like_a_hyper_is_refused_where_the_energy_uses_it(tmp_path, opt, what):
+    """`η` in the energy and `η` in the update would be two numbers under one printed name (the update read
+    `z⁺ = z − (η*η) (z − h)`, its two factors 3 and 1/10)."""
+    path = tmp_path / "dim.energy"
+    path.write_text(f"energy A(d = 4, eta = 3) {{\n  state z[d]\n  input h[d]\n"
+                    f"  global F = 0.5 * eta * (z - h) . (z - h)\n  optimizer {opt}\n}}\n")
+    with pytest.raises(SpecError) as info:
+        load(path).energy()
+    assert str(info.value).startswith(f"{path}:1:23: error: the dim `eta` is used in the energy, where it would "
+                                      f"print as the symbol of the optimizer's `eta`, which is {what}")
+
+
 @pytest.mark.parametrize("eta, why", [("-1", "climbs F"), ("0", "does not move"), ("-0.1", "climbs F")])
 def test_a_step_size_that_is_not_positive_fails_descent(eta, why):
     """The first step is x − η D: a step along D descends, the update does not."""
