@@ -426,6 +426,12 @@ def _is_name(x: ir.Expr) -> bool:
     return isinstance(x, ir.Var) and x.role == NAME
 
 
+def by_name(v: sp.Expr) -> sp.Expr:
+    """`v` with symbols of one name made one: a dim that sets the optimizer's η (`gd(eta = eta)`) is the same
+    number as η, so `η η` reads η². (Semantics refuses a dim under η's name that is another number.)"""
+    return v.xreplace({s: sp.Symbol(s.name) for s in v.free_symbols if s.is_Symbol})
+
+
 def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | None = None) -> str:
     """Print an IR expression. `relations` maps context indices to their relation text (e.g. '<=i')."""
     st = STYLES[style] if isinstance(style, str) else style
@@ -443,7 +449,7 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
     def p(x: ir.Expr) -> str:
         match x:
             case ir.Scalar():
-                return st.scalar(x.value)
+                return st.scalar(by_name(x.value))
             case ir.Var():
                 return st.name_(x.name, [x.index] if x.index else [])
             case ir.Index():
@@ -487,7 +493,7 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
             case ir.Pow():
                 if x.exponent == -1:
                     return st.inverse(p(x.base)) if x.base.shape else st.power(wrap(x.base), st.scalar(sp.Integer(-1)))
-                return st.power(wrap(x.base), st.scalar(x.exponent))
+                return st.power(wrap(x.base), st.scalar(by_name(x.exponent)))
             case ir.MatMul():
                 return st.matmul(wrap(x.a), wrap(x.b))
             case ir.Dot():

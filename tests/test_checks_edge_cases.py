@@ -523,10 +523,14 @@ def test_a_name_the_optimizer_makes_is_refused_where_the_spec_declares_it(tmp_pa
     assert str(info.value).startswith(f"{path}:4:3: error: `{name}` is also {clash} here")
 
 
-def test_a_dim_may_set_the_step_size_it_is_named_after():
-    spec = "energy A(d = 4, eta = 0.5) {\n  state z[d]\n  input h[d]\n  global F = 0.5 * (z - h) . (z - h)\n" \
+def test_a_dim_may_set_the_step_size_it_is_named_after(tmp_path):
+    spec = "energy A(d = 4, eta = 0.5) {\n  state z[d]\n  input h[d]\n  global F = 0.5 * eta * (z - h) . (z - h)\n" \
            "  optimizer gd(eta = eta)\n}\n"
     assert all(r.status == "ok" for r in checks_of(spec).values())
+    path = tmp_path / "a.energy"
+    path.write_text(spec)
+    update = [line for line in load(path).energy().equations("text").splitlines() if "update" in line]
+    assert update == ["          update  z⁺ = z − (η^2) (z − h)"], update  # one number, one name: not (η*η)
 
 
 @pytest.mark.parametrize("opt, what", [("gd(eta = 0.1)", "another number"), ("gd(eta = eta learn)", "learned")])
