@@ -47,15 +47,6 @@ def space_spec(space: str) -> str:
     return str(p.resolve())
 
 
-def output_dir(storage: str, study: str) -> Path:
-    """Where the report and the best candidate go by default: next to the storage (a journal or an SQLite
-    file), else runs/STUDY."""
-    from energydsl.search.storage import local_file, safe_name
-
-    local = local_file(storage)
-    return local.parent if local is not None else Path("runs") / safe_name(study)
-
-
 def search(
     space: Annotated[str, typer.Argument(metavar="SPACE", help="A .energy file with a `search` declaration (or a "
                                                                "registered space, or package.module:attr).")],
@@ -96,6 +87,7 @@ def search(
     from energydsl.files import check_output
     from energydsl.search import export_best, run_search, write_report
     from energydsl.search.space import SpaceRef, resolve_space
+    from energydsl.search.storage import study_dir
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
@@ -114,7 +106,7 @@ def search(
                          study_name=study, sampler=sampler, pruner=pruner, device=device, json=as_json,
                          address=address, gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial,
                          seed=seed)
-    where = output_dir(summary["storage"], summary["study"])
+    where = study_dir(summary["storage"], summary["study"])
     report_path = Path(report) if report else where / "report.html"
     write_report(summary["storage"], summary["study"], report_path)
     summary["report"] = str(report_path)
@@ -153,11 +145,11 @@ def report(
     from energydsl.files import check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.storage import default_storage_path
+    from energydsl.search.storage import default_storage_path, study_dir
 
     store, study_name = _locate(study, storage, name, default_storage_path)
     loaded = load_study(store, study_name)  # a missing study is refused (naming those there) before any folder is made
-    path = Path(out) if out else output_dir(store, study_name) / "report.html"
+    path = Path(out) if out else study_dir(store, study_name) / "report.html"
     check_output(path, "-o/--output" if out else "report")
     if export:
         check_output(export, "--export", "best.energy")

@@ -331,6 +331,20 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     assert write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").exists()
 
 
+def test_ray_folders_go_beside_an_sqlite_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tune's trial folders and log sit with the study's other files, as for a journal; they went under
+    runs/STUDY in whatever directory the search was started from."""
+    pytest.importorskip("ray")
+    (tmp_path / "db").mkdir()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    url = f"sqlite:///{tmp_path / 'db' / 'study.db'}"
+    s = search(tmp_path, toy(tmp_path, sleep=0.02), backend="ray", trials=2, workers=1, storage=url)
+    assert s["finished"] == 2
+    assert (tmp_path / "db" / "ray" / "tune-output.log").exists() and list(elsewhere.iterdir()) == []
+
+
 def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
     """A trial the pruner stops has the step it was stopped on as its last intermediate value and as its value,
     a timing and its Ray record; a trial that trained every step is complete, not stopped at its final

@@ -22,7 +22,6 @@ import threading
 import time
 import traceback
 import warnings
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -67,7 +66,7 @@ from energydsl.search.space import (
     resolve_as,
     space_fingerprint,
 )
-from energydsl.search.storage import open_storage, safe_name
+from energydsl.search.storage import open_storage, safe_name, study_dir
 from energydsl.signal_handlers import handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
@@ -389,7 +388,7 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
         recovered = recover_stale(study, storage)
     objectives = list(space.objectives)
     prune, _ = pruning_plan(objectives, pruner)
-    base = Path("runs", safe_name(study.study_name)) if "://" in storage_spec else Path(storage_spec).parent
+    base = study_dir(storage_spec, study.study_name)
     seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 0)
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
     # each worker rebuilds the space and must find this one (`resolve_as`)

@@ -41,6 +41,13 @@ def local_file(spec: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def study_dir(spec: str, study_name: str) -> Path:
+    """Where a study's files go (the report, the best candidate, Ray's trial folders): beside its storage file
+    (a journal or an SQLite database), else runs/STUDY for a server."""
+    local = local_file(spec)
+    return local.parent if local is not None else Path("runs") / safe_name(study_name)
+
+
 def _dialect(scheme: str) -> str:
     """A URL scheme's SQLAlchemy dialect: `sqlite+pysqlite` -> `sqlite`, in lower case."""
     return scheme.split("+")[0].lower()
