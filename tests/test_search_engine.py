@@ -345,6 +345,24 @@ def test_ray_folders_go_beside_an_sqlite_storage(tmp_path: Path, monkeypatch: py
     assert (tmp_path / "db" / "ray" / "tune-output.log").exists() and list(elsewhere.iterdir()) == []
 
 
+def test_ray_records_a_lost_attempt_as_the_local_backend_does(tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    """Tune retries a trial whose worker died inside one Optuna trial; the attempts left no trace (the local
+    backend's `lost` records: counted, with their reason), and Ray's loggers put each one's traceback on the
+    terminal: it goes to the run's log."""
+    pytest.importorskip("ray")
+    s = search(tmp_path, toy(tmp_path, mixers="crash"), backend="ray", trials=1, workers=1, pruner="none")
+    assert "Traceback" not in capfd.readouterr().err
+    assert "ActorDiedError" in (tmp_path / "ray" / "tune-output.log").read_text()
+    ts = trials(tmp_path)
+    assert s["finished"] == 1 and s["failed"] == 1 and s["lost"] == 2, s
+    lost = [t for t in ts if t.user_attrs.get("kind") == "lost"]
+    failed = next(t for t in ts if t.user_attrs.get("kind") == "error")
+    assert len(lost) == 2 and all(t.params == failed.params for t in lost)
+    assert all(f"retried as trial #{failed.number}" in t.user_attrs["reason"] for t in lost)
+    assert "given up after 3 lost attempts" in failed.user_attrs["reason"]
+
+
 def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
     """A trial the pruner stops has the step it was stopped on as its last intermediate value and as its value,
     a timing and its Ray record; a trial that trained every step is complete, not stopped at its final

@@ -70,11 +70,12 @@ from energydsl.search.storage import open_storage, safe_name, study_dir
 from energydsl.signal_handlers import handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
+    from ray.tune import Callback
     from ray.tune.schedulers import FIFOScheduler
     from ray.tune.search import Searcher
     from ray.tune.search.optuna import OptunaSearch
 except ImportError:  # pragma: no cover - reported by run_ray
-    Searcher = OptunaSearch = FIFOScheduler = None  # type: ignore[assignment,misc]
+    Callback = Searcher = OptunaSearch = FIFOScheduler = None  # type: ignore[assignment,misc]
 
 # Keys of the config a trial gets and of the results it reports.
 PARAMS = "_energy_params"
@@ -300,7 +301,8 @@ if OptunaSearch is not None:
                                  traceback=result.get("_energy_traceback", ""), **attrs)
             elif error:
                 self._finish(ot_trial, TrialState.FAIL, kind="error", curve=curve,
-                             reason=f"Ray trial failed {MAX_RETRIES + 1} times (worker lost or crashed)")
+                             reason=f"its Ray worker was lost or crashed; given up after {MAX_RETRIES + 1} lost "
+                                    "attempts")
             elif trial_id not in self._energy_pruned:
                 self._completed_trials.discard(trial_id)  # stopped otherwise (the run ended): left for abandon()
             else:  # pruned on its last result: recorded as a local pruned trial is (value, timing)
@@ -318,6 +320,18 @@ if OptunaSearch is not None:
             intermediate value (a trial that raised TrialPruned itself reported nothing yet)."""
             if curve:
                 self._report(ot_trial, curve[-1][1], curve[-1][0])
+
+        def record_lost(self, trial_id: str, why: str) -> None:
+            """Tune retries a trial whose worker died (`FailureConfig`) in the same Optuna trial: the lost attempt
+            gets a record of its own, as on the local backend, so the ledger counts it and its reason is kept."""
+            ot_trial = self._ot_trials.get(trial_id)
+            if ot_trial is None:
+                return
+            self._energy_curves.pop(trial_id, None)  # the retry starts its curve over
+            self._ot_study.add_trial(optuna.trial.create_trial(
+                state=TrialState.FAIL, params=ot_trial.params, distributions=ot_trial.distributions,
+                user_attrs={KIND: "lost", REASON: f"{why}; retried as trial #{ot_trial.number}",
+                            "ray": {"trial_id": trial_id}}))
 
         def abandon_unfinished(self) -> int:
             """Trials Ray never finished (time limit, Ctrl-C) go back to the queue for the next run."""
@@ -354,6 +368,18 @@ if OptunaSearch is not None:
 
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
             return self.STOP if self._searcher.progress(trial.trial_id, result) else self.CONTINUE
+
+
+    class LostAttempts(Callback):
+        """Tune's callback for a trial it retries (the searcher is not told): the study records the attempt."""
+
+        def __init__(self, searcher: StudySearch) -> None:
+            self._searcher = searcher
+
+        def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
+            error = trial.get_error()
+            why = f"{type(error).__name__}: {error}".splitlines()[0] if error is not None else "its worker failed"
+            self._searcher.record_lost(trial.trial_id, f"Ray attempt {trial.num_failures} failed ({why[:300]})")
 
 
 # the signals Ray and Tune set handlers for (SIGUSR1 is Tune's "stop the run"; Windows has none)
@@ -408,8 +434,9 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
     level = tune_log.level
     searcher = None
     # Tune prints tables, and Ray's thread for workers' errors (a trial's worker that died) prints to stdout from
-    # ray.init to ray.shutdown: keep them off stdout (JSON) and off the live panel
-    with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log):
+    # ray.init to ray.shutdown, and Ray's loggers write notices and a lost worker's traceback to stderr: keep them
+    # off stdout (JSON), off the terminal and off the live panel; the study records what happened
+    with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log), _ray_logs_to(log):
         try:
             if started_ray:
                 _init_ray(ray, address, workers, cpus_per_trial)
@@ -427,6 +454,7 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
                                             reuse_actors=True),  # a worker pays the import of torch & co once
                 run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
                                           storage_path=str((base / "ray").resolve()), verbose=0,
+                                          callbacks=[LostAttempts(searcher)],
                                           failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),
             )
             tune_log.setLevel(logging.WARNING)
@@ -444,6 +472,20 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
             if started_ray and ray.is_initialized():
                 ray.shutdown()
     return {"recovered": recovered, "requeued": requeued, "workers": workers}
+
+
+@contextlib.contextmanager
+def _ray_logs_to(stream: Any) -> Any:
+    """Ray's and Tune's log records go to `stream` (the run's log file) instead of the terminal."""
+    ray_log = logging.getLogger("ray")
+    saved = ray_log.handlers[:]
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ray_log.handlers = [handler]
+    try:
+        yield
+    finally:
+        ray_log.handlers = saved
 
 
 CONNECT_TIMEOUT_S = 10.0  # to reach a cluster's address before Ray tries (its own retries last many minutes)
