@@ -36,6 +36,17 @@ TOY = "energydsl.search.toy:make_space"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def ray_started_here():
+    """For a test that starts Ray itself (`ray.init`, a `Cluster`): Ray's SIGTERM handler, which `ray.shutdown`
+    leaves behind, is taken away with it, so that a later test in this process (training's SIGTERM) sees its own."""
+    from energydsl.search.ray_backend import TUNE_SIGNALS
+    from energydsl.signal_handlers import handlers_restored
+
+    with handlers_restored(*TUNE_SIGNALS):
+        yield pytest.importorskip("ray")
+
+
 def toy(tmp_path: Path, **sets: object) -> SpaceRef:
     base = {"calls": str(tmp_path / "calls.txt"), "sleep": "0.01"}
     base.update({k: str(v) for k, v in sets.items()})
@@ -400,10 +411,10 @@ def test_ray_prunes_against_the_study_history_a_local_run_left(tmp_path: Path) -
     assert trained and all(t.user_attrs["curve"][-1][0] < 10 for t in trained)
 
 
-def test_ray_running_trials_finish_after_the_timeout(tmp_path: Path) -> None:
+def test_ray_running_trials_finish_after_the_timeout(tmp_path: Path, ray_started_here) -> None:
     """--timeout stops new trials, as on the local backend; Tune's own time budget killed the running ones,
     and a trial longer than the timeout could never finish."""
-    ray = pytest.importorskip("ray")
+    ray = ray_started_here
     ray.init(address="local", num_cpus=1, include_dashboard=False)  # up before the clock starts
     try:
         s = search(tmp_path, toy(tmp_path, mixers="ssm", sleep=3.0), backend="ray", trials=3, workers=1,
@@ -431,8 +442,8 @@ def test_a_worker_refuses_a_space_that_is_not_the_drivers(tmp_path: Path) -> Non
                     fingerprint={"steps": "6"})
 
 
-def test_ray_two_node_cluster(tmp_path: Path) -> None:
-    ray = pytest.importorskip("ray")
+def test_ray_two_node_cluster(tmp_path: Path, ray_started_here) -> None:
+    ray = ray_started_here
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -449,10 +460,10 @@ def test_ray_two_node_cluster(tmp_path: Path) -> None:
     assert len(nodes) == 2  # 1 CPU per node and 2 concurrent trials: both nodes trained
 
 
-def test_ray_local_search_starts_its_own_runtime_beside_a_running_cluster(tmp_path: Path) -> None:
+def test_ray_local_search_starts_its_own_runtime_beside_a_running_cluster(tmp_path: Path, ray_started_here) -> None:
     """Without --address the search must not attach to another cluster on the machine (two Ray tests in
     parallel pytest workers once collided this way: "When connecting to an existing cluster, num_cpus ...")."""
-    ray = pytest.importorskip("ray")
+    ray = ray_started_here
     from ray.cluster_utils import Cluster
 
     other = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1})
