@@ -317,15 +317,17 @@ def test_bad_settings_given_with_set_name_the_set(tmp_path: Path, key: str, valu
 def test_good_settings_and_datasets_are_accepted(tmp_path: Path) -> None:
     path = write(tmp_path, TINY + SEARCH)
     text = tmp_path / "text.txt"
-    text.write_text("abc abd\n" * 10)
-    for data in (f"chars:{text}", "listops"):
-        assert load_search(path, data=data).settings["data"].fixed == data
+    text.write_text("abc abd\n" * 100)  # a val split of 80 tokens serves blocks of 16 and 64
+    assert load_search(path, data=f"chars:{text}").settings["data"].fixed == f"chars:{text}"
+    long_context = write(tmp_path, TINY + SEARCH.replace("model Tiny(", "model Tiny(context = 65, "), "ctx.energy")
+    assert load_search(long_context, data="listops").settings["data"].fixed == "listops"  # rows of 65 tokens
     for data, tokens in ((f"bytes:{text}", 256), ("mqar", 8192)):  # more tokens than the model's vocab 65
         with pytest.raises(UserError) as e:
             load_search(path, data=data)
         assert e.value.message == f"--set data={data}: dataset {data} has {tokens} tokens, more than model `Tiny`'s " \
                                   "vocab 65" and e.value.hint == f"write `model Tiny(vocab = {tokens})` in the search"
-        big = write(tmp_path, TINY + SEARCH.replace("model Tiny(", f"model Tiny(vocab = {tokens}, "), "big.energy")
+        big = write(tmp_path, TINY + SEARCH.replace("model Tiny(", f"model Tiny(vocab = {tokens}, context = 64, "),
+                    "big.energy")
         assert load_search(big, data=data).settings["data"].fixed == data
     searched = write(tmp_path, TINY + SEARCH.replace("model Tiny(", "model Tiny(vocab = choice{65, 300}, "), "v.energy")
     assert load_search(searched, data=f"bytes:{text}")  # a searched vocab: each trial checks its own
@@ -334,19 +336,52 @@ def test_good_settings_and_datasets_are_accepted(tmp_path: Path) -> None:
     assert load_search(no_trials).budget["trials"] == 20
 
 
+def test_a_dataset_that_cannot_serve_the_block_is_refused_before_any_trial(tmp_path: Path) -> None:
+    """Training refuses a block a text file's splits cannot serve and a task whose examples are longer than the
+    block; the search found out in every trial (each failed the same way): it is an error at load time, located
+    at the data clause, or at the `block` that asks too much, or named by its --set."""
+    small = tmp_path / "small.txt"
+    small.write_text("abc abd\n" * 10)  # val split: 8 tokens
+    path = write(tmp_path, TINY + SEARCH)
+    with pytest.raises(UserError) as e:
+        load_search(path, data=f"chars:{small}")
+    assert e.value.message == (f"--set data=chars:{small}: data chars:{small} with model `Tiny`'s context 16: "
+                               f"block_size 16 needs at least 17 tokens in the val split of chars:{small}, which "
+                               "has 8") and e.value.hint == "use a block size below 8, or a larger text file"
+    assert load_search(path, data=f"chars:{small}", block="7")  # a shorter block fits
+    with pytest.raises(UserError, match=r"--set data=listops: data listops with block 100, capped at model "
+                                        r"`Tiny`'s context 16: listops examples are 65 tokens long but block_size "
+                                        r"is 16"):
+        load_search(path, data="listops", block="100")
+
+    written = SEARCH.replace("data shakespeare_char", f'data "chars:{small}"')
+    with pytest.raises(SpecError) as e:
+        load_search(write(tmp_path, TINY + written, "data.energy"))
+    assert "with model `Tiny`'s context 16: block_size 16 needs at least 17 tokens" in e.value.message
+    assert e.value.span.line == (TINY + written).splitlines().index(f'  data "chars:{small}", steps 4') + 1
+    blocks = SEARCH.replace("batch = 4,", "batch = 4, block = choice{8, 12},")
+    blocks = blocks.replace("data shakespeare_char", "data mqar").replace("model Tiny(", "model Tiny(vocab = 8192, ")
+    with pytest.raises(SpecError) as e:  # the block's option that asks too much is named
+        load_search(write(tmp_path, TINY + blocks, "block.energy"))
+    assert e.value.message.startswith("data mqar with block 8: mqar examples are 64 tokens long")
+    assert "data mqar" in (TINY + blocks).splitlines()[e.value.span.line - 1]
+    searched = SEARCH.replace("model Tiny(", "model Tiny(context = choice{16, 65}, ")
+    assert load_search(write(tmp_path, TINY + searched, "searched.energy"), data="listops")  # each trial checks
+
+
 def test_a_file_dataset_is_written_quoted_in_the_data_clause(tmp_path: Path, monkeypatch) -> None:
     """docs/search.md names `chars:PATH` datasets, which the clause refused ("unexpected `:`"): quoted, a relative
     path is read from the search file's folder, wherever the search runs from."""
     (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "text.txt").write_text("abc abd\n" * 10)
+    (tmp_path / "corpus" / "text.txt").write_text("abc abd\n" * 40)
     path = write(tmp_path, TINY + SEARCH.replace("data shakespeare_char", 'data "chars:corpus/text.txt"'))
     monkeypatch.chdir("/")
     assert load_search(path).settings["data"].fixed == f"chars:{tmp_path / 'corpus' / 'text.txt'}"
     absolute = write(tmp_path, TINY + SEARCH.replace("data shakespeare_char", f'data "bytes:{tmp_path}/x.txt"'), "a.e")
     with pytest.raises(UserError, match=f"file not found: {tmp_path}/x.txt"):
         load_search(absolute)
-    assert load_search(write(tmp_path, TINY + SEARCH.replace("data shakespeare_char", 'data "listops"'), "l.energy")
-                       ).settings["data"].fixed == "listops"
+    listops = SEARCH.replace("data shakespeare_char", 'data "listops"').replace("Tiny(", "Tiny(context = 65, ")
+    assert load_search(write(tmp_path, TINY + listops, "l.energy")).settings["data"].fixed == "listops"
 
 
 def test_a_device_the_trials_cannot_use_is_refused_before_any_trial(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ class DslSpace:
         self._datasets: dict[str, Any] = {}
         self._search = search
         self._build(search, sets)
-        self._check_vocab()
+        self._check_data()
         steps = self.settings.get("steps")
         top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
         self.budget: dict[str, Any] = {"trials": self.trials if self.trials is not None else 20, "steps": top_steps}
@@ -354,25 +354,37 @@ class DslSpace:
             self.settings[field_] = _Value(fixed=value, given=given)
         check_settings(self.settings)
 
-    def _check_vocab(self) -> None:
-        """Every dataset the trials can train on fits the model's vocab: an error here, not every trial failing.
-        A searched vocab is left to each trial."""
-        from energydsl.training.data import dataset_vocab
+    def _check_data(self) -> None:
+        """Every dataset the trials can train on fits the model: its tokens fit the vocab, and it serves the block
+        the trials train on (`block`, capped at the model's context: a task's examples must fit it, a text file's
+        splits must be longer). An error here, not every trial failing; a searched vocab or context is left to
+        each trial."""
+        from energydsl.training.data import check_dataset_block, dataset_vocab
 
-        if any(h.name == f"{self.model_name}.vocab" for h in self.holes()):
-            return
-        try:  # any candidate: the vocab is the same in all of them
-            vocab = self.suggest(_AnyValues()).spec().plan(self.model_name).vocab
+        searched = {h.name for h in self.holes()}
+        try:  # any candidate: vocab and context are the same in all of them unless searched
+            plan = self.suggest(_AnyValues()).spec().plan(self.model_name)
         except UserError:
             return  # that candidate is invalid; the trials report why
+        model = f"model `{self.model_name}`"
+        vocab, context = int(plan.vocab), int(plan.context)
+        blocks = possible_values(self.settings, "block_size") or [(context, None, None)]
         for data, span, given in possible_values(self.settings, "data"):
-            need = dataset_vocab(str(data))
-            if need > vocab:
-                message = f"dataset {data} has {need} tokens, more than model `{self.model_name}`'s vocab {vocab}"
-                hint = f"write `model {self.model_name}(vocab = {need})` in the search"
-                if span is not None:
-                    raise SpecError(message, span, hint)
-                raise UserError(f"{given}: {message}" if given else message, hint=hint)
+            if f"{self.model_name}.vocab" not in searched:
+                need = dataset_vocab(str(data))
+                if need > vocab:
+                    _refuse(f"dataset {data} has {need} tokens, more than {model}'s vocab {vocab}", span, given,
+                            f"write `model {self.model_name}(vocab = {need})` in the search")
+            if f"{self.model_name}.context" in searched:
+                continue
+            for block, bspan, bgiven in blocks:
+                try:
+                    check_dataset_block(str(data), min(int(block), context))
+                except UserError as e:
+                    where = f"{model}'s context {context}" if bspan is None and bgiven is None else \
+                        f"block {block}" + (f", capped at {model}'s context {context}" if int(block) > context else "")
+                    at = (span, given) if span is not None or given else (bspan, bgiven)
+                    _refuse(f"data {data} with {where}: {e.message}", *at, e.hint)
 
     def check_device(self, device: str, local: bool = True) -> None:
         """Fail now for a device the trials could not train on (training's own check), not in every trial.
@@ -384,9 +396,7 @@ class DslSpace:
                 try:
                     TrainConfig(device=device, dtype=str(dtype)).resolve_device()
                 except UserError as e:
-                    if span is not None:
-                        raise SpecError(e.message, span, e.hint) from None
-                    raise UserError(f"{given}: {e.message}" if given else e.message, hint=e.hint) from None
+                    _refuse(e.message, span, given, e.hint)
             return
         import torch
 
@@ -541,6 +551,13 @@ class DslSpace:
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
         }
+
+
+def _refuse(message: str, span: Span | None, given: str | None, hint: str | None) -> None:
+    """A setting training would refuse: located where the search writes it, else named by its --set."""
+    if span is not None:
+        raise SpecError(message, span, hint)
+    raise UserError(f"{given}: {message}" if given else message, hint=hint)
 
 
 def _dataset_name(token: lark.Token, file: str) -> str:

@@ -106,14 +106,16 @@ class TextDataset(LMDataset):
     def check_block_size(self, block_size: int) -> None:
         if block_size < 1:
             raise DataError(f"block_size must be at least 1, got {block_size}")
-        for split in ("train", "val"):
-            n = self.split(split).numel()
-            if n <= block_size:
-                raise DataError(
-                    f"block_size {block_size} needs at least {block_size + 1} tokens in the {split} split of "
-                    f"{self.name}, which has {n}",
-                    hint="use a smaller block size or a larger text file",
-                )
+        counts = {split: self.split(split).numel() for split in ("train", "val")}
+        split = min(counts, key=counts.__getitem__)  # the shorter split bounds the block
+        n = counts[split]
+        if n <= block_size:
+            raise DataError(
+                f"block_size {block_size} needs at least {block_size + 1} tokens in the {split} split of "
+                f"{self.name}, which has {n}",
+                hint=f"use a block size below {n}, or a larger text file" if n > 1 else
+                "the file is too small for any block size: give a larger text file",
+            )
 
     def get_batch(
         self, split: str, batch_size: int, block_size: int, generator: torch.Generator | None = None
@@ -142,11 +144,7 @@ class TaskDataset(LMDataset):
         self.seq_len = rows["train"].shape[1] - 1
 
     def check_block_size(self, block_size: int) -> None:
-        if block_size < self.seq_len:
-            raise DataError(
-                f"{self.name} examples are {self.seq_len} tokens long but block_size is {block_size}",
-                hint=f"use a block size of at least {self.seq_len} (or generate shorter examples)",
-            )
+        _check_task_block(self.name, self.seq_len, block_size)
 
     def get_batch(
         self, split: str, batch_size: int, block_size: int, generator: torch.Generator | None = None
@@ -163,6 +161,13 @@ class TaskDataset(LMDataset):
             x = torch.nn.functional.pad(x, (0, extra), value=self.pad_id)
             y = torch.nn.functional.pad(y, (0, extra), value=IGNORE_INDEX)
         return x.contiguous(), y.contiguous()
+
+
+def _check_task_block(name: str, seq_len: int, block_size: int) -> None:
+    if block_size < seq_len:
+        raise DataError(f"{name} examples are {seq_len} tokens long but block_size is {block_size}",
+                        hint=f"use a block size (and a model context) of at least {seq_len}, or, from Python, "
+                             "shorter examples (`load_dataset` options)")
 
 
 # ----------------------------------------------------------------------------------------- text files
@@ -529,6 +534,18 @@ def dataset_vocab(name: str) -> int:
     if name == "shakespeare_char":
         return len(set(_read_text(find_shakespeare(), "tiny Shakespeare corpus")[1]))
     return len(set(_read_text(Path(file[1] if file else "").expanduser(), "text file")[1]))
+
+
+def check_dataset_block(name: str, block_size: int) -> None:
+    """Raise the DataError training would for `block_size` on `load_dataset(name)` (default options), without
+    generating a task's examples (their length is the config's); a text file is read, as `dataset_vocab` does."""
+    name = name.strip()
+    if name == "listops":
+        _check_task_block(name, ListOpsConfig().max_length + 1, block_size)
+    elif name == "mqar":
+        _check_task_block(name, MQARConfig().seq_len, block_size)
+    else:
+        load_dataset(name, block_size=block_size)
 
 
 def load_dataset(name: str, *, block_size: int | None = None, **options: Any) -> LMDataset:
