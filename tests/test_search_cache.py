@@ -50,7 +50,7 @@ energy FF(d = 4, hidden = 8) {
   expect  gradient = z
 }
 
-model Tiny(vocab = 8192, context = 16, d = 8, layers = 1, heads = 2) {
+model Tiny(vocab = 8192, context = 64, d = 8, layers = 1, heads = 2) {
   embed tokens, positions
   layer = Mix(d, heads) -> FF(d, hidden = 2 * d)
   repeat layers
