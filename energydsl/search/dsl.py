@@ -359,7 +359,7 @@ class DslSpace:
         the trials train on (`block`, capped at the model's context: a task's examples must fit it, a text file's
         splits must be longer). An error here, not every trial failing; a searched vocab or context is left to
         each trial."""
-        from energydsl.training.data import check_dataset_block, dataset_vocab
+        from energydsl.training.data import block_check, dataset_vocab
 
         searched = {h.name for h in self.holes()}
         try:  # any candidate: vocab and context are the same in all of them unless searched
@@ -377,9 +377,10 @@ class DslSpace:
                             f"write `model {self.model_name}(vocab = {need})` in the search")
             if f"{self.model_name}.context" in searched:
                 continue
+            check_block = block_check(str(data))
             for block, bspan, bgiven in blocks:
                 try:
-                    check_dataset_block(str(data), min(int(block), context))
+                    check_block(min(int(block), context))
                 except UserError as e:
                     where = f"{model}'s context {context}" if bspan is None and bgiven is None else \
                         f"block {block}" + (f", capped at {model}'s context {context}" if int(block) > context else "")

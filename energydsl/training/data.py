@@ -15,13 +15,14 @@ examples, right-padded to `block_size`, and by default only count the answer tok
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
 import random
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -536,16 +537,16 @@ def dataset_vocab(name: str) -> int:
     return len(set(_read_text(Path(file[1] if file else "").expanduser(), "text file")[1]))
 
 
-def check_dataset_block(name: str, block_size: int) -> None:
-    """Raise the DataError training would for `block_size` on `load_dataset(name)` (default options), without
-    generating a task's examples (their length is the config's); a text file is read, as `dataset_vocab` does."""
+def block_check(name: str) -> Callable[[int], None]:
+    """`check_block_size` of `load_dataset(name)` (default options), loaded once for several block sizes: a search
+    checks each block a trial may take before any trial. A task's examples are not generated (their length is
+    the config's); a text file is read and split."""
     name = name.strip()
     if name == "listops":
-        _check_task_block(name, ListOpsConfig().max_length + 1, block_size)
-    elif name == "mqar":
-        _check_task_block(name, MQARConfig().seq_len, block_size)
-    else:
-        load_dataset(name, block_size=block_size)
+        return functools.partial(_check_task_block, name, ListOpsConfig().max_length + 1)
+    if name == "mqar":
+        return functools.partial(_check_task_block, name, MQARConfig().seq_len)
+    return load_dataset(name).check_block_size
 
 
 def load_dataset(name: str, *, block_size: int | None = None, **options: Any) -> LMDataset:
