@@ -145,6 +145,9 @@ def mul(*factors: Expr) -> Expr:
     for s in shapes[1:]:
         if not same_shape(s, shapes[0]):
             raise ShapeError(f"element-wise product of shapes {fmt_shape(shapes[0])} and {fmt_shape(s)}")
+    flat = _cancel_reciprocals(flat)
+    if shapes and not any(u.shape for u in flat):
+        flat.append(Ones(shapes[0]))  # x[d] / x[d] is a vector of ones, not a scalar 1
     if shapes and any(isinstance(u, Ones) for u in flat) and len(flat) > 1:
         flat = [u for u in flat if not isinstance(u, Ones)] or flat
         if not any(u.shape for u in flat):
@@ -152,6 +155,24 @@ def mul(*factors: Expr) -> Expr:
     if coef != 1 or not flat:
         flat.insert(0, Scalar(sp.nsimplify(coef) if coef.is_Float else coef))
     return flat[0] if len(flat) == 1 else Mul(tuple(flat))
+
+
+def _cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
+    """Drop each pair of factors `x^p`, `x^-p` (`tau * (1/tau)` from differentiating `tau * lse(s / tau)`), as
+    SymPy does for its symbols; other powers of one base are left apart (lowering matches products as written)."""
+    def split(u: Expr) -> tuple[Expr, sp.Expr]:
+        return (u.base, u.exponent) if isinstance(u, Pow) else (u, sp.Integer(1))
+
+    out = list(flat)
+    i = 0
+    while i < len(out):
+        base, exponent = split(out[i])
+        partner = next((j for j in range(i + 1, len(out)) if split(out[j]) == (base, -exponent)), None)
+        if partner is None:
+            i += 1
+        else:
+            del out[partner], out[i]
+    return out
 
 
 def neg(a: Expr) -> Expr:
