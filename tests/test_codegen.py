@@ -40,7 +40,21 @@ def _cache(tmp_path_factory, monkeypatch):
 
 @pytest.mark.parametrize("path,name", ENERGIES, ids=[f"{f.split('/')[-2]}/{n}" for f, n in ENERGIES])
 def test_generated_module_matches_interpreter(path: str, name: str) -> None:
-    derived = energydsl.load(path).energy(name)
+    _matches_interpreter(energydsl.load(path).energy(name))
+
+
+@pytest.mark.parametrize("name", ["PerHeadTemperature", "KeySideGain"])
+def test_a_learned_factor_in_the_scores_still_lowers_to_attention(name: str) -> None:
+    """`(q_k . k_j) / t_k` with a learned t per head: the factor goes into the query and the sum runs as
+    attention; it was the T x T masked softmax (and a (B, T, T, H, dh) product) before."""
+    derived = energydsl.load("tests/data/learned-temperature.energy").energy(name)
+    source = energy_source(derived)
+    assert "softmax_attention(" in source and "masked_softmax" not in source
+    _matches_interpreter(derived)
+
+
+def _matches_interpreter(derived) -> None:
+    """The module's update, displacement and training gradients against the reference interpreter, float64."""
     module = _perturbed(module_class(derived)())
     x = module.example_input(2, 7).double()
     x.requires_grad_()

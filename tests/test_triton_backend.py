@@ -168,6 +168,14 @@ def test_decay_shared_by_heads_matches_torch_backend() -> None:
     _compare_backends(derived, "MultiHeadLinearAttention")
 
 
+@pytest.mark.parametrize("name", ["PerHeadTemperature", "KeySideGain"])
+def test_a_learned_factor_in_the_scores_takes_the_attention_kernels(name: str) -> None:
+    """A temperature or gain per head (no token in it) rides in the query: the softmax kernels run it."""
+    derived = load(ROOT / "tests/data/learned-temperature.energy").energy(name)
+    assert ".energy_attention(" in energy_source(derived, "triton")
+    _compare_backends(derived, name)
+
+
 @pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict"])
 def test_a_decay_written_as_exp_of_the_distance_takes_the_linear_kernels(name: str) -> None:
     """exp(-lam[k] (i - j)) and exp(lam[k] (j - i)): the decay lam[k]'s log per head, as a[k]^(i - j) is."""

@@ -6,8 +6,9 @@ second-order sums of covariance and Newton-Taylor updates are in `second_order.p
 
 * softmax-weighted sums, `sum[j](softmax[j](s_ij) * v_j)` with
   `s_ij = Σ_c c_c (a_c(x_i) . b_c(h_j)) + bias_ij`: one or several state/context dot products (several are
-  concatenated along the feature axis: q' = [c_1 a_1, c_2 a_2], k' = [b_1, b_2], so q'.k' = Σ_c c_c a_c.b_c)
-  and state-independent biases;
+  concatenated along the feature axis: q' = [c_1 a_1, c_2 a_2], k' = [b_1, b_2], so q'.k' = Σ_c c_c a_c.b_c;
+  a learned factor with no token in it, a temperature per head, is moved into a_c) and state-independent
+  biases;
 * product-weighted sums, `sum[j](gamma_ij (a(x_i) . b(h_j)) v_j)` with gamma = 1 or a^(i - j): linear
   attention, chunked, O(T d^2).
 
@@ -116,7 +117,7 @@ def _score_terms(em: Emitter, sm: ir.Softmax, j: str) -> tuple[list[tuple[sp.Exp
     bias_terms = [t for t in terms if t not in coupling and j in token_axes(t, em.indices)]
     if any(_state_dependent(t) for t in bias_terms):
         return None
-    dots = [d for t in coupling for d in (_couplings(t) or [None])]
+    dots = [d for t in coupling for d in (_couplings(em, t, j) or [None])]
     if not dots or None in dots:
         return None
     oriented = []
@@ -297,30 +298,53 @@ def step_cache(em: Emitter) -> dict:
     return em.memo.setdefault(_STEP_CACHE, {})
 
 
-def _couplings(e: Expr) -> list[tuple[sp.Expr, ir.Dot]] | None:
+def _couplings(em: Emitter, e: Expr, j: str) -> list[tuple[sp.Expr, ir.Dot]] | None:
     """A score term as a sum of c * (a . b): (c, a . b) pairs, or None if it is not one.
 
+    A factor of no token, state or context (a learned temperature per head, `(q_k . k_j) / t_k`) moves into
+    the query side's vector, so that such scores still run as attention: c_k (a . b_j) = (c_k a) . b_j.
     `stopgrad` only matters to the derivation (done by now), so it is looked through.
     """
     match e:
         case ir.Dot():
             return [(sp.Integer(1), e)]
         case ir.StopGrad():
-            return _couplings(e.a)
+            return _couplings(em, e.a, j)
         case ir.Let():
-            return _couplings(e.body)
+            return _couplings(em, e.body, j)
         case ir.Add():
             out: list[tuple[sp.Expr, ir.Dot]] = []
             for t in e.terms:
-                part = _couplings(t)
+                part = _couplings(em, t, j)
                 if part is None:
                     return None
                 out += part
             return out
-        case ir.Mul() if len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar):
-            inner = _couplings(e.factors[1])
-            return None if inner is None else [(e.factors[0].value * c, d) for c, d in inner]
+        case ir.Mul():
+            coef = sp.Integer(1)
+            tensors: list[Expr] = []  # the token-free factors
+            rest: list[Expr] = []
+            for f in e.factors:
+                if isinstance(f, ir.Scalar):
+                    coef *= f.value
+                elif not f.shape and not token_axes(f, em.indices) & {BATCH, POS, j} and not _state_dependent(f):
+                    tensors.append(f)
+                else:
+                    rest.append(f)
+            inner = _couplings(em, rest[0], j) if len(rest) == 1 else None
+            if inner is None:
+                return None
+            return [(coef * c, _fold_into_query(em, d, tensors, j)) for c, d in inner]
     return None
+
+
+def _fold_into_query(em: Emitter, d: ir.Dot, factors: list[Expr], j: str) -> ir.Dot:
+    """`factors` times a . b, with the factors on the side without the context token."""
+    if not factors:
+        return d
+    if j in token_axes(d.a, em.indices):
+        return ir.Dot(d.a, ir.mul(*factors, d.b))
+    return ir.Dot(ir.mul(*factors, d.a), d.b)
 
 
 def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str, list[Expr]] | None:
