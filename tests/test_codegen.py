@@ -53,10 +53,22 @@ def test_a_learned_factor_in_the_scores_still_lowers_to_attention(name: str) -> 
     _matches_interpreter(derived)
 
 
-def _matches_interpreter(derived) -> None:
+@pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict"])
+def test_a_weighted_context_sum_contracts_the_weights_with_the_values(name: str) -> None:
+    """Σ_j w_ij v_j that no attention form fits (sigmoid, squared-ReLU weights): the masked T x T weights times
+    the values in one einsum; the masked form built the (B, T, T, heads, d) product first. T = 1 under a strict
+    context sums over no token."""
+    derived = energydsl.load("tests/data/weighted-context-sums.energy").energy(name)
+    forward = energy_source(derived).split("def forward")[1]
+    assert "masked_reduce(" not in forward and re.search(r"torch\.einsum\('btjk?,bjk?A->btk?A'", forward)
+    for T in (7, 1):
+        _matches_interpreter(derived, T)
+
+
+def _matches_interpreter(derived, T: int = 7) -> None:
     """The module's update, displacement and training gradients against the reference interpreter, float64."""
     module = _perturbed(module_class(derived)())
-    x = module.example_input(2, 7).double()
+    x = module.example_input(2, T).double()
     x.requires_grad_()
     out = module(x)
     ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
@@ -79,7 +91,9 @@ def _matches_interpreter(derived) -> None:
                                   "examples/nrgpt/attention.energy", "examples/cem/alibi.energy",
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecay",  # exp(-lam[k] (i - j))
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict",  # (j - i)
-                                  "tests/data/alibi-second-order.energy:CovPerHeadAlibi"])  # -(… + m |i - j|)
+                                  "tests/data/alibi-second-order.energy:CovPerHeadAlibi",  # -(… + m |i - j|)
+                                  "tests/data/weighted-context-sums.energy:SigmoidAttention",  # weights @ values
+                                  "tests/data/weighted-context-sums.energy:ReluSquaredStrict"])
 def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     """SDPA / chunked linear attention give what the plain masked T x T reduction gives, gradients included."""
     path, _, name = path.partition(":")

@@ -176,6 +176,17 @@ def test_a_learned_factor_in_the_scores_takes_the_attention_kernels(name: str) -
     _compare_backends(derived, name)
 
 
+@pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict"])
+def test_a_sum_no_kernel_fits_runs_the_torch_path_with_the_same_parameters(name: str) -> None:
+    """No kernel family takes sigmoid or squared-ReLU weights: the triton module runs the torch backend's
+    weighted context sum (weights times values; the momentum step still fused) and agrees with it, gradients
+    included."""
+    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name)
+    forward = energy_source(derived, "triton").split("def forward")[1]
+    assert "torch.einsum('btj" in forward and "masked_reduce(" not in forward
+    _compare_backends(derived, name)
+
+
 @pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict"])
 def test_a_decay_written_as_exp_of_the_distance_takes_the_linear_kernels(name: str) -> None:
     """exp(-lam[k] (i - j)) and exp(lam[k] (j - i)): the decay lam[k]'s log per head, as a[k]^(i - j) is."""

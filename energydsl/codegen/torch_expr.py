@@ -528,7 +528,7 @@ class Emitter:
         if self.lowering and isinstance(e, ir.Reduce) and e.op == "sum":
             from .lowering import lower_context_sum
 
-            out = lower_context_sum(self, e, info)
+            out = lower_context_sum(self, e, info) or self._weighted_context_sum(e, info.strict)
             if out is not None:
                 return out
         body = self.emit(e.body)
@@ -563,6 +563,30 @@ class Emitter:
         self.used_ops.add("masked_reduce")
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
+
+    def _weighted_context_sum(self, e: ir.Reduce, strict: bool) -> Val | None:
+        """Σ_j w_ij v_j, a weight per pair (i, j) times a vector per context token, that no attention form
+        fits (sigmoid or ReLU weights, say): the masked weights contracted with the values in one einsum, a
+        batched matmul. The masked form multiplies first, a (pairs x features) tensor d times the weights'
+        size, kept for the backward too. None where the sum is not of that shape."""
+        j = e.index
+        factors = e.body.factors if isinstance(e.body, ir.Mul) else ()
+        pair = [f for f in factors if {POS, j} <= token_axes(f, self.indices)]
+        key = [f for f in factors if f not in pair]
+        if not pair or not key or any(f.shape for f in pair) or any(POS in token_axes(f, self.indices) or
+                                                                   j not in token_axes(f, self.indices) for f in key):
+            return None  # a value of the query too (pulled out of the sum when it has no j), or no vector
+        v = self.emit(ir.mul(*key))
+        if not v.rank:
+            return None  # a number per key: the masked form is the T x T weights already
+        w = self.emit(ir.mul(*pair))
+        mask = self.align(Val("mask_strict" if strict else "mask", (POS, j), 0), w.axes, 0)
+        weights = self.tmp(f"torch.where({mask}, {w.code}, 0.0)", w.axes, 0, "pair weights, 0 outside the context")
+        letters = string.ascii_uppercase[:v.rank]
+        out_axes = canonical((set(w.axes) | set(v.axes)) - {j})
+        sizes = {c: self.shape_size(size) for c, size in zip(letters, e.body.shape)}
+        return self.einsum([(weights, ""), (v, letters)], out_axes, letters,
+                           "sum over the causal context: weights times values", shape_sizes=sizes)
 
     def _prefix(self, e: ir.Reduce, body: Val, strict: bool) -> Val:
         """Σ_{j ≤ i} v_j of a value without the query position: a prefix sum along j, which becomes i."""
