@@ -552,3 +552,24 @@ def test_a_size_passed_where_the_backend_goes_says_sizes_are_keywords() -> None:
     with pytest.raises(energydsl.errors.UserError, match="unknown backend `16`") as err:
         spec.module("MHA", 16)
     assert "sizes are keywords" in err.value.hint
+
+
+def test_a_model_whose_params_start_at_a_constrained_value_is_sized_on_the_meta_device(tmp_path, monkeypatch):
+    """`energy train` and `energy info` size a model on the meta device; generating its module there computed a
+    constrained param's raw initial value (softplus⁻¹(1) for `t ~ ones() positive`) as a meta tensor: an
+    internal error ("Tensor.item() cannot be called on meta tensors") the first time a spec was sized."""
+    from energydsl.cli_sizing import sized_model
+
+    monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path / "fresh"))  # nothing generated yet
+    spec = energydsl.load(f'''import "{ROOT / 'tests/data/learned-temperature.energy'}"
+model M(vocab = 11, context = 9, d = 24, layers = 3, heads = 3) {{
+  embed tokens
+  layer = PerHeadTemperature(d, heads)
+  repeat layers
+  head tied
+}}''')
+    sized, layers = sized_model(spec, "M", "torch", {})
+    built = spec.model("M")
+    assert layers == 3 and sized.num_params(layers=layers) == sum(p.numel() for p in built.parameters())
+    raw = dict(built.named_parameters())["layers.0.0.t"].detach()
+    torch.testing.assert_close(raw, torch.full((3,), math.log(math.e - 1)))  # softplus(raw) = 1

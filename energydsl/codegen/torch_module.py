@@ -105,7 +105,7 @@ class ModuleWriter:
         """The raw parameter value whose constrained value is `value`."""
         if p.constraint is None or p.constraint[0] == "psd":
             return value
-        return float(unconstrain(p, torch.tensor(value, dtype=torch.float64)))
+        return float(unconstrain(p, torch.tensor(value, dtype=torch.float64, device="cpu")))  # not the ambient device
 
     def _constrained(self, p: ParamSpec) -> str:
         raw = f"self.{p.name}"
