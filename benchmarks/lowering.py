@@ -9,8 +9,8 @@ for both, the ratio lowered / generic, and the largest relative difference of th
     python benchmarks/lowering.py --spec examples/models/rmt.energy --context 128
     python benchmarks/lowering.py --spec examples/intrinsic-optimizers/mha2nd1st.energy --set d=64 heads=4
 
-A file without a model times its (first) energy as one layer instead: forward+backward of a loss on the
-layer's displacement, same weights on both sides.
+A file without a model times its energy (`--name`, where it declares several) as one layer instead:
+forward+backward of a loss on the layer's displacement, same weights on both sides.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def layer_step_time(layer: torch.nn.Module, x: torch.Tensor, w: torch.Tensor) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=str(ROOT / "examples/models/cem.energy"))
+    ap.add_argument("--name", help="the model, or in a file without a model the energy, when it declares several")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
@@ -89,10 +90,10 @@ def main() -> None:
         raise SystemExit(2) from None
     try:
         spec = load(args.spec)
-        if not spec.model_names:  # a single energy: its layer
-            derived, lowered = spec.energy(None, **dims), spec.module(None, **dims)
+        if not spec.model_names:  # an energy: its layer
+            derived, lowered = spec.energy(args.name, **dims), spec.module(args.name, **dims)
         else:
-            lowered = spec.model(**{"context": args.context, **dims})
+            lowered = spec.model(args.name, **{"context": args.context, **dims})
     except UserError as e:
         print(e.render(), file=sys.stderr)
         raise SystemExit(2) from None

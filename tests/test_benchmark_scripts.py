@@ -148,3 +148,14 @@ def test_kernel_resources_every_variant_has_a_spill_free_config() -> None:
 def test_kernel_resources_names_an_unknown_variant() -> None:
     out = _run("benchmarks/kernel_resources.py", "--variants", "d64 plain,d96")
     assert out.returncode == 2 and "unknown variant(s) d96" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_lowering_benchmark_times_a_named_energy_of_a_file_with_several() -> None:
+    """`--name` picks the energy (or model) of a file that declares several; without it the script says so."""
+    args = ("benchmarks/lowering.py", "--spec", "tests/data/weighted-context-sums.energy", "--context", "16",
+            "--repeats", "1", "--set", "d=8", "heads=2")
+    out = _run(*args, "--name", "SigmoidAttention")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "SigmoidAttention(d=8, heads=2" in out.stdout and "ratio lowered / generic" in out.stdout
+    out = _run(*args)
+    assert out.returncode == 2 and "declares 3 energies" in out.stderr and "--name" in out.stderr
