@@ -321,3 +321,16 @@ def test_codecs_round_trip_through_json():
         CharCodec("abc").encode("abz")
     with pytest.raises(DataError):
         IntCodec(10).encode("3 12")
+
+
+@pytest.mark.parametrize("name", ["listops", "mqar"])
+def test_a_search_checks_a_tasks_block_with_the_length_its_examples_have(name: str) -> None:
+    """`block_check` (a search's check before any trial) knows a task's example length without generating the
+    examples: the block training accepts is the one it accepts, at the default options trials use."""
+    from energydsl.training.data import block_check
+
+    seq_len = load_dataset(name, num_train=8, num_val=4).seq_len  # the length depends on the config, not the count
+    check = block_check(name)
+    check(seq_len)
+    with pytest.raises(DataError, match=f"{name} examples are {seq_len} tokens long but block_size is {seq_len - 1}"):
+        check(seq_len - 1)
