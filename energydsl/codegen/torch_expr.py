@@ -568,13 +568,28 @@ class Emitter:
         """Σ_j w_ij v_j, a weight per pair (i, j) times a vector per context token, that no attention form
         fits (sigmoid or ReLU weights, say): the masked weights contracted with the values in one einsum, a
         batched matmul. The masked form multiplies first, a (pairs x features) tensor d times the weights'
-        size, kept for the backward too. None where the sum is not of that shape."""
+        size, kept for the backward too. A vector per pair made of one-sided terms (an RBF energy's
+        `z_i − k_j`) is split first (`separable.py`). None where the sum is not of that shape."""
+        from .separable import expand_pair_dots, one_sided_terms
+
         j = e.index
-        factors = e.body.factors if isinstance(e.body, ir.Mul) else ()
-        pair = [f for f in factors if {POS, j} <= token_axes(f, self.indices)]
-        key = [f for f in factors if f not in pair]
-        if not pair or not key or any(f.shape for f in pair) or any(POS in token_axes(f, self.indices) or
-                                                                   j not in token_axes(f, self.indices) for f in key):
+
+        def side(t: Expr) -> str | None:
+            axes = token_axes(t, self.indices)
+            return "query" if j not in axes else "key" if POS not in axes else None
+
+        body = expand_pair_dots(e.body, side)
+        factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
+        vectors = [f for f in factors if f.shape and side(f) is None]
+        terms = one_sided_terms(vectors[0], side) if len(vectors) == 1 else None
+        if terms is not None and len(terms) > 1:  # Σ_j w_ij (a_i − b_j) = a_i Σ_j w_ij − Σ_j w_ij b_j
+            rest = [f for f in factors if f is not vectors[0]]
+            return self.emit(ir.add(*(ir.reduce("sum", j, ir.mul(*rest, t)) for t in terms)))
+        if body != e.body:  # the dots multiplied out: emitted anew (query-side factors leave the sum)
+            return self.emit(ir.reduce("sum", j, body))
+        pair = [f for f in factors if side(f) is None]
+        key = [f for f in factors if side(f) == "key"]
+        if not pair or not key or any(f.shape for f in pair) or len(pair) + len(key) < len(factors):
             return None  # a value of the query too (pulled out of the sum when it has no j), or no vector
         v = self.emit(ir.mul(*key))
         if not v.rank:
