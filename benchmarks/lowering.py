@@ -10,12 +10,14 @@ for both, the ratio lowered / generic, and the largest relative difference of th
     python benchmarks/lowering.py --spec examples/intrinsic-optimizers/mha2nd1st.energy --set d=64 heads=4
 
 A file without a model times its energy (`--name`, where it declares several) as one layer instead:
-forward+backward of a loss on the layer's displacement, same weights on both sides.
+forward+backward of a loss on the layer's displacement, same weights on both sides; it also prints each
+float32 layer's difference from the generic layer run in float64, to tell whose rounding a difference is.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import statistics
 import sys
@@ -129,7 +131,9 @@ def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namesp
         w = torch.randn(x.shape)
         with torch.no_grad():
             a, b = lowered(x, delta=True), generic(x, delta=True)
+            exact = copy.deepcopy(generic).double()(x.double(), delta=True)  # float64: whose rounding is it
         diff = ((a - b).abs().max() / b.abs().max()).item()
+        errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
         times = {}
         for label, m in (("lowered", lowered), ("generic", generic)):
             layer_step_time(m, x, w)  # warm-up
@@ -141,6 +145,7 @@ def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namesp
     print(f"  generic  {times['generic'] * 1e3:9.1f} ms   (masked T x T form, the peer)")
     print(f"  ratio lowered / generic: {times['lowered'] / times['generic']:.3f}   "
           f"max relative difference {diff:.1e}")
+    print(f"  against the generic layer in float64: lowered {errors[0]:.1e}, generic {errors[1]:.1e}")
 
 
 if __name__ == "__main__":
