@@ -527,8 +527,9 @@ class Emitter:
     def _context_reduce(self, e: ir.Reduce | ir.Softmax, info: IndexInfo) -> Val:
         if self.lowering and isinstance(e, ir.Reduce) and e.op == "sum":
             from .lowering import lower_context_sum
+            from .weighted_sums import weighted_context_sum
 
-            out = lower_context_sum(self, e, info) or self._weighted_context_sum(e, info.strict)
+            out = lower_context_sum(self, e, info) or weighted_context_sum(self, e, info.strict)
             if out is not None:
                 return out
         body = self.emit(e.body)
@@ -563,45 +564,6 @@ class Emitter:
         self.used_ops.add("masked_reduce")
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
-
-    def _weighted_context_sum(self, e: ir.Reduce, strict: bool) -> Val | None:
-        """Σ_j w_ij v_j, a weight per pair (i, j) times a vector per context token, that no attention form
-        fits (sigmoid or ReLU weights, say): the masked weights contracted with the values in one einsum, a
-        batched matmul. The masked form multiplies first, a (pairs x features) tensor d times the weights'
-        size, kept for the backward too. A vector per pair made of one-sided terms (an RBF energy's
-        `z_i − k_j`) is split first (`separable.py`). None where the sum is not of that shape."""
-        from .separable import expand_pair_dots, one_sided_terms
-
-        j = e.index
-
-        def side(t: Expr) -> str | None:
-            axes = token_axes(t, self.indices)
-            return "query" if j not in axes else "key" if POS not in axes else None
-
-        body = expand_pair_dots(e.body, side)
-        factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
-        vectors = [f for f in factors if f.shape and side(f) is None]
-        terms = one_sided_terms(vectors[0], side) if len(vectors) == 1 else None
-        if terms is not None and len(terms) > 1:  # Σ_j w_ij (a_i − b_j) = a_i Σ_j w_ij − Σ_j w_ij b_j
-            rest = [f for f in factors if f is not vectors[0]]
-            return self.emit(ir.add(*(ir.reduce("sum", j, ir.mul(*rest, t)) for t in terms)))
-        if body != e.body:  # the dots multiplied out: emitted anew (query-side factors leave the sum)
-            return self.emit(ir.reduce("sum", j, body))
-        pair = [f for f in factors if side(f) is None]
-        key = [f for f in factors if side(f) == "key"]
-        if not pair or not key or any(f.shape for f in pair) or len(pair) + len(key) < len(factors):
-            return None  # a value of the query too (pulled out of the sum when it has no j), or no vector
-        v = self.emit(ir.mul(*key))
-        if not v.rank:
-            return None  # a number per key: the masked form is the T x T weights already
-        w = self.emit(ir.mul(*pair))
-        mask = self.align(Val("mask_strict" if strict else "mask", (POS, j), 0), w.axes, 0)
-        weights = self.tmp(f"torch.where({mask}, {w.code}, 0.0)", w.axes, 0, "pair weights, 0 outside the context")
-        letters = string.ascii_uppercase[:v.rank]
-        out_axes = canonical((set(w.axes) | set(v.axes)) - {j})
-        sizes = {c: self.shape_size(size) for c, size in zip(letters, e.body.shape)}
-        return self.einsum([(weights, ""), (v, letters)], out_axes, letters,
-                           "sum over the causal context: weights times values", shape_sizes=sizes)
 
     def _prefix(self, e: ir.Reduce, body: Val, strict: bool) -> Val:
         """Σ_{j ≤ i} v_j of a value without the query position: a prefix sum along j, which becomes i."""
