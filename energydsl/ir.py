@@ -146,12 +146,10 @@ def mul(*factors: Expr) -> Expr:
         if not same_shape(s, shapes[0]):
             raise ShapeError(f"element-wise product of shapes {fmt_shape(shapes[0])} and {fmt_shape(s)}")
     flat = _cancel_reciprocals(flat)
+    if shapes and len(flat) > 1:
+        flat = [u for u in flat if not isinstance(u, Ones)] or flat  # ones times x is x
     if shapes and not any(u.shape for u in flat):
-        flat.append(Ones(shapes[0]))  # x[d] / x[d] is a vector of ones, not a scalar 1
-    if shapes and any(isinstance(u, Ones) for u in flat) and len(flat) > 1:
-        flat = [u for u in flat if not isinstance(u, Ones)] or flat
-        if not any(u.shape for u in flat):
-            flat.append(Ones(shapes[0]))
+        flat.append(Ones(shapes[0]))  # the shape stays: x[d] / x[d], or ones times a scalar, is a vector of ones
     if coef != 1 or not flat:
         flat.insert(0, Scalar(sp.nsimplify(coef) if coef.is_Float else coef))
     return flat[0] if len(flat) == 1 else Mul(tuple(flat))
