@@ -33,7 +33,8 @@ from modules import CASES as MODULE_CASES  # noqa: E402
 from modules import build  # noqa: E402
 
 # the launch wrapper each op family imported; replaced below
-_LAUNCHING_MODULES = ("energydsl.kernels.attention", "energydsl.kernels.linear", "energydsl.kernels.epilogue")
+_LAUNCHING_MODULES = ("energydsl.kernels.attention", "energydsl.kernels.linear", "energydsl.kernels.pointwise",
+                      "energydsl.kernels.epilogue")
 
 
 class _NoLaunch:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-FAMILIES = ("attention", "attention-wide", "linear", "epilogue")
+FAMILIES = ("attention", "attention-wide", "linear", "pointwise", "epilogue")
 
 # (B, H, T, d, dtype) for attention and linear; ((dims...), dtype) for the elementwise epilogues
 # B and H fixed while T doubles from 1k to 16k: time should grow ~T^2 (attention) or ~T (linear), and peak
@@ -35,6 +35,11 @@ LINEAR_SHAPES = [
     (4, 8, 8192, 128, "bf16"),
     (4, 16, 2048, 64, "fp32"),
 ]
+POINTWISE_SHAPES = [
+    *((4, 16, t, 64, "bf16") for t in (1024, 2048, 4096, 8192, 16384)),
+    (4, 8, 2048, 128, "bf16"),
+    (4, 16, 2048, 64, "fp32"),
+]
 # (B, H, T, Dk, Dv, dtype)
 WIDE_SHAPES = [(4, 12, 2048, 832, 64, "bf16"), (4, 12, 4096, 832, 64, "bf16"), (2, 12, 8192, 832, 64, "bf16")]
 EPILOGUE_SHAPES = [((8, 2048, 4096), "bf16"), ((8, 4096, 4096), "bf16"), ((8, 2048, 4096), "fp32")]
@@ -42,15 +47,17 @@ QUICK = {
     "attention": [(8, 8, 1024, 64, "bf16")],
     "attention-wide": [(2, 12, 1024, 832, 64, "bf16")],
     "linear": [(8, 8, 1024, 64, "bf16")],
+    "pointwise": [(8, 8, 1024, 64, "bf16")],
     "epilogue": [((8, 1024, 4096), "bf16")],
 }
 FULL = {"attention": ATTENTION_SHAPES, "attention-wide": WIDE_SHAPES, "linear": LINEAR_SHAPES,
-        "epilogue": EPILOGUE_SHAPES}
+        "pointwise": POINTWISE_SHAPES, "epilogue": EPILOGUE_SHAPES}
 # tiny shapes for the interpreter: T not a multiple of the 16-wide tiles, n not one of the 256-element blocks
 SMOKE = {
     "attention": [(1, 2, 40, 16, "fp32")],
     "attention-wide": [(1, 2, 21, 40, 24, "fp32")],  # several 16-wide feature tiles under the interpreter
     "linear": [(1, 2, 40, 16, "fp32")],
+    "pointwise": [(1, 2, 40, 16, "fp32")],
     "epilogue": [((3, 333), "fp32")],
 }
 
@@ -384,6 +391,52 @@ def _linear_cases(shapes: list[tuple], *, cuda: bool) -> tuple[list[Case], str]:
     return cases, fla_note
 
 
+def _pointwise_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
+    """Sigmoid attention (`pointwise.SIGMOID`) with the row bias b = -log T of Ramapuram et al. (2024). No
+    library op in this environment computes it: the peer is `torch.compile` of the T x T reference (what the
+    torch backend's einsum does), and plain causal softmax attention of the same shape (SDPA) runs beside it
+    for issue 4's "at most 1.3x plain attention"."""
+    import math
+
+    import torch
+
+    from energydsl.kernels.pointwise import sigmoid_attention
+    from energydsl.kernels.pointwise_ref import pointwise_attention_ref
+
+    def reference(x: dict[str, Any]) -> Tensor:
+        return pointwise_attention_ref(x["q"], x["k"], x["v"], torch.sigmoid, scale=x["scale"],
+                                       row_bias=x["row_bias"])
+
+    compiled = torch.compile(reference, dynamic=False) if cuda else reference
+
+    def inputs(B: int, H: int, T: int, D: int) -> Callable[[Any, str], dict[str, Any]]:
+        def make(dtype: torch.dtype, device: str) -> dict[str, Any]:
+            gen = generator(device)
+            x: dict[str, Any] = {k: _randn((B, H, T, D), gen, dtype, device) for k in ("q", "k", "v")}
+            x["scale"] = D**-0.5
+            x["row_bias"] = torch.full((B, H, T), -math.log(T), device=device)  # a constant, fp32
+            return x
+
+        return make
+
+    cases = []
+    for B, H, T, D, dt in shapes:
+        flash_ok = dt in ("bf16", "fp16")
+        # another function (softmax weights): its time is the point, its rel err is not
+        plain = Impl(f"sdpa[{'flash' if flash_ok else 'mem-efficient'}] (softmax: time only)", "peer",
+                     _sdpa("FLASH_ATTENTION" if flash_ok else "EFFICIENT_ATTENTION", with_mask=False), gpu_only=True)
+        impls = [
+            Impl("triton", "kernel", lambda x: sigmoid_attention(x["q"], x["k"], x["v"], scale=x["scale"],
+                                                                 row_bias=x["row_bias"])),
+            Impl("torch ref (T x T)", "reference", reference),
+            Impl("torch.compile(ref)", "peer", compiled, gpu_only=True),
+            plain,
+        ]
+        cases.append(Case("pointwise", "sigmoid", {"B": B, "H": H, "T": T, "d": D}, dt, inputs(B, H, T, D),
+                          impls, uses_compile=True))
+    return cases
+
+
 def _epilogue_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
     import torch
 
@@ -453,4 +506,6 @@ def build_cases(family: str, shapes: list[tuple], *, cuda: bool) -> tuple[list[C
         return _wide_attention_cases(shapes, cuda=cuda), ""
     if family == "linear":
         return _linear_cases(shapes, cuda=cuda)
+    if family == "pointwise":
+        return _pointwise_cases(shapes, cuda=cuda), ""
     return _epilogue_cases(shapes, cuda=cuda), ""

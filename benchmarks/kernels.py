@@ -23,6 +23,9 @@ Families, and what each kernel is compared with (the peer; ratios are kernel / p
   `chunk_simple_gla` when `fla` is importable; otherwise ("fla not installed") a chunked PyTorch
   implementation in kernel_cases.py (C = 64, no T x T matrix; checked against the reference by
   --interpret-smoke).
+* pointwise (`energydsl.kernels.pointwise`, sigmoid attention with a row bias -log T, causal): no library op
+  here, so the peer is `torch.compile` of the T x T reference (what the torch backend runs); plain causal
+  softmax attention of the same shape (SDPA) runs beside it, for issue 4's "at most 1.3x plain attention".
 * epilogue (`energydsl.kernels.epilogue`): gated_activation (silu, gelu), momentum_update,
   nesterov_lookahead, against `torch.compile` of the reference (Inductor's fused elementwise kernels).
 
@@ -286,9 +289,9 @@ def interpret_smoke(families: list[str], json_path: str | None) -> int:
     # expected here: eager flex is the point (it checks the score_mod's math without a compiler)
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
-    from energydsl.kernels import attention, epilogue, linear
+    from energydsl.kernels import attention, epilogue, linear, pointwise
 
-    if not (attention.INTERPRET and linear.INTERPRET and epilogue.INTERPRET):
+    if not (attention.INTERPRET and linear.INTERPRET and epilogue.INTERPRET and pointwise.INTERPRET):
         print("--interpret-smoke: the kernels are not running under the interpreter", file=sys.stderr)
         return 2
     torch.manual_seed(0)

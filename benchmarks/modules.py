@@ -34,17 +34,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# (label, example file, energy): every one is lowered to the kernels by the triton backend
+# (label, energy file from the repository root, energy): every one is lowered to the kernels by the triton backend
 CASES = [
-    ("MHA (seed 004, GD)", "intrinsic-optimizers/mha.energy", "MHA"),
-    ("MomenMHA", "intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
-    ("NagMHA", "intrinsic-optimizers/nag-mha.energy", "NagMHA"),
-    ("LightMHA2nd1st", "intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"),
-    ("CEM ALiBi + self bias", "cem/alibi.energy", "CEMAlibiAttention"),
-    ("CEM diagonal, exact", "cem/kq-diagonal-exact.energy", "CEMKQDiagonalExact"),
-    ("CEM DPLR", "cem/dplr.energy", "CEMAttentionDPLR"),
-    ("CEM T = 2", "cem/steps2.energy", "CEMAttentionSteps2"),
-    ("Multi-head gated linear", "intrinsic-optimizers/multi-head-linear-attention.energy", "MultiHeadLinearAttention"),
+    ("MHA (seed 004, GD)", "examples/intrinsic-optimizers/mha.energy", "MHA"),
+    ("MomenMHA", "examples/intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+    ("NagMHA", "examples/intrinsic-optimizers/nag-mha.energy", "NagMHA"),
+    ("LightMHA2nd1st", "examples/intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"),
+    ("CEM ALiBi + self bias", "examples/cem/alibi.energy", "CEMAlibiAttention"),
+    ("CEM diagonal, exact", "examples/cem/kq-diagonal-exact.energy", "CEMKQDiagonalExact"),
+    ("CEM DPLR", "examples/cem/dplr.energy", "CEMAttentionDPLR"),
+    ("CEM T = 2", "examples/cem/steps2.energy", "CEMAttentionSteps2"),
+    ("Multi-head gated linear", "examples/intrinsic-optimizers/multi-head-linear-attention.energy",
+     "MultiHeadLinearAttention"),
+    # no seed paper's: sigmoid weights, no normalisation (the pointwise kernels)
+    ("Sigmoid attention", "tests/data/weighted-context-sums.energy", "SigmoidAttention"),
 ]
 
 
@@ -74,7 +77,7 @@ def build(path: str, energy: str, d: int, heads: int) -> tuple[Any, Any]:
     from energydsl import load
     from energydsl.codegen import module_class
 
-    derived = load(ROOT / "examples" / path).energy(energy, d=d, heads=heads)
+    derived = load(ROOT / path).energy(energy, d=d, heads=heads)
     tri, ref = module_class(derived, "triton")(), module_class(derived, "torch")()
     tri.load_state_dict(ref.state_dict())
     return tri, ref

@@ -177,14 +177,81 @@ def test_a_learned_factor_in_the_scores_takes_the_attention_kernels(name: str) -
 
 
 @pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel"])
-def test_a_sum_no_kernel_fits_runs_the_torch_path_with_the_same_parameters(name: str) -> None:
-    """No kernel family takes sigmoid or squared-ReLU weights: the triton module runs the torch backend's
-    weighted context sum (weights times values; the momentum step still fused) and agrees with it, gradients
-    included."""
+def test_an_elementwise_weight_of_the_score_takes_the_pointwise_kernels(name: str) -> None:
+    """Sigmoid, squared-ReLU and RBF weights (no normalisation over j) run on the pointwise kernels, with
+    their weight and its derivative printed from the energy, and no T x T tensor in the forward: a learned
+    bias inside the sigmoid and the RBF's |z|² become a row bias, its |k_j|² a key bias."""
     derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name)
-    forward = energy_source(derived, "triton").split("def forward")[1]
-    assert "torch.einsum('btj" in forward and ("masked_reduce(" not in forward or name == "GaussianKernel")
+    source = energy_source(derived, "triton")
+    forward = source.split("def forward")[1]
+    assert ".pointwise_attention(" in forward
+    assert "masked_reduce(" not in forward and "torch.einsum('btj" not in forward and "mask" not in forward
     _compare_backends(derived, name)
+
+
+_SIGMOID_WITH_DISTANCE = """
+energy SigmoidAlibi(d = 8, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W1[heads, dh, d] ~ normal(0, 0.3)
+  param   W2[heads, dh, d] ~ normal(0, 0.3)
+  param   m[heads] = alibi_slopes(heads) fixed
+  global  F = -sum[k](sum[j](softplus((W1[k] @ z) . (W2[k] @ h[j]) - m[k] * abs(i - j))))
+  optimizer gd(eta = 1)
+}
+"""
+
+
+def test_a_weight_with_a_position_term_keeps_the_einsum() -> None:
+    """A distance inside the sigmoid is no row or key term: the pointwise kernels do not take it, and the
+    triton module runs the torch backend's weighted sum, still agreeing with it."""
+    derived = load(_SIGMOID_WITH_DISTANCE).energy("SigmoidAlibi")
+    forward = energy_source(derived, "triton").split("def forward")[1]
+    assert ".pointwise_attention(" not in forward and "torch.einsum('btj" in forward
+    _compare_backends(derived, "SigmoidAlibi")
+
+
+@pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel"])
+def test_pointwise_sums_in_float64_run_the_printed_reference(name: str) -> None:
+    """A float64 module runs each pointwise op set's reference, the weight printed in torch: it equals the torch
+    backend to float64 rounding."""
+    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name)
+    torch.manual_seed(0)
+    ref = module_class(derived, "torch")().to(DEVICE).double()
+    tri = module_class(derived, "triton")().to(DEVICE).double()
+    tri.load_state_dict(ref.state_dict())
+    x = ref.example_input(2, 13).to(DEVICE).double()
+    w = torch.randn(x.shape, device=DEVICE, dtype=torch.float64)
+    for label, g, r in zip(["delta", "x"] + [n for n, _ in ref.named_parameters()], _run(tri, x, w), _run(ref, x, w)):
+        assert _rel(g, r) < 1e-10, f"{name} {label}: {_rel(g, r):.1e}"
+
+
+@pytest.mark.parametrize("name", ["SigmoidAttention", "GaussianKernel"])
+def test_pointwise_kernels_make_no_t_by_t_tensor(name: str) -> None:
+    """Forward and backward at T = 64: no tensor the torch ops make (outputs of every op, the kernels' included)
+    has B x T x T elements; the einsum path's weights have B x heads x T x T."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name)
+    sizes = {}
+    for backend in ("triton", "torch"):
+        module = module_class(derived, backend)().to(DEVICE)
+        x = module.example_input(2, 64).to(DEVICE).requires_grad_()
+        with Largest() as largest:
+            module(x).square().sum().backward()
+        sizes[backend] = largest.numel
+    assert sizes["triton"] < 2 * 64 * 64 <= sizes["torch"], sizes
 
 
 @pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict"])

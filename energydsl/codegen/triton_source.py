@@ -38,6 +38,10 @@ class KernelRequest:
 
     family: str
     baked: tuple[tuple[str, Any], ...]
+    # @triton.jit functions generated for this request, by the constexpr parameter they are baked into: the
+    # statements of a function of `x` (the pointwise family's weight and its derivative)
+    functions: tuple[tuple[str, str], ...] = ()
+    reference: str = ""  # a torch expression in `x` the op set computes the float64 path with
 
     @staticmethod
     def attention(strict: bool, alibi: bool, self_bias: bool, key_bias: bool, second: bool = False,
@@ -54,6 +58,14 @@ class KernelRequest:
     def linear(strict: bool, decay: bool) -> KernelRequest:
         """Chunkwise linear attention, with or without a decay gate."""
         return KernelRequest("linear", (("HAS_DECAY", decay), ("STRICT", strict)))
+
+    @staticmethod
+    def pointwise(strict: bool, row_bias: bool, key_bias: bool, weight: str, weight_grad: str,
+                  reference: str) -> KernelRequest:
+        """Context sums of w(s_ij) v_j: `weight` and `weight_grad` the bodies of w and w' (statements in `x`,
+        printed from the energy: `pointwise_weights.py`), `reference` w in torch."""
+        return KernelRequest("pointwise", (("STRICT", strict), ("HAS_RB", row_bias), ("HAS_KB", key_bias)),
+                             (("WEIGHT", weight), ("WEIGHT_GRAD", weight_grad)), reference)
 
     @staticmethod
     def gated(activation: str) -> KernelRequest:
@@ -78,7 +90,7 @@ class KernelRequest:
     @property
     def tag(self) -> str:
         """Short and stable: the family, its baked values and the templates' own source."""
-        text = repr((self.family, self.baked, _templates_hash(self.family)))
+        text = repr((self.family, self.baked, self.functions, self.reference, _templates_hash(self.family)))
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -105,6 +117,9 @@ FAMILIES = {
                              ("_scores", "_key_blocks", "_query_blocks", "_tile_dots", "_zero_rows",
                               "_add_products"),
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
+    # element-wise weights of the score, no normalisation (sigmoid attention); the weight functions generated
+    "pointwise": Family(("pointwise_kernels",), "pointwise", "pointwise_ops", ("_pointwise_scores",),
+                        ("_pointwise_fwd_kernel", "_pointwise_bwd_dkdv_kernel", "_pointwise_bwd_dq_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel")),
     # the element-wise epilogues: value * act(pre) with ACT baked in; the heavy-ball step and nag's
@@ -159,10 +174,17 @@ def kernel_source(requests: list[KernelRequest]) -> list[str]:
         where = ", ".join(f"energydsl/kernels/{m}.py" for m in fam.templates)
         header = f"{req.family} kernels" + (f" for {flags}" if flags else "")
         lines += [f"# --- {header}:", f"#     {where}" + (", specialised" if flags else ""), ""]
+        constants: dict[str, Any] = dict(baked)
+        for param, body in req.functions:  # generated functions first, baked in as the name they are defined by
+            name = f"_{param.lower()}_{req.tag}"
+            lines += ["@triton.jit", f"def {name}(x):", textwrap.indent(body, "    "), "", ""]
+            constants[param] = ast.Name(name, ast.Load())
         for t in templates.values():
-            lines += [specialise(t, baked, names, templates), "", ""]
+            lines += [specialise(t, constants, names, templates), "", ""]
         kernels = ", ".join(names[k] for k in fam.kernels)
-        lines += [wrap_long_lines(f"{req.name} = {fam.builder}({req.name!r}, {kernels}, {baked!r})"), "", ""]
+        reference = f", reference=lambda x: {req.reference}" if req.reference else ""
+        lines += [wrap_long_lines(f"{req.name} = {fam.builder}({req.name!r}, {kernels}, {baked!r}{reference})"),
+                  "", ""]
     return lines
 
 
@@ -319,7 +341,9 @@ class _Specialiser(ast.NodeTransformer):
 
     def visit_Name(self, node: ast.Name) -> ast.expr:
         if isinstance(node.ctx, ast.Load) and node.id in self.constants:
-            return ast.copy_location(ast.Constant(self.constants[node.id]), node)
+            value = self.constants[node.id]
+            new = copy.copy(value) if isinstance(value, ast.expr) else ast.Constant(value)  # a name: a function
+            return ast.copy_location(new, node)
         return node
 
     def visit_If(self, node: ast.If) -> Any:

@@ -12,6 +12,9 @@ matmul), after two regroupings that only move terms:
 * a vector per pair that is such a sum is distributed over the sum, `Σ_j w_ij (a_i − b_j) = a_i Σ_j w_ij −
   Σ_j w_ij b_j`, each part a T x T reduction or weights times values.
 
+On the triton backend a sum whose weight is an element-wise function of one score runs on the pointwise
+kernels instead (`pointwise_weights.py`), with no T x T tensor at all; the einsum is what the others get.
+
 The first trades the difference's exactness for the usual cancellation of the expanded square (as the l2
 softmax lowering does); the float64 tests hold either form to 1e-10.
 """
@@ -50,8 +53,16 @@ def weighted_context_sum(em: Emitter, e: ir.Reduce, strict: bool) -> Val | None:
         return em.emit(ir.reduce("sum", j, body))
     pair = [f for f in factors if side(f) is None]
     key = [f for f in factors if side(f) == "key"]
-    if not pair or not key or any(f.shape for f in pair) or len(pair) + len(key) < len(factors):
-        return None  # a value of the query too (pulled out of the sum when it has no j), or no vector
+    if not pair or any(f.shape for f in pair) or len(pair) + len(key) < len(factors):
+        return None  # a value of the query too (pulled out of the sum when it has no j)
+    if em.backend == "triton":  # the pointwise kernels, where the weight is a function of one score
+        from .pointwise_weights import kernel_weighted_sum
+
+        out = kernel_weighted_sum(em, e, ir.mul(*pair), ir.mul(*key) if key else None, strict)
+        if out is not None:
+            return out
+    if not key:
+        return None  # the weights alone: the masked form reduces them
     v = em.emit(ir.mul(*key))
     if not v.rank:
         return None  # a number per key: the masked form is the T x T weights already

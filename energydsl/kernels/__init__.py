@@ -21,6 +21,7 @@ from .attention_ref import (
     weighted_second_moment_ref,
 )
 from .epilogue_ref import gated_activation_ref, momentum_update_ref, nesterov_lookahead_ref
+from .pointwise_ref import pointwise_attention_ref
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,8 @@ __all__ = [
     "linear_attention",
     "momentum_update",
     "nesterov_lookahead",
+    "pointwise_attention_ref",
+    "sigmoid_attention",
     "triton_available",
     "use_triton",
     "weighted_second_moment",
@@ -194,6 +197,28 @@ def linear_attention(
     from ..runtime.ops import linear_attention as chunked  # same contract, O(T d^2): no T x T matrix
 
     return chunked(q, k, v, **kw)
+
+
+def sigmoid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float = 1.0,
+    strict: bool = False,
+    row_bias: Tensor | None = None,
+    key_bias: Tensor | None = None,
+) -> Tensor:
+    """o_i = sum_j sigmoid(scale q_i . k_j + row_bias_i + key_bias_j) v_j over the causal context, no
+    normalisation: the pointwise kernels when possible, else the T x T reference."""
+    kw = dict(scale=scale, strict=strict, row_bias=row_bias, key_bias=key_bias)
+    if kernels_take(q):
+        from .pointwise import sigmoid_attention as kernel
+
+        return kernel(q, k, v, **kw)
+    import torch
+
+    return pointwise_attention_ref(q, k, v, torch.sigmoid, **kw)
 
 
 def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:

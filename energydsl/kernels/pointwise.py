@@ -1,0 +1,203 @@
+"""The pointwise-weight family's torch ops over its Triton kernels (`pointwise_kernels.py`): launch, autograd.
+
+    o_i = sum_j w(scale q_i . k_j + row_bias_i + key_bias_j) v_j        over j <= i (j < i if strict)
+
+with w an element-wise weight (sigmoid, a power of relu, exp, ...) and no normalisation over j. The weight and
+its derivative are `@triton.jit` functions of one tile: a generated module bakes the ones derived from its
+energy into its copies of the templates (energydsl/codegen/triton_source.py) and builds its set with
+`pointwise_ops`, passing the weight as torch source for the reference path; a direct caller builds a
+`PointwiseOps` over the templates with its own functions, which are then passed at launch, as `SIGMOID`
+(sigmoid attention, `sigmoid_attention`) does.
+
+Ops are registered and launched as every family's (`launch.py`): triton_ops on CUDA with BLOCK_M / BLOCK_N /
+num_warps / num_stages autotuned per head-dim pair, flags and power-of-two bucket of T (as attention's);
+custom_ops under the interpreter with 16 x 16 tiles. Tensors no kernel can take (float64, a CPU without
+TRITON_INTERPRET=1) run `pointwise_attention_ref`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+from . import MAX_HEAD_DIM, kernels_take, op_set
+from .attention_configs import tune_bucket
+from .launch import (
+    INTERPRET,
+    cdiv,
+    dot_precision,
+    empty_in_order,
+    kernel_layout,
+    kernel_layouts,
+    launch_options,
+    maybe_autotune,
+    next_power_of_2,
+    register_op,
+    wrap_triton,
+)
+from .pointwise_kernels import (
+    _pointwise_bwd_dkdv_kernel,
+    _pointwise_bwd_dq_kernel,
+    _pointwise_fwd_kernel,
+    _sigmoid,
+    _sigmoid_grad,
+)
+from .pointwise_ref import pointwise_attention_ref
+
+__all__ = ["INTERPRET", "SIGMOID", "PointwiseOps", "pointwise_ops", "sigmoid_attention"]
+
+_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n in ((64, 64), (128, 64), (64, 128), (128, 128)) for w in (4, 8) for s in (2, 3)]
+_KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "T_TUNE"]
+_INTERPRET_BLOCK = 16  # small, so the interpreter's tests cover several blocks and a ragged last one
+
+
+class PointwiseOps:
+    """The forward kernel and the two backward kernels, as torch ops registered under one name.
+
+    `baked`: the flags a generated copy fixes (a call that needs others is refused). `weight` and
+    `weight_grad`: `@triton.jit` functions passed at launch, for templates that still take them (None where
+    a generated copy has them baked in). `reference`: the weight in torch, for the float64 path.
+    """
+
+    def __init__(self, name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any] | None = None, *,
+                 reference: Callable[[Tensor], Tensor], weight: Any = None, weight_grad: Any = None) -> None:
+        self.name = name
+        self.baked = dict(baked or {})
+        self.reference = reference
+        self._functions = {"WEIGHT": weight, "WEIGHT_GRAD": weight_grad}
+        self._fwd, self._dkdv, self._dq = (maybe_autotune(_CONFIGS, [k for k in _KEY if k in kernel.arg_names])(
+            kernel) for kernel in (fwd, dkdv, dq))
+        self._bwd_op = register_op(f"{name}_bwd", self._bwd_impl(), _bwd_fake)
+        self._fwd_op = register_op(f"{name}_fwd", self._fwd_impl(), _fwd_fake, backward=self._backward,
+                                   setup_context=_setup_context)
+
+    def _meta(self, kernel: Any, dtype: torch.dtype, K: int, V: int, **flags: Any) -> dict[str, Any]:
+        """`kernel`'s compile-time arguments: the flags and weight functions it still takes, the padded widths,
+        the dot precision, and fixed tiles under the interpreter (autotuned on CUDA)."""
+        taken = {k: v for k, v in (flags | self._functions).items() if k in kernel.arg_names and k not in self.baked}
+        tiles = launch_options(BLOCK_M=_INTERPRET_BLOCK, BLOCK_N=_INTERPRET_BLOCK, num_warps=4)
+        return taken | dict(DOT_PREC=dot_precision(dtype), BK=_width(K), BV=_width(V)) | tiles
+
+    # -- launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`) -----
+
+    def _fwd_impl(self) -> Callable[..., Tensor]:
+        def pointwise_fwd(q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None, key_bias: Tensor | None,
+                          scale: float, strict: bool) -> Tensor:
+            """o_i = sum_j w(s_ij) v_j."""
+            q, k, v = kernel_layouts(q, k, v)
+            B, H, T, K = q.shape
+            V = v.shape[-1]
+            o = empty_in_order(q, V, v.dtype)
+            rb, kb = _bias(row_bias, q), _bias(key_bias, q)
+            meta = self._meta(self._fwd, q.dtype, K, V, STRICT=strict, HAS_RB=row_bias is not None,
+                              HAS_KB=key_bias is not None)
+            wrap_triton(self._fwd)[lambda m: (cdiv(T, m["BLOCK_M"]), B * H)](
+                q, k, v, rb, kb, o, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+                T, H, K, V, scale, tune_bucket(T), **meta)
+            return o
+
+        return pointwise_fwd
+
+    def _bwd_impl(self) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
+        def pointwise_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None,
+                          key_bias: Tensor | None, scale: float, strict: bool
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+            """(dq, dk, dv, d row_bias, d key_bias); a bias's gradient is empty where there is no bias."""
+            q, k, v = kernel_layouts(q, k, v)
+            do = kernel_layout(do)
+            B, H, T, K = q.shape
+            V = v.shape[-1]
+            rb, kb = _bias(row_bias, q), _bias(key_bias, q)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            drb, dkb = (torch.empty((B, H, T) if b is not None else (0,), dtype=torch.float32, device=q.device)
+                        for b in (row_bias, key_bias))
+            flags = dict(STRICT=strict, HAS_RB=row_bias is not None, HAS_KB=key_bias is not None)
+            strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], T, H, K, V, scale,
+                       tune_bucket(T))
+            wrap_triton(self._dkdv)[lambda m: (cdiv(T, m["BLOCK_N"]), B * H)](
+                q, k, v, rb, kb, do, dk, dv, dkb, *strides, **self._meta(self._dkdv, q.dtype, K, V, **flags))
+            wrap_triton(self._dq)[lambda m: (cdiv(T, m["BLOCK_M"]), B * H)](
+                q, k, v, rb, kb, do, dq, drb, *strides, **self._meta(self._dq, q.dtype, K, V, **flags))
+            return dq, dk, dv, drb, dkb
+
+        return pointwise_bwd
+
+    def _backward(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, row_bias, key_bias = ctx.saved_tensors
+        dq, dk, dv, drb, dkb = self._bwd_op(do, q, k, v, row_bias, key_bias, ctx.scale, ctx.strict)
+        drb = drb.to(row_bias.dtype) if row_bias is not None and ctx.needs_input_grad[3] else None
+        dkb = dkb.to(key_bias.dtype) if key_bias is not None and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, drb, dkb, None, None
+
+    # -- public API ----------------------------------------------------------------------------------------
+
+    def pointwise_attention(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float = 1.0, strict: bool = False,
+                            row_bias: Tensor | None = None, key_bias: Tensor | None = None) -> Tensor:
+        """o_i = sum_j w(scale q_i . k_j + row_bias_i + key_bias_j) v_j over the causal (or strict) context.
+
+        q, k: (B, H, T, Dk); v: (B, H, T, Dv), may be `k`; the biases (B, H, T). Differentiable in all five.
+        """
+        if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+            raise ValueError(f"expected q, k (B,H,T,Dk) and v (B,H,T,Dv); got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        for name, b in (("row_bias", row_bias), ("key_bias", key_bias)):
+            if b is not None and b.shape != q.shape[:3]:
+                raise ValueError(f"{name} must be (B,H,T)={tuple(q.shape[:3])}; got {tuple(b.shape)}")
+        call = dict(STRICT=strict, HAS_RB=row_bias is not None, HAS_KB=key_bias is not None)
+        wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
+        if wrong:
+            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        if not kernels_take(q) or max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+            return pointwise_attention_ref(q, k, v, self.reference, scale=scale, strict=strict, row_bias=row_bias,
+                                           key_bias=key_bias)
+        if q.shape[2] == 0:
+            return v.new_empty(v.shape)
+        q, k, v = kernel_layouts(q, k, v)
+        return self._fwd_op(q, k, v, row_bias, key_bias, float(scale), bool(strict))
+
+
+def _width(n: int) -> int:
+    """A feature tile: the width padded to a power of two, at least 16 (tl.dot's smallest)."""
+    return max(16, next_power_of_2(n))
+
+
+def _bias(b: Tensor | None, like: Tensor) -> Tensor:
+    """A bias as the kernels read it (contiguous fp32 (B, H, T)); a dummy pointer where there is none."""
+    return like if b is None else b.to(torch.float32).contiguous()
+
+
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None, key_bias: Tensor | None, scale: float,
+              strict: bool) -> Tensor:
+    return empty_in_order(kernel_layout(q), v.shape[-1], v.dtype)
+
+
+def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None, key_bias: Tensor | None,
+              scale: float, strict: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    q, k, v = kernel_layouts(q, k, v)
+    B, H, T, _ = q.shape
+    drb, dkb = (q.new_empty((B, H, T) if b is not None else (0,), dtype=torch.float32)
+                for b in (row_bias, key_bias))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drb, dkb
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    q, k, v, row_bias, key_bias, scale, strict = inputs
+    ctx.save_for_backward(q, k, v, row_bias, key_bias)
+    ctx.scale, ctx.strict = scale, strict
+
+
+def pointwise_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any], *,
+                  reference: Callable[[Tensor], Tensor]) -> PointwiseOps:
+    """The op set over a generated module's specialised kernels (weights baked in), registered once per process
+    under `energydsl::{name}_*`."""
+    return op_set(name, lambda: PointwiseOps(name, fwd, dkdv, dq, baked, reference=reference))
+
+
+SIGMOID = PointwiseOps("sigmoid_attention", _pointwise_fwd_kernel, _pointwise_bwd_dkdv_kernel,
+                       _pointwise_bwd_dq_kernel, reference=torch.sigmoid, weight=_sigmoid, weight_grad=_sigmoid_grad)
+sigmoid_attention = SIGMOID.pointwise_attention

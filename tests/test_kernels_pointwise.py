@@ -1,0 +1,360 @@
+"""The pointwise-weight kernels (`o_i = Σ_j w(s_ij) v_j`) against their T x T reference, and the printers of w.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set before triton is first
+imported), in float32 with ieee dot products, compared against the float64 reference with the relative error
+max|kernel - ref| / max|ref|. The weight functions are `@triton.jit` functions passed at launch here; generated
+modules bake the ones printed from their energy (tests/test_triton_backend.py runs those end to end).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compile_for_gpu
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from energydsl import ir  # noqa: E402
+from energydsl.codegen.pointwise_weights import SCORE, TRITON_FUNCTIONS, weight_functions  # noqa: E402
+from energydsl.functions import REGISTRY, derivative  # noqa: E402
+from energydsl.kernels import pointwise_kernels as PK  # noqa: E402
+from energydsl.kernels.launch import INTERPRET  # noqa: E402
+from energydsl.kernels.pointwise import SIGMOID, PointwiseOps  # noqa: E402
+from energydsl.kernels.pointwise_ref import pointwise_attention_ref  # noqa: E402
+
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("energydsl.kernels was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4
+
+
+@triton.jit
+def _relu_squared(x):
+    r = tl.maximum(x, 0.0)
+    return r * r
+
+
+@triton.jit
+def _drelu_squared(x):
+    return 2.0 * tl.maximum(x, 0.0)
+
+
+RELU2 = PointwiseOps("pointwise_test_relu2", PK._pointwise_fwd_kernel, PK._pointwise_bwd_dkdv_kernel,
+                     PK._pointwise_bwd_dq_kernel, reference=lambda x: torch.relu(x) ** 2, weight=_relu_squared,
+                     weight_grad=_drelu_squared)
+WEIGHTS = {"sigmoid": SIGMOID, "relu2": RELU2}
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    err = (got.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def make_inputs(B: int, H: int, T: int, Dk: int, Dv: int, row: bool, key: bool, *, tied: bool = False,
+                seed: int = 0) -> list[torch.Tensor | None]:
+    """[q, k, v, row_bias, key_bias] in float64 (v is k when tied; a bias None where absent)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(DEVICE)
+
+    q, k = draw(B, H, T, Dk), draw(B, H, T, Dk)
+    v = k if tied else draw(B, H, T, Dv)
+    return [q, k, v, draw(B, H, T) if row else None, draw(B, H, T) if key else None]
+
+
+def run(ops: PointwiseOps | None, inputs: list, dtype: torch.dtype, seed: int = 1, **kw: object
+        ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The output and the gradients of <dO, o> for every input (the reference when `ops` is None)."""
+    leaves = []
+    for t in inputs:
+        leaves.append(None if t is None else t.detach().to(dtype).requires_grad_())
+    q, k, v, rb, kb = leaves
+    if inputs[2] is inputs[1]:
+        v = k
+    if ops is None:
+        out = pointwise_attention_ref(q, k, v, kw.pop("reference"), row_bias=rb, key_bias=kb, **kw)
+    else:
+        out = ops.pointwise_attention(q, k, v, row_bias=rb, key_bias=kb, **kw)
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out)
+    wrt = [t for t in (q, k, v, rb, kb) if t is not None and not (t is v and v is k)]
+    grads = torch.autograd.grad(out, wrt, do)
+    return out, list(grads)
+
+
+def check(ops: PointwiseOps, inputs: list, **kw: object) -> None:
+    out, grads = run(ops, inputs, torch.float32, **kw)
+    ref, ref_grads = run(None, inputs, torch.float64, reference=ops.reference, **kw)
+    assert rel_err(out, ref) < TOL
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < TOL
+
+
+@pytest.mark.parametrize("weight", ["sigmoid", "relu2"])
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("T,H,Dk,Dv", [(1, 1, 8, 8), (13, 3, 8, 12), (37, 2, 16, 5)])
+def test_kernel_matches_reference(weight: str, strict: bool, T: int, H: int, Dk: int, Dv: int) -> None:
+    """Forward and every gradient, row and key biases included, at odd lengths (a ragged last tile)."""
+    check(WEIGHTS[weight], make_inputs(2, H, T, Dk, Dv, row=True, key=True), scale=0.7, strict=strict)
+
+
+@pytest.mark.parametrize("row,key", [(False, False), (True, False), (False, True)])
+def test_each_bias_alone(row: bool, key: bool) -> None:
+    check(SIGMOID, make_inputs(1, 2, 21, 8, 8, row=row, key=key, seed=3), scale=0.5)
+
+
+def test_tied_value_is_key() -> None:
+    check(SIGMOID, make_inputs(2, 2, 19, 8, 8, row=True, key=False, tied=True, seed=4), scale=0.3, strict=True)
+
+
+def test_token_major_heads_are_read_in_place() -> None:
+    """Heads split off a (B, T, H*D) projection (a permuted view) give what contiguous heads give."""
+    q, k, v, rb, kb = make_inputs(2, 3, 17, 8, 8, row=True, key=True, seed=5)
+    token_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not token_major[0].is_contiguous()
+    a, _ = run(SIGMOID, [*token_major, rb, kb], torch.float32, scale=0.5)
+    b, _ = run(SIGMOID, [q, k, v, rb, kb], torch.float32, scale=0.5)
+    assert rel_err(a, b) < 1e-6
+
+
+def test_the_package_function_dispatches() -> None:
+    """`energydsl.kernels.sigmoid_attention`: the kernels for float32, the exact reference for float64."""
+    from energydsl.kernels import sigmoid_attention
+
+    q, k, v, rb, kb = make_inputs(1, 2, 11, 8, 8, row=True, key=True, seed=10)
+    exact = pointwise_attention_ref(q, k, v, torch.sigmoid, scale=0.4, row_bias=rb, key_bias=kb)
+    assert torch.equal(sigmoid_attention(q, k, v, scale=0.4, row_bias=rb, key_bias=kb), exact)
+    fast = sigmoid_attention(q.float(), k.float(), v.float(), scale=0.4, row_bias=rb.float(), key_bias=kb.float())
+    assert fast.dtype == torch.float32 and rel_err(fast, exact) < TOL
+
+
+def test_float64_runs_the_reference_exactly() -> None:
+    inputs = make_inputs(1, 2, 9, 4, 4, row=True, key=False, seed=6)
+    q, k, v, rb, _ = inputs
+    got = SIGMOID.pointwise_attention(q, k, v, scale=0.5, row_bias=rb)
+    assert torch.equal(got, pointwise_attention_ref(q, k, v, torch.sigmoid, scale=0.5, row_bias=rb))
+
+
+def test_weights_outside_the_context_are_zero() -> None:
+    """w(s) = exp(s) is not 0 anywhere; a query sees only its context (the first row: itself, or nothing)."""
+    exp_ops = PointwiseOps("pointwise_test_exp", PK._pointwise_fwd_kernel, PK._pointwise_bwd_dkdv_kernel,
+                           PK._pointwise_bwd_dq_kernel, reference=torch.exp, weight=_exp, weight_grad=_exp)
+    q, k, v, _, _ = make_inputs(1, 1, 5, 4, 4, row=False, key=False, seed=7)
+    strict = exp_ops.pointwise_attention(q.float(), k.float(), v.float(), scale=0.1, strict=True)
+    assert torch.equal(strict[0, 0, 0], torch.zeros(4, device=DEVICE))
+    causal = exp_ops.pointwise_attention(q.float(), k.float(), v.float(), scale=0.1)
+    first = torch.exp(0.1 * q[0, 0, 0] @ k[0, 0, 0]) * v[0, 0, 0]
+    assert rel_err(causal[0, 0, 0], first) < 1e-5
+
+
+@triton.jit
+def _exp(x):
+    return tl.exp(x)
+
+
+def test_direct_op_calls_pass_opcheck() -> None:
+    q, k, v, rb, kb = (t.float() for t in make_inputs(1, 2, 9, 4, 4, row=True, key=True, seed=8))
+    ops = torch.ops.energydsl
+    torch.library.opcheck(ops.sigmoid_attention_fwd.default, (q, k, v, rb, kb, 0.5, False))
+    do = torch.randn_like(v)
+    torch.library.opcheck(ops.sigmoid_attention_bwd.default, (do, q, k, v, rb, None, 0.5, True))
+
+
+def test_torch_compile() -> None:
+    """Graph capture with fake tensors and the registered autograd, biases included (aot_eager keeps CPU runs
+    short), against eager."""
+    inputs = [t.float().requires_grad_() for t in make_inputs(1, 2, 19, 8, 8, row=True, key=True, seed=11)]
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(SIGMOID.pointwise_attention(q, k, v, scale=0.5, row_bias=rb, key_bias=kb))
+
+    compiled = torch.compile(f, backend="aot_eager" if INTERPRET else "inductor", fullgraph=True)
+    do = torch.randn(1, 2, 19, 8, device=DEVICE)
+    o_c = compiled(*inputs)
+    g_c = torch.autograd.grad(o_c, inputs, do)
+    o_e = f(*inputs)
+    g_e = torch.autograd.grad(o_e, inputs, do)
+    assert rel_err(o_c, o_e) < TOL
+    for a, b in zip(g_c, g_e, strict=True):
+        assert rel_err(a, b) < TOL
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k_shape=(1, 2, 9, 5)), "expected q, k"),
+    (dict(row_bias=(1, 2, 8)), "row_bias must be"),
+])
+def test_shape_errors(kwargs: dict, match: str) -> None:
+    q = torch.randn(1, 2, 9, 4)
+    k = torch.randn(kwargs.get("k_shape", (1, 2, 9, 4)))
+    rb = torch.randn(kwargs["row_bias"]) if "row_bias" in kwargs else None
+    with pytest.raises(ValueError, match=match):
+        SIGMOID.pointwise_attention(q, k, q, row_bias=rb)
+
+
+def test_a_specialised_set_refuses_other_flags() -> None:
+    ops = PointwiseOps("pointwise_test_baked", PK._pointwise_fwd_kernel, PK._pointwise_bwd_dkdv_kernel,
+                       PK._pointwise_bwd_dq_kernel, {"STRICT": True, "HAS_RB": False, "HAS_KB": False},
+                       reference=torch.sigmoid, weight=PK._sigmoid, weight_grad=PK._sigmoid_grad)
+    q = torch.randn(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="STRICT=False"):
+        ops.pointwise_attention(q, q, q, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The printers: every element-wise function's Triton form and derivative, against torch autograd
+# ---------------------------------------------------------------------------------------------------------
+
+_APPLY = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def weight(x):
+{weight}
+
+
+@triton.jit
+def weight_grad(x):
+{grad}
+
+
+@triton.jit
+def apply(X, Y, DY, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=1.0)
+    tl.store(Y + offs, weight(x), mask=offs < N)
+    tl.store(DY + offs, weight_grad(x), mask=offs < N)
+'''
+
+
+class _Emitter:
+    """What the printers read of an emitter: the scalars' sources (none here)."""
+
+    scalars: dict = {}
+
+
+@pytest.mark.parametrize("name", sorted(TRITON_FUNCTIONS))
+def test_each_function_prints_to_triton_with_its_derivative(name: str, tmp_path: Path) -> None:
+    """G = 0.5 f(1.5 s) (so products and numbers print too): the Triton G and G' match torch's f and its
+    autograd derivative in float64, on points away from the kinks (and inside log's and sqrt's domain). A
+    function whose derivative has no Triton form (a derivative's own, SymPy-derived, such as GELU'') is
+    refused: its sums keep the torch path."""
+    g = ir.mul(ir.scalar(0.5), ir.func(name, ir.mul(ir.scalar(1.5), SCORE)))
+    printed = weight_functions(_Emitter(), g)  # type: ignore[arg-type]
+    if derivative(name) not in TRITON_FUNCTIONS:
+        assert printed is None
+        return
+    assert printed is not None
+    weight, grad, torch_src = printed
+    path = tmp_path / f"printed_{name}.py"
+    path.write_text(_APPLY.format(weight=_indent(weight), grad=_indent(grad)))
+    spec = importlib.util.spec_from_file_location(f"printed_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    x = torch.linspace(0.13, 2.9, 16, dtype=torch.float64)
+    x = torch.cat([x, -x]) if name not in ("log", "sqrt") else torch.cat([x, x + 3])
+    y, dy = torch.empty(32, device=DEVICE), torch.empty(32, device=DEVICE)
+    module.apply[(1,)](x.float().to(DEVICE), y, dy, 32, BLOCK=32)
+    xr = x.clone().requires_grad_()
+    want = 0.5 * REGISTRY[name](1.5 * xr)
+    # step, one and zero are constant where they are differentiable: torch builds no graph for them
+    want_grad = torch.autograd.grad(want.sum(), xr)[0] if want.requires_grad else torch.zeros_like(x)
+    assert rel_err(y.cpu(), want) < 1e-5
+    assert rel_err(dy.cpu(), want_grad) < 1e-5
+    reference = eval(f"lambda x: {torch_src}", {"torch": torch, "F": torch.nn.functional})
+    assert rel_err(reference(x), want) < 1e-12
+
+
+def _indent(body: str) -> str:
+    return "\n".join("    " + line for line in body.splitlines())
+
+
+def test_what_the_printers_do_not_take_is_refused() -> None:
+    """A learned scalar inside G, or a function with no Triton form: None (the torch path runs instead)."""
+    import sympy as sp
+
+    learned = ir.func("sigmoid", ir.mul(ir.Scalar(sp.Symbol("b")), SCORE))
+    assert weight_functions(_Emitter(), learned) is None  # type: ignore[arg-type]
+    assert weight_functions(_Emitter(), ir.func("dgelu", SCORE)) is None  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Without a GPU: the kernels compile for sm_90 (ptxas ships with triton)
+# ---------------------------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = """
+import itertools
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from energydsl.kernels import pointwise_kernels as PK
+
+@triton.jit
+def weight(x):
+    return tl.sigmoid(x)
+
+ptrs = {
+    "_pointwise_fwd_kernel": ["Q", "K", "V", "RB", "KB", "O"],
+    "_pointwise_bwd_dkdv_kernel": ["Q", "K", "V", "RB", "KB", "DO", "DK", "DV", "DKB"],
+    "_pointwise_bwd_dq_kernel": ["Q", "K", "V", "RB", "KB", "DO", "DQ", "DRB"],
+}
+for name, (dt, prec), (BK, BV), (strict, bias) in itertools.product(
+    ptrs, [("bf16", "tf32"), ("fp32", "ieee")], [(64, 64), (128, 32)], [(True, True), (False, False)]
+):
+    kernel = getattr(PK, name)
+    sig = {p: "*fp32" if p in ("RB", "KB", "DKB", "DRB") else "*" + dt for p in ptrs[name]}
+    sig |= {a: "i32" for a in kernel.arg_names if a.startswith("stride_")}
+    sig |= {"T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "scale": "fp64", "T_TUNE": "i32"}
+    consts = dict(WEIGHT=weight, WEIGHT_GRAD=weight, STRICT=strict, HAS_RB=bias, HAS_KB=bias, DOT_PREC=prec,
+                  BK=BK, BV=BV, BLOCK_M=64, BLOCK_N=64)
+    consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
+    sig |= {c: "constexpr" for c in consts}
+    triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 2})
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_gpu(tmp_path: Path) -> None:
+    """Catches errors of the GPU code path (dot shapes, dtypes, the weight functions as constexprs, an fp64
+    scale as Inductor passes it) on a CPU-only machine. (A file: Triton reads a @jit function's source.)"""
+    script = tmp_path / "compile_pointwise.py"
+    script.write_text(_COMPILE_SCRIPT)
+    compile_for_gpu(f"import runpy; runpy.run_path({str(script)!r})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On a GPU (`-m gpu`): float32 and bfloat16 at longer lengths
+# ---------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("T,D", [(1000, 64), (2048, 128)])
+def test_gpu_long(dtype: torch.dtype, tol: float, T: int, D: int) -> None:
+    inputs = make_inputs(2, 4, T, D, D, row=True, key=True, seed=9)
+    inputs = [None if t is None else t * 0.3 for t in inputs]
+    out, grads = run(SIGMOID, inputs, dtype, scale=D ** -0.5)
+    ref, ref_grads = run(None, inputs, torch.float64, reference=torch.sigmoid, scale=D ** -0.5)
+    assert rel_err(out, ref) < tol
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel_err(got, want) < tol
