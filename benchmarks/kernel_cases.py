@@ -392,7 +392,8 @@ def _linear_cases(shapes: list[tuple], *, cuda: bool) -> tuple[list[Case], str]:
 
 
 def _pointwise_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
-    """Sigmoid attention (`pointwise.SIGMOID`) with the row bias b = -log T of Ramapuram et al. (2024). No
+    """Sigmoid attention (`pointwise.SIGMOID`) with the row bias b = -log T of Ramapuram et al. (2024), without and
+    with ALiBi slopes (their recommended form). No
     library op in this environment computes it: the peer is `torch.compile` of the T x T reference (what the
     torch backend's einsum does), and plain causal softmax attention of the same shape (SDPA) runs beside it
     for issue 4's "at most 1.3x plain attention"."""
@@ -403,18 +404,25 @@ def _pointwise_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
     from energydsl.kernels.pointwise import sigmoid_attention
     from energydsl.kernels.pointwise_ref import pointwise_attention_ref
 
+    def biases(x: dict[str, Any]) -> dict[str, Any]:
+        return {k: x[k] for k in ("row_bias", "alibi_slopes") if k in x}
+
+    def kernel(x: dict[str, Any]) -> Tensor:
+        return sigmoid_attention(x["q"], x["k"], x["v"], scale=x["scale"], **biases(x))
+
     def reference(x: dict[str, Any]) -> Tensor:
-        return pointwise_attention_ref(x["q"], x["k"], x["v"], torch.sigmoid, scale=x["scale"],
-                                       row_bias=x["row_bias"])
+        return pointwise_attention_ref(x["q"], x["k"], x["v"], torch.sigmoid, scale=x["scale"], **biases(x))
 
     compiled = torch.compile(reference, dynamic=False) if cuda else reference
 
-    def inputs(B: int, H: int, T: int, D: int) -> Callable[[Any, str], dict[str, Any]]:
+    def inputs(alibi: bool, B: int, H: int, T: int, D: int) -> Callable[[Any, str], dict[str, Any]]:
         def make(dtype: torch.dtype, device: str) -> dict[str, Any]:
             gen = generator(device)
             x: dict[str, Any] = {k: _randn((B, H, T, D), gen, dtype, device) for k in ("q", "k", "v")}
             x["scale"] = D**-0.5
-            x["row_bias"] = torch.full((B, H, T), -math.log(T), device=device)  # a constant, fp32
+            x["row_bias"] = torch.full((B, H, T), -math.log(T), device=device)  # constants, fp32
+            if alibi:
+                x["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device=device)
             return x
 
         return make
@@ -426,14 +434,14 @@ def _pointwise_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
         plain = Impl(f"sdpa[{'flash' if flash_ok else 'mem-efficient'}] (softmax: time only)", "peer",
                      _sdpa("FLASH_ATTENTION" if flash_ok else "EFFICIENT_ATTENTION", with_mask=False), gpu_only=True)
         impls = [
-            Impl("triton", "kernel", lambda x: sigmoid_attention(x["q"], x["k"], x["v"], scale=x["scale"],
-                                                                 row_bias=x["row_bias"])),
+            Impl("triton", "kernel", kernel),
             Impl("torch ref (T x T)", "reference", reference),
             Impl("torch.compile(ref)", "peer", compiled, gpu_only=True),
             plain,
         ]
-        cases.append(Case("pointwise", "sigmoid", {"B": B, "H": H, "T": T, "d": D}, dt, inputs(B, H, T, D),
-                          impls, uses_compile=True))
+        for alibi in (False, True):
+            cases.append(Case("pointwise", "sigmoid+alibi" if alibi else "sigmoid", {"B": B, "H": H, "T": T, "d": D},
+                              dt, inputs(alibi, B, H, T, D), impls, uses_compile=True))
     return cases
 
 

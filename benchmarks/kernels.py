@@ -23,7 +23,8 @@ Families, and what each kernel is compared with (the peer; ratios are kernel / p
   `chunk_simple_gla` when `fla` is importable; otherwise ("fla not installed") a chunked PyTorch
   implementation in kernel_cases.py (C = 64, no T x T matrix; checked against the reference by
   --interpret-smoke).
-* pointwise (`energydsl.kernels.pointwise`, sigmoid attention with a row bias -log T, causal): no library op
+* pointwise (`energydsl.kernels.pointwise`, sigmoid attention with a row bias -log T, causal, without and with
+  ALiBi slopes): no library op
   here, so the peer is `torch.compile` of the T x T reference (what the torch backend runs); plain causal
   softmax attention of the same shape (SDPA) runs beside it, for issue 4's "at most 1.3x plain attention".
 * epilogue (`energydsl.kernels.epilogue`): gated_activation (silu, gelu), momentum_update,

@@ -63,8 +63,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_inputs(B: int, H: int, T: int, Dk: int, Dv: int, row: bool, key: bool, *, tied: bool = False,
-                seed: int = 0) -> list[torch.Tensor | None]:
-    """[q, k, v, row_bias, key_bias] in float64 (v is k when tied; a bias None where absent)."""
+                seed: int = 0, alibi: bool = False, self_bias: bool = False) -> list[torch.Tensor | None]:
+    """[q, k, v, row_bias, key_bias, alibi_slopes, self_bias] in float64 (v is k when tied; a bias None where
+    absent)."""
     gen = torch.Generator().manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -72,7 +73,9 @@ def make_inputs(B: int, H: int, T: int, Dk: int, Dv: int, row: bool, key: bool, 
 
     q, k = draw(B, H, T, Dk), draw(B, H, T, Dk)
     v = k if tied else draw(B, H, T, Dv)
-    return [q, k, v, draw(B, H, T) if row else None, draw(B, H, T) if key else None]
+    slopes = 0.1 + torch.rand(H, generator=gen, dtype=torch.float64).to(DEVICE) if alibi else None
+    return [q, k, v, draw(B, H, T) if row else None, draw(B, H, T) if key else None, slopes,
+            draw(H) if self_bias else None]
 
 
 def run(ops: PointwiseOps | None, inputs: list, dtype: torch.dtype, seed: int = 1, **kw: object
@@ -81,15 +84,17 @@ def run(ops: PointwiseOps | None, inputs: list, dtype: torch.dtype, seed: int = 
     leaves = []
     for t in inputs:
         leaves.append(None if t is None else t.detach().to(dtype).requires_grad_())
-    q, k, v, rb, kb = leaves
-    if inputs[2] is inputs[1]:
-        v = k
+    leaves += [None] * (7 - len(leaves))
+    if inputs[2] is inputs[1]:  # tied: one leaf
+        leaves[2] = leaves[1]
+    q, k, v, rb, kb, slopes, self_b = leaves
+    biases = dict(row_bias=rb, key_bias=kb, alibi_slopes=slopes, self_bias=self_b)
     if ops is None:
-        out = pointwise_attention_ref(q, k, v, kw.pop("reference"), row_bias=rb, key_bias=kb, **kw)
+        out = pointwise_attention_ref(q, k, v, kw.pop("reference"), **biases, **kw)
     else:
-        out = ops.pointwise_attention(q, k, v, row_bias=rb, key_bias=kb, **kw)
+        out = ops.pointwise_attention(q, k, v, **biases, **kw)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out)
-    wrt = [t for t in (q, k, v, rb, kb) if t is not None and not (t is v and v is k)]
+    wrt = [t for n, t in enumerate(leaves) if t is not None and not (n == 2 and v is k)]
     grads = torch.autograd.grad(out, wrt, do)
     return out, list(grads)
 
@@ -106,13 +111,29 @@ def check(ops: PointwiseOps, inputs: list, **kw: object) -> None:
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("T,H,Dk,Dv", [(1, 1, 8, 8), (13, 3, 8, 12), (37, 2, 16, 5)])
 def test_kernel_matches_reference(weight: str, strict: bool, T: int, H: int, Dk: int, Dv: int) -> None:
-    """Forward and every gradient, row and key biases included, at odd lengths (a ragged last tile)."""
-    check(WEIGHTS[weight], make_inputs(2, H, T, Dk, Dv, row=True, key=True), scale=0.7, strict=strict)
+    """Forward and every gradient, every bias included (slopes and self bias learned), at odd lengths (a ragged
+    last tile)."""
+    inputs = make_inputs(2, H, T, Dk, Dv, row=True, key=True, alibi=True, self_bias=True)
+    check(WEIGHTS[weight], inputs, scale=0.7, strict=strict)
 
 
-@pytest.mark.parametrize("row,key", [(False, False), (True, False), (False, True)])
-def test_each_bias_alone(row: bool, key: bool) -> None:
-    check(SIGMOID, make_inputs(1, 2, 21, 8, 8, row=row, key=key, seed=3), scale=0.5)
+@pytest.mark.parametrize("bias", [None, "row", "key", "alibi", "self_bias"])
+def test_each_bias_alone(bias: str | None) -> None:
+    flags = {name: name == bias for name in ("row", "key", "alibi", "self_bias")}
+    check(SIGMOID, make_inputs(1, 2, 21, 8, 8, seed=3, **flags), scale=0.5)
+
+
+def test_fixed_slopes_take_the_backward_without_their_column_sums() -> None:
+    """ALiBi's slopes are usually fixed: the backward then runs with NEED_ALIBI off, and q's gradient is
+    still the reference's."""
+    q, k, v, _, _, slopes, _ = (t if t is None else t.float() for t in make_inputs(1, 2, 9, 4, 4, row=False,
+                                                                                  key=False, alibi=True, seed=12))
+    q.requires_grad_()
+    out = SIGMOID.pointwise_attention(q, k, v, alibi_slopes=slopes)
+    (g,) = torch.autograd.grad(out.sum(), q)
+    ref = pointwise_attention_ref(q.double(), k.double(), v.double(), torch.sigmoid, alibi_slopes=slopes.double())
+    (g_ref,) = torch.autograd.grad(ref.sum(), q)
+    assert rel_err(g, g_ref) < TOL
 
 
 def test_tied_value_is_key() -> None:
@@ -121,7 +142,7 @@ def test_tied_value_is_key() -> None:
 
 def test_token_major_heads_are_read_in_place() -> None:
     """Heads split off a (B, T, H*D) projection (a permuted view) give what contiguous heads give."""
-    q, k, v, rb, kb = make_inputs(2, 3, 17, 8, 8, row=True, key=True, seed=5)
+    q, k, v, rb, kb, _, _ = make_inputs(2, 3, 17, 8, 8, row=True, key=True, seed=5)
     token_major = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
     assert not token_major[0].is_contiguous()
     a, _ = run(SIGMOID, [*token_major, rb, kb], torch.float32, scale=0.5)
@@ -133,7 +154,7 @@ def test_the_package_function_dispatches() -> None:
     """`energydsl.kernels.sigmoid_attention`: the kernels for float32, the exact reference for float64."""
     from energydsl.kernels import sigmoid_attention
 
-    q, k, v, rb, kb = make_inputs(1, 2, 11, 8, 8, row=True, key=True, seed=10)
+    q, k, v, rb, kb, _, _ = make_inputs(1, 2, 11, 8, 8, row=True, key=True, seed=10)
     exact = pointwise_attention_ref(q, k, v, torch.sigmoid, scale=0.4, row_bias=rb, key_bias=kb)
     assert torch.equal(sigmoid_attention(q, k, v, scale=0.4, row_bias=rb, key_bias=kb), exact)
     fast = sigmoid_attention(q.float(), k.float(), v.float(), scale=0.4, row_bias=rb.float(), key_bias=kb.float())
@@ -141,8 +162,7 @@ def test_the_package_function_dispatches() -> None:
 
 
 def test_float64_runs_the_reference_exactly() -> None:
-    inputs = make_inputs(1, 2, 9, 4, 4, row=True, key=False, seed=6)
-    q, k, v, rb, _ = inputs
+    q, k, v, rb, _, _, _ = make_inputs(1, 2, 9, 4, 4, row=True, key=False, seed=6)
     got = SIGMOID.pointwise_attention(q, k, v, scale=0.5, row_bias=rb)
     assert torch.equal(got, pointwise_attention_ref(q, k, v, torch.sigmoid, scale=0.5, row_bias=rb))
 
@@ -151,7 +171,7 @@ def test_weights_outside_the_context_are_zero() -> None:
     """w(s) = exp(s) is not 0 anywhere; a query sees only its context (the first row: itself, or nothing)."""
     exp_ops = PointwiseOps("pointwise_test_exp", PK._pointwise_fwd_kernel, PK._pointwise_bwd_dkdv_kernel,
                            PK._pointwise_bwd_dq_kernel, reference=torch.exp, weight=_exp, weight_grad=_exp)
-    q, k, v, _, _ = make_inputs(1, 1, 5, 4, 4, row=False, key=False, seed=7)
+    q, k, v, *_ = make_inputs(1, 1, 5, 4, 4, row=False, key=False, seed=7)
     strict = exp_ops.pointwise_attention(q.float(), k.float(), v.float(), scale=0.1, strict=True)
     assert torch.equal(strict[0, 0, 0], torch.zeros(4, device=DEVICE))
     causal = exp_ops.pointwise_attention(q.float(), k.float(), v.float(), scale=0.1)
@@ -165,17 +185,19 @@ def _exp(x):
 
 
 def test_direct_op_calls_pass_opcheck() -> None:
-    q, k, v, rb, kb = (t.float() for t in make_inputs(1, 2, 9, 4, 4, row=True, key=True, seed=8))
+    q, k, v, rb, kb, slopes, self_b = (t.float() for t in make_inputs(1, 2, 9, 4, 4, row=True, key=True,
+                                                                      alibi=True, self_bias=True, seed=8))
     ops = torch.ops.energydsl
-    torch.library.opcheck(ops.sigmoid_attention_fwd.default, (q, k, v, rb, kb, 0.5, False))
+    torch.library.opcheck(ops.sigmoid_attention_fwd.default, (q, k, v, rb, kb, slopes, self_b, 0.5, False))
     do = torch.randn_like(v)
-    torch.library.opcheck(ops.sigmoid_attention_bwd.default, (do, q, k, v, rb, None, 0.5, True))
+    torch.library.opcheck(ops.sigmoid_attention_bwd.default,
+                          (do, q, k, v, rb, None, slopes, self_b, 0.5, True, True, False))
 
 
 def test_torch_compile() -> None:
     """Graph capture with fake tensors and the registered autograd, biases included (aot_eager keeps CPU runs
     short), against eager."""
-    inputs = [t.float().requires_grad_() for t in make_inputs(1, 2, 19, 8, 8, row=True, key=True, seed=11)]
+    inputs = [t.float().requires_grad_() for t in make_inputs(1, 2, 19, 8, 8, row=True, key=True, seed=11)[:5]]
 
     def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rb: torch.Tensor, kb: torch.Tensor) -> torch.Tensor:
         return torch.tanh(SIGMOID.pointwise_attention(q, k, v, scale=0.5, row_bias=rb, key_bias=kb))
@@ -194,13 +216,13 @@ def test_torch_compile() -> None:
 @pytest.mark.parametrize("kwargs,match", [
     (dict(k_shape=(1, 2, 9, 5)), "expected q, k"),
     (dict(row_bias=(1, 2, 8)), "row_bias must be"),
+    (dict(alibi_slopes=(1, 2)), "alibi_slopes must be"),
 ])
 def test_shape_errors(kwargs: dict, match: str) -> None:
     q = torch.randn(1, 2, 9, 4)
-    k = torch.randn(kwargs.get("k_shape", (1, 2, 9, 4)))
-    rb = torch.randn(kwargs["row_bias"]) if "row_bias" in kwargs else None
+    k = torch.randn(kwargs.pop("k_shape", (1, 2, 9, 4)))
     with pytest.raises(ValueError, match=match):
-        SIGMOID.pointwise_attention(q, k, q, row_bias=rb)
+        SIGMOID.pointwise_attention(q, k, q, **{name: torch.randn(shape) for name, shape in kwargs.items()})
 
 
 def test_a_specialised_set_refuses_other_flags() -> None:
@@ -309,19 +331,21 @@ def weight(x):
     return tl.sigmoid(x)
 
 ptrs = {
-    "_pointwise_fwd_kernel": ["Q", "K", "V", "RB", "KB", "O"],
-    "_pointwise_bwd_dkdv_kernel": ["Q", "K", "V", "RB", "KB", "DO", "DK", "DV", "DKB"],
-    "_pointwise_bwd_dq_kernel": ["Q", "K", "V", "RB", "KB", "DO", "DQ", "DRB"],
+    "_pointwise_fwd_kernel": ["Q", "K", "V", "RB", "KB", "ALIBI", "SELF", "O"],
+    "_pointwise_bwd_dkdv_kernel": ["Q", "K", "V", "RB", "KB", "ALIBI", "SELF", "DO", "DK", "DV", "DKB", "DDIST",
+                                   "DDIAG"],
+    "_pointwise_bwd_dq_kernel": ["Q", "K", "V", "RB", "KB", "ALIBI", "SELF", "DO", "DQ", "DRB"],
 }
 for name, (dt, prec), (BK, BV), (strict, bias) in itertools.product(
     ptrs, [("bf16", "tf32"), ("fp32", "ieee")], [(64, 64), (128, 32)], [(True, True), (False, False)]
 ):
     kernel = getattr(PK, name)
-    sig = {p: "*fp32" if p in ("RB", "KB", "DKB", "DRB") else "*" + dt for p in ptrs[name]}
+    sig = {p: "*" + dt if p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") else "*fp32" for p in ptrs[name]}
     sig |= {a: "i32" for a in kernel.arg_names if a.startswith("stride_")}
     sig |= {"T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "scale": "fp64", "T_TUNE": "i32"}
-    consts = dict(WEIGHT=weight, WEIGHT_GRAD=weight, STRICT=strict, HAS_RB=bias, HAS_KB=bias, DOT_PREC=prec,
-                  BK=BK, BV=BV, BLOCK_M=64, BLOCK_N=64)
+    consts = dict(WEIGHT=weight, WEIGHT_GRAD=weight, STRICT=strict, HAS_RB=bias, HAS_KB=bias, HAS_ALIBI=bias,
+                  HAS_SELF=bias, NEED_ALIBI=bias, NEED_SELF=bias, DOT_PREC=prec, BK=BK, BV=BV, BLOCK_M=64,
+                  BLOCK_N=64)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     sig |= {c: "constexpr" for c in consts}
     triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
@@ -351,7 +375,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("T,D", [(1000, 64), (2048, 128)])
 def test_gpu_long(dtype: torch.dtype, tol: float, T: int, D: int) -> None:
-    inputs = make_inputs(2, 4, T, D, D, row=True, key=True, seed=9)
+    inputs = make_inputs(2, 4, T, D, D, row=True, key=True, alibi=True, seed=9)
     inputs = [None if t is None else t * 0.3 for t in inputs]
     out, grads = run(SIGMOID, inputs, dtype, scale=D ** -0.5)
     ref, ref_grads = run(None, inputs, torch.float64, reference=torch.sigmoid, scale=D ** -0.5)

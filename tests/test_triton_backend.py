@@ -189,27 +189,46 @@ def test_an_elementwise_weight_of_the_score_takes_the_pointwise_kernels(name: st
     _compare_backends(derived, name)
 
 
-_SIGMOID_WITH_DISTANCE = """
-energy SigmoidAlibi(d = 8, heads = 2) {
+def _sigmoid_with(position_term: str, context: str = "j <= i") -> str:
+    """Sigmoid attention over two heads with a learned term of positions in the score (ALiBi's slope per head,
+    Ramapuram et al.'s recommended form)."""
+    return f"""
+energy SigmoidPositions(d = 8, heads = 2) {{
   dim     dh = d / heads
   state   z[d]
-  context h[j, d] where j <= i
+  context h[j, d] where {context}
   param   W1[heads, dh, d] ~ normal(0, 0.3)
   param   W2[heads, dh, d] ~ normal(0, 0.3)
-  param   m[heads] = alibi_slopes(heads) fixed
-  global  F = -sum[k](sum[j](softplus((W1[k] @ z) . (W2[k] @ h[j]) - m[k] * abs(i - j))))
+  param   m[heads] = alibi_slopes(heads) learn
+  param   c[heads] = 0.5 learn
+  global  F = -sum[k](sum[j](softplus((W1[k] @ z) . (W2[k] @ h[j]) + {position_term})))
   optimizer gd(eta = 1)
-}
+}}
 """
 
 
-def test_a_weight_with_a_position_term_keeps_the_einsum() -> None:
-    """A distance inside the sigmoid is no row or key term: the pointwise kernels do not take it, and the
-    triton module runs the torch backend's weighted sum, still agreeing with it."""
-    derived = load(_SIGMOID_WITH_DISTANCE).energy("SigmoidAlibi")
+@pytest.mark.parametrize("term,context,flags", [
+    ("-m[k] * abs(i - j)", "j <= i", ["alibi_slopes="]),
+    ("-m[k] * abs(i - j) + c[k] * relu(1 - abs(i - j))", "j <= i", ["alibi_slopes=", "self_bias="]),
+    ("c[k] * relu(1 - abs(i - j))", "j < i", []),  # vanishes on every pair of a strict context: dropped
+])
+def test_position_terms_in_a_pointwise_weight_become_kernel_flags(term: str, context: str, flags: list[str]) -> None:
+    """ALiBi's distance and a self bias inside the sigmoid are kernel arguments (learned here: their gradients
+    are the kernels' column sums, reduced per head)."""
+    derived = load(_sigmoid_with(term, context)).energy("SigmoidPositions")
+    forward = energy_source(derived, "triton").split("def forward")[1]
+    call = next(line for line in forward.splitlines() if ".pointwise_attention(" in line)
+    assert all(f in call for f in flags) and sum(f in call for f in ("alibi_slopes=", "self_bias=")) == len(flags)
+    _compare_backends(derived, "SigmoidPositions")
+
+
+def test_a_weight_with_a_capped_distance_keeps_the_einsum() -> None:
+    """min(|i - j|, 4) = 4 - relu(4 - |i - j|) is ALiBi's distance on short distances only (SymPy proves
+    nothing): no kernel flag, so the triton module runs the torch backend's weighted sum, still agreeing."""
+    derived = load(_sigmoid_with("-m[k] * (4 - relu(4 - abs(i - j)))")).energy("SigmoidPositions")
     forward = energy_source(derived, "triton").split("def forward")[1]
     assert ".pointwise_attention(" not in forward and "torch.einsum('btj" in forward
-    _compare_backends(derived, "SigmoidAlibi")
+    _compare_backends(derived, "SigmoidPositions")
 
 
 @pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel"])

@@ -311,7 +311,7 @@ def test_copies_define_every_function_they_call(family: str) -> None:
                "attention_wide": KernelRequest.attention(False, True, True, True, second=True, wide=True),
                "linear": KernelRequest.linear(strict=False, decay=True), "gated": KernelRequest.gated("silu"),
                "momentum": KernelRequest.momentum(), "nesterov": KernelRequest.nesterov(),
-               "pointwise": KernelRequest.pointwise(True, True, True, "return tl.sigmoid(x)",
+               "pointwise": KernelRequest.pointwise(True, True, True, True, True, "return tl.sigmoid(x)",
                                                     "return tl.sigmoid(x) * (1.0 - tl.sigmoid(x))",
                                                     "torch.sigmoid(x)")}[family]
     tree = ast.parse("\n".join(kernel_source([request])))
@@ -370,8 +370,8 @@ requests = [
     KernelRequest.gated("gelu"),
     KernelRequest.momentum(),
     KernelRequest.nesterov(),
-    KernelRequest.pointwise(True, True, False, "return tl.sigmoid(x)", "return tl.sigmoid(x) * (1.0 - tl.sigmoid(x))",
-                            "torch.sigmoid(x)"),
+    KernelRequest.pointwise(True, True, False, True, False, "return tl.sigmoid(x)",
+                            "return tl.sigmoid(x) * (1.0 - tl.sigmoid(x))", "torch.sigmoid(x)"),
 ]
 text = "\\n".join(["from __future__ import annotations", *kernel_imports(requests), *kernel_source(requests)])
 path = Path(tempfile.mkdtemp()) / "copies.py"

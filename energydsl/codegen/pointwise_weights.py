@@ -4,16 +4,17 @@
 values. On the triton backend such a sum runs on the kernels of `energydsl/kernels/pointwise_kernels.py`
 instead, with memory linear in T, when its weight is an element-wise function of one score:
 
-    w_ij = G(s_ij),  s_ij = Σ_c c_c (a_c(x_i) · b_c(h_j)) + row_i + key_j
+    w_ij = G(s_ij),  s_ij = Σ_c c_c (a_c(x_i) · b_c(h_j)) + row_i + key_j + m_h |i − j| + c_h [i = j]
 
 (the score's dot products concatenated as the softmax family's are; a row term has no context token, a key
-term no query position or state). G is what remains of the weight once the score is replaced by a variable:
-it may hold numbers only (a learned scalar inside it, `σ(s + b)`, joins the score as a row term instead). G
-and its derivative, taken by the IR's own calculus, are printed as `@triton.jit` functions of one tile and
+term no query position or state; the position terms are classified as the softmax family's are, an ALiBi
+slope or a self bias per head, proven by SymPy). G is what remains of the weight once the score is replaced
+by a variable: it may hold numbers only (a learned scalar inside it, `σ(s + b)`, joins the score as a row term
+instead). G and its derivative, taken by the IR's own calculus, are printed as `@triton.jit` functions of one tile and
 baked into the kernels (`triton_source.py`); G is printed in torch too, for the exact float64 path.
 
-    split_weight(em, w, j)    # G, its printed forms and its score's terms (a WeightPlan), or None
-    weight_functions(em, G)   # (Triton body of G, of G', torch expression of G), or None
+    split_weight(em, w, j, strict)    # G, its printed forms and its score's terms (a WeightPlan), or None
+    weight_functions(em, G)           # (Triton body of G, of G', torch expression of G), or None
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..ir import Expr
 from .lowering import (
     _apply_maps,
     _as_bhtd,
+    _bias_kinds,
     _couplings,
     _emit_scores,
     _from_bhtd,
@@ -39,8 +41,9 @@ from .lowering import (
     _peel_maps,
     _state_dependent,
     _unflat,
+    kernel_score_args,
 )
-from .torch_expr import BATCH, POS, Val, canonical, sympy_src, token_axes
+from .torch_expr import BATCH, POS, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
@@ -59,14 +62,14 @@ class WeightPlan:
     functions: tuple[str, str, str]
     couplings: list[tuple[sp.Expr, ir.Dot]]
     row_terms: list[Expr]
-    key_terms: list[Expr]
+    kinds: dict[str, list[Expr]]  # the terms with the context token: "key", "alibi" and "self" (`_bias_kinds`)
 
 
 def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | None, strict: bool) -> Val | None:
     """`Σ_j weight_ij value_j` (value None: 1) on the pointwise kernels (written into the file), or None where
     the weight is not G(score) with a G the printers take (the caller emits the einsum or the masked form)."""
     j = e.index
-    plan = split_weight(em, weight, j)
+    plan = split_weight(em, weight, j, strict)
     if plan is None:
         return None
     maps: list[Expr] = []
@@ -80,24 +83,18 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     if POS in v.axes or v.rank != 1:
         return None
     sc, heads = _emit_scores(em, plan.couplings, [], j, also=(v,))
-    biases = [(em.emit(ir.add(*terms)), pos) for terms, pos in ((plan.row_terms, POS), (plan.key_terms, j))
-              if terms]
-    if any(h not in em.sizes for h in heads) or any(set(b.axes) - {BATCH, pos} - set(heads) for b, pos in biases):
-        return None  # a head axis on a bias that the scores do not have
-    scale = _number(sc.scale, em.scalars)
-    q = sc.q
-    if scale is None:  # a learned temperature: into the queries
-        q, scale = em.tmp(f"{q.code} * {sympy_src(sc.scale, em.scalars)}", q.axes, q.rank), 1.0
-    qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (sc.k, j), (v, j)))
-    keywords = [f"scale={scale!r}", f"strict={strict}"]
-    for (b, pos), name in zip(biases, [n for n, terms in (("row_bias", plan.row_terms), ("key_bias", plan.key_terms))
-                                       if terms], strict=True):
-        column = b if b.rank else Val(f"{b.code}[..., None]", b.axes, 1)
-        keywords.append(f"{name}={_as_bhtd(em, column, heads, pos)}[..., 0]")
+    row = em.emit(ir.add(*plan.row_terms)) if plan.row_terms else None
+    if any(h not in em.sizes for h in heads) or (row is not None and set(row.axes) - {BATCH, POS} - set(heads)):
+        return None  # a head axis on the row bias that the scores do not have
+    qc, kc, keywords = kernel_score_args(em, sc, plan.kinds, heads, j, strict)
+    if row is not None:
+        column = row if row.rank else Val(f"{row.code}[..., None]", row.axes, 1)
+        keywords.append(f"row_bias={_as_bhtd(em, column, heads, POS)}[..., 0]")
+    vc = _as_bhtd(em, v, heads, j)
     triton_weight, triton_grad, torch_weight = plan.functions
-    ops = em.kernel_set(KernelRequest.pointwise(strict=strict, row_bias=bool(plan.row_terms),
-                                                key_bias=bool(plan.key_terms), weight=triton_weight,
-                                                weight_grad=triton_grad, reference=torch_weight))
+    ops = em.kernel_set(KernelRequest.pointwise(
+        strict=strict, row_bias=row is not None, key_bias=bool(plan.kinds["key"]), alibi=bool(plan.kinds["alibi"]),
+        self_bias=bool(plan.kinds["self"]), weight=triton_weight, weight_grad=triton_grad, reference=torch_weight))
     code = f"{ops}.pointwise_attention({', '.join([qc, kc, vc, *keywords])})"
     if not e.shape:  # a number per query: the column's one feature
         return _from_bhtd(em, code, heads, 0, "sum over j of w(s_ij) v_j: the pointwise Triton kernels above")
@@ -105,7 +102,7 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 
-def split_weight(em: Emitter, w: Expr, j: str) -> WeightPlan | None:
+def split_weight(em: Emitter, w: Expr, j: str, strict: bool) -> WeightPlan | None:
     """w as G(score), trying the largest token-dependent sum, dot or product first (so that `σ(q·k + b)` takes
     `q·k + b` as its score, and G = σ has no learned scalar in it); None if no subexpression fits: one whose
     terms the kernels take and whose G the printers take."""
@@ -118,25 +115,26 @@ def split_weight(em: Emitter, w: Expr, j: str) -> WeightPlan | None:
         g = ir.substitute(w, {node: SCORE})
         if any(tokens(n) for n in ir.walk(g)):
             continue  # tokens outside the candidate: not G of it
-        terms = _score_terms(em, node, j, tokens)
+        terms = _score_terms(em, node, j, tokens, strict)
         functions = None if terms is None else weight_functions(em, g)
         if terms is not None and functions is not None:
             return WeightPlan(g, functions, *terms)
     return None
 
 
-def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool]
-                 ) -> tuple[list[tuple[sp.Expr, ir.Dot]], list[Expr], list[Expr]] | None:
-    """(couplings, row terms, key terms) of a score, or None if a term is none of them (a position term)."""
+def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool], strict: bool
+                 ) -> tuple[list[tuple[sp.Expr, ir.Dot]], list[Expr], dict[str, list[Expr]]] | None:
+    """(couplings, row terms, the other terms by kind) of a score, or None if a term is none of them (a
+    position term the kernels cannot take: a capped distance, a window)."""
     couplings: list[tuple[sp.Expr, ir.Dot]] = []
     rows: list[Expr] = []
-    keys: list[Expr] = []
+    biases: list[Expr] = []
     for t in _terms(score, tokens):
         axes = token_axes(t, em.indices)
         if j not in axes:
             rows.append(t)
-        elif POS not in axes and not _state_dependent(t):
-            keys.append(t)
+        elif not _state_dependent(t):  # a key term, or one of positions and params (ALiBi's)
+            biases.append(t)
         else:
             found = _couplings(em, t, j)
             if found is None:
@@ -147,7 +145,8 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
                 if j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
                     return None
                 couplings.append((c, _narrow_dot(em, d, j)))
-    return (couplings, rows, keys) if couplings else None
+    kinds = _bias_kinds(em, biases, j, strict)
+    return (couplings, rows, kinds) if couplings and kinds is not None else None
 
 
 def _terms(e: Expr, tokens: Callable[[Expr], bool]) -> list[Expr]:

@@ -60,12 +60,14 @@ class KernelRequest:
         return KernelRequest("linear", (("HAS_DECAY", decay), ("STRICT", strict)))
 
     @staticmethod
-    def pointwise(strict: bool, row_bias: bool, key_bias: bool, weight: str, weight_grad: str,
-                  reference: str) -> KernelRequest:
-        """Context sums of w(s_ij) v_j: `weight` and `weight_grad` the bodies of w and w' (statements in `x`,
-        printed from the energy: `pointwise_weights.py`), `reference` w in torch."""
-        return KernelRequest("pointwise", (("STRICT", strict), ("HAS_RB", row_bias), ("HAS_KB", key_bias)),
-                             (("WEIGHT", weight), ("WEIGHT_GRAD", weight_grad)), reference)
+    def pointwise(strict: bool, row_bias: bool, key_bias: bool, alibi: bool, self_bias: bool, weight: str,
+                  weight_grad: str, reference: str) -> KernelRequest:
+        """Context sums of w(s_ij) v_j with these score terms: `weight` and `weight_grad` the bodies of w and w'
+        (statements in `x`, printed from the energy: `pointwise_weights.py`), `reference` w in torch."""
+        baked = dict(STRICT=strict, HAS_RB=row_bias, HAS_KB=key_bias, HAS_ALIBI=alibi, HAS_SELF=self_bias)
+        baked.update({need: False for has, need in _NEEDS.items() if has in baked and not baked[has]})
+        return KernelRequest("pointwise", tuple(baked.items()), (("WEIGHT", weight), ("WEIGHT_GRAD", weight_grad)),
+                             reference)
 
     @staticmethod
     def gated(activation: str) -> KernelRequest:

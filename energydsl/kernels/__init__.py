@@ -208,10 +208,13 @@ def sigmoid_attention(
     strict: bool = False,
     row_bias: Tensor | None = None,
     key_bias: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    self_bias: Tensor | None = None,
 ) -> Tensor:
-    """o_i = sum_j sigmoid(scale q_i . k_j + row_bias_i + key_bias_j) v_j over the causal context, no
-    normalisation: the pointwise kernels when possible, else the T x T reference."""
-    kw = dict(scale=scale, strict=strict, row_bias=row_bias, key_bias=key_bias)
+    """o_i = sum_j sigmoid(scale q_i . k_j + row_bias_i + key_bias_j - slope_h |i - j| + [i = j] self_h) v_j over
+    the causal context, no normalisation: the pointwise kernels when possible, else the T x T reference."""
+    kw = dict(scale=scale, strict=strict, row_bias=row_bias, key_bias=key_bias, alibi_slopes=alibi_slopes,
+              self_bias=self_bias)
     if kernels_take(q):
         from .pointwise import sigmoid_attention as kernel
 

@@ -1,6 +1,7 @@
 """The pointwise-weight family's torch ops over its Triton kernels (`pointwise_kernels.py`): launch, autograd.
 
-    o_i = sum_j w(scale q_i . k_j + row_bias_i + key_bias_j) v_j        over j <= i (j < i if strict)
+    o_i = sum_j w(scale q_i . k_j + row_bias_i + key_bias_j - slope_h |i - j| + [i = j] self_h) v_j
+                                                                        over j <= i (j < i if strict)
 
 with w an element-wise weight (sigmoid, a power of relu, exp, ...) and no normalisation over j. The weight and
 its derivative are `@triton.jit` functions of one tile: a generated module bakes the ones derived from its
@@ -52,7 +53,7 @@ __all__ = ["INTERPRET", "SIGMOID", "PointwiseOps", "pointwise_ops", "sigmoid_att
 
 _CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
             for m, n in ((64, 64), (128, 64), (64, 128), (128, 128)) for w in (4, 8) for s in (2, 3)]
-_KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "T_TUNE"]
+_KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "HAS_ALIBI", "HAS_SELF", "T_TUNE"]
 _INTERPRET_BLOCK = 16  # small, so the interpreter's tests cover several blocks and a ragged last one
 
 
@@ -87,78 +88,95 @@ class PointwiseOps:
 
     def _fwd_impl(self) -> Callable[..., Tensor]:
         def pointwise_fwd(q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None, key_bias: Tensor | None,
-                          scale: float, strict: bool) -> Tensor:
+                          alibi: Tensor | None, self_b: Tensor | None, scale: float, strict: bool) -> Tensor:
             """o_i = sum_j w(s_ij) v_j."""
             q, k, v = kernel_layouts(q, k, v)
             B, H, T, K = q.shape
             V = v.shape[-1]
             o = empty_in_order(q, V, v.dtype)
-            rb, kb = _bias(row_bias, q), _bias(key_bias, q)
-            meta = self._meta(self._fwd, q.dtype, K, V, STRICT=strict, HAS_RB=row_bias is not None,
-                              HAS_KB=key_bias is not None)
+            meta = self._meta(self._fwd, q.dtype, K, V, **_flags(strict, row_bias, key_bias, alibi, self_b))
             wrap_triton(self._fwd)[lambda m: (cdiv(T, m["BLOCK_M"]), B * H)](
-                q, k, v, rb, kb, o, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-                T, H, K, V, scale, tune_bucket(T), **meta)
+                q, k, v, *(_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)), o, *q.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, H, K, V, scale, tune_bucket(T), **meta)
             return o
 
         return pointwise_fwd
 
-    def _bwd_impl(self) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
+    def _bwd_impl(self) -> Callable[..., tuple[Tensor, ...]]:
         def pointwise_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None,
-                          key_bias: Tensor | None, scale: float, strict: bool
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-            """(dq, dk, dv, d row_bias, d key_bias); a bias's gradient is empty where there is no bias."""
+                          key_bias: Tensor | None, alibi: Tensor | None, self_b: Tensor | None, scale: float,
+                          strict: bool, need_alibi: bool, need_self: bool
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+            """(dq, dk, dv, d row_bias, d key_bias, and the per-key column sums of d slope and d self); each of the
+            last four empty where there is no such bias or its gradient is not needed."""
             q, k, v = kernel_layouts(q, k, v)
             do = kernel_layout(do)
             B, H, T, K = q.shape
             V = v.shape[-1]
-            rb, kb = _bias(row_bias, q), _bias(key_bias, q)
+            biases = [_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)]
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            drb, dkb = (torch.empty((B, H, T) if b is not None else (0,), dtype=torch.float32, device=q.device)
-                        for b in (row_bias, key_bias))
-            flags = dict(STRICT=strict, HAS_RB=row_bias is not None, HAS_KB=key_bias is not None)
+            drb, dkb, ddist, ddiag = (torch.empty((B, H, T) if wanted else (0,), dtype=torch.float32,
+                                                  device=q.device)
+                                      for wanted in (row_bias is not None, key_bias is not None, need_alibi,
+                                                     need_self))
+            flags = _flags(strict, row_bias, key_bias, alibi, self_b)
             strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], T, H, K, V, scale,
                        tune_bucket(T))
             wrap_triton(self._dkdv)[lambda m: (cdiv(T, m["BLOCK_N"]), B * H)](
-                q, k, v, rb, kb, do, dk, dv, dkb, *strides, **self._meta(self._dkdv, q.dtype, K, V, **flags))
+                q, k, v, *biases, do, dk, dv, dkb, ddist, ddiag, *strides,
+                **self._meta(self._dkdv, q.dtype, K, V, NEED_ALIBI=need_alibi, NEED_SELF=need_self, **flags))
             wrap_triton(self._dq)[lambda m: (cdiv(T, m["BLOCK_M"]), B * H)](
-                q, k, v, rb, kb, do, dq, drb, *strides, **self._meta(self._dq, q.dtype, K, V, **flags))
-            return dq, dk, dv, drb, dkb
+                q, k, v, *biases, do, dq, drb, *strides, **self._meta(self._dq, q.dtype, K, V, **flags))
+            return dq, dk, dv, drb, dkb, ddist, ddiag
 
         return pointwise_bwd
 
     def _backward(self, ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, row_bias, key_bias = ctx.saved_tensors
-        dq, dk, dv, drb, dkb = self._bwd_op(do, q, k, v, row_bias, key_bias, ctx.scale, ctx.strict)
-        drb = drb.to(row_bias.dtype) if row_bias is not None and ctx.needs_input_grad[3] else None
-        dkb = dkb.to(key_bias.dtype) if key_bias is not None and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, drb, dkb, None, None
+        q, k, v, *biases = ctx.saved_tensors  # row_bias, key_bias, alibi slopes, self bias
+        need = [b is not None and ctx.needs_input_grad[3 + n] for n, b in enumerate(biases)]
+        dq, dk, dv, drb, dkb, ddist, ddiag = self._bwd_op(do, q, k, v, *biases, ctx.scale, ctx.strict, need[2],
+                                                          need[3])
+        # the slope's and the self bias's gradients: per-key column sums, reduced per head here
+        grads = (drb, dkb, -ddist.sum(dim=(0, 2)) if need[2] else None, ddiag.sum(dim=(0, 2)) if need[3] else None)
+        bias_grads = [g.to(b.dtype) if wanted else None for g, b, wanted in zip(grads, biases, need, strict=True)]
+        return dq, dk, dv, *bias_grads, None, None
 
     # -- public API ----------------------------------------------------------------------------------------
 
     def pointwise_attention(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float = 1.0, strict: bool = False,
-                            row_bias: Tensor | None = None, key_bias: Tensor | None = None) -> Tensor:
-        """o_i = sum_j w(scale q_i . k_j + row_bias_i + key_bias_j) v_j over the causal (or strict) context.
+                            row_bias: Tensor | None = None, key_bias: Tensor | None = None,
+                            alibi_slopes: Tensor | None = None, self_bias: Tensor | None = None) -> Tensor:
+        """o_i = sum_j w(scale q_i . k_j + row_bias_i + key_bias_j - slope_h |i - j| + [i = j] self_h) v_j over
+        the causal (or strict) context.
 
-        q, k: (B, H, T, Dk); v: (B, H, T, Dv), may be `k`; the biases (B, H, T). Differentiable in all five.
+        q, k: (B, H, T, Dk); v: (B, H, T, Dv), may be `k`; row_bias, key_bias: (B, H, T); alibi_slopes,
+        self_bias: (H,). Differentiable in all of them.
         """
         if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
             raise ValueError(f"expected q, k (B,H,T,Dk) and v (B,H,T,Dv); got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
-        for name, b in (("row_bias", row_bias), ("key_bias", key_bias)):
-            if b is not None and b.shape != q.shape[:3]:
-                raise ValueError(f"{name} must be (B,H,T)={tuple(q.shape[:3])}; got {tuple(b.shape)}")
-        call = dict(STRICT=strict, HAS_RB=row_bias is not None, HAS_KB=key_bias is not None)
+        for name, b, shape in (("row_bias", row_bias, q.shape[:3]), ("key_bias", key_bias, q.shape[:3]),
+                               ("alibi_slopes", alibi_slopes, q.shape[1:2]), ("self_bias", self_bias, q.shape[1:2])):
+            if b is not None and b.shape != shape:
+                raise ValueError(f"{name} must be {tuple(shape)}; got {tuple(b.shape)}")
+        call = _flags(strict, row_bias, key_bias, alibi_slopes, self_bias)
         wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
         if wrong:
             raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
         if not kernels_take(q) or max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
             return pointwise_attention_ref(q, k, v, self.reference, scale=scale, strict=strict, row_bias=row_bias,
-                                           key_bias=key_bias)
+                                           key_bias=key_bias, alibi_slopes=alibi_slopes, self_bias=self_bias)
         if q.shape[2] == 0:
             return v.new_empty(v.shape)
         q, k, v = kernel_layouts(q, k, v)
-        return self._fwd_op(q, k, v, row_bias, key_bias, float(scale), bool(strict))
+        return self._fwd_op(q, k, v, row_bias, key_bias, alibi_slopes, self_bias, float(scale), bool(strict))
+
+
+def _flags(strict: bool, row_bias: Tensor | None, key_bias: Tensor | None, alibi: Tensor | None,
+           self_b: Tensor | None) -> dict[str, bool]:
+    """The kernels' mask and score-term switches for a call."""
+    return dict(STRICT=strict, HAS_RB=row_bias is not None, HAS_KB=key_bias is not None,
+                HAS_ALIBI=alibi is not None, HAS_SELF=self_b is not None)
 
 
 def _width(n: int) -> int:
@@ -167,27 +185,27 @@ def _width(n: int) -> int:
 
 
 def _bias(b: Tensor | None, like: Tensor) -> Tensor:
-    """A bias as the kernels read it (contiguous fp32 (B, H, T)); a dummy pointer where there is none."""
+    """A bias as the kernels read it (contiguous fp32); a dummy pointer where there is none."""
     return like if b is None else b.to(torch.float32).contiguous()
 
 
-def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None, key_bias: Tensor | None, scale: float,
-              strict: bool) -> Tensor:
+def _fwd_fake(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> Tensor:
     return empty_in_order(kernel_layout(q), v.shape[-1], v.dtype)
 
 
 def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | None, key_bias: Tensor | None,
-              scale: float, strict: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              alibi: Tensor | None, self_b: Tensor | None, scale: float, strict: bool, need_alibi: bool,
+              need_self: bool) -> tuple[Tensor, ...]:
     q, k, v = kernel_layouts(q, k, v)
     B, H, T, _ = q.shape
-    drb, dkb = (q.new_empty((B, H, T) if b is not None else (0,), dtype=torch.float32)
-                for b in (row_bias, key_bias))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drb, dkb
+    drb, dkb, ddist, ddiag = (q.new_empty((B, H, T) if wanted else (0,), dtype=torch.float32)
+                              for wanted in (row_bias is not None, key_bias is not None, need_alibi, need_self))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drb, dkb, ddist, ddiag
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    q, k, v, row_bias, key_bias, scale, strict = inputs
-    ctx.save_for_backward(q, k, v, row_bias, key_bias)
+    *tensors, scale, strict = inputs
+    ctx.save_for_backward(*tensors)
     ctx.scale, ctx.strict = scale, strict
 
 

@@ -3,7 +3,7 @@
 A context sum whose weight is an element-wise function of the score, with no normalisation over the context
 (sigmoid attention, squared-ReLU attention, an RBF kernel written as exp of an expanded square):
 
-    s_ij = scale * q_i . k_j  +  row_bias[b, h, i]  +  key_bias[b, h, j]
+    s_ij = scale * q_i . k_j  +  row_bias[b, h, i]  +  key_bias[b, h, j]  -  slope_h |i - j|  +  [i == j] self_h
     o_i  = sum_j w(s_ij) v_j        over j <= i (causal) or j < i (strict; row 0 is empty and yields 0)
 
 The weight w and its derivative w' are `@triton.jit` functions of one fp32 tile: the code generator derives
@@ -14,12 +14,15 @@ no row statistic, so the backward needs only the inputs and dO:
     dv_j = sum_i w_ij dO_i        dS_ij = (dO_i . v_j) w'(s_ij)
     dq_i = scale sum_j dS_ij k_j  dk_j = scale sum_i dS_ij q_i
     d row_bias_i = sum_j dS_ij    d key_bias_j = sum_i dS_ij
+    d slope_h = -sum_ij dS_ij |i - j|    d self_h = sum_i dS_ii
 
-computed by two kernels that recompute the scores: one over key blocks (dK, dV, d key_bias) and one over query
-blocks (dQ, d row_bias), so every gradient has one owner and no atomics are needed.
+computed by two kernels that recompute the scores: one over key blocks (dK, dV, d key_bias, and the per-key
+column sums of the slope's and self bias's gradients, reduced per head in torch) and one over query blocks (dQ,
+d row_bias), so every gradient has one owner and no atomics are needed. NEED_ALIBI / NEED_SELF: whether those
+two gradients are wanted (fixed ALiBi slopes are not learned).
 
 Every (B, H, T, D) tensor is read and written through its batch, head and row strides (head- or token-major, as
-`launch.kernel_layout` gives them); the biases are contiguous fp32 (B, H, T).
+`launch.kernel_layout` gives them); the biases are contiguous fp32, (B, H, T) per token and (H,) per head.
 """
 
 import triton
@@ -27,10 +30,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _pointwise_scores(q, k, rb_ptr, kb_ptr, offs_m, offs_n, T, scale, KEYS_FIRST: tl.constexpr,
-                      STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(s, admissible): the fp32 score tile and where (i, j) is a pair of the context. KEYS_FIRST: the tile
-    is (keys, queries), from q and k tiles loaded as (keys, D) and (queries, D) by the dK/dV kernel."""
+def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, KEYS_FIRST: tl.constexpr,
+                      STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                      HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(s, admissible, i, j): the fp32 score tile, where (i, j) is a pair of the context, and the positions.
+    KEYS_FIRST: the tile is (keys, queries), from q and k tiles loaded as (keys, D) and (queries, D) by the
+    dK/dV kernel."""
     if KEYS_FIRST:
         s = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale
         i = offs_m[None, :]
@@ -43,22 +48,27 @@ def _pointwise_scores(q, k, rb_ptr, kb_ptr, offs_m, offs_n, T, scale, KEYS_FIRST
         s += tl.load(rb_ptr + i, mask=i < T, other=0.0)
     if HAS_KB:
         s += tl.load(kb_ptr + j, mask=j < T, other=0.0)
+    if HAS_ALIBI:
+        s -= slope * tl.abs(i - j).to(tl.float32)
+    if HAS_SELF:
+        s += tl.where(i == j, self_b, 0.0)
     if STRICT:
         ok = (j < i) & (i < T)
     else:
         ok = (j <= i) & (i < T)
-    return s, ok
+    return s, ok, i, j
 
 
 @triton.jit
 def _pointwise_fwd_kernel(
-    Q, K, V, RB, KB, O,
+    Q, K, V, RB, KB, ALIBI, SELF, O,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr,
-    DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """o_i = sum_j w(s_ij) v_j for one block of queries of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -72,6 +82,12 @@ def _pointwise_fwd_kernel(
     Oh = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     rb_ptr = RB + bh.to(tl.int64) * T
     kb_ptr = KB + bh.to(tl.int64) * T
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF + h).to(tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -84,8 +100,8 @@ def _pointwise_fwd_kernel(
                     mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
         v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
                     mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
-        s, ok = _pointwise_scores(q, k, rb_ptr, kb_ptr, offs_m, offs_n, T, scale, False, STRICT, HAS_RB, HAS_KB,
-                                  DOT_PREC)
+        s, ok, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
+                                        STRICT, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
         w = tl.where(ok, WEIGHT(s), 0.0)  # outside the context the weight is 0, whatever w(s) is there
         acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
     tl.store(Oh + offs_m[:, None] * stride_ot + offs_dv[None, :], acc.to(O.dtype.element_ty),
@@ -94,13 +110,14 @@ def _pointwise_fwd_kernel(
 
 @triton.jit
 def _pointwise_bwd_dkdv_kernel(
-    Q, K, V, RB, KB, DO, DK, DV, DKB,
+    Q, K, V, RB, KB, ALIBI, SELF, DO, DK, DV, DKB, DDIST, DDIAG,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr,
-    HAS_KB: tl.constexpr, DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, NEED_ALIBI: tl.constexpr,
+    NEED_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """dK, dV and d key_bias for one block of keys: a loop over the query blocks that see it. DK and DV share
@@ -118,6 +135,12 @@ def _pointwise_bwd_dkdv_kernel(
     DVh = DV + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     rb_ptr = RB + bh.to(tl.int64) * T
     kb_ptr = KB + bh.to(tl.int64) * T
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF + h).to(tl.float32)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -129,14 +152,16 @@ def _pointwise_bwd_dkdv_kernel(
     dk = tl.zeros((BLOCK_N, BK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BV), dtype=tl.float32)
     dkb = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ddist = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_i dS_ij |i - j|, per key
+    ddiag = tl.zeros((BLOCK_N,), dtype=tl.float32)  # dS_jj
     for start_m in range((start_n // BLOCK_M) * BLOCK_M, T, BLOCK_M):  # no query before the key sees it
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
                     mask=(offs_m[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
         do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
                      mask=(offs_m[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0).to(v.dtype)
-        s, ok = _pointwise_scores(q, k, rb_ptr, kb_ptr, offs_m, offs_n, T, scale, True, STRICT, HAS_RB, HAS_KB,
-                                  DOT_PREC)  # (keys, queries)
+        s, ok, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, True,
+                                        STRICT, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)  # (keys, queries)
         w = tl.where(ok, WEIGHT(s), 0.0)
         dv += tl.dot(w.to(v.dtype), do, input_precision=DOT_PREC)
         dw = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (dO_i . v_j), keys first
@@ -144,23 +169,32 @@ def _pointwise_bwd_dkdv_kernel(
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
         if HAS_KB:
             dkb += tl.sum(ds, axis=1)
+        if NEED_ALIBI:
+            ddist += tl.sum(ds * tl.abs(i - j).to(tl.float32), axis=1)
+        if NEED_SELF:
+            ddiag += tl.sum(tl.where(i == j, ds, 0.0), axis=1)
     tl.store(DKh + offs_n[:, None] * stride_kt + offs_dk[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DVh + offs_n[:, None] * stride_vt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dv[None, :] < D_V))
     if HAS_KB:
         tl.store(DKB + bh.to(tl.int64) * T + offs_n, dkb, mask=key_ok)
+    if NEED_ALIBI:
+        tl.store(DDIST + bh.to(tl.int64) * T + offs_n, ddist, mask=key_ok)
+    if NEED_SELF:
+        tl.store(DDIAG + bh.to(tl.int64) * T + offs_n, ddiag, mask=key_ok)
 
 
 @triton.jit
 def _pointwise_bwd_dq_kernel(
-    Q, K, V, RB, KB, DO, DQ, DRB,
+    Q, K, V, RB, KB, ALIBI, SELF, DO, DQ, DRB,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr,
-    DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dQ and d row_bias for one block of queries: a loop over the key blocks it sees. DQ shares Q's strides."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -175,6 +209,12 @@ def _pointwise_bwd_dq_kernel(
     DQh = DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     rb_ptr = RB + bh.to(tl.int64) * T
     kb_ptr = KB + bh.to(tl.int64) * T
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF + h).to(tl.float32)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -191,8 +231,8 @@ def _pointwise_bwd_dq_kernel(
                     mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
         v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
                     mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
-        s, ok = _pointwise_scores(q, k, rb_ptr, kb_ptr, offs_m, offs_n, T, scale, False, STRICT, HAS_RB, HAS_KB,
-                                  DOT_PREC)
+        s, ok, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
+                                        STRICT, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
         dw = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = tl.where(ok, dw * WEIGHT_GRAD(s), 0.0)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
