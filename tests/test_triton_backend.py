@@ -246,6 +246,24 @@ def test_pointwise_sums_in_float64_run_the_printed_reference(name: str) -> None:
         assert _rel(g, r) < 1e-10, f"{name} {label}: {_rel(g, r):.1e}"
 
 
+def test_a_generated_pointwise_layer_runs_under_torch_compile() -> None:
+    """The pointwise op set of a generated file is a registered op (a fake kernel under the interpreter):
+    torch.compile traces the layer whole, values and gradients as eager."""
+    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy("SigmoidAttention")
+    torch.manual_seed(0)
+    layer = module_class(derived, "triton")().to(DEVICE)
+    x = layer.example_input(2, 13).to(DEVICE)
+    compiled = torch.compile(layer, backend="inductor" if CUDA else "aot_eager", fullgraph=True)
+    eager = layer(x, delta=True)
+    got = compiled(x, delta=True)
+    assert _rel(got, eager) < 1e-6
+    params = list(layer.parameters())
+    grads = torch.autograd.grad(got.square().sum(), params)
+    want = torch.autograd.grad(eager.square().sum(), params)
+    for g, w in zip(grads, want, strict=True):
+        assert _rel(g, w) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["SigmoidAttention", "GaussianKernel"])
 def test_pointwise_kernels_make_no_t_by_t_tensor(name: str) -> None:
     """Forward and backward at T = 64: no tensor the torch ops make (outputs of every op, the kernels' included)

@@ -517,6 +517,9 @@ class LinearAttentionOps:
         wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
         if wrong:
             raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
+            return self.linear_attention(q.float(), k.float(), v.float(), scale=scale, log_decay=log_decay,
+                                         strict=strict).to(v.dtype)
         B, H, T, _ = q.shape
         if log_decay is not None:
             if log_decay.shape == (H,):

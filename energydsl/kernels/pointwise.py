@@ -163,6 +163,10 @@ class PointwiseOps:
         wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
         if wrong:
             raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
+            return self.pointwise_attention(q.float(), k.float(), v.float(), scale=scale, strict=strict,
+                                            row_bias=row_bias, key_bias=key_bias, alibi_slopes=alibi_slopes,
+                                            self_bias=self_bias).to(v.dtype)
         if not kernels_take(q) or max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
             return pointwise_attention_ref(q, k, v, self.reference, scale=scale, strict=strict, row_bias=row_bias,
                                            key_bias=key_bias, alibi_slopes=alibi_slopes, self_bias=self_bias)
