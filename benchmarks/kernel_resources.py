@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the attention and linear kernels' autotune configs on an H100, no GPU needed.
+"""Registers, spills and shared memory of the attention, linear and pointwise kernels' autotune configs on an H100,
+no GPU needed.
 
 The autotuner times every config (`energydsl.kernels.attention_configs.AUTOTUNE_CONFIGS`, `energydsl.kernels.linear`'s
 `_CONFIGS`) on the GPU and keeps the fastest, so a config list is only as good as its best member. A config that
@@ -12,8 +13,10 @@ stores to shared memory per iteration where there are any (a register tile stage
 Variants: the narrow kernels at head dims 64 and 128, plain (causal, no bias) and with CEM's score terms (ALiBi +
 self bias, their gradients), and the weighted second moment; the wide (feature-tiled) kernels with CEM's terms,
 first and second order; the linear-attention kernels at head dims 64 (plain) and 128 (with a decay gate; the chunk-
-state kernel in its forward direction), whose tiles are fixed (`_tile_sizes`). bf16 inputs. The numbers come from
-this machine's Triton and ptxas; a GPU machine with another Triton may allocate a little differently.
+state kernel in its forward direction), whose tiles are fixed (`_tile_sizes`); the pointwise kernels with the
+sigmoid weight and a row bias at head dim 64, and with ALiBi slopes (their gradient too) at 128. bf16 inputs.
+The numbers come from this machine's Triton and ptxas; a GPU machine with another Triton may allocate a little
+differently.
 
     python benchmarks/kernel_resources.py                # the table (3-5 min on 2 cores)
     python benchmarks/kernel_resources.py --check        # exit 1 if a kernel variant has no spill-free config
@@ -37,7 +40,10 @@ from energydsl.codegen.triton_source import FAMILIES
 
 # each family's kernels by role, in launch order (AUTOTUNE_CONFIGS's too)
 ROLES = {"attention": ("fwd", "dkdv", "dq"), "attention_wide": ("fwd", "dkdv", "dq"),
-         "linear": ("state", "fwd", "dqk", "dv")}
+         "linear": ("state", "fwd", "dqk", "dv"), "pointwise": ("fwd", "dkdv", "dq")}
+# the pointwise kernels' weight and its derivative, by name in energydsl/kernels/pointwise_kernels.py (resolved
+# in the worker, after TRITON_INTERPRET is cleared: importing the kernels here could decorate them interpreted)
+_SIGMOID = dict(WEIGHT="_sigmoid", WEIGHT_GRAD="_sigmoid_grad")
 _CEM = dict(HAS_ALIBI=True, HAS_SELF=True, NEED_ALIBI=True, NEED_SELF=True)
 
 
@@ -58,11 +64,14 @@ VARIANTS = [
     Variant("wide second", "attention_wide", dict(SECOND=True, HAS_SELF=True, NEED_SELF=True)),
     Variant("linear d64", "linear", {}, (64, 64)),
     Variant("linear d128 gated", "linear", dict(HAS_DECAY=True), (128, 128)),
+    Variant("pointwise d64 sigmoid", "pointwise", dict(BK=64, BV=64, HAS_RB=True, **_SIGMOID)),
+    Variant("pointwise d128 sigmoid+alibi", "pointwise",
+            dict(BK=128, BV=128, HAS_RB=True, HAS_ALIBI=True, NEED_ALIBI=True, **_SIGMOID)),
 ]
 _SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI",
-             "HAS_DECAY", "REVERSE")
+             "HAS_DECAY", "REVERSE", "HAS_RB")
 _FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST", "DQ_ACC", "DU_ACC",
-              "g_ptr", "r_ptr"}
+              "g_ptr", "r_ptr", "RB", "KB", "SELF", "DRB"}
 _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "T_TUNE": "i32"}
 _MULTIPLES_OF_16 = {"T", "D_QK", "D_V", "T_TUNE"}
 _LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
@@ -86,7 +95,7 @@ class Job(NamedTuple):
 def jobs() -> list[Job]:
     """Every config of every kernel, for every variant."""
     os.environ.pop("TRITON_INTERPRET", None)  # the real configs (the interpreter build has none)
-    from energydsl.kernels import linear
+    from energydsl.kernels import linear, pointwise
     from energydsl.kernels.attention_configs import AUTOTUNE_CONFIGS
 
     out = []
@@ -95,6 +104,9 @@ def jobs() -> list[Job]:
             sizes = linear._tile_sizes(*variant.dims)
             tiles = dict(zip(("C", "BK", "BV"), sizes, strict=True))
             per_role = [[(tiles, c) for c in linear._CONFIGS]] * len(ROLES["linear"])
+        elif variant.family == "pointwise":
+            per_role = [[(dict(c.kwargs), c) for c in configs]
+                        for configs in (pointwise._FWD_CONFIGS, pointwise._DKDV_CONFIGS, pointwise._DQ_CONFIGS)]
         else:
             per_role = [[(dict(c.kwargs), c) for c in configs]
                         for configs in AUTOTUNE_CONFIGS[variant.family == "attention_wide"]]
@@ -185,6 +197,7 @@ def compile_job(job: Job) -> dict[str, Any]:
     module = importlib.import_module(f"energydsl.kernels.{family.templates[-1]}")  # the kernels' own module
     kernel = getattr(module, family.kernels[ROLES[variant.family].index(job.role)])
     flags = {s: False for s in _SWITCHES} | dict(DOT_PREC="tf32") | variant.flags | job.tiles
+    flags |= {k: getattr(module, flags[k]) for k in ("WEIGHT", "WEIGHT_GRAD") if k in flags}  # by name: the functions
     row = dict(role=job.role, variant=variant.name, tiles=job.tiles, num_warps=job.num_warps,
                num_stages=job.num_stages)
     log = io.StringIO()
@@ -233,7 +246,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="attention and linear kernels on sm_90, bf16: ptxas' allocation per autotune config",
+    table = Table(title="fused kernels on sm_90, bf16: ptxas' allocation per autotune config",
                   title_justify="left")
     for h in ("kernel", "variant", "config", "registers", "spill bytes", "shared KiB", "loop instructions"):
         table.add_column(h, justify="left" if h in ("kernel", "variant", "config") else "right")

@@ -92,6 +92,15 @@ def test_kernel_resources_linear_kernels_have_a_spill_free_config() -> None:
     assert "every kernel variant has a spill-free config (24 compilations)" in out.stdout
 
 
+def test_kernel_resources_pointwise_kernels_have_a_spill_free_config() -> None:
+    """The pointwise kernels at head dim 128 with ALiBi slopes and their gradient, the tightest: each of the three
+    has a config that fits in registers. 19 = 5 + 8 + 6 configs (the softmax family's split lists). With the
+    first lists of 64- and 128-row tiles, the dK/dV kernel spilled in every config."""
+    out = _run("benchmarks/kernel_resources.py", "--check", "--variants", "pointwise d128 sigmoid+alibi", "--jobs", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "every kernel variant has a spill-free config (19 compilations)" in out.stdout
+
+
 def _compiled_rows(condition: str) -> list[dict]:
     """kernel_resources' rows (registers, loop sizes, ...) of the autotune jobs `j` meeting `condition`, compiled
     for sm_90 in a process of their own (outside the interpreter)."""

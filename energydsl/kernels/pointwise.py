@@ -22,11 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 from torch import Tensor
 
 from . import MAX_HEAD_DIM, kernels_take, op_set
-from .attention_configs import tune_bucket
+from .attention_configs import AUTOTUNE_CONFIGS, tune_bucket
 from .launch import (
     INTERPRET,
     cdiv,
@@ -51,8 +50,11 @@ from .pointwise_ref import pointwise_attention_ref
 
 __all__ = ["INTERPRET", "SIGMOID", "PointwiseOps", "pointwise_ops", "sigmoid_attention"]
 
-_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n in ((64, 64), (128, 64), (64, 128), (128, 128)) for w in (4, 8) for s in (2, 3)]
+# The kernels hold the same tiles as the softmax family's split backward (the dK/dV kernel keys x queries), so
+# they are tuned over its lists, which `benchmarks/kernel_resources.py` checks fit in registers for these kernels
+# too (variants "pointwise ..."); the fused dK/dV configs (DQ_ATOMIC) have no counterpart here.
+_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS = (
+    [c for c in configs if "DQ_ATOMIC" not in c.kwargs] for configs in AUTOTUNE_CONFIGS[False])
 _KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "HAS_ALIBI", "HAS_SELF", "T_TUNE"]
 _INTERPRET_BLOCK = 16  # small, so the interpreter's tests cover several blocks and a ragged last one
 
@@ -71,8 +73,8 @@ class PointwiseOps:
         self.baked = dict(baked or {})
         self.reference = reference
         self._functions = {"WEIGHT": weight, "WEIGHT_GRAD": weight_grad}
-        self._fwd, self._dkdv, self._dq = (maybe_autotune(_CONFIGS, [k for k in _KEY if k in kernel.arg_names])(
-            kernel) for kernel in (fwd, dkdv, dq))
+        self._fwd, self._dkdv, self._dq = (maybe_autotune(configs, [k for k in _KEY if k in kernel.arg_names])(
+            kernel) for kernel, configs in ((fwd, _FWD_CONFIGS), (dkdv, _DKDV_CONFIGS), (dq, _DQ_CONFIGS)))
         self._bwd_op = register_op(f"{name}_bwd", self._bwd_impl(), _bwd_fake)
         self._fwd_op = register_op(f"{name}_fwd", self._fwd_impl(), _fwd_fake, backward=self._backward,
                                    setup_context=_setup_context)
