@@ -180,8 +180,7 @@ def test_float64_runs_the_reference_exactly() -> None:
 
 def test_weights_outside_the_context_are_zero() -> None:
     """w(s) = exp(s) is not 0 anywhere; a query sees only its context (the first row: itself, or nothing)."""
-    exp_ops = PointwiseOps("pointwise_test_exp", PK._pointwise_fwd_kernel, PK._pointwise_bwd_dkdv_kernel,
-                           PK._pointwise_bwd_dq_kernel, reference=torch.exp, weight=_exp, weight_grad=_exp)
+    exp_ops = EXP
     q, k, v, *_ = make_inputs(1, 1, 5, 4, 4, row=False, key=False, seed=7)
     strict = exp_ops.pointwise_attention(q.float(), k.float(), v.float(), scale=0.1, strict=True)
     assert torch.equal(strict[0, 0, 0], torch.zeros(4, device=DEVICE))
@@ -193,6 +192,30 @@ def test_weights_outside_the_context_are_zero() -> None:
 @triton.jit
 def _exp(x):
     return tl.exp(x)
+
+
+EXP = PointwiseOps("pointwise_test_exp", PK._pointwise_fwd_kernel, PK._pointwise_bwd_dkdv_kernel,
+                   PK._pointwise_bwd_dq_kernel, reference=torch.exp, weight=_exp, weight_grad=_exp)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy, on rows that are discarded
+def test_rows_past_the_end_add_nothing_where_the_weight_overflows() -> None:
+    """Scores that are 0 on every pair of the context but 100 on the padding rows of the last, partial query
+    block (q = 0 there, the key bias 100): exp overflows there, and dO = 0 times w' = inf would be NaN. The
+    backward masks that block's rows; the blocks off the diagonal (all rows inside) run unmasked."""
+    B, H, T, D = 1, 1, 37, 16  # under the interpreter: 16-row blocks, the last one partial
+    q = torch.zeros(B, H, T, D, device=DEVICE)
+    q[..., 0] = -100.0
+    k = torch.zeros(B, H, T, D, device=DEVICE)
+    k[..., 0] = 1.0
+    v = torch.randn(B, H, T, D, device=DEVICE)
+    kb = torch.full((B, H, T), 100.0, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, kb)]
+    out = EXP.pointwise_attention(leaves[0], leaves[1], leaves[2], key_bias=leaves[3])
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    want = pointwise_attention_ref(*(t.double() for t in (q, k, v)), torch.exp, key_bias=kb.double())
+    assert rel_err(out, want) < TOL
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_direct_op_calls_pass_opcheck() -> None:

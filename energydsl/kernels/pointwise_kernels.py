@@ -31,11 +31,11 @@ import triton.language as tl
 
 @triton.jit
 def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, KEYS_FIRST: tl.constexpr,
-                      STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                      MASKED: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr,
                       HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr):
-    """(s, admissible, i, j): the fp32 score tile, where (i, j) is a pair of the context, and the positions.
-    KEYS_FIRST: the tile is (keys, queries), from q and k tiles loaded as (keys, D) and (queries, D) by the
-    dK/dV kernel."""
+    """(s, i, j): the fp32 score tile and the positions of its rows and columns. KEYS_FIRST: the tile is (keys,
+    queries), from q and k tiles loaded as (keys, D) and (queries, D) by the dK/dV kernel. MASKED=False: a block
+    wholly off the diagonal (every key before every query), which holds no i = j: no self term."""
     if KEYS_FIRST:
         s = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale
         i = offs_m[None, :]
@@ -50,13 +50,56 @@ def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, sc
         s += tl.load(kb_ptr + j, mask=j < T, other=0.0)
     if HAS_ALIBI:
         s -= slope * tl.abs(i - j).to(tl.float32)
-    if HAS_SELF:
+    if HAS_SELF and MASKED:
         s += tl.where(i == j, self_b, 0.0)
-    if STRICT:
-        ok = (j < i) & (i < T)
+    return s, i, j
+
+
+@triton.jit
+def _in_context(x, i, j, T, MASKED: tl.constexpr, STRICT: tl.constexpr):
+    """x where (i, j) is a pair of the context (j <= i, or j < i, and i < T), 0 elsewhere, whatever x is there
+    (w(s) need not vanish outside); x itself in a block with no pair outside (MASKED=False)."""
+    if MASKED:
+        if STRICT:
+            x = tl.where((j < i) & (i < T), x, 0.0)
+        else:
+            x = tl.where((j <= i) & (i < T), x, 0.0)
+    return x
+
+
+@triton.jit
+def _pointwise_blocks(start, T, MODE: tl.constexpr, KEYS_FIRST: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """[lo, hi) of the blocks a program visits in loop MODE (0: unmasked; 1, 2: masked). Over keys, for the query
+    block at `start`: the blocks wholly before it (every key before every query), then the diagonal's (no key
+    after its last query). Over queries (KEYS_FIRST), for the key block at `start`: the whole query blocks
+    wholly after it, then those the diagonal crosses, then a last, partial one past them (its rows past T are
+    masked: with dO = 0 there they would add w'(s) * 0, which is NaN where w' overflows)."""
+    if KEYS_FIRST:
+        first = (start // BLOCK_M) * BLOCK_M
+        past = tl.minimum((start + BLOCK_N + BLOCK_M - 1) // BLOCK_M * BLOCK_M, T)
+        whole = tl.maximum(past, (T // BLOCK_M) * BLOCK_M)
+        if MODE == 0:
+            lo = past
+            hi = whole
+        elif MODE == 1:
+            lo = first
+            hi = past
+        else:
+            lo = whole
+            hi = T
     else:
-        ok = (j <= i) & (i < T)
-    return s, ok, i, j
+        diagonal = (start // BLOCK_N) * BLOCK_N
+        if MODE == 0:
+            lo = 0
+            hi = diagonal
+        elif MODE == 1:
+            lo = diagonal
+            hi = tl.minimum(T, start + BLOCK_M)
+        else:
+            lo = 0
+            hi = 0
+    return lo, hi
 
 
 @triton.jit
@@ -94,16 +137,18 @@ def _pointwise_fwd_kernel(
     q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
                 mask=(offs_m[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
     acc = tl.zeros((BLOCK_M, BV), dtype=tl.float32)
-    for start_n in range(0, tl.minimum(T, start_m + BLOCK_M), BLOCK_N):  # causality: no key after the last query
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
-        v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
-        s, ok, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
-                                        STRICT, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
-        w = tl.where(ok, WEIGHT(s), 0.0)  # outside the context the weight is 0, whatever w(s) is there
-        acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
+    for mode in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
+        lo, hi = _pointwise_blocks(start_m, T, mode, False, BLOCK_M, BLOCK_N)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
+                        mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
+            v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                        mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
+            s, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
+                                        mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
+            w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
+            acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
     tl.store(Oh + offs_m[:, None] * stride_ot + offs_dv[None, :], acc.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < T) & (offs_dv[None, :] < D_V))
 
@@ -154,25 +199,27 @@ def _pointwise_bwd_dkdv_kernel(
     dkb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ddist = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_i dS_ij |i - j|, per key
     ddiag = tl.zeros((BLOCK_N,), dtype=tl.float32)  # dS_jj
-    for start_m in range((start_n // BLOCK_M) * BLOCK_M, T, BLOCK_M):  # no query before the key sees it
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
-                    mask=(offs_m[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
-        do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                     mask=(offs_m[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0).to(v.dtype)
-        s, ok, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, True,
-                                        STRICT, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)  # (keys, queries)
-        w = tl.where(ok, WEIGHT(s), 0.0)
-        dv += tl.dot(w.to(v.dtype), do, input_precision=DOT_PREC)
-        dw = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (dO_i . v_j), keys first
-        ds = tl.where(ok, dw * WEIGHT_GRAD(s), 0.0)
-        dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
-        if HAS_KB:
-            dkb += tl.sum(ds, axis=1)
-        if NEED_ALIBI:
-            ddist += tl.sum(ds * tl.abs(i - j).to(tl.float32), axis=1)
-        if NEED_SELF:
-            ddiag += tl.sum(tl.where(i == j, ds, 0.0), axis=1)
+    for mode in tl.static_range(3):  # whole query blocks after this key block, unmasked; the diagonal's; the last
+        lo, hi = _pointwise_blocks(start_n, T, mode, True, BLOCK_M, BLOCK_N)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
+                        mask=(offs_m[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
+            do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
+                         mask=(offs_m[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0).to(v.dtype)
+            s, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, True,
+                                        mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)  # (keys, queries)
+            w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
+            dv += tl.dot(w.to(v.dtype), do, input_precision=DOT_PREC)
+            dw = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (dO_i . v_j), keys first
+            ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
+            if HAS_KB:
+                dkb += tl.sum(ds, axis=1)
+            if NEED_ALIBI:
+                ddist += tl.sum(ds * tl.abs(i - j).to(tl.float32), axis=1)
+            if NEED_SELF and mode > 0:
+                ddiag += tl.sum(tl.where(i == j, ds, 0.0), axis=1)
     tl.store(DKh + offs_n[:, None] * stride_kt + offs_dk[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dk[None, :] < D_QK))
     tl.store(DVh + offs_n[:, None] * stride_vt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
@@ -225,19 +272,21 @@ def _pointwise_bwd_dq_kernel(
                  mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0).to(V.dtype.element_ty)
     dq = tl.zeros((BLOCK_M, BK), dtype=tl.float32)
     drb = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for start_n in range(0, tl.minimum(T, start_m + BLOCK_M), BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
-        v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                    mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
-        s, ok, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
-                                        STRICT, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
-        dw = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-        ds = tl.where(ok, dw * WEIGHT_GRAD(s), 0.0)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-        if HAS_RB:
-            drb += tl.sum(ds, axis=1)
+    for mode in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
+        lo, hi = _pointwise_blocks(start_m, T, mode, False, BLOCK_M, BLOCK_N)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
+                        mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
+            v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                        mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
+            s, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
+                                        mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
+            dw = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+            ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            if HAS_RB:
+                drb += tl.sum(ds, axis=1)
     tl.store(DQh + offs_m[:, None] * stride_qt + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
     if HAS_RB:
