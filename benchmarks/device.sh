@@ -18,8 +18,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WHEELS=(lark==1.3.1 fla-core==0.6.0)
-GPU_TESTS=(tests/test_kernels_attention.py tests/test_kernels_linear.py tests/test_kernels_epilogue.py
-           tests/test_kernels_launch.py tests/test_triton_backend.py tests/test_triton_source.py)
+GPU_TESTS=(tests/test_kernels_attention.py tests/test_kernels_linear.py tests/test_kernels_pointwise.py
+           tests/test_kernels_epilogue.py tests/test_kernels_launch.py tests/test_triton_backend.py
+           tests/test_triton_source.py)
 
 case "${1:-}" in
   wheels)
