@@ -19,6 +19,27 @@ def compile_for_gpu(script: str) -> None:
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
+def largest_tensor_made(step) -> int:
+    """The most elements of any tensor an op makes while `step()` runs (forward and backward, the outputs of
+    custom ops included): a bound on what a layer materialises, T x T or linear in T."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    with Largest() as largest:
+        step()
+    return largest.numel
+
+
 def multi_head_linear_attention(per_head: bool = True) -> str:
     """The multi-head linear attention example's text: RetNet's decay per head, or one decay shared by all."""
     text = (ROOT / "examples/intrinsic-optimizers/multi-head-linear-attention.energy").read_text(encoding="utf-8")

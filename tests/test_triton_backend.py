@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import multi_head_linear_attention
+from conftest import largest_tensor_made, multi_head_linear_attention
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -222,6 +222,17 @@ def test_position_terms_in_a_pointwise_weight_become_kernel_flags(term: str, con
     _compare_backends(derived, "SigmoidPositions")
 
 
+def test_heads_wider_than_the_pointwise_tiles_keep_the_einsum() -> None:
+    """The pointwise kernels hold a head's features in one tile (at most 256): 260-wide heads keep the einsum
+    (there is no feature-tiled pointwise kernel), 16-wide ones take the kernels."""
+    def forward(d: int) -> str:
+        derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy("SigmoidAttention", d=d, heads=4)
+        return energy_source(derived, "triton").split("def forward")[1]
+
+    assert ".pointwise_attention(" not in forward(1040) and "torch.einsum('btj" in forward(1040)
+    assert ".pointwise_attention(" in forward(64)
+
+
 def test_a_weight_with_a_capped_distance_keeps_the_einsum() -> None:
     """min(|i - j|, 4) = 4 - relu(4 - |i - j|) is ALiBi's distance on short distances only (SymPy proves
     nothing): no kernel flag, so the triton module runs the torch backend's weighted sum, still agreeing."""
@@ -235,59 +246,19 @@ def test_a_weight_with_a_capped_distance_keeps_the_einsum() -> None:
 def test_pointwise_sums_in_float64_run_the_printed_reference(name: str) -> None:
     """A float64 module runs each pointwise op set's reference, the weight printed in torch: it equals the torch
     backend to float64 rounding."""
-    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name)
-    torch.manual_seed(0)
-    ref = module_class(derived, "torch")().to(DEVICE).double()
-    tri = module_class(derived, "triton")().to(DEVICE).double()
-    tri.load_state_dict(ref.state_dict())
-    x = ref.example_input(2, 13).to(DEVICE).double()
-    w = torch.randn(x.shape, device=DEVICE, dtype=torch.float64)
-    for label, g, r in zip(["delta", "x"] + [n for n, _ in ref.named_parameters()], _run(tri, x, w), _run(ref, x, w)):
-        assert _rel(g, r) < 1e-10, f"{name} {label}: {_rel(g, r):.1e}"
-
-
-def test_a_generated_pointwise_layer_runs_under_torch_compile() -> None:
-    """The pointwise op set of a generated file is a registered op (a fake kernel under the interpreter):
-    torch.compile traces the layer whole, values and gradients as eager."""
-    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy("SigmoidAttention")
-    torch.manual_seed(0)
-    layer = module_class(derived, "triton")().to(DEVICE)
-    x = layer.example_input(2, 13).to(DEVICE)
-    compiled = torch.compile(layer, backend="inductor" if CUDA else "aot_eager", fullgraph=True)
-    eager = layer(x, delta=True)
-    got = compiled(x, delta=True)
-    assert _rel(got, eager) < 1e-6
-    params = list(layer.parameters())
-    grads = torch.autograd.grad(got.square().sum(), params)
-    want = torch.autograd.grad(eager.square().sum(), params)
-    for g, w in zip(grads, want, strict=True):
-        assert _rel(g, w) < 1e-5
+    _float64_matches_torch_backend(load(ROOT / "tests/data/weighted-context-sums.energy").energy(name), name)
 
 
 @pytest.mark.parametrize("name", ["SigmoidAttention", "GaussianKernel"])
 def test_pointwise_kernels_make_no_t_by_t_tensor(name: str) -> None:
     """Forward and backward at T = 64: no tensor the torch ops make (outputs of every op, the kernels' included)
     has B x T x T elements; the einsum path's weights have B x heads x T x T."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.numel = max(self.numel, t.numel())
-            return out
-
     derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name)
     sizes = {}
     for backend in ("triton", "torch"):
         module = module_class(derived, backend)().to(DEVICE)
         x = module.example_input(2, 64).to(DEVICE).requires_grad_()
-        with Largest() as largest:
-            module(x).square().sum().backward()
-        sizes[backend] = largest.numel
+        sizes[backend] = largest_tensor_made(lambda: module(x).square().sum().backward())  # noqa: B023
     assert sizes["triton"] < 2 * 64 * 64 <= sizes["torch"], sizes
 
 
@@ -460,7 +431,11 @@ def test_momentum_steps_match_torch_backend_with_query_dependent_attention(path:
 def test_float64_runs_the_exact_references(path: str, name: str) -> None:
     """No kernel takes float64 (they accumulate in float32; the attention kernels do not compile for it): a
     float64 triton-backend module runs the references and equals the torch backend to float64 rounding."""
-    derived = load(ROOT / "examples" / path).energy(name)
+    _float64_matches_torch_backend(load(ROOT / "examples" / path).energy(name), name)
+
+
+def _float64_matches_torch_backend(derived: object, name: str) -> None:
+    """The triton module in float64 against the torch backend's: displacement and every gradient to 1e-10."""
     torch.manual_seed(0)
     ref = module_class(derived, "torch")().to(DEVICE).double()
     tri = module_class(derived, "triton")().to(DEVICE).double()

@@ -335,13 +335,15 @@ def test_generating_needs_no_triton() -> None:
     assert proc.stdout.strip() == "6"
 
 
-@pytest.mark.parametrize("path,name", [("cem/alibi.energy", "CEMAlibiAttention"), ("cem/mlp.energy", "CEMMLP"),
-                                       ("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
-                                       ("intrinsic-optimizers/nag-mha.energy", "NagMHA")])
+@pytest.mark.parametrize("path,name", [("examples/cem/alibi.energy", "CEMAlibiAttention"),
+                                       ("examples/cem/mlp.energy", "CEMMLP"),
+                                       ("examples/intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
+                                       ("examples/intrinsic-optimizers/nag-mha.energy", "NagMHA"),
+                                       ("tests/data/weighted-context-sums.energy", "SigmoidAttention")])
 def test_generated_module_runs_under_torch_compile(path: str, name: str) -> None:
     """The specialised op sets are registered torch.library ops (with fake kernels under the interpreter),
     so torch.compile traces a generated layer instead of breaking on the Triton launch."""
-    derived = load(ROOT / "examples" / path).energy(name)
+    derived = load(ROOT / path).energy(name)
     torch.manual_seed(0)
     layer = module_class(derived, "triton")().to(DEVICE)
     x = layer.example_input(2, 13).to(DEVICE)

@@ -117,17 +117,26 @@ def _score_terms(em: Emitter, sm: ir.Softmax, j: str) -> tuple[list[tuple[sp.Exp
     bias_terms = [t for t in terms if t not in coupling and j in token_axes(t, em.indices)]
     if any(_state_dependent(t) for t in bias_terms):
         return None
-    dots = [d for t in coupling for d in (_couplings(em, t, j) or [None])]
-    if not dots or None in dots:
+    oriented = [d for t in coupling for d in (oriented_couplings(em, t, j) or [None])]
+    if not oriented or None in oriented:
         return None
-    oriented = []
-    for c, d in dots:
+    return oriented, bias_terms
+
+
+def oriented_couplings(em: Emitter, e: Expr, j: str) -> list[tuple[sp.Expr, ir.Dot]] | None:
+    """A score term as couplings c * (a_i . b_j) with the query's side first and the key's narrowed
+    (`_couplings`, `_narrow_dot`), or None if it is not one or a side has both tokens."""
+    found = _couplings(em, e, j)
+    if found is None:
+        return None
+    out = []
+    for c, d in found:
         if j in token_axes(d.a, em.indices):  # written k_j . q: swap
             d = ir.Dot(d.b, d.a)
         if j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
             return None
-        oriented.append((c, _narrow_dot(em, d, j)))
-    return oriented, bias_terms
+        out.append((c, _narrow_dot(em, d, j)))
+    return out
 
 
 def _emit_scores(em: Emitter, oriented: list[tuple[sp.Expr, ir.Dot]], bias_terms: list[Expr], j: str,

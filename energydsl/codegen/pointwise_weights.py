@@ -29,19 +29,20 @@ from .. import ir
 from ..calculus import NotDifferentiable, gradient
 from ..functions import REGISTRY
 from ..ir import Expr
+from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .lowering import (
     _apply_maps,
     _as_bhtd,
     _bias_kinds,
-    _couplings,
     _emit_scores,
     _from_bhtd,
-    _narrow_dot,
     _number,
+    _numel,
     _peel_maps,
     _state_dependent,
     _unflat,
     kernel_score_args,
+    oriented_couplings,
 )
 from .torch_expr import BATCH, POS, Val, canonical, token_axes
 from .triton_source import KernelRequest
@@ -56,7 +57,7 @@ SCORE = ir.Var("s", "param", ())
 @dataclass(frozen=True)
 class WeightPlan:
     """A pair weight split as G(score): G in `SCORE` and its printed forms (`weight_functions`), and the
-    score's couplings, row terms and key terms."""
+    score's couplings, its row terms (no context token) and its other terms by kernel argument."""
 
     weight: Expr
     functions: tuple[str, str, str]
@@ -82,6 +83,9 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
             v = Val(f"{v.code}[..., None]", v.axes, 1)  # (an expression: laid out once, as `_as_bhtd` keys)
     if POS in v.axes or v.rank != 1:
         return None
+    if sum(_numel(em, d.a.shape) for _, d in plan.couplings) > MAX_HEAD_DIM or (
+            value is not None and _numel(em, value.shape) > MAX_HEAD_DIM):
+        return None  # no feature-tiled pointwise kernels: wider scores or values keep the einsum
     sc, heads = _emit_scores(em, plan.couplings, [], j, also=(v,))
     row = em.emit(ir.add(*plan.row_terms)) if plan.row_terms else None
     if any(h not in em.sizes for h in heads) or (row is not None and set(row.axes) - {BATCH, POS} - set(heads)):
@@ -136,15 +140,10 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
         elif not _state_dependent(t):  # a key term, or one of positions and params (ALiBi's)
             biases.append(t)
         else:
-            found = _couplings(em, t, j)
+            found = oriented_couplings(em, t, j)
             if found is None:
                 return None
-            for c, d in found:
-                if j in token_axes(d.a, em.indices):  # written k_j . q: swap
-                    d = ir.Dot(d.b, d.a)
-                if j in token_axes(d.a, em.indices) or POS in token_axes(d.b, em.indices):
-                    return None
-                couplings.append((c, _narrow_dot(em, d, j)))
+            couplings += found
     kinds = _bias_kinds(em, biases, j, strict)
     return (couplings, rows, kinds) if couplings and kinds is not None else None
 
