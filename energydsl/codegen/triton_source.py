@@ -92,7 +92,8 @@ class KernelRequest:
     @property
     def tag(self) -> str:
         """Short and stable: the family, its baked values and the templates' own source."""
-        text = repr((self.family, self.baked, self.functions, self.reference, _templates_hash(self.family)))
+        generated = (self.functions, self.reference) if self.functions else ()  # (other families' tags unchanged)
+        text = repr((self.family, self.baked, *generated, _templates_hash(self.family)))
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
