@@ -11,7 +11,8 @@ for both, the ratio lowered / generic, and the largest relative difference of th
 
 A file without a model times its energy (`--name`, where it declares several) as one layer instead:
 forward+backward of a loss on the layer's displacement, same weights on both sides; it also prints each
-float32 layer's difference from the generic layer run in float64, to tell whose rounding a difference is.
+float32 layer's difference from the generic layer run in float64, to tell whose rounding a difference is (and a
+model's logits, likewise, against the generic model in float64).
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def main() -> None:
         targets = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
         with torch.no_grad():
             a, b = lowered(idx), generic(idx)
+            exact = copy.deepcopy(generic).double()(idx)  # float64: whose rounding is it
         diff = ((a - b).abs().max() / b.abs().max()).item()
+        errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
         times = {}
         for label, m in (("lowered", lowered), ("generic", generic)):
             step_time(m, idx, targets)  # warm-up
@@ -118,6 +121,7 @@ def main() -> None:
     print(f"  generic  {times['generic'] * 1e3:9.1f} ms   (masked T x T form, the peer)")
     print(f"  ratio lowered / generic: {times['lowered'] / times['generic']:.3f}   "
           f"max relative logit difference {diff:.1e}")
+    print(f"  against the generic model in float64: lowered {errors[0]:.1e}, generic {errors[1]:.1e}")
 
 
 def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namespace) -> None:

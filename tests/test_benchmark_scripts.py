@@ -9,6 +9,7 @@ say that there is no GPU and exit 0.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,6 +170,17 @@ def test_kernel_resources_every_variant_has_a_spill_free_config() -> None:
 def test_kernel_resources_names_an_unknown_variant() -> None:
     out = _run("benchmarks/kernel_resources.py", "--variants", "d64 plain,d96")
     assert out.returncode == 2 and "unknown variant(s) d96" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_lowering_benchmark_compares_a_model_with_its_generic_twin_in_float64() -> None:
+    """A file with a model: the timing and the logits of both float32 models against the generic one in
+    float64."""
+    out = _run("benchmarks/lowering.py", "--spec", "examples/models/rmt.energy", "--context", "32", "--repeats",
+               "1", "--set", "layers=1", "dk=8", "dv=8", "heads=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.search(r"against the generic model in float64: lowered (\S+), generic (\S+)", out.stdout)
+    assert found and "ratio lowered / generic" in out.stdout, out.stdout
+    assert all(float(e) < 1e-4 for e in found.groups()), found.groups()
 
 
 def test_lowering_benchmark_times_a_named_energy_of_a_file_with_several() -> None:
