@@ -186,6 +186,8 @@ def test_an_elementwise_weight_of_the_score_takes_the_pointwise_kernels(name: st
     forward = source.split("def forward")[1]
     assert ".pointwise_attention(" in forward
     assert "masked_reduce(" not in forward and "torch.einsum('btj" not in forward and "mask" not in forward
+    if name == "GaussianKernel":  # z Σ_j w_ij − Σ_j w_ij k_j: one call over the values [1, k_j] per step
+        assert forward.count(".pointwise_attention(") == 1 and "F.pad(" in forward
     _compare_backends(derived, name)
 
 

@@ -66,9 +66,14 @@ class WeightPlan:
     kinds: dict[str, list[Expr]]  # the terms with the context token: "key", "alibi" and "self" (`_bias_kinds`)
 
 
-def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | None, strict: bool) -> Val | None:
+def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | None, strict: bool,
+                        query_term: Expr | None = None) -> Val | None:
     """`Σ_j weight_ij value_j` (value None: 1) on the pointwise kernels (written into the file), or None where
-    the weight is not G(score) with a G the printers take (the caller emits the einsum or the masked form)."""
+    the weight is not G(score) with a G the printers take (the caller emits the einsum or the masked form).
+
+    With a `query_term` a_i, the sum is `Σ_j weight_ij (a_i + value_j)`, a pair vector split over the sum: one
+    call over the values [1, value_j] gives Σ_j weight_ij and Σ_j weight_ij value_j together (the scores once),
+    then a_i times the first plus the rest."""
     j = e.index
     plan = split_weight(em, weight, j, strict)
     if plan is None:
@@ -76,6 +81,11 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     maps: list[Expr] = []
     if value is None:  # Σ_j w_ij: the weights times a column of ones
         v = Val("torch.ones(B, T, 1, dtype=dt, device=dev)", canonical({BATCH, j}), 1)
+    elif query_term is not None:  # a column of ones before the values (no maps peeled: they would mix them)
+        v = em.emit(value)
+        if v.rank != 1:
+            return None
+        v = Val(f"F.pad({v.code}, (1, 0), value=1.0)", v.axes, 1)
     else:
         maps, value = _peel_maps(em, value, j)
         v = em.emit(value)
@@ -103,6 +113,12 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     if not e.shape:  # a number per query: the column's one feature
         return _from_bhtd(em, code, heads, 0, "sum over j of w(s_ij) v_j: the pointwise Triton kernels above")
     out = _from_bhtd(em, code, heads, 1, "sum over j of w(s_ij) v_j: the pointwise Triton kernels above")
+    if query_term is not None:
+        a = em.emit(query_term)
+        if a.rank != 1 or not set(a.axes) <= set(out.axes):
+            return None
+        return em.tmp(f"{out.code}[..., :1] * {em.align(a, out.axes, 1)} + {out.code}[..., 1:]", out.axes, 1,
+                      "a_i sum_j w_ij + sum_j w_ij b_j, from the one call over [1, b_j]")
     return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 

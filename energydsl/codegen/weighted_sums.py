@@ -13,7 +13,8 @@ matmul), after two regroupings that only move terms:
   Σ_j w_ij b_j`, each part a T x T reduction or weights times values.
 
 On the triton backend a sum whose weight is an element-wise function of one score runs on the pointwise
-kernels instead (`pointwise_weights.py`), with no T x T tensor at all; the einsum is what the others get.
+kernels instead (`pointwise_weights.py`), with no T x T tensor at all, a split pair vector's two sums in one
+call; the einsum is what the others get.
 
 The first trades the difference's exactness for the usual cancellation of the expanded square (as the l2
 softmax lowering does); the float64 tests hold either form to 1e-10.
@@ -48,6 +49,12 @@ def weighted_context_sum(em: Emitter, e: ir.Reduce, strict: bool) -> Val | None:
     terms = one_sided_terms(vectors[0], side) if len(vectors) == 1 else None
     if terms is not None and len(terms) > 1:  # Σ_j w_ij (a_i − b_j) = a_i Σ_j w_ij − Σ_j w_ij b_j
         rest = [f for f in factors if f is not vectors[0]]
+        if em.backend == "triton" and all(side(f) is None and not f.shape for f in rest):
+            from .pointwise_weights import kernel_weighted_sum  # both sums in one call: values [1, b_j]
+
+            out = kernel_weighted_sum(em, e, ir.mul(*rest), terms[1], strict, query_term=terms[0])
+            if out is not None:
+                return out
         return em.emit(ir.add(*(ir.reduce("sum", j, ir.mul(*rest, t)) for t in terms)))
     if body != e.body:  # the dots multiplied out: emitted anew (query-side factors leave the sum)
         return em.emit(ir.reduce("sum", j, body))
