@@ -56,6 +56,18 @@ def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, sc
 
 
 @triton.jit
+def _head_terms(ALIBI, SELF, h, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr):
+    """(ALiBi slope, self bias) of head h, fp32; 0 for a term the scores do not have."""
+    slope = 0.0
+    self_b = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + h).to(tl.float32)
+    if HAS_SELF:
+        self_b = tl.load(SELF + h).to(tl.float32)
+    return slope, self_b
+
+
+@triton.jit
 def _in_context(x, i, j, T, MASKED: tl.constexpr, STRICT: tl.constexpr):
     """x where (i, j) is a pair of the context (j <= i, or j < i, and i < T), 0 elsewhere, whatever x is there
     (w(s) need not vanish outside); x itself in a block with no pair outside (MASKED=False)."""
@@ -125,12 +137,7 @@ def _pointwise_fwd_kernel(
     Oh = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     rb_ptr = RB + bh.to(tl.int64) * T
     kb_ptr = KB + bh.to(tl.int64) * T
-    slope = 0.0
-    self_b = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
-    if HAS_SELF:
-        self_b = tl.load(SELF + h).to(tl.float32)
+    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -165,8 +172,8 @@ def _pointwise_bwd_dkdv_kernel(
     NEED_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dK, dV and d key_bias for one block of keys: a loop over the query blocks that see it. DK and DV share
-    K's and V's strides."""
+    """dK, dV, d key_bias and the slope's and self bias's per-key column sums (DDIST, DDIAG) for one block of
+    keys: loops over the query blocks that see it. DK and DV share K's and V's strides."""
     start_n = tl.program_id(0) * BLOCK_N
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     bh = tl.program_id(1)
@@ -180,12 +187,7 @@ def _pointwise_bwd_dkdv_kernel(
     DVh = DV + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     rb_ptr = RB + bh.to(tl.int64) * T
     kb_ptr = KB + bh.to(tl.int64) * T
-    slope = 0.0
-    self_b = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
-    if HAS_SELF:
-        self_b = tl.load(SELF + h).to(tl.float32)
+    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -256,12 +258,7 @@ def _pointwise_bwd_dq_kernel(
     DQh = DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     rb_ptr = RB + bh.to(tl.int64) * T
     kb_ptr = KB + bh.to(tl.int64) * T
-    slope = 0.0
-    self_b = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + h).to(tl.float32)
-    if HAS_SELF:
-        self_b = tl.load(SELF + h).to(tl.float32)
+    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
