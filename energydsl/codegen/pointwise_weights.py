@@ -13,7 +13,7 @@ by a variable: it may hold numbers only (a learned scalar inside it, `σ(s + b)`
 instead). G and its derivative, taken by the IR's own calculus, are printed as `@triton.jit` functions of one tile and
 baked into the kernels (`triton_source.py`); G is printed in torch too, for the exact float64 path.
 
-    split_weight(em, w, j, strict)    # G, its printed forms and its score's terms (a WeightPlan), or None
+    split_weight(em, w, j, strict)    # G's printed forms and its score's terms (a WeightPlan), or None
     weight_functions(em, G)           # (Triton body of G, of G', torch expression of G), or None
 """
 
@@ -56,10 +56,9 @@ SCORE = ir.Var("s", "param", ())
 
 @dataclass(frozen=True)
 class WeightPlan:
-    """A pair weight split as G(score): G in `SCORE` and its printed forms (`weight_functions`), and the
-    score's couplings, its row terms (no context token) and its other terms by kernel argument."""
+    """A pair weight split as G(score): G's printed forms (`weight_functions`: G and G' in Triton, G in torch),
+    and the score's couplings, its row terms (no context token) and its other terms by kernel argument."""
 
-    weight: Expr
     functions: tuple[str, str, str]
     couplings: list[tuple[sp.Expr, ir.Dot]]
     row_terms: list[Expr]
@@ -138,7 +137,7 @@ def split_weight(em: Emitter, w: Expr, j: str, strict: bool) -> WeightPlan | Non
         terms = _score_terms(em, node, j, tokens, strict)
         functions = None if terms is None else weight_functions(em, g)
         if terms is not None and functions is not None:
-            return WeightPlan(g, functions, *terms)
+            return WeightPlan(functions, *terms)
     return None
 
 

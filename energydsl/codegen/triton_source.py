@@ -122,7 +122,7 @@ FAMILIES = {
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
     # element-wise weights of the score, no normalisation (sigmoid attention); the weight functions generated
     "pointwise": Family(("pointwise_kernels",), "pointwise", "pointwise_ops",
-                        ("_pointwise_scores", "_head_terms", "_in_context", "_pointwise_blocks"),
+                        ("_pointwise_scores", "_rows", "_head_terms", "_in_context", "_pointwise_blocks"),
                         ("_pointwise_fwd_kernel", "_pointwise_bwd_dkdv_kernel", "_pointwise_bwd_dq_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel")),

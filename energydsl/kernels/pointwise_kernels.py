@@ -56,6 +56,13 @@ def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, sc
 
 
 @triton.jit
+def _rows(base, offs, stride, offs_d, D, T):
+    """The tile of rows `offs` (a row `stride` apart) and features `offs_d` at `base`; 0 past T and past D."""
+    return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=(offs[:, None] < T) & (offs_d[None, :] < D),
+                   other=0.0)
+
+
+@triton.jit
 def _head_terms(ALIBI, SELF, h, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr):
     """(ALiBi slope, self bias) of head h, fp32; 0 for a term the scores do not have."""
     slope = 0.0
@@ -141,17 +148,14 @@ def _pointwise_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
-    q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
-                mask=(offs_m[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
+    q = _rows(Qh, offs_m, stride_qt, offs_dk, D_QK, T)
     acc = tl.zeros((BLOCK_M, BV), dtype=tl.float32)
     for mode in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
         lo, hi = _pointwise_blocks(start_m, T, mode, False, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
-                        mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
-            v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                        mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
+            k = _rows(Kh, offs_n, stride_kt, offs_dk, D_QK, T)
+            v = _rows(Vh, offs_n, stride_vt, offs_dv, D_V, T)
             s, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
                                         mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
             w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
@@ -192,10 +196,8 @@ def _pointwise_bwd_dkdv_kernel(
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
     key_ok = offs_n < T
-    k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
-                mask=key_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
-    v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+    k = _rows(Kh, offs_n, stride_kt, offs_dk, D_QK, T)
+    v = _rows(Vh, offs_n, stride_vt, offs_dv, D_V, T)
     dk = tl.zeros((BLOCK_N, BK), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BV), dtype=tl.float32)
     dkb = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -205,10 +207,8 @@ def _pointwise_bwd_dkdv_kernel(
         lo, hi = _pointwise_blocks(start_n, T, mode, True, BLOCK_M, BLOCK_N)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
-                        mask=(offs_m[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
-            do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                         mask=(offs_m[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0).to(v.dtype)
+            q = _rows(Qh, offs_m, stride_qt, offs_dk, D_QK, T)
+            do = _rows(DOh, offs_m, stride_dot, offs_dv, D_V, T).to(v.dtype)
             s, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, True,
                                         mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)  # (keys, queries)
             w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
@@ -263,20 +263,16 @@ def _pointwise_bwd_dq_kernel(
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
     row_ok = offs_m < T
-    q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < D_QK), other=0.0)
-    do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0).to(V.dtype.element_ty)
+    q = _rows(Qh, offs_m, stride_qt, offs_dk, D_QK, T)
+    do = _rows(DOh, offs_m, stride_dot, offs_dv, D_V, T).to(V.dtype.element_ty)
     dq = tl.zeros((BLOCK_M, BK), dtype=tl.float32)
     drb = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for mode in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
         lo, hi = _pointwise_blocks(start_m, T, mode, False, BLOCK_M, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_dk[None, :],
-                        mask=(offs_n[:, None] < T) & (offs_dk[None, :] < D_QK), other=0.0)
-            v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                        mask=(offs_n[:, None] < T) & (offs_dv[None, :] < D_V), other=0.0)
+            k = _rows(Kh, offs_n, stride_kt, offs_dk, D_QK, T)
+            v = _rows(Vh, offs_n, stride_vt, offs_dv, D_V, T)
             s, i, j = _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, scale, False,
                                         mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF, DOT_PREC)
             dw = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
