@@ -46,6 +46,16 @@ def _npdf(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
 
 
+def _d2sigmoid(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1 - s) * (1 - 2 * s)
+
+
+def _d2silu(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1 - s) * (2 + x * (1 - 2 * s))
+
+
 _sig = sp.Integer(1) / (1 + sp.exp(-X))
 _Phi = (1 + sp.erf(X / sp.sqrt(2))) / 2
 _npdf_sym = sp.exp(-X**2 / 2) / sp.sqrt(2 * sp.pi)
@@ -70,25 +80,36 @@ for _f in [
     Function("step", sp.Heaviside(X, 0), lambda x: (x > 0).to(x.dtype), "zero", smooth=False,
              torch_src="({x} > 0).to({x}.dtype)"),
     Function("sigmoid", _sig, torch.sigmoid, "dsigmoid", latex="\\sigma", torch_src="torch.sigmoid({x})"),
-    Function("dsigmoid", _sig * (1 - _sig), lambda x: torch.sigmoid(x) * (1 - torch.sigmoid(x)), None,
+    Function("dsigmoid", _sig * (1 - _sig), lambda x: torch.sigmoid(x) * (1 - torch.sigmoid(x)), "dsigmoid'",
              latex="\\sigma'", torch_src="(torch.sigmoid({x}) * (1 - torch.sigmoid({x})))"),
     Function("tanh", sp.tanh(X), torch.tanh, "dtanh", torch_src="torch.tanh({x})"),
-    Function("dtanh", 1 - sp.tanh(X) ** 2, lambda x: 1 - torch.tanh(x) ** 2, None, latex="\\tanh'",
+    Function("dtanh", 1 - sp.tanh(X) ** 2, lambda x: 1 - torch.tanh(x) ** 2, "dtanh'", latex="\\tanh'",
              torch_src="(1 - torch.tanh({x}) ** 2)"),
     Function("softplus", sp.log(1 + sp.exp(X)), torch.nn.functional.softplus, "sigmoid",
              torch_src="F.softplus({x})"),
     Function("silu", X * _sig, torch.nn.functional.silu, "dsilu", latex="\\operatorname{SiLU}",
              torch_src="F.silu({x})"),
     Function("dsilu", sp.diff(X * _sig, X),
-             lambda x: torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))), None,
+             lambda x: torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))), "dsilu'",
              latex="\\operatorname{SiLU}'",
              torch_src="(torch.sigmoid({x}) * (1 + {x} * (1 - torch.sigmoid({x}))))"),
     Function("gelu", X * _Phi, lambda x: torch.nn.functional.gelu(x), "dgelu", latex="\\operatorname{GELU}",
              torch_src="F.gelu({x})"),
-    Function("dgelu", _Phi + X * _npdf_sym, lambda x: _phi(x) + x * _npdf(x), None,
+    Function("dgelu", _Phi + X * _npdf_sym, lambda x: _phi(x) + x * _npdf(x), "dgelu'",
              latex="\\operatorname{GELU}'",
              torch_src="(0.5 * (1 + torch.erf({x} * 0.7071067811865476)) + {x} * torch.exp(-0.5 * {x} ** 2)"
                        " * 0.3989422804014327)"),
+    # second derivatives in stable forms (SymPy's own, as rational functions of e^x, overflow in float32)
+    Function("dsigmoid'", _sig * (1 - _sig) * (1 - 2 * _sig), _d2sigmoid, None, latex="\\sigma''",
+             torch_src="(torch.sigmoid({x}) * (1 - torch.sigmoid({x})) * (1 - 2 * torch.sigmoid({x})))"),
+    Function("dtanh'", -2 * sp.tanh(X) * (1 - sp.tanh(X) ** 2), lambda x: -2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2),
+             None, latex="\\tanh''",
+             torch_src="(-2 * torch.tanh({x}) * (1 - torch.tanh({x}) ** 2))"),
+    Function("dsilu'", _sig * (1 - _sig) * (2 + X * (1 - 2 * _sig)), _d2silu, None,
+             latex="\\operatorname{SiLU}''",
+             torch_src="(torch.sigmoid({x}) * (1 - torch.sigmoid({x})) * (2 + {x} * (1 - 2 * torch.sigmoid({x}))))"),
+    Function("dgelu'", _npdf_sym * (2 - X**2), lambda x: _npdf(x) * (2 - x * x), None, latex="\\operatorname{GELU}''",
+             torch_src="(torch.exp(-0.5 * {x} ** 2) * 0.3989422804014327 * (2 - {x} ** 2))"),
     Function("square", X**2, torch.square, None, torch_src="torch.square({x})"),
     Function("identity", X, lambda x: x, "one", torch_src="{x}"),
     Function("one", sp.Integer(1) + 0 * X, torch.ones_like, "zero", torch_src="torch.ones_like({x})"),

@@ -78,6 +78,19 @@ def test_gated_activation(activation: str, shape: tuple[int, ...]) -> None:
         assert rel_err(a, b) < TOL
 
 
+@pytest.mark.parametrize("activation", ["silu", "tanh"])
+def test_an_activation_alone(activation: str) -> None:
+    """value None: sigma(gate) in one pass, its gradient dy * sigma'(gate); the op returns no value gradient."""
+    gate = randn(3, 333, seed=6, scale=3.0)  # several programs and a masked tail under the interpreter
+    dy = torch.randn(3, 333, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    y = gated_activation(gate, None, activation)
+    (g,) = grads((y,), [gate], (dy,))
+    (gate64,) = as_float64(gate)
+    y_ref = gated_activation_ref(gate64, None, activation)
+    (g_ref,) = grads((y_ref,), [gate64], (dy,))
+    assert y.dtype == torch.float32 and rel_err(y, y_ref) < TOL and rel_err(g, g_ref) < TOL
+
+
 def test_gated_activation_non_contiguous() -> None:
     gate = randn(40, 30, seed=4).t()
     value = randn(30, 40, seed=5)
@@ -174,7 +187,8 @@ def test_nesterov_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -
 
 def _all_ops(x: torch.Tensor, m: torch.Tensor, f: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     look = nesterov_lookahead(x, m, beta)
-    x_new, m_new = momentum_update(x, m, gated_activation(look, f, "gelu"), beta, 0.25)
+    force = gated_activation(look, f, "gelu") + gated_activation(f, None, "tanh")
+    x_new, m_new = momentum_update(x, m, force, beta, 0.25)
     return (x_new * m_new).sum()
 
 
@@ -277,6 +291,7 @@ def test_gpu_momentum_and_nesterov(dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 _COMPILE_SCRIPT = """
+import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -294,10 +309,11 @@ def build(kernel, ptrs, consts, dt):
 
 
 for dt in ("fp32", "bf16"):
-    for act in E.ACTIVATIONS:
-        build(K._gated_fwd_kernel, ["gate_ptr", "value_ptr", "out_ptr"], dict(ACT=act, BLOCK=2048), dt)
+    for act, has_value in itertools.product(E.ACTIVATIONS, (True, False)):
+        consts = dict(ACT=act, HAS_VALUE=has_value, BLOCK=2048)
+        build(K._gated_fwd_kernel, ["gate_ptr", "value_ptr", "out_ptr"], consts, dt)
         ptrs = ["gate_ptr", "value_ptr", "dout_ptr", "dgate_ptr", "dvalue_ptr"]
-        build(K._gated_bwd_kernel, ptrs, dict(ACT=act, BLOCK=2048), dt)
+        build(K._gated_bwd_kernel, ptrs, consts, dt)
     ptrs = ["x_ptr", "m_ptr", "f_ptr", "beta_ptr", "eta_ptr", "x_out_ptr", "m_out_ptr"]
     build(K._momentum_fwd_kernel, ptrs, dict(BLOCK=2048), dt)
     ptrs = ["gx_ptr", "gm_ptr", "m_ptr", "f_ptr", "beta_ptr", "eta_ptr", "dm_ptr", "df_ptr"]

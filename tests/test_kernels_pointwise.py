@@ -1,4 +1,5 @@
-"""The pointwise-weight kernels (`o_i = Σ_j w(s_ij) v_j`) against their T x T reference, and the printers of w.
+"""The pointwise-weight kernels (`o_i = Σ_j w(s_ij) v_j`) against their T x T reference (the printers of w:
+tests/test_scalar_functions.py).
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1 is set before triton is first
 imported), in float32 with ieee dot products, compared against the float64 reference with the relative error
@@ -8,9 +9,7 @@ modules bake the ones printed from their energy (tests/test_triton_backend.py ru
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,6 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from energydsl import ir  # noqa: E402
-from energydsl.codegen.pointwise_weights import SCORE, TRITON_FUNCTIONS, weight_functions  # noqa: E402
-from energydsl.functions import REGISTRY, derivative  # noqa: E402
 from energydsl.kernels import pointwise_kernels as PK  # noqa: E402
 from energydsl.kernels.launch import INTERPRET  # noqa: E402
 from energydsl.kernels.pointwise import SIGMOID, PointwiseOps  # noqa: E402
@@ -266,86 +262,6 @@ def test_a_specialised_set_refuses_other_flags() -> None:
     q = torch.randn(1, 1, 4, 4)
     with pytest.raises(ValueError, match="STRICT=False"):
         ops.pointwise_attention(q, q, q, strict=False)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The printers: every element-wise function's Triton form and derivative, against torch autograd
-# ---------------------------------------------------------------------------------------------------------
-
-_APPLY = '''
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def weight(x):
-{weight}
-
-
-@triton.jit
-def weight_grad(x):
-{grad}
-
-
-@triton.jit
-def apply(X, Y, DY, N, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < N, other=1.0)
-    tl.store(Y + offs, weight(x), mask=offs < N)
-    tl.store(DY + offs, weight_grad(x), mask=offs < N)
-'''
-
-
-class _Emitter:
-    """What the printers read of an emitter: the scalars' sources (none here)."""
-
-    scalars: dict = {}
-
-
-@pytest.mark.parametrize("name", sorted(TRITON_FUNCTIONS))
-def test_each_function_prints_to_triton_with_its_derivative(name: str, tmp_path: Path) -> None:
-    """G = 0.5 f(1.5 s) (so products and numbers print too): the Triton G and G' match torch's f and its
-    autograd derivative in float64, on points away from the kinks (and inside log's and sqrt's domain). A
-    function whose derivative has no Triton form (a derivative's own, SymPy-derived, such as GELU'') is
-    refused: its sums keep the torch path."""
-    g = ir.mul(ir.scalar(0.5), ir.func(name, ir.mul(ir.scalar(1.5), SCORE)))
-    printed = weight_functions(_Emitter(), g)  # type: ignore[arg-type]
-    if derivative(name) not in TRITON_FUNCTIONS:
-        assert printed is None
-        return
-    assert printed is not None
-    weight, grad, torch_src = printed
-    path = tmp_path / f"printed_{name}.py"
-    path.write_text(_APPLY.format(weight=_indent(weight), grad=_indent(grad)))
-    spec = importlib.util.spec_from_file_location(f"printed_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    x = torch.linspace(0.13, 2.9, 16, dtype=torch.float64)
-    x = torch.cat([x, -x]) if name not in ("log", "sqrt") else torch.cat([x, x + 3])
-    y, dy = torch.empty(32, device=DEVICE), torch.empty(32, device=DEVICE)
-    module.apply[(1,)](x.float().to(DEVICE), y, dy, 32, BLOCK=32)
-    xr = x.clone().requires_grad_()
-    want = 0.5 * REGISTRY[name](1.5 * xr)
-    # step, one and zero are constant where they are differentiable: torch builds no graph for them
-    want_grad = torch.autograd.grad(want.sum(), xr)[0] if want.requires_grad else torch.zeros_like(x)
-    assert rel_err(y.cpu(), want) < 1e-5
-    assert rel_err(dy.cpu(), want_grad) < 1e-5
-    reference = eval(f"lambda x: {torch_src}", {"torch": torch, "F": torch.nn.functional})
-    assert rel_err(reference(x), want) < 1e-12
-
-
-def _indent(body: str) -> str:
-    return "\n".join("    " + line for line in body.splitlines())
-
-
-def test_what_the_printers_do_not_take_is_refused() -> None:
-    """A learned scalar inside G, or a function with no Triton form: None (the torch path runs instead)."""
-    import sympy as sp
-
-    learned = ir.func("sigmoid", ir.mul(ir.Scalar(sp.Symbol("b")), SCORE))
-    assert weight_functions(_Emitter(), learned) is None  # type: ignore[arg-type]
-    assert weight_functions(_Emitter(), ir.func("dgelu", SCORE)) is None  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------------

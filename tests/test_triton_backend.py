@@ -1,11 +1,11 @@
 """The triton backend (`load(path).module(backend="triton")`) against the torch backend, example by example.
 
 Every example energy whose derived update has a recognised context sum runs its sums in the fused kernels
-of `energydsl.kernels` (softmax family, linear and gated linear attention); products value * act(pre)
-(CEM's and NRGPT's MLPs) run in the fused gated-activation epilogue, momentum steps in the fused momentum
-update, nag's look-ahead point in the fused Nesterov op; all of them are copies written into the generated
-file. Without CUDA the kernels run under the Triton interpreter (enabled below, before triton is imported),
-in float32 with exact fp32 dots.
+of `energydsl.kernels` (softmax family, linear and gated linear attention); products value * G(pre)
+(CEM's and NRGPT's MLPs) run in the fused gated epilogue, G printed from the energy; momentum steps in the
+fused momentum update, nag's look-ahead point in the fused Nesterov op; all of them are copies written into
+the generated file. Without CUDA the kernels run under the Triton interpreter (enabled below, before triton is
+imported), in float32 with exact fp32 dots.
 Each module is compared with the torch backend run in float64: the displacement (update minus x) and the
 gradients of a loss on it with respect to x and every parameter, relative error max|x - ref| / max|ref|
 below 1e-4, or at most four times the error of the float32 torch backend where that is larger (a peaked
@@ -65,7 +65,8 @@ LOWERED = [
     # element-wise energies: value * act(pre) as the fused epilogue
     ("cem/mlp.energy", "CEMMLP", {}),
     ("cem/mlp-dplr.energy", "CEMMLPDPLR", {}),
-    ("nrgpt/ff1.energy", "NRGPTFF1", {}),
+    ("nrgpt/ff1.energy", "NRGPTFF1", {}),  # GELU(a) GELU'(a): a function of one tensor, no value
+    ("nrgpt/ff2w.energy", "NRGPTFF2W", {}),  # value * GELU'(a): its backward kernel computes GELU''(a)
 ]
 
 
@@ -517,3 +518,12 @@ def test_momentum_across_layers_is_one_fused_step(path: str) -> None:
     gb = torch.autograd.grad(lb.square().mean(), list(b.parameters()))
     for (n, _), x, y in zip(a.named_parameters(), gb, ga):
         assert _rel(x, y) < 1e-3, n
+
+
+@pytest.mark.parametrize("name", ["SoftplusGate", "GaussianBumps", "NewtonSilu", "WeightedSigmoid"])
+def test_element_wise_gates_match_torch_backend(name: str) -> None:
+    """Products value * G(pre) with G printed from the energy (a softplus gate, a whole exp(-a²) a, a Newton step's
+    SiLU and SiLU' gates) against the torch backend in float32, and their float64 references to rounding."""
+    derived = load(ROOT / "tests/data/element-wise-gates.energy").energy(name)
+    _compare_backends(derived, name)
+    _float64_matches_torch_backend(derived, name)

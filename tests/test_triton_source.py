@@ -10,6 +10,7 @@ Triton interpreter, enabled before triton is first imported.
 import ast
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,8 @@ if not CUDA:
 
 pytest.importorskip("triton")
 
-from energydsl import load  # noqa: E402
-from energydsl.codegen import energy_source, module_class  # noqa: E402
+from energydsl import ir, load  # noqa: E402
+from energydsl.codegen import energy_source, module_class, scalar_functions  # noqa: E402
 from energydsl.codegen.triton_source import (  # noqa: E402
     FAMILIES,
     WIDTH,
@@ -35,7 +36,6 @@ from energydsl.codegen.triton_source import (  # noqa: E402
     specialise,
     wrap_long_lines,
 )
-from energydsl.kernels.epilogue_ref import ACTIVATIONS, gated_activation_ref  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if CUDA else "cpu"
@@ -151,28 +151,94 @@ def test_a_specialised_set_refuses_calls_it_was_not_made_for() -> None:
         ops.energy_attention(q, q, q, scale=0.5, strict=True)
 
 
-# the formula each activation leaves in a gated copy (`_act_and_grad`, energydsl/kernels/epilogue_kernels.py)
-FORMULAS = {"silu": "y = x * s", "gelu": "tl.math.erf(", "sigmoid": "y = tl.sigmoid(x)",
-            "relu": "tl.maximum(x, 0.0)", "tanh": "tl.sigmoid(2.0 * x)", "identity": "tl.full(x.shape, 1.0"}
+# what each energy's activation leaves in its gated copy: G and G' printed from the energy (`_act_and_grad`)
+FORMULAS = {"silu": ["x * tl.sigmoid(x)", "tl.sigmoid(x) * (1.0 + x * (1.0 - tl.sigmoid(x)))"],
+            "gelu(x) dgelu(x)": ["x * 0.5 * (1.0 + tl.math.erf(", "0.3989422804014327 * "]}
 
 
 @pytest.mark.parametrize("path,name,act", [("cem/mlp.energy", "CEMMLP", "silu"),
-                                           ("nrgpt/ff1.energy", "NRGPTFF1", "gelu")])
+                                           ("nrgpt/ff1.energy", "NRGPTFF1", "gelu(x) dgelu(x)")])
 def test_gated_activation_kernels_are_written_for_the_energys_activation(path: str, name: str, act: str) -> None:
-    """value * act(pre) runs on gated kernels written into the file, with that activation's formula only."""
+    """value * G(pre) runs on gated kernels written into the file, with the energy's G and G' printed in place of
+    the templates' activation table (NRGPT FF1's GELU(a) GELU'(a) with no value: one fused function)."""
     src = energy_source(load(ROOT / "examples" / path).energy(name), "triton")
     kernels = _kernels(src)
     assert {k.rsplit("_", 1)[0] for k in kernels} == {"_act_and_grad", "_gated_fwd_kernel", "_gated_bwd_kernel"}
-    for other, formula in FORMULAS.items():
-        assert (formula in src) == (other == act), other
+    helper = next(v for k, v in kernels.items() if k.startswith("_act_and_grad"))
+    for formula in FORMULAS[act]:
+        assert formula in helper, formula
     if act == "silu":
         assert "gelu" not in src and "erf" not in src
+    assert "if " not in helper  # no table left: the energy's function only
     names = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
     names |= {a.arg for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) for a in n.args.args}
-    assert "ACT" not in names
-    ops = KernelRequest.gated(act).name
-    assert f"{ops} = gated_activation_ops(" in src and f"{ops}.gated_activation(" in src
+    assert not names & {"ACT", "HAS_VALUE"}
+    ops = next(line.split(" = ")[0] for line in src.splitlines() if "= gated_activation_ops(" in line)
+    value = "c0" if act == "silu" else "None"  # FF1's product is a function of one tensor: no value
+    assert f"{ops}.gated_activation(" in src and f", {value}, {act!r})" in src
     assert "from energydsl import kernels" not in src  # no call left to the package's generic ops
+
+
+# G as the IR gives it (s the variable), what the call names it, and whether the product has a value
+_S = scalar_functions.VAR
+GATES = {
+    "silu": ir.func("silu", _S),
+    "dgelu": ir.func("dgelu", _S),  # its G' is GELU''
+    "gelu(x) dgelu(x)": ir.mul(ir.func("gelu", _S), ir.func("dgelu", _S)),
+    "exp(-x x) x": ir.mul(_S, ir.func("exp", ir.mul(ir.scalar(-1), _S, _S))),
+    "relu(x) step(x)": ir.mul(ir.func("relu", _S), ir.func("step", _S)),  # G' has step' = 0 dropped
+}
+
+
+@pytest.mark.parametrize("has_value", [True, False])
+@pytest.mark.parametrize("label", GATES)
+def test_each_gated_copy_computes_its_function_and_only_it(tmp_path: Path, label: str, has_value: bool) -> None:
+    """A gated copy with G printed from the IR equals value * G (or G) in float64, values and both gradients, and
+    refuses a call it was not made for (another function, or a value where it has none: both would silently
+    compute the baked product)."""
+    class _Emitter:
+        scalars: dict = {}
+
+    printed = scalar_functions.scalar_function(_Emitter(), GATES[label])  # type: ignore[arg-type]
+    req = KernelRequest.gated(label, printed.pair, printed.torch, value=has_value)
+    path = tmp_path / "gated.py"
+    header = ["import torch", "import torch.nn.functional as F", *kernel_imports([req])]  # a module's own imports
+    path.write_text("\n".join([*header, "", "", *kernel_source([req])]))
+    ops = getattr(_import(path, f"gated_{req.tag}"), req.name)
+    reference = eval(f"lambda x: {printed.torch}", {"torch": torch, "F": torch.nn.functional})
+    gen = torch.Generator().manual_seed(0)
+    gate, value, up = (s * torch.randn(3, 333, generator=gen) for s in (2.0, 1.0, 1.0))  # several programs
+    gate, value, up = gate.to(DEVICE).requires_grad_(), value.to(DEVICE).requires_grad_(), up.to(DEVICE)
+    inputs = [gate, value] if has_value else [gate]
+    got = ops.gated_activation(gate, value if has_value else None, label)
+    gate64, value64 = gate.detach().double().requires_grad_(), value.detach().double().requires_grad_()
+    want = reference(gate64) * (value64 if has_value else 1.0)
+    assert got.dtype == torch.float32 and _rel(got, want) < 1e-5
+    g = torch.autograd.grad((got * up).sum(), inputs)
+    r = torch.autograd.grad((want * up.double()).sum(), [gate64, value64][:len(inputs)])
+    for a, b in zip(g, r, strict=True):
+        assert _rel(a, b) < 1e-5
+    with pytest.raises(ValueError, match="specialised for .*ACT='other'"):
+        ops.gated_activation(gate, value if has_value else None, "other")
+    with pytest.raises(ValueError, match=f"HAS_VALUE={not has_value}"):
+        ops.gated_activation(gate, None if has_value else value, label)
+    # float64 takes the reference path: the same product
+    assert _rel(ops.gated_activation(gate64, value64 if has_value else None, label), want) < 1e-12
+
+
+# (energy of tests/data/element-wise-gates.energy, [(G's label, its value)]): the gated calls its update makes
+ELEMENT_WISE_GATES = [("SoftplusGate", [("softplus", "c0")]),  # no named activation of the generic kernels
+                      ("GaussianBumps", [("exp(-x x) x", "None")]),  # all of W^T(a exp(-a²)): the innermost a
+                      ("NewtonSilu", [("silu", "c0"), ("dsilu", "t7")]),  # gradient and Hessian-vector product
+                      ("WeightedSigmoid", [])]  # a parameter vector times a sigmoid: not an epilogue
+
+
+@pytest.mark.parametrize("name,calls", ELEMENT_WISE_GATES)
+def test_products_of_functions_of_one_tensor_become_gated_calls(name: str, calls: list[tuple[str, str]]) -> None:
+    """Which products fuse, with which G and value (tests/test_triton_backend.py runs them against torch)."""
+    src = energy_source(load(ROOT / "tests/data/element-wise-gates.energy").energy(name), "triton")
+    found = [(m.group(2), m.group(1)) for m in re.finditer(r"\.gated_activation\(\w+, (\w+), '([^']*)'\)", src)]
+    assert found == calls
 
 
 @pytest.mark.parametrize("path,name", [("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
@@ -190,29 +256,6 @@ def test_momentum_kernels_are_written_into_the_file(path: str, name: str) -> Non
     nesterov = {k.rsplit("_", 1)[0]: v for k, v in kernels.items() if k.startswith("_nesterov")}
     assert set(nesterov) == ({"_nesterov_fwd_kernel", "_nesterov_bwd_kernel"} if name == "NagMHA" else set())
     assert name != "NagMHA" or "x + c * m" in nesterov["_nesterov_fwd_kernel"]
-
-
-@pytest.mark.parametrize("act", ACTIVATIONS)
-def test_each_gated_specialisation_computes_its_activation_and_only_it(tmp_path: Path, act: str) -> None:
-    """A copy baked for `act` equals the reference (values and both gradients) and refuses another activation
-    (a SiLU copy called with 'gelu' would otherwise return SiLU)."""
-    req = KernelRequest.gated(act)
-    path = tmp_path / f"gated_{act}.py"
-    path.write_text("\n".join([*kernel_imports([req]), "", "", *kernel_source([req])]))
-    ops = getattr(_import(path, f"gated_{act}_{req.tag}"), req.name)
-    gen = torch.Generator().manual_seed(0)
-    gate, value, up = (s * torch.randn(3, 333, generator=gen) for s in (3.0, 1.0, 1.0))  # several programs
-    gate, value, up = gate.to(DEVICE).requires_grad_(), value.to(DEVICE).requires_grad_(), up.to(DEVICE)
-    got = ops.gated_activation(gate, value, act)
-    want = gated_activation_ref(gate.double(), value.double(), act)
-    assert got.dtype == torch.float32 and _rel(got, want) < 1e-5
-    g = torch.autograd.grad((got * up).sum(), [gate, value])
-    r = torch.autograd.grad((want * up.double()).sum(), [gate, value])
-    for a, b in zip(g, r):
-        assert _rel(a, b) < 1e-5
-    other = "gelu" if act == "silu" else "silu"
-    with pytest.raises(ValueError, match=f"specialised for .*ACT={other}"):
-        ops.gated_activation(gate, value, other)
 
 
 def _chain(x, MODE):  # an if/elif chain on a string, as `_act_and_grad`'s on ACT
@@ -309,7 +352,8 @@ def test_copies_define_every_function_they_call(family: str) -> None:
     constexpr mode the interpreter tests leave off): every called `_name` must be a written copy."""
     request = {"attention": KernelRequest.attention(True, True, True, True, second=False),
                "attention_wide": KernelRequest.attention(False, True, True, True, second=True, wide=True),
-               "linear": KernelRequest.linear(strict=False, decay=True), "gated": KernelRequest.gated("silu"),
+               "linear": KernelRequest.linear(strict=False, decay=True),
+               "gated": KernelRequest.gated("silu", "return x * tl.sigmoid(x), tl.sigmoid(x)", "F.silu(x)", True),
                "momentum": KernelRequest.momentum(), "nesterov": KernelRequest.nesterov(),
                "pointwise": KernelRequest.pointwise(True, True, True, True, True, "return tl.sigmoid(x)",
                                                     "return tl.sigmoid(x) * (1.0 - tl.sigmoid(x))",
@@ -369,12 +413,25 @@ requests = [
     KernelRequest.attention(strict=True, alibi=True, self_bias=True, key_bias=False),
     KernelRequest.attention(strict=False, alibi=False, self_bias=False, key_bias=True, second=True, wide=True),
     KernelRequest.linear(strict=False, decay=True),
-    KernelRequest.gated("gelu"),
+    KernelRequest.gated("gelu", "t0 = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))\\n"
+                        "return x * t0, t0 + x * tl.exp(-0.5 * x * x) * 0.3989422804014327", "F.gelu(x)", True),
+    KernelRequest.gated("sigmoid", "t0 = tl.sigmoid(x)\\nreturn t0, t0 * (1.0 - t0)", "torch.sigmoid(x)", False),
     KernelRequest.momentum(),
     KernelRequest.nesterov(),
     KernelRequest.pointwise(True, True, False, True, False, "return tl.sigmoid(x)",
                             "return tl.sigmoid(x) * (1.0 - tl.sigmoid(x))", "torch.sigmoid(x)"),
 ]
+from energydsl import ir
+from energydsl.codegen.scalar_functions import VAR, scalar_function
+from energydsl.functions import antiderivative
+
+
+class _Emitter:
+    scalars = {}
+
+
+printed = scalar_function(_Emitter(), ir.func(antiderivative("gelu"), VAR))  # G and G' printed from SymPy's formulas
+requests.append(KernelRequest.gated("int_gelu", printed.pair, printed.torch, True))
 text = "\\n".join(["from __future__ import annotations", *kernel_imports(requests), *kernel_source(requests)])
 path = Path(tempfile.mkdtemp()) / "copies.py"
 path.write_text(text)
@@ -417,7 +474,7 @@ def test_copies_keep_their_constexprs_in_compiled_mode() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _COMPILED_COPIES.replace("{COMPILE}", "False")], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "compiled 34" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "compiled 40" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

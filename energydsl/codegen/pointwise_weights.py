@@ -10,11 +10,11 @@ instead, with memory linear in T, when its weight is an element-wise function of
 term no query position or state; the position terms are classified as the softmax family's are, an ALiBi
 slope or a self bias per head, proven by SymPy). G is what remains of the weight once the score is replaced
 by a variable: it may hold numbers only (a learned scalar inside it, `σ(s + b)`, joins the score as a row term
-instead). G and its derivative, taken by the IR's own calculus, are printed as `@triton.jit` functions of one tile and
-baked into the kernels (`triton_source.py`); G is printed in torch too, for the exact float64 path.
+instead). G and its derivative, taken by the IR's own calculus, are printed as `@triton.jit` functions of one
+tile (`scalar_functions.py`) and baked into the kernels (`triton_source.py`); G is printed in torch too, for the
+exact float64 path.
 
-    split_weight(em, w, j, strict)    # G's printed forms and its score's terms (a WeightPlan), or None
-    weight_functions(em, G)           # (Triton body of G, of G', torch expression of G), or None
+    split_weight(em, w, j, strict)    # G printed (`scalar_functions.py`) and its score's terms (a WeightPlan)
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from .. import ir
-from ..calculus import NotDifferentiable, gradient
-from ..functions import REGISTRY
 from ..ir import Expr
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .lowering import (
@@ -36,7 +34,6 @@ from .lowering import (
     _bias_kinds,
     _emit_scores,
     _from_bhtd,
-    _number,
     _numel,
     _peel_maps,
     _state_dependent,
@@ -44,22 +41,21 @@ from .lowering import (
     kernel_score_args,
     oriented_couplings,
 )
+from .scalar_functions import VAR as SCORE
+from .scalar_functions import ScalarFunction, scalar_function
 from .torch_expr import BATCH, POS, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
 
-#: the score inside G: a scalar variable of no token
-SCORE = ir.Var("s", "param", ())
-
 
 @dataclass(frozen=True)
 class WeightPlan:
-    """A pair weight split as G(score): G's printed forms (`weight_functions`: G and G' in Triton, G in torch),
+    """A pair weight split as G(score): G printed (`scalar_function`: G and G' in Triton, G in torch),
     and the score's couplings, its row terms (no context token) and its other terms by kernel argument."""
 
-    functions: tuple[str, str, str]
+    weight: ScalarFunction
     couplings: list[tuple[sp.Expr, ir.Dot]]
     row_terms: list[Expr]
     kinds: dict[str, list[Expr]]  # the terms with the context token: "key", "alibi" and "self" (`_bias_kinds`)
@@ -104,10 +100,10 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
         column = row if row.rank else Val(f"{row.code}[..., None]", row.axes, 1)
         keywords.append(f"row_bias={_as_bhtd(em, column, heads, POS)}[..., 0]")
     vc = _as_bhtd(em, v, heads, j)
-    triton_weight, triton_grad, torch_weight = plan.functions
     ops = em.kernel_set(KernelRequest.pointwise(
         strict=strict, row_bias=row is not None, key_bias=bool(plan.kinds["key"]), alibi=bool(plan.kinds["alibi"]),
-        self_bias=bool(plan.kinds["self"]), weight=triton_weight, weight_grad=triton_grad, reference=torch_weight))
+        self_bias=bool(plan.kinds["self"]), weight=plan.weight.value, weight_grad=plan.weight.grad,
+        reference=plan.weight.torch))
     code = f"{ops}.pointwise_attention({', '.join([qc, kc, vc, *keywords])})"
     if not e.shape:  # a number per query: the column's one feature
         return _from_bhtd(em, code, heads, 0, "sum over j of w(s_ij) v_j: the pointwise Triton kernels above")
@@ -135,9 +131,9 @@ def split_weight(em: Emitter, w: Expr, j: str, strict: bool) -> WeightPlan | Non
         if any(tokens(n) for n in ir.walk(g)):
             continue  # tokens outside the candidate: not G of it
         terms = _score_terms(em, node, j, tokens, strict)
-        functions = None if terms is None else weight_functions(em, g)
-        if terms is not None and functions is not None:
-            return WeightPlan(functions, *terms)
+        printed = None if terms is None else scalar_function(em, g)
+        if terms is not None and printed is not None:
+            return WeightPlan(printed, *terms)
     return None
 
 
@@ -174,139 +170,3 @@ def _terms(e: Expr, tokens: Callable[[Expr], bool]) -> list[Expr]:
             coef = [f for f in body.factors if f is not sums[0]]
             return [ir.mul(*coef, t) for t in _terms(sums[0], tokens)]
     return [e]
-
-
-# ----------------------------------------------------------------------------- printing G and G'
-
-
-def weight_functions(em: Emitter, g: Expr) -> tuple[str, str, str] | None:
-    """(the Triton body of G, that of G', G as a torch expression in x), or None if G holds something the
-    printers do not take (a learned scalar, a function without a Triton form, a non-numeric power)."""
-    try:
-        dg = gradient(g, SCORE)
-    except (NotDifferentiable, ir.ShapeError):
-        return None
-    # a derivative that is 0 everywhere (step's, in relu(s)^2 step(s)) drops out of its product and sum
-    dg = ir.substitute(dg, {n: ir.ZERO for n in ir.walk(dg) if isinstance(n, ir.Func) and n.name == "zero"})
-    triton, triton_grad = (_TritonPrinter(em).body(f) for f in (g, dg))
-    torch_src = _torch_src(em, g)
-    if triton is None or triton_grad is None or torch_src is None:
-        return None
-    return triton, triton_grad, torch_src
-
-
-#: element-wise functions in Triton, `{x}` a name (each argument is bound to a local first); numerically
-#: stable forms where the naive one overflows (softplus, tanh)
-TRITON_FUNCTIONS = {
-    "exp": "tl.exp({x})",
-    "log": "tl.log({x})",
-    "inv": "1.0 / {x}",
-    "sqrt": "tl.sqrt({x})",
-    "abs": "tl.abs({x})",
-    "sign": "tl.where({x} > 0.0, 1.0, tl.where({x} < 0.0, -1.0, 0.0))",
-    "zero": "0.0 * {x}",
-    "one": "0.0 * {x} + 1.0",
-    "identity": "{x}",
-    "square": "{x} * {x}",
-    "relu": "tl.maximum({x}, 0.0)",
-    "step": "tl.where({x} > 0.0, 1.0, 0.0)",
-    "sigmoid": "tl.sigmoid({x})",
-    "dsigmoid": "tl.sigmoid({x}) * (1.0 - tl.sigmoid({x}))",
-    "tanh": "2.0 * tl.sigmoid(2.0 * {x}) - 1.0",
-    "dtanh": "1.0 - (2.0 * tl.sigmoid(2.0 * {x}) - 1.0) * (2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
-    "softplus": "tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x})))",
-    "silu": "{x} * tl.sigmoid({x})",
-    "dsilu": "tl.sigmoid({x}) * (1.0 + {x} * (1.0 - tl.sigmoid({x})))",
-    "gelu": "{x} * 0.5 * (1.0 + tl.math.erf({x} * 0.7071067811865476))",
-    "dgelu": "0.5 * (1.0 + tl.math.erf({x} * 0.7071067811865476)) + {x} * tl.exp(-0.5 * {x} * {x}) * "
-             "0.3989422804014327",
-}
-
-
-class _TritonPrinter:
-    """A scalar expression in `SCORE` as the statements of a `@triton.jit` function of `x`, one local per node."""
-
-    def __init__(self, em: Emitter):
-        self.em = em
-        self.lines: list[str] = []
-        self.memo: dict[Expr, str] = {}
-
-    def body(self, e: Expr) -> str | None:
-        try:
-            result = self.visit(e)
-        except _Unprintable:
-            return None
-        return "\n".join([*self.lines, f"return {result}"])
-
-    def local(self, code: str) -> str:
-        name = f"t{len(self.lines)}"
-        self.lines.append(f"{name} = {code}")
-        return name
-
-    def visit(self, e: Expr) -> str:
-        if e in self.memo:
-            return self.memo[e]
-        match e:
-            case ir.Var() if e == SCORE:
-                out = "x"
-            case ir.Scalar():
-                out = repr(_float(self.em, e.value))
-            case ir.Let() | ir.StopGrad():
-                out = self.visit(e.body if isinstance(e, ir.Let) else e.a)
-            case ir.Add():
-                out = self.local(" + ".join(self.visit(t) for t in e.terms))
-            case ir.Mul():
-                out = self.local(" * ".join(self.visit(f) for f in e.factors))
-            case ir.Pow():
-                out = self.local(_triton_power(self.visit(e.base), _float(self.em, e.exponent)))
-            case ir.Func() if e.name in TRITON_FUNCTIONS:
-                out = self.local(TRITON_FUNCTIONS[e.name].format(x=self.visit(e.arg)))
-            case _:
-                raise _Unprintable
-        self.memo[e] = out
-        return out
-
-
-def _triton_power(base: str, p: float) -> str:
-    """base ** p: a product for small integer powers, sqrt for 1/2, exp(p log base) otherwise (base > 0)."""
-    if p == int(p) and 1 <= abs(p) <= 4:
-        product = " * ".join([base] * int(abs(p)))
-        return product if p > 0 else f"1.0 / ({product})"
-    if p == 0.5:
-        return f"tl.sqrt({base})"
-    return f"tl.exp({p!r} * tl.log({base}))"
-
-
-def _torch_src(em: Emitter, e: Expr) -> str | None:
-    """G as one torch expression in `x` (the reference path's weight), or None."""
-    match e:
-        case ir.Var() if e == SCORE:
-            return "x"
-        case ir.Scalar():
-            value = _number(e.value, em.scalars)
-            return None if value is None else repr(value)
-        case ir.Let():
-            return _torch_src(em, e.body)
-        case ir.StopGrad():
-            return _torch_src(em, e.a)
-        case ir.Add() | ir.Mul():
-            parts = [_torch_src(em, t) for t in e.children]
-            return None if None in parts else "(" + (" + " if isinstance(e, ir.Add) else " * ").join(parts) + ")"
-        case ir.Pow():
-            base, p = _torch_src(em, e.base), _number(e.exponent, em.scalars)
-            return None if base is None or p is None else f"({base} ** {p!r})"
-        case ir.Func() if REGISTRY[e.name].torch_src:
-            arg = _torch_src(em, e.arg)
-            return None if arg is None else "(" + REGISTRY[e.name].torch_src.format(x=arg) + ")"
-    return None
-
-
-class _Unprintable(Exception):
-    pass
-
-
-def _float(em: Emitter, value: sp.Expr) -> float:
-    number = _number(value, em.scalars)
-    if number is None:
-        raise _Unprintable
-    return number

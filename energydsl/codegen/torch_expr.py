@@ -397,7 +397,12 @@ class Emitter:
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
         if self.backend == "triton":
-            fused = self._gated_activation(e) if isinstance(e, ir.Mul) else self._nesterov_lookahead(e)
+            if isinstance(e, ir.Mul):
+                from .gated_epilogue import fused_gate  # value * G(pre): generated gated kernels
+
+                fused = fused_gate(self, e)
+            else:
+                fused = self._nesterov_lookahead(e)
             if fused is not None:
                 return fused
         parts = e.terms if isinstance(e, ir.Add) else e.factors
@@ -413,22 +418,6 @@ class Emitter:
         rank = len(e.shape)
         code = op.join(self.align(v, axes, rank) for v in vals)
         return self.tmp(code, axes, rank)
-
-    def _gated_activation(self, e: ir.Mul) -> Val | None:
-        """value * act(pre) with equal layouts (CEM's γ ∘ SiLU(V u), a SwiGLU): the fused Triton epilogue, its
-        kernels written into the generated file with the activation baked in."""
-        from ..kernels.epilogue_ref import ACTIVATIONS
-
-        if len(e.factors) != 2:
-            return None
-        for act, other in (e.factors, e.factors[::-1]):
-            if isinstance(act, ir.Func) and act.name in ACTIVATIONS and ir.same_shape(act.shape, other.shape):
-                pre, value = self.emit(act.arg), self.emit(other)
-                if not (pre.scalar or value.scalar) and pre.axes == value.axes and pre.rank == value.rank:
-                    ops = self.kernel_set(KernelRequest.gated(act.name))  # kernels written into the file
-                    return self.tmp(f"{ops}.gated_activation({pre.code}, {value.code}, {act.name!r})",
-                                    pre.axes, pre.rank, f"{value.code} * {act.name}({pre.code}), fused")
-        return None
 
     def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
         """state + c * velocity (nag's look-ahead point, c a scalar such as -beta) with both full token

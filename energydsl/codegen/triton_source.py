@@ -1,11 +1,12 @@
 """Triton kernels written into a generated module: the family templates specialised for one energy.
 
 The fused kernels of `energydsl.kernels` are templates with `tl.constexpr` switches (causal or strict mask,
-ALiBi slope, self-token bias, per-key bias, first- or second-order pass, decay gate, the gated epilogue's
-activation). What an energy fixes is known when
-its update is lowered, so the triton backend writes a copy of each template into the generated file with
-those switches replaced by their values and the branches they turn off removed: the kernels a reader finds
-in `energy compile --backend triton -o out.py` compute this energy's scores and nothing else.
+ALiBi slope, self-token bias, per-key bias, first- or second-order pass, decay gate, whether the gated
+epilogue has a value). What an energy fixes is known when its update is lowered, so the triton backend writes
+a copy of each template into the generated file with those switches replaced by their values and the branches
+they turn off removed, and the functions printed from the energy (a pointwise weight, a gated activation)
+baked in: the kernels a reader finds in `energy compile --backend triton -o out.py` compute this energy's
+scores and nothing else.
 
     request = KernelRequest.attention(strict=True, alibi=True, self_bias=False, key_bias=False)
     kernel_source([request])      # the @triton.jit kernels and the op set the generated forward calls
@@ -38,8 +39,9 @@ class KernelRequest:
 
     family: str
     baked: tuple[tuple[str, Any], ...]
-    # @triton.jit functions generated for this request, by the constexpr parameter they are baked into: the
-    # statements of a function of `x` (the pointwise family's weight and its derivative)
+    # @triton.jit functions generated for this request, the statements of a function of `x`, by the constexpr
+    # parameter they are baked into (the pointwise family's weight and its derivative) or by the helper template
+    # they replace (the gated epilogue's `_act_and_grad`)
     functions: tuple[tuple[str, str], ...] = ()
     reference: str = ""  # a torch expression in `x` the op set computes the float64 path with
 
@@ -70,9 +72,12 @@ class KernelRequest:
                              reference)
 
     @staticmethod
-    def gated(activation: str) -> KernelRequest:
-        """The gated-activation epilogue value * act(pre) for one activation (its formula alone is kept)."""
-        return KernelRequest("gated", (("ACT", activation),))
+    def gated(label: str, act_and_grad: str, reference: str, value: bool) -> KernelRequest:
+        """The gated epilogue value * G(pre) (G(pre) alone without a `value`): `act_and_grad` the body returning
+        (G(x), G'(x)) printed from the energy (`gated_epilogue.py`), in place of the templates' activation
+        table; `label` names G at the call, `reference` is G in torch."""
+        return KernelRequest("gated", (("ACT", label), ("HAS_VALUE", value)), (("_act_and_grad", act_and_grad),),
+                             reference)
 
     @staticmethod
     def momentum() -> KernelRequest:
@@ -126,8 +131,8 @@ FAMILIES = {
                         ("_pointwise_fwd_kernel", "_pointwise_bwd_dkdv_kernel", "_pointwise_bwd_dq_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel")),
-    # the element-wise epilogues: value * act(pre) with ACT baked in; the heavy-ball step and nag's
-    # look-ahead as they are
+    # the element-wise epilogues: value * G(pre) with G printed from the energy; the heavy-ball step and
+    # nag's look-ahead as they are
     "gated": Family(("epilogue_kernels",), "epilogue", "gated_activation_ops", ("_act_and_grad",),
                     ("_gated_fwd_kernel", "_gated_bwd_kernel")),
     "momentum": Family(("epilogue_kernels",), "epilogue", "momentum_ops", (),
@@ -179,17 +184,28 @@ def kernel_source(requests: list[KernelRequest]) -> list[str]:
         header = f"{req.family} kernels" + (f" for {flags}" if flags else "")
         lines += [f"# --- {header}:", f"#     {where}" + (", specialised" if flags else ""), ""]
         constants: dict[str, Any] = dict(baked)
+        replaced = {param: body for param, body in req.functions if param in templates}
         for param, body in req.functions:  # generated functions first, baked in as the name they are defined by
-            name = f"_{param.lower()}_{req.tag}"
-            lines += ["@triton.jit", f"def {name}(x):", textwrap.indent(body, "    "), "", ""]
-            constants[param] = ast.Name(name, ast.Load())
-        for t in templates.values():
-            lines += [specialise(t, constants, names, templates), "", ""]
+            if param not in replaced:
+                name = f"_{param.lower()}_{req.tag}"
+                lines += _jit_function(name, body)
+                constants[param] = ast.Name(name, ast.Load())
+        for template, t in templates.items():
+            if template in replaced:  # a helper the energy's own function stands in for (its baked arguments gone)
+                lines += _jit_function(names[template], replaced[template],
+                                       [a.arg for a in t.args.args if a.arg not in constants])
+            else:
+                lines += [specialise(t, constants, names, templates), "", ""]
         kernels = ", ".join(names[k] for k in fam.kernels)
         reference = f", reference=lambda x: {req.reference}" if req.reference else ""
         lines += [wrap_long_lines(f"{req.name} = {fam.builder}({req.name!r}, {kernels}, {baked!r}{reference})"),
                   "", ""]
     return lines
+
+
+def _jit_function(name: str, body: str, params: list[str] | None = None) -> list[str]:
+    """The lines of a generated `@triton.jit` function (of `x` unless `params` say otherwise)."""
+    return ["@triton.jit", f"def {name}({', '.join(params or ['x'])}):", textwrap.indent(body, "    "), "", ""]
 
 
 def specialise(fn: ast.FunctionDef | Callable[..., Any], constants: dict[str, Any], names: dict[str, str],

@@ -224,9 +224,10 @@ def sigmoid_attention(
     return pointwise_attention_ref(q, k, v, torch.sigmoid, **kw)
 
 
-def gated_activation(gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
-    """value * act(gate_pre) in one fused pass (forward and backward), else the reference."""
-    if kernels_take(value):
+def gated_activation(gate_pre: Tensor, value: Tensor | None, activation: str = "silu") -> Tensor:
+    """value * act(gate_pre) (act(gate_pre) with value None) in one fused pass (forward and backward), else the
+    reference."""
+    if kernels_take(gate_pre):
         from .epilogue import gated_activation as kernel
 
         return kernel(gate_pre, value, activation)

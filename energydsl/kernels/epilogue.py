@@ -7,7 +7,7 @@ reads its inputs once and writes its outputs once, forward and backward:
 
 * `gated_activation(gate_pre, value, act)` = value * sigma(gate_pre): the update V^T((W h) o sigma(V u)) of
   CEM's gated MLP energy E = -(W h) . phi(V u), phi = integral of sigma, and of NRGPT's feed-forward energies.
-  Backward: d value = dy * sigma(x), d gate = dy * value * sigma'(x), one kernel.
+  Backward: d value = dy * sigma(x), d gate = dy * value * sigma'(x), one kernel. With value None: sigma(x).
 * `momentum_update(x, m, f, beta, eta)`: m_new = beta m + f, x_new = x + eta m_new (heavy ball on the residual
   stream); `nesterov_lookahead(x, m, c)` = x + c m, the point where nag evaluates its force (c = -beta).
   beta, eta and c are scalar tensors that may be learned: their gradients are per-program partial sums
@@ -148,50 +148,62 @@ def _reduced(partials: Tensor, scalar: Tensor) -> Tensor:
 
 
 class GatedActivationOps(_KernelPairOps):
-    """value * sigma(gate_pre) on one forward / backward kernel pair, as torch ops registered under one name.
+    """value * sigma(gate_pre) (or sigma(gate_pre) alone) on one forward / backward kernel pair, as torch ops
+    registered under one name.
 
-    `baked` holds what the kernels' source fixes: {"ACT": "silu"} for a generated module's copy, whose
-    `_act_and_grad` computes SiLU only. A call with another activation is refused rather than silently
-    computing the baked one.
+    `baked` holds what the kernels' source fixes: {"ACT": "silu", "HAS_VALUE": True} for a generated module's
+    copy, whose `_act_and_grad` computes that activation only. A call with another activation, or with a
+    value where none was baked, is refused rather than silently computing the baked one. A generated copy's
+    activation may be any function printed from the energy (`ACT` then names it); `reference` is that
+    function in torch, for the tensors no kernel takes (float64).
     """
 
-    def _meta(self, activation: str) -> dict[str, Any]:
-        """Launch meta-parameters: the activation unless baked in, the block under the interpreter."""
-        act = {} if "ACT" in self.baked else {"ACT": activation}
-        return act | launch_options(BLOCK=_INTERPRET_BLOCK)
+    def __init__(self, name: str, fwd: Any, bwd: Any, baked: dict[str, Any] | None = None,
+                 reference: Callable[[Tensor], Tensor] | None = None) -> None:
+        super().__init__(name, fwd, bwd, baked)
+        self.reference = reference
 
-    def _fwd_impl(self) -> Callable[[Tensor, Tensor, str], Tensor]:
-        def gated_activation_fwd(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-            gate_pre, value = gate_pre.contiguous(), value.contiguous()
-            dtype = torch.promote_types(gate_pre.dtype, value.dtype)
-            out = torch.empty(value.shape, dtype=dtype, device=value.device)
+    def _meta(self, activation: str, has_value: bool) -> dict[str, Any]:
+        """Launch meta-parameters: what is not baked in, the block under the interpreter."""
+        taken = {k: v for k, v in dict(ACT=activation, HAS_VALUE=has_value).items() if k not in self.baked}
+        return taken | launch_options(BLOCK=_INTERPRET_BLOCK)
+
+    def _fwd_impl(self) -> Callable[[Tensor, Tensor | None, str], Tensor]:
+        def gated_activation_fwd(gate_pre: Tensor, value: Tensor | None, activation: str) -> Tensor:
+            gate_pre = gate_pre.contiguous()
+            value = None if value is None else value.contiguous()
+            out = torch.empty(gate_pre.shape, dtype=_out_dtype(gate_pre, value), device=gate_pre.device)
             n = out.numel()
-            wrap_triton(self._fwd)[_ew_grid(n)](gate_pre, value, out, n, **self._meta(activation))
+            wrap_triton(self._fwd)[_ew_grid(n)](
+                gate_pre, gate_pre if value is None else value, out, n, **self._meta(activation, value is not None)
+            )
             return out
 
         return gated_activation_fwd
 
-    def _bwd_impl(self) -> Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]:
-        def gated_activation_bwd(
-            dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str
-        ) -> tuple[Tensor, Tensor]:
-            dout, gate_pre, value = dout.contiguous(), gate_pre.contiguous(), value.contiguous()
-            dgate, dvalue = torch.empty_like(gate_pre), torch.empty_like(value)
+    def _bwd_impl(self) -> Callable[[Tensor, Tensor, Tensor | None, str], list[Tensor]]:
+        def gated_activation_bwd(dout: Tensor, gate_pre: Tensor, value: Tensor | None, activation: str) -> list[Tensor]:
+            """[d gate, d value], or [d gate] with no value (an op returns no optional tensor)."""
+            dout, gate_pre = dout.contiguous(), gate_pre.contiguous()
+            value = None if value is None else value.contiguous()
+            dgate = torch.empty_like(gate_pre)
+            dvalue = None if value is None else torch.empty_like(value)
             n = dout.numel()
             wrap_triton(self._bwd)[_ew_grid(n)](
-                gate_pre, value, dout, dgate, dvalue, n, **self._meta(activation)
+                gate_pre, gate_pre if value is None else value, dout, dgate, dgate if dvalue is None else dvalue,
+                n, **self._meta(activation, value is not None)
             )
-            return dgate, dvalue
+            return [dgate] if dvalue is None else [dgate, dvalue]
 
         return gated_activation_bwd
 
     @staticmethod
-    def _fwd_fake(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-        return value.new_empty(value.shape, dtype=torch.promote_types(gate_pre.dtype, value.dtype))
+    def _fwd_fake(gate_pre: Tensor, value: Tensor | None, activation: str) -> Tensor:
+        return gate_pre.new_empty(gate_pre.shape, dtype=_out_dtype(gate_pre, value))
 
     @staticmethod
-    def _bwd_fake(dout: Tensor, gate_pre: Tensor, value: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-        return gate_pre.new_empty(gate_pre.shape), value.new_empty(value.shape)
+    def _bwd_fake(dout: Tensor, gate_pre: Tensor, value: Tensor | None, activation: str) -> list[Tensor]:
+        return [t.new_empty(t.shape) for t in (gate_pre, value) if t is not None]
 
     @staticmethod
     def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -201,23 +213,34 @@ class GatedActivationOps(_KernelPairOps):
 
     def _backward(self, ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         gate_pre, value = ctx.saved_tensors
-        dgate, dvalue = self._bwd_op(dout, gate_pre, value, ctx.activation)
-        return dgate, dvalue, None
+        dgate, *dvalue = self._bwd_op(dout, gate_pre, value, ctx.activation)
+        return dgate, (dvalue or [None])[0], None
 
-    def gated_activation(self, gate_pre: Tensor, value: Tensor, activation: str = "silu") -> Tensor:
-        """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form); backward fused too.
+    def gated_activation(self, gate_pre: Tensor, value: Tensor | None, activation: str = "silu") -> Tensor:
+        """value * sigma(gate_pre), sigma in `ACTIVATIONS` (gelu: the exact erf form), or the function this copy
+        was generated for; sigma(gate_pre) alone with value None. Backward fused too.
 
         Same shapes required (no broadcasting: the op is a pure epilogue to the surrounding GEMMs); the result
         has the promoted dtype, arithmetic is fp32.
         """
-        if activation not in ACTIVATIONS:
+        if self.reference is None and activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-        if self.baked.get("ACT", activation) != activation:
-            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs ACT={activation}")
-        _same_shape(gate_pre=gate_pre, value=value)
-        if not kernels_take(value):
-            return gated_activation_ref(gate_pre, value, activation)
+        wanted = dict(ACT=activation, HAS_VALUE=value is not None)
+        if any(self.baked.get(k, v) != v for k, v in wanted.items()):
+            calls = ", ".join(f"{k}={v!r}" for k, v in wanted.items())
+            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {calls}")
+        if value is not None:
+            _same_shape(gate_pre=gate_pre, value=value)
+        if not kernels_take(gate_pre):
+            if self.reference is None:
+                return gated_activation_ref(gate_pre, value, activation)
+            y = self.reference(gate_pre)
+            return y if value is None else value * y
         return self._fwd_op(gate_pre, value, activation)
+
+
+def _out_dtype(gate_pre: Tensor, value: Tensor | None) -> torch.dtype:
+    return gate_pre.dtype if value is None else torch.promote_types(gate_pre.dtype, value.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -364,9 +387,11 @@ class NesterovOps(_KernelPairOps):
 # The generic sets (the templates, the activation chosen at launch) and specialised ones
 # ----------------------------------------------------------------------------------------------------------
 
-def gated_activation_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> GatedActivationOps:
-    """The op set over a specialised kernel pair, registered once per process (`op_set`)."""
-    return op_set(name, lambda: GatedActivationOps(name, fwd, bwd, baked))
+def gated_activation_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any], *,
+                         reference: Callable[[Tensor], Tensor] | None = None) -> GatedActivationOps:
+    """The op set over a specialised kernel pair, registered once per process (`op_set`); `reference`: the
+    activation in torch, where the copy's is printed from the energy."""
+    return op_set(name, lambda: GatedActivationOps(name, fwd, bwd, baked, reference))
 
 
 def momentum_ops(name: str, fwd: Any, bwd: Any, baked: dict[str, Any]) -> MomentumOps:

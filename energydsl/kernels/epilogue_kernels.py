@@ -1,16 +1,19 @@
 """The Triton kernels of the element-wise epilogues (`epilogue.py` launches them): templates.
 
 * `_gated_fwd_kernel` / `_gated_bwd_kernel`: out = value * sigma(gate); d value = dout * sigma(gate),
-  d gate = dout * value * sigma'(gate), with sigma and sigma' from `_act_and_grad`.
+  d gate = dout * value * sigma'(gate), with sigma and sigma' from `_act_and_grad`. HAS_VALUE=False: no
+  value, out = sigma(gate) (a function of one tensor, such as NRGPT's gelu(x) gelu'(x), in one pass).
 * `_momentum_fwd_kernel` / `_momentum_bwd_kernel`: m_new = beta m + f, x_new = x + eta m_new, and its
   gradients (those of beta and eta as per-program partial sums, reduced in torch: no atomics).
 * `_nesterov_fwd_kernel` / `_nesterov_bwd_kernel`: the look-ahead x + c m (c = -beta for nag) and its
   gradients (that of c as per-program partial sums, likewise).
 
 The triton code generator copies these kernels into generated modules (energydsl/codegen/triton_source.py,
-families "gated", "momentum" and "nesterov"), the gated ones with the energy's activation baked in: `ACT`
-is a `tl.constexpr`, so the if/elif chain of `_act_and_grad` folds to one formula. Hence the kernels here
-carry only `@triton.jit`: autotuning is added where an op set is built.
+families "gated", "momentum" and "nesterov"), the gated ones with the energy's own activation: there
+`_act_and_grad` is replaced by sigma and sigma' printed from the energy (energydsl/codegen/gated_epilogue.py),
+any element-wise function of the gate, not only the named activations the if/elif chain here computes for
+direct callers (`ACT` is a `tl.constexpr`, so the chain folds to one formula). Hence the kernels here carry
+only `@triton.jit`: autotuning is added where an op set is built.
 
 Every kernel: a 1-D grid of BLOCK-element programs over contiguous tensors, fp32 arithmetic, outputs cast
 to their tensor's dtype, the last program masked; beta, eta and c are read from device memory (no host sync).
@@ -51,27 +54,33 @@ def _act_and_grad(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _gated_fwd_kernel(gate_ptr, value_ptr, out_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(value_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y, _ = _act_and_grad(x, ACT)
-    tl.store(out_ptr + offs, (v * y).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gated_bwd_kernel(
-    gate_ptr, value_ptr, dout_ptr, dgate_ptr, dvalue_ptr, N, ACT: tl.constexpr, BLOCK: tl.constexpr
+def _gated_fwd_kernel(
+    gate_ptr, value_ptr, out_ptr, N, ACT: tl.constexpr, HAS_VALUE: tl.constexpr, BLOCK: tl.constexpr
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(value_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y, _ = _act_and_grad(x, ACT)
+    if HAS_VALUE:
+        y = y * tl.load(value_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_bwd_kernel(
+    gate_ptr, value_ptr, dout_ptr, dgate_ptr, dvalue_ptr, N, ACT: tl.constexpr, HAS_VALUE: tl.constexpr,
+    BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y, dy = _act_and_grad(x, ACT)
-    tl.store(dvalue_ptr + offs, (dout * y).to(dvalue_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgate_ptr + offs, (dout * v * dy).to(dgate_ptr.dtype.element_ty), mask=mask)
+    if HAS_VALUE:
+        v = tl.load(value_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dvalue_ptr + offs, (dout * y).to(dvalue_ptr.dtype.element_ty), mask=mask)
+        dy = dy * v
+    tl.store(dgate_ptr + offs, (dout * dy).to(dgate_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -43,9 +43,10 @@ def activation_ref(x: Tensor, activation: str) -> Tensor:
         raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}") from None
 
 
-def gated_activation_ref(gate_pre: Tensor, value: Tensor, activation: str) -> Tensor:
-    """value * sigma(gate_pre)."""
-    return value * activation_ref(gate_pre, activation)
+def gated_activation_ref(gate_pre: Tensor, value: Tensor | None, activation: str) -> Tensor:
+    """value * sigma(gate_pre); sigma(gate_pre) with no value."""
+    y = activation_ref(gate_pre, activation)
+    return y if value is None else value * y
 
 
 def momentum_update_ref(x: Tensor, m: Tensor, f: Tensor, beta: Tensor, eta: Tensor) -> tuple[Tensor, Tensor]:

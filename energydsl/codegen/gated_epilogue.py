@@ -1,0 +1,73 @@
+"""Products `value * G(pre)` on the gated epilogue's Triton kernels (triton backend).
+
+An element-wise energy's update multiplies a token tensor by functions of one pre-activation: CEM's gated MLP
+`(W h) ∘ σ(V u)`, NRGPT's `(W2ᵀ x) ∘ GELU′(W1 x + b)` and `GELU(a) GELU′(a)`. Eager torch spends a kernel per
+operation there, and stores what autograd needs between them. On the triton backend such a product is one
+fused pass forward and one backward (`energydsl/kernels/epilogue_kernels.py`): G is whatever product of the
+factors is a function of `pre` alone (numbers allowed), printed with its derivative from the IR's calculus
+(`scalar_functions.py`) and written into the file in place of the templates' activation table; the other
+factors are the value (none: G(pre) alone).
+
+    fused_gate(em, e)   # the fused call's value for a Mul, or None (the caller multiplies as usual)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import ir
+from ..ir import Expr
+from ..printing import show
+from .lowering import _number
+from .scalar_functions import VAR, scalar_function
+from .torch_expr import BATCH, Val, token_axes
+from .triton_source import KernelRequest
+
+if TYPE_CHECKING:
+    from .torch_expr import Emitter
+
+
+def fused_gate(em: Emitter, e: ir.Mul) -> Val | None:
+    """`e` as value * G(pre) on generated gated kernels, trying the innermost pre-activation first (so that
+    `exp(-z²)` fuses whole); None where no factor is a printable function of one token tensor of e's shape."""
+    candidates = [n for f in e.factors for fn in ir.walk(f) if isinstance(fn, ir.Func) for n in ir.walk(fn.arg)]
+    for pre in reversed(list(dict.fromkeys(candidates))):
+        if not ir.same_shape(pre.shape, e.shape):
+            continue
+        if BATCH not in token_axes(pre, em.indices):
+            continue  # not a token tensor: parameters alone are not worth a kernel
+        g_factors, rest = _split(em, e.factors, pre)
+        if not any(isinstance(n, ir.Func) for f in g_factors for n in ir.walk(f)):
+            continue  # nothing to fuse: a plain product
+        g = ir.mul(*g_factors)
+        printed = scalar_function(em, g)
+        if printed is None:
+            continue  # a learned scalar inside G, a formula with no Triton form
+        p = em.emit(pre)
+        if p.scalar:
+            continue
+        value = em.emit(ir.mul(*rest)) if rest else None
+        if value is not None and (value.axes, value.rank) != (p.axes, p.rank):
+            continue  # a value of another layout (a parameter, a number per token): not an epilogue
+        label = g.name if isinstance(g, ir.Func) else show(ir.substitute(g, {VAR: ir.Var("x", "param", ())}))
+        ops = em.kernel_set(KernelRequest.gated(label, printed.pair, printed.torch, value=value is not None))
+        gate = "None" if value is None else value.code
+        return em.tmp(f"{ops}.gated_activation({p.code}, {gate}, {label!r})", p.axes, p.rank,
+                      f"{'' if value is None else gate + ' * '}G({p.code}), G(x) = {label}: fused")
+    return None
+
+
+def _split(em: Emitter, factors: tuple[Expr, ...], pre: Expr) -> tuple[list[Expr], list[Expr]]:
+    """(the factors that are functions of `pre` and numbers alone, with `pre` replaced by `VAR`; the others)."""
+    g, rest = [], []
+    for f in factors:
+        try:
+            h = ir.substitute(f, {pre: VAR})
+        except ir.ShapeError:
+            h = None
+        if h is not None and all(n == VAR or (isinstance(n, ir.Scalar) and _number(n.value, em.scalars) is not None)
+                                 for n in ir.walk(h) if not n.children):
+            g.append(h)
+        else:
+            rest.append(f)
+    return g, rest
