@@ -80,3 +80,7 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text("".join(lines[i % 3] for i in range(200)))
     return path
+
+
+# the energies of tests/data/weighted-context-sums.energy: context sums of an element-wise weight of one score
+WEIGHTED_SUMS = ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel", "MultiquadricWeights"]

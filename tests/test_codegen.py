@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import largest_tensor_made
+from conftest import WEIGHTED_SUMS, largest_tensor_made
 
 import energydsl
 from energydsl.codegen import energy_source, module_class
@@ -54,7 +54,7 @@ def test_a_learned_factor_in_the_scores_still_lowers_to_attention(name: str) -> 
     _matches_interpreter(derived)
 
 
-@pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel"])
+@pytest.mark.parametrize("name", WEIGHTED_SUMS)
 def test_a_weighted_context_sum_contracts_the_weights_with_the_values(name: str) -> None:
     """Σ_j w_ij v_j that no attention form fits (sigmoid, squared-ReLU weights): the masked T x T weights times
     the values in one einsum; the masked form built the (B, T, T, heads, d) product first. T = 1 under a strict

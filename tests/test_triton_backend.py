@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import largest_tensor_made, multi_head_linear_attention
+from conftest import WEIGHTED_SUMS, largest_tensor_made, multi_head_linear_attention
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -177,7 +177,7 @@ def test_a_learned_factor_in_the_scores_takes_the_attention_kernels(name: str) -
     _compare_backends(derived, name)
 
 
-@pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel"])
+@pytest.mark.parametrize("name", WEIGHTED_SUMS)
 def test_an_elementwise_weight_of_the_score_takes_the_pointwise_kernels(name: str) -> None:
     """Sigmoid, squared-ReLU and RBF weights (no normalisation over j) run on the pointwise kernels, with
     their weight and its derivative printed from the energy, and no T x T tensor in the forward: a learned
@@ -245,7 +245,7 @@ def test_a_weight_with_a_capped_distance_keeps_the_einsum() -> None:
     _compare_backends(derived, "SigmoidPositions")
 
 
-@pytest.mark.parametrize("name", ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel"])
+@pytest.mark.parametrize("name", WEIGHTED_SUMS)
 def test_pointwise_sums_in_float64_run_the_printed_reference(name: str) -> None:
     """A float64 module runs each pointwise op set's reference, the weight printed in torch: it equals the torch
     backend to float64 rounding."""

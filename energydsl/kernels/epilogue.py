@@ -87,7 +87,7 @@ def _ew_grid(n: int) -> Any:
 
 def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
     """Autotuned on GPU, per activation where the kernel still takes one (a generated copy has it baked in)."""
-    return maybe_autotune(configs, key=[k for k in ("ACT",) if k in kernel.arg_names])(kernel)
+    return maybe_autotune(configs, key=[k for k in ("ACT", "HAS_VALUE") if k in kernel.arg_names])(kernel)
 
 
 def _scalar(s: Tensor | float, like: Tensor, name: str) -> Tensor:
