@@ -527,3 +527,43 @@ def test_element_wise_gates_match_torch_backend(name: str) -> None:
     derived = load(ROOT / "tests/data/element-wise-gates.energy").energy(name)
     _compare_backends(derived, name)
     _float64_matches_torch_backend(derived, name)
+
+
+# every example model, at dims small enough that no weight outweighs the activations of T = 24 tokens
+SMALL_MODEL_DIMS = dict(vocab=17, context=64, d=16, layers=1, heads=2, mlp=32, dk=8, dv=8, dff=32)
+MODELS = [(p.name, n) for p in sorted((ROOT / "examples/models").glob("*.energy")) for n in load(p).model_names]
+
+
+def _doubling(run: object) -> float:
+    """How much the largest tensor any op makes (forward and backward) grows from T = 24 to T = 48."""
+    small, large = (largest_tensor_made(lambda T=T: run(T)) for T in (24, 48))  # type: ignore[operator]
+    return large / small
+
+
+@pytest.mark.parametrize("path,name,dims", LOWERED, ids=[f"{n}{d or ''}" for _, n, d in LOWERED])
+def test_layer_memory_grows_linearly_in_T(path: str, name: str, dims: dict) -> None:
+    """Issue 4's memory target, as far as a CPU sees it: doubling T doubles the largest tensor a triton-backend
+    layer makes, forward and backward (a T x T one would quadruple it; the kernels keep theirs in registers)."""
+    module = module_class(load(ROOT / "examples" / path).energy(name, **dims), "triton")().to(DEVICE)
+
+    def run(T: int) -> None:
+        x = module.example_input(1, T).to(DEVICE).requires_grad_()
+        module(x).square().sum().backward()
+
+    assert _doubling(run) <= 2.0
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("path,name", MODELS)
+def test_model_memory_grows_linearly_in_T(path: str, name: str, backend: str) -> None:
+    """A whole example model likewise, embedding to logits; on the torch backend CEM's ALiBi attention and RMT's
+    reads build T x T weights (so the check can fail), which the triton backend's kernels do not."""
+    spec = load(ROOT / "examples/models" / path)
+    declared = {k for k, _ in spec.syntax.models[name].header}
+    model = spec.model(name, backend=backend, **{k: v for k, v in SMALL_MODEL_DIMS.items() if k in declared}).to(DEVICE)
+
+    def run(T: int) -> None:
+        model(torch.randint(0, 17, (1, T), device=DEVICE)).square().mean().backward()
+
+    quadratic = backend == "torch" and name in ("CEM", "RMT")
+    assert (_doubling(run) > 2.5) == quadratic
