@@ -211,6 +211,18 @@ def test_torch_compile() -> None:
         assert rel_err(a, b) < TOL
 
 
+@pytest.mark.parametrize("with_value", [True, False])
+def test_direct_gated_op_calls_pass_opcheck(with_value: bool) -> None:
+    """The registered ops (schema, fake, autograd) with a value and with none (the backward returns a list:
+    an op returns no optional tensor)."""
+    gate, value = randn(4, 300, seed=21), randn(4, 300, seed=22)
+    value = value if with_value else None
+    ops = torch.ops.energydsl
+    torch.library.opcheck(ops.gated_activation_fwd.default, (gate, value, "gelu"))
+    plain = [t if t is None else t.detach() for t in (gate, value)]  # the backward op is not differentiable
+    torch.library.opcheck(ops.gated_activation_bwd.default, (torch.randn_like(gate), *plain, "gelu"))
+
+
 def test_op_sets_are_registered_once_per_name() -> None:
     """A generated module imported twice builds its op sets twice: the first registration is kept, as
     torch.library refuses a name it already holds."""

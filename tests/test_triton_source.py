@@ -381,6 +381,7 @@ def test_generating_needs_no_triton() -> None:
 
 @pytest.mark.parametrize("path,name", [("examples/cem/alibi.energy", "CEMAlibiAttention"),
                                        ("examples/cem/mlp.energy", "CEMMLP"),
+                                       ("examples/nrgpt/ff1.energy", "NRGPTFF1"),  # a gate with no value
                                        ("examples/intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
                                        ("examples/intrinsic-optimizers/nag-mha.energy", "NagMHA"),
                                        ("tests/data/weighted-context-sums.energy", "SigmoidAttention")])
