@@ -49,6 +49,7 @@ from .launch import (
     launch_options,
     maybe_autotune,
     next_power_of_2,
+    refuse_unbaked,
     register_op,
     wrap_triton,
 )
@@ -455,9 +456,7 @@ class AttentionOps:
             raise ValueError(f"key_bias must have shape {(B, H, T)}; got {tuple(key_bias.shape)}")
         call = dict(SECOND=second, STRICT=strict, HAS_ALIBI=alibi_slopes is not None,
                     HAS_SELF=self_bias is not None, HAS_KB=key_bias is not None)
-        wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
-        if wrong:
-            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        refuse_unbaked(self.name, self.baked, call)
         return (*kernel_layouts(q, k, v), *_contiguous(alibi_slopes, self_bias, key_bias))
 
     def energy_attention_with_lse(

@@ -49,7 +49,15 @@ from energydsl.kernels.epilogue_ref import (
     momentum_update_ref,
     nesterov_lookahead_ref,
 )
-from energydsl.kernels.launch import INTERPRET, cdiv, launch_options, maybe_autotune, register_op, wrap_triton
+from energydsl.kernels.launch import (
+    INTERPRET,
+    cdiv,
+    launch_options,
+    maybe_autotune,
+    refuse_unbaked,
+    register_op,
+    wrap_triton,
+)
 
 __all__ = [
     "ACTIVATIONS",
@@ -225,10 +233,7 @@ class GatedActivationOps(_KernelPairOps):
         """
         if self.reference is None and activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-        wanted = dict(ACT=activation, HAS_VALUE=value is not None)
-        if any(self.baked.get(k, v) != v for k, v in wanted.items()):
-            calls = ", ".join(f"{k}={v!r}" for k, v in wanted.items())
-            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {calls}")
+        refuse_unbaked(self.name, self.baked, dict(ACT=activation, HAS_VALUE=value is not None))
         if value is not None:
             _same_shape(gate_pre=gate_pre, value=value)
         if not kernels_take(gate_pre):

@@ -115,6 +115,14 @@ def _distinct(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def refuse_unbaked(name: str, baked: dict[str, Any], call: dict[str, Any]) -> None:
+    """Raise if a specialised op set is called with a switch its source fixes otherwise: a copy baked for a causal
+    mask (or SiLU, or no value) must not silently run a strict call (or GELU, or a product)."""
+    wrong = [f"{k}={v!r}" for k, v in call.items() if k in baked and baked[k] != v]
+    if wrong:
+        raise ValueError(f"{name} was specialised for {baked}; this call needs {', '.join(wrong)}")
+
+
 def maybe_autotune(configs: list[triton.Config], key: list[str]) -> Callable[[Any], Any]:
     """`triton.autotune` on CUDA, its choices kept on disk (`tuning.py`); identity under the interpreter (the
     caller then passes fixed tiles)."""

@@ -56,6 +56,7 @@ from .launch import (
     launch_options,
     maybe_autotune,
     next_power_of_2,
+    refuse_unbaked,
     register_op,
     wrap_triton,
 )
@@ -514,9 +515,7 @@ class LinearAttentionOps:
         if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
             raise ValueError("q, k and v must share dtype and device")
         call = dict(HAS_DECAY=log_decay is not None, STRICT=strict)
-        wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
-        if wrong:
-            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        refuse_unbaked(self.name, self.baked, call)
         if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
             return self.linear_attention(q.float(), k.float(), v.float(), scale=scale, log_decay=log_decay,
                                          strict=strict).to(v.dtype)

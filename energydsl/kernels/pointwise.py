@@ -36,6 +36,7 @@ from .launch import (
     launch_options,
     maybe_autotune,
     next_power_of_2,
+    refuse_unbaked,
     register_op,
     wrap_triton,
 )
@@ -162,9 +163,7 @@ class PointwiseOps:
             if b is not None and b.shape != shape:
                 raise ValueError(f"{name} must be {tuple(shape)}; got {tuple(b.shape)}")
         call = _flags(strict, row_bias, key_bias, alibi_slopes, self_bias)
-        wrong = [f"{k}={v}" for k, v in call.items() if k in self.baked and self.baked[k] != v]
-        if wrong:
-            raise ValueError(f"{self.name} was specialised for {self.baked}; this call needs {', '.join(wrong)}")
+        refuse_unbaked(self.name, self.baked, call)
         if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
             return self.pointwise_attention(q.float(), k.float(), v.float(), scale=scale, strict=strict,
                                             row_bias=row_bias, key_bias=key_bias, alibi_slopes=alibi_slopes,
