@@ -28,6 +28,8 @@ from .. import ir
 from ..calculus import NotDifferentiable, gradient
 from ..functions import REGISTRY, X
 from ..ir import Expr
+from .lowering import _number
+from .torch_expr import _is_number, function_src
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
@@ -117,7 +119,7 @@ class _TritonPrinter:
         """The statements ending in `return` of the expressions' values (a tuple for several); a number is
         returned as a tile of x's shape, as a kernel's store needs."""
         results = [self.visit(e) for e in exprs]
-        results = [f"0.0 * x + {r}" if _is_literal(r) else r for r in results]
+        results = [f"0.0 * x + {r}" if _is_number(r) else r for r in results]
         return "\n".join([*self.lines, f"return {', '.join(results)}"])
 
     def local(self, code: str) -> str:
@@ -201,9 +203,6 @@ def _triton_power(base: str, p: float) -> str:
 
 def _torch_src(em: Emitter, e: Expr) -> str | None:
     """G as one torch expression in `x` (the reference path's), or None."""
-    from .lowering import _number
-    from .torch_expr import function_src
-
     match e:
         case ir.Var() if e == VAR:
             return "x"
@@ -235,17 +234,7 @@ class _Unprintable(Exception):
     pass
 
 
-def _is_literal(code: str) -> bool:
-    try:
-        float(code)
-    except ValueError:
-        return False
-    return True
-
-
 def _float(em: Emitter, value: sp.Expr) -> float:
-    from .lowering import _number
-
     number = _number(value, em.scalars)
     if number is None:
         raise _Unprintable
