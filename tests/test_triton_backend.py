@@ -540,11 +540,17 @@ def _doubling(run: object) -> float:
     return large / small
 
 
-@pytest.mark.parametrize("path,name,dims", LOWERED, ids=[f"{n}{d or ''}" for _, n, d in LOWERED])
-def test_layer_memory_grows_linearly_in_T(path: str, name: str, dims: dict) -> None:
+# every energy of the examples and of the test specs
+ENERGIES = [(str(p.relative_to(ROOT)), n) for p in [*sorted((ROOT / "examples").rglob("*.energy")),
+                                                    *sorted((ROOT / "tests/data").glob("*.energy"))]
+            for n in load(p).energy_names]
+
+
+@pytest.mark.parametrize("path,name", ENERGIES)
+def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
     """Issue 4's memory target, as far as a CPU sees it: doubling T doubles the largest tensor a triton-backend
     layer makes, forward and backward (a T x T one would quadruple it; the kernels keep theirs in registers)."""
-    module = module_class(load(ROOT / "examples" / path).energy(name, **dims), "triton")().to(DEVICE)
+    module = module_class(load(ROOT / path).energy(name), "triton")().to(DEVICE)
 
     def run(T: int) -> None:
         x = module.example_input(1, T).to(DEVICE).requires_grad_()
