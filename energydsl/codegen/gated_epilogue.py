@@ -32,23 +32,23 @@ def fused_gate(em: Emitter, e: ir.Mul) -> Val | None:
     `exp(-z²)` fuses whole); None where no factor is a printable function of one token tensor of e's shape."""
     candidates = [n for f in e.factors for fn in ir.walk(f) if isinstance(fn, ir.Func) for n in ir.walk(fn.arg)]
     for pre in reversed(list(dict.fromkeys(candidates))):
-        if not ir.same_shape(pre.shape, e.shape):
-            continue
-        if BATCH not in token_axes(pre, em.indices):
-            continue  # not a token tensor: parameters alone are not worth a kernel
+        axes = token_axes(pre, em.indices)
+        if not ir.same_shape(pre.shape, e.shape) or BATCH not in axes:
+            continue  # not a token tensor of the product's shape (parameters alone are not worth a kernel)
         g_factors, rest = _split(em, e.factors, pre)
         if not any(isinstance(n, ir.Func) for f in g_factors for n in ir.walk(f)):
             continue  # nothing to fuse: a plain product
+        if rest and (token_axes(ir.mul(*rest), em.indices) != axes or not ir.same_shape(ir.mul(*rest).shape,
+                                                                                       e.shape)):
+            continue  # a value of another layout (a parameter, a number per token): not an epilogue
         g = ir.mul(*g_factors)
         printed = scalar_function(em, g)
         if printed is None:
             continue  # a learned scalar inside G, a formula with no Triton form
-        p = em.emit(pre)
-        if p.scalar:
+        # (nothing is emitted before here: a refused candidate leaves no line behind)
+        p, value = em.emit(pre), em.emit(ir.mul(*rest)) if rest else None
+        if p.scalar or (value is not None and (value.axes, value.rank) != (p.axes, p.rank)):
             continue
-        value = em.emit(ir.mul(*rest)) if rest else None
-        if value is not None and (value.axes, value.rank) != (p.axes, p.rank):
-            continue  # a value of another layout (a parameter, a number per token): not an epilogue
         label = g.name if isinstance(g, ir.Func) else show(ir.substitute(g, {VAR: ir.Var("x", "param", ())}))
         ops = em.kernel_set(KernelRequest.gated(label, printed.pair, printed.torch, value=value is not None))
         gate = "None" if value is None else value.code
