@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(lark==1.3.1 fla-core==0.6.0)
 GPU_TESTS=(tests/test_kernels_attention.py tests/test_kernels_linear.py tests/test_kernels_pointwise.py
            tests/test_kernels_epilogue.py tests/test_kernels_launch.py tests/test_triton_backend.py
-           tests/test_triton_source.py)
+           tests/test_triton_source.py tests/test_scalar_functions.py)
 
 case "${1:-}" in
   wheels)

@@ -260,16 +260,18 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_value", [True, False], ids=["value", "alone"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gpu_gated_activation(activation: str, dtype: torch.dtype) -> None:
+def test_gpu_gated_activation(activation: str, dtype: torch.dtype, with_value: bool) -> None:
     shape = (4, 2048, 1000)  # 8.2M elements, not a multiple of any block
     gate, value = randn(*shape, seed=1, dtype=dtype, scale=3.0), randn(*shape, seed=2, dtype=dtype)
+    inputs = [gate, value] if with_value else [gate]
     dy = torch.randn(shape, device=DEVICE, dtype=dtype)
-    y = gated_activation(gate, value, activation)
-    g = grads((y,), [gate, value], (dy,))
-    gate64, value64 = as_float64(gate, value)
-    y_ref = gated_activation_ref(gate64, value64, activation)
-    g_ref = grads((y_ref,), [gate64, value64], (dy.double(),))
+    y = gated_activation(gate, value if with_value else None, activation)
+    g = grads((y,), inputs, (dy,))
+    refs = as_float64(*inputs)
+    y_ref = gated_activation_ref(refs[0], refs[1] if with_value else None, activation)
+    g_ref = grads((y_ref,), refs, (dy.double(),))
     tol = TOL if dtype == torch.float32 else 1e-2  # bf16: one rounding of each output
     assert y.dtype == dtype and rel_err(y, y_ref) < tol
     for a, b in zip(g, g_ref, strict=True):
