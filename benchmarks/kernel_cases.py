@@ -39,6 +39,9 @@ POINTWISE_SHAPES = [
     *((4, 16, t, 64, "bf16") for t in (1024, 2048, 4096, 8192, 16384)),
     (4, 8, 2048, 128, "bf16"),
     (4, 16, 2048, 64, "fp32"),
+    # heads wider than 256: the feature-tiled kernels (SDPA's flash backend stops at 256: mem-efficient there)
+    (4, 4, 2048, 320, "bf16"),
+    (4, 4, 4096, 320, "bf16"),
 ]
 # (B, H, T, Dk, Dv, dtype)
 WIDE_SHAPES = [(4, 12, 2048, 832, 64, "bf16"), (4, 12, 4096, 832, 64, "bf16"), (2, 12, 8192, 832, 64, "bf16")]
@@ -429,7 +432,7 @@ def _pointwise_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
 
     cases = []
     for B, H, T, D, dt in shapes:
-        flash_ok = dt in ("bf16", "fp16")
+        flash_ok = dt in ("bf16", "fp16") and D <= 256
         # another function (softmax weights): its time is the point, its rel err is not
         plain = Impl(f"sdpa[{'flash' if flash_ok else 'mem-efficient'}] (softmax: time only)", "peer",
                      _sdpa("FLASH_ATTENTION" if flash_ok else "EFFICIENT_ATTENTION", with_mask=False), gpu_only=True)

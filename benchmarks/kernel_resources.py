@@ -40,7 +40,8 @@ from energydsl.codegen.triton_source import FAMILIES
 
 # each family's kernels by role, in launch order (AUTOTUNE_CONFIGS's too)
 ROLES = {"attention": ("fwd", "dkdv", "dq"), "attention_wide": ("fwd", "dkdv", "dq"),
-         "linear": ("state", "fwd", "dqk", "dv"), "pointwise": ("fwd", "dkdv", "dq")}
+         "linear": ("state", "fwd", "dqk", "dv"), "pointwise": ("fwd", "dkdv", "dq"),
+         "pointwise_wide": ("fwd", "dkdv", "dq")}
 # the pointwise kernels' weight and its derivative, by name in energydsl/kernels/pointwise_kernels.py (resolved
 # in the worker, after TRITON_INTERPRET is cleared: importing the kernels here could decorate them interpreted)
 _SIGMOID = dict(WEIGHT="_sigmoid", WEIGHT_GRAD="_sigmoid_grad")
@@ -67,6 +68,8 @@ VARIANTS = [
     Variant("pointwise d64 sigmoid", "pointwise", dict(BK=64, BV=64, HAS_RB=True, **_SIGMOID)),
     Variant("pointwise d128 sigmoid+alibi", "pointwise",
             dict(BK=128, BV=128, HAS_RB=True, HAS_ALIBI=True, NEED_ALIBI=True, **_SIGMOID)),
+    Variant("pointwise wide sigmoid+alibi", "pointwise_wide",
+            dict(HAS_RB=True, HAS_ALIBI=True, NEED_ALIBI=True, **_SIGMOID)),
 ]
 _SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "NEED_SELF", "NEED_ALIBI",
              "HAS_DECAY", "REVERSE", "HAS_RB")
@@ -104,9 +107,9 @@ def jobs() -> list[Job]:
             sizes = linear._tile_sizes(*variant.dims)
             tiles = dict(zip(("C", "BK", "BV"), sizes, strict=True))
             per_role = [[(tiles, c) for c in linear._CONFIGS]] * len(ROLES["linear"])
-        elif variant.family == "pointwise":
+        elif variant.family.startswith("pointwise"):
             per_role = [[(dict(c.kwargs), c) for c in configs]
-                        for configs in (pointwise._FWD_CONFIGS, pointwise._DKDV_CONFIGS, pointwise._DQ_CONFIGS)]
+                        for configs in pointwise._CONFIGS[variant.family == "pointwise_wide"]]
         else:
             per_role = [[(dict(c.kwargs), c) for c in configs]
                         for configs in AUTOTUNE_CONFIGS[variant.family == "attention_wide"]]
@@ -197,7 +200,8 @@ def compile_job(job: Job) -> dict[str, Any]:
     module = importlib.import_module(f"energydsl.kernels.{family.templates[-1]}")  # the kernels' own module
     kernel = getattr(module, family.kernels[ROLES[variant.family].index(job.role)])
     flags = {s: False for s in _SWITCHES} | dict(DOT_PREC="tf32") | variant.flags | job.tiles
-    flags |= {k: getattr(module, flags[k]) for k in ("WEIGHT", "WEIGHT_GRAD") if k in flags}  # by name: the functions
+    weights = importlib.import_module("energydsl.kernels.pointwise_kernels")  # the functions, by name
+    flags |= {k: getattr(weights, flags[k]) for k in ("WEIGHT", "WEIGHT_GRAD") if k in flags}
     row = dict(role=job.role, variant=variant.name, tiles=job.tiles, num_warps=job.num_warps,
                num_stages=job.num_stages)
     log = io.StringIO()

@@ -24,8 +24,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from energydsl.kernels import pointwise_kernels as PK  # noqa: E402
+from energydsl.kernels import pointwise_wide_kernels as PWK  # noqa: E402
 from energydsl.kernels.launch import INTERPRET  # noqa: E402
-from energydsl.kernels.pointwise import SIGMOID, PointwiseOps  # noqa: E402
+from energydsl.kernels.pointwise import SIGMOID, SIGMOID_WIDE, PointwiseOps  # noqa: E402
 from energydsl.kernels.pointwise_ref import pointwise_attention_ref  # noqa: E402
 
 if not (torch.cuda.is_available() or INTERPRET):
@@ -111,6 +112,38 @@ def test_kernel_matches_reference(weight: str, strict: bool, T: int, H: int, Dk:
     last tile)."""
     inputs = make_inputs(2, H, T, Dk, Dv, row=True, key=True, alibi=True, self_bias=True)
     check(WEIGHTS[weight], inputs, scale=0.7, strict=strict)
+
+
+RELU2_WIDE = PointwiseOps("pointwise_test_relu2_wide", PWK._pointwise_fwd_wide_kernel,
+                          PWK._pointwise_bwd_dkdv_wide_kernel, PWK._pointwise_bwd_dq_wide_kernel,
+                          reference=lambda x: torch.relu(x) ** 2, weight=_relu_squared, weight_grad=_drelu_squared,
+                          wide=True)
+WIDE_WEIGHTS = {"sigmoid": SIGMOID_WIDE, "relu2": RELU2_WIDE}
+
+
+@pytest.mark.parametrize("weight", ["sigmoid", "relu2"])
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("T,H,Dk,Dv", [(1, 1, 8, 8), (13, 2, 40, 24), (21, 1, 17, 50)])
+def test_wide_kernels_match_reference(weight: str, strict: bool, T: int, H: int, Dk: int, Dv: int) -> None:
+    """The feature-tiled kernels (16-wide feature tiles under the interpreter, so several tiles and a ragged last
+    one; more key tiles than value tiles and fewer): forward and every gradient, every bias included."""
+    inputs = make_inputs(2, H, T, Dk, Dv, row=True, key=True, alibi=True, self_bias=True, seed=5)
+    check(WIDE_WEIGHTS[weight], inputs, scale=0.3, strict=strict)
+
+
+def test_widths_choose_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sigmoid_attention` takes the wide kernels above 256 features, not the T x T reference; a narrow set
+    refuses such widths rather than build T x T weights."""
+    from energydsl.kernels import pointwise
+
+    q, k, v = (t.float().requires_grad_() for t in make_inputs(1, 1, 20, 264, 8, row=False, key=False, seed=6)[:3])
+    ref = pointwise_attention_ref(q.double(), k.double(), v.double(), torch.sigmoid, scale=0.05)
+    monkeypatch.setattr(pointwise, "pointwise_attention_ref", None)  # any call to it would fail
+    out = pointwise.sigmoid_attention(q, k, v, scale=0.05)
+    out.sum().backward()
+    assert rel_err(out, ref) < TOL and q.grad is not None
+    with pytest.raises(ValueError, match="wider ones take the wide kernels"):
+        SIGMOID.pointwise_attention(q, k, v)
 
 
 @pytest.mark.parametrize("bias", [None, "row", "key", "alibi", "self_bias"])
@@ -275,6 +308,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from energydsl.kernels import pointwise_kernels as PK
+from energydsl.kernels import pointwise_wide_kernels as PWK
 
 @triton.jit
 def weight(x):
@@ -286,16 +320,17 @@ ptrs = {
                                    "DDIAG"],
     "_pointwise_bwd_dq_kernel": ["Q", "K", "V", "RB", "KB", "ALIBI", "SELF", "DO", "DQ", "DRB"],
 }
+ptrs |= {name.replace("_kernel", "_wide_kernel"): args for name, args in ptrs.items()}
 for name, (dt, prec), (BK, BV), (strict, bias) in itertools.product(
     ptrs, [("bf16", "tf32"), ("fp32", "ieee")], [(64, 64), (128, 32)], [(True, True), (False, False)]
 ):
-    kernel = getattr(PK, name)
+    kernel = getattr(PWK if "wide" in name else PK, name)
     sig = {p: "*" + dt if p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") else "*fp32" for p in ptrs[name]}
     sig |= {a: "i32" for a in kernel.arg_names if a.startswith("stride_")}
     sig |= {"T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "scale": "fp64", "T_TUNE": "i32"}
     consts = dict(WEIGHT=weight, WEIGHT_GRAD=weight, STRICT=strict, HAS_RB=bias, HAS_KB=bias, HAS_ALIBI=bias,
                   HAS_SELF=bias, NEED_ALIBI=bias, NEED_SELF=bias, DOT_PREC=prec, BK=BK, BV=BV, BLOCK_M=64,
-                  BLOCK_N=64)
+                  BLOCK_N=64, BLOCK_D=BK)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     sig |= {c: "constexpr" for c in consts}
     triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

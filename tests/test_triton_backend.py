@@ -225,15 +225,17 @@ def test_position_terms_in_a_pointwise_weight_become_kernel_flags(term: str, con
     _compare_backends(derived, "SigmoidPositions")
 
 
-def test_heads_wider_than_the_pointwise_tiles_keep_the_einsum() -> None:
-    """The pointwise kernels hold a head's features in one tile (at most 256): 260-wide heads keep the einsum
-    (there is no feature-tiled pointwise kernel), 16-wide ones take the kernels."""
-    def forward(d: int) -> str:
-        derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy("SigmoidAttention", d=d, heads=4)
-        return energy_source(derived, "triton").split("def forward")[1]
-
-    assert ".pointwise_attention(" not in forward(1040) and "torch.einsum('btj" in forward(1040)
-    assert ".pointwise_attention(" in forward(64)
+@pytest.mark.parametrize("name,dims", [("SigmoidAttention", dict(d=264, heads=1)),  # row bias, 264-wide heads
+                                       ("GaussianKernel", dict(d=264))])  # row and key biases, values [1, k_j]
+def test_heads_wider_than_the_pointwise_tiles_take_the_wide_kernels(name: str, dims: dict) -> None:
+    """The pointwise kernels hold a head's features in one tile (at most 256): wider heads (or values with the
+    RBF's column of ones) take the feature-tiled kernels, not the einsum, and agree with the torch backend."""
+    derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name, **dims)
+    source = energy_source(derived, "triton")
+    forward = source.split("def forward")[1]
+    assert "= pointwise_wide_ops(" in source and ".pointwise_attention(" in forward
+    assert "torch.einsum('btj" not in forward
+    _compare_backends(derived, name)
 
 
 def test_a_weight_with_a_capped_distance_keeps_the_einsum() -> None:

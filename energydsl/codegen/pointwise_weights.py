@@ -88,9 +88,8 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
             v = Val(f"{v.code}[..., None]", v.axes, 1)  # (an expression: laid out once, as `_as_bhtd` keys)
     if POS in v.axes or v.rank != 1:
         return None
-    if sum(_numel(em, d.a.shape) for _, d in plan.couplings) > MAX_HEAD_DIM or (
-            value is not None and _numel(em, value.shape) > MAX_HEAD_DIM):
-        return None  # no feature-tiled pointwise kernels: wider scores or values keep the einsum
+    width = 1 if value is None else _numel(em, value.shape) + (query_term is not None)  # (the column of ones)
+    wide = max(sum(_numel(em, d.a.shape) for _, d in plan.couplings), width) > MAX_HEAD_DIM  # feature-tiled kernels
     sc, heads = _emit_scores(em, plan.couplings, [], j, also=(v,))
     row = em.emit(ir.add(*plan.row_terms)) if plan.row_terms else None
     if any(h not in em.sizes for h in heads) or (row is not None and set(row.axes) - {BATCH, POS} - set(heads)):
@@ -103,7 +102,7 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     ops = em.kernel_set(KernelRequest.pointwise(
         strict=strict, row_bias=row is not None, key_bias=bool(plan.kinds["key"]), alibi=bool(plan.kinds["alibi"]),
         self_bias=bool(plan.kinds["self"]), weight=plan.weight.value, weight_grad=plan.weight.grad,
-        reference=plan.weight.torch))
+        reference=plan.weight.torch, wide=wide))
     code = f"{ops}.pointwise_attention({', '.join([qc, kc, vc, *keywords])})"
     if not e.shape:  # a number per query: the column's one feature
         return _from_bhtd(em, code, heads, 0, "sum over j of w(s_ij) v_j: the pointwise Triton kernels above")

@@ -63,13 +63,14 @@ class KernelRequest:
 
     @staticmethod
     def pointwise(strict: bool, row_bias: bool, key_bias: bool, alibi: bool, self_bias: bool, weight: str,
-                  weight_grad: str, reference: str) -> KernelRequest:
+                  weight_grad: str, reference: str, wide: bool = False) -> KernelRequest:
         """Context sums of w(s_ij) v_j with these score terms: `weight` and `weight_grad` the bodies of w and w'
-        (statements in `x`, printed from the energy: `pointwise_weights.py`), `reference` w in torch."""
+        (statements in `x`, printed from the energy: `pointwise_weights.py`), `reference` w in torch; `wide`:
+        the feature-tiled kernels (widths above 256)."""
         baked = dict(STRICT=strict, HAS_RB=row_bias, HAS_KB=key_bias, HAS_ALIBI=alibi, HAS_SELF=self_bias)
         baked.update({need: False for has, need in _NEEDS.items() if has in baked and not baked[has]})
-        return KernelRequest("pointwise", tuple(baked.items()), (("WEIGHT", weight), ("WEIGHT_GRAD", weight_grad)),
-                             reference)
+        return KernelRequest("pointwise_wide" if wide else "pointwise", tuple(baked.items()),
+                             (("WEIGHT", weight), ("WEIGHT_GRAD", weight_grad)), reference)
 
     @staticmethod
     def gated(label: str, act_and_grad: str, reference: str, value: bool) -> KernelRequest:
@@ -127,8 +128,15 @@ FAMILIES = {
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
     # element-wise weights of the score, no normalisation (sigmoid attention); the weight functions generated
     "pointwise": Family(("pointwise_kernels",), "pointwise", "pointwise_ops",
-                        ("_pointwise_scores", "_rows", "_head_terms", "_in_context", "_pointwise_blocks"),
+                        ("_pointwise_scores", "_score_terms", "_rows", "_head_terms", "_in_context",
+                         "_pointwise_blocks"),
                         ("_pointwise_fwd_kernel", "_pointwise_bwd_dkdv_kernel", "_pointwise_bwd_dq_kernel")),
+    # widths above 256: the same scores, every feature axis tiled
+    "pointwise_wide": Family(("attention_wide_kernels", "pointwise_kernels", "pointwise_wide_kernels"), "pointwise",
+                             "pointwise_wide_ops", ("_tile_dots", "_score_terms", "_head_terms", "_in_context",
+                                                    "_pointwise_blocks"),
+                             ("_pointwise_fwd_wide_kernel", "_pointwise_bwd_dkdv_wide_kernel",
+                              "_pointwise_bwd_dq_wide_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),
                      ("_state_kernel", "_fwd_kernel", "_bwd_dqk_kernel", "_bwd_dv_kernel")),
     # the element-wise epilogues: value * G(pre) with G printed from the energy; the heavy-ball step and

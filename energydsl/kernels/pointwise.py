@@ -10,10 +10,14 @@ energy into its copies of the templates (energydsl/codegen/triton_source.py) and
 `PointwiseOps` over the templates with its own functions, which are then passed at launch, as `SIGMOID`
 (sigmoid attention, `sigmoid_attention`) does.
 
+Widths above 256 run the feature-tiled templates of `pointwise_wide_kernels.py` (`wide=True`: `SIGMOID_WIDE`,
+`pointwise_wide_ops`); `energydsl.kernels.sigmoid_attention` chooses by width.
+
 Ops are registered and launched as every family's (`launch.py`): triton_ops on CUDA with BLOCK_M / BLOCK_N /
-num_warps / num_stages autotuned per head-dim pair, flags and power-of-two bucket of T (as attention's);
-custom_ops under the interpreter with 16 x 16 tiles. Tensors no kernel can take (float64, a CPU without
-TRITON_INTERPRET=1) run `pointwise_attention_ref`.
+num_warps / num_stages (and the wide kernels' feature tile BLOCK_D) autotuned per head-dim pair, flags and
+power-of-two bucket of T (as attention's); custom_ops under the interpreter with 16 x 16 tiles (and 16-wide
+feature tiles). Tensors no kernel can take (float64, a CPU without TRITON_INTERPRET=1) run
+`pointwise_attention_ref`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import triton
 from torch import Tensor
 
 from . import MAX_HEAD_DIM, kernels_take, op_set
@@ -48,15 +53,25 @@ from .pointwise_kernels import (
     _sigmoid_grad,
 )
 from .pointwise_ref import pointwise_attention_ref
+from .pointwise_wide_kernels import (
+    _pointwise_bwd_dkdv_wide_kernel,
+    _pointwise_bwd_dq_wide_kernel,
+    _pointwise_fwd_wide_kernel,
+)
 
-__all__ = ["INTERPRET", "SIGMOID", "PointwiseOps", "pointwise_ops", "sigmoid_attention"]
+__all__ = ["INTERPRET", "SIGMOID", "SIGMOID_WIDE", "PointwiseOps", "pointwise_ops", "pointwise_wide_ops",
+           "sigmoid_attention"]
 
 # The kernels hold the same tiles as the softmax family's split backward (the dK/dV kernel keys x queries), so
 # they are tuned over its lists, which `benchmarks/kernel_resources.py` checks fit in registers for these kernels
 # too (variants "pointwise ..."); the fused dK/dV configs (DQ_ATOMIC) have no counterpart here.
-_FWD_CONFIGS, _DKDV_CONFIGS, _DQ_CONFIGS = (
-    [c for c in configs if "DQ_ATOMIC" not in c.kwargs] for configs in AUTOTUNE_CONFIGS[False])
+_CONFIGS = {False: tuple([c for c in configs if "DQ_ATOMIC" not in c.kwargs] for configs in AUTOTUNE_CONFIGS[False]),
+            # the wide ones: the softmax family's grid-tiled configs (its FEATURE_LOOP mode has no counterpart here)
+            True: tuple([triton.Config({k: v for k, v in c.kwargs.items() if k != "FEATURE_LOOP"},
+                                       num_warps=c.num_warps, num_stages=c.num_stages)
+                         for c in configs if not c.kwargs.get("FEATURE_LOOP")] for configs in AUTOTUNE_CONFIGS[True])}
 _KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "HAS_ALIBI", "HAS_SELF", "T_TUNE"]
+_WIDE_KEY = ["D_QK", "D_V", *_KEY[2:]]  # the wide kernels tune per width (no padded BK / BV)
 _INTERPRET_BLOCK = 16  # small, so the interpreter's tests cover several blocks and a ragged last one
 
 
@@ -65,17 +80,21 @@ class PointwiseOps:
 
     `baked`: the flags a generated copy fixes (a call that needs others is refused). `weight` and
     `weight_grad`: `@triton.jit` functions passed at launch, for templates that still take them (None where
-    a generated copy has them baked in). `reference`: the weight in torch, for the float64 path.
+    a generated copy has them baked in). `reference`: the weight in torch, for the float64 path. `wide`: the
+    kernels are the feature-tiled ones (any width; a third grid axis over feature tiles).
     """
 
     def __init__(self, name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any] | None = None, *,
-                 reference: Callable[[Tensor], Tensor], weight: Any = None, weight_grad: Any = None) -> None:
+                 reference: Callable[[Tensor], Tensor], weight: Any = None, weight_grad: Any = None,
+                 wide: bool = False) -> None:
         self.name = name
         self.baked = dict(baked or {})
         self.reference = reference
+        self.wide = wide
         self._functions = {"WEIGHT": weight, "WEIGHT_GRAD": weight_grad}
-        self._fwd, self._dkdv, self._dq = (maybe_autotune(configs, [k for k in _KEY if k in kernel.arg_names])(
-            kernel) for kernel, configs in ((fwd, _FWD_CONFIGS), (dkdv, _DKDV_CONFIGS), (dq, _DQ_CONFIGS)))
+        key = _WIDE_KEY if wide else _KEY
+        self._fwd, self._dkdv, self._dq = (maybe_autotune(configs, [k for k in key if k in kernel.arg_names])(kernel)
+                                           for kernel, configs in zip((fwd, dkdv, dq), _CONFIGS[wide], strict=True))
         self._bwd_op = register_op(f"{name}_bwd", self._bwd_impl(), _bwd_fake)
         self._fwd_op = register_op(f"{name}_fwd", self._fwd_impl(), _fwd_fake, backward=self._backward,
                                    setup_context=_setup_context)
@@ -84,8 +103,18 @@ class PointwiseOps:
         """`kernel`'s compile-time arguments: the flags and weight functions it still takes, the padded widths,
         the dot precision, and fixed tiles under the interpreter (autotuned on CUDA)."""
         taken = {k: v for k, v in (flags | self._functions).items() if k in kernel.arg_names and k not in self.baked}
+        if self.wide:  # the feature tile is tuned with the row tiles
+            tiles = launch_options(BLOCK_M=_INTERPRET_BLOCK, BLOCK_N=_INTERPRET_BLOCK, BLOCK_D=_INTERPRET_BLOCK,
+                                   num_warps=4)
+            return taken | dict(DOT_PREC=dot_precision(dtype)) | tiles
         tiles = launch_options(BLOCK_M=_INTERPRET_BLOCK, BLOCK_N=_INTERPRET_BLOCK, num_warps=4)
         return taken | dict(DOT_PREC=dot_precision(dtype), BK=_width(K), BV=_width(V)) | tiles
+
+    def _grid(self, T: int, rows: str, BH: int, width: int) -> Callable[[dict[str, Any]], tuple[int, ...]]:
+        """Programs over (blocks of `rows` ("BLOCK_M" or "BLOCK_N"), batch * head, feature tiles of `width`)."""
+        if not self.wide:
+            return lambda m: (cdiv(T, m[rows]), BH)
+        return lambda m: (cdiv(T, m[rows]), BH, cdiv(width, m["BLOCK_D"]))
 
     # -- launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`) -----
 
@@ -98,7 +127,7 @@ class PointwiseOps:
             V = v.shape[-1]
             o = empty_in_order(q, V, v.dtype)
             meta = self._meta(self._fwd, q.dtype, K, V, **_flags(strict, row_bias, key_bias, alibi, self_b))
-            wrap_triton(self._fwd)[lambda m: (cdiv(T, m["BLOCK_M"]), B * H)](
+            wrap_triton(self._fwd)[self._grid(T, "BLOCK_M", B * H, V)](
                 q, k, v, *(_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)), o, *q.stride()[:3],
                 *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, H, K, V, scale, tune_bucket(T), **meta)
             return o
@@ -113,7 +142,7 @@ class PointwiseOps:
             """(dq, dk, dv, d row_bias, d key_bias, and the per-key column sums of d slope and d self); each of the
             last four empty where there is no such bias or its gradient is not needed."""
             q, k, v = kernel_layouts(q, k, v)
-            do = kernel_layout(do)
+            do = kernel_layout(do.to(v.dtype))  # (the wide kernels' dO . v_j tiles need one dtype)
             B, H, T, K = q.shape
             V = v.shape[-1]
             biases = [_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)]
@@ -125,10 +154,10 @@ class PointwiseOps:
             flags = _flags(strict, row_bias, key_bias, alibi, self_b)
             strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], T, H, K, V, scale,
                        tune_bucket(T))
-            wrap_triton(self._dkdv)[lambda m: (cdiv(T, m["BLOCK_N"]), B * H)](
+            wrap_triton(self._dkdv)[self._grid(T, "BLOCK_N", B * H, max(K, V))](
                 q, k, v, *biases, do, dk, dv, dkb, ddist, ddiag, *strides,
                 **self._meta(self._dkdv, q.dtype, K, V, NEED_ALIBI=need_alibi, NEED_SELF=need_self, **flags))
-            wrap_triton(self._dq)[lambda m: (cdiv(T, m["BLOCK_M"]), B * H)](
+            wrap_triton(self._dq)[self._grid(T, "BLOCK_M", B * H, K)](
                 q, k, v, *biases, do, dq, drb, *strides, **self._meta(self._dq, q.dtype, K, V, **flags))
             return dq, dk, dv, drb, dkb, ddist, ddiag
 
@@ -168,7 +197,10 @@ class PointwiseOps:
             return self.pointwise_attention(q.float(), k.float(), v.float(), scale=scale, strict=strict,
                                             row_bias=row_bias, key_bias=key_bias, alibi_slopes=alibi_slopes,
                                             self_bias=self_bias).to(v.dtype)
-        if not kernels_take(q) or max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        if not self.wide and max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+            raise ValueError(f"{self.name} takes head dims up to {MAX_HEAD_DIM} (wider ones take the wide kernels, "
+                             f"`pointwise_wide_ops`); got {q.shape[-1]}, {v.shape[-1]}")
+        if not kernels_take(q):
             return pointwise_attention_ref(q, k, v, self.reference, scale=scale, strict=strict, row_bias=row_bias,
                                            key_bias=key_bias, alibi_slopes=alibi_slopes, self_bias=self_bias)
         if q.shape[2] == 0:
@@ -221,6 +253,20 @@ def pointwise_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any]
     return op_set(name, lambda: PointwiseOps(name, fwd, dkdv, dq, baked, reference=reference))
 
 
+def pointwise_wide_ops(name: str, fwd: Any, dkdv: Any, dq: Any, baked: dict[str, Any], *,
+                       reference: Callable[[Tensor], Tensor]) -> PointwiseOps:
+    """`pointwise_ops` over a specialised copy of the feature-tiled (wide) kernels."""
+    return op_set(name, lambda: PointwiseOps(name, fwd, dkdv, dq, baked, reference=reference, wide=True))
+
+
 SIGMOID = PointwiseOps("sigmoid_attention", _pointwise_fwd_kernel, _pointwise_bwd_dkdv_kernel,
                        _pointwise_bwd_dq_kernel, reference=torch.sigmoid, weight=_sigmoid, weight_grad=_sigmoid_grad)
-sigmoid_attention = SIGMOID.pointwise_attention
+SIGMOID_WIDE = PointwiseOps("sigmoid_attention_wide", _pointwise_fwd_wide_kernel, _pointwise_bwd_dkdv_wide_kernel,
+                            _pointwise_bwd_dq_wide_kernel, reference=torch.sigmoid, weight=_sigmoid,
+                            weight_grad=_sigmoid_grad, wide=True)
+
+
+def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, **kw: Any) -> Tensor:
+    """Sigmoid attention (`PointwiseOps.pointwise_attention`) on the kernels its widths need."""
+    wide = max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM
+    return (SIGMOID_WIDE if wide else SIGMOID).pointwise_attention(q, k, v, **kw)

@@ -37,13 +37,22 @@ def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, sc
     queries), from q and k tiles loaded as (keys, D) and (queries, D) by the dK/dV kernel. MASKED=False: a block
     wholly off the diagonal (every key before every query), which holds no i = j: no self term."""
     if KEYS_FIRST:
-        s = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale
+        s = tl.dot(k, tl.trans(q), input_precision=DOT_PREC)
         i = offs_m[None, :]
         j = offs_n[:, None]
     else:
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         i = offs_m[:, None]
         j = offs_n[None, :]
+    s = _score_terms(s * scale, i, j, rb_ptr, kb_ptr, slope, self_b, T, MASKED, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF)
+    return s, i, j
+
+
+@triton.jit
+def _score_terms(s, i, j, rb_ptr, kb_ptr, slope, self_b, T, MASKED: tl.constexpr, HAS_RB: tl.constexpr,
+                 HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr):
+    """The scaled dot tile s plus the score's other terms, at query positions i and key positions j (broadcast
+    against each other as s's rows and columns)."""
     if HAS_RB:
         s += tl.load(rb_ptr + i, mask=i < T, other=0.0)
     if HAS_KB:
@@ -52,7 +61,7 @@ def _pointwise_scores(q, k, rb_ptr, kb_ptr, slope, self_b, offs_m, offs_n, T, sc
         s -= slope * tl.abs(i - j).to(tl.float32)
     if HAS_SELF and MASKED:
         s += tl.where(i == j, self_b, 0.0)
-    return s, i, j
+    return s
 
 
 @triton.jit
