@@ -382,16 +382,18 @@ def test_generating_needs_no_triton() -> None:
     assert proc.stdout.strip() == "6"
 
 
-@pytest.mark.parametrize("path,name", [("examples/cem/alibi.energy", "CEMAlibiAttention"),
-                                       ("examples/cem/mlp.energy", "CEMMLP"),
-                                       ("examples/nrgpt/ff1.energy", "NRGPTFF1"),  # a gate with no value
-                                       ("examples/intrinsic-optimizers/momen-mha.energy", "MomenMHA"),
-                                       ("examples/intrinsic-optimizers/nag-mha.energy", "NagMHA"),
-                                       ("tests/data/weighted-context-sums.energy", "SigmoidAttention")])
-def test_generated_module_runs_under_torch_compile(path: str, name: str) -> None:
+@pytest.mark.parametrize("path,name,dims", [("examples/cem/alibi.energy", "CEMAlibiAttention", {}),
+                                            ("examples/cem/mlp.energy", "CEMMLP", {}),
+                                            ("examples/nrgpt/ff1.energy", "NRGPTFF1", {}),  # a gate, no value
+                                            ("examples/intrinsic-optimizers/momen-mha.energy", "MomenMHA", {}),
+                                            ("examples/intrinsic-optimizers/nag-mha.energy", "NagMHA", {}),
+                                            ("tests/data/weighted-context-sums.energy", "SigmoidAttention", {}),
+                                            ("tests/data/weighted-context-sums.energy", "SigmoidAttention",
+                                             dict(d=264, heads=1))])  # the wide pointwise kernels
+def test_generated_module_runs_under_torch_compile(path: str, name: str, dims: dict) -> None:
     """The specialised op sets are registered torch.library ops (with fake kernels under the interpreter),
     so torch.compile traces a generated layer instead of breaking on the Triton launch."""
-    derived = load(ROOT / path).energy(name)
+    derived = load(ROOT / path).energy(name, **dims)
     torch.manual_seed(0)
     layer = module_class(derived, "triton")().to(DEVICE)
     x = layer.example_input(2, 13).to(DEVICE)
