@@ -38,15 +38,16 @@ def fused_gate(em: Emitter, e: ir.Mul) -> Val | None:
         g_factors, rest = _split(em, e.factors, pre)
         if not any(isinstance(n, ir.Func) for f in g_factors for n in ir.walk(f)):
             continue  # nothing to fuse: a plain product
-        if rest and (token_axes(ir.mul(*rest), em.indices) != axes or not ir.same_shape(ir.mul(*rest).shape,
-                                                                                       e.shape)):
+        rest_expr = ir.mul(*rest) if rest else None
+        if rest_expr is not None and (token_axes(rest_expr, em.indices) != axes
+                                      or not ir.same_shape(rest_expr.shape, e.shape)):
             continue  # a value of another layout (a parameter, a number per token): not an epilogue
         g = ir.mul(*g_factors)
         printed = scalar_function(em, g)
         if printed is None:
             continue  # a learned scalar inside G, a formula with no Triton form
         # (nothing is emitted before here: a refused candidate leaves no line behind)
-        p, value = em.emit(pre), em.emit(ir.mul(*rest)) if rest else None
+        p, value = em.emit(pre), None if rest_expr is None else em.emit(rest_expr)
         if p.scalar or (value is not None and (value.axes, value.rank) != (p.axes, p.rank)):
             continue
         label = g.name if isinstance(g, ir.Func) else show(ir.substitute(g, {VAR: ir.Var("x", "param", ())}))
