@@ -455,14 +455,15 @@ def _epilogue_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
     from energydsl.kernels.epilogue_ref import gated_activation_ref, momentum_update_ref, nesterov_lookahead_ref
 
     def gated(act: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
-        def ref(g: Tensor, v: Tensor) -> Tensor:
+        """value * act(gate), or act(gate) alone where the inputs have no value."""
+        def ref(g: Tensor, v: Tensor | None) -> Tensor:
             return gated_activation_ref(g, v, act)
 
         compiled = torch.compile(ref, dynamic=False)
         return (
-            lambda x: E.gated_activation(x["gate"], x["value"], act),
-            lambda x: ref(x["gate"], x["value"]),
-            lambda x: compiled(x["gate"], x["value"]),
+            lambda x: E.gated_activation(x["gate"], x.get("value"), act),
+            lambda x: ref(x["gate"], x.get("value")),
+            lambda x: compiled(x["gate"], x.get("value")),
         )
 
     def momentum() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
@@ -496,6 +497,7 @@ def _epilogue_cases(shapes: list[tuple], *, cuda: bool) -> list[Case]:
         variants = [
             ("gated silu", gated("silu"), inputs(("gate", "value"), (), shape)),
             ("gated gelu", gated("gelu"), inputs(("gate", "value"), (), shape)),
+            ("gelu alone", gated("gelu"), inputs(("gate",), (), shape)),  # a gate with no value (HAS_VALUE off)
             ("momentum", momentum(), inputs(("x", "m", "f"), ("beta", "eta"), shape)),
             ("nesterov", nesterov(), inputs(("x", "m"), ("beta",), shape)),
         ]
