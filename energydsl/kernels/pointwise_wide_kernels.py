@@ -22,6 +22,27 @@ from .pointwise_kernels import _head_terms, _in_context, _pointwise_blocks, _sco
 
 
 @triton.jit
+def _wide_scores(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, rb_ptr, kb_ptr, slope, self_b,
+                 T, scale, KEYS_FIRST: tl.constexpr, MASKED: tl.constexpr, HAS_RB: tl.constexpr,
+                 HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(s, i, j) as `_pointwise_scores` gives them, the dot product summed over feature tiles: (queries, keys), or
+    (keys, queries) with KEYS_FIRST."""
+    if KEYS_FIRST:
+        s = _tile_dots(Kh, Qh, offs_n, offs_m, stride_kt, stride_qt, key_ok, row_ok, D_QK, BLOCK_N, BLOCK_M, BLOCK_D,
+                       DOT_PREC)
+        i = offs_m[None, :]
+        j = offs_n[:, None]
+    else:
+        s = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D,
+                       DOT_PREC)
+        i = offs_m[:, None]
+        j = offs_n[None, :]
+    s = _score_terms(s * scale, i, j, rb_ptr, kb_ptr, slope, self_b, T, MASKED, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF)
+    return s, i, j
+
+
+@triton.jit
 def _pointwise_fwd_wide_kernel(
     Q, K, V, RB, KB, ALIBI, SELF, O,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
@@ -54,12 +75,9 @@ def _pointwise_fwd_wide_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             key_ok = offs_n < T
-            s = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, BLOCK_M, BLOCK_N,
-                           BLOCK_D, DOT_PREC)
-            i = offs_m[:, None]
-            j = offs_n[None, :]
-            s = _score_terms(s * scale, i, j, rb_ptr, kb_ptr, slope, self_b, T, mode > 0, HAS_RB, HAS_KB,
-                             HAS_ALIBI, HAS_SELF)
+            s, i, j = _wide_scores(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, rb_ptr, kb_ptr,
+                                   slope, self_b, T, scale, False, mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
             v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_d[None, :],
                         mask=key_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
@@ -111,12 +129,9 @@ def _pointwise_bwd_dkdv_wide_kernel(
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             row_ok = offs_m < T
-            s = _tile_dots(Kh, Qh, offs_n, offs_m, stride_kt, stride_qt, key_ok, row_ok, D_QK, BLOCK_N, BLOCK_M,
-                           BLOCK_D, DOT_PREC)  # (keys, queries)
-            i = offs_m[None, :]
-            j = offs_n[:, None]
-            s = _score_terms(s * scale, i, j, rb_ptr, kb_ptr, slope, self_b, T, mode > 0, HAS_RB, HAS_KB,
-                             HAS_ALIBI, HAS_SELF)
+            s, i, j = _wide_scores(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, rb_ptr, kb_ptr,
+                                   slope, self_b, T, scale, True, mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)  # (keys, queries)
             dw = _tile_dots(Vh, DOh, offs_n, offs_m, stride_vt, stride_dot, key_ok, row_ok, D_V, BLOCK_N, BLOCK_M,
                             BLOCK_D, DOT_PREC)  # (dO_i . v_j), keys first
             ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
@@ -186,12 +201,9 @@ def _pointwise_bwd_dq_wide_kernel(
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             key_ok = offs_n < T
-            s = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, BLOCK_M, BLOCK_N,
-                           BLOCK_D, DOT_PREC)
-            i = offs_m[:, None]
-            j = offs_n[None, :]
-            s = _score_terms(s * scale, i, j, rb_ptr, kb_ptr, slope, self_b, T, mode > 0, HAS_RB, HAS_KB,
-                             HAS_ALIBI, HAS_SELF)
+            s, i, j = _wide_scores(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt, row_ok, key_ok, D_QK, rb_ptr, kb_ptr,
+                                   slope, self_b, T, scale, False, mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             dw = _tile_dots(DOh, Vh, offs_m, offs_n, stride_dot, stride_vt, row_ok, key_ok, D_V, BLOCK_M, BLOCK_N,
                             BLOCK_D, DOT_PREC)
             ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
