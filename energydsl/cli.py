@@ -311,6 +311,9 @@ def train_(
         ),
     ] = "torch",
     seed: Annotated[int, typer.Option("--seed")] = 1337,
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="torch.compile the model (Inductor; the first steps compile, minutes on a CPU).",
+    )] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Ignore an existing checkpoint in --out.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a final JSON summary.")] = False,
     sets: SetOpt = None,
@@ -342,7 +345,7 @@ def train_(
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr,
                          min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=warmup,
                          weight_decay=weight_decay, grad_clip=grad_clip, eval_interval=eval_interval,
-                         eval_iters=eval_iters, device=device, seed=seed, dtype=dtype)
+                         eval_iters=eval_iters, device=device, seed=seed, dtype=dtype, compile=compile_)
     config.validate(TRAIN_FLAGS)
     train_on = config.resolve_device(TRAIN_FLAGS)
     run_dir: Path | None = None

@@ -277,3 +277,44 @@ def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
     assert code == 2 and "cannot resume" in err and "--fresh" in err, err
     assert (tmp_path / "best.safetensors").read_bytes() == best
+
+
+def _has_cxx() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "clang++", "c++"))
+
+
+@pytest.mark.skipif(not _has_cxx(), reason="Inductor compiles C++ on the CPU")
+def test_cli_compile_trains_as_eager_and_resumes_without_it(corpus, tmp_path, monkeypatch, capsys):
+    """`--compile` runs the step and the evaluations through torch.compile (Inductor, real C++ on the CPU): the
+    losses are eager's, the checkpoint is the model's own state dict (no `_orig_mod.` prefixes), and the run
+    resumes without the flag, saying what changed."""
+    torch._dynamo.reset()
+    runs = {}
+    for name, more in (("eager", ()), ("compiled", ("--compile",))):
+        code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / name, "--json", *more))
+        assert code == 0, err
+        runs[name] = json.loads(out)
+    assert runs["compiled"]["best_val_loss"] == pytest.approx(runs["eager"]["best_val_loss"], rel=1e-4)
+    eager, compiled = (load_checkpoint(tmp_path / name)[0] for name in ("eager", "compiled"))
+    assert compiled.keys() == eager.keys()
+    assert all(torch.allclose(compiled[k], eager[k], rtol=1e-3, atol=1e-5) for k in eager)
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "compiled", "--steps", "6"))
+    assert code == 0 and err == (f"resuming {tmp_path / 'compiled'} at step 4 with changed settings: --steps 4 → 6, "
+                                 "--compile true → false\n")
+
+
+def test_cli_compile_failure_is_exit_2_and_names_the_flag(corpus, tmp_path):
+    """Without a working C++ compiler (CXX points nowhere; a fresh Inductor cache, so nothing compiled is reused)
+    `--compile` fails as bad input, before the run directory holds anything but its lock."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = subprocess.run([sys.executable, "-m", "energydsl", *tiny_cli_run(corpus, tmp_path / "run", "--compile")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: --compile: torch.compile failed: ") and "no-such-g++" in proc.stderr
+    assert "hint: train without --compile" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "run").glob("*.safetensors"))

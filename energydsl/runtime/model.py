@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,37 @@ def make_norm(kind: str, shape: tuple[int, ...]) -> nn.Module:
     """A norm over a token's whole stream (a vector or a matrix), a learnable gain of that shape, no bias
     (eps 1e-5)."""
     if kind == "layernorm":
-        return nn.LayerNorm(shape, eps=1e-5, bias=False)
+        return LayerNorm(shape, eps=1e-5, bias=False)
     return nn.RMSNorm(shape, eps=1e-5)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward passes on a contiguous gradient."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (same parameters) that hands its backward a contiguous gradient.
+
+    Under `torch.compile` the backward graph's layouts come from fake tensors. On the CPU
+    `native_layer_norm_backward` returns a contiguous gradient whatever the layout of the gradient it is given,
+    while its fake function keeps that layout; a `view` planned on the fake layout then fails on the real
+    tensor (RMT's factorised head reads the final norm's output as `keys @ z`, whose gradient is transposed).
+    With a contiguous gradient coming in, both agree; the copy is one the CPU kernel made anyway."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _ContiguousGrad.apply(super().forward(x))
 
 
 class FactorisedTable(nn.Module):

@@ -126,7 +126,8 @@ def retrain_command(settings: dict[str, Any]) -> str:
     flags = [f"--data {shlex.quote(str(settings['data']))}"]
     for key, flag in TRAIN_FLAGS.items():
         value = settings.get(key)
-        if value is not None and key != "device":  # the device is the user's machine, not the trial's result
+        # the device and --compile are the user's machine's business, not the trial's result
+        if value is not None and key not in ("device", "compile"):
             flags.append(f"{flag} {repr(value) if isinstance(value, float) else shlex.quote(str(value))}")  # exact
     return "energy train THIS_FILE " + " ".join(flags)
 

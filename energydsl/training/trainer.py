@@ -59,7 +59,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
                "min_lr": "--min-lr", "warmup_steps": "--warmup", "weight_decay": "--weight-decay",
                "grad_clip": "--grad-clip", "eval_interval": "--eval-interval", "eval_iters": "--eval-iters",
-               "seed": "--seed", "device": "--device", "dtype": "--dtype"}
+               "seed": "--seed", "device": "--device", "dtype": "--dtype", "compile": "--compile"}
 
 
 @dataclass
@@ -82,6 +82,7 @@ class TrainConfig:
     log_interval: int = 10  # also how often the loss is checked for NaN (each check syncs the GPU)
     dtype: str = "float32"  # 'float32', 'bfloat16' (autocast) or 'float16' (autocast + grad scaling, CUDA)
     diverge_factor: float = 4.0  # a loss above this x the initial loss (and above 2 ln V) diverged; inf: off
+    compile: bool = False  # torch.compile the model's forward and backward (Inductor; the weights stay the model's)
 
     def validate(self, names: dict[str, str] | None = None) -> None:
         """Reject impossible settings with a message naming each one as `names` spells it (a CLI passes its
@@ -314,6 +315,8 @@ def train(
                     result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
                                    run, resumed=found is not None, progress=progress, on_eval=on_eval,
                                    interrupt=interrupt)
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # before RuntimeError: it is one
+                raise _compile_error(e, names) from None
             except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
                 if not _out_of_memory(e):
                     raise
@@ -356,6 +359,16 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
         (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
                           f"{describe_changes(changes, names)}")
     return state, changes
+
+
+def _compile_error(e: BaseException, names: dict[str, str] | None) -> UserError:
+    """torch.compile could not build the step (no working C++ compiler for Inductor on the CPU, say); the run
+    directory is as the last checkpoint left it."""
+    flag = (names or {}).get("compile", "compile")
+    inner = e.__cause__ or getattr(e, "inner_exception", None) or e
+    first = next((line.strip() for line in str(inner).splitlines() if line.strip()), type(inner).__name__)
+    return UserError(f"{flag}: torch.compile failed: {first}",
+                     hint=f"train without {flag} (eager, same results), or fix what the message names")
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -487,6 +500,8 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             bar.set_postfix(loss=f"{values[-1]:.4f}", val=f"{state.val_loss:.4f}", refresh=False)
         pending.clear()
 
+    # the compiled module shares the model's parameters; checkpoints are the model's own state dict
+    forward = torch.compile(model) if config.compile else model
     first = True
     while True:
         scheduled = step % config.eval_interval == 0 or step >= config.steps
@@ -496,7 +511,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             train_time += time.perf_counter() - started
-            losses = estimate_loss(model, dataset, config, device, autocast)
+            losses = estimate_loss(forward, dataset, config, device, autocast)
             if state.initial_loss is None and math.isfinite(losses["train"]):
                 state.initial_loss = losses["train"]  # step 0: the untrained model's loss
             for split in ("val", "train"):  # before anything is saved: `last` never holds a diverged state
@@ -533,7 +548,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
         if device.type == "cuda":  # pinned host memory lets the copy overlap with compute (nanoGPT)
             x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
         with autocast():
-            loss = _loss(model, x, y, vocab)
+            loss = _loss(forward, x, y, vocab)
         pending.append((step, loss.detach()))
         scaler.scale(loss).backward()
         if config.grad_clip > 0:
