@@ -121,12 +121,18 @@ RELU2_WIDE = PointwiseOps("pointwise_test_relu2_wide", PWK._pointwise_fwd_wide_k
 WIDE_WEIGHTS = {"sigmoid": SIGMOID_WIDE, "relu2": RELU2_WIDE}
 
 
+@pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("weight", ["sigmoid", "relu2"])
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("T,H,Dk,Dv", [(1, 1, 8, 8), (13, 2, 40, 24), (21, 1, 17, 50)])
-def test_wide_kernels_match_reference(weight: str, strict: bool, T: int, H: int, Dk: int, Dv: int) -> None:
+def test_wide_kernels_match_reference(weight: str, strict: bool, T: int, H: int, Dk: int, Dv: int, loop: bool,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The feature-tiled kernels (16-wide feature tiles under the interpreter, so several tiles and a ragged last
-    one; more key tiles than value tiles and fewer): forward and every gradient, every bias included."""
+    one; more key tiles than value tiles and fewer): forward and every gradient, every bias included, with a
+    backward program per feature tile and with one looping over the tiles (FEATURE_LOOP)."""
+    from energydsl.kernels import pointwise
+
+    monkeypatch.setattr(pointwise, "INTERPRET_FEATURE_LOOP", loop)
     inputs = make_inputs(2, H, T, Dk, Dv, row=True, key=True, alibi=True, self_bias=True, seed=5)
     check(WIDE_WEIGHTS[weight], inputs, scale=0.3, strict=strict)
 
@@ -321,16 +327,21 @@ ptrs = {
     "_pointwise_bwd_dq_kernel": ["Q", "K", "V", "RB", "KB", "ALIBI", "SELF", "DO", "DQ", "DRB"],
 }
 ptrs |= {name.replace("_kernel", "_wide_kernel"): args for name, args in ptrs.items()}
-for name, (dt, prec), (BK, BV), (strict, bias) in itertools.product(
-    ptrs, [("bf16", "tf32"), ("fp32", "ieee")], [(64, 64), (128, 32)], [(True, True), (False, False)]
+for name, (dt, prec), (BK, BV), (strict, bias), loop in itertools.product(
+    ptrs, [("bf16", "tf32"), ("fp32", "ieee")], [(64, 64), (128, 32)], [(True, True), (False, False)], [False, True]
 ):
     kernel = getattr(PWK if "wide" in name else PK, name)
-    sig = {p: "*" + dt if p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") else "*fp32" for p in ptrs[name]}
+    if loop and "FEATURE_LOOP" not in kernel.arg_names:
+        continue
+    # the wide backward writes fp32 gradients (its FEATURE_LOOP mode adds into them)
+    grads = ("DQ", "DK", "DV") if "wide" in name else ()
+    sig = {p: "*" + dt if p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") and p not in grads else "*fp32"
+           for p in ptrs[name]}
     sig |= {a: "i32" for a in kernel.arg_names if a.startswith("stride_")}
     sig |= {"T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "scale": "fp64", "T_TUNE": "i32"}
     consts = dict(WEIGHT=weight, WEIGHT_GRAD=weight, STRICT=strict, HAS_RB=bias, HAS_KB=bias, HAS_ALIBI=bias,
                   HAS_SELF=bias, NEED_ALIBI=bias, NEED_SELF=bias, DOT_PREC=prec, BK=BK, BV=BV, BLOCK_M=64,
-                  BLOCK_N=64, BLOCK_D=BK)
+                  BLOCK_N=64, BLOCK_D=BK, FEATURE_LOOP=loop)
     consts = {c: v for c, v in consts.items() if c in kernel.arg_names}
     sig |= {c: "constexpr" for c in consts}
     triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

@@ -225,11 +225,17 @@ def test_position_terms_in_a_pointwise_weight_become_kernel_flags(term: str, con
     _compare_backends(derived, "SigmoidPositions")
 
 
+@pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("name,dims", [("SigmoidAttention", dict(d=264, heads=1)),  # row bias, 264-wide heads
                                        ("GaussianKernel", dict(d=264))])  # row and key biases, values [1, k_j]
-def test_heads_wider_than_the_pointwise_tiles_take_the_wide_kernels(name: str, dims: dict) -> None:
+def test_heads_wider_than_the_pointwise_tiles_take_the_wide_kernels(name: str, dims: dict, loop: bool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The pointwise kernels hold a head's features in one tile (at most 256): wider heads (or values with the
-    RBF's column of ones) take the feature-tiled kernels, not the einsum, and agree with the torch backend."""
+    RBF's column of ones) take the feature-tiled kernels, not the einsum, and agree with the torch backend, the
+    generated copies' backward run in both modes (a program per feature tile, one looping over them)."""
+    from energydsl.kernels import pointwise
+
+    monkeypatch.setattr(pointwise, "INTERPRET_FEATURE_LOOP", loop)
     derived = load(ROOT / "tests/data/weighted-context-sums.energy").energy(name, **dims)
     source = energy_source(derived, "triton")
     forward = source.split("def forward")[1]

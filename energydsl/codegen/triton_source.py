@@ -133,8 +133,8 @@ FAMILIES = {
                         ("_pointwise_fwd_kernel", "_pointwise_bwd_dkdv_kernel", "_pointwise_bwd_dq_kernel")),
     # widths above 256: the same scores, every feature axis tiled
     "pointwise_wide": Family(("attention_wide_kernels", "pointwise_kernels", "pointwise_wide_kernels"), "pointwise",
-                             "pointwise_wide_ops", ("_tile_dots", "_score_terms", "_wide_scores", "_head_terms",
-                                                    "_in_context", "_pointwise_blocks"),
+                             "pointwise_wide_ops", ("_tile_dots", "_zero_rows", "_add_products", "_score_terms",
+                                                    "_wide_scores", "_head_terms", "_in_context", "_pointwise_blocks"),
                              ("_pointwise_fwd_wide_kernel", "_pointwise_bwd_dkdv_wide_kernel",
                               "_pointwise_bwd_dq_wide_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),

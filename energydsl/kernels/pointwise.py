@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 from torch import Tensor
 
 from . import MAX_HEAD_DIM, kernels_take, op_set
@@ -65,14 +64,16 @@ __all__ = ["INTERPRET", "SIGMOID", "SIGMOID_WIDE", "PointwiseOps", "pointwise_op
 # The kernels hold the same tiles as the softmax family's split backward (the dK/dV kernel keys x queries), so
 # they are tuned over its lists, which `benchmarks/kernel_resources.py` checks fit in registers for these kernels
 # too (variants "pointwise ..."); the fused dK/dV configs (DQ_ATOMIC) have no counterpart here.
+# The wide ones take the softmax family's wide lists as they are: grid-tiled configs and, for the backward,
+# FEATURE_LOOP ones.
 _CONFIGS = {False: tuple([c for c in configs if "DQ_ATOMIC" not in c.kwargs] for configs in AUTOTUNE_CONFIGS[False]),
-            # the wide ones: the softmax family's grid-tiled configs (its FEATURE_LOOP mode has no counterpart here)
-            True: tuple([triton.Config({k: v for k, v in c.kwargs.items() if k != "FEATURE_LOOP"},
-                                       num_warps=c.num_warps, num_stages=c.num_stages)
-                         for c in configs if not c.kwargs.get("FEATURE_LOOP")] for configs in AUTOTUNE_CONFIGS[True])}
+            True: AUTOTUNE_CONFIGS[True]}
 _KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "HAS_ALIBI", "HAS_SELF", "T_TUNE"]
 _WIDE_KEY = ["D_QK", "D_V", *_KEY[2:]]  # the wide kernels tune per width (no padded BK / BV)
 _INTERPRET_BLOCK = 16  # small, so the interpreter's tests cover several blocks and a ragged last one
+# the wide backward's mode under the interpreter (the tests run both): a program per feature tile, or one per
+# row block looping over the tiles (FEATURE_LOOP; on a GPU the autotuner chooses)
+INTERPRET_FEATURE_LOOP = False
 
 
 class PointwiseOps:
@@ -103,18 +104,20 @@ class PointwiseOps:
         """`kernel`'s compile-time arguments: the flags and weight functions it still takes, the padded widths,
         the dot precision, and fixed tiles under the interpreter (autotuned on CUDA)."""
         taken = {k: v for k, v in (flags | self._functions).items() if k in kernel.arg_names and k not in self.baked}
-        if self.wide:  # the feature tile is tuned with the row tiles
+        if self.wide:  # the feature tile (and the backward's mode) are tuned with the row tiles
+            loop = {"FEATURE_LOOP": INTERPRET_FEATURE_LOOP} if "FEATURE_LOOP" in kernel.arg_names else {}
             tiles = launch_options(BLOCK_M=_INTERPRET_BLOCK, BLOCK_N=_INTERPRET_BLOCK, BLOCK_D=_INTERPRET_BLOCK,
-                                   num_warps=4)
+                                   num_warps=4, **loop)
             return taken | dict(DOT_PREC=dot_precision(dtype)) | tiles
         tiles = launch_options(BLOCK_M=_INTERPRET_BLOCK, BLOCK_N=_INTERPRET_BLOCK, num_warps=4)
         return taken | dict(DOT_PREC=dot_precision(dtype), BK=_width(K), BV=_width(V)) | tiles
 
     def _grid(self, T: int, rows: str, BH: int, width: int) -> Callable[[dict[str, Any]], tuple[int, ...]]:
-        """Programs over (blocks of `rows` ("BLOCK_M" or "BLOCK_N"), batch * head, feature tiles of `width`)."""
+        """Programs over (blocks of `rows` ("BLOCK_M" or "BLOCK_N"), batch * head, feature tiles of `width`; one
+        for a backward config that loops over them)."""
         if not self.wide:
             return lambda m: (cdiv(T, m[rows]), BH)
-        return lambda m: (cdiv(T, m[rows]), BH, cdiv(width, m["BLOCK_D"]))
+        return lambda m: (cdiv(T, m[rows]), BH, 1 if m.get("FEATURE_LOOP") else cdiv(width, m["BLOCK_D"]))
 
     # -- launchers (these bodies are the ops: traceable by torch.compile, kernels behind `wrap_triton`) -----
 
@@ -146,7 +149,9 @@ class PointwiseOps:
             B, H, T, K = q.shape
             V = v.shape[-1]
             biases = [_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)]
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
+            grad_dtype = torch.float32 if self.wide else None
+            dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (q, k, v))  # the inputs' layouts
             drb, dkb, ddist, ddiag = (torch.empty((B, H, T) if wanted else (0,), dtype=torch.float32,
                                                   device=q.device)
                                       for wanted in (row_bias is not None, key_bias is not None, need_alibi,
@@ -159,7 +164,7 @@ class PointwiseOps:
                 **self._meta(self._dkdv, q.dtype, K, V, NEED_ALIBI=need_alibi, NEED_SELF=need_self, **flags))
             wrap_triton(self._dq)[self._grid(T, "BLOCK_M", B * H, K)](
                 q, k, v, *biases, do, dq, drb, *strides, **self._meta(self._dq, q.dtype, K, V, **flags))
-            return dq, dk, dv, drb, dkb, ddist, ddiag
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), drb, dkb, ddist, ddiag
 
         return pointwise_bwd
 

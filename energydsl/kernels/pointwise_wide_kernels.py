@@ -9,7 +9,10 @@ softmax family's wide kernels (`attention_wide_kernels.py`), every feature axis 
 * each program owns one feature tile of its outputs (a third grid axis: the value tile of o; the key and value
   tiles of dK and dV, a program writing both where both widths reach its tile; the key tile of dQ) and
   recomputes the scores it needs. The gradients of the biases are per-row sums of dS, written by the programs
-  of the first tile.
+  of the first tile;
+* or, in the backward with FEATURE_LOOP (an autotune choice, as the softmax family's), one program per row block
+  computes each score tile once and adds its products to every feature tile of fp32 gradients in memory
+  (`_add_products`): a read and a write of each gradient tile per block instead of a score pass per tile.
 
 Nothing T x T or T x D beyond the inputs and outputs is stored: memory stays linear in T.
 """
@@ -17,7 +20,7 @@ Nothing T x T or T x D beyond the inputs and outputs is stored: memory stays lin
 import triton
 import triton.language as tl
 
-from .attention_wide_kernels import _tile_dots
+from .attention_wide_kernels import _add_products, _tile_dots, _zero_rows
 from .pointwise_kernels import _head_terms, _in_context, _pointwise_blocks, _score_terms
 
 
@@ -96,11 +99,14 @@ def _pointwise_bwd_dkdv_wide_kernel(
     WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr,
     HAS_KB: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, NEED_ALIBI: tl.constexpr,
     NEED_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, FEATURE_LOOP: tl.constexpr = False,
 ):
     """One feature tile of dK and of dV (where D_QK and D_V reach it) for one block of keys, and, in the first
     tile's programs, d key_bias and the slope's and self bias's per-key column sums (DDIST, DDIAG): loops over
-    the query blocks that see the keys. DK and DV share K's and V's strides."""
+    the query blocks that see the keys. DK and DV share K's and V's strides.
+
+    FEATURE_LOOP: one program per key block (the grid's third axis is 1) adds each block's products to every
+    feature tile of DK and DV, fp32, zeroed first."""
     start_n = tl.program_id(0) * BLOCK_N
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     bh = tl.program_id(1)
@@ -119,6 +125,10 @@ def _pointwise_bwd_dkdv_wide_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     key_ok = offs_n < T
+    if FEATURE_LOOP:
+        _zero_rows(DKh, offs_n, stride_kt, key_ok, D_QK, BLOCK_D)
+        _zero_rows(DVh, offs_n, stride_vt, key_ok, D_V, BLOCK_D)
+        tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dkb = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -135,15 +145,23 @@ def _pointwise_bwd_dkdv_wide_kernel(
             dw = _tile_dots(Vh, DOh, offs_n, offs_m, stride_vt, stride_dot, key_ok, row_ok, D_V, BLOCK_N, BLOCK_M,
                             BLOCK_D, DOT_PREC)  # (dO_i . v_j), keys first
             ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
-            if tile * BLOCK_D < D_V:
+            if FEATURE_LOOP:
                 w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
-                do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                             mask=row_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
-                dv += tl.dot(w.to(do.dtype), do, input_precision=DOT_PREC)
-            if tile * BLOCK_D < D_QK:
-                q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                            mask=row_ok[:, None] & (offs_d[None, :] < D_QK), other=0.0)
-                dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
+                _add_products(DKh, offs_n, stride_kt, key_ok, ds * scale, Qh, offs_m, stride_qt, row_ok, D_QK,
+                              BLOCK_D, DOT_PREC)
+                _add_products(DVh, offs_n, stride_vt, key_ok, w, DOh, offs_m, stride_dot, row_ok, D_V, BLOCK_D,
+                              DOT_PREC)
+                tl.debug_barrier()  # this block's sums are written before the next block reads them
+            else:
+                if tile * BLOCK_D < D_V:
+                    w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
+                    do = tl.load(DOh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                                 mask=row_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
+                    dv += tl.dot(w.to(do.dtype), do, input_precision=DOT_PREC)
+                if tile * BLOCK_D < D_QK:
+                    q = tl.load(Qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                                mask=row_ok[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+                    dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PREC)
             if tile == 0:
                 if HAS_KB:
                     dkb += tl.sum(ds, axis=1)
@@ -151,10 +169,11 @@ def _pointwise_bwd_dkdv_wide_kernel(
                     ddist += tl.sum(ds * tl.abs(i - j).to(tl.float32), axis=1)
                 if NEED_SELF and mode > 0:
                     ddiag += tl.sum(tl.where(i == j, ds, 0.0), axis=1)
-    tl.store(DKh + offs_n[:, None] * stride_kt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=key_ok[:, None] & (offs_d[None, :] < D_QK))
-    tl.store(DVh + offs_n[:, None] * stride_vt + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=key_ok[:, None] & (offs_d[None, :] < D_V))
+    if not FEATURE_LOOP:
+        tl.store(DKh + offs_n[:, None] * stride_kt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+                 mask=key_ok[:, None] & (offs_d[None, :] < D_QK))
+        tl.store(DVh + offs_n[:, None] * stride_vt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=key_ok[:, None] & (offs_d[None, :] < D_V))
     if tile == 0:
         if HAS_KB:
             tl.store(DKB + bh.to(tl.int64) * T + offs_n, dkb, mask=key_ok)
@@ -173,10 +192,11 @@ def _pointwise_bwd_dq_wide_kernel(
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FEATURE_LOOP: tl.constexpr = False,
 ):
     """One feature tile of dQ for one block of queries, and d row_bias in the first tile's programs: a loop over
-    the key blocks the queries see. DQ shares Q's strides."""
+    the key blocks the queries see. DQ shares Q's strides. FEATURE_LOOP: one program per query block adds to
+    every feature tile of DQ (fp32, zeroed first)."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     bh = tl.program_id(1)
@@ -194,6 +214,9 @@ def _pointwise_bwd_dq_wide_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
+    if FEATURE_LOOP:
+        _zero_rows(DQh, offs_m, stride_qt, row_ok, D_QK, BLOCK_D)
+        tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     drb = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for mode in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
@@ -207,12 +230,18 @@ def _pointwise_bwd_dq_wide_kernel(
             dw = _tile_dots(DOh, Vh, offs_m, offs_n, stride_dot, stride_vt, row_ok, key_ok, D_V, BLOCK_M, BLOCK_N,
                             BLOCK_D, DOT_PREC)
             ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
-            k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                        mask=key_ok[:, None] & (offs_d[None, :] < D_QK), other=0.0)
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            if FEATURE_LOOP:
+                _add_products(DQh, offs_m, stride_qt, row_ok, ds * scale, Kh, offs_n, stride_kt, key_ok, D_QK,
+                              BLOCK_D, DOT_PREC)
+                tl.debug_barrier()  # this block's sums are written before the next block reads them
+            else:
+                k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                            mask=key_ok[:, None] & (offs_d[None, :] < D_QK), other=0.0)
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
             if HAS_RB and tile == 0:
                 drb += tl.sum(ds, axis=1)
-    tl.store(DQh + offs_m[:, None] * stride_qt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D_QK))
+    if not FEATURE_LOOP:
+        tl.store(DQh + offs_m[:, None] * stride_qt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < D_QK))
     if HAS_RB and tile == 0:
         tl.store(DRB + bh.to(tl.int64) * T + offs_m, drb, mask=row_ok)
