@@ -568,6 +568,24 @@ def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("path,name", ENERGIES)
+def test_layer_runs_under_torch_compile(path: str, name: str, backend: str) -> None:
+    """Every energy's generated layer under torch.compile, in one graph (the kernels are registered ops with fake
+    functions), gives eager's displacement and the same gradients for the input and every parameter."""
+    torch._dynamo.reset()  # one `forward` per generated class, but many classes: no recompile limit across tests
+    torch.manual_seed(0)
+    layer = module_class(load(ROOT / path).energy(name), backend)().to(DEVICE)
+    x = layer.example_input(2, 7).to(DEVICE).requires_grad_()
+    compiled = torch.compile(layer, backend="inductor" if CUDA else "aot_eager", fullgraph=True)
+    eager, got = layer(x, delta=True), compiled(x, delta=True)
+    assert _rel(got, eager) < 1e-5
+    wrt = [x, *(p for p in layer.parameters() if p.requires_grad)]
+    for g, e in zip(torch.autograd.grad(got.square().sum(), wrt, allow_unused=True),
+                    torch.autograd.grad(eager.square().sum(), wrt, allow_unused=True), strict=True):
+        assert (g is None) == (e is None) and (e is None or _rel(g, e) < 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("path,name", MODELS)
 def test_model_memory_grows_linearly_in_T(path: str, name: str, backend: str) -> None:
     """A whole example model likewise, embedding to logits; on the torch backend CEM's ALiBi attention and RMT's
