@@ -69,11 +69,14 @@ class LayerNorm(nn.LayerNorm):
     Under `torch.compile` the backward graph's layouts come from fake tensors. On the CPU
     `native_layer_norm_backward` returns a contiguous gradient whatever the layout of the gradient it is given,
     while its fake function keeps that layout; a `view` planned on the fake layout then fails on the real
-    tensor (RMT's factorised head reads the final norm's output as `keys @ z`, whose gradient is transposed).
-    With a contiguous gradient coming in, both agree; the copy is one the CPU kernel made anyway."""
+    tensor (RMT's factorised head reads the final norm's output as `keys @ z`, whose traced gradient is a
+    transposed view). With a contiguous gradient coming in, both agree; the copy is one the CPU kernel made
+    anyway. Only while compiling: eagerly the layouts are real, and the autograd.Function would cost about
+    50 us of host time per norm and step."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return _ContiguousGrad.apply(super().forward(x))
+        y = super().forward(x)
+        return _ContiguousGrad.apply(y) if torch.compiler.is_compiling() else y
 
 
 class FactorisedTable(nn.Module):
