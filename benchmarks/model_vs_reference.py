@@ -1,9 +1,12 @@
 """Generated GPT (examples/models/gpt.energy) against a hand-written nanoGPT model.py, same run, same sizes.
 
 Prints forward+backward time per training step for both and the ratio generated / hand-written
-(target: at most 1.10). Default: nanoGPT's Shakespeare-char size on the CPU.
+(target: at most 1.10). Default: nanoGPT's Shakespeare-char size on the CPU. With --compile both models run
+under torch.compile (Inductor), as `energy train --compile` runs the generated one, and the eager steps of
+both are timed in the same run too, so the table also gives each model's compiled / eager ratio.
 
     python benchmarks/model_vs_reference.py [--batch 8] [--context 256] [--d 384] [--layers 6] [--heads 6]
+    python benchmarks/model_vs_reference.py --compile --device cuda
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=65)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true", help="also time both under torch.compile")
     args = ap.parse_args()
     try:
         torch.empty(0, device=args.device)
@@ -54,20 +58,28 @@ def main() -> None:
     n_gen, n_ref = generated.num_params(), sum(p.numel() for p in reference.parameters())
     idx = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
     targets = torch.randint(0, args.vocab, (args.batch, args.context), device=args.device)
-    for m in (generated, reference):  # warm up
+    runs = {"generated": generated, "hand-written": reference}
+    if args.compile:  # the compiled modules share the eager ones' parameters
+        runs |= {"generated, compiled": torch.compile(generated), "hand-written, compiled": torch.compile(reference)}
+    for m in runs.values():  # warm up (and compile)
         for _ in range(2):
             step_time(m, idx, targets)
-    times: dict[str, list[float]] = {"generated": [], "hand-written": []}
-    for _ in range(args.repeats):  # interleaved, so machine noise hits both alike
-        times["generated"].append(step_time(generated, idx, targets))
-        times["hand-written"].append(step_time(reference, idx, targets))
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
+        for k, m in runs.items():
+            times[k].append(step_time(m, idx, targets))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"device {args.device} · torch {torch.__version__} · threads {torch.get_num_threads()} · "
           f"batch {args.batch} x context {args.context} · d {args.d} · layers {args.layers} · heads {args.heads}")
     print(f"params: generated {n_gen:,} · hand-written {n_ref:,}")
     for k, v in med.items():
-        print(f"{k:>13}: {v * 1000:8.1f} ms / step (median of {args.repeats}, forward + backward)")
+        print(f"{k:>22}: {v * 1000:8.1f} ms / step (median of {args.repeats}, forward + backward)")
     print(f"ratio generated / hand-written: {med['generated'] / med['hand-written']:.3f} (target ≤ 1.10)")
+    if args.compile:
+        print(f"ratio generated / hand-written, both compiled: "
+              f"{med['generated, compiled'] / med['hand-written, compiled']:.3f} (target ≤ 1.10)")
+        for k in ("generated", "hand-written"):
+            print(f"{k} compiled / eager: {med[k + ', compiled'] / med[k]:.3f}")
 
 
 if __name__ == "__main__":
