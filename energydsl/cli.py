@@ -323,7 +323,8 @@ def train_(
     Exit status:
     0 done;
     1 diverged (the last good checkpoint is kept);
-    2 bad input (spec, flags, data, a run directory of another model or a damaged one, out of memory);
+    2 bad input (spec, flags, data, a run directory of another model or a damaged one, out of memory, a --compile
+    that fails);
     70 an internal error;
     130 interrupted (Ctrl-C: the run is saved first; a second Ctrl-C stops at once);
     143 stopped by SIGTERM (saved first, as for Ctrl-C).

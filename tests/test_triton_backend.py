@@ -567,6 +567,12 @@ def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
     assert _doubling(run) <= 2.0
 
 
+# The torch.compile sweeps below trace forward and backward with fake tensors (where layout disagreements show)
+# but run the traced graphs eagerly, on a GPU too: Inductor would compile 124 graphs there, minutes of a short
+# device run; test_triton_source.py compiles generated layers with Inductor on CUDA.
+SWEEP_COMPILER = "aot_eager"
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("path,name", ENERGIES)
 def test_layer_runs_under_torch_compile(path: str, name: str, backend: str) -> None:
@@ -576,7 +582,7 @@ def test_layer_runs_under_torch_compile(path: str, name: str, backend: str) -> N
     torch.manual_seed(0)
     layer = module_class(load(ROOT / path).energy(name), backend)().to(DEVICE)
     x = layer.example_input(2, 7).to(DEVICE).requires_grad_()
-    compiled = torch.compile(layer, backend="inductor" if CUDA else "aot_eager", fullgraph=True)
+    compiled = torch.compile(layer, backend=SWEEP_COMPILER, fullgraph=True)
     eager, got = layer(x, delta=True), compiled(x, delta=True)
     assert _rel(got, eager) < 1e-5
     wrt = [x, *(p for p in layer.parameters() if p.requires_grad)]
@@ -605,7 +611,7 @@ def test_model_memory_grows_linearly_in_T(path: str, name: str, backend: str) ->
 @pytest.mark.parametrize("path,name", MODELS)
 def test_model_trains_under_torch_compile(path: str, name: str, backend: str) -> None:
     """A whole example model under torch.compile (one graph: the kernels are registered ops with fake functions)
-    gives eager's logits and parameter gradients. aot_eager on the CPU traces the backward with fake tensors as
+    gives eager's logits and parameter gradients. aot_eager traces the backward with fake tensors as
     Inductor does, so a layout that fake and real tensors disagree on fails here (it did: RMT's final LayerNorm)."""
     spec = load(ROOT / "examples/models" / path)
     declared = {k for k, _ in spec.syntax.models[name].header}
@@ -613,7 +619,7 @@ def test_model_trains_under_torch_compile(path: str, name: str, backend: str) ->
     model = spec.model(name, backend=backend, **{k: v for k, v in SMALL_MODEL_DIMS.items() if k in declared}).to(DEVICE)
     idx = torch.randint(0, 17, (2, 11), device=DEVICE)
     torch._dynamo.reset()  # every model runs the one `forward` of model.py: no recompile limit across tests
-    compiled = torch.compile(model, backend="inductor" if CUDA else "aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=SWEEP_COMPILER, fullgraph=True)
     params = [p for p in model.parameters() if p.requires_grad]
     eager, got = model(idx), compiled(idx)
     assert _rel(got, eager) < 1e-5
