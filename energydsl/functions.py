@@ -51,6 +51,11 @@ def _d2sigmoid(x: torch.Tensor) -> torch.Tensor:
     return s * (1 - s) * (1 - 2 * s)
 
 
+def _log_cosh(x: torch.Tensor) -> torch.Tensor:
+    a = torch.abs(x)
+    return a + torch.nn.functional.softplus(-2 * a) - math.log(2)
+
+
 def _d2silu(x: torch.Tensor) -> torch.Tensor:
     s = torch.sigmoid(x)
     return s * (1 - s) * (2 + x * (1 - 2 * s))
@@ -110,6 +115,14 @@ for _f in [
              torch_src="(torch.sigmoid({x}) * (1 - torch.sigmoid({x})) * (2 + {x} * (1 - 2 * torch.sigmoid({x}))))"),
     Function("dgelu'", _npdf_sym * (2 - X**2), lambda x: _npdf(x) * (2 - x * x), None, latex="\\operatorname{GELU}''",
              torch_src="(torch.exp(-0.5 * {x} ** 2) * 0.3989422804014327 * (2 - {x} ** 2))"),
+    # antiderivatives in stable forms (`integral(tanh)`, `integral(sigmoid)`): SymPy's closed forms,
+    # x - log(1 + tanh x) and log(1 + e^x) - log 2, are inf where tanh x rounds to -1 (x < -9 in float32, -19 in
+    # float64) or e^x overflows (x > 88 in float32); same constants (0 at x = 0)
+    Function("int_tanh", sp.log(sp.cosh(X)), _log_cosh, "tanh", latex="\\textstyle\\int tanh",
+             torch_src="(torch.abs({x}) + F.softplus(-2 * torch.abs({x})) - 0.6931471805599453)"),
+    Function("int_sigmoid", sp.log(1 + sp.exp(X)) - sp.log(2),
+             lambda x: torch.nn.functional.softplus(x) - math.log(2), "sigmoid", latex="\\textstyle\\int \\sigma",
+             torch_src="(F.softplus({x}) - 0.6931471805599453)"),
     Function("square", X**2, torch.square, None, torch_src="torch.square({x})"),
     Function("identity", X, lambda x: x, "one", torch_src="{x}"),
     Function("one", sp.Integer(1) + 0 * X, torch.ones_like, "zero", torch_src="torch.ones_like({x})"),

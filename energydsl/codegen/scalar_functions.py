@@ -11,10 +11,10 @@ one local per node, and G is printed in torch too, for the exact float64 path:
     printed.torch                      # G as a torch expression in `x`
 
 An element-wise function is printed from `TRITON_FUNCTIONS` where it has a hand-written stable form there
-(softplus, tanh), and otherwise from its SymPy formula in the registry (`functions.py`): a derivative SymPy
-derived (GELU'', SiLU'') or a closed-form antiderivative prints as written there, as the torch backend
-evaluates it. What cannot be printed (a learned scalar inside G, a formula SymPy left as an integral or a
-piecewise one) gives None, and the caller keeps the torch path.
+(softplus, tanh, ∫sigmoid, ∫tanh), and otherwise from its SymPy formula in the registry (`functions.py`): a
+derivative SymPy derived (GELU'', SiLU'') or a closed-form antiderivative (∫GELU) prints as written there, as
+the torch backend evaluates it. What cannot be printed (a learned scalar inside G, a formula SymPy left as an
+integral or a piecewise one) gives None, and the caller keeps the torch path.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def scalar_function(em: Emitter, g: Expr) -> ScalarFunction | None:
 
 
 #: element-wise functions in Triton, `{x}` a name (each argument is bound to a local first); numerically
-#: stable forms where the naive one overflows (softplus, tanh). A function not listed prints from its formula.
+#: stable forms where the naive one overflows (softplus, tanh, the antiderivatives of sigmoid and tanh). A function
+#: not listed prints from its formula.
 TRITON_FUNCTIONS = {
     "exp": "tl.exp({x})",
     "log": "tl.log({x})",
@@ -88,6 +89,8 @@ TRITON_FUNCTIONS = {
     "tanh": "2.0 * tl.sigmoid(2.0 * {x}) - 1.0",
     "dtanh": "1.0 - (2.0 * tl.sigmoid(2.0 * {x}) - 1.0) * (2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
     "softplus": "tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x})))",
+    "int_sigmoid": "tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x}))) - 0.6931471805599453",
+    "int_tanh": "tl.abs({x}) + tl.log(1.0 + tl.exp(-2.0 * tl.abs({x}))) - 0.6931471805599453",
     "silu": "{x} * tl.sigmoid({x})",
     "dsilu": "tl.sigmoid({x}) * (1.0 + {x} * (1.0 - tl.sigmoid({x})))",
     "gelu": "{x} * 0.5 * (1.0 + tl.math.erf({x} * 0.7071067811865476))",
