@@ -76,6 +76,7 @@ _SWITCHES = ("STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "
 _FP32_ARGS = {"LSE_IN", "LSE", "DELTA", "ALIBI", "SELF_B", "KEY_B", "DKB", "DDIAG", "DDIST", "DQ_ACC", "DU_ACC",
               "g_ptr", "r_ptr", "RB", "KB", "SELF", "DRB"}
 _WIDE_GRADS = {"DQ", "DK", "DV", "DU"}  # the wide backward writes fp32 gradients (FEATURE_LOOP adds into them)
+_FP32_OUT = {"_pointwise_fwd_wide_kernel": {"O"}}  # so does the wide pointwise forward
 _SCALAR_ARGS = {"scale": "fp32", "T": "i32", "H": "i32", "D_QK": "i32", "D_V": "i32", "T_TUNE": "i32"}
 _MULTIPLES_OF_16 = {"T", "D_QK", "D_V", "T_TUNE"}
 _LINEAR_DIMS = ("K", "V")  # the linear kernels' head dims (the attention kernels' K and V are tensors)
@@ -144,7 +145,7 @@ def compile_for_sm90(
     consts |= {k: v for k, v in _UNIT_STRIDES.items() if k in kernel.arg_names}
     strides = [a for a in kernel.arg_names if a.startswith("stride_") and a not in consts]  # the row layouts
     scalars = _SCALAR_ARGS | dict.fromkeys((*dims, *strides), "i32")
-    fp32 = _FP32_ARGS | (_WIDE_GRADS if "_wide_" in kernel.__name__ else set())
+    fp32 = _FP32_ARGS | (_WIDE_GRADS if "_wide_" in kernel.__name__ else set()) | _FP32_OUT.get(kernel.__name__, set())
     sig = {a: scalars.get(a, "*fp32" if a in fp32 else "*" + dtype) for a in kernel.arg_names}
     if "scale" in sig:
         sig["scale"] = scale_type

@@ -333,8 +333,8 @@ for name, (dt, prec), (BK, BV), (strict, bias), loop in itertools.product(
     kernel = getattr(PWK if "wide" in name else PK, name)
     if loop and "FEATURE_LOOP" not in kernel.arg_names:
         continue
-    # the wide backward writes fp32 gradients (its FEATURE_LOOP mode adds into them)
-    grads = ("DQ", "DK", "DV") if "wide" in name else ()
+    # the wide kernels write fp32 outputs and gradients (their FEATURE_LOOP mode adds into them)
+    grads = ("O", "DQ", "DK", "DV") if "wide" in name else ()
     sig = {p: "*" + dt if p in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV") and p not in grads else "*fp32"
            for p in ptrs[name]}
     sig |= {a: "i32" for a in kernel.arg_names if a.startswith("stride_")}

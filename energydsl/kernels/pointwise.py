@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import MAX_HEAD_DIM, kernels_take, op_set
-from .attention_configs import AUTOTUNE_CONFIGS, tune_bucket
+from .attention_configs import AUTOTUNE_CONFIGS, _configs, tune_bucket
 from .launch import (
     INTERPRET,
     cdiv,
@@ -64,15 +64,17 @@ __all__ = ["INTERPRET", "SIGMOID", "SIGMOID_WIDE", "PointwiseOps", "pointwise_op
 # The kernels hold the same tiles as the softmax family's split backward (the dK/dV kernel keys x queries), so
 # they are tuned over its lists, which `benchmarks/kernel_resources.py` checks fit in registers for these kernels
 # too (variants "pointwise ..."); the fused dK/dV configs (DQ_ATOMIC) have no counterpart here.
-# The wide ones take the softmax family's wide lists as they are: grid-tiled configs and, for the backward,
-# FEATURE_LOOP ones.
+# The wide ones take the softmax family's wide lists (grid-tiled configs and, for the backward, FEATURE_LOOP
+# ones), and the forward gets loop configs of its own (the softmax forward's online softmax has no such mode).
+_WIDE_FWD_LOOP_CONFIGS = _configs([(64, 64, 64, 8, 2), (32, 64, 64, 4, 2), (64, 32, 64, 4, 2), (128, 64, 64, 8, 2)],
+                                  FEATURE_LOOP=True)
 _CONFIGS = {False: tuple([c for c in configs if "DQ_ATOMIC" not in c.kwargs] for configs in AUTOTUNE_CONFIGS[False]),
-            True: AUTOTUNE_CONFIGS[True]}
+            True: (AUTOTUNE_CONFIGS[True][0] + _WIDE_FWD_LOOP_CONFIGS, *AUTOTUNE_CONFIGS[True][1:])}
 _KEY = ["BK", "BV", "STRICT", "HAS_RB", "HAS_KB", "HAS_ALIBI", "HAS_SELF", "T_TUNE"]
 _WIDE_KEY = ["D_QK", "D_V", *_KEY[2:]]  # the wide kernels tune per width (no padded BK / BV)
 _INTERPRET_BLOCK = 16  # small, so the interpreter's tests cover several blocks and a ragged last one
-# the wide backward's mode under the interpreter (the tests run both): a program per feature tile, or one per
-# row block looping over the tiles (FEATURE_LOOP; on a GPU the autotuner chooses)
+# the wide kernels' mode under the interpreter (the tests run both): a program per feature tile, or one per
+# row block looping over the tiles (FEATURE_LOOP; on a GPU the autotuner chooses, per kernel)
 INTERPRET_FEATURE_LOOP = False
 
 
@@ -128,12 +130,13 @@ class PointwiseOps:
             q, k, v = kernel_layouts(q, k, v)
             B, H, T, K = q.shape
             V = v.shape[-1]
-            o = empty_in_order(q, V, v.dtype)
+            # the wide kernel writes fp32 (a FEATURE_LOOP config adds into it), cast below
+            o = empty_in_order(q, V, torch.float32 if self.wide else v.dtype)
             meta = self._meta(self._fwd, q.dtype, K, V, **_flags(strict, row_bias, key_bias, alibi, self_b))
             wrap_triton(self._fwd)[self._grid(T, "BLOCK_M", B * H, V)](
                 q, k, v, *(_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)), o, *q.stride()[:3],
                 *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], T, H, K, V, scale, tune_bucket(T), **meta)
-            return o
+            return o.to(v.dtype)
 
         return pointwise_fwd
 

@@ -10,9 +10,10 @@ softmax family's wide kernels (`attention_wide_kernels.py`), every feature axis 
   tiles of dK and dV, a program writing both where both widths reach its tile; the key tile of dQ) and
   recomputes the scores it needs. The gradients of the biases are per-row sums of dS, written by the programs
   of the first tile;
-* or, in the backward with FEATURE_LOOP (an autotune choice, as the softmax family's), one program per row block
-  computes each score tile once and adds its products to every feature tile of fp32 gradients in memory
-  (`_add_products`): a read and a write of each gradient tile per block instead of a score pass per tile.
+* or, with FEATURE_LOOP (an autotune choice, as in the softmax family's backward; here the forward has it too),
+  one program per row block computes each score tile once and adds its products to every feature tile of fp32
+  outputs in memory (`_add_products`): a read and a write of each output tile per block instead of a score pass
+  per tile. (No normalisation over j, so the forward's sums need no rescaling.)
 
 Nothing T x T or T x D beyond the inputs and outputs is stored: memory stays linear in T.
 """
@@ -54,9 +55,10 @@ def _pointwise_fwd_wide_kernel(
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FEATURE_LOOP: tl.constexpr = False,
 ):
-    """One feature tile of o_i = sum_j w(s_ij) v_j for one block of queries of one (batch, head)."""
+    """One feature tile of o_i = sum_j w(s_ij) v_j for one block of queries of one (batch, head); with
+    FEATURE_LOOP one program per query block adds to every feature tile of O (fp32, zeroed first)."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     bh = tl.program_id(1)
@@ -72,6 +74,9 @@ def _pointwise_fwd_wide_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
+    if FEATURE_LOOP:
+        _zero_rows(Oh, offs_m, stride_ot, row_ok, D_V, BLOCK_D)
+        tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for mode in tl.static_range(2):  # key blocks before this query block, unmasked; then the diagonal's
         lo, hi = _pointwise_blocks(start_m, T, mode, False, BLOCK_M, BLOCK_N)
@@ -82,11 +87,16 @@ def _pointwise_fwd_wide_kernel(
                                    slope, self_b, T, scale, False, mode > 0, HAS_RB, HAS_KB, HAS_ALIBI, HAS_SELF,
                                    BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
-            v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                        mask=key_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
-            acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
-    tl.store(Oh + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D_V))
+            if FEATURE_LOOP:
+                _add_products(Oh, offs_m, stride_ot, row_ok, w, Vh, offs_n, stride_vt, key_ok, D_V, BLOCK_D, DOT_PREC)
+                tl.debug_barrier()  # this block's sums are written before the next block reads them
+            else:
+                v = tl.load(Vh + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=key_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
+                acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
+    if not FEATURE_LOOP:
+        tl.store(Oh + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_d[None, :] < D_V))
 
 
 @triton.jit
