@@ -128,13 +128,13 @@ FAMILIES = {
                              ("_fwd_wide_kernel", "_bwd_dkdv_wide_kernel", "_bwd_dq_wide_kernel")),
     # element-wise weights of the score, no normalisation (sigmoid attention); the weight functions generated
     "pointwise": Family(("pointwise_kernels",), "pointwise", "pointwise_ops",
-                        ("_pointwise_scores", "_score_terms", "_rows", "_head_terms", "_in_context",
+                        ("_pointwise_scores", "_score_terms", "_rows", "_head", "_in_context",
                          "_pointwise_blocks"),
                         ("_pointwise_fwd_kernel", "_pointwise_bwd_dkdv_kernel", "_pointwise_bwd_dq_kernel")),
     # widths above 256: the same scores, every feature axis tiled
     "pointwise_wide": Family(("attention_wide_kernels", "pointwise_kernels", "pointwise_wide_kernels"), "pointwise",
                              "pointwise_wide_ops", ("_tile_dots", "_zero_rows", "_add_products", "_score_terms",
-                                                    "_wide_scores", "_head_terms", "_in_context", "_pointwise_blocks"),
+                                                    "_wide_scores", "_head", "_in_context", "_pointwise_blocks"),
                              ("_pointwise_fwd_wide_kernel", "_pointwise_bwd_dkdv_wide_kernel",
                               "_pointwise_bwd_dq_wide_kernel")),
     "linear": Family(("linear",), "linear", "linear_attention_ops", (),

@@ -72,15 +72,26 @@ def _rows(base, offs, stride, offs_d, D, T):
 
 
 @triton.jit
-def _head_terms(ALIBI, SELF, h, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr):
-    """(ALiBi slope, self bias) of head h, fp32; 0 for a term the scores do not have."""
+def _head(Q, K, V, OUT, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+          stride_outb, stride_outh, T, H, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr):
+    """Every kernel's setup for its (batch, head) `program_id(1)`: (b, h, rows, Qh, Kh, Vh, OUTh, rb_ptr, kb_ptr,
+    slope, self_b). b and h (int64) place the kernel's other tensors, which share an input's strides; `rows` is
+    the (batch, head)'s offset into the (B, H, T) biases and bias gradients; Qh ... OUTh the (batch, head)'s
+    q, k, v and OUT (the output, or its gradient); rb_ptr and kb_ptr its row and key biases; slope and self_b
+    its ALiBi slope and self bias, fp32, 0 for a term the scores do not have."""
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rows = bh * T
     slope = 0.0
     self_b = 0.0
     if HAS_ALIBI:
         slope = tl.load(ALIBI + h).to(tl.float32)
     if HAS_SELF:
         self_b = tl.load(SELF + h).to(tl.float32)
-    return slope, self_b
+    return (b, h, rows, Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh,
+            V + b * stride_vb + h * stride_vh, OUT + b * stride_outb + h * stride_outh, RB + rows, KB + rows, slope,
+            self_b)
 
 
 @triton.jit
@@ -144,16 +155,9 @@ def _pointwise_fwd_kernel(
     """o_i = sum_j w(s_ij) v_j for one block of queries of one (batch, head)."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    Oh = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    rb_ptr = RB + bh.to(tl.int64) * T
-    kb_ptr = KB + bh.to(tl.int64) * T
-    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
+    b, h, rows, Qh, Kh, Vh, Oh, rb_ptr, kb_ptr, slope, self_b = _head(
+        Q, K, V, O, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_ob, stride_oh, T, H, HAS_ALIBI, HAS_SELF)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -189,18 +193,11 @@ def _pointwise_bwd_dkdv_kernel(
     keys: loops over the query blocks that see it. DK and DV share K's and V's strides."""
     start_n = tl.program_id(0) * BLOCK_N
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    DOh = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    DKh = DK + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    DVh = DV + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    rb_ptr = RB + bh.to(tl.int64) * T
-    kb_ptr = KB + bh.to(tl.int64) * T
-    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
+    b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
+        Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
+    DKh = DK + b * stride_kb + h * stride_kh
+    DVh = DV + b * stride_vb + h * stride_vh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -236,11 +233,11 @@ def _pointwise_bwd_dkdv_kernel(
     tl.store(DVh + offs_n[:, None] * stride_vt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dv[None, :] < D_V))
     if HAS_KB:
-        tl.store(DKB + bh.to(tl.int64) * T + offs_n, dkb, mask=key_ok)
+        tl.store(DKB + rows + offs_n, dkb, mask=key_ok)
     if NEED_ALIBI:
-        tl.store(DDIST + bh.to(tl.int64) * T + offs_n, ddist, mask=key_ok)
+        tl.store(DDIST + rows + offs_n, ddist, mask=key_ok)
     if NEED_SELF:
-        tl.store(DDIAG + bh.to(tl.int64) * T + offs_n, ddiag, mask=key_ok)
+        tl.store(DDIAG + rows + offs_n, ddiag, mask=key_ok)
 
 
 @triton.jit
@@ -257,17 +254,10 @@ def _pointwise_bwd_dq_kernel(
     """dQ and d row_bias for one block of queries: a loop over the key blocks it sees. DQ shares Q's strides."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    DOh = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    DQh = DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    rb_ptr = RB + bh.to(tl.int64) * T
-    kb_ptr = KB + bh.to(tl.int64) * T
-    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
+    b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
+        Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
+    DQh = DQ + b * stride_qb + h * stride_qh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -292,7 +282,7 @@ def _pointwise_bwd_dq_kernel(
     tl.store(DQh + offs_m[:, None] * stride_qt + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
     if HAS_RB:
-        tl.store(DRB + bh.to(tl.int64) * T + offs_m, drb, mask=row_ok)
+        tl.store(DRB + rows + offs_m, drb, mask=row_ok)
 
 
 # The weight of sigmoid attention (Ramapuram et al., 2024), for the op set `pointwise.SIGMOID` that a caller

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .attention_wide_kernels import _add_products, _tile_dots, _zero_rows
-from .pointwise_kernels import _head_terms, _in_context, _pointwise_blocks, _score_terms
+from .pointwise_kernels import _head, _in_context, _pointwise_blocks, _score_terms
 
 
 @triton.jit
@@ -61,16 +61,9 @@ def _pointwise_fwd_wide_kernel(
     FEATURE_LOOP one program per query block adds to every feature tile of O (fp32, zeroed first)."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    Oh = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    rb_ptr = RB + bh.to(tl.int64) * T
-    kb_ptr = KB + bh.to(tl.int64) * T
-    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
+    b, h, rows, Qh, Kh, Vh, Oh, rb_ptr, kb_ptr, slope, self_b = _head(
+        Q, K, V, O, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_ob, stride_oh, T, H, HAS_ALIBI, HAS_SELF)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
@@ -119,19 +112,12 @@ def _pointwise_bwd_dkdv_wide_kernel(
     feature tile of DK and DV, fp32, zeroed first."""
     start_n = tl.program_id(0) * BLOCK_N
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    bh = tl.program_id(1)
     tile = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    DOh = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    DKh = DK + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    DVh = DV + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    rb_ptr = RB + bh.to(tl.int64) * T
-    kb_ptr = KB + bh.to(tl.int64) * T
-    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
+    b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
+        Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
+    DKh = DK + b * stride_kb + h * stride_kh
+    DVh = DV + b * stride_vb + h * stride_vh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     key_ok = offs_n < T
@@ -186,11 +172,11 @@ def _pointwise_bwd_dkdv_wide_kernel(
                  mask=key_ok[:, None] & (offs_d[None, :] < D_V))
     if tile == 0:
         if HAS_KB:
-            tl.store(DKB + bh.to(tl.int64) * T + offs_n, dkb, mask=key_ok)
+            tl.store(DKB + rows + offs_n, dkb, mask=key_ok)
         if NEED_ALIBI:
-            tl.store(DDIST + bh.to(tl.int64) * T + offs_n, ddist, mask=key_ok)
+            tl.store(DDIST + rows + offs_n, ddist, mask=key_ok)
         if NEED_SELF:
-            tl.store(DDIAG + bh.to(tl.int64) * T + offs_n, ddiag, mask=key_ok)
+            tl.store(DDIAG + rows + offs_n, ddiag, mask=key_ok)
 
 
 @triton.jit
@@ -209,18 +195,11 @@ def _pointwise_bwd_dq_wide_kernel(
     every feature tile of DQ (fp32, zeroed first)."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
-    bh = tl.program_id(1)
     tile = tl.program_id(2)
-    b = bh // H
-    h = bh % H
-    Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    Kh = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    Vh = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    DOh = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    DQh = DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    rb_ptr = RB + bh.to(tl.int64) * T
-    kb_ptr = KB + bh.to(tl.int64) * T
-    slope, self_b = _head_terms(ALIBI, SELF, h, HAS_ALIBI, HAS_SELF)
+    b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
+        Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+        stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
+    DQh = DQ + b * stride_qb + h * stride_qh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
@@ -254,4 +233,4 @@ def _pointwise_bwd_dq_wide_kernel(
         tl.store(DQh + offs_m[:, None] * stride_qt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D_QK))
     if HAS_RB and tile == 0:
-        tl.store(DRB + bh.to(tl.int64) * T + offs_m, drb, mask=row_ok)
+        tl.store(DRB + rows + offs_m, drb, mask=row_ok)
