@@ -193,3 +193,14 @@ def test_lowering_benchmark_times_a_named_energy_of_a_file_with_several() -> Non
     assert "against the generic layer in float64: lowered" in out.stdout
     out = _run(*args)
     assert out.returncode == 2 and "declares 5 energies" in out.stderr and "--name" in out.stderr
+
+
+def test_model_vs_reference_times_both_models_eager_and_compiled() -> None:
+    """`--compile` adds the compiled pair (Inductor, C++ on the CPU) to the same run and prints its ratios."""
+    out = _run("benchmarks/model_vs_reference.py", "--compile", "--batch", "1", "--context", "8", "--d", "16",
+               "--layers", "1", "--heads", "2", "--repeats", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in ("generated, compiled:", "hand-written, compiled:", "ratio generated / hand-written: ",
+                 "ratio generated / hand-written, both compiled: ", "generated compiled / eager: ",
+                 "hand-written compiled / eager: "):
+        assert line in out.stdout, line
