@@ -7,15 +7,25 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import WEIGHTED_SUMS, largest_tensor_made
 
 import energydsl
 from energydsl.codegen import energy_source, module_class
 from energydsl.codegen.hoist import hoist_invariants
+from energydsl.codegen.projections import COMMENT as PROJECTIONS_COMMENT
+from energydsl.codegen.projections import fuse_projections
 from energydsl.codegen.torch_module import module_source
 from energydsl.instance import instance_from_params, run_program
 from energydsl.kernels.linear_ref import linear_attention_recurrent_ref
-from energydsl.runtime.ops import causal_masks, linear_attention, masked_reduce, prefix_reduce, softmax_attention
+from energydsl.runtime.ops import (
+    causal_masks,
+    linear_attention,
+    masked_reduce,
+    prefix_reduce,
+    projections,
+    softmax_attention,
+)
 
 EXAMPLES = sorted(glob.glob("examples/**/*.energy", recursive=True))
 ENERGIES = [(f, n) for f in EXAMPLES for n in energydsl.load(f).energy_names]
@@ -257,7 +267,7 @@ def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
     derived = energydsl.load("examples/cem/steps2.energy").energy("CEMAttentionSteps2")
     forward = energy_source(derived, backend).split("def forward", 1)[1]
     before, loop = forward.split("for step in range(2):")
-    to_bhtd = re.compile(r"(t\d+) = .*\.reshape\(B, 2, T, \w+\.shape\[-1\]\)")  # (B, H, T, D) layouts
+    to_bhtd = re.compile(r"(t\d+) = \w+\.permute\(0, 2, 1, 3\)$", re.M)  # (B, T, H, D) -> (B, H, T, D) layouts
     assert len(to_bhtd.findall(before)) == 1 and len(to_bhtd.findall(loop)) == 1
     layout = to_bhtd.findall(before)[0]
     assert f", {layout}, {layout}," in loop  # k and v: the same tensor
@@ -364,3 +374,90 @@ def test_the_cache_tells_apart_energies_whose_updates_agree() -> None:
     assert a.equation_hash() == b.equation_hash() and "100" in b.equations()
     assert cache_key(a, "torch") != cache_key(b, "torch")
     assert "100" in energydsl.codegen.energy_source(b)
+
+
+def test_projections_of_one_input_merge_into_one_call() -> None:
+    """`fuse_projections` merges the `F.linear`s whose inputs may be one tensor into one `projections` call,
+    keeps each product's method chain on its own line, and orders lines by their dependencies: a member's
+    readers after the call, a projection that reads another member's result (or a value that replaced its
+    input) out of the group."""
+    block = [
+        "c1 = F.linear(h, Wv.reshape(-1, Wv.shape[-1])).unflatten(-1, (2, -1))",
+        "t4 = c1.permute(0, 2, 1, 3)",
+        "z = x",
+        "t1 = F.linear(z, Wq)",
+        "t2 = F.linear(t1, Wo)",  # reads a member: another input
+        "t3 = F.linear(t4, Wk)",  # t4 may be x, but it reads c1, a member: not in the group
+        "t5 = F.linear(u, Wk)  # u is its own root",
+        "t6 = t2 + t3 + t5",
+    ]
+    taken = {"p0", "h", "x"}
+    out = fuse_projections(block, {"h": "x", "z": "x", "t4": "x"}, taken)
+    assert out == [
+        "z = x",
+        "p1, t1 = projections(h, Wv.reshape(-1, Wv.shape[-1]), z, Wq)" + PROJECTIONS_COMMENT,
+        "c1 = p1.unflatten(-1, (2, -1))",
+        *block[1:2], *block[4:],
+    ]
+    assert "p1" in taken
+    assert fuse_projections(block[:2], {}, set()) == block[:2]  # nothing to merge: the block as it was
+    swapped = ["t1 = F.linear(x, A)", "t2 = t1 * 2", "x = t2", "t3 = F.linear(x, C)"]
+    assert fuse_projections(swapped, {}, set()) == swapped  # the second x is another value: x = t2 depends on t1
+
+
+class _Products:
+    """Counts the matrix products (mm, addmm) run inside the block: forward, or forward and backward."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_projections_run_one_gemm_per_distinct_input(same: bool) -> None:
+    """`projections` equals its separate products, values and gradients in float64, and runs one matrix product
+    forward (two backward) for the weights of one input: the context is the state when none is given."""
+    x = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    h = x if same else torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    ws = [torch.randn(n, 4, dtype=torch.float64, requires_grad=True) for n in (3, 6, 2)]
+    leaves = [x, *ws] if same else [x, h, *ws]
+    pairs = ((x, ws[0]), (h, ws[1]), (x, ws[2]))
+    upstream = [torch.randn(2, 5, w.shape[0], dtype=torch.float64) for w in ws]
+    with _Products() as products:
+        fused = projections(*(t for pair in pairs for t in pair))
+        torch.autograd.backward(fused, upstream)
+    assert products.count == (3 if same else 6)
+    fused_grads = [t.grad for t in leaves]
+    separate = [F.linear(a, w) for a, w in pairs]
+    separate_grads = torch.autograd.grad(separate, leaves, upstream)
+    for a, b in zip([*fused, *fused_grads], [*separate, *separate_grads], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_generated_attention_layer_projects_queries_keys_and_values_in_one_gemm() -> None:
+    """GPT's attention layer: its q, k, v projections are one matrix product when it attends to itself, two
+    (the context's keys and values, the state's queries) when it is given a context; the values are the same."""
+    derived = energydsl.load("examples/models/gpt.energy").energy("MHA")
+    assert energy_source(derived, "torch").count("projections(") == 1
+    module = _perturbed(module_class(derived, "torch")()).double()
+    x = module.example_input(2, 6).double()
+
+    for context, products_of_x in ((None, 2), (x.clone(), 3)):  # + the output projection
+        with _Products() as products:
+            out = module(x, context)
+        assert products.count == products_of_x
+        ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x, context))
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)

@@ -632,7 +632,9 @@ def _as_bhtd(em: Emitter, v: Val, heads: tuple[str, ...], pos: str) -> str:
     full = em.expand(v, axes)
     order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(pos), len(axes)]
     code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
-    name = em.tmp(f"{code}.reshape(B, {_n_heads(em, heads)}, T, {full.code}.shape[-1])", (), 4).code
+    if len(heads) != 1:  # several head axes merge into one, none becomes one (with one, it is already there)
+        code = f"{code}.reshape(B, {_n_heads(em, heads)}, T, {full.code}.shape[-1])"
+    name = em.tmp(code, (), 4).code
     em.lines = saved
     (em.invariant_layouts if invariant else em.layouts)[key] = name
     return name
@@ -643,9 +645,9 @@ def _from_bhtd(em: Emitter, code: str, heads: tuple[str, ...], rank: int, commen
     sizes = ", ".join(em.size(h) for h in heads)
     axes = canonical({BATCH, POS} | set(heads))
     if heads:
-        code = f"{code}.reshape(B, {sizes}, T, -1)"
-        n = len(heads)
-        code = f"{code}.movedim({n + 1}, 1)"
+        if len(heads) > 1:  # the one (B, H, T, D) head axis back to several
+            code = f"{code}.reshape(B, {sizes}, T, -1)"
+        code = f"{code}.movedim({len(heads) + 1}, 1)"
     else:
         code = f"{code}[:, 0]"
     if rank == 0:

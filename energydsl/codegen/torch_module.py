@@ -20,12 +20,14 @@ from ..instance import unconstrain
 from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
+from .projections import fuse_projections
 from .torch_expr import Emitter, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
             "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
-OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse")
+OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse",
+       "projections")
 RESERVED |= set(OPS)  # imported by name: a parameter called `inverse` must not shadow the function
 
 
@@ -207,27 +209,37 @@ class ModuleWriter:
         if re.search(r"\bcount_strict\b", text):
             lines.append("count_strict = torch.arange(0, T, device=dev, dtype=dt)")
         lines += [f"{_local(p.name)} = {self._constrained(p)}" for p in prog.params.values()]
-        hoisted: list[str] = []
-        if prog.steps > 1:  # what every step would compute alike: once, before the loop
+        start = [f"{x} = x"] + [f"{names[m.name]} = torch.zeros_like(x)  # optimizer state, zero at the start"
+                                for m in prog.aux]
+        # the projections of one input become one GEMM: the context, the input and the state before the first
+        # step may all be x. Not under the triton backend: the products' columns are views with the wide
+        # product's row stride, which its kernels (whose gradients take their inputs' strides) would copy.
+        keys = (spec.context and f"ctx:{spec.context.name}", spec.input and spec.input.name)
+        roots = {names[key]: "x" for key in keys if key is not None}
+        taken = set(re.findall(r"\w+", "\n".join(lines + em.prologue + steps_body)))
+
+        def grouped(block: list[str], roots: dict[str, str]) -> list[str]:
+            return fuse_projections(block, roots, taken) if self.backend == "torch" else block
+
+        if prog.steps == 1:
+            plain = not prog.aux and len(steps_body) >= 2 and delta_code is not None
+            head, tail = (steps_body[:-2], steps_body[-2:]) if plain else (steps_body, [])
+            lines += grouped(em.prologue + start + head, {**roots, x: "x"})
+            if plain:  # one plain step x + Δ: the displacement is available before the final add
+                lines += ["if delta:", f"    return {delta_code}"]
+            lines += tail
+        else:  # what every step would compute alike: once, before the loop
             hoisted, steps_body = hoist_invariants(steps_body, {x, *(names[m.name] for m in prog.aux)})
-        if em.prologue or hoisted:
-            lines.append("# computed once, outside the optimizer's steps (state-independent)")
-            lines += em.prologue + hoisted
-        lines.append(f"{x} = x")
-        for m in prog.aux:
-            lines.append(f"{names[m.name]} = torch.zeros_like(x)  # optimizer state, zero at the start")
-        if prog.steps == 1 and not prog.aux and len(steps_body) >= 2 and delta_code is not None:
-            # one plain step x + Δ: the displacement is available before the final add
-            lines += steps_body[:-2]
-            lines += ["if delta:", f"    return {delta_code}"]
-            lines += steps_body[-2:]
-        elif prog.steps == 1:
-            lines += steps_body
-        else:
+            if em.prologue or hoisted:
+                lines.append("# computed once, outside the optimizer's steps (state-independent)")
+                lines += grouped(em.prologue + hoisted, roots)
+            lines += start
             lines.append(f"for step in range({prog.steps}):")
-            lines += ["    " + ln for ln in steps_body]
+            lines += ["    " + ln for ln in grouped(steps_body, {})]
+        if "projections(" in "\n".join(lines):
+            em.used_ops.add("projections")
         lines.append(f"return {x} - x if delta else {x}")
-        used = "\n".join(lines)
+        used = "\n".join(ln.split("  # ", 1)[0] for ln in lines)  # the code, not its comments
         preamble = ["check_inputs(self, x, context, input)  # shapes, length, dtype: a clear ValueError"]
         for names_, values in ((("B", "T"), ("x.shape[0]", "x.shape[1]")), (("dev", "dt"), ("x.device", "x.dtype"))):
             kept = [(n, v) for n, v in zip(names_, values, strict=True) if re.search(rf"\b{n}\b", used)]

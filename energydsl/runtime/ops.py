@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["causal_masks", "inverse", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce",
-           "softmax_attention"]
+           "projections", "softmax_attention"]
 
 
 def causal_masks(T: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -27,6 +27,28 @@ def inverse(a: Tensor) -> Tensor:
     if a.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.inv(a.float()).to(a.dtype)
     return torch.linalg.inv(a)
+
+
+def projections(*pairs: Tensor) -> tuple[Tensor, ...]:
+    """`F.linear(x_n, w_n)` for the pairs x_0, w_0, x_1, w_1, ...: one matrix product per distinct input.
+
+    The weights of one input (the same tensor object, as the context is the state when a layer is given no
+    context) are concatenated, so its projections cost one GEMM forward and two backward instead of one and
+    two each; the outputs are views of the product's columns.
+    """
+    inputs, weights = pairs[0::2], pairs[1::2]
+    out: list[Tensor | None] = [None] * len(weights)
+    for n, x in enumerate(inputs):
+        if out[n] is not None:
+            continue
+        group = [m for m in range(n, len(inputs)) if inputs[m] is x]
+        if len(group) == 1:
+            out[n] = F.linear(x, weights[n])
+            continue
+        product = F.linear(x, torch.cat([weights[m] for m in group]))
+        for m, part in zip(group, product.split([weights[m].shape[0] for m in group], dim=-1), strict=True):
+            out[m] = part
+    return tuple(out)
 
 
 def masked_softmax(x: Tensor, mask: Tensor, dim: int) -> Tensor:
