@@ -461,3 +461,50 @@ def test_a_generated_attention_layer_projects_queries_keys_and_values_in_one_gem
         assert products.count == products_of_x
         ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x, context))
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+_LOW_RANK = """
+energy LowRank(d = 8, r = {r}) {{
+  state   z[d]
+  param   U[d, r] ~ normal(0, 0.5)
+  param   V[d, r] ~ normal(0, 0.5)
+  global  F = 0.5 * z . z - z . (U @ (V^T @ tanh(z)))
+  optimizer gd(eta = 0.5)
+}}
+"""
+
+
+@pytest.mark.parametrize("rank,joined", [(1, False), (4, True)])
+def test_weights_are_multiplied_first_where_that_saves_token_side_work(rank: int, joined: bool) -> None:
+    """The gradient's `U (Vᵀ tanh z)` and `V (Uᵀ z)` run as `(U Vᵀ) tanh z` and `(V Uᵀ) z` only where one d x d
+    product per token costs no more than the thin chain (rank 4 of 8; rank 1 keeps both chains). Same values
+    either way."""
+    derived = energydsl.load(_LOW_RANK.format(r=rank)).energy()
+    forward = energy_source(derived, "torch").split("def forward", 1)[1]
+    assert forward.count("F.linear(") == (2 if joined else 4), forward
+    assert ("torch.einsum('MN,NP->MP'" in forward) == joined  # the weights' own product
+    module = _perturbed(module_class(derived, "torch")())
+    x = module.example_input(2, 5).double()
+    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
+    torch.testing.assert_close(module(x), ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_dplr_preconditioner_folds_into_the_output_projection(backend: str) -> None:
+    """CEM's per-head DPLR preconditioner times W_Qᵀ is one (d x d/heads) matrix per head, made from the
+    weights: the attention's output goes through one GEMM over the heads, and no (batch, seq, heads, d)
+    tensor is made (the chain made five). The tied attention keeps its head width: the lowering's value map
+    after the sum is not joined with the keys' weights."""
+    derived = energydsl.load("examples/cem/dplr.energy").energy()
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    assert "btkM" not in forward and forward.count("sum over k in one matmul") == 1, forward
+    tied = energy_source(energydsl.load("examples/cem/tied-attention.energy").energy(), backend)
+    assert "the value map, after the attention" in tied
+
+
+def test_a_product_used_elsewhere_is_not_counted_as_saved() -> None:
+    """Newton's step with a SiLU gate needs `Wᵀ a` on its own and inside `W (Wᵀ a)` (the Hessian-vector
+    product): joining `W Wᵀ` would add a d x d product per token and save none, so the chain stays."""
+    derived = energydsl.load("tests/data/element-wise-gates.energy").energy("NewtonSilu")
+    forward = energy_source(derived, "torch").split("def forward", 1)[1]
+    assert "torch.einsum('MN,NP->MP'" not in forward, forward

@@ -23,6 +23,7 @@ from .hoist import hoist_invariants
 from .projections import fuse_projections
 from .torch_expr import Emitter, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
+from .weight_products import weights_first
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
             "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
@@ -165,8 +166,11 @@ class ModuleWriter:
         steps_body: list[str] = []
         delta_code = None
         fused = momentum_step(prog) if self.backend == "triton" else None
+        context = frozenset(k for k, info in spec.indices.items() if info.context is not None)
         for a in prog.assigns:
             value = simplify(a.value)
+            if self.lowering:  # (U Vᵀ W) a for U (Vᵀ (W a)); the generic form keeps the derivation's order
+                value = weights_first(value, self.size, context)
             if fused is not None and a.target == fused.velocity:
                 force = em.emit(fused.force)
                 if not force.scalar and force.axes == ("@b", "@i"):

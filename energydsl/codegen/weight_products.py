@@ -1,0 +1,94 @@
+"""Products of weights first: `Σ_k (c_k ⊙ W_kᵀ a_k + U_k V_kᵀ W_kᵀ a_k + …)` as `Σ_k M_k a_k`, one GEMM.
+
+A derived update applies weights to a token's vector one after another, right to left, as the derivation
+writes it: CEM's DPLR preconditioner multiplies each head's `t_k = W_Qkᵀ a_k` (a_k the head's attention
+output) by `diag(softplus(d_k)) + U_k V_kᵀ + V_k U_kᵀ`, five token-sized products per head on vectors of the
+model width, an element-wise chain over (batch, seq, heads, d), then a sum over the heads. Everything but
+a_k is a weight, so the whole is `Σ_k M_k a_k` with `M_k = -(diag(c_k) + U_k V_kᵀ + V_k U_kᵀ) W_Qkᵀ`: a
+(d x d/heads) matrix per head, made from the weights alone, and then one GEMM over the concatenated heads
+(the emitter's "sum over k in one matmul").
+
+The rewrite is associativity and distributivity over matrix products, so it changes no value; it is taken
+only where the token-side product it leaves costs no more per token than those it saves (`U (Vᵀ x)` with a
+thin rank is cheaper than `(U Vᵀ) x`, and stays). Codegen only: `energy derive` prints the derivation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from functools import lru_cache
+
+import sympy as sp
+
+from .. import ir
+from ..ir_nodes import Expr
+from .torch_expr import TOKEN_ROLES
+
+__all__ = ["weights_first"]
+
+_Form = tuple[Expr, Expr, frozenset[Expr]]  # (M, v, the token-side products replaced): e = M v
+
+
+@lru_cache(maxsize=4096)  # one update walks each node from every node above it
+def _token_free(e: Expr) -> bool:
+    """e is the same for every token: no state, input, context or buffer in it, and no position."""
+    return not any((isinstance(n, ir.Var) and (n.role in TOKEN_ROLES or n.role == "context"))
+                   or isinstance(n, (ir.Pos, ir.Count)) for n in ir.walk(e))
+
+
+def _linear_form(e: Expr) -> _Form | None:
+    """e as M v, M a token-free matrix and v a token-dependent vector, or None."""
+    if len(e.shape) != 1 or _token_free(e):
+        return None
+    match e:
+        case ir.MatMul(a=a, b=b) if len(a.shape) == 2 and _token_free(a):
+            inner = _linear_form(b)
+            if inner is None:
+                return a, b, frozenset([e])
+            m, v, products = inner
+            return ir.MatMul(a, m), v, products | {e}
+        case ir.Mul(factors=factors):
+            varying = [f for f in factors if not _token_free(f)]
+            fixed = [f for f in factors if _token_free(f)]
+            if len(varying) != 1 or any(len(f.shape) > 1 for f in fixed) or (inner := _linear_form(varying[0])) is None:
+                return None
+            m, v, products = inner
+            for w in (f for f in fixed if len(f.shape) == 1):  # w ⊙ (M v) = (w 1ᵀ ⊙ M) v: M's rows scaled
+                m = ir.Mul((ir.Outer(w, ir.Ones((m.shape[1],))), m))
+            scalars = [f for f in fixed if not f.shape]
+            return (ir.Mul((*scalars, m)) if scalars else m), v, products
+        case ir.Add(terms=terms):
+            forms = [_linear_form(t) for t in terms]
+            if any(f is None for f in forms) or len({f[1] for f in forms}) != 1:
+                return None
+            return ir.Add(tuple(f[0] for f in forms)), forms[0][1], frozenset().union(*(f[2] for f in forms))
+    return None
+
+
+def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[str]) -> Expr:
+    """e with each largest sub-expression `M v` (weights M, one token vector v) computed as `(M) v`, where
+    that costs no more token-side multiply-adds (`size` gives a dim's value) than the products it saves: those
+    of the sub-expression that nothing else in e uses (the emitter computes an expression used twice once).
+
+    Sums over the context (the indices in `context`) are left whole: there the lowering moves a weight out of
+    the sum instead (`Σ_j p_ij W_Qᵀ W_K h_j = W_Qᵀ Σ_j p_ij W_K h_j`, attention at the head width), which
+    joining W_Qᵀ W_K into one matrix would undo."""
+    everywhere = Counter(ir.walk(e))
+
+    def rewrite(e: Expr) -> Expr:
+        if isinstance(e, (ir.Reduce, ir.Softmax)) and e.index in context:
+            return e
+        form = _linear_form(e) if not e.free & context else None
+        if form is not None:
+            m, v, products = form
+            inside = Counter(n for n in ir.walk(e) if n in products)
+            saved = sum(size(p.a.shape[0]) * size(p.a.shape[1]) for p in products if inside[p] == everywhere[p])
+            if len(products) > 1 and size(m.shape[0]) * size(m.shape[1]) <= saved:
+                return ir.MatMul(m, v)
+        if not e.children:
+            return e
+        kids = [rewrite(c) for c in e.children]
+        return e if all(k is c for k, c in zip(kids, e.children, strict=True)) else ir.rebuild(e, kids)
+
+    return rewrite(e)
