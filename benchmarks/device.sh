@@ -6,6 +6,7 @@
 #   bash benchmarks/device.sh run kernels [--quick]  #   benchmarks/kernels.py, JSON and log to $OUT
 #   bash benchmarks/device.sh run modules [--seq 2048,8192]
 #   bash benchmarks/device.sh run profile [--families attention,layers]   # profile_kernels.py, traces to $OUT
+#   bash benchmarks/device.sh run all               # one call for a short lease: each step under a time cap
 #
 # Such a machine (an image with torch, triton, sympy, numpy, einops and pytest, Python 3.12) lacks lark, which
 # the compiler needs, and flash-linear-attention's kernels (fla-core), the linear family's peer. `wheels`
@@ -30,7 +31,7 @@ case "${1:-}" in
     ;;
   run)
     step="${2:-}"
-    case "$step" in tests|kernels|modules|profile) ;; *) echo "usage: $0 run tests|kernels|modules|profile [args...]" >&2; exit 2 ;; esac
+    case "$step" in tests|kernels|modules|profile|all) ;; *) echo "usage: $0 run tests|kernels|modules|profile|all [args...]" >&2; exit 2 ;; esac
     shift 2
     out="${OUT:-runs/device}"
     mkdir -p "$out"
@@ -51,10 +52,27 @@ case "${1:-}" in
       kernels) python3 benchmarks/kernels.py --json "$out/kernels.json" "$@" 2>&1 | tee "$out/kernels.log" ;;
       modules) python3 benchmarks/modules.py --json "$out/modules.json" "$@" 2>&1 | tee "$out/modules.log" ;;
       profile) python3 benchmarks/profile_kernels.py --trace "$out/traces" "$@" 2>&1 | tee "$out/profile.log" ;;
+      all)
+        # every step in one call, each stopped at its cap (seconds; ALL_CAPS="tests kernels modules model"
+        # overrides), the next one run whatever the last did: 540 s in all, under a 600 s call. A stopped
+        # step's log (and a benchmark's rows printed so far) stays in $OUT.
+        read -r cap_tests cap_kernels cap_modules cap_model <<< "${ALL_CAPS:-200 150 130 60}"
+        capped() {  # capped SECONDS LOG COMMAND...: run, log, and say how it ended
+          local seconds=$1 log=$2 rc=0
+          shift 2
+          timeout --signal=INT --kill-after=10 "$seconds" "$@" > "$out/$log" 2>&1 || rc=$?
+          tail -n 25 "$out/$log"
+          echo "== $log: exit $rc$( [ "$rc" = 124 ] && echo " (stopped at its cap, ${seconds} s)")" | tee -a "$out/all.log"
+        }
+        capped "$cap_tests" tests-gpu.log python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" "$@"
+        capped "$cap_kernels" kernels.log python3 benchmarks/kernels.py --quick --json "$out/kernels.json"
+        capped "$cap_modules" modules.log python3 benchmarks/modules.py --seq 2048,8192 --json "$out/modules.json"
+        capped "$cap_model" model.log python3 benchmarks/model_vs_reference.py --compile --device cuda
+        ;;
     esac
     ;;
   *)
-    echo "usage: $0 wheels | run tests|kernels|modules|profile [args...]" >&2
+    echo "usage: $0 wheels | run tests|kernels|modules|profile|all [args...]" >&2
     exit 2
     ;;
 esac
