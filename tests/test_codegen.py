@@ -490,16 +490,17 @@ def test_weights_are_multiplied_first_where_that_saves_token_side_work(rank: int
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_a_dplr_preconditioner_folds_into_the_output_projection(backend: str) -> None:
+def test_per_head_maps_after_the_attention_fold_into_one_gemm(backend: str) -> None:
     """CEM's per-head DPLR preconditioner times W_Qᵀ is one (d x d/heads) matrix per head, made from the
     weights: the attention's output goes through one GEMM over the heads, and no (batch, seq, heads, d)
-    tensor is made (the chain made five). The tied attention keeps its head width: the lowering's value map
-    after the sum is not joined with the keys' weights."""
-    derived = energydsl.load("examples/cem/dplr.energy").energy()
-    forward = energy_source(derived, backend).split("def forward", 1)[1]
-    assert "btkM" not in forward and forward.count("sum over k in one matmul") == 1, forward
-    tied = energy_source(energydsl.load("examples/cem/tied-attention.energy").energy(), backend)
-    assert "the value map, after the attention" in tied
+    tensor is made (the chain made five). CEM's tied attention likewise: its value map W_Qᵀ leaves the sum
+    over the context (the attention runs at the head width, keys and values one tensor) and joins the sum
+    over the heads as one GEMM, where it was applied head by head and summed."""
+    for path in ("examples/cem/dplr.energy", "examples/cem/tied-attention.energy"):
+        forward = energy_source(energydsl.load(path).energy(), backend).split("def forward", 1)[1]
+        assert "btkM" not in forward and forward.count("sum over k in one matmul") == 1, forward
+    attention = re.search(r"attention\((t\d+), (t\d+), (t\d+),", forward)
+    assert attention and attention.group(2) == attention.group(3), forward  # tied: k is v, laid out once
 
 
 def test_a_product_used_elsewhere_is_not_counted_as_saved() -> None:

@@ -66,6 +66,30 @@ def _linear_form(e: Expr) -> _Form | None:
     return None
 
 
+def _map_out_of_context_sum(e: Expr, size: Callable[[sp.Expr], int]) -> Expr | None:
+    """`Σ_j w_ij (A b_j)` as `A Σ_j w_ij b_j` for a weight A that widens (more rows than columns) and weights
+    w_ij that are numbers per pair, or None. The lowering does the same inside the sum it lowers (CEM's tied
+    attention: the stored pattern `W_Qᵀ W_K h_j` is summed at the head width, then mapped); done here, before
+    it, the map is outside the sum where an enclosing sum over the heads sees it, and makes one GEMM of them
+    where the map was applied head by head to (batch, seq, heads, d) and then summed."""
+    if not (isinstance(e, ir.Reduce) and e.op == "sum" and isinstance(e.body, ir.Mul)):
+        return None
+    vectors = [f for f in e.body.factors if f.shape]
+    if len(vectors) != 1:
+        return None
+    value = vectors[0]
+    mapped = value.body if isinstance(value, ir.Let) else value
+    if not isinstance(mapped, ir.MatMul) or len(mapped.a.shape) != 2 or not _token_free(mapped.a):
+        return None
+    a, b = mapped.a, mapped.b
+    if e.index in a.free or size(a.shape[1]) >= size(a.shape[0]):
+        return None
+    if isinstance(value, ir.Let) and not isinstance(b, ir.Let):  # named as the lowering names it (`_narrowing`),
+        b = ir.Let(f"{value.name}_v", b)  # so the score's key, narrowed the same way, is the same tensor
+    weights = [f for f in e.body.factors if not f.shape]
+    return ir.MatMul(a, ir.Reduce("sum", e.index, ir.Mul((*weights, b))))
+
+
 def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[str]) -> Expr:
     """e with each largest sub-expression `M v` (weights M, one token vector v) computed as `(M) v`, where
     that costs no more token-side multiply-adds (`size` gives a dim's value) than the products it saves: those
@@ -78,7 +102,7 @@ def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[st
 
     def rewrite(e: Expr) -> Expr:
         if isinstance(e, (ir.Reduce, ir.Softmax)) and e.index in context:
-            return e
+            return _map_out_of_context_sum(e, size) or e
         form = _linear_form(e) if not e.free & context else None
         if form is not None:
             m, v, products = form
