@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["hoist_invariants"]
+__all__ = ["hoist_invariants", "line_names"]
 
 
-def _names(line: list[ast.stmt]) -> tuple[set[str], set[str]]:
+def line_names(line: list[ast.stmt]) -> tuple[set[str], set[str]]:
     """(names read, names assigned) by one line's statements."""
     reads, writes = set(), set()
     for node in (n for stmt in line for n in ast.walk(stmt)):
@@ -42,7 +42,7 @@ def hoist_invariants(body: list[str], carried: set[str]) -> tuple[list[str], lis
     stays; a name the body reads before assigning it, or assigns twice, is carried whatever the caller said.
     """
     lines = [ast.parse(line.strip()).body for line in body]
-    names = [_names(line) for line in lines]
+    names = [line_names(line) for line in lines]
     variant, read_first, assigned = set(carried), set(), set()
     for reads, writes in names:
         read_first |= reads - assigned

@@ -200,10 +200,15 @@ def _narrowing(em: Emitter, e: Expr, j: str) -> tuple[Expr, Expr] | None:
             and not token_axes(body.a, em.indices) & {BATCH, POS, j}
             and em.shape_size(body.b.shape[0]) < em.shape_size(body.shape[0])):
         return None
-    inner = body.b
-    if isinstance(e, ir.Let) and not isinstance(inner, ir.Let):  # part of a hoisted value: hoisted too
-        inner = ir.Let(f"{e.name}_v", inner)
-    return body.a, inner
+    return body.a, narrowed_value(e, body.b)
+
+
+def narrowed_value(value: Expr, inner: Expr) -> Expr:
+    """b of a value A b taken apart: named `<let>_v` when the value was a let (part of a hoisted value, hoisted
+    too), so every place that takes the same let apart (the score's key, the summed value) gets one tensor."""
+    if isinstance(value, ir.Let) and not isinstance(inner, ir.Let):
+        return ir.Let(f"{value.name}_v", inner)
+    return inner
 
 
 def _apply_maps(em: Emitter, maps: list[Expr], out: Val) -> Val:

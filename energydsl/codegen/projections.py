@@ -20,6 +20,8 @@ import ast
 import heapq
 from dataclasses import dataclass
 
+from .hoist import line_names
+
 __all__ = ["fuse_projections"]
 
 COMMENT = "  # one GEMM per distinct input: the weights concatenated"
@@ -61,15 +63,6 @@ def _projection(index: int, line: str) -> _Projection | None:
     return _Projection(index, stmt.targets[0].id, call.args[0].id, ast.unparse(call.args[1]), suffix)
 
 
-def _names(line: str) -> tuple[set[str], set[str]]:
-    """(names read, names assigned) by one line."""
-    reads, writes = set(), set()
-    for node in ast.walk(ast.parse(line.strip())):
-        if isinstance(node, ast.Name):
-            (reads if isinstance(node.ctx, ast.Load) else writes).add(node.id)
-    return reads, writes
-
-
 def fuse_projections(lines: list[str], roots: dict[str, str], taken: set[str]) -> list[str]:
     """The block `lines` (one pure assignment each, in order) with the projections of each root merged.
 
@@ -82,7 +75,7 @@ def fuse_projections(lines: list[str], roots: dict[str, str], taken: set[str]) -
     writer: dict[str, int] = {}  # they use
     readers: dict[str, list[int]] = {}
     for i, line in enumerate(lines):
-        reads, writes = _names(line)
+        reads, writes = line_names(ast.parse(line.strip()).body)
         before.append({writer[n] for n in reads if n in writer})
         for n in writes:
             before[i] |= {j for j in [*readers.pop(n, []), writer.get(n, i)] if j != i}

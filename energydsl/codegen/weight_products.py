@@ -23,6 +23,7 @@ import sympy as sp
 
 from .. import ir
 from ..ir_nodes import Expr
+from .lowering import narrowed_value
 from .torch_expr import TOKEN_ROLES
 
 __all__ = ["weights_first"]
@@ -84,10 +85,8 @@ def _map_out_of_context_sum(e: Expr, size: Callable[[sp.Expr], int]) -> Expr | N
     a, b = mapped.a, mapped.b
     if e.index in a.free or size(a.shape[1]) >= size(a.shape[0]):
         return None
-    if isinstance(value, ir.Let) and not isinstance(b, ir.Let):  # named as the lowering names it (`_narrowing`),
-        b = ir.Let(f"{value.name}_v", b)  # so the score's key, narrowed the same way, is the same tensor
-    weights = [f for f in e.body.factors if not f.shape]
-    return ir.MatMul(a, ir.Reduce("sum", e.index, ir.Mul((*weights, b))))
+    weights = [f for f in e.body.factors if not f.shape]  # b named as the lowering names the score's key
+    return ir.MatMul(a, ir.Reduce("sum", e.index, ir.Mul((*weights, narrowed_value(value, b)))))
 
 
 def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[str]) -> Expr:
