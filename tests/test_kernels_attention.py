@@ -104,8 +104,8 @@ def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torc
 
 def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
     """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
-    off a projection arrive, which the kernels read through its strides) or sliced (the first D columns of a
-    wider tensor: neither layout, so copied before the kernels)."""
+    off a projection arrive) or sliced (the first D columns of a wider tensor, rows 2 D apart, as a column block
+    of one wide product is): both read in place through their strides, their gradients dense."""
     if layout == "token":
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     if layout == "sliced":
@@ -229,8 +229,8 @@ MODES = {"narrow-split": (False, False), "narrow-fused": (False, True), "wide-ti
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("layout", ["token", "sliced"])
 def test_layouts_match_reference(monkeypatch, layout: str, mode: str, kind: str) -> None:
-    """q, k, v and u token-major (read in place through their strides) or sliced (copied first): every output
-    and gradient, in each backward mode of the narrow and the wide kernels."""
+    """q, k, v and u token-major or sliced (read in place through their strides; gradients through strides
+    of their own): every output and gradient, in each backward mode of the narrow and the wide kernels."""
     wide, other_mode = MODES[mode]
     if CUDA and other_mode:
         pytest.skip("on a GPU the backward's mode is timed or tuned")

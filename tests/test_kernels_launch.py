@@ -110,24 +110,78 @@ def test_one_tensor_given_twice_compiles() -> None:
 
 
 def test_layouts_the_kernels_take_in_place() -> None:
-    """Head-major and token-major (B, H, T, D) tensors go to the kernels as they are; any other layout is
-    copied. Outputs follow the query's layout; gradients, allocated by `torch.empty_like`, their input's."""
+    """Every (B, H, T, D) layout with adjacent features goes to the kernels as it is: head-major, token-major,
+    column views of a wider tensor (q, k, v of one wide projection), heads broadcast by a stride 0; anything
+    else is copied. Outputs and gradients are dense, laid out as `empty_in_order` lays out: head-major for a
+    contiguous input, token-major for any other."""
     head = torch.randn(2, 3, 5, 4)
     token = torch.randn(2, 5, 3, 4).transpose(1, 2)
     sliced = torch.randn(2, 3, 5, 8)[..., :4]
+    packed = torch.randn(2, 5, 3 * 12)[..., 12:24].unflatten(-1, (3, 4)).transpose(1, 2)  # k of q | k | v
     expanded = torch.randn(2, 1, 5, 4).expand(2, 3, 5, 4)
-    assert launch.kernel_layout(head) is head and launch.kernel_layout(token) is token
-    for other in (sliced, expanded, head.transpose(2, 3)):
-        copied = launch.kernel_layout(other)
-        assert copied.is_contiguous() and torch.equal(copied, other)
-    # token-major rows span T * H * D elements: up to 2^31 the kernels' 32-bit row offsets hold, past it a copy
+    for t in (head, token, sliced, packed, expanded):
+        assert launch.kernel_layout(t) is t
+    odd = head.transpose(2, 3).contiguous().transpose(2, 3)  # features T apart
+    copied = launch.kernel_layout(odd)
+    assert copied.is_contiguous() and torch.equal(copied, odd)
+    # rows are addressed by 32-bit offsets: T row strides up to 2^31 hold, past it a copy (also where a
+    # token-major gradient's rows would pass it); batch and head offsets are 64-bit
     fits, huge = (torch.empty(1, T, 128, 128, device="meta").transpose(1, 2) for T in (2**17 - 1, 2**17))
     assert launch.kernel_layout(fits) is fits and launch.kernel_layout(huge).is_contiguous()
+    wide_rows = torch.empty(1, 2**16, 3 * 128 * 128, device="meta")[..., : 128 * 128].unflatten(-1, (128, 128))
+    assert launch.kernel_layout(wide_rows.transpose(1, 2)).is_contiguous()  # 2^16 rows 3 * 2^14 apart
     assert launch.empty_in_order(token, 6, torch.float16).stride() == (90, 6, 18, 1)
     assert launch.empty_in_order(head, 6, torch.float16).stride() == (90, 30, 6, 1)
-    assert torch.empty_like(token, dtype=torch.float32).stride() == token.stride()  # what the backward relies on
+    for t in (token, sliced, packed, expanded):
+        grad = launch.empty_grad(t, torch.float32)
+        assert grad.dtype == torch.float32 and grad.shape == t.shape and grad.stride() == (60, 4, 12, 1)
+    assert launch.empty_grad(head).stride() == head.stride()
+    assert launch.grad_strides(head, packed) == (60, 20, 4, 60, 4, 12)
     # tied values stay one tensor (one copy at most); untied ones are laid out each on its own
-    q, k, v = launch.kernel_layouts(token, sliced, sliced)
-    assert q is token and v is k and k.is_contiguous() and torch.equal(k, sliced)
-    q, k, v = launch.kernel_layouts(head, token, sliced)
+    q, k, v = launch.kernel_layouts(token, odd, odd)
+    assert q is token and v is k and k.is_contiguous() and torch.equal(k, odd)
+    q, k, v = launch.kernel_layouts(head, token, odd)
     assert q is head and k is token and v is not k and v.is_contiguous()
+
+
+def _families() -> dict:
+    """Each kernel family's op as a function of (q, k, v), and its (Dk, Dv): narrow and wide tiles."""
+    from energydsl.kernels import attention, linear, pointwise
+
+    return {
+        "softmax": (lambda q, k, v: attention.GENERIC.energy_attention(q, k, v, scale=0.3), 16, 8),
+        "softmax-wide": (lambda q, k, v: attention.GENERIC_WIDE.energy_attention(q, k, v, scale=0.3), 40, 24),
+        "linear": (lambda q, k, v: linear.GENERIC.linear_attention(q, k, v, scale=0.3), 16, 8),
+        "sigmoid": (lambda q, k, v: pointwise.SIGMOID.pointwise_attention(q, k, v, scale=0.3), 16, 8),
+        "sigmoid-wide": (lambda q, k, v: pointwise.SIGMOID_WIDE.pointwise_attention(q, k, v, scale=0.3), 40, 24),
+    }
+
+
+@pytest.mark.parametrize("family", ["softmax", "softmax-wide", "linear", "sigmoid", "sigmoid-wide"])
+def test_heads_of_one_wide_projection_need_no_copy(family: str) -> None:
+    """q, k and v split off one (B, T, H (2 Dk + Dv)) product, as a fused projection gives them: column views
+    the kernels read through their strides, their gradients written densely through strides of their own (so
+    the split's backward concatenates them); no sequence-long copy forward or backward, and the output and
+    the product's gradient are those of contiguous heads."""
+    from torch.profiler import profile
+
+    op, Dk, Dv = _families()[family]
+    B, T, H = 2, 13, 3
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(B, T, H * (2 * Dk + Dv), generator=gen).requires_grad_()
+    do = torch.randn(B, H, T, Dv, generator=gen)
+
+    def heads(product: torch.Tensor) -> list[torch.Tensor]:
+        return [t.unflatten(-1, (H, -1)).transpose(1, 2) for t in product.split([H * Dk, H * Dk, H * Dv], -1)]
+
+    with profile(record_shapes=True) as prof:
+        out = op(*heads(wide))
+        out.backward(do)
+    copies = [(e.name, e.input_shapes[0]) for e in prof.events()
+              if e.name in ("aten::clone", "aten::copy_") and e.input_shapes and T in e.input_shapes[0]]
+    assert not copies, copies
+    dense = wide.detach().clone().requires_grad_()
+    expected = op(*(t.contiguous() for t in heads(dense)))
+    expected.backward(do)
+    for got, want in ((out, expected), (wide.grad, dense.grad)):
+        assert (got - want).norm() <= 1e-6 * want.norm()

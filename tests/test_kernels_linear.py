@@ -220,8 +220,8 @@ def test_partial_requires_grad() -> None:
 
 def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
     """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
-    off a projection arrive; read in place through the strides) or sliced (the first D columns of a wider
-    tensor: neither layout, so copied before the kernels)."""
+    off a projection arrive) or sliced (the first D columns of a wider tensor, as a column block of one wide
+    product is): both read in place through their strides, their gradients dense."""
     if layout == "token":
         return t.transpose(1, 2).contiguous().transpose(1, 2)
     return torch.cat([t, t.detach()], dim=-1)[..., : t.shape[-1]]

@@ -216,19 +216,15 @@ class ModuleWriter:
         start = [f"{x} = x"] + [f"{names[m.name]} = torch.zeros_like(x)  # optimizer state, zero at the start"
                                 for m in prog.aux]
         # the projections of one input become one GEMM: the context, the input and the state before the first
-        # step may all be x. Not under the triton backend: the products' columns are views with the wide
-        # product's row stride, which its kernels (whose gradients take their inputs' strides) would copy.
+        # step may all be x. Both backends: the kernels read the wide product's column views in place.
         keys = (spec.context and f"ctx:{spec.context.name}", spec.input and spec.input.name)
         roots = {names[key]: "x" for key in keys if key is not None}
         taken = set(re.findall(r"\w+", "\n".join(lines + em.prologue + steps_body)))
 
-        def grouped(block: list[str], roots: dict[str, str]) -> list[str]:
-            return fuse_projections(block, roots, taken) if self.backend == "torch" else block
-
         if prog.steps == 1:
             plain = not prog.aux and len(steps_body) >= 2 and delta_code is not None
             head, tail = (steps_body[:-2], steps_body[-2:]) if plain else (steps_body, [])
-            lines += grouped(em.prologue + start + head, {**roots, x: "x"})
+            lines += fuse_projections(em.prologue + start + head, {**roots, x: "x"}, taken)
             if plain:  # one plain step x + Δ: the displacement is available before the final add
                 lines += ["if delta:", f"    return {delta_code}"]
             lines += tail
@@ -236,10 +232,10 @@ class ModuleWriter:
             hoisted, steps_body = hoist_invariants(steps_body, {x, *(names[m.name] for m in prog.aux)})
             if em.prologue or hoisted:
                 lines.append("# computed once, outside the optimizer's steps (state-independent)")
-                lines += grouped(em.prologue + hoisted, roots)
+                lines += fuse_projections(em.prologue + hoisted, roots, taken)
             lines += start
             lines.append(f"for step in range({prog.steps}):")
-            lines += ["    " + ln for ln in grouped(steps_body, {})]
+            lines += ["    " + ln for ln in fuse_projections(steps_body, {}, taken)]
         if "projections(" in "\n".join(lines):
             em.used_ops.add("projections")
         lines.append(f"return {x} - x if delta else {x}")

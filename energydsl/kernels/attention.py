@@ -43,7 +43,9 @@ from .launch import (
     INTERPRET,
     cdiv,
     dot_precision,
+    empty_grad,
     empty_in_order,
+    grad_strides,
     kernel_layout,
     kernel_layouts,
     launch_options,
@@ -299,7 +301,7 @@ class AttentionOps:
             q, k, v = kernel_layouts(q, k, v)
             u = kernel_layout(u)
             lse, alibi_slopes, self_bias, key_bias = _contiguous(lse, alibi_slopes, self_bias, key_bias)
-            r = torch.empty_like(u, dtype=v.dtype)
+            r = empty_in_order(u, u.shape[-1], v.dtype)
             self._launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
             return r
 
@@ -347,7 +349,7 @@ class AttentionOps:
             )
             # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
             out_dtype = torch.float32 if self.wide else None
-            dk, dv = torch.empty_like(k, dtype=out_dtype), torch.empty_like(v, dtype=out_dtype)  # k's, v's layouts
+            dk, dv = empty_grad(k, out_dtype), empty_grad(v, out_dtype)
 
             def cols(need: bool) -> Tensor:
                 return torch.empty((B, H, T), dtype=torch.float32, device=q.device) if need else q.new_empty(0)
@@ -361,7 +363,8 @@ class AttentionOps:
             biases = (dummy if alibi_slopes is None else alibi_slopes, dummy if self_bias is None else self_bias,
                       dummy if key_bias is None else key_bias)
             bucket = tune_bucket(T)
-            sizes = (*_strides(q, k, v, u, do), scale, T, H, Dqk, Dv, bucket)
+            sizes = (*_strides(q, k, v, u, do), *grad_strides(q, k, v, q if u is None else u), scale, T, H, Dqk,
+                     Dv, bucket)
 
             def dkdv_kernel(kernel: Any, *dq_sums: Tensor, **mode: bool) -> None:
                 """dK, dV and the bias columns; narrow kernels also take the fp32 dQ (and dU) sums of DQ_ATOMIC"""
@@ -372,8 +375,8 @@ class AttentionOps:
                 )
 
             def split() -> tuple[Tensor, Tensor]:
-                dq = torch.empty_like(q, dtype=out_dtype)
-                du = torch.empty_like(u, dtype=out_dtype) if second else q.new_empty(0)
+                dq = empty_grad(q, out_dtype)
+                du = empty_grad(u, out_dtype) if second else q.new_empty(0)
                 dkdv_kernel(self._dkdv, *(() if self.wide else (dummy, dummy)))
                 # wide kernels: a program per feature tile of dQ (and dU for the second moment)
                 dq_tiles = max(Dqk, Dv) if second else Dqk
@@ -384,8 +387,8 @@ class AttentionOps:
                 return dq, du
 
             def fused() -> tuple[Tensor, Tensor]:
-                dq = torch.zeros_like(q, dtype=torch.float32)
-                du = torch.zeros_like(u, dtype=torch.float32) if second else q.new_empty(0)
+                dq = empty_grad(q, torch.float32).zero_()
+                du = empty_grad(u, torch.float32).zero_() if second else q.new_empty(0)
                 dkdv_kernel(self._dkdv_fused, dq, du if second else dummy, **launch_options(DQ_ATOMIC=True))
                 return dq.to(q.dtype), du.to(u.dtype) if second else du
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .launch import empty_in_order, kernel_layout, kernel_layouts
+from .launch import empty_grad, empty_in_order, kernel_layout, kernel_layouts
 
 
 # Shape-only twins of the operator bodies, for torch.compile's fake-tensor tracing of the opaque custom_ops: laid
@@ -21,7 +21,8 @@ def fake_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> tuple[Tensor
 
 
 def fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> Tensor:
-    return torch.empty_like(kernel_layout(u), dtype=v.dtype)
+    u = kernel_layout(u)
+    return empty_in_order(u, u.shape[-1], v.dtype)
 
 
 def fake_bwd(
@@ -34,11 +35,11 @@ def fake_bwd(
         return q.new_empty((B, H, T), dtype=torch.float32) if need else q.new_empty(0)
 
     q, k, v = kernel_layouts(q, k, v)
-    du = torch.empty_like(kernel_layout(u)) if u is not None else q.new_empty(0)
+    du = empty_grad(kernel_layout(u)) if u is not None else q.new_empty(0)
     return (
-        torch.empty_like(q),
-        torch.empty_like(k),
-        torch.empty_like(v),
+        empty_grad(q),
+        empty_grad(k),
+        empty_grad(v),
         du,
         cols(need_kb),
         cols(need_self),

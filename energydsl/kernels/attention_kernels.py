@@ -30,9 +30,9 @@ term times log2 e), so that softmax weights are one exp2 each. lse is stored in 
 `benchmarks/kernel_resources.py` counts the instructions per block of each loop on sm_90.
 
 Every (B, H, T, D) tensor is read and written through its batch, head and row strides (`stride_*`), the
-features adjacent: heads split off a (B, T, H * D) projection arrive as a permuted view and are read in
-place, and the output of such queries is written token-major (`launch.kernel_layout`, `empty_in_order`).
-Gradients share their inputs' strides; the output's gradient has its own.
+features adjacent: heads split off a (B, T, H * D) projection (or off one wide q | k | v product) arrive as
+views and are read in place, and the output of such queries is written token-major (`launch.kernel_layout`,
+`empty_in_order`). Gradients are dense, with strides of their own (`launch.empty_grad`).
 
 These are templates: `attention.GENERIC` launches them with every flag chosen at launch, and the triton
 code generator (energydsl/codegen/triton_source.py) reads this file's text and writes copies into each
@@ -289,21 +289,33 @@ def _bwd_dkdv_kernel(
     DKB,
     DDIAG,
     DDIST,
-    stride_qb,  # batch, head and row strides of q (and of dq); the feature stride is 1
+    stride_qb,  # batch, head and row strides of q; the feature stride is 1
     stride_qh,
     stride_qt,
-    stride_kb,  # of k (and dk)
+    stride_kb,  # of k
     stride_kh,
     stride_kt,
-    stride_vb,  # of v (and dv)
+    stride_vb,  # of v
     stride_vh,
     stride_vt,
-    stride_ub,  # of u (and du); unused unless SECOND
+    stride_ub,  # of u; unused unless SECOND
     stride_uh,
     stride_ut,
     stride_dob,  # of the output's gradient dO (or dr)
     stride_doh,
     stride_dot,
+    stride_dqb,  # of the gradients dq, dk, dv, du (`launch.empty_grad`: dense, head-major for a contiguous
+    stride_dqh,  # input, else token-major), apart from the inputs' (a wide product's column views need no copy)
+    stride_dqt,
+    stride_dkb,
+    stride_dkh,
+    stride_dkt,
+    stride_dvb,
+    stride_dvh,
+    stride_dvt,
+    stride_dub,
+    stride_duh,
+    stride_dut,
     scale,
     T,
     H,
@@ -342,10 +354,10 @@ def _bwd_dkdv_kernel(
     Vh = V + b * stride_vb + h * stride_vh
     Uh = U + b * stride_ub + h * stride_uh
     DOh = DO + b * stride_dob + h * stride_doh
-    DKh = DK + b * stride_kb + h * stride_kh  # gradients have their inputs' strides
-    DVh = DV + b * stride_vb + h * stride_vh
-    DQh = DQ_ACC + b * stride_qb + h * stride_qh
-    DUh = DU_ACC + b * stride_ub + h * stride_uh
+    DKh = DK + b * stride_dkb + h * stride_dkh
+    DVh = DV + b * stride_dvb + h * stride_dvh
+    DQh = DQ_ACC + b * stride_dqb + h * stride_dqh
+    DUh = DU_ACC + b * stride_dub + h * stride_duh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -425,7 +437,7 @@ def _bwd_dkdv_kernel(
             if DQ_ATOMIC:  # unused results and relaxed order: vector reductions (RED) on sm_90, no fences
                 dq = tl.dot(tl.trans(ds.to(k.dtype)), k, input_precision=DOT_PREC) * scale
                 tl.atomic_add(
-                    DQh + offs_m[:, None] * stride_qt + offs_dk[None, :],
+                    DQh + offs_m[:, None] * stride_dqt + offs_dk[None, :],
                     dq,
                     mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
                     sem="relaxed",
@@ -433,7 +445,7 @@ def _bwd_dkdv_kernel(
                 if SECOND:  # dU_i = sum_j p_ij (dr_i . v_j) v_j
                     du = tl.dot(tl.trans((p * g).to(v.dtype)), v, input_precision=DOT_PREC)
                     tl.atomic_add(
-                        DUh + offs_m[:, None] * stride_ut + offs_dv[None, :],
+                        DUh + offs_m[:, None] * stride_dut + offs_dv[None, :],
                         du,
                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
                         sem="relaxed",
@@ -450,12 +462,12 @@ def _bwd_dkdv_kernel(
     if SECOND:
         dv += dv_u
     tl.store(
-        DKh + offs_n[:, None] * stride_kt + offs_dk[None, :],
+        DKh + offs_n[:, None] * stride_dkt + offs_dk[None, :],
         dk.to(DK.dtype.element_ty),
         mask=col_ok[:, None] & (offs_dk[None, :] < D_QK),
     )
     tl.store(
-        DVh + offs_n[:, None] * stride_vt + offs_dv[None, :],
+        DVh + offs_n[:, None] * stride_dvt + offs_dv[None, :],
         dv.to(DV.dtype.element_ty),
         mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
     )
@@ -481,21 +493,33 @@ def _bwd_dq_kernel(
     ALIBI,
     SELF_B,
     KEY_B,
-    stride_qb,  # batch, head and row strides of q (and of dq); the feature stride is 1
+    stride_qb,  # batch, head and row strides of q; the feature stride is 1
     stride_qh,
     stride_qt,
-    stride_kb,  # of k (and dk)
+    stride_kb,  # of k
     stride_kh,
     stride_kt,
-    stride_vb,  # of v (and dv)
+    stride_vb,  # of v
     stride_vh,
     stride_vt,
-    stride_ub,  # of u (and du); unused unless SECOND
+    stride_ub,  # of u; unused unless SECOND
     stride_uh,
     stride_ut,
     stride_dob,  # of the output's gradient dO (or dr)
     stride_doh,
     stride_dot,
+    stride_dqb,  # of the gradients dq, dk, dv, du (`launch.empty_grad`: dense, head-major for a contiguous
+    stride_dqh,  # input, else token-major), apart from the inputs' (a wide product's column views need no copy)
+    stride_dqt,
+    stride_dkb,
+    stride_dkh,
+    stride_dkt,
+    stride_dvb,
+    stride_dvh,
+    stride_dvt,
+    stride_dub,
+    stride_duh,
+    stride_dut,
     scale,
     T,
     H,
@@ -526,8 +550,8 @@ def _bwd_dq_kernel(
     Vh = V + b * stride_vb + h * stride_vh
     Uh = U + b * stride_ub + h * stride_uh
     DOh = DO + b * stride_dob + h * stride_doh
-    DQh = DQ + b * stride_qb + h * stride_qh  # gradients have their inputs' strides
-    DUh = DU + b * stride_ub + h * stride_uh
+    DQh = DQ + b * stride_dqb + h * stride_dqh
+    DUh = DU + b * stride_dub + h * stride_duh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -596,13 +620,13 @@ def _bwd_dq_kernel(
 
     dq = dq * scale
     tl.store(
-        DQh + offs_m[:, None] * stride_qt + offs_dk[None, :],
+        DQh + offs_m[:, None] * stride_dqt + offs_dk[None, :],
         dq.to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
     )
     if SECOND:
         tl.store(
-            DUh + offs_m[:, None] * stride_ut + offs_dv[None, :],
+            DUh + offs_m[:, None] * stride_dut + offs_dv[None, :],
             du.to(DU.dtype.element_ty),
             mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
         )

@@ -97,7 +97,7 @@ def _fwd_wide_kernel(
     SELF_B,
     KEY_B,
     stride_qb,  # batch, head and row strides of q, k, v, u and the output (the backward: the output's gradient),
-    stride_qh,  # as in `_fwd_kernel`; gradients have their inputs' strides
+    stride_qh,  # as in `_fwd_kernel`
     stride_qt,
     stride_kb,
     stride_kh,
@@ -219,7 +219,7 @@ def _bwd_dkdv_wide_kernel(
     DDIAG,
     DDIST,
     stride_qb,  # batch, head and row strides of q, k, v, u and the output (the backward: the output's gradient),
-    stride_qh,  # as in `_fwd_kernel`; gradients have their inputs' strides
+    stride_qh,  # as in `_fwd_kernel`
     stride_qt,
     stride_kb,
     stride_kh,
@@ -233,6 +233,18 @@ def _bwd_dkdv_wide_kernel(
     stride_dob,
     stride_doh,
     stride_dot,
+    stride_dqb,  # of the gradients dq, dk, dv, du (`launch.empty_grad`: dense, head-major for a contiguous
+    stride_dqh,  # input, else token-major), apart from the inputs' (a wide product's column views need no copy)
+    stride_dqt,
+    stride_dkb,
+    stride_dkh,
+    stride_dkt,
+    stride_dvb,
+    stride_dvh,
+    stride_dvt,
+    stride_dub,
+    stride_duh,
+    stride_dut,
     scale,
     T,
     H,
@@ -287,10 +299,10 @@ def _bwd_dkdv_wide_kernel(
     if HAS_KB:
         kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
 
-    DKh, DVh = DK + b * stride_kb + h * stride_kh, DV + b * stride_vb + h * stride_vh
+    DKh, DVh = DK + b * stride_dkb + h * stride_dkh, DV + b * stride_dvb + h * stride_dvh
     if FEATURE_LOOP:
-        _zero_rows(DKh, offs_n, stride_kt, col_ok, D_QK, BLOCK_D)
-        _zero_rows(DVh, offs_n, stride_vt, col_ok, D_V, BLOCK_D)
+        _zero_rows(DKh, offs_n, stride_dkt, col_ok, D_QK, BLOCK_D)
+        _zero_rows(DVh, offs_n, stride_dvt, col_ok, D_V, BLOCK_D)
         tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -324,13 +336,13 @@ def _bwd_dkdv_wide_kernel(
                 pv = p
             ds = p * (dp - delta[None, :])
             if FEATURE_LOOP:
-                _add_products(DKh, offs_n, stride_kt, col_ok, ds * scale, Qh, offs_m, stride_qt,
+                _add_products(DKh, offs_n, stride_dkt, col_ok, ds * scale, Qh, offs_m, stride_qt,
                               row_ok, D_QK, BLOCK_D, DOT_PREC)
-                _add_products(DVh, offs_n, stride_vt, col_ok, pv, DOh, offs_m, stride_dot,
+                _add_products(DVh, offs_n, stride_dvt, col_ok, pv, DOh, offs_m, stride_dot,
                               row_ok, D_V, BLOCK_D, DOT_PREC)
                 if SECOND:
                     tl.debug_barrier()  # DV's first sums are written before it is read again
-                    _add_products(DVh, offs_n, stride_vt, col_ok, p * g, Uh, offs_m, stride_ut,
+                    _add_products(DVh, offs_n, stride_dvt, col_ok, p * g, Uh, offs_m, stride_ut,
                                   row_ok, D_V, BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # this block's sums are written before the next block reads them
             else:
@@ -355,9 +367,9 @@ def _bwd_dkdv_wide_kernel(
     if not FEATURE_LOOP:
         if SECOND:
             dv += dv_u
-        tl.store(DKh + offs_n[:, None] * stride_kt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+        tl.store(DKh + offs_n[:, None] * stride_dkt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
                  mask=col_ok[:, None] & dk_ok[None, :])
-        tl.store(DVh + offs_n[:, None] * stride_vt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+        tl.store(DVh + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
                  mask=col_ok[:, None] & dv_ok[None, :])
     if tile == 0:
         if NEED_KB:
@@ -383,7 +395,7 @@ def _bwd_dq_wide_kernel(
     SELF_B,
     KEY_B,
     stride_qb,  # batch, head and row strides of q, k, v, u and the output (the backward: the output's gradient),
-    stride_qh,  # as in `_fwd_kernel`; gradients have their inputs' strides
+    stride_qh,  # as in `_fwd_kernel`
     stride_qt,
     stride_kb,
     stride_kh,
@@ -397,6 +409,18 @@ def _bwd_dq_wide_kernel(
     stride_dob,
     stride_doh,
     stride_dot,
+    stride_dqb,  # of the gradients dq, dk, dv, du (`launch.empty_grad`: dense, head-major for a contiguous
+    stride_dqh,  # input, else token-major), apart from the inputs' (a wide product's column views need no copy)
+    stride_dqt,
+    stride_dkb,
+    stride_dkh,
+    stride_dkt,
+    stride_dvb,
+    stride_dvh,
+    stride_dvt,
+    stride_dub,
+    stride_duh,
+    stride_dut,
     scale,
     T,
     H,
@@ -440,11 +464,11 @@ def _bwd_dq_wide_kernel(
         slope = tl.load(ALIBI + h).to(tl.float32) * 1.4426950408889634
     if HAS_SELF:
         self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
-    DQh, DUh = DQ + b * stride_qb + h * stride_qh, DU + b * stride_ub + h * stride_uh
+    DQh, DUh = DQ + b * stride_dqb + h * stride_dqh, DU + b * stride_dub + h * stride_duh
     if FEATURE_LOOP:
-        _zero_rows(DQh, offs_m, stride_qt, row_ok, D_QK, BLOCK_D)
+        _zero_rows(DQh, offs_m, stride_dqt, row_ok, D_QK, BLOCK_D)
         if SECOND:
-            _zero_rows(DUh, offs_m, stride_ut, row_ok, D_V, BLOCK_D)
+            _zero_rows(DUh, offs_m, stride_dut, row_ok, D_V, BLOCK_D)
         tl.debug_barrier()
     if SECOND:
         du = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -472,10 +496,10 @@ def _bwd_dq_wide_kernel(
                 dp = g
             ds = p * (dp - delta[:, None])
             if FEATURE_LOOP:
-                _add_products(DQh, offs_m, stride_qt, row_ok, ds * scale, Kh, offs_n, stride_kt,
+                _add_products(DQh, offs_m, stride_dqt, row_ok, ds * scale, Kh, offs_n, stride_kt,
                               col_ok, D_QK, BLOCK_D, DOT_PREC)
                 if SECOND:
-                    _add_products(DUh, offs_m, stride_ut, row_ok, p * g, Vh, offs_n, stride_vt,
+                    _add_products(DUh, offs_m, stride_dut, row_ok, p * g, Vh, offs_n, stride_vt,
                                   col_ok, D_V, BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # as in _bwd_dkdv_wide_kernel
             else:
@@ -488,8 +512,8 @@ def _bwd_dq_wide_kernel(
                     du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
 
     if not FEATURE_LOOP:
-        tl.store(DQh + offs_m[:, None] * stride_qt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        tl.store(DQh + offs_m[:, None] * stride_dqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & dk_ok[None, :])
         if SECOND:
-            tl.store(DUh + offs_m[:, None] * stride_ut + offs_d[None, :], du.to(DU.dtype.element_ty),
+            tl.store(DUh + offs_m[:, None] * stride_dut + offs_d[None, :], du.to(DU.dtype.element_ty),
                      mask=row_ok[:, None] & dv_ok[None, :])

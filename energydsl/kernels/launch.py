@@ -165,21 +165,23 @@ def next_power_of_2(n: int) -> int:
     return n + 1
 
 
-# Layouts. The attention kernels address each (B, H, T, D) tensor through its batch, head and row strides, with
-# the features adjacent. They take two layouts without a copy: head-major (contiguous) and token-major, a
+# Layouts. The kernels address each (B, H, T, D) tensor through its batch, head and row strides, with the
+# features adjacent, so they read any such layout without a copy: head-major (contiguous); token-major, a
 # (B, H, T, D) view of a contiguous (B, T, H, D) tensor, which is how heads split off a (B, T, H * D)
-# projection arrive; for token-major queries the output is written token-major, so that merging its heads
-# back is a view too. Gradients are allocated with `torch.empty_like`, which keeps the strides of such a
-# dense tensor, so a gradient has its input's layout and is written through the input's strides.
+# projection arrive; and the column views of one wide projection (q, k and v as slices of a (B, T, 3 H D)
+# product, whose rows are 3 H D apart). Outputs and gradients are written through strides of their own, in
+# `empty_in_order`'s layout: token-major for token-major queries, so that merging heads back is a view too,
+# and dense where an input is a column view, so that no gradient carries the wide product's gaps.
 
 
 def kernel_layout(t: Tensor) -> Tensor:
-    """t itself if it is head-major or token-major, else a contiguous copy. Also a copy where token-major rows
-    would overflow the kernels' 32-bit row offsets (T * H * D elements past 2^31); head-major rows are D apart."""
+    """t itself if its features are adjacent (any batch, head and row strides), else a contiguous copy. Also a
+    copy where rows would overflow the kernels' 32-bit row offsets (T row strides past 2^31, for t or for its
+    token-major gradient); batch and head offsets are 64-bit."""
     if t.is_contiguous():
         return t
     B, H, T, D = t.shape
-    if t.stride() == (T * H * D, D, H * D, 1) and T * H * D < 2**31:  # token-major, read off the strides
+    if t.stride(-1) == 1 and T * max(t.stride(2), H * D) < 2**31:
         return t
     return t.contiguous()
 
@@ -190,10 +192,26 @@ def kernel_layouts(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
     return kernel_layout(q), k, v
 
 
-def empty_in_order(like: Tensor, width: int, dtype: torch.dtype) -> Tensor:
-    """An uninitialised (B, H, T, width) tensor, token-major if `like` (as `kernel_layout` returns it) is."""
+def in_order_strides(like: Tensor, width: int) -> tuple[int, int, int, int]:
+    """The strides of a dense (B, H, T, width) tensor laid out as `like` (as `kernel_layout` returns it) is:
+    head-major if `like` is contiguous, else token-major."""
     B, H, T, _ = like.shape
     if like.is_contiguous():
-        return torch.empty((B, H, T, width), dtype=dtype, device=like.device)
-    return torch.empty_strided((B, H, T, width), (T * H * width, width, H * width, 1), dtype=dtype,
-                               device=like.device)
+        return (H * T * width, T * width, width, 1)
+    return (T * H * width, width, H * width, 1)
+
+
+def empty_in_order(like: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """An uninitialised (B, H, T, width) tensor with `in_order_strides(like, width)`."""
+    B, H, T, _ = like.shape
+    return torch.empty_strided((B, H, T, width), in_order_strides(like, width), dtype=dtype, device=like.device)
+
+
+def empty_grad(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised gradient for the kernel input t: t's layout where t is dense, else token-major."""
+    return empty_in_order(t, t.shape[-1], t.dtype if dtype is None else dtype)
+
+
+def grad_strides(*inputs: Tensor) -> tuple[int, ...]:
+    """The batch, head and row strides of `empty_grad(t)` for each input, as the backward kernels take them."""
+    return tuple(s for t in inputs for s in in_order_strides(t, t.shape[-1])[:3])

@@ -50,7 +50,9 @@ from .launch import (
     INTERPRET,
     cdiv,
     dot_precision,
+    empty_grad,
     empty_in_order,
+    grad_strides,
     kernel_layout,
     kernel_layouts,
     launch_options,
@@ -91,8 +93,8 @@ _KEY = ["K", "V", "HAS_DECAY", "STRICT", "REVERSE", "C", "BK", "BV"]
 
 # ----------------------------------------------------------------------------------------------------------
 # Kernels. q, k, v, o and their gradients are (B, H, T, D), read and written through their batch, head and row
-# strides with the features adjacent: head-major (contiguous) or token-major, as `launch.kernel_layout` passes
-# them; a gradient has its input's strides. Log decays (B, H, T) are read through their strides too (a per-head
+# strides with the features adjacent (any layout `launch.kernel_layout` passes); gradients through strides of
+# their own (`launch.empty_grad`). Log decays (B, H, T) are read through their strides too (a per-head
 # decay is one (H,) tensor expanded, stride 0 over batch and time). States are contiguous (B*H, NT, Dk, Dv);
 # accumulation in fp32. Loads and the decay mask are written out in each kernel rather than in @triton.jit
 # helpers: the interpreter re-patches triton.language on every device-function call, which tripled the test
@@ -222,11 +224,14 @@ def _fwd_kernel(
 @triton.jit
 def _bwd_dqk_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, h_ptr, dh_ptr, do_ptr, dq_ptr, dk_ptr, r_ptr,
-    stride_qb, stride_qh, stride_qt,  # batch, head and row strides of q and dq; the feature stride is 1
-    stride_kb, stride_kh, stride_kt,  # of k and dk
+    stride_qb, stride_qh, stride_qt,  # batch, head and row strides of q; the feature stride is 1
+    stride_kb, stride_kh, stride_kt,  # of k
     stride_vb, stride_vh, stride_vt,  # of v
     stride_dob, stride_doh, stride_dot,  # of dO
     stride_gb, stride_gh, stride_gt,  # of the log decays
+    stride_dqb, stride_dqh, stride_dqt,  # of dq (`launch.empty_grad`), apart from q's
+    stride_dkb, stride_dkh, stride_dkt,  # of dk
+    stride_dvb, stride_dvh, stride_dvt,  # of dv
     T, H, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -281,14 +286,16 @@ def _bwd_dqk_kernel(
         dP = dP * tl.exp(tl.where(causal, b[:, None] - b[None, :], float("-inf")))
     else:
         dP = tl.where(causal, dP, 0.0)
-    q_rows = i_b * stride_qb + i_h * stride_qh + offs_t[:, None] * stride_qt + offs_k[None, :]  # q's and dq's
-    k_rows = i_b * stride_kb + i_h * stride_kh + offs_t[:, None] * stride_kt + offs_k[None, :]  # k's and dk's
-    q = tl.load(q_ptr + q_rows, mask=mask_tk, other=0.0)
-    k = tl.load(k_ptr + k_rows, mask=mask_tk, other=0.0)
+    q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + offs_t[:, None] * stride_qt + offs_k[None, :],
+                mask=mask_tk, other=0.0)  # fmt: skip
+    k = tl.load(k_ptr + i_b * stride_kb + i_h * stride_kh + offs_t[:, None] * stride_kt + offs_k[None, :],
+                mask=mask_tk, other=0.0)  # fmt: skip
     dq = (dq + tl.dot(dP.to(k.dtype), k, input_precision=DOT_PREC)) * scale
     dk = (dk + tl.dot(tl.trans(dP).to(q.dtype), q, input_precision=DOT_PREC)) * scale
-    tl.store(dq_ptr + q_rows, dq.to(dq_ptr.dtype.element_ty), mask=mask_tk)
-    tl.store(dk_ptr + k_rows, dk.to(dk_ptr.dtype.element_ty), mask=mask_tk)
+    tl.store(dq_ptr + i_b * stride_dqb + i_h * stride_dqh + offs_t[:, None] * stride_dqt + offs_k[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=mask_tk)  # fmt: skip
+    tl.store(dk_ptr + i_b * stride_dkb + i_h * stride_dkh + offs_t[:, None] * stride_dkt + offs_k[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=mask_tk)  # fmt: skip
     if HAS_DECAY:
         r = tl.sum(q.to(tl.float32) * dq - k.to(tl.float32) * dk, axis=1)
         tl.store(r_ptr + (i_k * n_bh + i_bh) * T + offs_t, r, mask=mask_t)
@@ -299,9 +306,12 @@ def _bwd_dv_kernel(
     q_ptr, k_ptr, g_ptr, dh_ptr, do_ptr, dv_ptr,
     stride_qb, stride_qh, stride_qt,  # batch, head and row strides of q; the feature stride is 1
     stride_kb, stride_kh, stride_kt,  # of k
-    stride_vb, stride_vh, stride_vt,  # of v, which dv shares
+    stride_vb, stride_vh, stride_vt,  # of v
     stride_dob, stride_doh, stride_dot,  # of dO
     stride_gb, stride_gh, stride_gt,  # of the log decays
+    stride_dqb, stride_dqh, stride_dqt,  # of dq (`launch.empty_grad`), apart from q's
+    stride_dkb, stride_dkh, stride_dkt,  # of dk
+    stride_dvb, stride_dvh, stride_dvt,  # of dv
     T, H, K, V, scale,
     HAS_DECAY: tl.constexpr, STRICT: tl.constexpr, DOT_PREC: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -352,7 +362,7 @@ def _bwd_dv_kernel(
     do = tl.load(do_ptr + i_b * stride_dob + i_h * stride_doh + offs_t[:, None] * stride_dot + offs_v[None, :],
                  mask=mask_tv, other=0.0)  # fmt: skip
     dv = (dv + tl.dot(At.to(do.dtype), do, input_precision=DOT_PREC)) * scale
-    tl.store(dv_ptr + i_b * stride_vb + i_h * stride_vh + offs_t[:, None] * stride_vt + offs_v[None, :],
+    tl.store(dv_ptr + i_b * stride_dvb + i_h * stride_dvh + offs_t[:, None] * stride_dvt + offs_v[None, :],
              dv.to(dv_ptr.dtype.element_ty), mask=mask_tv)  # fmt: skip
 
 
@@ -460,11 +470,11 @@ class LinearAttentionOps:
             h = self._states(k, v, g, (*sk, *sv, *sg), (C, BK, BV), has_decay, reverse=False)
             dh = self._states(q, do, g, (*sq, *sdo, *sg), (C, BK, BV), has_decay, reverse=True)
             NK, NT = cdiv(K, BK), cdiv(T, C)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # q's, k's, v's layouts
+            dq, dk, dv = empty_grad(q), empty_grad(k), empty_grad(v)
             # the row terms of d log_decay, one slab per Dk-block (summed below, no atomics)
             r = torch.empty((NK, B, H, T) if has_decay else (0,), dtype=torch.float32, device=q.device)
             flags = dict(HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
-            sizes = (*sq, *sk, *sv, *sdo, *sg, T, H, K, V, scale)
+            sizes = (*sq, *sk, *sv, *sdo, *sg, *grad_strides(q, k, v), T, H, K, V, scale)
             wrap_triton(self._dqk)[(NK, NT, B * H)](
                 q, k, v, g, h, dh, do, dq, dk, r, *sizes, **self._meta(self._dqk, q.dtype, **flags)
             )
@@ -577,7 +587,7 @@ def _linear_attention_bwd_fake(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dg = log_decay.new_empty(log_decay.shape) if (log_decay is not None and need_dg) else q.new_empty((0,))
     q, k, v = kernel_layouts(q, k, v)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dg
+    return empty_grad(q), empty_grad(k), empty_grad(v), dg
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:

@@ -34,7 +34,9 @@ from .launch import (
     INTERPRET,
     cdiv,
     dot_precision,
+    empty_grad,
     empty_in_order,
+    grad_strides,
     kernel_layout,
     kernel_layouts,
     launch_options,
@@ -154,14 +156,14 @@ class PointwiseOps:
             biases = [_bias(b, q) for b in (row_bias, key_bias, alibi, self_b)]
             # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
             grad_dtype = torch.float32 if self.wide else None
-            dq, dk, dv = (torch.empty_like(t, dtype=grad_dtype) for t in (q, k, v))  # the inputs' layouts
+            dq, dk, dv = (empty_grad(t, grad_dtype) for t in (q, k, v))
             drb, dkb, ddist, ddiag = (torch.empty((B, H, T) if wanted else (0,), dtype=torch.float32,
                                                   device=q.device)
                                       for wanted in (row_bias is not None, key_bias is not None, need_alibi,
                                                      need_self))
             flags = _flags(strict, row_bias, key_bias, alibi, self_b)
-            strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], T, H, K, V, scale,
-                       tune_bucket(T))
+            strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *grad_strides(q, k, v),
+                       T, H, K, V, scale, tune_bucket(T))
             wrap_triton(self._dkdv)[self._grid(T, "BLOCK_N", B * H, max(K, V))](
                 q, k, v, *biases, do, dk, dv, dkb, ddist, ddiag, *strides,
                 **self._meta(self._dkdv, q.dtype, K, V, NEED_ALIBI=need_alibi, NEED_SELF=need_self, **flags))
@@ -245,7 +247,7 @@ def _bwd_fake(do: Tensor, q: Tensor, k: Tensor, v: Tensor, row_bias: Tensor | No
     B, H, T, _ = q.shape
     drb, dkb, ddist, ddiag = (q.new_empty((B, H, T) if wanted else (0,), dtype=torch.float32)
                               for wanted in (row_bias is not None, key_bias is not None, need_alibi, need_self))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), drb, dkb, ddist, ddiag
+    return empty_grad(q), empty_grad(k), empty_grad(v), drb, dkb, ddist, ddiag
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:

@@ -75,7 +75,7 @@ def _rows(base, offs, stride, offs_d, D, T):
 def _head(Q, K, V, OUT, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
           stride_outb, stride_outh, T, H, HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr):
     """Every kernel's setup for its (batch, head) `program_id(1)`: (b, h, rows, Qh, Kh, Vh, OUTh, rb_ptr, kb_ptr,
-    slope, self_b). b and h (int64) place the kernel's other tensors, which share an input's strides; `rows` is
+    slope, self_b). b and h (int64) place the kernel's other tensors, the gradients with strides of their own; `rows` is
     the (batch, head)'s offset into the (B, H, T) biases and bias gradients; Qh ... OUTh the (batch, head)'s
     q, k, v and OUT (the output, or its gradient); rb_ptr and kb_ptr its row and key biases; slope and self_b
     its ALiBi slope and self bias, fp32, 0 for a term the scores do not have."""
@@ -182,6 +182,7 @@ def _pointwise_bwd_dkdv_kernel(
     Q, K, V, RB, KB, ALIBI, SELF, DO, DK, DV, DKB, DDIST, DDIAG,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
+    stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr,
@@ -190,14 +191,14 @@ def _pointwise_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """dK, dV, d key_bias and the slope's and self bias's per-key column sums (DDIST, DDIAG) for one block of
-    keys: loops over the query blocks that see it. DK and DV share K's and V's strides."""
+    keys: loops over the query blocks that see it. DK and DV have strides of their own."""
     start_n = tl.program_id(0) * BLOCK_N
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
         Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
-    DKh = DK + b * stride_kb + h * stride_kh
-    DVh = DV + b * stride_vb + h * stride_vh
+    DKh = DK + b * stride_dkb + h * stride_dkh
+    DVh = DV + b * stride_dvb + h * stride_dvh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -228,9 +229,9 @@ def _pointwise_bwd_dkdv_kernel(
                 ddist += tl.sum(ds * tl.abs(i - j).to(tl.float32), axis=1)
             if NEED_SELF and mode > 0:
                 ddiag += tl.sum(tl.where(i == j, ds, 0.0), axis=1)
-    tl.store(DKh + offs_n[:, None] * stride_kt + offs_dk[None, :], (dk * scale).to(DK.dtype.element_ty),
+    tl.store(DKh + offs_n[:, None] * stride_dkt + offs_dk[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dk[None, :] < D_QK))
-    tl.store(DVh + offs_n[:, None] * stride_vt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+    tl.store(DVh + offs_n[:, None] * stride_dvt + offs_dv[None, :], dv.to(DV.dtype.element_ty),
              mask=key_ok[:, None] & (offs_dv[None, :] < D_V))
     if HAS_KB:
         tl.store(DKB + rows + offs_n, dkb, mask=key_ok)
@@ -245,19 +246,20 @@ def _pointwise_bwd_dq_kernel(
     Q, K, V, RB, KB, ALIBI, SELF, DO, DQ, DRB,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
+    stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_SELF: tl.constexpr, DOT_PREC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ and d row_bias for one block of queries: a loop over the key blocks it sees. DQ shares Q's strides."""
+    """dQ and d row_bias for one block of queries: a loop over the key blocks it sees. DQ has strides of its own."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
         Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
-    DQh = DQ + b * stride_qb + h * stride_qh
+    DQh = DQ + b * stride_dqb + h * stride_dqh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BK)
     offs_dv = tl.arange(0, BV)
@@ -279,7 +281,7 @@ def _pointwise_bwd_dq_kernel(
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
             if HAS_RB:
                 drb += tl.sum(ds, axis=1)
-    tl.store(DQh + offs_m[:, None] * stride_qt + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+    tl.store(DQh + offs_m[:, None] * stride_dqt + offs_dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
     if HAS_RB:
         tl.store(DRB + rows + offs_m, drb, mask=row_ok)

@@ -97,6 +97,7 @@ def _pointwise_bwd_dkdv_wide_kernel(
     Q, K, V, RB, KB, ALIBI, SELF, DO, DK, DV, DKB, DDIST, DDIAG,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
+    stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr,
@@ -106,7 +107,7 @@ def _pointwise_bwd_dkdv_wide_kernel(
 ):
     """One feature tile of dK and of dV (where D_QK and D_V reach it) for one block of keys, and, in the first
     tile's programs, d key_bias and the slope's and self bias's per-key column sums (DDIST, DDIAG): loops over
-    the query blocks that see the keys. DK and DV share K's and V's strides.
+    the query blocks that see the keys. DK and DV have strides of their own.
 
     FEATURE_LOOP: one program per key block (the grid's third axis is 1) adds each block's products to every
     feature tile of DK and DV, fp32, zeroed first."""
@@ -116,14 +117,14 @@ def _pointwise_bwd_dkdv_wide_kernel(
     b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
         Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
-    DKh = DK + b * stride_kb + h * stride_kh
-    DVh = DV + b * stride_vb + h * stride_vh
+    DKh = DK + b * stride_dkb + h * stride_dkh
+    DVh = DV + b * stride_dvb + h * stride_dvh
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     key_ok = offs_n < T
     if FEATURE_LOOP:
-        _zero_rows(DKh, offs_n, stride_kt, key_ok, D_QK, BLOCK_D)
-        _zero_rows(DVh, offs_n, stride_vt, key_ok, D_V, BLOCK_D)
+        _zero_rows(DKh, offs_n, stride_dkt, key_ok, D_QK, BLOCK_D)
+        _zero_rows(DVh, offs_n, stride_dvt, key_ok, D_V, BLOCK_D)
         tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -143,9 +144,9 @@ def _pointwise_bwd_dkdv_wide_kernel(
             ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
             if FEATURE_LOOP:
                 w = _in_context(WEIGHT(s), i, j, T, mode > 0, STRICT)
-                _add_products(DKh, offs_n, stride_kt, key_ok, ds * scale, Qh, offs_m, stride_qt, row_ok, D_QK,
+                _add_products(DKh, offs_n, stride_dkt, key_ok, ds * scale, Qh, offs_m, stride_qt, row_ok, D_QK,
                               BLOCK_D, DOT_PREC)
-                _add_products(DVh, offs_n, stride_vt, key_ok, w, DOh, offs_m, stride_dot, row_ok, D_V, BLOCK_D,
+                _add_products(DVh, offs_n, stride_dvt, key_ok, w, DOh, offs_m, stride_dot, row_ok, D_V, BLOCK_D,
                               DOT_PREC)
                 tl.debug_barrier()  # this block's sums are written before the next block reads them
             else:
@@ -166,9 +167,9 @@ def _pointwise_bwd_dkdv_wide_kernel(
                 if NEED_SELF and mode > 0:
                     ddiag += tl.sum(tl.where(i == j, ds, 0.0), axis=1)
     if not FEATURE_LOOP:
-        tl.store(DKh + offs_n[:, None] * stride_kt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+        tl.store(DKh + offs_n[:, None] * stride_dkt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
                  mask=key_ok[:, None] & (offs_d[None, :] < D_QK))
-        tl.store(DVh + offs_n[:, None] * stride_vt + offs_d[None, :], dv.to(DV.dtype.element_ty),
+        tl.store(DVh + offs_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty),
                  mask=key_ok[:, None] & (offs_d[None, :] < D_V))
     if tile == 0:
         if HAS_KB:
@@ -184,6 +185,7 @@ def _pointwise_bwd_dq_wide_kernel(
     Q, K, V, RB, KB, ALIBI, SELF, DO, DQ, DRB,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
+    stride_dqb, stride_dqh, stride_dqt, stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     T, H, D_QK, D_V, scale,
     T_TUNE,  # the autotuner's key only (`attention_configs.tune_bucket(T)`); the kernel does not read it
     WEIGHT_GRAD: tl.constexpr, STRICT: tl.constexpr, HAS_RB: tl.constexpr, HAS_KB: tl.constexpr,
@@ -191,7 +193,7 @@ def _pointwise_bwd_dq_wide_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FEATURE_LOOP: tl.constexpr = False,
 ):
     """One feature tile of dQ for one block of queries, and d row_bias in the first tile's programs: a loop over
-    the key blocks the queries see. DQ shares Q's strides. FEATURE_LOOP: one program per query block adds to
+    the key blocks the queries see. DQ has strides of its own. FEATURE_LOOP: one program per query block adds to
     every feature tile of DQ (fp32, zeroed first)."""
     start_m = tl.program_id(0) * BLOCK_M
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
@@ -199,12 +201,12 @@ def _pointwise_bwd_dq_wide_kernel(
     b, h, rows, Qh, Kh, Vh, DOh, rb_ptr, kb_ptr, slope, self_b = _head(
         Q, K, V, DO, RB, KB, ALIBI, SELF, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
         stride_dob, stride_doh, T, H, HAS_ALIBI, HAS_SELF)
-    DQh = DQ + b * stride_qb + h * stride_qh
+    DQh = DQ + b * stride_dqb + h * stride_dqh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = offs_m < T
     if FEATURE_LOOP:
-        _zero_rows(DQh, offs_m, stride_qt, row_ok, D_QK, BLOCK_D)
+        _zero_rows(DQh, offs_m, stride_dqt, row_ok, D_QK, BLOCK_D)
         tl.debug_barrier()  # every thread's zeros are written before any thread adds to them
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     drb = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -220,7 +222,7 @@ def _pointwise_bwd_dq_wide_kernel(
                             BLOCK_D, DOT_PREC)
             ds = _in_context(dw * WEIGHT_GRAD(s), i, j, T, mode > 0, STRICT)
             if FEATURE_LOOP:
-                _add_products(DQh, offs_m, stride_qt, row_ok, ds * scale, Kh, offs_n, stride_kt, key_ok, D_QK,
+                _add_products(DQh, offs_m, stride_dqt, row_ok, ds * scale, Kh, offs_n, stride_kt, key_ok, D_QK,
                               BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # this block's sums are written before the next block reads them
             else:
@@ -230,7 +232,7 @@ def _pointwise_bwd_dq_wide_kernel(
             if HAS_RB and tile == 0:
                 drb += tl.sum(ds, axis=1)
     if not FEATURE_LOOP:
-        tl.store(DQh + offs_m[:, None] * stride_qt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        tl.store(DQh + offs_m[:, None] * stride_dqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_d[None, :] < D_QK))
     if HAS_RB and tile == 0:
         tl.store(DRB + rows + offs_m, drb, mask=row_ok)
