@@ -641,6 +641,11 @@ def test_opcheck(ops: kernels.AttentionOps) -> None:
     )
 
 
+def sliced(t: torch.Tensor) -> torch.Tensor:
+    """t's values as the first columns of a tensor twice as wide: a layout the kernels read in place."""
+    return torch.cat([t.detach(), torch.zeros_like(t)], dim=-1)[..., : t.shape[-1]]
+
+
 def strided(t: torch.Tensor) -> torch.Tensor:
     """t's values in a layout the kernels do not read in place: a (B, H, T, D) tensor with its features T apart
     (a transposed (..., D, T) tensor), any other with every other element of a wider one."""
@@ -679,6 +684,9 @@ def test_direct_op_calls_take_any_layout(ops: kernels.AttentionOps) -> None:
         for a, b in zip(got, want, strict=True):
             assert a.shape == b.shape and (b.numel() == 0 or rel_err(a, b) < 1e-6), op
         torch.library.opcheck(op, odd)
+        # column views of a wider tensor (as a fused projection's heads): read in place, gradients dense
+        torch.library.opcheck(op, tuple(sliced(a) if isinstance(a, torch.Tensor) and a.dim() == 4 else a
+                                        for a in args))
     for grad, args in ((do, calls[2][1]), (dr, calls[3][1])):  # the backward given dO in another dtype: cast
         for a, b in zip(bwd(grad.double(), *args[1:]), bwd(*args), strict=True):
             assert a.dtype == b.dtype and (b.numel() == 0 or rel_err(a, b) < 1e-6)

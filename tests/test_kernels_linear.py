@@ -290,6 +290,8 @@ def test_direct_op_calls_take_any_layout(decay: str | None) -> None:
         assert c.dtype == b.dtype and (c.numel() == 0 or rel_err(c, b) < 1e-6)
     torch.library.opcheck(ops.linear_attention_fwd.default, (*odd, g, 0.5, False))
     torch.library.opcheck(ops.linear_attention_bwd.default, (feature_strided(do), *odd, g, 0.5, False, need_dg))
+    columns = [torch.cat([t.detach(), t.detach()], dim=-1)[..., : t.shape[-1]] for t in (q, k, v)]  # in place
+    torch.library.opcheck(ops.linear_attention_bwd.default, (do, *columns, g, 0.5, False, need_dg))
 
 
 def test_registered_ops() -> None:

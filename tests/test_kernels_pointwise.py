@@ -261,6 +261,9 @@ def test_direct_op_calls_pass_opcheck() -> None:
     do = torch.randn_like(v)
     torch.library.opcheck(ops.sigmoid_attention_bwd.default,
                           (do, q, k, v, rb, None, slopes, self_b, 0.5, True, True, False))
+    q, k, v = (torch.cat([t, t], dim=-1)[..., : t.shape[-1]] for t in (q, k, v))  # read in place; dense gradients
+    torch.library.opcheck(ops.sigmoid_attention_bwd.default,
+                          (do, q, k, v, rb, None, slopes, self_b, 0.5, True, True, False))
 
 
 def test_torch_compile() -> None:
