@@ -504,6 +504,51 @@ def test_per_head_maps_after_the_attention_fold_into_one_gemm(backend: str) -> N
     assert attention and attention.group(2) == attention.group(3), forward  # tied: k is v, laid out once
 
 
+class _TokenScalings(_Products):
+    """Also counts the multiplications of a token-sized tensor (`numel` elements) by a scalar."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                scalar = any(not isinstance(a, torch.Tensor) or a.numel() == 1 for a in args)
+                counter.scalings += (func in (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar) and scalar
+                                     and out.numel() == counter.numel)
+                return out
+
+        self.count, self.scalings, self.mode = 0, 0, Mode()
+        self.mode.__enter__()
+        return self
+
+
+@pytest.mark.parametrize("path,name,products,scalings", [
+    ("examples/intrinsic-optimizers/mha.energy", "MHA", 2, 0),  # η / heads = 0.5 scales Wo
+    ("examples/cem/dplr.energy", None, 3, 0),  # the -1 of x - η D scales the head-merged map
+    ("tests/data/element-wise-gates.energy", "NewtonSilu", 4, 2),  # -1.5 (W a) stays: W a is used again
+])
+def test_scalars_multiply_weights_not_tokens(path: str, name: str | None, products: int, scalings: int) -> None:
+    """A scalar times a product of weights and a token vector, `s (M v)` or `s Σ_k M_k v_k`, scales M: no
+    token-sized tensor is multiplied by it. Not where `M v` is used elsewhere (it would be computed twice: the
+    matrix products stay as many). Values equal the interpreter's."""
+    file = energydsl.load(path)
+    derived = file.energy(name) if name else file.energy()
+    module = _perturbed(module_class(derived, "torch")()).double()
+    x = module.example_input(2, 6).double()
+    with _TokenScalings(x.numel()) as counted:
+        out = module(x)
+    assert (counted.count, counted.scalings) == (products, scalings)
+    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_a_product_used_elsewhere_is_not_counted_as_saved() -> None:
     """Newton's step with a SiLU gate needs `Wᵀ a` on its own and inside `W (Wᵀ a)` (the Hessian-vector
     product): joining `W Wᵀ` would add a d x d product per token and save none, so the chain stays."""

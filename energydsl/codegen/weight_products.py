@@ -10,7 +10,8 @@ a_k is a weight, so the whole is `Σ_k M_k a_k` with `M_k = -(diag(c_k) + U_k V_
 
 The rewrite is associativity and distributivity over matrix products, so it changes no value; it is taken
 only where the token-side product it leaves costs no more per token than those it saves (`U (Vᵀ x)` with a
-thin rank is cheaper than `(U Vᵀ) x`, and stays). Codegen only: `energy derive` prints the derivation.
+thin rank is cheaper than `(U Vᵀ) x`, and stays). A scalar in front, `s (M v)`, goes into the weights the same
+way, `(s M) v`. Codegen only: `energy derive` prints the derivation.
 """
 
 from __future__ import annotations
@@ -89,6 +90,34 @@ def _map_out_of_context_sum(e: Expr, size: Callable[[sp.Expr], int]) -> Expr | N
     return ir.MatMul(a, ir.Reduce("sum", e.index, ir.Mul((*weights, narrowed_value(value, b)))))
 
 
+def _scalars_into_weights(e: Expr, original: Expr, context: frozenset[str], uses: Counter) -> Expr | None:
+    """`s (M v)` as `(s M) v` and `s Σ_k M_k v_k` as `Σ_k (s M_k) v_k`, for scalars s and weights M the same
+    for every token, or None: the scalar then scales a matrix (once, hoisted out of a `steps` loop) instead of
+    every token's vector, forward and backward (the `0.5 *` of MHA's `η / heads`, the `-1.0 *` of `x - η D`).
+    Not where the product (or the sum) is used elsewhere in the update (`uses` counts `original`'s nodes, e
+    before its children were rewritten): that one would then be computed twice."""
+    if not isinstance(e, ir.Mul):
+        return None
+
+    def scalar(f: Expr) -> bool:
+        return not f.shape and _token_free(f)
+
+    scalars, rest = [f for f in e.factors if scalar(f)], [f for f in e.factors if not scalar(f)]
+    if not scalars or len(rest) != 1:
+        return None
+    target = rest[0]
+    summed = isinstance(target, ir.Reduce) and target.op == "sum" and target.index not in context
+    product = target.body if summed else target
+    if not (isinstance(product, ir.MatMul) and len(product.a.shape) == 2 and _token_free(product.a)
+            and not _token_free(product.b)):
+        return None
+    before = next(f for f in original.factors if not scalar(f))
+    if uses[before] > 1 or (isinstance(before, ir.Reduce) and uses[before.body] > 1):
+        return None
+    scaled = ir.MatMul(ir.Mul((*scalars, product.a)), product.b)
+    return ir.Reduce("sum", target.index, scaled) if summed else scaled
+
+
 def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[str]) -> Expr:
     """e with each largest sub-expression `M v` (weights M, one token vector v) computed as `(M) v`, where
     that costs no more token-side multiply-adds (`size` gives a dim's value) than the products it saves: those
@@ -112,6 +141,7 @@ def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[st
         if not e.children:
             return e
         kids = [rewrite(c) for c in e.children]
-        return e if all(k is c for k, c in zip(kids, e.children, strict=True)) else ir.rebuild(e, kids)
+        new = e if all(k is c for k, c in zip(kids, e.children, strict=True)) else ir.rebuild(e, kids)
+        return _scalars_into_weights(new, e, context, everywhere) or new
 
     return rewrite(e)
