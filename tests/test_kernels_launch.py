@@ -124,12 +124,15 @@ def test_layouts_the_kernels_take_in_place() -> None:
     odd = head.transpose(2, 3).contiguous().transpose(2, 3)  # features T apart
     copied = launch.kernel_layout(odd)
     assert copied.is_contiguous() and torch.equal(copied, odd)
-    # rows are addressed by 32-bit offsets: T row strides up to 2^31 hold, past it a copy (also where a
-    # token-major gradient's rows would pass it); batch and head offsets are 64-bit
+    # rows are addressed by 32-bit offsets: T row strides up to 2^31 hold, past it a copy; batch and head
+    # offsets are 64-bit
     fits, huge = (torch.empty(1, T, 128, 128, device="meta").transpose(1, 2) for T in (2**17 - 1, 2**17))
     assert launch.kernel_layout(fits) is fits and launch.kernel_layout(huge).is_contiguous()
     wide_rows = torch.empty(1, 2**16, 3 * 128 * 128, device="meta")[..., : 128 * 128].unflatten(-1, (128, 128))
     assert launch.kernel_layout(wide_rows.transpose(1, 2)).is_contiguous()  # 2^16 rows 3 * 2^14 apart
+    # outputs and gradients are token-major only where their own rows fit (a wider value than the query's)
+    assert launch.in_order_strides(fits, 128)[2] == 128 * 128
+    assert launch.in_order_strides(fits, 129) == (128 * (2**17 - 1) * 129, (2**17 - 1) * 129, 129, 1)
     assert launch.empty_in_order(token, 6, torch.float16).stride() == (90, 6, 18, 1)
     assert launch.empty_in_order(head, 6, torch.float16).stride() == (90, 30, 6, 1)
     for t in (token, sliced, packed, expanded):

@@ -176,12 +176,12 @@ def next_power_of_2(n: int) -> int:
 
 def kernel_layout(t: Tensor) -> Tensor:
     """t itself if its features are adjacent (any batch, head and row strides), else a contiguous copy. Also a
-    copy where rows would overflow the kernels' 32-bit row offsets (T row strides past 2^31, for t or for its
-    token-major gradient); batch and head offsets are 64-bit."""
+    copy where rows would overflow the kernels' 32-bit row offsets (T row strides past 2^31); batch and head
+    offsets are 64-bit."""
     if t.is_contiguous():
         return t
-    B, H, T, D = t.shape
-    if t.stride(-1) == 1 and T * max(t.stride(2), H * D) < 2**31:
+    T = t.shape[2]
+    if t.stride(-1) == 1 and T * t.stride(2) < 2**31:
         return t
     return t.contiguous()
 
@@ -194,9 +194,10 @@ def kernel_layouts(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
 
 def in_order_strides(like: Tensor, width: int) -> tuple[int, int, int, int]:
     """The strides of a dense (B, H, T, width) tensor laid out as `like` (as `kernel_layout` returns it) is:
-    head-major if `like` is contiguous, else token-major."""
+    head-major if `like` is contiguous, else token-major; head-major also where token-major rows would overflow
+    the kernels' 32-bit row offsets (T * H * width past 2^31; head-major rows are width apart)."""
     B, H, T, _ = like.shape
-    if like.is_contiguous():
+    if like.is_contiguous() or T * H * width >= 2**31:
         return (H * T * width, T * width, width, 1)
     return (T * H * width, width, H * width, 1)
 
