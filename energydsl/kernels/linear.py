@@ -545,8 +545,8 @@ class LinearAttentionOps:
             return chunked(q, k, v, scale=scale, log_decay=log_decay, strict=strict)
         if T == 0:
             return v.new_empty(v.shape)
-        # head- or token-major as given (heads split off a projection need no copy); the op lays out its inputs
-        # itself too, for direct callers, but laid out here they are what autograd saves for the backward
+        # in place where the features are adjacent (heads split off a projection need no copy); the op lays out its
+        # inputs itself too, for direct callers, but laid out here they are what autograd saves for the backward
         q, k, v = kernel_layouts(q, k, v)
         return self._fwd_op(q, k, v, log_decay, float(scale), bool(strict))
 

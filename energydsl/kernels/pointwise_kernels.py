@@ -21,8 +21,9 @@ column sums of the slope's and self bias's gradients, reduced per head in torch)
 d row_bias), so every gradient has one owner and no atomics are needed. NEED_ALIBI / NEED_SELF: whether those
 two gradients are wanted (fixed ALiBi slopes are not learned).
 
-Every (B, H, T, D) tensor is read and written through its batch, head and row strides (head- or token-major, as
-`launch.kernel_layout` gives them); the biases are contiguous fp32, (B, H, T) per token and (H,) per head.
+Every (B, H, T, D) tensor is read and written through its batch, head and row strides (any layout with adjacent
+features, as `launch.kernel_layout` gives them; gradients dense, `launch.empty_grad`); the biases are contiguous
+fp32, (B, H, T) per token and (H,) per head.
 """
 
 import triton
