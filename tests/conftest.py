@@ -84,3 +84,23 @@ def corpus(tmp_path_factory) -> Path:
 
 # the energies of tests/data/weighted-context-sums.energy: context sums of an element-wise weight of one score
 WEIGHTED_SUMS = ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel", "MultiquadricWeights"]
+
+
+def lay(t, layout: str):
+    """t (B, H, T, D) as a differentiable copy in `layout`, each read by the kernels in place through its strides,
+    their gradients written dense: head (t itself, contiguous); token (token-major, (B, T, H, D) in memory, as
+    heads split off a projection arrive); sliced (the first D columns of a tensor twice as wide); packed (the
+    middle H D columns of a (B, T, 3 H D) product, as k of one fused q | k | v projection)."""
+    import torch
+
+    if layout == "token":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "sliced":
+        return torch.cat([t, t.detach()], dim=-1)[..., : t.shape[-1]]
+    if layout == "packed":
+        B, H, T, D = t.shape
+        pad = torch.zeros(B, T, H * D, dtype=t.dtype, device=t.device)
+        wide = torch.cat([pad, t.transpose(1, 2).flatten(2), pad], dim=-1)
+        return wide[..., H * D : 2 * H * D].unflatten(-1, (H, D)).transpose(1, 2)
+    return t
+

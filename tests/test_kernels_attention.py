@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compile_for_gpu
+from conftest import compile_for_gpu, lay
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -68,7 +68,7 @@ class Case:
     tied: bool = False  # v is k
     B: int = 2
     key_shift: float = 0.0  # added to every key bias: softmax-invariant, but exp of it overflows float32 past ~88
-    layout: str = "head"  # of q, k, v, u: head (contiguous) | token (heads of a (B, T, H * D) tensor) | sliced
+    layout: str = "head"  # of q, k, v, u: head (contiguous), token, sliced or packed (`lay`)
 
     def has(self, bias: str) -> bool:
         return self.biases in (bias, "all")
@@ -100,17 +100,6 @@ def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torc
     if case.has("key"):
         leaves["key_bias"] = randn(B, H, T) * 0.5 + case.key_shift
     return {n: t.to(device=DEVICE, dtype=dtype).requires_grad_() for n, t in leaves.items()}
-
-
-def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
-    off a projection arrive) or sliced (the first D columns of a wider tensor, rows 2 D apart, as a column block
-    of one wide product is): both read in place through their strides, their gradients dense."""
-    if layout == "token":
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    if layout == "sliced":
-        return torch.cat([t, t.detach()], dim=-1)[..., : t.shape[-1]]
-    return t
 
 
 def run(
@@ -227,10 +216,11 @@ MODES = {"narrow-split": (False, False), "narrow-fused": (False, True), "wide-ti
 
 @pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("layout", ["token", "sliced"])
+@pytest.mark.parametrize("layout", ["token", "sliced", "packed"])
 def test_layouts_match_reference(monkeypatch, layout: str, mode: str, kind: str) -> None:
-    """q, k, v and u token-major or sliced (read in place through their strides; gradients through strides
-    of their own): every output and gradient, in each backward mode of the narrow and the wide kernels."""
+    """q, k, v and u token-major, sliced or packed (read in place through their strides; gradients through
+    strides of their own): every output and gradient, in each backward mode of the narrow and the wide
+    kernels."""
     wide, other_mode = MODES[mode]
     if CUDA and other_mode:
         pytest.skip("on a GPU the backward's mode is timed or tuned")
@@ -802,13 +792,16 @@ GPU_CASES = [
     # wider than 256: the feature-tiled kernels (CEM's exact diagonal term at d = 768, 12 heads; a tied one)
     Case(T=1000, H=2, Dk=832, Dv=64, strict=False, biases="all"),
     Case(T=300, H=2, Dk=300, Dv=300, strict=True, biases="all", tied=True),
+    # heads of one wide q | k | v product, read in place (the generated layers' fused projections)
+    Case(T=1000, H=4, Dk=64, Dv=64, strict=False, biases="all", layout="packed"),
+    Case(T=700, H=2, Dk=300, Dv=64, strict=True, biases="all", layout="packed"),
 ]
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("kind", ["attention", "with_lse"])
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c.T}-H{c.H}-d{c.Dk}x{c.Dv}-{c.biases}")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c.T}-H{c.H}-d{c.Dk}x{c.Dv}-{c.biases}-{c.layout}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_long_sequences(dtype: torch.dtype, case: Case, kind: str) -> None:
     # bf16: within 3x the error of PyTorch's own bf16 computation (FlashAttention's criterion), or 2e-2

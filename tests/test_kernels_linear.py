@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import compile_for_gpu
+from conftest import compile_for_gpu, lay
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
@@ -218,21 +218,13 @@ def test_partial_requires_grad() -> None:
     assert rel_err(dq, dq_ref) < TOL
 
 
-def lay(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """t (B, H, T, D) as a differentiable copy in `layout`: token-major ((B, T, H, D) in memory, as heads split
-    off a projection arrive) or sliced (the first D columns of a wider tensor, as a column block of one wide
-    product is): both read in place through their strides, their gradients dense."""
-    if layout == "token":
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-    return torch.cat([t, t.detach()], dim=-1)[..., : t.shape[-1]]
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("decay", [None, "token", "head"])
-@pytest.mark.parametrize("layout", ["token", "sliced"])
+@pytest.mark.parametrize("layout", ["token", "sliced", "packed"])
 def test_layouts_match_references(layout: str, decay: str | None, tied: bool) -> None:
-    """q, k, v and dO token-major or sliced, every output and gradient: three heads, two batches, ragged Dk-
-    and Dv-blocks and three chunks, so that a batch, head or row stride taken for another would show."""
+    """q, k, v and dO token-major, sliced or packed (`conftest.lay`), every output and gradient: three heads,
+    two batches, ragged Dk- and Dv-blocks and three chunks, so that a batch, head or row stride taken for another
+    would show."""
     inputs, do = make_inputs(2, 3, 37, 20, 24, decay, tied=tied, seed=11)
     q, k, v, g = inputs
     laid_k = lay(k, layout)
