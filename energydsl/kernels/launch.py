@@ -209,10 +209,14 @@ def empty_in_order(like: Tensor, width: int, dtype: torch.dtype) -> Tensor:
 
 
 def empty_grad(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """An uninitialised gradient for the kernel input t: t's layout where t is dense, else token-major."""
+    """An uninitialised gradient for the kernel input t, laid out as `empty_in_order` lays out: t's own layout
+    where t is contiguous (`empty_like`, the host's fast path: a microsecond less per tensor), else dense."""
+    if t.is_contiguous():
+        return torch.empty_like(t, dtype=dtype)
     return empty_in_order(t, t.shape[-1], t.dtype if dtype is None else dtype)
 
 
 def grad_strides(*inputs: Tensor) -> tuple[int, ...]:
     """The batch, head and row strides of `empty_grad(t)` for each input, as the backward kernels take them."""
-    return tuple(s for t in inputs for s in in_order_strides(t, t.shape[-1])[:3])
+    return tuple(s for t in inputs
+                 for s in (t.stride() if t.is_contiguous() else in_order_strides(t, t.shape[-1]))[:3])
