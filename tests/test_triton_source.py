@@ -229,7 +229,7 @@ def test_each_gated_copy_computes_its_function_and_only_it(tmp_path: Path, label
 # (energy of tests/data/element-wise-gates.energy, [(G's label, its value)]): the gated calls its update makes
 ELEMENT_WISE_GATES = [("SoftplusGate", [("softplus", "c0")]),  # no named activation of the generic kernels
                       ("GaussianBumps", [("exp(-x x) x", "None")]),  # all of W^T(a exp(-a²)): the innermost a
-                      ("NewtonSilu", [("silu", "c0"), ("dsilu", "t7")]),  # gradient and Hessian-vector product
+                      ("NewtonSilu", [("silu", "c0"), ("dsilu", "t8")]),  # gradient and Hessian-vector product
                       ("WeightedSigmoid", [])]  # a parameter vector times a sigmoid: not an epilogue
 
 
