@@ -549,6 +549,17 @@ def test_scalars_multiply_weights_not_tokens(path: str, name: str | None, produc
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("path", ["examples/intrinsic-optimizers/momen-mha.energy",
+                                  "examples/intrinsic-optimizers/nag-mha.energy"])
+def test_the_fused_momentum_force_is_ordered_as_every_update_is(path: str) -> None:
+    """The triton backend's fused momentum step emits its force apart from the update program; it gets the same
+    weights-first form: the force it passes is the output projection's product itself, the -1 in its weights."""
+    source = energy_source(energydsl.load(path).energy(), "triton")
+    force = re.search(r"momentum_update\(\w+, \w+, (t\d+),", source)
+    assert force, source
+    assert re.search(rf"\b{force.group(1)} = F\.linear\(", source), source
+
+
 def test_a_product_used_elsewhere_is_not_counted_as_saved() -> None:
     """Newton's step with a SiLU gate needs `Wᵀ a` on its own and inside `W (Wᵀ a)` (the Hessian-vector
     product): joining `W Wᵀ` would add a d x d product per token and save none, so the chain stays."""

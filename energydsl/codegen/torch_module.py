@@ -167,12 +167,15 @@ class ModuleWriter:
         delta_code = None
         fused = momentum_step(prog) if self.backend == "triton" else None
         context = frozenset(k for k, info in spec.indices.items() if info.context is not None)
+
+        def ordered(value: ir.Expr) -> ir.Expr:
+            """(U Vᵀ W) a for U (Vᵀ (W a)) when lowering; the generic form keeps the derivation's order."""
+            return weights_first(value, self.size, context) if self.lowering else value
+
         for a in prog.assigns:
-            value = simplify(a.value)
-            if self.lowering:  # (U Vᵀ W) a for U (Vᵀ (W a)); the generic form keeps the derivation's order
-                value = weights_first(value, self.size, context)
+            value = ordered(simplify(a.value))
             if fused is not None and a.target == fused.velocity:
-                force = em.emit(fused.force)
+                force = em.emit(ordered(fused.force))
                 if not force.scalar and force.axes == ("@b", "@i"):
                     x_, m_ = names[spec.state.name], names[a.target.name]
                     beta, eta = (sympy_src(c, em.scalars) for c in (fused.beta, fused.eta))
