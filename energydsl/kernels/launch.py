@@ -210,15 +210,20 @@ def empty_in_order(like: Tensor, width: int, dtype: torch.dtype) -> Tensor:
     return torch.empty_strided((B, H, T, width), in_order_strides(like, width), dtype=dtype, device=like.device)
 
 
+def grad_layout(t: Tensor) -> tuple[int, ...]:
+    """The strides of t's gradient as the kernels write it: t's own where t is contiguous, else dense
+    (`in_order_strides`), so that no gradient carries a wide product's gaps."""
+    return t.stride() if t.is_contiguous() else in_order_strides(t, t.shape[-1])
+
+
 def empty_grad(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """An uninitialised gradient for the kernel input t, laid out as `empty_in_order` lays out: t's own layout
-    where t is contiguous (`empty_like`, the host's fast path: a microsecond less per tensor), else dense."""
-    if t.is_contiguous():
+    """An uninitialised gradient for the kernel input t, with `grad_layout(t)`."""
+    if t.is_contiguous():  # the host's fast path (`empty_like` keeps t's strides): a microsecond less per tensor
         return torch.empty_like(t, dtype=dtype)
-    return empty_in_order(t, t.shape[-1], t.dtype if dtype is None else dtype)
+    return torch.empty_strided(t.shape, grad_layout(t), dtype=t.dtype if dtype is None else dtype, device=t.device)
 
 
 def grad_strides(*inputs: Tensor) -> tuple[int, ...]:
-    """The batch, head and row strides of `empty_grad(t)` for each input, as the backward kernels take them."""
-    return tuple(s for t in inputs
-                 for s in (t.stride() if t.is_contiguous() else in_order_strides(t, t.shape[-1]))[:3])
+    """The batch, head and row strides of each input's gradient (`grad_layout`), for a backward that fixes its
+    kernels' arguments before it allocates every gradient (the softmax family's dQ, per backward mode)."""
+    return tuple(s for t in inputs for s in grad_layout(t)[:3])

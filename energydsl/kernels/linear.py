@@ -52,7 +52,6 @@ from .launch import (
     dot_precision,
     empty_grad,
     empty_in_order,
-    grad_strides,
     kernel_layout,
     kernel_layouts,
     launch_options,
@@ -474,7 +473,7 @@ class LinearAttentionOps:
             # the row terms of d log_decay, one slab per Dk-block (summed below, no atomics)
             r = torch.empty((NK, B, H, T) if has_decay else (0,), dtype=torch.float32, device=q.device)
             flags = dict(HAS_DECAY=has_decay, STRICT=strict, C=C, BK=BK, BV=BV)
-            sizes = (*sq, *sk, *sv, *sdo, *sg, *grad_strides(q, k, v), T, H, K, V, scale)
+            sizes = (*sq, *sk, *sv, *sdo, *sg, *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], T, H, K, V, scale)
             wrap_triton(self._dqk)[(NK, NT, B * H)](
                 q, k, v, g, h, dh, do, dq, dk, r, *sizes, **self._meta(self._dqk, q.dtype, **flags)
             )

@@ -36,7 +36,6 @@ from .launch import (
     dot_precision,
     empty_grad,
     empty_in_order,
-    grad_strides,
     kernel_layout,
     kernel_layouts,
     launch_options,
@@ -162,8 +161,8 @@ class PointwiseOps:
                                       for wanted in (row_bias is not None, key_bias is not None, need_alibi,
                                                      need_self))
             flags = _flags(strict, row_bias, key_bias, alibi, self_b)
-            strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *grad_strides(q, k, v),
-                       T, H, K, V, scale, tune_bucket(T))
+            strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+                       *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], T, H, K, V, scale, tune_bucket(T))
             wrap_triton(self._dkdv)[self._grid(T, "BLOCK_N", B * H, max(K, V))](
                 q, k, v, *biases, do, dk, dv, dkb, ddist, ddiag, *strides,
                 **self._meta(self._dkdv, q.dtype, K, V, NEED_ALIBI=need_alibi, NEED_SELF=need_self, **flags))
