@@ -5,6 +5,7 @@ first imported): torch.library custom_ops, wrapped by the same autograd wiring a
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -107,6 +108,110 @@ def test_one_tensor_given_twice_compiles() -> None:
     got = compiled(x)
     assert torch.allclose(got, 3 * x.sum())
     assert torch.equal(torch.autograd.grad(got, x)[0], torch.full_like(x, 3.0))
+
+
+CALLS: list[str] = []  # one entry per run of a probe's body: "op" (through the dispatcher) or "body"
+
+
+def _dispatched() -> str:
+    """"op" when the caller's stack passes through torch's operator call (`torch/_ops.py`), else "body"."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("torch", "_ops.py")):
+            return "op"
+        frame = frame.f_back
+    return "body"
+
+
+def _probe_bwd(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    CALLS.append(_dispatched())
+    return grad * factor
+
+
+def _probe_fwd(x: torch.Tensor, factor: float) -> torch.Tensor:
+    CALLS.append(_dispatched())
+    return x * factor
+
+
+def _probe_setup(ctx, inputs, output) -> None:
+    ctx.factor = inputs[1]
+
+
+PROBE_BWD = launch.register_op("test_launch_probe_bwd", _probe_bwd, lambda g, factor: torch.empty_like(g))
+PROBE = launch.register_op("test_launch_probe", _probe_fwd, lambda x, factor: torch.empty_like(x),
+                           backward=lambda ctx, grad: (PROBE_BWD(grad, ctx.factor), None),
+                           setup_context=_probe_setup)
+
+
+def test_plain_eager_calls_run_the_bodies_without_the_dispatcher() -> None:
+    """In plain eager execution an op's call runs its body directly, forward (with and without grad) and the
+    backward's op too: the dispatcher's round trip is host time a short sequence waits for on a GPU."""
+    x = torch.randn(5, requires_grad=True)
+    CALLS.clear()
+    with torch.no_grad():
+        assert torch.equal(PROBE(x, 2.0), x.detach() * 2)
+    y = PROBE(x, 3.0)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(gx, torch.full_like(x, 3.0))
+    assert CALLS == ["body", "body", "body"]
+
+
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_what_must_see_the_op_gets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compile, dispatch and function modes, the profiler, functorch, TorchScript tracing, fake and meta
+    tensors, and a graph through an op with no autograd of its own all get the op, not its body."""
+    x = torch.randn(5)
+    CALLS.clear()
+    seen = _Seen()
+    with seen:
+        PROBE(x, 2.0)
+    assert CALLS == ["op"] and "energydsl.test_launch_probe.default" in seen.ops
+
+    CALLS.clear()
+    with torch.device("cpu"):  # a function mode
+        PROBE(x, 2.0)
+    assert CALLS == ["op"]
+
+    CALLS.clear()
+    with torch.profiler.profile() as profile:
+        PROBE(x, 2.0)
+    assert CALLS == ["op"] and any(e.name == "energydsl::test_launch_probe" for e in profile.events())
+
+    CALLS.clear()
+    rows = torch.randn(3, 5)
+    with torch.no_grad():  # vmap runs the op once per row (its batching fallback), on unwrapped tensors
+        assert torch.equal(torch.func.vmap(lambda t: PROBE(t, 2.0))(rows), rows * 2)
+    assert CALLS == ["op"] * 3
+
+    CALLS.clear()
+    with torch.no_grad(), pytest.warns(Warning):  # TorchScript tracing is deprecated; it records the op
+        traced = torch.jit.trace(lambda t: PROBE(t, 2.0), (x,), check_trace=False)
+    assert "energydsl::test_launch_probe" in str(traced.graph) and CALLS == ["op"]
+
+    CALLS.clear()
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert type(PROBE(fake, 2.0)) is type(fake) and CALLS == []  # the fake function answered, outside the mode
+    assert PROBE(x.to("meta"), 2.0).is_meta and CALLS == []
+
+    CALLS.clear()
+    with pytest.raises(RuntimeError, match="(?i)autograd"):
+        PROBE_BWD(torch.randn(5, requires_grad=True), 2.0).sum().backward()
+    assert CALLS == ["op"]
+
+    CALLS.clear()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    PROBE(x, 2.0)
+    assert CALLS == ["op"]
 
 
 def test_layouts_the_kernels_take_in_place() -> None:
