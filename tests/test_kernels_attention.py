@@ -816,6 +816,25 @@ def test_gpu_long_sequences(dtype: torch.dtype, case: Case, kind: str) -> None:
 
 @pytest.mark.gpu
 @requires_cuda
+def test_gpu_eager_calls_launch_without_the_tracing_hop(monkeypatch) -> None:
+    """An eager call runs the op's body directly (`launch.runs_body_directly`); its launches must go straight
+    to the kernels, as inside the triton_op, not through wrap_triton's tracing HOP (about 1 ms per launch)."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager launch went through the tracing HOP")
+
+    monkeypatch.setattr(triton_kernel_wrap.tracing_triton_hopifier_singleton, "call_triton_kernel", refuse)
+    monkeypatch.setattr(triton_kernel_wrap.tracing_triton_hopifier_singleton, "call_run", refuse)
+    q, k, v = (torch.randn(2, 2, 300, 64, device="cuda", requires_grad=True) for _ in range(3))
+    o = kernels.energy_attention(q, k, v, scale=0.125)
+    o.sum().backward()
+    want = ref.energy_attention_ref(q.detach(), k.detach(), v.detach(), scale=0.125)
+    assert torch.allclose(o, want, atol=1e-2, rtol=1e-2) and q.grad is not None
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("loop", [False, True], ids=["tiled", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_wide_backward_in_each_mode(monkeypatch, dtype: torch.dtype, loop: bool) -> None:

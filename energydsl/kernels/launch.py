@@ -14,12 +14,19 @@ each op (and `register_autograd` on the op itself, for direct callers): see `reg
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import triton
 from torch import Tensor
 from torch.library import wrap_triton  # the launch wrapper triton_op discovers kernels by (name kept)
+
+try:
+    from torch._library.triton import set_wrap_triton_enabled
+except ImportError:  # an older torch: its triton_op's kernel hands launches to the tracing HOP as well
+    def set_wrap_triton_enabled(enabled: bool) -> AbstractContextManager[None]:
+        return nullcontext()
 
 from .tuning import autotune_options
 
@@ -31,6 +38,7 @@ __all__ = [
     "kernel_layout",
     "kernel_layouts",
     "launch_options",
+    "launching_directly",
     "maybe_autotune",
     "next_power_of_2",
     "register_op",
@@ -85,7 +93,10 @@ def register_op(
     differentiable = backward is not None
 
     def run(*args: Any) -> Any:
-        return impl(*args) if runs_body_directly(args, differentiable) else op(*args)
+        if runs_body_directly(args, differentiable):
+            with launching_directly():  # as the triton_op's own kernel runs the body
+                return impl(*args)
+        return op(*args)
 
     if backward is None:
         return run
@@ -110,6 +121,14 @@ def register_op(
         return function.apply(*args)
 
     return call
+
+
+def launching_directly() -> AbstractContextManager[None]:
+    """Inside it `wrap_triton(kernel)[grid](...)` launches the kernel itself. Outside a triton_op's kernel,
+    wrap_triton hands every launch to the tracing machinery (`triton_kernel_wrapper_mutation`), which then
+    launches: a body run in place of the op must switch that off as the triton_op does. The interpreter's
+    kernels launch directly either way."""
+    return set_wrap_triton_enabled(False)
 
 
 def runs_body_directly(args: tuple[Any, ...], differentiable: bool) -> bool:
