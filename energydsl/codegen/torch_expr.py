@@ -30,6 +30,7 @@ import sympy as sp
 from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
+from .norms import Norm, norm_factors, norm_form
 from .triton_source import KernelRequest
 
 BATCH, POS = "@b", "@i"
@@ -396,7 +397,12 @@ class Emitter:
         return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
-        if self.backend == "triton":
+        parts = e.terms if isinstance(e, ir.Add) else e.factors
+        if isinstance(e, ir.Mul) and (norm := norm_form(e)) is not None:
+            return self._norm(norm)
+        if isinstance(e, ir.Mul) and (split := norm_factors(e)) is not None:
+            parts = (split[0], *split[1])  # the norm as one value, shared with the norm alone
+        elif self.backend == "triton":
             if isinstance(e, ir.Mul):
                 from .gated_epilogue import fused_gate  # value * G(pre): generated gated kernels
 
@@ -405,7 +411,6 @@ class Emitter:
                 fused = self._nesterov_lookahead(e)
             if fused is not None:
                 return fused
-        parts = e.terms if isinstance(e, ir.Add) else e.factors
         op = " + " if isinstance(e, ir.Add) else " * "
         vals = [self.emit(p) for p in parts]
         unit = "0.0" if isinstance(e, ir.Add) else "1.0"
@@ -418,6 +423,14 @@ class Emitter:
         rank = len(e.shape)
         code = op.join(self.align(v, axes, rank) for v in vals)
         return self.tmp(code, axes, rank)
+
+    def _norm(self, norm: Norm) -> Val:
+        """An rmsnorm or layernorm (`norms.py`) as torch's fused op over the vector's last axis."""
+        x = self.emit(norm.x)
+        n = self._dim(norm.x.shape[0])
+        self.count_flops(2 * self.shape_size(norm.x.shape[0]) * self._axes_flops(set(x.axes)))  # y·y, as before
+        return self.tmp(f"F.{norm.function}({x.code}, ({n},), eps={norm.eps!r})", x.axes, x.rank,
+                        norm.function.replace("_", ""))
 
     def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
         """state + c * velocity (nag's look-ahead point, c a scalar such as -beta) with both full token

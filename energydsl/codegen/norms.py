@@ -1,0 +1,89 @@
+"""RMSNorm and LayerNorm found in a derived expression, so the generated code calls torch's fused norms.
+
+`rmsnorm(x)` and `layernorm(x)` reach the IR expanded (`semantics_expr.py`), so that the derivation sees
+through them: (1/n y·y + ε)^(-1/2) y, with y = x, or y = x − mean(x) 1 for layernorm. Printed node by node that
+is five to seven eager ops forward and twice as many backward, each a pass over (batch, seq, n) that autograd
+keeps for the backward. `F.rms_norm` / `F.layer_norm` compute the same values in one op each way, saving
+only the row statistics. A `via` norm runs once per optimizer step, so in CEM's and NRGPT's layers this is
+the step's largest chain of element-wise passes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import sympy as sp
+
+from .. import ir
+from ..ir import Expr
+
+
+class Norm(NamedTuple):
+    function: str  # "rms_norm" or "layer_norm" (torch.nn.functional)
+    x: Expr  # the vector normalised (before centring, for layer_norm)
+    eps: float
+
+
+def norm_form(e: ir.Mul) -> Norm | None:
+    """The norm `e` computes, when it is (1/n y·y + ε)^(-1/2) y for a vector y of n entries."""
+    if len(e.factors) != 2:
+        return None
+    for scale, y in (e.factors, e.factors[::-1]):
+        eps = _inverse_root_of_mean_square(scale, y)
+        if eps is None:
+            continue
+        x = _centred(y)
+        return Norm("rms_norm", y, eps) if x is None else Norm("layer_norm", x, eps)
+    return None
+
+
+def norm_factors(e: ir.Mul) -> tuple[ir.Mul, tuple[Expr, ...]] | None:
+    """(the norm's two factors as a product of their own, the other factors) when two of e's three or more
+    factors are a norm: `g * rmsnorm(x)` reaches the IR as one product g (1/n x·x + ε)^(-1/2) x. The pair
+    is built as `rmsnorm` builds it, so it is the same expression (and printed value) as the norm alone."""
+    if len(e.factors) < 3:
+        return None
+    for i, scale in enumerate(e.factors):
+        for j, y in enumerate(e.factors):
+            if i != j and _inverse_root_of_mean_square(scale, y) is not None:
+                return ir.mul(scale, y), tuple(f for n, f in enumerate(e.factors) if n not in (i, j))
+    return None
+
+
+def _inverse_root_of_mean_square(scale: Expr, y: Expr) -> float | None:
+    """ε when `scale` is (1/n y·y + ε)^(-1/2) for y's n entries and a constant ε > 0."""
+    if not (isinstance(scale, ir.Pow) and scale.exponent == sp.Rational(-1, 2) and isinstance(scale.base, ir.Add)
+            and len(scale.base.terms) == 2 and len(y.shape) == 1):
+        return None
+    for mean_square, eps in (scale.base.terms, scale.base.terms[::-1]):
+        if not (isinstance(eps, ir.Scalar) and eps.value.is_number and eps.value > 0):
+            continue
+        dot = _scaled(mean_square, ir.Dot, 1 / y.shape[0])
+        if dot is not None and dot.a == y and dot.b == y:
+            return float(eps.value)
+    return None
+
+
+def _centred(y: Expr) -> Expr | None:
+    """x when y is x − (1/n) Σ x · 1 (layernorm's centring), else None."""
+    if not (isinstance(y, ir.Add) and len(y.terms) == 2):
+        return None
+    for x, mean in (y.terms, y.terms[::-1]):
+        if not (isinstance(mean, ir.Mul) and len(mean.factors) == 3 and len(x.shape) == 1):
+            continue
+        ones = [f for f in mean.factors if isinstance(f, ir.Ones)]
+        rest = [f for f in mean.factors if not isinstance(f, ir.Ones)]
+        total = _scaled(ir.Mul(tuple(rest)), ir.SumAll, -1 / x.shape[0])
+        if len(ones) == 1 and ones[0].shape == x.shape and total is not None and total.a == x:
+            return x
+    return None
+
+
+def _scaled(e: Expr, kind: type, coefficient: sp.Expr) -> Expr | None:
+    """The node when `e` is c · node for the given constant c and a node of `kind`, else None."""
+    if not (isinstance(e, ir.Mul) and len(e.factors) == 2):
+        return None
+    for c, node in (e.factors, e.factors[::-1]):
+        if isinstance(c, ir.Scalar) and isinstance(node, kind) and sp.simplify(c.value - coefficient) == 0:
+            return node
+    return None

@@ -1,0 +1,94 @@
+"""rmsnorm and layernorm in generated code (`energydsl/codegen/norms.py`): found in the expanded IR, printed as
+torch's fused ops, equal to the interpreter in float64 forward and differentiable as the chain was."""
+
+import re
+
+import pytest
+import sympy as sp
+import torch
+
+import energydsl
+from energydsl import ir
+from energydsl.codegen import energy_source, module_class
+from energydsl.codegen.norms import Norm, norm_factors, norm_form
+from energydsl.instance import instance_from_params, run_program
+
+d = sp.Symbol("d")
+X = ir.Var("x", "state", (d,))
+Y = ir.Var("y", "state", (d,))
+EPS = ir.Scalar(sp.Rational(1, 10**6))
+
+
+def _rms(y: ir.Expr, coefficient=1 / d, eps: ir.Expr = EPS, exponent=sp.Rational(-1, 2), times: ir.Expr | None = None):
+    """(c y·y + eps)^exponent * times, built as semantics_expr builds rmsnorm (times = y there)."""
+    scale = ir.power(ir.add(ir.mul(ir.Scalar(coefficient), ir.dot(y, y)), eps), exponent)
+    return ir.mul(scale, y if times is None else times)
+
+
+def _centred(x: ir.Expr, coefficient=1 / d) -> ir.Expr:
+    return ir.add_broadcast(x, ir.neg(ir.mul(ir.Scalar(coefficient), ir.sum_all(x))))
+
+
+def test_the_expanded_norms_are_found() -> None:
+    assert norm_form(_rms(X)) == Norm("rms_norm", X, 1e-6)
+    assert norm_form(_rms(_centred(X))) == Norm("layer_norm", X, 1e-6)
+    assert norm_form(_rms(X, eps=ir.Scalar(sp.Rational(1, 10**5)))).eps == 1e-5
+
+
+def test_a_norm_among_other_factors_is_one_value() -> None:
+    """`g * rmsnorm(x)` reaches the IR as one flat product; the norm's pair comes out as the norm alone is built,
+    so both print as one shared F.rms_norm."""
+    g = ir.Var("g", "param", (d,))
+    product = ir.mul(g, _rms(X))
+    assert isinstance(product, ir.Mul) and len(product.factors) == 3
+    assert norm_factors(product) == (_rms(X), (g,))
+    assert norm_factors(ir.mul(g, _rms(X, times=Y))) is None
+    assert norm_factors(_rms(X)) is None  # the norm alone is norm_form's
+
+
+HALF_CENTRED = _centred(X, coefficient=1 / (2 * d))
+
+
+@pytest.mark.parametrize("expr,want", [
+    (_rms(X, times=Y), None),  # normalises x but multiplies y
+    (_rms(X, coefficient=1 / (2 * d)), None),  # not the mean square
+    (_rms(X, exponent=sp.Rational(-1, 3)), None),
+    (_rms(X, eps=ir.Var("eps", "param", ())), None),  # a learned epsilon: not a constant torch takes
+    (_rms(HALF_CENTRED), Norm("rms_norm", HALF_CENTRED, 1e-6)),  # an RMS norm of y, not x layer-normed
+], ids=["other-vector", "coefficient", "exponent", "learned-eps", "half-centred"])
+def test_look_alikes_are_not_taken_for_norms(expr: ir.Expr, want: Norm | None) -> None:
+    assert isinstance(expr, ir.Mul) and norm_form(expr) == want
+
+
+NORMED = [
+    ("examples/cem/steps2.energy", "CEMAttentionSteps2", "rms_norm", 1),  # the `via` norm, in the steps loop
+    ("examples/models/cem.energy", "CEMAttention", "rms_norm", 2),  # and the context's `let hn[j] = rmsnorm(h[j])`
+    ("examples/nrgpt/ff1.energy", "NRGPTFF1", "layer_norm", 1),
+]
+IDS = [name for _, name, _, _ in NORMED]
+
+
+@pytest.mark.parametrize("path,name,function,count", NORMED, ids=IDS)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_generated_norms_are_torchs_fused_ops(path: str, name: str, function: str, count: int,
+                                               backend: str) -> None:
+    """The forward calls F.rms_norm / F.layer_norm where the chain (a dot, a scale, + eps, ** -0.5, a product)
+    was printed."""
+    forward = energy_source(energydsl.load(path).energy(name), backend).split("def forward", 1)[1]
+    assert len(re.findall(rf"F\.{function}\(", forward)) == count, forward
+    assert "** -0.5" not in forward, forward
+
+
+@pytest.mark.parametrize("path,name,function,count", NORMED, ids=IDS)
+def test_generated_norms_compute_the_derived_values(path: str, name: str, function: str, count: int) -> None:
+    """Forward values equal the interpreter's in float64; gradients pass gradcheck."""
+    derived = energydsl.load(path).energy(name)
+    module = module_class(derived, "torch")().double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = module.example_input(2, 5).double()
+    raw = dict(list(module.named_parameters()) + list(module.named_buffers()))
+    want = run_program(derived.program, instance_from_params(derived.program, raw, x))
+    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
