@@ -92,3 +92,30 @@ def test_generated_norms_compute_the_derived_values(path: str, name: str, functi
     want = run_program(derived.program, instance_from_params(derived.program, raw, x))
     torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
     assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
+
+
+NORM_GATE = """
+energy NormGate(d = 8) {
+  state   x[d] via u = rmsnorm(x)
+  param   W[d, d] ~ normal(0, 0.02)
+  global  F = -sum(u * softplus(W @ u))
+  optimizer gd(eta = 1) wrt u
+}
+"""
+
+
+def test_a_norm_inside_a_gated_product_is_the_gates_value(tmp_path) -> None:
+    """`u ∘ sigmoid(W u)` with u = rmsnorm(x) reaches the IR as one product of three factors; on the triton
+    backend the norm is the fused gate's value, computed once with the norm the projection reads."""
+    spec = tmp_path / "norm-gate.energy"
+    spec.write_text(NORM_GATE)
+    derived = energydsl.load(spec).energy()
+    forward = energy_source(derived, "triton").split("def forward", 1)[1]
+    normed = re.findall(r"(t\d+) = F\.rms_norm\(x_", forward)
+    assert len(normed) == 1, forward
+    assert re.search(rf"gated_activation\(t\d+, {normed[0]}, 'sigmoid'\)", forward), forward
+    module = module_class(derived, "torch")().double()
+    x = module.example_input(2, 5).double()
+    raw = dict(list(module.named_parameters()) + list(module.named_buffers()))
+    want = run_program(derived.program, instance_from_params(derived.program, raw, x))
+    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)

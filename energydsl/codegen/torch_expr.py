@@ -397,12 +397,12 @@ class Emitter:
         return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
-        parts = e.terms if isinstance(e, ir.Add) else e.factors
-        if isinstance(e, ir.Mul) and (norm := norm_form(e)) is not None:
-            return self._norm(norm)
-        if isinstance(e, ir.Mul) and (split := norm_factors(e)) is not None:
-            parts = (split[0], *split[1])  # the norm as one value, shared with the norm alone
-        elif self.backend == "triton":
+        if isinstance(e, ir.Mul):
+            if (norm := norm_form(e)) is not None:
+                return self._norm(norm)
+            if (split := norm_factors(e)) is not None:
+                e = ir.Mul((split[0], *split[1]))  # the norm one factor, the same value as the norm alone
+        if self.backend == "triton":
             if isinstance(e, ir.Mul):
                 from .gated_epilogue import fused_gate  # value * G(pre): generated gated kernels
 
@@ -411,6 +411,7 @@ class Emitter:
                 fused = self._nesterov_lookahead(e)
             if fused is not None:
                 return fused
+        parts = e.terms if isinstance(e, ir.Add) else e.factors
         op = " + " if isinstance(e, ir.Add) else " * "
         vals = [self.emit(p) for p in parts]
         unit = "0.0" if isinstance(e, ir.Add) else "1.0"
