@@ -10,7 +10,7 @@ import torch
 import energydsl
 from energydsl import ir
 from energydsl.codegen import energy_source, module_class
-from energydsl.codegen.norms import Norm, norm_factors, norm_form
+from energydsl.codegen.norms import Norm, affine_norm, norm_factors, norm_form
 from energydsl.instance import instance_from_params, run_program
 
 d = sp.Symbol("d")
@@ -46,6 +46,26 @@ def test_a_norm_among_other_factors_is_one_value() -> None:
     assert norm_factors(_rms(X)) is None  # the norm alone is norm_form's
 
 
+DELTA = ir.Var("delta", "param", (d,))
+GAMMA = ir.Scalar(sp.Symbol("gamma"))  # a learned scalar reaches the IR as a symbol
+
+
+def test_a_norms_gain_and_bias_go_into_the_fused_op() -> None:
+    """`layernorm(x) + delta` and `gamma * layernorm(x) + delta` (NRGPT's and the Energy Transformer's state
+    maps) are one F.layer_norm with a bias and a weight; other terms of the sum stay apart."""
+    ln = _rms(_centred(X))
+    plain = Norm("layer_norm", X, 1e-6)
+    assert affine_norm(ir.add(ln, DELTA)) == (plain._replace(bias=DELTA), (ln, DELTA), ())
+    gained = ir.mul(GAMMA, ln)
+    found, taken, rest = affine_norm(ir.add(gained, DELTA, Y))
+    assert found == plain._replace(weight=GAMMA, bias=DELTA) and set(taken) == {gained, DELTA} and rest == (Y,)
+    assert affine_norm(ir.add(_rms(X), DELTA)) is None  # rms_norm takes no bias
+    assert affine_norm(ir.add(_rms(X), Y)) is None
+    assert affine_norm(ir.add(ln, Y)) is None  # a token's own vector is no bias
+    assert affine_norm(ir.add(ln, ir.mul(ir.Scalar(2), ir.Ones((d,))))) is None  # constants stay apart
+    assert affine_norm(ir.add(ir.mul(ir.func("exp", Y), ln), DELTA)) is None  # a per-token gain: not affine
+
+
 HALF_CENTRED = _centred(X, coefficient=1 / (2 * d))
 
 
@@ -77,6 +97,30 @@ def test_generated_norms_are_torchs_fused_ops(path: str, name: str, function: st
     forward = energy_source(energydsl.load(path).energy(name), backend).split("def forward", 1)[1]
     assert len(re.findall(rf"F\.{function}\(", forward)) == count, forward
     assert "** -0.5" not in forward, forward
+
+
+@pytest.mark.parametrize("path,name,weight", [
+    ("examples/nrgpt/attention.energy", "NRGPTAttention", False),
+    ("examples/hopfield/energy-transformer.energy", "EnergyTransformer", True),
+])
+def test_generated_norms_take_their_gain_and_bias(path: str, name: str, weight: bool) -> None:
+    """The state's and the context's `[gamma *] layernorm(.) + delta` are each one F.layer_norm: no separate
+    scale or addition of delta; values equal the interpreter's."""
+    derived = energydsl.load(path).energy(name)
+    forward = energy_source(derived, "torch").split("def forward", 1)[1]
+    calls = re.findall(r"F\.layer_norm\((\w+), \(\d+,\), (.*), eps=1e-06\)", forward)
+    assert {x for x, _ in calls} == {"h", "x_"}, forward
+    assert all(args.endswith("bias=delta_") and args.startswith("weight=") == weight for _, args in calls), forward
+    assert "delta_[None, None]" not in forward, forward
+    module = module_class(derived, "torch")().double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = module.example_input(2, 5).double()
+    raw = dict(list(module.named_parameters()) + list(module.named_buffers()))
+    want = run_program(derived.program, instance_from_params(derived.program, raw, x))
+    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
 
 
 @pytest.mark.parametrize("path,name,function,count", NORMED, ids=IDS)

@@ -22,6 +22,8 @@ class Norm(NamedTuple):
     function: str  # "rms_norm" or "layer_norm" (torch.nn.functional)
     x: Expr  # the vector normalised (before centring, for layer_norm)
     eps: float
+    weight: Expr | None = None  # a gain the same for every token (built from parameters), or none
+    bias: Expr | None = None  # likewise an added vector (layer_norm only: rms_norm takes no bias)
 
 
 def norm_form(e: ir.Mul) -> Norm | None:
@@ -35,6 +37,54 @@ def norm_form(e: ir.Mul) -> Norm | None:
         x = _centred(y)
         return Norm("rms_norm", y, eps) if x is None else Norm("layer_norm", x, eps)
     return None
+
+
+def affine_norm(e: ir.Add) -> tuple[Norm, tuple[Expr, ...], tuple[Expr, ...]] | None:
+    """(the norm with its gain and bias, the terms of e it takes, e's other terms) when e adds up
+    norm(x) ∘ g + b with g or b (or both) the same for every token: NRGPT's and the Energy Transformer's
+    `layernorm(x) + delta`, `gamma * layernorm(x) + delta`, one `F.layer_norm(x, weight=g, bias=b)`."""
+    for i, term in enumerate(e.terms):
+        norm, gain = _norm_and_gain(term)
+        if norm is None:
+            continue
+        n = norm.x.shape[0]
+        j = next((j for j, b in enumerate(e.terms)
+                  if j != i and norm.function == "layer_norm" and _per_feature(b, n)), None)
+        if gain is None and j is None:
+            continue
+        taken = (i,) if j is None else (i, j)
+        bias = None if j is None else e.terms[j]
+        return (norm._replace(weight=gain, bias=bias), tuple(e.terms[k] for k in taken),
+                tuple(t for k, t in enumerate(e.terms) if k not in taken))
+    return None
+
+
+def _norm_and_gain(term: Expr) -> tuple[Norm | None, Expr | None]:
+    """(the norm, its gain) when `term` is a norm times a factor the same for every token; (norm, None) for
+    a norm alone; (None, None) otherwise."""
+    if not isinstance(term, ir.Mul):
+        return None, None
+    if (norm := norm_form(term)) is not None:
+        return norm, None
+    split = norm_factors(term)
+    if split is None or len(split[1]) != 1:
+        return None, None
+    norm = norm_form(split[0])
+    return (norm, split[1][0]) if norm is not None and _per_feature(split[1][0], norm.x.shape[0]) else (None, None)
+
+
+def _per_feature(e: Expr, n: sp.Expr) -> bool:
+    """Whether `e` is a vector of n entries or a scalar that is the same for every token: built from
+    parameters (at least one, a tensor or a learned scalar: a plain number stays a product or sum of its own)
+    and constants only."""
+    if e.shape not in ((), (n,)) or e.free:
+        return False
+    nodes = list(ir.walk(e))
+    if not any(isinstance(v, ir.Var) and v.role == "param" or isinstance(v, ir.Scalar) and v.value.free_symbols
+               for v in nodes):
+        return False
+    return all(isinstance(v, (ir.Var, ir.Scalar, ir.Add, ir.Mul, ir.Pow, ir.Func, ir.Ones))
+               and (not isinstance(v, ir.Var) or v.role == "param") for v in nodes)
 
 
 def norm_factors(e: ir.Mul) -> tuple[ir.Mul, tuple[Expr, ...]] | None:

@@ -30,7 +30,7 @@ import sympy as sp
 from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
-from .norms import Norm, norm_factors, norm_form
+from .norms import Norm, affine_norm, norm_factors, norm_form
 from .triton_source import KernelRequest
 
 BATCH, POS = "@b", "@i"
@@ -397,6 +397,11 @@ class Emitter:
         return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
+        if isinstance(e, ir.Add) and (affine := affine_norm(e)) is not None:
+            norm, taken, rest = affine
+            if not rest:
+                return self._norm(norm)
+            e = ir.Add((ir.Add(taken) if len(taken) > 1 else taken[0], *rest))  # the norm one term of e
         if isinstance(e, ir.Mul):
             if (norm := norm_form(e)) is not None:
                 return self._norm(norm)
@@ -430,7 +435,13 @@ class Emitter:
         x = self.emit(norm.x)
         n = self._dim(norm.x.shape[0])
         self.count_flops(2 * self.shape_size(norm.x.shape[0]) * self._axes_flops(set(x.axes)))  # y·y, as before
-        return self.tmp(f"F.{norm.function}({x.code}, ({n},), eps={norm.eps!r})", x.axes, x.rank,
+        args = [x.code, f"({n},)"]
+        for name, part in (("weight", norm.weight), ("bias", norm.bias)):
+            if part is not None:
+                v = self.emit(part)  # a vector of n, or a scalar (a tensor or a number) spread over the n features
+                scalar = f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)"
+                args.append(f"{name}={v.code}" if v.rank == 1 else f"{name}={scalar}.expand({n})")
+        return self.tmp(f"F.{norm.function}({', '.join(args)}, eps={norm.eps!r})", x.axes, x.rank,
                         norm.function.replace("_", ""))
 
     def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
