@@ -6,16 +6,19 @@ import glob
 import re
 
 import pytest
+import sympy as sp
 import torch
 import torch.nn.functional as F
 from conftest import WEIGHTED_SUMS, largest_tensor_made
 
 import energydsl
+from energydsl import ir
 from energydsl.codegen import energy_source, module_class
 from energydsl.codegen.hoist import hoist_invariants
 from energydsl.codegen.projections import COMMENT as PROJECTIONS_COMMENT
 from energydsl.codegen.projections import fuse_projections
 from energydsl.codegen.torch_module import module_source
+from energydsl.codegen.weight_products import weights_first
 from energydsl.instance import instance_from_params, run_program
 from energydsl.kernels.linear_ref import linear_attention_recurrent_ref
 from energydsl.runtime.ops import (
@@ -533,6 +536,7 @@ class _TokenScalings(_Products):
     ("examples/intrinsic-optimizers/mha.energy", "MHA", 2, 0),  # η / heads = 0.5 scales Wo
     ("examples/cem/dplr.energy", None, 3, 0),  # the -1 of x - η D scales the head-merged map
     ("tests/data/element-wise-gates.energy", "NewtonSilu", 4, 2),  # -1.5 (W a) stays: W a is used again
+    ("examples/hopfield/energy-transformer.energy", None, 4, 0),  # -α (Σ_k W_k a_k + Ξᵀ b): α scales both
 ])
 def test_scalars_multiply_weights_not_tokens(path: str, name: str | None, products: int, scalings: int) -> None:
     """A scalar times a product of weights and a token vector, `s (M v)` or `s Σ_k M_k v_k`, scales M: no
@@ -566,3 +570,17 @@ def test_a_product_used_elsewhere_is_not_counted_as_saved() -> None:
     derived = energydsl.load("tests/data/element-wise-gates.energy").energy("NewtonSilu")
     forward = energy_source(derived, "torch").split("def forward", 1)[1]
     assert "torch.einsum('MN,NP->MP'" not in forward, forward
+
+
+def test_a_scalar_scales_each_weight_of_a_sum_unless_a_term_is_used_elsewhere() -> None:
+    """`s (M a + N b)` becomes `(s M) a + (s N) b`; with `M a` also used elsewhere (here inside an exp) it stays,
+    as `M a` would otherwise be computed twice, scaled and not."""
+    d = sp.Symbol("d")
+    M, N = ir.Var("M", "param", (d, d)), ir.Var("N", "param", (d, d))
+    a, b = ir.Var("a", "state", (d,)), ir.Var("b", "state", (d,))
+    s = ir.Scalar(sp.Rational(-1, 8))
+    scaled = ir.mul(s, ir.add(ir.matmul(M, a), ir.matmul(N, b)))
+    want = ir.Add((ir.MatMul(ir.Mul((s, M)), a), ir.MatMul(ir.Mul((s, N)), b)))
+    assert weights_first(scaled, lambda _: 8, frozenset()) == want
+    shared = ir.add(scaled, ir.func("exp", ir.matmul(M, a)))
+    assert weights_first(shared, lambda _: 8, frozenset()) == shared

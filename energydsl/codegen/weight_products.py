@@ -91,11 +91,13 @@ def _map_out_of_context_sum(e: Expr, size: Callable[[sp.Expr], int]) -> Expr | N
 
 
 def _scalars_into_weights(e: Expr, original: Expr, context: frozenset[str], uses: Counter) -> Expr | None:
-    """`s (M v)` as `(s M) v` and `s Σ_k M_k v_k` as `Σ_k (s M_k) v_k`, for scalars s and weights M the same
-    for every token, or None: the scalar then scales a matrix (once, hoisted out of a `steps` loop) instead of
-    every token's vector, forward and backward (the `0.5 *` of MHA's `η / heads`, the `-1.0 *` of `x - η D`).
-    Not where the product (or the sum) is used elsewhere in the update (`uses` counts `original`'s nodes, e
-    before its children were rewritten): that one would then be computed twice."""
+    """`s (M v)` as `(s M) v`, `s Σ_k M_k v_k` as `Σ_k (s M_k) v_k` and `s (M a + N b)` as
+    `(s M) a + (s N) b`, for scalars s and weights M, N the same for every token, or None: the scalar then
+    scales a matrix (once, hoisted out of a `steps` loop) instead of every token's vector, forward and backward
+    (the `0.5 *` of MHA's `η / heads`, the `-1.0 *` of `x - η D`, the Energy Transformer's step on the sum of
+    its two forces). Not where the product (or the sum, or a term of it) is used elsewhere in the update
+    (`uses` counts `original`'s nodes, e before its children were rewritten): that one would then be computed
+    twice."""
     if not isinstance(e, ir.Mul):
         return None
 
@@ -105,14 +107,29 @@ def _scalars_into_weights(e: Expr, original: Expr, context: frozenset[str], uses
     scalars, rest = [f for f in e.factors if scalar(f)], [f for f in e.factors if not scalar(f)]
     if not scalars or len(rest) != 1:
         return None
-    target = rest[0]
+    target, before = rest[0], next(f for f in original.factors if not scalar(f))
+    if uses[before] > 1:
+        return None
+    if isinstance(target, ir.Add):  # s (M a + N b): each product scaled, (s M) a + (s N) b
+        if not isinstance(before, ir.Add) or any(uses[t] > 1 for t in before.terms):
+            return None
+        terms = [_scaled_product(t, b, scalars, context, uses) for t, b in zip(target.terms, before.terms,
+                                                                               strict=True)]
+        return None if None in terms else ir.Add(tuple(terms))
+    return _scaled_product(target, before, scalars, context, uses)
+
+
+def _scaled_product(target: Expr, before: Expr, scalars: list[Expr], context: frozenset[str],
+                    uses: Counter) -> Expr | None:
+    """`M v` as `(s M) v`, or `Σ_k M_k v_k` as `Σ_k (s M_k) v_k`, for the product s of `scalars`; None unless
+    M is a matrix the same for every token and v a token's vector, or where the sum's product (`before`,
+    as in the update before its children were rewritten) is used elsewhere."""
     summed = isinstance(target, ir.Reduce) and target.op == "sum" and target.index not in context
     product = target.body if summed else target
     if not (isinstance(product, ir.MatMul) and len(product.a.shape) == 2 and _token_free(product.a)
             and not _token_free(product.b)):
         return None
-    before = next(f for f in original.factors if not scalar(f))
-    if uses[before] > 1 or (isinstance(before, ir.Reduce) and uses[before.body] > 1):
+    if isinstance(before, ir.Reduce) and uses[before.body] > 1:
         return None
     scaled = ir.MatMul(ir.Mul((*scalars, product.a)), product.b)
     return ir.Reduce("sum", target.index, scaled) if summed else scaled
