@@ -9,6 +9,7 @@ import torch
 
 import energydsl
 from energydsl import ir
+from energydsl.api import Derived
 from energydsl.codegen import energy_source, module_class
 from energydsl.codegen.norms import Norm, affine_norm, norm_factors, norm_form
 from energydsl.instance import instance_from_params, run_program
@@ -112,30 +113,14 @@ def test_generated_norms_take_their_gain_and_bias(path: str, name: str, weight: 
     assert {x for x, _ in calls} == {"h", "x_"}, forward
     assert all(args.endswith("bias=delta_") and args.startswith("weight=") == weight for _, args in calls), forward
     assert "delta_[None, None]" not in forward, forward
-    module = module_class(derived, "torch")().double()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    x = module.example_input(2, 5).double()
-    raw = dict(list(module.named_parameters()) + list(module.named_buffers()))
-    want = run_program(derived.program, instance_from_params(derived.program, raw, x))
-    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
-    assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
+    _matches_interpreter(derived)
 
 
 @pytest.mark.parametrize("path,name,function,count", NORMED, ids=IDS)
 def test_generated_norms_compute_the_derived_values(path: str, name: str, function: str, count: int) -> None:
     """Forward values equal the interpreter's in float64; gradients pass gradcheck."""
     derived = energydsl.load(path).energy(name)
-    module = module_class(derived, "torch")().double()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.3 * torch.randn_like(p))
-    x = module.example_input(2, 5).double()
-    raw = dict(list(module.named_parameters()) + list(module.named_buffers()))
-    want = run_program(derived.program, instance_from_params(derived.program, raw, x))
-    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
-    assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
+    _matches_interpreter(derived)
 
 
 NORM_GATE = """
@@ -150,7 +135,8 @@ energy NormGate(d = 8) {
 
 def test_a_norm_inside_a_gated_product_is_the_gates_value(tmp_path) -> None:
     """`u ∘ sigmoid(W u)` with u = rmsnorm(x) reaches the IR as one product of three factors; on the triton
-    backend the norm is the fused gate's value, computed once with the norm the projection reads."""
+    backend the norm is the fused gate's value, computed once with the norm the projection reads. Values
+    equal the interpreter's."""
     spec = tmp_path / "norm-gate.energy"
     spec.write_text(NORM_GATE)
     derived = energydsl.load(spec).energy()
@@ -158,8 +144,18 @@ def test_a_norm_inside_a_gated_product_is_the_gates_value(tmp_path) -> None:
     normed = re.findall(r"(t\d+) = F\.rms_norm\(x_", forward)
     assert len(normed) == 1, forward
     assert re.search(rf"gated_activation\(t\d+, {normed[0]}, 'sigmoid'\)", forward), forward
+    _matches_interpreter(derived)
+
+
+def _matches_interpreter(derived: Derived) -> None:
+    """The torch backend's module, weights moved off their init, against the interpreter in float64 (1e-10);
+    its gradients against finite differences (gradcheck)."""
     module = module_class(derived, "torch")().double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
     x = module.example_input(2, 5).double()
     raw = dict(list(module.named_parameters()) + list(module.named_buffers()))
     want = run_program(derived.program, instance_from_params(derived.program, raw, x))
     torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
