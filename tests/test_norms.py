@@ -61,6 +61,7 @@ def test_a_norms_gain_and_bias_go_into_the_fused_op() -> None:
     found, taken, rest = affine_norm(ir.add(gained, DELTA, Y))
     assert found == plain._replace(weight=GAMMA, bias=DELTA) and set(taken) == {gained, DELTA} and rest == (Y,)
     assert affine_norm(ir.add(_rms(X), DELTA)) is None  # rms_norm takes no bias
+    assert affine_norm(ir.add(gained, Y)) is None  # a gain alone stays a product (the norm may be shared)
     assert affine_norm(ir.add(_rms(X), Y)) is None
     assert affine_norm(ir.add(ln, Y)) is None  # a token's own vector is no bias
     assert affine_norm(ir.add(ln, ir.mul(ir.Scalar(2), ir.Ones((d,))))) is None  # constants stay apart

@@ -40,22 +40,20 @@ def norm_form(e: ir.Mul) -> Norm | None:
 
 
 def affine_norm(e: ir.Add) -> tuple[Norm, tuple[Expr, ...], tuple[Expr, ...]] | None:
-    """(the norm with its gain and bias, the terms of e it takes, e's other terms) when e adds up
-    norm(x) ∘ g + b with g or b (or both) the same for every token: NRGPT's and the Energy Transformer's
-    `layernorm(x) + delta`, `gamma * layernorm(x) + delta`, one `F.layer_norm(x, weight=g, bias=b)`."""
+    """(the norm with its gain and bias, the two terms of e it takes, e's other terms) when e adds up
+    layernorm(x) + b, or layernorm(x) ∘ g + b, with b and g the same for every token: NRGPT's and the Energy
+    Transformer's `layernorm(x) + delta`, `gamma * layernorm(x) + delta`, one `F.layer_norm(x, weight=g,
+    bias=b)`. A gain without a bias stays a product: the plain norm may be used elsewhere too (CEM's
+    `dg ∘ rmsnorm(x)` beside the query's `rmsnorm(x)`), and it is then computed once."""
     for i, term in enumerate(e.terms):
         norm, gain = _norm_and_gain(term)
-        if norm is None:
+        if norm is None or norm.function != "layer_norm":  # rms_norm takes no bias
             continue
-        n = norm.x.shape[0]
-        j = next((j for j, b in enumerate(e.terms)
-                  if j != i and norm.function == "layer_norm" and _per_feature(b, n)), None)
-        if gain is None and j is None:
+        j = next((j for j, b in enumerate(e.terms) if j != i and _per_feature(b, norm.x.shape[0])), None)
+        if j is None:
             continue
-        taken = (i,) if j is None else (i, j)
-        bias = None if j is None else e.terms[j]
-        return (norm._replace(weight=gain, bias=bias), tuple(e.terms[k] for k in taken),
-                tuple(t for k, t in enumerate(e.terms) if k not in taken))
+        return (norm._replace(weight=gain, bias=e.terms[j]), (e.terms[i], e.terms[j]),
+                tuple(t for k, t in enumerate(e.terms) if k not in (i, j)))
     return None
 
 

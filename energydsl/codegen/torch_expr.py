@@ -401,7 +401,7 @@ class Emitter:
             norm, taken, rest = affine
             if not rest:
                 return self._norm(norm)
-            e = ir.Add((ir.Add(taken) if len(taken) > 1 else taken[0], *rest))  # the norm one term of e
+            e = ir.Add((ir.Add(taken), *rest))  # the norm one term of e
         if isinstance(e, ir.Mul):
             if (norm := norm_form(e)) is not None:
                 return self._norm(norm)
