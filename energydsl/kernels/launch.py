@@ -115,7 +115,7 @@ def register_op(
 
     def call(*args: Any) -> Any:
         if not torch.is_grad_enabled():
-            return run(*args)  # no graph: the op alone
+            return run(*args)  # no graph: the op (or its body) alone, with nothing saved
         if torch.compiler.is_compiling():
             args = _distinct(args)
         return function.apply(*args)
