@@ -145,7 +145,7 @@ def mul(*factors: Expr) -> Expr:
     for s in shapes[1:]:
         if not same_shape(s, shapes[0]):
             raise ShapeError(f"element-wise product of shapes {fmt_shape(shapes[0])} and {fmt_shape(s)}")
-    flat = _cancel_reciprocals(flat)
+    flat = _drop_steps_under_relus(_cancel_reciprocals(flat))
     if shapes and len(flat) > 1:
         flat = [u for u in flat if not isinstance(u, Ones)] or flat  # ones times x is x
     if shapes and not any(u.shape for u in flat):
@@ -171,6 +171,13 @@ def _cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
         else:
             del out[partner], out[i]
     return out
+
+
+def _drop_steps_under_relus(flat: list[Expr]) -> list[Expr]:
+    """`relu(z) ∘ step(z)` as `relu(z)`, everywhere equal (0 at z <= 0): the chain rule writes it for the
+    gradient of `relu(z) . relu(z)` (the Energy Transformer's Hopfield term, a ReLU² MLP)."""
+    relu_args = {u.arg for u in flat if isinstance(u, Func) and u.name == "relu"}
+    return [u for u in flat if not (isinstance(u, Func) and u.name == "step" and u.arg in relu_args)]
 
 
 def neg(a: Expr) -> Expr:

@@ -509,3 +509,28 @@ def test_a_factor_times_its_reciprocal_cancels_and_stays_verified(body: str, wan
     a = Var("a", "param", (4,))
     assert mul(a, power(a, -1)) == Ones((4,)) and mul(power(a, 2), power(a, -2), a) == a
     assert mul(power(a, 2), power(a, -1)) != a  # other powers of one base stay apart (lowering matches them)
+
+
+def test_relu_times_its_step_is_the_relu_and_stays_verified() -> None:
+    """The chain rule writes `relu(z) ∘ step(z)` for the gradient of `½ relu(z)·relu(z)` (the Energy
+    Transformer's Hopfield term): it is `relu(z)` everywhere, so the gradient prints and computes that; every
+    check still holds. A step of another argument stays."""
+    from energydsl.codegen import energy_source, module_class
+    from energydsl.instance import instance_from_params
+    from energydsl.ir import Func, Var, mul
+
+    body = "state z[d]\n input h[d]\n param W[m, d]\n global F = 0.5 * relu(W @ z) . relu(W @ z) - h . z"
+    derived = load(spec_text(body, "gd(eta = 0.5)")).energy()
+    gradient = next(line for line in derived.equations("text").splitlines() if "gradient" in line)
+    assert gradient.strip().removeprefix("gradient").strip() == "∇_z F = Wᵀ relu(W z) − h"
+    assert all(r.ok for r in run_checks(derived.program)), run_checks(derived.program)
+    assert "> 0" not in energy_source(derived, "torch").split("def forward", 1)[1]
+    module = module_class(derived)().double()
+    x = module.example_input(2, 5).double()
+    torch.testing.assert_close(module(x), run_program(
+        derived.program, instance_from_params(derived.program, dict(module.named_parameters()), x)))
+
+    z, w = Var("z", "state", (4,)), Var("w", "state", (4,))
+    assert mul(Func("relu", z), Func("step", z)) == Func("relu", z)
+    assert mul(Func("step", z), z, Func("relu", z)) == mul(z, Func("relu", z))
+    assert len(mul(Func("relu", z), Func("step", w)).factors) == 2

@@ -584,3 +584,18 @@ def test_a_scalar_scales_each_weight_of_a_sum_unless_a_term_is_used_elsewhere() 
     assert weights_first(scaled, lambda _: 8, frozenset()) == want
     shared = ir.add(scaled, ir.func("exp", ir.matmul(M, a)))
     assert weights_first(shared, lambda _: 8, frozenset()) == shared
+
+
+def test_scalars_reaching_one_weight_twice_are_multiplied_out() -> None:
+    """`s (t (M a) + N b)`: t goes into M first, then s into both weights; `t M` scaled again is one product
+    `(s t) M`, not `s (t M)`: the Energy Transformer's weights were scaled by -1 and then by -α, two passes
+    over each weight where one does."""
+    d = sp.Symbol("d")
+    M, N = ir.Var("M", "param", (d, d)), ir.Var("N", "param", (d, d))
+    a, b = ir.Var("a", "state", (d,)), ir.Var("b", "state", (d,))
+    s, t = ir.Scalar(sp.Rational(-1, 8)), ir.Scalar(sp.Integer(-1))
+    e = ir.mul(s, ir.add(ir.mul(t, ir.matmul(M, a)), ir.matmul(N, b)))
+    want = ir.Add((ir.MatMul(ir.Mul((ir.Scalar(sp.Rational(1, 8)), M)), a), ir.MatMul(ir.Mul((s, N)), b)))
+    assert weights_first(e, lambda _: 8, frozenset()) == want
+    forward = energy_source(energydsl.load("examples/hopfield/energy-transformer.energy").energy(), "torch")
+    assert re.findall(r"= (-?[\d.]+) \* t\d+\n", forward.split("def forward", 1)[1]) == ["0.125", "0.125"]

@@ -101,18 +101,37 @@ def test_generated_norms_are_torchs_fused_ops(path: str, name: str, function: st
     assert "** -0.5" not in forward, forward
 
 
+NUMBER_GAIN = """
+energy NumberGain(d = 8) {
+  param   delta[d] ~ normal(0, 0.02)
+  state   x[d] via g = sqrt(d) * layernorm(x) + delta
+  param   W[d, d] ~ normal(0, 0.02)
+  global  F = -sum(softplus(W @ g))
+  optimizer gd(eta = 1) wrt g
+}
+"""
+
+
 @pytest.mark.parametrize("path,name,weight", [
-    ("examples/nrgpt/attention.energy", "NRGPTAttention", False),
-    ("examples/hopfield/energy-transformer.energy", "EnergyTransformer", True),
-])
-def test_generated_norms_take_their_gain_and_bias(path: str, name: str, weight: bool) -> None:
-    """The state's and the context's `[gamma *] layernorm(.) + delta` are each one F.layer_norm: no separate
+    ("examples/nrgpt/attention.energy", "NRGPTAttention", None),
+    # a learned scalar gain is a 0-d tensor already: spread over the features as it is
+    ("examples/hopfield/energy-transformer.energy", "EnergyTransformer", r"gamma\.expand\(8\)"),
+    # a number is made a tensor of the input's dtype and device first
+    (NUMBER_GAIN, "NumberGain", r"torch\.as_tensor\(2\.828\d*, dtype=(\w+)\.dtype, device=\1\.device\)\.expand\(8\)"),
+], ids=["bias", "learned-gain", "number-gain"])
+def test_generated_norms_take_their_gain_and_bias(path: str, name: str, weight: str | None, tmp_path) -> None:
+    """The state's (and the context's) `[gain *] layernorm(.) + delta` are each one F.layer_norm: no separate
     scale or addition of delta; values equal the interpreter's."""
+    if path.lstrip().startswith("energy"):
+        (tmp_path / "spec.energy").write_text(path)
+        path = tmp_path / "spec.energy"
     derived = energydsl.load(path).energy(name)
     forward = energy_source(derived, "torch").split("def forward", 1)[1]
     calls = re.findall(r"F\.layer_norm\((\w+), \(\d+,\), (.*), eps=1e-06\)", forward)
-    assert {x for x, _ in calls} == {"h", "x_"}, forward
-    assert all(args.endswith("bias=delta_") and args.startswith("weight=") == weight for _, args in calls), forward
+    assert {x for x, _ in calls} == ({"x_"} if name == "NumberGain" else {"h", "x_"}), forward
+    for _, args in calls:
+        assert args.endswith("bias=delta_"), forward
+        assert re.fullmatch(rf"weight={weight}, bias=delta_", args) if weight else args == "bias=delta_", forward
     assert "delta_[None, None]" not in forward, forward
     _matches_interpreter(derived)
 

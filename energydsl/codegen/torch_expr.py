@@ -439,10 +439,19 @@ class Emitter:
         for name, part in (("weight", norm.weight), ("bias", norm.bias)):
             if part is not None:
                 v = self.emit(part)  # a vector of n, or a scalar (a tensor or a number) spread over the n features
-                scalar = f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)"
-                args.append(f"{name}={v.code}" if v.rank == 1 else f"{name}={scalar}.expand({n})")
+                if v.rank == 0 and self._prints_as_number(part):
+                    v = Val(f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)", scalar=True)
+                args.append(f"{name}={v.code}" if v.rank == 1 else f"{name}={v.code}.expand({n})")
         return self.tmp(f"F.{norm.function}({', '.join(args)}, eps={norm.eps!r})", x.axes, x.rank,
                         norm.function.replace("_", ""))
+
+    def _prints_as_number(self, e: Expr) -> bool:
+        """e prints as a Python number: no tensor in it and no learned scalar (those print as locals)."""
+        def number(u: Expr) -> bool:
+            if isinstance(u, ir.Scalar):
+                return all(_is_number(self.scalars.get(s, "0")) for s in u.value.free_symbols)
+            return not isinstance(u, ir.Var)
+        return all(number(u) for u in ir.walk(e))
 
     def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
         """state + c * velocity (nag's look-ahead point, c a scalar such as -beta) with both full token

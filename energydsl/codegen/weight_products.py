@@ -59,7 +59,7 @@ def _linear_form(e: Expr) -> _Form | None:
             for w in (f for f in fixed if len(f.shape) == 1):  # w ⊙ (M v) = (w 1ᵀ ⊙ M) v: M's rows scaled
                 m = ir.Mul((ir.Outer(w, ir.Ones((m.shape[1],))), m))
             scalars = [f for f in fixed if not f.shape]
-            return (ir.Mul((*scalars, m)) if scalars else m), v, products
+            return (ir.mul(*scalars, m) if scalars else m), v, products
         case ir.Add(terms=terms):
             forms = [_linear_form(t) for t in terms]
             if any(f is None for f in forms) or len({f[1] for f in forms}) != 1:
@@ -131,7 +131,7 @@ def _scaled_product(target: Expr, before: Expr, scalars: list[Expr], context: fr
         return None
     if isinstance(before, ir.Reduce) and uses[before.body] > 1:
         return None
-    scaled = ir.MatMul(ir.Mul((*scalars, product.a)), product.b)
+    scaled = ir.MatMul(ir.mul(*scalars, product.a), product.b)  # constants multiplied out
     return ir.Reduce("sum", target.index, scaled) if summed else scaled
 
 
