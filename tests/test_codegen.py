@@ -599,3 +599,20 @@ def test_scalars_reaching_one_weight_twice_are_multiplied_out() -> None:
     assert weights_first(e, lambda _: 8, frozenset()) == want
     forward = energy_source(energydsl.load("examples/hopfield/energy-transformer.energy").energy(), "torch")
     assert re.findall(r"= (-?[\d.]+) \* t\d+\n", forward.split("def forward", 1)[1]) == ["0.125", "0.125"]
+
+
+def test_a_scalar_goes_into_a_sum_of_weights_whose_terms_carry_constants() -> None:
+    """`s ((t M + t N) a)` is `((s t) M + (s t) N) a`, no scaling of the sum (`-1 (-A - B - C)` in CEM DPLR's
+    preconditioner, four weight scalings before); with two terms bare, `s ((M + N) a)` keeps the one scaling."""
+    d = sp.Symbol("d")
+    M, N = ir.Var("M", "param", (d, d)), ir.Var("N", "param", (d, d))
+    a = ir.Var("a", "state", (d,))
+    s, t = ir.Scalar(sp.Symbol("eta")), ir.Scalar(sp.Integer(-1))
+    e = ir.mul(s, ir.matmul(ir.add(ir.mul(t, M), ir.mul(t, N)), a))
+    minus_eta = ir.Scalar(-sp.Symbol("eta"))
+    want = ir.MatMul(ir.Add((ir.Mul((minus_eta, M)), ir.Mul((minus_eta, N)))), a)
+    assert weights_first(e, lambda _: 8, frozenset()) == want
+    bare = ir.mul(s, ir.matmul(ir.add(M, N), a))
+    assert weights_first(bare, lambda _: 8, frozenset()) == ir.MatMul(ir.Mul((s, ir.add(M, N))), a)
+    forward = energy_source(energydsl.load("examples/cem/dplr.energy").energy(), "torch").split("def forward", 1)[1]
+    assert not re.search(r"= -?[\d.]+ \* t\d+", forward), forward

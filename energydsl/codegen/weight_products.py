@@ -59,7 +59,7 @@ def _linear_form(e: Expr) -> _Form | None:
             for w in (f for f in fixed if len(f.shape) == 1):  # w ⊙ (M v) = (w 1ᵀ ⊙ M) v: M's rows scaled
                 m = ir.Mul((ir.Outer(w, ir.Ones((m.shape[1],))), m))
             scalars = [f for f in fixed if not f.shape]
-            return (ir.mul(*scalars, m) if scalars else m), v, products
+            return _scaled_weight(scalars, m), v, products
         case ir.Add(terms=terms):
             forms = [_linear_form(t) for t in terms]
             if any(f is None for f in forms) or len({f[1] for f in forms}) != 1:
@@ -131,8 +131,21 @@ def _scaled_product(target: Expr, before: Expr, scalars: list[Expr], context: fr
         return None
     if isinstance(before, ir.Reduce) and uses[before.body] > 1:
         return None
-    scaled = ir.MatMul(ir.mul(*scalars, product.a), product.b)  # constants multiplied out
+    scaled = ir.MatMul(_scaled_weight(scalars, product.a), product.b)
     return ir.Reduce("sum", target.index, scaled) if summed else scaled
+
+
+def _scaled_weight(scalars: list[Expr], m: Expr) -> Expr:
+    """The weight `s m`, with constants multiplied out: `-1 (-0.125 M)` is `0.125 M`, and a sum of weights
+    whose terms carry constants of their own takes s into them (`-1 (-A - B - C)` is `A + B + C`: CEM DPLR's
+    preconditioner) where that scales no more terms than it saves."""
+    if not scalars:
+        return m
+    if isinstance(m, ir.Add) and all(isinstance(f, ir.Scalar) for f in scalars):
+        bare = sum(not (isinstance(t, ir.Mul) and isinstance(t.factors[0], ir.Scalar)) for t in m.terms)
+        if bare <= 1:
+            return ir.add(*(ir.mul(*scalars, t) for t in m.terms))
+    return ir.mul(*scalars, m)
 
 
 def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[str]) -> Expr:
