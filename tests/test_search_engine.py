@@ -542,3 +542,46 @@ def test_a_trial_that_trained_all_its_steps_is_complete_even_if_the_pruner_says_
     assert asked[-1] == 2 and math.isfinite(metrics["val_loss"])
     s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", steps=1), trials=8, pruner="asha", seed=0)
     assert s["pruned"] == 0 and s["finished"] == 8
+
+
+def _leaderboard_text(study: optuna.Study, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    from energydsl.search.display import print_leaderboard
+
+    out = io.StringIO()
+    print_leaderboard(study, console=Console(file=out, width=width, color_system=None))
+    return out.getvalue()
+
+
+def test_the_leaderboard_turns_rather_than_cut_names_in_a_narrow_terminal() -> None:
+    """In 80 columns the leaderboard (a row per trial) cut every parameter name to `Tiny…`: it now turns, a
+    row per parameter with its full name and a column per trial, as many trials as fit, the rest counted. A
+    wide terminal keeps a row per trial; the note (a duplicate's original) shows only where a trial has one."""
+    study = optuna.create_study(study_name="narrow")
+    study.set_user_attr("objectives", ["val_loss"])
+    names = ["TinyGPT.across.momentum.beta", "TinyGPT.blocks.attention.optimizer", "train.learning_rate"]
+    for n in range(12):
+        study.add_trial(optuna.trial.create_trial(
+            params={names[0]: 0.5 + n / 100, names[1]: ["gd", "momentum"][n % 2], names[2]: 1e-3 * (n + 1)},
+            distributions={names[0]: optuna.distributions.FloatDistribution(0, 1),
+                           names[1]: optuna.distributions.CategoricalDistribution(["gd", "momentum"]),
+                           names[2]: optuna.distributions.FloatDistribution(1e-4, 1)},
+            value=3.0 + n / 10, user_attrs={"duplicate_of": 0} if n == 5 else {}))
+    narrow = _leaderboard_text(study, 80)
+    assert "…" not in narrow and all(name in narrow for name in names), narrow
+    assert max(len(line) for line in narrow.splitlines()) <= 80, narrow
+    shown = re.findall(r"#(\d+)\b", narrow)
+    assert shown[0] == "0" and 2 <= len(shown) < 10, narrow  # best first; the trials that fit
+    assert f"{10 - len(shown)} more trial(s) in the report" in narrow, narrow
+    assert re.search(r"^│ val_loss ↓ +│ 3 +│ 3\.1 ", narrow, re.M), narrow
+
+    wide = _leaderboard_text(study, 300)
+    header = next(line for line in wide.splitlines() if "val_loss" in line)
+    assert all(name in header for name in names) and "note" in header, wide
+    assert re.search(r"│ +5 │ .*│ = #0 +│", wide), wide
+    study_without_notes = optuna.create_study(study_name="plain")
+    study_without_notes.add_trials([t for t in study.trials if t.number != 5])
+    assert "note" not in _leaderboard_text(study_without_notes, 300)

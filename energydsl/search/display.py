@@ -95,25 +95,60 @@ class LiveProgress:
                     return
 
 
-def leaderboard_table(study: optuna.Study, top: int = 10) -> Table:
-    """The top complete trials (Pareto front first with several objectives), their params and objectives."""
+def leaderboard_table(study: optuna.Study, top: int = 10, width: int | None = None) -> Table:
+    """The top complete trials (Pareto front first with several objectives), their params and objectives.
+
+    One row per trial; where that is wider than `width` (a terminal's columns), one row per objective or
+    parameter and one column per trial, as many trials as fit: full parameter names rather than `Tiny…`."""
     objectives = objectives_of(study)
     order = ranked(study)[:top]
     keys = sorted({k for t in order for k in t.params})
-    table = Table(title=f"{study.study_name}: top {len(order)} trials")
-    table.add_column("#", justify="right")
-    for name, direction in objectives:
-        table.add_column(f"{name} {'↓' if direction == 'minimize' else '↑'}", justify="right")
-    for k in keys:
-        table.add_column(k)
-    table.add_column("note")
     sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
     front = {t.number for t in pareto(order, sign)} if len(objectives) > 1 else set()
+    notes = {t.number: (("Pareto " if t.number in front else "")
+                        + (f"= #{t.user_attrs[DUPLICATE_OF]}" if DUPLICATE_OF in t.user_attrs else "")).strip()
+             for t in order}
+    heads = [f"{name} {'↓' if direction == 'minimize' else '↑'}" for name, direction in objectives] + keys
+    columns = {}  # trial number -> its cells, in the order of `heads`
     for t in order:
-        note = f"= #{t.user_attrs[DUPLICATE_OF]}" if DUPLICATE_OF in t.user_attrs else ""
-        note = ("Pareto " if t.number in front else "") + note
-        table.add_row(str(t.number), *(_fmt(v) for v in t.values), *(_fmt(t.params.get(k, "")) for k in keys),
-                      note)
+        columns[t.number] = [*(_fmt(v) for v in t.values), *(_fmt(t.params.get(k, "")) for k in keys)]
+    if any(notes.values()):  # Pareto membership, duplicates
+        heads.append("note")
+        for number, cells in columns.items():
+            cells.append(notes[number])
+    title = f"{study.study_name}: top {len(order)} trials"
+    table = Table(title=title)
+    table.add_column("#", justify="right")
+    for n, head in enumerate(heads):
+        table.add_column(head, justify="right" if n < len(objectives) else "left")
+    for number, cells in columns.items():
+        table.add_row(str(number), *cells)
+    if width is None or _natural_width(table) <= width:
+        return table
+    return _by_parameter(title, heads, columns, width)
+
+
+def _natural_width(table: Table) -> int:
+    return Console(width=10_000).measure(table).maximum
+
+
+def _by_parameter(title: str, heads: list[str], columns: dict[int, list[str]], width: int) -> Table:
+    """The leaderboard turned: a row per objective or parameter, a column per trial (best first), the trials
+    that fit in `width`, and a caption naming how many were left out."""
+    shown = []
+    used = max(len(h) for h in heads) + 4  # the names' column and the borders
+    for number, cells in columns.items():
+        used += max(len(str(number)) + 1, *(len(c) for c in cells)) + 3
+        if shown and used > width:
+            break
+        shown.append(number)
+    left = len(columns) - len(shown)
+    table = Table(title=title, caption=f"{left} more trial(s) in the report" if left else None)
+    table.add_column("")
+    for number in shown:
+        table.add_column(f"#{number}", overflow="fold")
+    for n, head in enumerate(heads):
+        table.add_row(head, *(columns[number][n] for number in shown))
     return table
 
 
@@ -133,7 +168,7 @@ def failures_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
 def print_leaderboard(study: optuna.Study, top: int = 10, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
     console.print()
-    console.print(leaderboard_table(study, top))
+    console.print(leaderboard_table(study, top, console.width))
     fails = failures_table(study.get_trials(deepcopy=False))
     if fails is not None:
         console.print(fails)
