@@ -154,6 +154,8 @@ def test_lowered_forms_equal_generic_form(path: str, tmp_path) -> None:
     (lambda m: m(torch.randn(2, 5, 16, dtype=torch.float64)), "MHA: x is torch.float64 but the parameters are"),
     (lambda m: m(torch.randn(2, 5, 16), context=torch.randn(2, 5, 16).double()), "MHA: context is torch.float64"),
     (lambda m: m(torch.zeros(2, 5, 16, dtype=torch.long)), "MHA: x must be floating point"),
+    (lambda m: m([[0.0] * 16]), "MHA: x must be a torch.Tensor, got list"),
+    (lambda m: m(torch.randn(2, 5, 16), context=[0.0]), "MHA: context must be a torch.Tensor, got list"),
 ])
 def test_a_generated_forward_names_what_is_wrong_with_its_inputs(call, message: str) -> None:
     module = energydsl.load("examples/intrinsic-optimizers/mha.energy").module(d=16, heads=2)
