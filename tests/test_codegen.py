@@ -618,3 +618,21 @@ def test_a_scalar_goes_into_a_sum_of_weights_whose_terms_carry_constants() -> No
     assert weights_first(bare, lambda _: 8, frozenset()) == ir.MatMul(ir.Mul((s, ir.add(M, N))), a)
     forward = energy_source(energydsl.load("examples/cem/dplr.energy").energy(), "torch").split("def forward", 1)[1]
     assert not re.search(r"= -?[\d.]+ \* t\d+", forward), forward
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("path,computed", [
+    ("examples/intrinsic-optimizers/nag-mha.energy", ["-1.0 * opt_beta", "-1.0 * opt_eta"]),  # two steps
+    ("examples/nrgpt/ff2w.energy", ["-1.0 * s_ff"]),  # one step, two uses
+])
+def test_a_scalar_computed_from_learned_ones_is_computed_once_before_the_steps(path: str, computed: list[str],
+                                                                                backend: str) -> None:
+    """`-1.0 * opt_eta` (the update's `x - η m` with a learned η) is one tensor op forward and one backward: it
+    is a local computed once, before the optimizer's loop, not at every step and use."""
+    forward = energy_source(energydsl.load(path).energy(), backend).split("def forward", 1)[1]
+    loop = forward.split("for step in range", 1)[1] if "for step in range" in forward else ""
+    for expr in computed:
+        assert len(re.findall(re.escape(expr), forward)) == 1, forward
+        name = re.search(rf"^ *(t\d+) = \({re.escape(expr)}\)$", forward, re.M).group(1)
+        uses = len(re.findall(rf"\b{name}\b", forward)) - 1
+        assert expr not in loop and uses >= (1 if loop else 2), forward  # in the loop, or twice in one step

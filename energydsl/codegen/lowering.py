@@ -76,7 +76,7 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
             wide = max(sc.width, dv) > MAX_HEAD_DIM
             out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0], wide)
             return _unflat(em, _apply_maps(em, maps, out), e.shape)
-    scale_src = sympy_src(sc.scale, em.scalars)
+    scale_src = em.scalar(sc.scale)
     bias = _score_bias(em, sc, heads, j) or "None"
     qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j), (v, j)))
     from .second_order import canonical_softmax
@@ -248,7 +248,7 @@ def kernel_score_args(em: Emitter, sc: Scores, kinds: dict[str, list[Expr]], hea
     number = _number(sc.scale, em.scalars)
     q = sc.q
     if number is None:  # a learned temperature: fold it into the queries
-        q = em.tmp(f"{q.code} * {sympy_src(sc.scale, em.scalars)}", q.axes, q.rank)
+        q = em.tmp(f"{q.code} * {em.scalar(sc.scale)}", q.axes, q.rank)
         number = 1.0
     qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (sc.k, j)))
     keywords = [f"scale={number!r}", f"strict={strict}"]
@@ -599,7 +599,7 @@ def _number(e: sp.Expr, scalars: dict[sp.Symbol, str]) -> float | None:
 
 
 def _scaled(em: Emitter, a: Val, c: sp.Expr) -> Val:
-    return a if c == 1 else em.tmp(f"{a.code} * {sympy_src(c, em.scalars)}", a.axes, a.rank)
+    return a if c == 1 else em.tmp(f"{a.code} * {em.scalar(c)}", a.axes, a.rank)
 
 
 def _concat(em: Emitter, parts: list[Val], axes: set[str]) -> Val:

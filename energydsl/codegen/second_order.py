@@ -46,7 +46,7 @@ from .lowering import (  # the first-order forms this builds on, and their shape
     score_operands,
     step_cache,
 )
-from .torch_expr import BATCH, POS, Val, canonical, sympy_src, token_axes
+from .torch_expr import BATCH, POS, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, 
         step_cache(em)[key] = shared
         return shared
     qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j)))
-    scores = f"{sympy_src(sc.scale, em.scalars)} * ({qc} @ {kc}.transpose(-1, -2))"
+    scores = f"{em.scalar(sc.scale)} * ({qc} @ {kc}.transpose(-1, -2))"
     if sc.bias_terms:
         b = em.emit(ir.add(*sc.bias_terms))
         axes = canonical({BATCH, POS, j} | set(heads))

@@ -181,6 +181,7 @@ class Emitter:
         self.count = 0
         self.memo: dict[Expr, Val] = {}
         self.prologue_memo: dict[Expr, Val] = {}  # the prologue's values, which no step changes
+        self.scalar_names: dict[str, str] = {}  # a computed scalar's source -> its prologue local
         self.lets: dict[str, Val] = {}
         # (B, H, T, D) layouts for attention ops, by (value, heads, position): those of the current step
         # (forgotten with the memo) and those of values the steps do not change (emitted in the prologue)
@@ -218,6 +219,19 @@ class Emitter:
         self.count += 1
         self.lines.append(f"{name} = {code}" + (f"  # {comment}" if comment else ""))
         return Val(name, axes, rank)
+
+    def scalar(self, value: sp.Expr) -> str:
+        """A scalar's source: a number or a learned scalar's name inline; a computed one (`-1.0 * opt_eta`) a
+        prologue line of its own, computed once before the optimizer's steps rather than at every use (each is
+        a tensor op, forward and backward)."""
+        code = sympy_src(value, self.scalars)
+        if code.isidentifier() or _is_number(code):
+            return code
+        if code not in self.scalar_names:
+            saved, self.lines = self.lines, self.prologue
+            self.scalar_names[code] = self.tmp(code, (), 0).code
+            self.lines = saved
+        return self.scalar_names[code]
 
     def forget(self) -> None:
         """Drop memoised values (after the state changes); hoisted values stay."""
@@ -324,7 +338,7 @@ class Emitter:
     def _emit(self, e: Expr) -> Val:
         match e:
             case ir.Scalar():
-                return Val(sympy_src(e.value, self.scalars), scalar=True)
+                return Val(self.scalar(e.value), scalar=True)
             case ir.Var(role="param"):
                 return Val(self.token_names.get(e.name, e.name), (), len(e.shape))
             case ir.Var(role="context"):
@@ -467,7 +481,7 @@ class Emitter:
             xv, mv = self.emit(x), self.emit(velocity)
             if xv.axes == mv.axes == (BATCH, POS) and xv.rank == mv.rank:
                 ops = self.kernel_set(KernelRequest.nesterov())  # kernels written into the file
-                cv = sympy_src(c, self.scalars)
+                cv = self.scalar(c)
                 return self.tmp(f"{ops}.nesterov_lookahead({xv.code}, {mv.code}, {cv})", xv.axes, xv.rank,
                                 f"{xv.code} + {cv} * {mv.code}, fused")
         return None

@@ -178,7 +178,7 @@ class ModuleWriter:
                 force = em.emit(ordered(fused.force))
                 if not force.scalar and force.axes == ("@b", "@i"):
                     x_, m_ = names[spec.state.name], names[a.target.name]
-                    beta, eta = (sympy_src(c, em.scalars) for c in (fused.beta, fused.eta))
+                    beta, eta = em.scalar(fused.beta), em.scalar(fused.eta)
                     ops = em.kernel_set(KernelRequest.momentum())  # kernels written into the file
                     em.lines.append(f"{x_}, {m_} = {ops}.momentum_update({x_}, {m_}, {force.code}, {beta}, {eta})"
                                     "  # m = beta m + f, x = x + eta m: one fused pass")
