@@ -636,3 +636,28 @@ def test_a_scalar_computed_from_learned_ones_is_computed_once_before_the_steps(p
         name = re.search(rf"^ *(t\d+) = \({re.escape(expr)}\)$", forward, re.M).group(1)
         uses = len(re.findall(rf"\b{name}\b", forward)) - 1
         assert expr not in loop and uses >= (1 if loop else 2), forward  # in the loop, or twice in one step
+
+
+@pytest.mark.parametrize("path,backend,difference", [
+    ("examples/hopfield/modern.energy", "torch", r"= x_ - t\d+\n"),  # x - β⁻¹ lse's gradient
+    ("examples/hopfield/modern.energy", "triton", r"= x_ - t\d+\n"),
+    ("examples/cem/alibi.energy", "torch", r"= pos\[:, None\] - pos\[None\]\n"),  # i - j, and 1 - |i - j|
+    # the kernels take ALiBi's slopes m of -m |i - j|: the coefficient negated in the IR, not -(-1.0 * m)
+    ("examples/cem/alibi.energy", "triton", r"(t\d+) = m\.reshape\(2\)\.contiguous\(\)\n.*alibi_slopes=\1,"),
+    ("examples/intrinsic-optimizers/mha2nd1st.energy", "torch", r"= t\d+ - t\d+\n"),  # the covariance's mean
+    ("examples/intrinsic-optimizers/mha2nd1st.energy", "triton", r"= t\d+ - t\d+\n"),
+])
+def test_a_negated_term_of_a_sum_is_subtracted(path: str, backend: str, difference: str) -> None:
+    """`a + (-1) b` prints as `a - b` (SymPy's printers' way), not as a negation `-1.0 * b`, an element-wise op
+    of its own forward and backward, then an addition. Values equal the interpreter's."""
+    derived = energydsl.load(path).energy()
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    assert re.search(difference, forward, re.S), forward
+    negations = re.findall(r"^ *(t\d+) = -1\.0 \* \w+$", forward, re.M)
+    only_added = [t for t in negations if len(re.findall(rf"\b{t}\b", forward)) == 2  # made, then used once:
+                  and re.search(rf"= (\w+ \+ )+{t}\b|= {t} \+", forward)]  # in a sum
+    assert not only_added, forward
+    module = _perturbed(module_class(derived, "torch")())
+    x = module.example_input(2, 6).double()
+    want = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
+    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)

@@ -34,7 +34,7 @@ from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
-from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, sympy_src, token_axes
+from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
@@ -252,9 +252,9 @@ def kernel_score_args(em: Emitter, sc: Scores, kinds: dict[str, list[Expr]], hea
         number = 1.0
     qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (sc.k, j)))
     keywords = [f"scale={number!r}", f"strict={strict}"]
-    for kind, arg, sign in (("alibi", "alibi_slopes", "-"), ("self", "self_bias", "")):
+    for kind, arg, sign in (("alibi", "alibi_slopes", -1), ("self", "self_bias", 1)):  # slopes m of -m |i - j|
         if kinds[kind]:
-            keywords.append(f"{arg}={sign}{_per_head(em, em.emit(ir.add(*kinds[kind])), heads)}")
+            keywords.append(f"{arg}={_per_head(em, em.emit(ir.mul(ir.scalar(sign), ir.add(*kinds[kind]))), heads)}")
     if kinds["key"]:
         kb = em.emit(ir.add(*kinds["key"]))
         key = _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j)
@@ -534,7 +534,7 @@ def _log_decay(em: Emitter, c: Expr | None, heads: tuple[str, ...]) -> str:
         return "None"
     n_heads = _n_heads(em, heads)
     if isinstance(c, ir.Scalar):
-        return f"torch.as_tensor({sympy_src(c.value, em.scalars)}, dtype=dt, device=dev).reshape(1).expand({n_heads})"
+        return f"torch.as_tensor({em.scalar(c.value)}, dtype=dt, device=dev).reshape(1).expand({n_heads})"
     return f"{em.expand(em.emit(c), canonical(set(heads))).code}.reshape({n_heads})"
 
 

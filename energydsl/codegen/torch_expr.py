@@ -430,6 +430,8 @@ class Emitter:
                 fused = self._nesterov_lookahead(e)
             if fused is not None:
                 return fused
+        if isinstance(e, ir.Add) and (difference := self._difference(e)) is not None:
+            return difference
         parts = e.terms if isinstance(e, ir.Add) else e.factors
         op = " + " if isinstance(e, ir.Add) else " * "
         vals = [self.emit(p) for p in parts]
@@ -443,6 +445,26 @@ class Emitter:
         rank = len(e.shape)
         code = op.join(self.align(v, axes, rank) for v in vals)
         return self.tmp(code, axes, rank)
+
+    def _difference(self, e: ir.Add) -> Val | None:
+        """`a + (-1) b` as `a - b`, as SymPy's printers write it: the negation `-1.0 * b` was an element-wise op
+        of its own, forward and backward. None when no term is negated (or one already computed is at hand),
+        or every term is."""
+        def negated(t: Expr) -> bool:
+            return (isinstance(t, ir.Mul) and isinstance(t.factors[0], ir.Scalar) and t.factors[0].value == -1
+                    and t not in self.memo)
+
+        minus = [t for t in e.terms if negated(t)]
+        plus = [t for t in e.terms if not negated(t)]
+        if not minus or not plus:
+            return None
+        vals = [self.emit(t) for t in plus] + [self.emit(ir.mul(*t.factors[1:])) for t in minus]
+        if all(v.scalar for v in vals):
+            return None
+        axes = canonical(set().union(*(v.axes for v in vals)))
+        code = [self.align(v, axes, len(e.shape)) for v in vals]
+        return self.tmp(" + ".join(code[:len(plus)]) + "".join(f" - {c}" for c in code[len(plus):]), axes,
+                        len(e.shape))
 
     def _norm(self, norm: Norm) -> Val:
         """An rmsnorm or layernorm (`norms.py`) as torch's fused op over the vector's last axis."""
