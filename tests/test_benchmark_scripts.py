@@ -204,3 +204,21 @@ def test_model_vs_reference_times_both_models_eager_and_compiled() -> None:
                  "ratio generated / hand-written, both compiled: ", "generated compiled / eager: ",
                  "hand-written compiled / eager: "):
         assert line in out.stdout, line
+
+
+def test_op_counts_counts_each_layer_and_compares_with_another_run(tmp_path) -> None:
+    """Counts for every energy of the specs given, written as JSON; a --compare run prints the rows that differ.
+    A doctored count in the other run's file shows up as one differing row."""
+    counts = tmp_path / "counts.json"
+    spec = "examples/models/nrgpt.energy"
+    out = _run("benchmarks/op_counts.py", spec, "--json", str(counts))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    got = json.loads(counts.read_text())
+    assert set(got) == {"models/nrgpt.energy:NRGPTAttention", "models/nrgpt.energy:NRGPTFF2W"}, got
+    assert all(0 < fwd < both for fwd, both in got.values()), got
+    got["models/nrgpt.energy:NRGPTFF2W"][0] += 7
+    counts.write_text(json.dumps(got))
+    out = _run("benchmarks/op_counts.py", spec, "--compare", str(counts))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"\| models/nrgpt\.energy:NRGPTFF2W \| (\d+) \| (\d+) \|", out.stdout), out.stdout
+    assert "(1 layers unchanged)" in out.stdout, out.stdout
