@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 from energydsl import load  # noqa: E402
 from energydsl.codegen import energy_source, module_class  # noqa: E402
 from energydsl.codegen.triton_source import KernelRequest  # noqa: E402
+from energydsl.instance import instance_from_params, run_program  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if CUDA else "cpu"
@@ -627,3 +628,45 @@ def test_model_trains_under_torch_compile(path: str, name: str, backend: str) ->
     for (n, _), g, e in zip(model.named_parameters(), torch.autograd.grad(got.square().mean(), params),
                             torch.autograd.grad(eager.square().mean(), params)):
         assert _rel(g, e) < 1e-4, n
+
+
+DIAGONAL_TIMES_3 = """
+energy DiagonalTimes3(d = 8, heads = 2) {
+  dim dh = d / heads
+  state   x[d]
+  context h[j, d] where j <= i
+  param   WQ[heads, dh, d] ~ normal(0, 0.3)
+  param   WK[heads, dh, d] ~ normal(0, 0.3)
+  param   dg[d] ~ normal(0, 0.3)
+  let     tau = sqrt(dh)
+  local   s[k, j] = ((WQ[k] @ x) . (WK[k] @ h[j]) + 3 * stopgrad(h[j] . (dg * x))) / tau
+  global  E = -tau * sum[k](logsumexp[j](s[k, j]))
+  optimizer gd(eta = 1)
+}
+"""
+
+
+@pytest.mark.parametrize("spec,scalings", [
+    (ROOT / "examples/cem/kq-diagonal-score-only.energy", []),  # both dots 1/tau: the kernel's scale alone
+    (DIAGONAL_TIMES_3, ["3.0"]),  # the diagonal's query part scaled by 3 relative to the first dot's 1/tau
+])
+def test_several_score_dots_pass_their_first_coefficient_as_the_kernels_scale(spec, scalings: list[str],
+                                                                             tmp_path) -> None:
+    """CEM's score `(q·k + h·(dg∘x)) / tau` is one attention over the concatenated features: the first dot's
+    coefficient is the kernel's `scale` (free there) and only a coefficient that differs from it scales its
+    query part, where both parts were multiplied by 1/tau and the kernel ran at scale 1."""
+    if isinstance(spec, str):
+        (tmp_path / "spec.energy").write_text(spec)
+        spec = tmp_path / "spec.energy"
+    derived = load(spec).energy()
+    for backend in ("torch", "triton"):
+        forward = energy_source(derived, backend).split("def forward", 1)[1]
+        assert "scale=0.5000000000000001" in forward, forward  # 1 / sqrt(dh), dh = 4
+        assert re.findall(r"= t\d+ \* ([\d.]+)\n", forward) == scalings, forward
+    _compare_backends(derived, derived.name)
+    _float64_matches_torch_backend(derived, derived.name)
+    module = module_class(derived, "torch")().double()  # and the torch backend against the interpreter
+    x = module.example_input(2, 7).double()
+    raw = dict(module.named_parameters())
+    torch.testing.assert_close(module(x), run_program(derived.program, instance_from_params(derived.program, raw, x)),
+                               rtol=1e-10, atol=1e-10)

@@ -148,9 +148,10 @@ def _emit_scores(em: Emitter, oriented: list[tuple[sp.Expr, ir.Dot]], bias_terms
     width = sum(_numel(em, d.a.shape) for _, d in oriented)
     if len(parts) == 1:
         scale, q, k = parts[0]
-    else:  # several dot products: one attention over the concatenated features, scale folded in
-        scale = sp.Integer(1)
-        q = _concat(em, [_scaled(em, a, c) for c, a, _ in parts], {BATCH, POS} | set(heads))
+    else:  # several dot products: one attention over the concatenated features; the first coefficient is the
+        # kernel's scale (free there), the others relative to it scale their query parts (none where all agree)
+        scale = parts[0][0]
+        q = _concat(em, [_scaled(em, a, c / scale) for c, a, _ in parts], {BATCH, POS} | set(heads))
         k = _concat(em, [b for _, _, b in parts], {BATCH, j} | set(heads))
     return Scores(q, k, scale, tuple(bias_terms), width), heads
 
