@@ -81,7 +81,7 @@ def fmt_shape(s: Shape) -> str:
     return "scalar" if not s else "[" + ", ".join(str(x) for x in s) + "]"
 
 
-def _coefficient(term: Expr) -> tuple[sp.Expr, Expr]:
+def split_coefficient(term: Expr) -> tuple[sp.Expr, Expr]:
     """A term as (scalar coefficient, the rest): `1/2 x` is (1/2, x)."""
     if isinstance(term, Mul) and isinstance(term.factors[0], Scalar):
         rest = term.factors[1:]
@@ -98,7 +98,7 @@ def add(*terms: Expr) -> Expr:
             if isinstance(u, Scalar):
                 const += u.value
             else:
-                coef, rest = _coefficient(u)
+                coef, rest = split_coefficient(u)
                 seen = like.setdefault(rest, [sp.Integer(0), u, 0])
                 seen[0] += coef
                 seen[2] += 1

@@ -143,11 +143,15 @@ def coefficient(e: Expr, var: ir.Var) -> sp.Expr | None:
     return None
 
 
-def simplify(e: Expr) -> Expr:
-    """Codegen-only rewrites: abs(x) * sign(x) = x (everywhere, 0 included), from d|x|²/dx."""
+def simplify(e: Expr, numbers: dict[sp.Symbol, float] | None = None) -> Expr:
+    """Codegen-only rewrites: abs(x) * sign(x) = x (everywhere, 0 included), from d|x|²/dx; and, given the
+    values of the fixed hyper-parameters (`numbers`), a constant times a sum distributed over it where a term
+    then cancels (`x - η (x - a)` is `a` at η = 1: the modern Hopfield step)."""
     if not e.children:
         return e
-    e = ir.rebuild(e, [simplify(c) for c in e.children])
+    e = ir.rebuild(e, [simplify(c, numbers) for c in e.children])
+    if isinstance(e, ir.Add) and numbers is not None and (cancelled := _distributed_if_it_cancels(e, numbers)):
+        return cancelled
     if isinstance(e, ir.Mul):
         factors = list(e.factors)
         for a in factors:
@@ -159,6 +163,25 @@ def simplify(e: Expr) -> Expr:
                     factors.remove(partner)
                     return ir.mul(a.arg, *factors)
     return e
+
+
+def _distributed_if_it_cancels(e: ir.Add, numbers: dict[sp.Symbol, float]) -> Expr | None:
+    """e with a term `c (u + v + ...)`, c a number (with `numbers` put in), written `c u + c v + ...`, when a
+    term then cancels against another of e; None otherwise (distributing alone trades one scaling for several)."""
+    for t in e.terms:
+        if not (isinstance(t, ir.Mul) and len(t.factors) == 2 and isinstance(t.factors[0], ir.Scalar)
+                and isinstance(t.factors[1], ir.Add)):
+            continue
+        c = t.factors[0].value.subs(numbers)
+        if not c.is_number:
+            continue
+        terms = [u for u in e.terms if u is not t] + [ir.mul(ir.Scalar(sp.nsimplify(c)), u)
+                                                      for u in t.factors[1].terms]
+        out = ir.add(*terms)
+        left = len(out.terms) if isinstance(out, ir.Add) else 0 if ir.is_zero(out) else 1
+        if left < len({ir.split_coefficient(u)[1] for u in terms}):
+            return out
+    return None
 
 
 # ----------------------------------------------------------------------------- the emitter

@@ -21,7 +21,7 @@ from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
 from .projections import fuse_projections
-from .torch_expr import Emitter, coefficient, simplify, sympy_src
+from .torch_expr import Emitter, _is_number, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
 
@@ -167,13 +167,14 @@ class ModuleWriter:
         delta_code = None
         fused = momentum_step(prog) if self.backend == "triton" else None
         context = frozenset(k for k, info in spec.indices.items() if info.context is not None)
+        numbers = {sym: float(src) for sym, src in em.scalars.items() if _is_number(src)}  # the fixed hyper-parameters
 
         def ordered(value: ir.Expr) -> ir.Expr:
             """(U Vᵀ W) a for U (Vᵀ (W a)) when lowering; the generic form keeps the derivation's order."""
             return weights_first(value, self.size, context) if self.lowering else value
 
         for a in prog.assigns:
-            value = ordered(simplify(a.value))
+            value = ordered(simplify(a.value, numbers))
             if fused is not None and a.target == fused.velocity:
                 force = em.emit(ordered(fused.force))
                 if not force.scalar and force.axes == ("@b", "@i"):
