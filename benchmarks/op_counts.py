@@ -1,17 +1,20 @@
-"""aten ops per call of each generated layer (torch backend): what the generated code's leanness buys, counted.
+"""Device work per call of each generated layer, counted: the eager ops and kernel launches a forward and a
+forward + backward make. What the generated code's leanness buys, on any machine.
 
-On a GPU every element-wise op is a kernel launch and a pass over a (batch, seq, d) tensor, forward and
-backward; at short sequences the launches set the time. This script counts them on any machine: it builds
-each energy of the given specs at its own dims, runs one forward and one forward + backward of a (2, 16)
-batch under `torch.profiler`, and prints the number of `aten::` ops recorded (nested ops included, as the
-profiler records them). Run it against another checkout to compare commits:
+On a GPU each eager op that computes (an element-wise op, a matmul, a copy) is a kernel launch and a pass over
+memory, forward and backward; at short sequences the launches set the time. This script builds each energy of
+the given specs at its own dims, runs one forward (no grad) and one forward + backward of a (2, 16) batch
+under a `TorchDispatchMode`, and counts the aten ops that reach a kernel (views and allocations left out:
+they launch nothing). With `--backend triton` the generated layer's Triton kernels are counted too:
+the ops are registered as the interpreter does and every launch is replaced by a counter, so the kernels'
+own work is neither run nor timed. Run it against another checkout to compare commits:
 
-    python benchmarks/op_counts.py
+    python benchmarks/op_counts.py [--backend triton]
     PYTHONPATH=/tmp/other-checkout python benchmarks/op_counts.py --json before.json
     python benchmarks/op_counts.py --compare before.json
 
-A count, not a time: the same op count can cost more or less, and the CPU box cannot say how much a GPU
-gains (`benchmarks/RESULTS.md` says which rows were timed where).
+A count, not a time: the CPU box cannot say how much each op costs on a GPU (`benchmarks/RESULTS.md` says which
+rows were timed where).
 """
 
 from __future__ import annotations
@@ -19,31 +22,74 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 from pathlib import Path
-
-import torch
-from torch.profiler import ProfilerActivity, profile
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-
 DEFAULT_SPECS = sorted(glob.glob(str(ROOT / "examples" / "*" / "*.energy")))
 
+# ops that move no data: allocations (views are told apart by their schema)
+NO_WORK = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+           "_unsafe_view", "set_", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 
-def aten_ops(run) -> int:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+LAUNCHES = [0]  # Triton launches made, counted by the stand-in launcher
+
+
+class _CountedLaunch:
+    """Stands in for `wrap_triton(kernel)[grid]`: counts the launch and runs nothing."""
+
+    def __getitem__(self, grid: Any) -> _CountedLaunch:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        LAUNCHES[0] += 1
+
+
+def count_launches_instead() -> None:
+    """Every Triton launch of the op families counted, not run (`host_overhead.py` does the same, uncounted);
+    and each op's body run as plain eager calls run it (`launch.runs_body_directly`), which the counting mode
+    would otherwise route through the custom op, hiding the torch ops inside from the count."""
+    import importlib
+
+    # as host_overhead.py's list, not imported from it: modules.py, which it imports, puts this checkout first
+    # on sys.path, and a --compare run times another checkout through PYTHONPATH
+    for name in ("energydsl.kernels.attention", "energydsl.kernels.linear", "energydsl.kernels.pointwise",
+                 "energydsl.kernels.epilogue"):
+        importlib.import_module(name).wrap_triton = lambda kernel: _CountedLaunch()
+    importlib.import_module("energydsl.kernels.launch").runs_body_directly = lambda args, differentiable: True
+
+
+def device_ops(run) -> int:
+    """The ops one call of `run` dispatches to a device kernel (aten ops past autograd, views and allocations
+    left out: `linear` is `mm` or `addmm`, `0.5 * W` one `mul`), plus its Triton launches. A custom op
+    (`energydsl::*`) is not counted: its launches are."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops += func.namespace == "aten" and not func.is_view and name not in NO_WORK
+            return func(*args, **(kwargs or {}))
+
+    LAUNCHES[0] = 0
+    with Counter() as counter:
+        counter.ops = 0
         run()
-    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+    return counter.ops + LAUNCHES[0]
 
 
-def count(spec: str) -> dict[str, tuple[int, int]]:
-    """{energy name: (forward ops, forward + backward ops)} for every energy of `spec` (models left out)."""
+def count(spec: str, backend: str) -> dict[str, tuple[int, int]]:
+    """{energy name: (forward, forward + backward)} for every energy of `spec` (models left out)."""
     import energydsl
 
     file = energydsl.load(spec)
-    return {name: count_layer(file.module(name)) for name in file.energy_names}
+    return {name: count_layer(file.module(name, backend=backend)) for name in file.energy_names}
 
 
-def count_layer(module: torch.nn.Module) -> tuple[int, int]:
+def count_layer(module: Any) -> tuple[int, int]:
+    import torch
+
     torch.manual_seed(0)
     x = module.example_input(2, 16)
 
@@ -52,35 +98,39 @@ def count_layer(module: torch.nn.Module) -> tuple[int, int]:
 
     step()  # warm: caches, lazy kernels
     with torch.no_grad():
-        fwd = aten_ops(lambda: module(x))
-    return fwd, aten_ops(step)
+        fwd = device_ops(lambda: module(x))
+    return fwd, device_ops(step)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("specs", nargs="*", default=DEFAULT_SPECS, help="spec files (default: every example)")
+    ap.add_argument("--backend", choices=("torch", "triton"), default="torch")
     ap.add_argument("--json", help="write the counts here")
-    ap.add_argument("--compare", help="a --json file of another run: print its counts beside these")
+    ap.add_argument("--compare", help="a --json file of another run: print the layers whose counts differ")
     args = ap.parse_args()
+    if args.backend == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # the ops' CPU registration; before triton is first imported
+        count_launches_instead()
+    import torch
+
     torch.set_num_threads(1)
-    counts = {}
-    for spec in args.specs:
-        for name, ops in count(spec).items():
-            counts[f"{Path(spec).parent.name}/{Path(spec).name}:{name}"] = ops
+    counts = {f"{Path(spec).parent.name}/{Path(spec).name}:{name}": ops
+              for spec in args.specs for name, ops in count(spec, args.backend).items()}
     if args.json:
         Path(args.json).write_text(json.dumps(counts, indent=1))
-    before = json.loads(Path(args.compare).read_text()) if args.compare else {}
-    print("| layer | fwd | fwd+bwd |" if not before else "| layer | fwd before | fwd | fwd+bwd before | fwd+bwd |")
-    print("|---|---|---|" if not before else "|---|---|---|---|---|")
-    for key, (fwd, both) in counts.items():
-        if before:
-            b = before.get(key, ("-", "-"))
-            if tuple(b) != (fwd, both):
-                print(f"| {key} | {b[0]} | {fwd} | {b[1]} | {both} |")
-        else:
-            print(f"| {key} | {fwd} | {both} |")
+    before = {k: tuple(v) for k, v in json.loads(Path(args.compare).read_text()).items()} if args.compare else {}
     if before:
-        print(f"({sum(1 for k in counts if tuple(before.get(k, ())) == counts[k])} layers unchanged)")
+        print("| layer | fwd before | fwd | fwd+bwd before | fwd+bwd |\n|---|---|---|---|---|")
+        for key, (fwd, both) in counts.items():
+            if before.get(key) != (fwd, both):
+                old = before.get(key, ("-", "-"))
+                print(f"| {key} | {old[0]} | {fwd} | {old[1]} | {both} |")
+        print(f"({sum(before.get(k) == v for k, v in counts.items())} layers unchanged)")
+    else:
+        print("| layer | fwd | fwd+bwd |\n|---|---|---|")
+        for key, (fwd, both) in counts.items():
+            print(f"| {key} | {fwd} | {both} |")
 
 
 if __name__ == "__main__":

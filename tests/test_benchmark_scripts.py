@@ -208,7 +208,9 @@ def test_model_vs_reference_times_both_models_eager_and_compiled() -> None:
 
 def test_op_counts_counts_each_layer_and_compares_with_another_run(tmp_path) -> None:
     """Counts for every energy of the specs given, written as JSON; a --compare run prints the rows that differ.
-    A doctored count in the other run's file shows up as one differing row."""
+    A doctored count in the other run's file shows up as one differing row. The triton backend counts its
+    Triton launches in place of the torch ops they replace: fewer for NRGPT's attention (its strict context,
+    j < i, is a T x T mask and a zeroed first row in the torch backend, several ops each way)."""
     counts = tmp_path / "counts.json"
     spec = "examples/models/nrgpt.energy"
     out = _run("benchmarks/op_counts.py", spec, "--json", str(counts))
@@ -222,3 +224,9 @@ def test_op_counts_counts_each_layer_and_compares_with_another_run(tmp_path) -> 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"\| models/nrgpt\.energy:NRGPTFF2W \| (\d+) \| (\d+) \|", out.stdout), out.stdout
     assert "(1 layers unchanged)" in out.stdout, out.stdout
+    out = _run("benchmarks/op_counts.py", spec, "--backend", "triton", "--json", str(tmp_path / "triton.json"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    triton = json.loads((tmp_path / "triton.json").read_text())
+    assert all(0 < fwd < both for fwd, both in triton.values()), triton
+    fused, plain = triton["models/nrgpt.energy:NRGPTAttention"], got["models/nrgpt.energy:NRGPTAttention"]
+    assert fused[0] < plain[0] and fused[1] < plain[1], (fused, plain)
