@@ -83,15 +83,16 @@ def test_a_weighted_context_sum_contracts_the_weights_with_the_values(name: str)
     assert largest < pairs * d // 2, (largest, pairs)  # T x T (x heads), not x features as well
 
 
-def _matches_interpreter(derived, T: int = 7) -> None:
-    """The module's update, displacement and training gradients against the reference interpreter, float64."""
-    module = _perturbed(module_class(derived)())
+def _matches_interpreter(derived, T: int = 7, backend: str = "torch", atol: float = 1e-12):
+    """The module's update, displacement and training gradients against the reference interpreter, float64;
+    returns (module, x, the interpreter's update)."""
+    module = _perturbed(module_class(derived, backend)())
     x = module.example_input(2, T).double()
     x.requires_grad_()
     out = module(x)
     ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(module(x, delta=True), ref - x, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=atol)
+    torch.testing.assert_close(module(x, delta=True), ref - x, rtol=1e-9, atol=max(atol, 1e-11))
     # training gradients: the input's and every parameter's, under a random cotangent
     leaves = [x, *module.parameters()]
     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
@@ -101,6 +102,7 @@ def _matches_interpreter(derived, T: int = 7) -> None:
         assert (g is None) == (w is None), label
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, label=label: f"{label}: {m}")
+    return module, x.detach(), ref.detach()
 
 
 @pytest.mark.parametrize("path", ["examples/intrinsic-optimizers/mha.energy",
@@ -330,10 +332,7 @@ def test_lets_share_what_they_have_in_common(backend: str) -> None:
     whose code refers to it by the name `a` got (not by the temporary it had before it was named)."""
     derived = energydsl.load(_SHARED_LETS).energy()
     assert energy_source(derived, backend).count("torch.tanh(") == 1
-    module = _perturbed(module_class(derived, backend)())
-    x = module.example_input(2, 5).double()
-    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
-    torch.testing.assert_close(module(x), ref, rtol=1e-10, atol=1e-12)
+    _matches_interpreter(derived, 5, backend)
 
 
 @pytest.mark.parametrize("term", ["tanh(z)", "gelu(z)", "abs(z) * z", "softplus(z)"])
@@ -343,10 +342,7 @@ def test_second_derivatives_of_functions_print_as_torch(term: str) -> None:
     text = (f"energy E(d = 4) {{\n state z[d]\n input h[d]\n global F = sum({term}) + 0.5 * z . z - h . z\n"
             " optimizer newton(taylor = 2, damping = 0.5)\n}")
     derived = energydsl.load(text).energy()
-    module = _perturbed(module_class(derived)())
-    x = module.example_input(2, 5).double()
-    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
-    torch.testing.assert_close(module(x), ref, rtol=1e-10, atol=1e-12)
+    _matches_interpreter(derived)
 
 
 def test_a_matrix_inverse_runs_in_half_precision() -> None:
@@ -489,10 +485,7 @@ def test_weights_are_multiplied_first_where_that_saves_token_side_work(rank: int
     forward = energy_source(derived, "torch").split("def forward", 1)[1]
     assert forward.count("F.linear(") == (2 if joined else 4), forward
     assert ("torch.einsum('MN,NP->MP'" in forward) == joined  # the weights' own product
-    module = _perturbed(module_class(derived, "torch")())
-    x = module.example_input(2, 5).double()
-    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
-    torch.testing.assert_close(module(x), ref, rtol=1e-10, atol=1e-10)
+    _matches_interpreter(derived, 5, atol=1e-10)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -655,10 +648,7 @@ def test_a_negated_term_of_a_sum_is_subtracted(path: str, backend: str, differen
     only_added = [t for t in negations if len(re.findall(rf"\b{t}\b", forward)) == 2  # made, then used once:
                   and re.search(rf"= (\w+ \+ )+{t}\b|= {t} \+", forward)]  # in a sum
     assert not only_added, forward
-    module = _perturbed(module_class(derived, "torch")())
-    x = module.example_input(2, 6).double()
-    want = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
-    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
+    _matches_interpreter(derived, 6, atol=1e-10)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -671,11 +661,7 @@ def test_a_step_that_cancels_the_state_computes_no_difference(backend: str) -> N
     forward = energy_source(derived, backend).split("def forward", 1)[1]
     assert re.search(r"\n +x_ = t\d+\n +return x_ - x if delta else x_", forward), forward
     assert not re.search(r"-1\.0 \*|x_ [+-] t\d+", forward), forward
-    module = _perturbed(module_class(derived, "torch")())
-    x = module.example_input(2, 6).double()
-    want = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
-    torch.testing.assert_close(module(x), want, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(module(x, delta=True), want - x, rtol=1e-10, atol=1e-10)
+    module, x, _ = _matches_interpreter(derived, 6, atol=1e-10)  # the displacement too
     assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
     half = energydsl.load("examples/hopfield/modern.energy").energy(eta=0.5)
     assert re.search(r"x_ [+-] t\d+", energy_source(half, backend).split("def forward", 1)[1])
