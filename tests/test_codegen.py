@@ -665,3 +665,38 @@ def test_a_step_that_cancels_the_state_computes_no_difference(backend: str) -> N
     assert torch.autograd.gradcheck(lambda x: module(x), (x.requires_grad_(),))
     half = energydsl.load("examples/hopfield/modern.energy").energy(eta=0.5)
     assert re.search(r"x_ [+-] t\d+", energy_source(half, backend).split("def forward", 1)[1])
+
+
+@pytest.mark.parametrize("lines,want", [
+    (["t1 = F.linear(h, W)", "t2 = t1 + b[None, None]", "t3 = F.gelu(t2)"],
+     ["t2 = F.linear(h, W, b)", "t3 = F.gelu(t2)"]),
+    (["t1 = F.linear(h, W)", "t2 = b[None, None] + t1  # either order"], ["t2 = F.linear(h, W, b)"]),
+    # the product read again: it must exist on its own
+    (["t1 = F.linear(h, W)", "t2 = t1 + b[None, None]", "t3 = t1 * t2"], None),
+    (["t1 = F.linear(h, W)", "t2 = t1 + c[None, None]"], None),  # c is not a 1-d parameter
+    (["t1 = F.linear(h, W).unflatten(-1, (2, -1))", "t2 = t1 + b[None, None]"], None),  # not the plain product
+    (["t1 = F.linear(h, W)", "t2 = t1 + b"], None),  # not the vector broadcast over batch and sequence
+])
+def test_a_bias_added_to_a_product_goes_into_the_gemm(lines: list[str], want: list[str] | None) -> None:
+    """`F.linear(v, W) + b` is `F.linear(v, W, b)`: one addmm, where the addition was an element-wise pass over
+    the product forward. Only where the product is read nowhere else and b is a 1-d parameter."""
+    from energydsl.codegen.projections import fuse_biases
+
+    assert fuse_biases(lines, {"b"}) == (lines if want is None else want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("path,fused,added", [
+    ("examples/nrgpt/ff1.energy", r"F\.linear\(t\d+, W, b\)", None),  # z = W g + b
+    # z = W1 g + b1 shares one GEMM with the gradient's W2ᵀ g, so b1 stays an addition; W2 gelu(z) + b2 fuses
+    ("examples/nrgpt/ff2w.energy", r"F\.linear\(t\d+, W2, b2\)", r"= t\d+ \+ b1\[None, None\]"),
+])
+def test_nrgpt_feed_forward_adds_a_bias_in_the_gemm(path: str, fused: str, added: str | None, backend: str) -> None:
+    """NRGPT's feed-forward layers: a bias added to a product alone is F.linear's own; one added to a merged
+    projection stays an addition. Values and gradients equal the interpreter's."""
+    derived = energydsl.load(path).energy()
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    assert re.search(fused, forward), forward
+    assert len(re.findall(r"\+ b\w*\[None, None\]", forward)) == (added is not None), forward
+    assert added is None or re.search(added, forward), forward
+    _matches_interpreter(derived, 5, backend="torch")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .hoist import line_names
 
-__all__ = ["fuse_projections"]
+__all__ = ["fuse_biases", "fuse_projections"]
 
 COMMENT = "  # one GEMM per distinct input: the weights concatenated"
 
@@ -127,3 +127,50 @@ def fuse_projections(lines: list[str], roots: dict[str, str], taken: set[str]) -
         out.append(f"{', '.join(targets)} = projections({pairs}){COMMENT}")
         out += after
     return out
+
+
+def fuse_biases(lines: list[str], vectors: set[str]) -> list[str]:
+    """`t = F.linear(v, W)` then `u = t + b[None, None]` (b one of `vectors`, the names of 1-d parameters; t read
+    nowhere else) as `u = F.linear(v, W, b)`: the bias added in the GEMM (addmm) instead of an element-wise pass
+    over the product (NRGPT's feed-forward layers). Projections merged into one call keep their additions."""
+    parsed = [ast.parse(line.strip()).body for line in lines]
+    reads = [line_names(body)[0] for body in parsed]
+    out: list[str | None] = list(lines)
+    for i, body in enumerate(parsed):
+        product = _plain_linear(body)
+        if product is None:
+            continue
+        target, operand, weight = product
+        users = [j for j in range(i + 1, len(lines)) if target in reads[j]]
+        added = _bias_added(parsed[users[0]], target) if len(users) == 1 else None
+        if added is None or added[1] not in vectors:
+            continue
+        indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+        out[i] = f"{indent}{added[0]} = F.linear({operand}, {weight}, {added[1]})"
+        out[users[0]] = None
+    return [line for line in out if line is not None]
+
+
+def _plain_linear(body: list[ast.stmt]) -> tuple[str, str, str] | None:
+    """(t, v, W) for a line `t = F.linear(v, W)` and nothing more, else None."""
+    if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
+        return None
+    stmt = body[0]
+    if not isinstance(stmt.targets[0], ast.Name) or _linear(stmt.value) is not stmt.value:
+        return None
+    return stmt.targets[0].id, stmt.value.args[0].id, ast.unparse(stmt.value.args[1])
+
+
+def _bias_added(body: list[ast.stmt], product: str) -> tuple[str, str] | None:
+    """(u, b) for a line `u = product + b[None, None]` (either order, b a name), else None."""
+    if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
+        return None
+    stmt = body[0]
+    value = stmt.value
+    if not (isinstance(stmt.targets[0], ast.Name) and isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
+        return None
+    for this, other in ((value.left, value.right), (value.right, value.left)):
+        if isinstance(this, ast.Name) and this.id == product and ast.unparse(other).endswith("[None, None]") \
+                and isinstance(other, ast.Subscript) and isinstance(other.value, ast.Name):
+            return stmt.targets[0].id, other.value.id
+    return None

@@ -20,7 +20,7 @@ from ..instance import unconstrain
 from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
-from .projections import fuse_projections
+from .projections import fuse_biases, fuse_projections
 from .torch_expr import Emitter, _is_number, coefficient, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
@@ -224,11 +224,12 @@ class ModuleWriter:
         keys = (spec.context and f"ctx:{spec.context.name}", spec.input and spec.input.name)
         roots = {names[key]: "x" for key in keys if key is not None}
         taken = set(re.findall(r"\w+", "\n".join(lines + em.prologue + steps_body)))
+        vectors = {_local(p.name) for p in prog.params.values() if len(p.shape) == 1}  # biases F.linear can take
 
         if prog.steps == 1:
             plain = not prog.aux and len(steps_body) >= 2 and delta_code is not None
             head, tail = (steps_body[:-2], steps_body[-2:]) if plain else (steps_body, [])
-            lines += fuse_projections(em.prologue + start + head, {**roots, x: "x"}, taken)
+            lines += fuse_biases(fuse_projections(em.prologue + start + head, {**roots, x: "x"}, taken), vectors)
             if plain:  # one plain step x + Δ: the displacement is available before the final add
                 lines += ["if delta:", f"    return {delta_code}"]
             lines += tail
@@ -236,10 +237,10 @@ class ModuleWriter:
             hoisted, steps_body = hoist_invariants(steps_body, {x, *(names[m.name] for m in prog.aux)})
             if em.prologue or hoisted:
                 lines.append("# computed once, outside the optimizer's steps (state-independent)")
-                lines += fuse_projections(em.prologue + hoisted, roots, taken)
+                lines += fuse_biases(fuse_projections(em.prologue + hoisted, roots, taken), vectors)
             lines += start
             lines.append(f"for step in range({prog.steps}):")
-            lines += ["    " + ln for ln in fuse_projections(steps_body, {}, taken)]
+            lines += ["    " + ln for ln in fuse_biases(fuse_projections(steps_body, {}, taken), vectors)]
         if "projections(" in "\n".join(lines):
             em.used_ops.add("projections")
         lines.append(f"return {x} - x if delta else {x}")
