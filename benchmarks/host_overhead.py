@@ -29,29 +29,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # the ops' CPU registration; must precede 
 
 from kernel_cases import FAMILIES, SMOKE, build_cases, torch_dtype  # noqa: E402
 from kernels import as_tuple, detach_leaves, fwd_bwd_step, grad_leaves  # noqa: E402
+from launch_stub import stub_launches  # noqa: E402
 from modules import CASES as MODULE_CASES  # noqa: E402
 from modules import build  # noqa: E402
-
-# the launch wrapper each op family imported; replaced below
-_LAUNCHING_MODULES = ("energydsl.kernels.attention", "energydsl.kernels.linear", "energydsl.kernels.pointwise",
-                      "energydsl.kernels.epilogue")
-
-
-class _NoLaunch:
-    """Stands in for `wrap_triton(kernel)[grid]`: takes the launch's arguments and launches nothing."""
-
-    def __getitem__(self, grid: Any) -> _NoLaunch:
-        return self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def stub_launches() -> None:
-    import importlib
-
-    for name in _LAUNCHING_MODULES:
-        importlib.import_module(name).wrap_triton = lambda kernel: _NoLaunch()
 
 
 def per_call_us(fn: Callable[[], Any], min_run_time: float) -> float:

@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from launch_stub import LAUNCHES, stub_launches
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SPECS = sorted(glob.glob(str(ROOT / "examples" / "*" / "*.energy")))
 
@@ -33,30 +35,13 @@ DEFAULT_SPECS = sorted(glob.glob(str(ROOT / "examples" / "*" / "*.energy")))
 NO_WORK = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach",
            "_unsafe_view", "set_", "is_same_size", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 
-LAUNCHES = [0]  # Triton launches made, counted by the stand-in launcher
-
-
-class _CountedLaunch:
-    """Stands in for `wrap_triton(kernel)[grid]`: counts the launch and runs nothing."""
-
-    def __getitem__(self, grid: Any) -> _CountedLaunch:
-        return self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        LAUNCHES[0] += 1
-
-
 def count_launches_instead() -> None:
-    """Every Triton launch of the op families counted, not run (`host_overhead.py` does the same, uncounted);
-    and each op's body run as plain eager calls run it (`launch.runs_body_directly`), which the counting mode
-    would otherwise route through the custom op, hiding the torch ops inside from the count."""
+    """Every Triton launch counted, not run (`launch_stub.py`); and each op's body run as plain eager calls run
+    it (`launch.runs_body_directly`), which the counting mode would otherwise route through the custom op,
+    hiding the torch ops inside from the count."""
     import importlib
 
-    # as host_overhead.py's list, not imported from it: modules.py, which it imports, puts this checkout first
-    # on sys.path, and a --compare run times another checkout through PYTHONPATH
-    for name in ("energydsl.kernels.attention", "energydsl.kernels.linear", "energydsl.kernels.pointwise",
-                 "energydsl.kernels.epilogue"):
-        importlib.import_module(name).wrap_triton = lambda kernel: _CountedLaunch()
+    stub_launches()
     importlib.import_module("energydsl.kernels.launch").runs_body_directly = lambda args, differentiable: True
 
 
@@ -109,17 +94,27 @@ def main() -> None:
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--compare", help="a --json file of another run: print the layers whose counts differ")
     args = ap.parse_args()
+    before = {}
+    if args.compare:  # read first: a wrong path fails before minutes of counting
+        try:
+            before = {k: tuple(v) for k, v in json.loads(Path(args.compare).read_text()).items()}
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            ap.exit(2, f"error: --compare {args.compare}: not a --json file of this script ({e})\n")
     if args.backend == "triton":
         os.environ["TRITON_INTERPRET"] = "1"  # the ops' CPU registration; before triton is first imported
         count_launches_instead()
     import torch
 
+    from energydsl.errors import UserError
+
     torch.set_num_threads(1)
-    counts = {f"{Path(spec).parent.name}/{Path(spec).name}:{name}": ops
-              for spec in args.specs for name, ops in count(spec, args.backend).items()}
+    try:
+        counts = {f"{Path(spec).parent.name}/{Path(spec).name}:{name}": ops
+                  for spec in args.specs for name, ops in count(spec, args.backend).items()}
+    except UserError as e:  # a spec that does not load or build: its file:line:col, as `energy` says it
+        ap.exit(2, e.render() + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(counts, indent=1))
-    before = {k: tuple(v) for k, v in json.loads(Path(args.compare).read_text()).items()} if args.compare else {}
     if before:
         print("| layer | fwd before | fwd | fwd+bwd before | fwd+bwd |\n|---|---|---|---|---|")
         for key, (fwd, both) in counts.items():

@@ -230,3 +230,18 @@ def test_op_counts_counts_each_layer_and_compares_with_another_run(tmp_path) -> 
     assert all(0 < fwd < both for fwd, both in triton.values()), triton
     fused, plain = triton["models/nrgpt.energy:NRGPTAttention"], got["models/nrgpt.energy:NRGPTAttention"]
     assert fused[0] < plain[0] and fused[1] < plain[1], (fused, plain)
+
+
+def test_op_counts_names_a_bad_spec_or_compare_file_and_exits_2(tmp_path) -> None:
+    """A spec that does not load gets its file:line:col and a caret, a --compare file that is not one of this
+    script's gets its path; exit status 2 and no traceback either way."""
+    bad = tmp_path / "bad.energy"
+    bad.write_text("energy E(d = 4) {\n  state z[d]\n  global F = sum(z * q)\n  optimizer gd(eta = 1)\n}\n")
+    out = _run("benchmarks/op_counts.py", str(bad))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"{bad}:3:22: error: undefined name `q`" in out.stderr and "^" in out.stderr, out.stderr
+    (tmp_path / "not.json").write_text("[1, 2]")
+    for compare in (tmp_path / "missing.json", tmp_path / "not.json"):
+        out = _run("benchmarks/op_counts.py", "--compare", str(compare), "examples/hopfield/modern.energy")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"error: --compare {compare}: not a --json file" in out.stderr, out.stderr

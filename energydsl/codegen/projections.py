@@ -48,12 +48,16 @@ def _linear(node: ast.expr) -> ast.Call | None:
     return None
 
 
-def _projection(index: int, line: str) -> _Projection | None:
-    tree = ast.parse(line.strip()).body
-    if len(tree) != 1 or not isinstance(tree[0], ast.Assign) or len(tree[0].targets) != 1:
+def _assignment(body: list[ast.stmt]) -> ast.Assign | None:
+    """The line's one statement when it is `name = value`, else None."""
+    if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
         return None
-    stmt = tree[0]
-    if not isinstance(stmt.targets[0], ast.Name) or (call := _linear(stmt.value)) is None:
+    return body[0] if isinstance(body[0].targets[0], ast.Name) else None
+
+
+def _projection(index: int, line: str) -> _Projection | None:
+    stmt = _assignment(ast.parse(line.strip()).body)
+    if stmt is None or (call := _linear(stmt.value)) is None:
         return None
     suffix = None
     if call is not stmt.value:  # a method chain on the product: keep it, applied to the op's output
@@ -153,21 +157,17 @@ def fuse_biases(lines: list[str], vectors: set[str]) -> list[str]:
 
 def _plain_linear(body: list[ast.stmt]) -> tuple[str, str, str] | None:
     """(t, v, W) for a line `t = F.linear(v, W)` and nothing more, else None."""
-    if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
-        return None
-    stmt = body[0]
-    if not isinstance(stmt.targets[0], ast.Name) or _linear(stmt.value) is not stmt.value:
+    stmt = _assignment(body)
+    if stmt is None or _linear(stmt.value) is not stmt.value:
         return None
     return stmt.targets[0].id, stmt.value.args[0].id, ast.unparse(stmt.value.args[1])
 
 
 def _bias_added(body: list[ast.stmt], product: str) -> tuple[str, str] | None:
     """(u, b) for a line `u = product + b[None, None]` (either order, b a name), else None."""
-    if len(body) != 1 or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
-        return None
-    stmt = body[0]
-    value = stmt.value
-    if not (isinstance(stmt.targets[0], ast.Name) and isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
+    stmt = _assignment(body)
+    value = stmt.value if stmt is not None else None
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
         return None
     for this, other in ((value.left, value.right), (value.right, value.left)):
         if isinstance(this, ast.Name) and this.id == product and ast.unparse(other).endswith("[None, None]") \

@@ -29,7 +29,7 @@ from ..calculus import NotDifferentiable, gradient
 from ..functions import REGISTRY, X
 from ..ir import Expr
 from .lowering import _number
-from .torch_expr import _is_number, function_src
+from .torch_expr import function_src, is_number
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
@@ -122,7 +122,7 @@ class _TritonPrinter:
         """The statements ending in `return` of the expressions' values (a tuple for several); a number is
         returned as a tile of x's shape, as a kernel's store needs."""
         results = [self.visit(e) for e in exprs]
-        results = [f"0.0 * x + {r}" if _is_number(r) else r for r in results]
+        results = [f"0.0 * x + {r}" if is_number(r) else r for r in results]
         return "\n".join([*self.lines, f"return {', '.join(results)}"])
 
     def local(self, code: str) -> str:

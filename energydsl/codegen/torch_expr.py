@@ -69,7 +69,7 @@ def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
     Numeric sub-expressions are folded to floats; functions of tensors use torch.
     """
     expr = sp.sympify(expr)
-    numbers = {s: float(v) for s, v in names.items() if _is_number(v)}
+    numbers = {s: float(v) for s, v in names.items() if is_number(v)}
     if numbers and expr.free_symbols & set(numbers):
         expr = expr.subs(numbers)
     if not (expr.free_symbols & set(names)):
@@ -96,7 +96,8 @@ def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
     raise NotImplementedError(f"cannot print {expr.func.__name__} as torch code")
 
 
-def _is_number(text: str) -> bool:
+def is_number(text: str) -> bool:
+    """Whether generated source `text` is a plain number (a dim or fixed hyper-parameter put in)."""
     try:
         float(text)
     except ValueError:
@@ -175,8 +176,7 @@ def _distributed_if_it_cancels(e: ir.Add, numbers: dict[sp.Symbol, float]) -> Ex
         c = t.factors[0].value.subs(numbers)
         if not c.is_number:
             continue
-        terms = [u for u in e.terms if u is not t] + [ir.mul(ir.Scalar(sp.nsimplify(c)), u)
-                                                      for u in t.factors[1].terms]
+        terms = [u for u in e.terms if u is not t] + [ir.mul(ir.Scalar(c), u) for u in t.factors[1].terms]
         out = ir.add(*terms)
         left = len(out.terms) if isinstance(out, ir.Add) else 0 if ir.is_zero(out) else 1
         if left < len({ir.split_coefficient(u)[1] for u in terms}):
@@ -248,7 +248,7 @@ class Emitter:
         prologue line of its own, computed once before the optimizer's steps rather than at every use (each is
         a tensor op, forward and backward)."""
         code = sympy_src(value, self.scalars)
-        if code.isidentifier() or _is_number(code):
+        if code.isidentifier() or is_number(code):
             return code
         if code not in self.scalar_names:
             saved, self.lines = self.lines, self.prologue
@@ -498,19 +498,11 @@ class Emitter:
         for name, part in (("weight", norm.weight), ("bias", norm.bias)):
             if part is not None:
                 v = self.emit(part)  # a vector of n, or a scalar (a tensor or a number) spread over the n features
-                if v.rank == 0 and self._prints_as_number(part):
+                if v.rank == 0 and is_number(v.code):  # a learned gain is a tensor already
                     v = Val(f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)", scalar=True)
                 args.append(f"{name}={v.code}" if v.rank == 1 else f"{name}={v.code}.expand({n})")
         return self.tmp(f"F.{norm.function}({', '.join(args)}, eps={norm.eps!r})", x.axes, x.rank,
                         norm.function.replace("_", ""))
-
-    def _prints_as_number(self, e: Expr) -> bool:
-        """e prints as a Python number: no tensor in it and no learned scalar (those print as locals)."""
-        def number(u: Expr) -> bool:
-            if isinstance(u, ir.Scalar):
-                return all(_is_number(self.scalars.get(s, "0")) for s in u.value.free_symbols)
-            return not isinstance(u, ir.Var)
-        return all(number(u) for u in ir.walk(e))
 
     def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
         """state + c * velocity (nag's look-ahead point, c a scalar such as -beta) with both full token

@@ -21,7 +21,7 @@ from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
 from .projections import fuse_biases, fuse_projections
-from .torch_expr import Emitter, _is_number, coefficient, simplify, sympy_src
+from .torch_expr import Emitter, coefficient, is_number, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
 
@@ -167,7 +167,7 @@ class ModuleWriter:
         delta_code = None
         fused = momentum_step(prog) if self.backend == "triton" else None
         context = frozenset(k for k, info in spec.indices.items() if info.context is not None)
-        numbers = {sym: float(src) for sym, src in em.scalars.items() if _is_number(src)}  # the fixed hyper-parameters
+        numbers = {sym: float(src) for sym, src in em.scalars.items() if is_number(src)}  # the fixed hyper-parameters
 
         def ordered(value: ir.Expr) -> ir.Expr:
             """(U Vᵀ W) a for U (Vᵀ (W a)) when lowering; the generic form keeps the derivation's order."""
