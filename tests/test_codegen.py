@@ -635,8 +635,8 @@ def test_a_scalar_computed_from_learned_ones_is_computed_once_before_the_steps(p
     ("examples/cem/alibi.energy", "torch", r"= pos\[:, None\] - pos\[None\]\n"),  # i - j, and 1 - |i - j|
     # the kernels take ALiBi's slopes m of -m |i - j|: the coefficient negated in the IR, not -(-1.0 * m)
     ("examples/cem/alibi.energy", "triton", r"(t\d+) = m\.reshape\(2\)\.contiguous\(\)\n.*alibi_slopes=\1,"),
-    ("examples/intrinsic-optimizers/mha2nd1st.energy", "torch", r"= t\d+ - t\d+\n"),  # the covariance's mean
-    ("examples/intrinsic-optimizers/mha2nd1st.energy", "triton", r"= t\d+ - t\d+\n"),
+    ("examples/intrinsic-optimizers/light-mha2nd1st.energy", "torch", r"= t\d+ - t\d+\n"),  # the covariance's mean
+    ("examples/intrinsic-optimizers/light-mha2nd1st.energy", "triton", r"= t\d+ - t\d+\n"),
 ])
 def test_a_negated_term_of_a_sum_is_subtracted(path: str, backend: str, difference: str) -> None:
     """`a + (-1) b` prints as `a - b` (SymPy's printers' way), not as a negation `-1.0 * b`, an element-wise op

@@ -7,7 +7,8 @@ reusing the row log-sum-exp of the first-order attention over the same scores. E
 compared with the generic masked T x T (x d) form in float64 (the displacement and the gradients with respect
 to x and every parameter), and the triton backend (under the Triton interpreter without CUDA) with the torch
 backend, as in `tests/test_triton_backend.py`. Sequence length 13 (odd: partial kernel tiles); 1 and 2 heads;
-a strict context (j < i) and an untied value (x_j != y_j: the torch form in both backends) as spec variants.
+a strict context (j < i), an untied value (x_j != y_j: the torch form in both backends), and Newton with two
+Taylor terms and a learned damping as spec variants.
 SoftmaxAttentionL2 (first order only, Σ_j p_ij (z_i - k_j) with l2 scores) is lowered by the same expansion.
 """
 
@@ -42,6 +43,10 @@ CASES = [
     ("newton-h1", NEWTON, {"heads": 1}, "kernel"),
     ("newton-h2", NEWTON, {"heads": 2}, "kernel"),
     ("newton-strict", NEWTON.replace("where j <= i", "where j < i"), {}, "kernel"),
+    ("newton-taylor2-damped", NEWTON.replace("taylor = 1, damping = 0", "taylor = 2, damping = 0.2 learn"), {},
+     "kernel"),
+    ("newton-taylor2-strict", NEWTON.replace("where j <= i", "where j < i").replace("taylor = 1", "taylor = 2"), {},
+     "kernel"),
     ("l2-first-order", L2, {}, None),
 ]
 IDS = [c[0] for c in CASES]
@@ -138,6 +143,27 @@ def _compare(case: str, triton_src: str, torch_src: str, tmp_path: Path) -> None
         assert r.abs().max() > 0, label
         err, floor = _rel(g, r), _rel(b, r)
         assert err <= max(1e-4, 4 * floor), f"{case} {label}: {err:.2e} (float32 torch: {floor:.2e})"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("case", ["newton-h2", "newton-strict", "newton-taylor2-strict"])
+def test_the_newton_direction_cancels_to_m_the_second_moment_and_one_dot(case: str, backend: str) -> None:
+    """MHA2nd1st's Newton direction multiplies out to twelve terms of which all but (1 - λ) m, c S and
+    -c (m·a) a cancel (m = q - a; a, S the attention and the second moment; q - a written out again is m):
+    each Taylor term reads one second moment, one dot product and one dot-times-vector product, where the
+    derivation as written took two dot products and six such products per term. Values:
+    `test_lowered_equals_generic` (the generic form is the derivation as written) and
+    `test_triton_backend_matches_torch_backend`."""
+    _, text, dims, _ = next(c for c in CASES if c[0] == case)
+    derived = energydsl.load(text).energy(**dims)
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    terms = int(derived.spec.optimizer.hyper["taylor"].value)
+    seconds = forward.count("weighted_second_moment(") + forward.count("second moment from the weights")
+    assert seconds == terms, forward
+    assert len(re.findall(r"torch\.einsum\('btkM,btkM->btk'", forward)) == terms, forward
+    assert len(re.findall(r"^ *t\d+ = [-\d.e]+ \* t\d+\[:, :, :, None\] \* t\d+$", forward, re.M)) == terms, forward
+    # the direction sums three terms, m (computed anyway, as the second moment's query) not written q - a again
+    assert not re.search(r"= \w+( [+-] \w+){3,}$", forward, re.M), forward
 
 
 @pytest.mark.parametrize("case", ["light-strict", "newton-h2"])

@@ -22,6 +22,7 @@ attentions over the same scores become p @ v instead of calls of their own.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import sympy as sp
@@ -221,10 +222,23 @@ def _softmax_mass(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
 
 def _expanded_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     """The summand multiplied out, each monomial's sum a recognised form; None if one is not."""
-    j = e.index
     active = step_cache(em).setdefault("expanding", set())
     if e in active:
         return None
+    new = _multiplied_out(em, e)
+    if new is None:
+        return None
+    active.add(e)
+    try:
+        return em.emit(new)
+    finally:
+        active.discard(e)
+
+
+def _multiplied_out(em: Emitter, e: ir.Reduce) -> Expr | None:
+    """Σ_j of e's summand multiplied out, each monomial's sum a recognised form; None if one is not, or if e is
+    one already."""
+    j = e.index
     monomials = _expand(em, e.body, j)
     if monomials is None:
         return None
@@ -232,13 +246,156 @@ def _expanded_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     if any(t is None for t in terms):
         return None
     new = ir.add(*terms)
-    if new == e:
+    return None if new == e else new
+
+
+def collect_expanded_sums(em: Emitter, e: Expr) -> Expr:
+    """e with each sum of query-side terms multiplied out, through the softmax-weighted sums in it, and like
+    terms collected, where at least half of its terms cancel; elsewhere e as it was (codegen only).
+
+    MHA2nd1st's Newton direction (λ = 0) is `2 m - Σ_j p_j (c (Σ_j' p_j' t_j') - c t_j + 1) t1_j ... ` with
+    t_j = 2 m·t1_j, t1_j = q - k_j and m = Σ_j p_j t1_j: multiplied out, it has twelve terms, and eight cancel.
+    What is left, `m + c (Σ_j p_j (m·k_j) k_j - (m·a) a)` (a = Σ_j p_j k_j), reads m and the attention's
+    second pass; the six token-sized products and the two dot products of the rest are gone.
+    """
+    done: dict[Expr, Expr] = {}
+    polys: dict[Expr, Poly | None] = {}  # a context sum -> its multiplied-out form, like terms collected
+
+    def visit(node: Expr) -> Expr:
+        if node in done:
+            return done[node]
+        out = node if not node.children else ir.rebuild(node, [visit(c) for c in node.children])
+        if isinstance(out, ir.Add) and not _context_indices(em, out):
+            out = _collected(em, out, polys) or out
+        done[node] = out
+        return out
+
+    return visit(e)
+
+
+Poly = dict[frozenset, tuple[sp.Expr, tuple[Expr, ...]]]  # the multiset of factors -> (coefficient, factors)
+
+
+def _collected(em: Emitter, e: ir.Add, polys: dict[Expr, Poly | None]) -> Expr | None:
+    """e multiplied out, like terms collected and sums that reappear folded back, if that leaves at most half
+    the terms it has multiplied out (so it cancels, and does not grow: (a + b)(c + d) - a c stays); else None."""
+    raw = _polynomial(em, e, polys, 0)
+    if raw is None:
         return None
-    active.add(e)
+    poly = _refolded(em, _collect(raw), polys)
+    written = _polynomial(em, e, None, 0)  # nothing collected: as many terms as it is written with
+    if written is None or 2 * len(poly) > len(written):
+        return None
     try:
-        return em.emit(new)
-    finally:
-        active.discard(e)
+        return ir.add(*(ir.mul(ir.Scalar(c), *factors) for c, factors in poly.values()))
+    except ir.ShapeError:  # a term left without the factor that gave it its shape: keep the written form
+        return None
+
+
+def _collect(raw: list[tuple[sp.Expr, tuple[Expr, ...]]]) -> Poly:
+    """Like terms summed (their factors in any order), those that cancel dropped; first-met order kept."""
+    like: dict[frozenset, list] = {}
+    for c, factors in raw:
+        seen = like.setdefault(frozenset(Counter(factors).items()), [sp.Integer(0), factors])
+        seen[0] += c
+    return {k: (sp.expand(c), factors) for k, (c, factors) in like.items() if sp.expand(c) != 0}
+
+
+def _refolded(em: Emitter, poly: Poly, polys: dict[Expr, Poly | None]) -> Poly:
+    """poly with the terms of a context sum that a factor reads (m in m·a) written as that sum again, when
+    all of them are there in one proportion: `q + a` is `m` once more, which is computed anyway."""
+    sums = dict.fromkeys(n for _, factors in poly.values() for f in factors for n in ir.walk(f)
+                         if isinstance(n, ir.Reduce) and _is_context_sum(em, n))  # in order met: reproducible
+    for r in sums:
+        part = _poly_of_sum(em, r, polys)
+        if part is None or len(part) < 2 or not all(k in poly for k in part):
+            continue
+        ratios = {sp.simplify(poly[k][0] / c) for k, (c, _) in part.items()}
+        if len(ratios) == 1:
+            poly = {k: v for k, v in poly.items() if k not in part}
+            key = frozenset({(r, 1)})
+            c = ratios.pop() + (poly[key][0] if key in poly else 0)
+            poly[key] = (c, (r,))
+    return poly
+
+
+def _polynomial(em: Emitter, e: Expr, polys: dict[Expr, Poly | None] | None,
+                depth: int) -> list[tuple[sp.Expr, tuple[Expr, ...]]] | None:
+    """e as Σ c_n Π f_n: sums distributed over products, and a softmax-weighted sum over the context taken as
+    its multiplied-out form (`_multiplied_out`) where it has one, like terms collected (`polys`, the cache of
+    those forms) or not (None); None past _MAX_MONOMIALS terms."""
+    if isinstance(e, ir.Scalar):
+        return [(e.value, ())]
+    if isinstance(e, ir.Add):
+        parts = [_polynomial(em, t, polys, depth) for t in e.terms]
+        if any(p is None for p in parts) or sum(map(len, parts)) > _MAX_MONOMIALS:
+            return None
+        return [mono for p in parts for mono in p]
+    if isinstance(e, ir.Mul):
+        out: list[tuple[sp.Expr, tuple[Expr, ...]]] = [(sp.Integer(1), ())]
+        for f in e.factors:
+            part = _polynomial(em, f, polys, depth)
+            if part is None or len(out) * len(part) > _MAX_MONOMIALS:
+                return None
+            out = [(c * d, _absorbed(em, m + n)) for c, m in out for d, n in part]
+        return out
+    if isinstance(e, ir.Reduce) and depth < 4 and _is_context_sum(em, e):
+        if _is_mass(e) and not em.indices[e.index].strict:
+            return [(sp.Integer(1), ())]  # Σ_j p_ij = 1
+        if polys is None:  # multiplied out, nothing collected
+            new = _multiplied_out(em, e)
+            if new is not None:
+                return _polynomial(em, new, None, depth + 1)
+        elif (part := _poly_of_sum(em, e, polys, depth)) is not None:
+            return list(part.values())
+    return [(sp.Integer(1), (e,))]
+
+
+def _poly_of_sum(em: Emitter, e: ir.Reduce, polys: dict[Expr, Poly | None], depth: int = 0) -> Poly | None:
+    """A context sum multiplied out, like terms collected; None if it has no such form but itself."""
+    if e not in polys:
+        polys[e] = None  # while it is being worked out: a sum that reaches itself stays whole
+        new = _multiplied_out(em, e)
+        raw = None if new is None else _polynomial(em, new, polys, depth + 1)
+        polys[e] = None if raw is None else _collect(raw)
+    return polys[e]
+
+
+def _absorbed(em: Emitter, factors: tuple[Expr, ...]) -> tuple[Expr, ...]:
+    """A monomial's factors without the masses Σ_j p_ij (strict context: 1, or 0 on the empty first row) that
+    another factor makes redundant: a second one, or a sum over the same j, which is 0 on that row too."""
+    out = list(factors)
+    for f in factors:
+        if isinstance(f, ir.Reduce) and _is_mass(f):
+            rest = list(out)
+            rest.remove(f)
+            if any(_vanishes_on_empty_row(em, g, f.index) for g in rest):
+                out = rest
+    return tuple(out)
+
+
+def _vanishes_on_empty_row(em: Emitter, f: Expr, j: str) -> bool:
+    """f is a sum over the context index j, or a dot product or product with one as a factor."""
+    if isinstance(f, ir.Reduce):
+        return f.index == j and _is_context_sum(em, f)
+    if isinstance(f, (ir.Dot, ir.Mul)):
+        return any(_vanishes_on_empty_row(em, c, j) for c in f.children)
+    return False
+
+
+def _is_mass(e: ir.Reduce) -> bool:
+    """Σ_j p_ij: a sum of its own softmax alone."""
+    return isinstance(e.body, ir.Softmax) and e.body.index == e.index
+
+
+def _is_context_sum(em: Emitter, e: ir.Reduce) -> bool:
+    """A sum over a context index of a summand with its own softmax over it."""
+    info = em.indices.get(e.index)
+    return e.op == "sum" and info is not None and info.context is not None and bool(_own_softmaxes(e.body, e.index))
+
+
+def _context_indices(em: Emitter, e: Expr) -> set[str]:
+    return {k for k in e.free if (info := em.indices.get(k)) is not None and info.context is not None}
 
 
 def _monomial_sum(em: Emitter, c: sp.Expr, m: Expr, j: str) -> Expr | None:

@@ -21,6 +21,7 @@ from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
 from .projections import fuse_biases, fuse_projections
+from .second_order import collect_expanded_sums
 from .torch_expr import Emitter, coefficient, is_number, simplify, sympy_src
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
@@ -170,8 +171,9 @@ class ModuleWriter:
         numbers = {sym: float(src) for sym, src in em.scalars.items() if is_number(src)}  # the fixed hyper-parameters
 
         def ordered(value: ir.Expr) -> ir.Expr:
-            """(U Vᵀ W) a for U (Vᵀ (W a)) when lowering; the generic form keeps the derivation's order."""
-            return weights_first(value, self.size, context) if self.lowering else value
+            """(U Vᵀ W) a for U (Vᵀ (W a)) when lowering, terms that cancel through the attention's sums gone;
+            the generic form keeps the derivation's order."""
+            return weights_first(collect_expanded_sums(em, value), self.size, context) if self.lowering else value
 
         for a in prog.assigns:
             value = ordered(simplify(a.value, numbers))
