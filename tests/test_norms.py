@@ -36,6 +36,17 @@ def test_the_expanded_norms_are_found() -> None:
     assert norm_form(_rms(X, eps=ir.Scalar(sp.Rational(1, 10**5)))).eps == 1e-5
 
 
+def test_a_matrix_states_norm_is_found_over_both_axes() -> None:
+    """RMT's `Z / sqrt(Z·Z / (dk dv) + ε)` is F.rms_norm over the matrix's two axes; the mean over one axis
+    only (1/dk) is no norm torch has."""
+    dk, dv = sp.symbols("dk dv")
+    z = ir.Var("Z", "state", (dk, dv))
+    assert norm_form(_rms(z, coefficient=1 / (dk * dv))) == Norm("rms_norm", z, 1e-6)
+    assert norm_form(_rms(_centred(z, coefficient=1 / (dk * dv)), coefficient=1 / (dk * dv))) == \
+        Norm("layer_norm", z, 1e-6)
+    assert norm_form(_rms(z, coefficient=1 / dk)) is None
+
+
 def test_a_norm_among_other_factors_is_one_value() -> None:
     """`g * rmsnorm(x)` reaches the IR as one flat product; the norm's pair comes out as the norm alone is built,
     so both print as one shared F.rms_norm."""
@@ -86,6 +97,8 @@ NORMED = [
     ("examples/cem/steps2.energy", "CEMAttentionSteps2", "rms_norm", 1),  # the `via` norm, in the steps loop
     ("examples/models/cem.energy", "CEMAttention", "rms_norm", 2),  # and the context's `let hn[j] = rmsnorm(h[j])`
     ("examples/nrgpt/ff1.energy", "NRGPTFF1", "layer_norm", 1),
+    ("examples/rmt/attention.energy", "RMTAttention", "rms_norm", 2),  # matrix states: the state's and the context's
+    ("examples/rmt/feed-forward.energy", "RMTFeedForward", "rms_norm", 1),
 ]
 IDS = [name for _, name, _, _ in NORMED]
 

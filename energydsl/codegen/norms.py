@@ -27,7 +27,8 @@ class Norm(NamedTuple):
 
 
 def norm_form(e: ir.Mul) -> Norm | None:
-    """The norm `e` computes, when it is (1/n y·y + ε)^(-1/2) y for a vector y of n entries."""
+    """The norm `e` computes, when it is (1/n y·y + ε)^(-1/2) y for a vector y of n entries, or a matrix of n
+    (RMT's state `Z / sqrt(Z·Z / (dk dv) + ε)`: torch's norms take the normalised shape, here both axes)."""
     if len(e.factors) != 2:
         return None
     for scale, y in (e.factors, e.factors[::-1]):
@@ -49,7 +50,7 @@ def affine_norm(e: ir.Add) -> tuple[Norm, tuple[Expr, ...], tuple[Expr, ...]] | 
         norm, gain = _norm_and_gain(term)
         if norm is None or norm.function != "layer_norm":  # rms_norm takes no bias
             continue
-        j = next((j for j, b in enumerate(e.terms) if j != i and _per_feature(b, norm.x.shape[0])), None)
+        j = next((j for j, b in enumerate(e.terms) if j != i and _per_feature(b, norm.x.shape)), None)
         if j is None:
             continue
         return (norm._replace(weight=gain, bias=e.terms[j]), (e.terms[i], e.terms[j]),
@@ -68,14 +69,14 @@ def _norm_and_gain(term: Expr) -> tuple[Norm | None, Expr | None]:
     if split is None or len(split[1]) != 1:
         return None, None
     norm = norm_form(split[0])
-    return (norm, split[1][0]) if norm is not None and _per_feature(split[1][0], norm.x.shape[0]) else (None, None)
+    return (norm, split[1][0]) if norm is not None and _per_feature(split[1][0], norm.x.shape) else (None, None)
 
 
-def _per_feature(e: Expr, n: sp.Expr) -> bool:
-    """Whether `e` is a vector of n entries or a scalar that is the same for every token: built from
+def _per_feature(e: Expr, shape: ir.Shape) -> bool:
+    """Whether `e` is a tensor of the normalised shape or a scalar that is the same for every token: built from
     parameters (at least one, a tensor or a learned scalar: a plain number stays a product or sum of its own)
     and constants only."""
-    if e.shape not in ((), (n,)) or e.free:
+    if e.shape not in ((), shape) or e.free:
         return False
     nodes = list(ir.walk(e))
     if not any(isinstance(v, ir.Var) and v.role == "param" or isinstance(v, ir.Scalar) and v.value.free_symbols
@@ -101,12 +102,12 @@ def norm_factors(e: ir.Mul) -> tuple[ir.Mul, tuple[Expr, ...]] | None:
 def _inverse_root_of_mean_square(scale: Expr, y: Expr) -> float | None:
     """ε when `scale` is (1/n y·y + ε)^(-1/2) for y's n entries and a constant ε > 0."""
     if not (isinstance(scale, ir.Pow) and scale.exponent == sp.Rational(-1, 2) and isinstance(scale.base, ir.Add)
-            and len(scale.base.terms) == 2 and len(y.shape) == 1):
+            and len(scale.base.terms) == 2 and y.shape):
         return None
     for mean_square, eps in (scale.base.terms, scale.base.terms[::-1]):
         if not (isinstance(eps, ir.Scalar) and eps.value.is_number and eps.value > 0):
             continue
-        dot = _scaled(mean_square, ir.Dot, 1 / y.shape[0])
+        dot = _scaled(mean_square, ir.Dot, 1 / sp.Mul(*y.shape))
         if dot is not None and dot.a == y and dot.b == y:
             return float(eps.value)
     return None
@@ -117,11 +118,11 @@ def _centred(y: Expr) -> Expr | None:
     if not (isinstance(y, ir.Add) and len(y.terms) == 2):
         return None
     for x, mean in (y.terms, y.terms[::-1]):
-        if not (isinstance(mean, ir.Mul) and len(mean.factors) == 3 and len(x.shape) == 1):
+        if not (isinstance(mean, ir.Mul) and len(mean.factors) == 3 and x.shape):
             continue
         ones = [f for f in mean.factors if isinstance(f, ir.Ones)]
         rest = [f for f in mean.factors if not isinstance(f, ir.Ones)]
-        total = _scaled(ir.Mul(tuple(rest)), ir.SumAll, -1 / x.shape[0])
+        total = _scaled(ir.Mul(tuple(rest)), ir.SumAll, -1 / sp.Mul(*x.shape))
         if len(ones) == 1 and ones[0].shape == x.shape and total is not None and total.a == x:
             return x
     return None

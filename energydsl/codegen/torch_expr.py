@@ -22,6 +22,7 @@ Recognised forms are lowered to better primitives than the generic masked T x T 
 
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 
@@ -490,17 +491,20 @@ class Emitter:
                         len(e.shape))
 
     def _norm(self, norm: Norm) -> Val:
-        """An rmsnorm or layernorm (`norms.py`) as torch's fused op over the vector's last axis."""
+        """An rmsnorm or layernorm (`norms.py`) as torch's fused op over the token's own axes (a vector's, or
+        a matrix state's two)."""
         x = self.emit(norm.x)
-        n = self._dim(norm.x.shape[0])
-        self.count_flops(2 * self.shape_size(norm.x.shape[0]) * self._axes_flops(set(x.axes)))  # y·y, as before
-        args = [x.code, f"({n},)"]
+        shape = norm.x.shape
+        dims = ", ".join(self._dim(s) for s in shape)
+        entries = math.prod(self.shape_size(s) for s in shape)
+        self.count_flops(2 * entries * self._axes_flops(set(x.axes)))  # y·y, as before
+        args = [x.code, f"({dims},)" if len(shape) == 1 else f"({dims})"]
         for name, part in (("weight", norm.weight), ("bias", norm.bias)):
             if part is not None:
-                v = self.emit(part)  # a vector of n, or a scalar (a tensor or a number) spread over the n features
+                v = self.emit(part)  # of the normalised shape, or a scalar (a tensor or a number) spread over it
                 if v.rank == 0 and is_number(v.code):  # a learned gain is a tensor already
                     v = Val(f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)", scalar=True)
-                args.append(f"{name}={v.code}" if v.rank == 1 else f"{name}={v.code}.expand({n})")
+                args.append(f"{name}={v.code}" if v.rank == len(shape) else f"{name}={v.code}.expand({dims})")
         return self.tmp(f"F.{norm.function}({', '.join(args)}, eps={norm.eps!r})", x.axes, x.rank,
                         norm.function.replace("_", ""))
 
