@@ -238,14 +238,15 @@ def graph(
     import networkx as nx
 
     from .api import load
-    from .composition import describe
+    from .composition import check_stage_state, describe
     from .semantics import lower_energy
 
     if dot:
         check_output(dot, "--dot", "model.dot")  # before the composition is printed, not after
     plan = load(file).plan(name, **parse_sets(sets))
-    for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs
-        lower_energy(stage.decl, stage.dims)
+    for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs,
+        spec = lower_energy(stage.decl, stage.dims)  # and its state fits the stream, as training needs
+        check_stage_state(plan, stage, tuple(spec.size(s) for s in spec.state.shape))
     print(describe(plan))
     if dot:
         g = plan.graph()

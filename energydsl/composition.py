@@ -205,7 +205,9 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
                 parts.append((decl, _stage_dims(decl, ref, env), ref))
             elif ref.name in module.blocks:
                 if ref.name in seen:
-                    raise SpecError(f"block `{ref.name}` refers to itself", ref.span)
+                    cycle = " -> ".join(f"`{b}`" for b in (*seen[seen.index(ref.name):], ref.name))
+                    what = "refers to itself" if seen[-1] == ref.name else f"is part of a cycle of blocks: {cycle}"
+                    raise SpecError(f"block `{ref.name}` {what}", ref.span)
                 if any(k is None for k, _ in ref.args):
                     raise SpecError(f"arguments of block `{ref.name}` must be named (they go to every energy with "
                                     "that dim)", ref.span)
@@ -374,6 +376,15 @@ def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
             raise SpecError(f"`{call.name}` across layers has no `{kw.name}`", kw.span, "it takes beta and eta")
         hyper[kw.name] = (evaluate_number(kw.value, {}, f"`{kw.name}`"), kw.flag == "learn")
     return call.name, hyper
+
+
+def check_stage_state(plan: ModelPlan, stage: StagePlan, shape: tuple[int, ...]) -> None:
+    """A stage's state (its shape at its dims) must hold one token's stream: as many entries as the stream."""
+    if math.prod(shape) != plan.d:
+        raise SpecError(f"stage `{stage.label}` has the state [{', '.join(map(str, shape))}] "
+                        f"({math.prod(shape)} entries) but the model's stream is "
+                        f"[{', '.join(map(str, plan.stream))}] ({plan.d})", stage.span,
+                        "a stage's state is the stream of a token: give it the stream's shape or size")
 
 
 def describe(plan: ModelPlan) -> str:

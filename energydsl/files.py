@@ -87,9 +87,14 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
     or its folder cannot be created or written. Call it before the work whose result goes there."""
     p = Path(path)
-    if str(path) == "" or p.is_dir():
+    if str(path) == "":
+        raise UserError(f"{what} is empty", hint=f"give a file name, e.g. {example}")
+    if p.is_dir():
         raise UserError(f"{what} {str(path)!r} is a directory, not a file",
                         hint=f"give a file name, e.g. {p / example}")
+    if p.exists() and not p.is_file():  # writing to a pipe blocks until someone reads it
+        raise UserError(f"{what} {path} is not a regular file (a device, pipe or socket)",
+                        hint="give the path of a file to write")
     try:
         make_dirs(p.parent)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")

@@ -121,6 +121,10 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
                         opt.span, _not_a_head_sum(energy))
 
     grad_full = gradient(energy, point)
+    if ir.is_zero(grad_full):  # `F = 3`, `0 * (z . z)`, `stopgrad(z . z)`: the update would be the identity
+        raise SpecError(f"the energy does not depend on the state `{point.name}` (its gradient is zero), so the "
+                        "optimizer would never move it", spec.energy_span or spec.span,
+                        f"write the global energy in terms of `{point.name}`, outside stopgrad")
     if needs_heads:
         coef, k, g_body = split
         per_head = _per_head_direction(spec, g_body, point, k, params)

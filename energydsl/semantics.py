@@ -19,6 +19,7 @@ from . import syntax_tree as ast
 from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
 from .errors import Span, SpecError
 from .ir_nodes import Expr, IndexInfo, Var
+from .python_names import name_problem
 from .semantics_expr import ExpressionLowering
 
 
@@ -112,7 +113,10 @@ class _Scope:
         self.params: dict[str, ParamSpec] = {}
         self.decl_spans: dict[str, Span] = {}
 
-    def declare(self, name: str, span: Span) -> None:
+    def declare(self, name: str, span: Span, attribute: bool = False) -> None:
+        """`attribute`: the name becomes one of the generated nn.Module's (a parameter's)."""
+        if (problem := name_problem(name, attribute)) is not None:
+            raise SpecError(problem[0], span, problem[1])
         if name in EXPRESSION_WORDS:  # the parser reads `int` in an expression as a hole, never as this name
             raise SpecError(f"`{name}` is a word of expressions ({EXPRESSION_WORDS[name]}), so it cannot name "
                             "something the energy uses", span, f"rename `{name}`")
@@ -153,6 +157,8 @@ class _Lowering(ExpressionLowering):
     def run(self) -> EnergyIR:
         d = self.decl
         header = [name for name, _ in d.header]
+        if (problem := name_problem(d.name)) is not None:  # the generated module's class is named after it
+            raise SpecError(problem[0], d.span, problem[1])
         for key in self.overrides:
             if key not in header:
                 known = ", ".join(header) or "none"
@@ -342,7 +348,7 @@ class _Lowering(ExpressionLowering):
         self.context_name = c.name
 
     def _param(self, c: ast.Clause) -> None:
-        self.scope.declare(c.name, c.span)
+        self.scope.declare(c.name, c.span, attribute=True)
         shape = self._dims(c.value, "a param")
         spec = ParamSpec(c.name, shape, span=c.span)
         given: dict[str, Span] = {}
@@ -605,6 +611,8 @@ class _Lowering(ExpressionLowering):
         if not isinstance(rhs_base, ast.Name):
             raise SpecError("the right side of an untie rule is a new parameter, e.g. `Wo[k]`", rhs_node.span)
         name = rhs_base.name
+        if (problem := name_problem(name, attribute=True)) is not None:
+            raise SpecError(problem[0], rhs_node.span, problem[1])
         if name in self.scope.decl_spans:
             raise SpecError(f"`{name}` already exists (declared at {self.scope.decl_spans[name]}); untie introduces "
                             "a new parameter", rhs_node.span)

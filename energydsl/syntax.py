@@ -168,13 +168,18 @@ def _lines(text: str) -> str:
 def _read(path: Path, span: Span | None, name: str | None = None) -> str:
     """The text of a spec file; `span` is the `import` that names it, `name` how its own spans name it."""
     try:
-        data = path.read_bytes()
+        if path.exists() and not path.is_dir() and not path.is_file():  # /dev/zero never ends, a pipe may block
+            raise SpecError(f"{path} is not a regular file (a device, pipe or socket), not a .energy file", span)
+        with path.open("rb") as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)  # more is refused where the text is parsed
     except FileNotFoundError:
         raise SpecError(f"no such file: {path}", span) from None
     except IsADirectoryError:
         raise SpecError(f"{path} is a directory, not a .energy file", span) from None
     except OSError as e:
         raise SpecError(f"cannot read {path}: {e.strerror}", span) from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise SpecError(f"{path} is larger than {MAX_SOURCE_BYTES // (1024 * 1024)} MiB: not a spec", span)
     data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark (some Windows editors write one) is dropped
     try:
         return data.decode("utf-8")

@@ -67,10 +67,17 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
     """The generated source for one derived energy, or one file with the modules of several. With the
     triton backend, the names of those no kernel family fuses (their forward is the torch path) are
     appended to `unfused`."""
-    from .torch_module import ModuleWriter, file_source
+    from ..errors import UserError
+    from .torch_module import ModuleWriter, class_name, file_source
 
     check_backend(backend)
     many = derived if isinstance(derived, list) else [derived]
+    classes: dict[str, str] = {}
+    for d in many:
+        other = classes.setdefault(class_name(d.name), d.name)
+        if other != d.name:
+            raise UserError(f"energies `{other}` and `{d.name}` would both be the class `{class_name(d.name)}` of "
+                            "one generated file", hint="rename one of them, or compile them apart (`--name`)")
     writers = [ModuleWriter(d.program, d.equation_hash(), backend, equations=d.equations()) for d in many]
     text = file_source(writers)
     if backend == "triton" and unfused is not None:

@@ -27,7 +27,9 @@ from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
-            "math", "nn", "x", "context", "input", "step", "delta", "kernels"}
+            "math", "nn", "x", "context", "input", "step", "delta", "kernels", "check_inputs", "triton", "tl",
+            "causal_masks", "alibi_slopes", "attention_ops", "linear_attention_ops", "gated_activation_ops",
+            "momentum_ops", "nesterov_ops", "pointwise_ops"}  # the last: the generated file's imports
 OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse",
        "projections")
 RESERVED |= set(OPS)  # imported by name: a parameter called `inverse` must not shadow the function
@@ -40,7 +42,7 @@ def class_name(name: str) -> str:
 
 def _local(name: str) -> str:
     """A Python local for a spec name, clear of the names generated code uses itself."""
-    return f"{name}_" if name in RESERVED or re.fullmatch(r"t\d+|c\d+", name) else name
+    return f"{name}_" if name in RESERVED or re.fullmatch(r"t\d+|c\d+|\w+_[0-9a-f]{8}", name) else name
 
 
 class ModuleWriter:

@@ -20,7 +20,6 @@ Kept as small as nanoGPT's model.py: everything model-specific lives in the gene
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels
-from ..errors import SpecError
+from ..composition import check_stage_state
 
 if TYPE_CHECKING:
     from ..api import Derived
@@ -130,11 +129,7 @@ class LanguageModel(nn.Module):
         self.stream = plan.stream
         self.stage_shapes = [state_shape(s.derived) for s in stages]
         for shape, stage in zip(self.stage_shapes, plan.stages):
-            if math.prod(shape) != plan.d:
-                raise SpecError(f"stage `{stage.label}` has the state [{', '.join(map(str, shape))}] "
-                                f"({math.prod(shape)} entries) but the model's stream is "
-                                f"[{', '.join(map(str, plan.stream))}] ({plan.d})", stage.span,
-                                "a stage's state is the stream of a token: give it the stream's shape or size")
+            check_stage_state(plan, stage, shape)
         self.wte: nn.Module
         self.wpe: nn.Module | None = None
         if plan.embed_rank:

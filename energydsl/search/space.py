@@ -136,7 +136,7 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as e:
             raise UserError(f"cannot import search space {spec!r}: {e}") from e
-        space = obj(**ref.sets) if callable(obj) else obj
+        space = _call_factory(obj, spec, ref.sets) if callable(obj) else obj
     else:
         if not Path(spec).exists():
             raise UserError(f"no search spec {spec!r}",
@@ -146,6 +146,20 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
         space = load_search(spec, **ref.sets)
     check_space(space)
     return space
+
+
+def _call_factory(factory: Any, spec: str, sets: dict[str, Any]) -> Any:
+    """The space a `package.module:attr` callable builds; its failure, the user's code's, is a UserError that
+    names it (not a traceback of the search driver), an `exit()` in it included."""
+    try:
+        return factory(**sets)
+    except UserError:
+        raise
+    except (Exception, SystemExit) as e:
+        said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise UserError(f"building the search space {spec!r} failed: {said[:300]}",
+                        hint="the attribute after `:` is called with the --set values as keywords and must return "
+                             "a search space (see docs/search.md)") from None
 
 
 def space_fingerprint(space: SearchSpace) -> dict[str, str] | None:

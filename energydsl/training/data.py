@@ -180,6 +180,8 @@ def _check_readable(path: Path, what: str) -> None:
         raise DataError(f"{what} not found: {path}", hint="check the path")
     if path.is_dir():
         raise DataError(f"{what} is a directory, not a file: {path}")
+    if not path.is_file():  # /dev/zero never ends, a pipe may block forever
+        raise DataError(f"{what} is not a regular file (a device, pipe or socket): {path}", hint="give a text file")
     if not os.access(path, os.R_OK):
         raise DataError(f"cannot read {what} {path}", hint="check the file's permissions")
 

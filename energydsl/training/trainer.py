@@ -105,7 +105,9 @@ class TrainConfig:
                             "token ids in a batch is more than 2**60 - 1", hint=SIZE_LIMIT_HINT)
         for field in ("steps", "warmup_steps", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:
-                raise UserError(f"{name(field)} must not be negative, got {getattr(self, field)}")
+                value = getattr(self, field)
+                said = "a number" if value != value else "not negative"  # nan compares false either way
+                raise UserError(f"{name(field)} must be {said}, got {value}")
         if not math.isfinite(self.weight_decay):
             raise UserError(f"{name('weight_decay')} must be a finite number, got {self.weight_decay}")
         if not self.lr > 0:

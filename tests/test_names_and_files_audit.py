@@ -1,0 +1,189 @@
+"""Bad input found by fuzzing the CLI (session 33): names Python cannot take, an energy without the state,
+special files, a search factory that fails, a model `graph` passed that training refuses.
+
+Each is exit 2 with a message that names the problem (file:line:col and a caret where there is a source),
+never exit 70, a module that does not import, a silently wrong module, or a hang."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import energydsl
+from energydsl import cli
+from energydsl.python_names import MODULE_ATTRIBUTES
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT = str(ROOT / "examples/models/gpt.energy")
+
+SPEC = """energy A(d = 4) {{
+  state z[d]
+  param {name}[d, d] ~ normal(0, 0.1)
+  global F = -sum(integral(gelu)({name} @ z))
+  optimizer gd(eta = 1)
+}}
+"""
+
+
+def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """`energy ARGS` in this process: (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["energy", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def energy(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`energy ARGS` in a process of its own, for what could hang (a pipe) or read forever (/dev/zero)."""
+    return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("global_", ["3", "0 * (z . z)", "stopgrad(z . z)"])
+@pytest.mark.parametrize("command", ["derive", "check", "compile"])
+def test_an_energy_that_does_not_depend_on_the_state_is_refused_where_it_is_written(
+        monkeypatch, capsys, tmp_path, global_: str, command: str) -> None:
+    """`check` crashed (exit 70, autograd of a constant) where `derive` printed `z⁺ = z`."""
+    spec = tmp_path / "flat.energy"
+    spec.write_text(f"energy A(d = 4) {{\n  state z[d]\n  global F = {global_}\n  optimizer gd(eta = 1)\n}}\n")
+    code, _, err = run_main(monkeypatch, capsys, command, str(spec))
+    assert code == 2 and f"{spec}:3:3: error: the energy does not depend on the state `z`" in err, err
+    assert "^^^" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name,says", [
+    ("lambda", "`lambda` is a Python keyword"),
+    ("None", "`None` is a Python keyword"),
+    ("forward", "`forward` is an attribute every generated nn.Module already has"),
+    ("training", "`training` is an attribute every generated nn.Module already has"),
+    ("reset_parameters", "`reset_parameters` is an attribute every generated nn.Module already has"),
+    ("_parameters", "`_parameters` starts with `_`"),
+    ("𝑥", "`𝑥` is read by Python as `x`"),
+])
+@pytest.mark.parametrize("command", ["derive", "compile"])
+def test_a_param_name_the_generated_module_cannot_take_is_refused_at_its_clause(
+        monkeypatch, capsys, tmp_path, name: str, says: str, command: str) -> None:
+    """Before: a keyword wrote a file that did not parse (exit 70 in compile's own pass over it), `None` and
+    `forward` a file that did not import or build, and `𝑥` beside a state `x` a module that read the weight
+    where the input was (Python reads identifiers in NFKC)."""
+    spec = tmp_path / "name.energy"
+    spec.write_text(SPEC.format(name=name))
+    code, _, err = run_main(monkeypatch, capsys, command, str(spec), "-o", str(tmp_path / "out.py")) \
+        if command == "compile" else run_main(monkeypatch, capsys, command, str(spec))
+    assert code == 2 and f"{spec}:3:3: error: {says}" in err, err
+    assert "hint: " in err and not (tmp_path / "out.py").exists()
+
+
+@pytest.mark.parametrize("text,at,says", [
+    ("energy None(d = 4) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 1)\n}\n", ":1:8:",
+     "`None` is a Python keyword"),
+    ("energy A(d = 4) {\n  state if[d]\n  global F = if . if\n  optimizer gd(eta = 1)\n}\n", ":2:3:",
+     "`if` is a Python keyword"),
+    ("energy A(d = 4, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+     "  param W[heads, dh, d] ~ normal(0, 0.02)\n"
+     "  global F = -sum[k](logsumexp[j]((W[k] @ z) . (W[k] @ h[j])))\n  optimizer gd(eta = 1)\n"
+     "  untie value W[k]^T -> forward[k]\n}\n", ":8:",
+     "`forward` is an attribute every generated nn.Module already has"),
+], ids=["energy-name", "state", "untie-target"])
+def test_other_names_python_cannot_take_are_refused(monkeypatch, capsys, tmp_path, text: str, at: str,
+                                                     says: str) -> None:
+    spec = tmp_path / "name.energy"
+    spec.write_text(text)
+    code, _, err = run_main(monkeypatch, capsys, "derive", str(spec))
+    assert code == 2 and f"{spec}{at}" in err and says in err, err
+
+
+def test_the_refused_attributes_cover_torchs_and_the_generated_class() -> None:
+    """A torch that adds a public nn.Module attribute fails here, not in a user's spec."""
+    module = torch.nn.Module()
+    public = {n for n in [*dir(module), *vars(module)] if not n.startswith("_")}  # `_...` are refused as a group
+    generated = type(energydsl.load(GPT).module("MHA"))
+    own = {n for n in dir(generated) if not n.startswith("_")} - set(dir(torch.nn.Module))
+    assert public <= MODULE_ATTRIBUTES, public - MODULE_ATTRIBUTES
+    assert own <= MODULE_ATTRIBUTES, own - MODULE_ATTRIBUTES
+
+
+@pytest.mark.parametrize("name", ["check_inputs", "alibi_slopes", "causal_masks", "triton", "attention_ops",
+                                  "attention_1970317a"])
+def test_a_param_named_like_what_the_generated_file_imports_still_computes_the_update(name: str) -> None:
+    """Its local is renamed (`check_inputs_`), in both backends' files: before, `check_inputs = self.check_inputs`
+    made the forward's first call an UnboundLocalError (and `triton = self.triton` hid the kernels' module)."""
+    from energydsl.codegen import energy_source
+
+    for backend in ("torch", "triton"):
+        source = energy_source(energydsl.load(SPEC.format(name=name)).energy(), backend)
+        assert f"{name}_ = self.{name}" in source, source
+    named, plain = (energydsl.load(SPEC.format(name=n)).module() for n in (name, "W"))
+    plain.load_state_dict({"W": getattr(named, name).detach()})
+    x = torch.randn(2, 5, 4)
+    torch.testing.assert_close(named(x), plain(x))
+
+
+def test_two_energies_that_would_be_one_class_are_refused(monkeypatch, capsys, tmp_path) -> None:
+    """`mlp` and `Mlp` are both the class `Mlp`: the second silently replaced the first in the file."""
+    one = "energy {}(d = 4) {{\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}}\n"
+    spec = tmp_path / "two.energy"
+    spec.write_text(one.format("mlp") + one.format("Mlp"))
+    code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "-o", str(tmp_path / "out.py"))
+    assert code == 2 and "energies `mlp` and `Mlp` would both be the class `Mlp`" in err, err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+def test_special_files_are_refused_not_read_forever(tmp_path: Path) -> None:
+    """/dev/zero was read until memory ran out and a named pipe blocked, as a spec, an import, -o or data."""
+    fifo = tmp_path / "pipe.energy"
+    os.mkfifo(fifo)
+    importer = tmp_path / "imports.energy"
+    importer.write_text('import "/dev/zero"\n')
+    cases = [
+        (["derive", "/dev/zero"], "/dev/zero is not a regular file"),
+        (["derive", str(fifo)], f"{fifo} is not a regular file"),
+        (["derive", str(importer)], f"{importer}:1:1: error: /dev/zero is not a regular file"),
+        (["compile", GPT, "-o", str(fifo)], f"-o/--output {fifo} is not a regular file"),
+        (["train", GPT, "--data", f"chars:{fifo}", "--steps", "1", "--out", str(tmp_path / "run")],
+         f"text file is not a regular file (a device, pipe or socket): {fifo}"),
+    ]
+    for args, says in cases:
+        proc = energy(*args)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+@pytest.mark.parametrize("target,says", [
+    ("json:loads", "building the search space 'json:loads' failed: TypeError:"),
+    ("builtins:exit", "building the search space 'builtins:exit' failed: SystemExit"),
+])
+def test_a_search_factory_that_fails_is_named(monkeypatch, capsys, target: str, says: str) -> None:
+    """`package.module:attr` is called to build the space: its failure was exit 70 (or, for exit(), 0)."""
+    code, _, err = run_main(monkeypatch, capsys, "search", target, "--holes")
+    assert code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_graph_refuses_a_stage_whose_state_does_not_fit_the_stream(monkeypatch, capsys, tmp_path) -> None:
+    """`graph` drew a model that `info` and `train` refuse."""
+    spec = tmp_path / "model.energy"
+    spec.write_text("energy A(d = 4) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}\n"
+                    "model M(vocab = 16, context = 8, d = 8, layers = 1) {\n  layer = A(d = 4)\n}\n")
+    for command in ("graph", "info"):
+        code, _, err = run_main(monkeypatch, capsys, command, str(spec))
+        assert code == 2 and f"{spec}:7:11: error: stage `A` has the state [4]" in err, (command, err)
+
+
+def test_misleading_messages_now_say_what_is_wrong(monkeypatch, capsys, tmp_path) -> None:
+    spec = tmp_path / "blocks.energy"
+    spec.write_text("energy A(d = 8) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}\n"
+                    "block B = C\nblock C = B\nmodel M(vocab = 16, context = 8, d = 8, layers = 1) {\n"
+                    "  layer = B\n}\n")
+    code, _, err = run_main(monkeypatch, capsys, "info", str(spec))
+    assert code == 2 and "block `B` is part of a cycle of blocks: `B` -> `C` -> `B`" in err, err
+    code, _, err = run_main(monkeypatch, capsys, "compile", GPT, "-o", "")
+    assert code == 2 and "-o/--output is empty" in err, err
+    code, _, err = run_main(monkeypatch, capsys, "train", GPT, "--data", "shakespeare_char", "--weight-decay", "nan",
+                            "--out", str(tmp_path / "run"))
+    assert code == 2 and "--weight-decay must be a number, got nan" in err, err
