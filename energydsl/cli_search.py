@@ -131,7 +131,8 @@ def search(
 
 def report(
     study: Annotated[str, typer.Argument(metavar="STUDY", help="A study name (its storage: --storage, else "
-                                              "runs/STUDY/optuna.journal), or a storage path or URL.")],
+                                              "runs/STUDY/optuna.journal), a run directory, or a storage path "
+                                              "or URL.")],
     out: Annotated[str | None, typer.Option("-o", "--output", help="The HTML file (default: report.html next "
                                                                     "to the storage).")] = None,
     storage: Annotated[str | None, typer.Option(help="Optuna storage (journal file or URL).")] = None,
@@ -176,6 +177,8 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
     if not study.strip():
         raise UserError("STUDY is empty", hint="give a study name (its storage: runs/STUDY/optuna.journal), a "
                                                "journal file or a storage URL")
+    if storage is None and (Path(study) / "optuna.journal").is_file():  # a run directory: its journal
+        storage, study = str((Path(study) / "optuna.journal").resolve()), ""
     if storage is None and ("://" in study or slashless_url(study) or Path(study).is_file()):
         storage, study = (study if "://" in study or slashless_url(study) else str(Path(study).resolve())), ""
     if storage is not None:
@@ -183,6 +186,9 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
     if storage is None:
         storage = default(study)
         if not Path(storage).exists():
+            if Path(study).is_dir():
+                raise UserError(f"{study} is a directory without a study journal (optuna.journal) in it",
+                                hint="give a study name, a run directory, a journal file or a storage URL")
             raise UserError(f"no study {study!r} under runs/ (looked for {storage})",
                             hint="give the storage with --storage, or the journal file itself")
         return str(Path(storage).resolve()), name or study

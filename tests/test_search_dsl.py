@@ -683,6 +683,10 @@ def test_cli_search_runs_resumes_and_reports(tmp_path: Path) -> None:
     r = energy("report", str(run / "optuna.journal"), "--export", "best.energy", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (run / "report.html").exists() and (tmp_path / "best.energy").exists()
+    r = energy("report", "runs/T", "-o", "dir.html", cwd=tmp_path)  # the run directory: its journal
+    assert r.returncode == 0 and (tmp_path / "dir.html").exists(), r.stderr
+    r = energy("report", "runs", cwd=tmp_path)  # a directory without a journal in it
+    assert r.returncode == 2 and "runs is a directory without a study journal" in r.stderr, r.stderr
 
 
 def test_quickstart_end_to_end(tmp_path: Path) -> None:
