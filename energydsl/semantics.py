@@ -115,11 +115,11 @@ class _Scope:
 
     def declare(self, name: str, span: Span, attribute: bool = False) -> None:
         """`attribute`: the name becomes one of the generated nn.Module's (a parameter's)."""
-        if (problem := name_problem(name, attribute)) is not None:
-            raise SpecError(problem[0], span, problem[1])
         if name in EXPRESSION_WORDS:  # the parser reads `int` in an expression as a hole, never as this name
             raise SpecError(f"`{name}` is a word of expressions ({EXPRESSION_WORDS[name]}), so it cannot name "
                             "something the energy uses", span, f"rename `{name}`")
+        if (problem := name_problem(name, attribute)) is not None:
+            raise SpecError(problem[0], span, problem[1])
         if name in self.decl_spans:
             raise SpecError(f"`{name}` is already defined (at {self.decl_spans[name]})", span)
         self.decl_spans[name] = span

@@ -652,6 +652,19 @@ def test_a_negated_term_of_a_sum_is_subtracted(path: str, backend: str, differen
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("path", ["examples/cem/dplr.energy", "examples/cem/mlp-dplr.energy"])
+def test_a_vector_times_ones_in_a_product_is_a_broadcast(path: str, backend: str) -> None:
+    """CEM DPLR's `diag(softplus(P_d)) W_Qᵀ` reaches the IR as `(c ⊗ 1) ∘ W_Qᵀ`: it is `c[..., None] * W`, where
+    a tensor of ones and an outer product were made first (two launches of their own, forward and backward).
+    Values and gradients equal the interpreter's."""
+    derived = energydsl.load(path).energy()
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    assert "torch.ones(" not in forward and "->kMN'" not in forward, forward
+    assert re.search(r"= \w+\[(:, )+None\] \* t\d+\n", forward), forward  # per head, or not
+    _matches_interpreter(derived, 6, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_step_that_cancels_the_state_computes_no_difference(backend: str) -> None:
     """The modern Hopfield step `x - η (x - attn)` at η = 1 is `attn` itself: the constant goes into the sum where
     a term then cancels (codegen only), so the forward is the attention and no subtraction, negation or

@@ -595,9 +595,9 @@ def test_bad_config_and_model_are_user_errors(text_dataset):
     (dict(seed=2**64), f"seed must be a whole number in \\[0, 2\\*\\*64\\), got {2**64}"),
     (dict(seed=-1), "seed must be a whole number"),
     (dict(seed=1.5), "seed must be a whole number"),
-    (dict(weight_decay=math.nan), "weight_decay must not be negative, got nan"),
+    (dict(weight_decay=math.nan), "weight_decay must be a number, got nan"),
     (dict(weight_decay=math.inf), "weight_decay must be a finite number, got inf"),
-    (dict(grad_clip=math.nan), "grad_clip must not be negative, got nan"),
+    (dict(grad_clip=math.nan), "grad_clip must be a number, got nan"),
 ])
 def test_out_of_range_settings_are_user_errors(setting, message, text_dataset):
     with pytest.raises(UserError, match=message):

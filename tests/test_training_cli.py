@@ -121,7 +121,7 @@ def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path, signum, status
     (("--seed", "-1"), "--seed must be a whole number in [0, 2**64), got -1"),
     (("--min-lr", "1"), "--min-lr must be in [0, --lr], got 1.0 with --lr 0.001"),
     (("--weight-decay", "-1"), "--weight-decay must not be negative, got -1.0"),
-    (("--grad-clip", "nan"), "--grad-clip must not be negative, got nan"),
+    (("--grad-clip", "nan"), "--grad-clip must be a number, got nan"),
     (("--dtype", "fp8"), "unknown --dtype 'fp8'"),
     (("--dtype", "float16"), "--dtype float16 needs CUDA"),
     (("--out", ""), "--out is empty"),  # it fell back to runs/<model> silently

@@ -106,8 +106,8 @@ class TrainConfig:
         for field in ("steps", "warmup_steps", "weight_decay", "grad_clip"):
             if not getattr(self, field) >= 0:
                 value = getattr(self, field)
-                said = "a number" if value != value else "not negative"  # nan compares false either way
-                raise UserError(f"{name(field)} must be {said}, got {value}")
+                said = "must be a number" if value != value else "must not be negative"  # nan compares false too
+                raise UserError(f"{name(field)} {said}, got {value}")
         if not math.isfinite(self.weight_decay):
             raise UserError(f"{name('weight_decay')} must be a finite number, got {self.weight_decay}")
         if not self.lr > 0:
