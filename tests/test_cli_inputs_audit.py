@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 
 from energydsl import cli, cli_sizing, load
 from energydsl.errors import SpecError
@@ -19,18 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples/models"
 GPT = str(MODELS / "gpt.energy")
 MHA = str(ROOT / "examples/intrinsic-optimizers/mha.energy")
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
-    """`energy ARGS` in this process: (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["energy", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def energy(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_main
 
 import energydsl
-from energydsl import cli
 from energydsl.python_names import MODULE_ATTRIBUTES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,18 +26,6 @@ SPEC = """energy A(d = 4) {{
   optimizer gd(eta = 1)
 }}
 """
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
-    """`energy ARGS` in this process: (exit status, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["energy", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def energy(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
