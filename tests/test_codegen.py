@@ -664,6 +664,17 @@ def test_a_vector_times_ones_in_a_product_is_a_broadcast(path: str, backend: str
     _matches_interpreter(derived, 6, backend)
 
 
+def test_a_vector_times_ones_stays_an_outer_product_where_nothing_else_has_the_shape() -> None:
+    """`c (v ⊗ 1)`: no other factor spans the last axis, so `v[..., None]` would be a column, not the matrix."""
+    from energydsl.codegen.torch_expr import _broadcast_factors
+
+    d = sp.Symbol("d")
+    v, w = ir.Var("v", "param", (d,)), ir.Var("W", "param", (d, d))
+    outer = ir.outer(v, ir.Ones((d,)))
+    assert _broadcast_factors(ir.mul(outer, w)) == [v, w]
+    assert _broadcast_factors(ir.mul(ir.Scalar(2), outer)) == [ir.Scalar(2), outer]
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_step_that_cancels_the_state_computes_no_difference(backend: str) -> None:
     """The modern Hopfield step `x - η (x - attn)` at η = 1 is `attn` itself: the constant goes into the sum where

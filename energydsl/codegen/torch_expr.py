@@ -185,11 +185,16 @@ def _distributed_if_it_cancels(e: ir.Add, numbers: dict[sp.Symbol, float]) -> Ex
     return None
 
 
-def _broadcast_factor(f: Expr) -> Expr:
-    """A factor `v ⊗ 1` of a product is `v` broadcast over the last axis (`v[..., None]` in the product, as
-    the emitter aligns a lower-rank factor): CEM DPLR's `diag(softplus(P_d)) W_Qᵀ` scales the rows of W_Qᵀ
-    without a tensor of ones and an outer product."""
-    return f.a if isinstance(f, ir.Outer) and isinstance(f.b, ir.Ones) else f
+def _broadcast_factors(e: ir.Mul) -> list[Expr]:
+    """e's factors, a factor `v ⊗ 1` taken as `v` broadcast over the last axis (`v[..., None]`, as the emitter
+    aligns a lower-rank factor) where another factor has the product's full shape: CEM DPLR's
+    `diag(softplus(P_d)) W_Qᵀ` scales the rows of W_Qᵀ without a tensor of ones and an outer product."""
+    def ones_outer(f: Expr) -> bool:
+        return isinstance(f, ir.Outer) and isinstance(f.b, ir.Ones)
+
+    if not any(not ones_outer(f) and ir.same_shape(f.shape, e.shape) for f in e.factors):
+        return list(e.factors)
+    return [f.a if ones_outer(f) else f for f in e.factors]
 
 
 # ----------------------------------------------------------------------------- the emitter
@@ -463,7 +468,7 @@ class Emitter:
                 return fused
         if isinstance(e, ir.Add) and (difference := self._difference(e)) is not None:
             return difference
-        parts = e.terms if isinstance(e, ir.Add) else [_broadcast_factor(f) for f in e.factors]
+        parts = e.terms if isinstance(e, ir.Add) else _broadcast_factors(e)
         op = " + " if isinstance(e, ir.Add) else " * "
         vals = [self.emit(p) for p in parts]
         unit = "0.0" if isinstance(e, ir.Add) else "1.0"
