@@ -253,10 +253,10 @@ def collect_expanded_sums(em: Emitter, e: Expr) -> Expr:
     """e with each sum of query-side terms multiplied out, through the softmax-weighted sums in it, and like
     terms collected, where at least half of its terms cancel; elsewhere e as it was (codegen only).
 
-    MHA2nd1st's Newton direction (λ = 0) is `2 m - Σ_j p_j (c (Σ_j' p_j' t_j') - c t_j + 1) t1_j ... ` with
+    MHA2nd1st's Newton direction is `(2 - λ) m - Σ_j p_j ((c Σ_j' p_j' t_j' - c t_j) t1_j + m)` with
     t_j = 2 m·t1_j, t1_j = q - k_j and m = Σ_j p_j t1_j: multiplied out, it has twelve terms, and eight cancel.
-    What is left, `m + c (Σ_j p_j (m·k_j) k_j - (m·a) a)` (a = Σ_j p_j k_j), reads m and the attention's
-    second pass; the six token-sized products and the two dot products of the rest are gone.
+    What is left, `(1 - λ) m + c (Σ_j p_j (m·k_j) k_j - (m·a) a)` (a = Σ_j p_j k_j), reads m and the
+    attention's second pass; six token-sized products and one of the two dot products are gone.
     """
     done: dict[Expr, Expr] = {}
     polys: dict[Expr, Poly | None] = {}  # a context sum -> its multiplied-out form, like terms collected
