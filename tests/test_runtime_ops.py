@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from energydsl.kernels.linear_ref import linear_attention_parallel_ref
-from energydsl.runtime.ops import linear_attention
+from energydsl.runtime.ops import linear_attention, softmax_attention
 
 
 @pytest.mark.parametrize("decay", [None, "scalar", "head", "token"])
@@ -39,3 +39,20 @@ def test_kernel_dispatch_without_triton_uses_the_chunked_torch_form(monkeypatch:
     got = kernels.linear_attention(q, k, v, strict=True)
     assert seen == [1]
     torch.testing.assert_close(got, linear_attention_parallel_ref(q, k, v, strict=True))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("biased", [False, True])
+def test_softmax_attention_takes_a_negative_scale(strict: bool, biased: bool) -> None:
+    """`-logsumexp(-c s)` scores (seed 004's energies, CEM's with a sign) reach the op with scale < 0; torch
+    2.13's CPU scaled_dot_product_attention returns NaN on every masked row for one (found by fuzzing: the
+    whole layer's output was NaN but its last token)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(6, 6, generator=g, dtype=torch.float64) if biased else None
+    got = softmax_attention(q, k, v, scale=-0.3, bias=bias, strict=strict)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril(-1 if strict else 0)
+    scores = (-0.3 * q @ k.transpose(-1, -2) + (0 if bias is None else bias)).masked_fill(~allowed, float("-inf"))
+    want = torch.nan_to_num(torch.softmax(scores, -1)) @ v  # the strict first row: no context, zero
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
