@@ -63,7 +63,7 @@ def _split(em: Emitter, factors: tuple[Expr, ...], pre: Expr) -> tuple[list[Expr
     g, rest = [], []
     for f in factors:
         try:
-            h = ir.substitute(f, {pre: VAR})
+            h = ir.substitute(f, {pre: VAR}) if _elementwise_over(f, pre) else None
         except ir.ShapeError:
             h = None
         if h is not None and all(n == VAR or (isinstance(n, ir.Scalar) and _number(n.value, em.scalars) is not None)
@@ -72,3 +72,18 @@ def _split(em: Emitter, factors: tuple[Expr, ...], pre: Expr) -> tuple[list[Expr
         else:
             rest.append(f)
     return g, rest
+
+
+def _elementwise_over(f: Expr, pre: Expr) -> bool:
+    """Whether every node of f above `pre` keeps pre's shape: f is element-wise in pre. A dot product, norm or
+    sum over pre's entries (`sqrt(z·z + 1)`, rmsnorm's `(z·z / d + ε)^(-1/2)`) is not, and G, a function of one
+    entry, would compute `z_m²` for `z·z` (found by differential fuzzing: wrong values, float64 too)."""
+    def visit(n: Expr) -> tuple[bool, bool]:  # (n contains pre, every node from n down to pre keeps its shape)
+        if n == pre:
+            return True, True
+        below = [visit(c) for c in n.children]
+        contains = any(c for c, _ in below)
+        return contains, all(ok for _, ok in below) and (not contains or ir.same_shape(n.shape, pre.shape))
+
+    return visit(f)[1]
+
