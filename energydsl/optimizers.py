@@ -119,6 +119,10 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
     if needs_heads and split is None:
         raise SpecError("`per head` needs a global energy of the form c * sum[k](...) or mean[k](...)",
                         opt.span, _not_a_head_sum(energy))
+    if needs_heads and spec.indices[split[1]].size is None:  # `sum[j]` over the context: no heads to split into
+        raise SpecError(f"`per head` needs a sum over heads, an index with a size (k over heads), but the global "
+                        f"energy sums over `{split[1]}`, which runs over the context", opt.span,
+                        "drop `per head`, or write the energy as sum[k](...) over a head index")
 
     grad_full = gradient(energy, point)
     if ir.is_zero(grad_full):  # `F = 3`, `0 * (z . z)`, `stopgrad(z . z)`: the update would be the identity

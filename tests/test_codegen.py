@@ -700,6 +700,44 @@ def test_a_function_of_the_whole_vector_is_not_fused_as_one_of_each_entry(name: 
     _matches_interpreter(energydsl.load(WHOLE_VECTOR).energy(name), 9, "triton", atol=1e-10)
 
 
+FOUND_BY_FUZZING = """
+energy TiedUntie(d = 4, heads = 2) {
+  dim dh = d / heads
+  state   x[d]
+  context h[j, d] where j <= i
+  param   WQ[heads, dh, d] ~ normal(0, 0.02)
+  param   WK[heads, dh, d] ~ normal(0, 0.02)
+  global  E = -sum[k](logsumexp[j](WQ[k]^T @ (WK[k] @ h[j]) . x))
+  untie   value WQ[k]^T -> Uo[k]
+}
+
+energy NewtonVia(d = 4) {
+  state   x[d] via g = layernorm(x) + delta
+  param   delta[d] ~ zeros()
+  param   W[d, d] ~ normal(0, 0.02)
+  global  E = -(g . (W @ sigmoid(W @ g)))
+  optimizer newton(eta = 0.5, taylor = 1, damping = 1) wrt g
+}
+
+energy NegativeScale(d = 4) {
+  state z[d]
+  context h[j, d] where j <= i
+  param W[d, d] ~ normal(0, 0.3)
+  global F = -logsumexp[j](-0.5 * z . (W @ h[j]))
+}
+"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["TiedUntie", "NewtonVia", "NegativeScale"])
+def test_specs_found_by_differential_fuzzing_compute_the_derived_update(name: str, backend: str) -> None:
+    """TiedUntie: the value's narrowed key and the score's key, one tensor, were two lets, and naming the second
+    renamed the first's line (NameError in forward). NewtonVia: the rewrite merged two terms of a scaled sum
+    (ValueError in codegen). NegativeScale: torch's CPU SDPA gave NaN for a negative scale (torch backend).
+    Values and gradients equal the interpreter's."""
+    _matches_interpreter(energydsl.load(FOUND_BY_FUZZING).energy(name), 7, backend, atol=1e-10)
+
+
 def test_a_vector_times_ones_stays_an_outer_product_where_nothing_else_has_the_shape() -> None:
     """`c (v ⊗ 1)`: no other factor spans the last axis, so `v[..., None]` would be a column, not the matrix."""
     from energydsl.codegen.torch_expr import _broadcast_factors

@@ -175,3 +175,14 @@ def test_misleading_messages_now_say_what_is_wrong(monkeypatch, capsys, tmp_path
     code, _, err = run_main(monkeypatch, capsys, "train", GPT, "--data", "shakespeare_char", "--weight-decay", "nan",
                             "--out", str(tmp_path / "run"))
     assert code == 2 and "--weight-decay must be a number, got nan" in err, err
+
+
+def test_per_head_over_the_context_is_a_spec_error(monkeypatch, capsys, tmp_path) -> None:
+    """`per head` on `sum[j]` over the context took j for the heads: exit 70 in codegen (found by fuzzing)."""
+    spec = tmp_path / "heads.energy"
+    spec.write_text("energy A(d = 4) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+                    "  param W[d, d] ~ normal(0, 0.02)\n  global F = -sum[j]((z . (W @ h[j]))^2)\n"
+                    "  optimizer gd(eta = 1) per head, precondition diag\n}\n")
+    code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "-o", str(tmp_path / "out.py"))
+    assert code == 2 and f"{spec}:6:3: error: `per head` needs a sum over heads" in err, err
+

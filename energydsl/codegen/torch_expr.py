@@ -361,7 +361,8 @@ class Emitter:
         if not v.scalar:
             last = self.lines[-1] if self.lines else ""
             named = Val(e.name, v.axes, v.rank)
-            if last.startswith(f"{v.code} = "):  # name the value itself rather than copying it
+            named_before = any(w.code == v.code for w in self.lets.values())  # another let's name: keep it
+            if last.startswith(f"{v.code} = ") and not named_before:  # name the value itself, not a copy
                 self.lines[-1] = f"{e.name} = " + last[len(v.code) + 3:]
                 self.memo.update({k: named for k, hit in self.memo.items() if hit.code == v.code})
             else:

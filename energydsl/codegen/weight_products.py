@@ -111,7 +111,8 @@ def _scalars_into_weights(e: Expr, original: Expr, context: frozenset[str], uses
     if uses[before] > 1:
         return None
     if isinstance(target, ir.Add):  # s (M a + N b): each product scaled, (s M) a + (s N) b
-        if not isinstance(before, ir.Add) or any(uses[t] > 1 for t in before.terms):
+        if not isinstance(before, ir.Add) or len(before.terms) != len(target.terms) or any(
+                uses[t] > 1 for t in before.terms):  # terms merged by the rewrite below: no pairs to go by
             return None
         terms = [_scaled_product(t, b, scalars, context, uses) for t, b in zip(target.terms, before.terms,
                                                                                strict=True)]
