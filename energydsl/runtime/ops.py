@@ -104,9 +104,9 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor,
     """
     if isinstance(scale, Tensor):  # a learned temperature: fold it into the queries
         q, scale = q * scale, 1.0
-    if scale < 0:  # torch 2.13's CPU SDPA (is_causal) returns NaN on every masked row for a negative scale
-        q, scale = -q, -scale
     if bias is None and not strict:
+        if scale < 0:  # torch 2.13's CPU SDPA with is_causal returns NaN on every masked row for a negative scale
+            q, scale = -q, -scale  # (the explicit-mask path below takes one as it is)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(scale))
     T = q.shape[-2]
     allowed = causal_masks(T, q.device)[1 if strict else 0]
