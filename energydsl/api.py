@@ -21,7 +21,7 @@ from typing import Any
 from . import ir, syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError
-from .ir import Expr, Var, walk
+from .ir import Expr, Var
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
 from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show
 from .semantics import EnergyIR, lower_energy
@@ -91,7 +91,7 @@ class Derived:
         """Rows after the energy written with names for what they repeat, and the names' definitions
         (`where p_k,j = softmax_j(...)`), in place: for reading only."""
         exprs = [e for _, _, e in rows[1:]]
-        taken = {x.name for e in [self.spec.energy, *exprs] for x in walk(e) if isinstance(x, Var)}
+        taken = {x.name for e in [self.spec.energy, *exprs] for x in ir.nodes(e) if isinstance(x, Var)}
         taken |= {str(name) for name in [*self.spec.dims(), *self.program.hyper_values, *self.program.params]}
         context = {i for i, info in self.spec.indices.items() if info.context is not None}
         exprs, lets = name_repeats(exprs, sorted(self.spec.indices, key=lambda i: i in context), context, taken)
@@ -101,12 +101,12 @@ class Derived:
     def tying(self) -> list[str]:
         """Parameters the derived update uses both in its scores and on its value path."""
         from .calculus import untie as untie_fn
-        from .ir import Index, Transpose, walk
+        from .ir import Index, Transpose, nodes
 
         on_path: dict[str, set[str]] = {}  # a param's name: its forms on the value path (`W1_k`, `W1_kᵀ`)
         marker = []
         direction = self.program.tied_direction or self.program.direction
-        for node in walk(unhoist(direction)):
+        for node in nodes(unhoist(direction)):
             if isinstance(node, (Index, Var, Transpose)):
                 marker.append(node)
         params = {n for n in self.program.params}
@@ -121,9 +121,9 @@ class Derived:
         scores: set[str] = set()
         from .ir import Func, Softmax
 
-        for node in walk(unhoist(direction)):
+        for node in nodes(unhoist(direction)):
             if isinstance(node, (Softmax, Func)):
-                for inner in walk(node):
+                for inner in nodes(node):
                     if isinstance(inner, Var) and inner.name in params:
                         scores.add(inner.name)
         return [f"{name} is used in the scores and, as {' / '.join(sorted(forms))}, on the value path "
@@ -209,7 +209,11 @@ class Derived:
             prog = self.program
             params = [(p.name, tuple(map(str, p.shape)), repr(p.init), repr(p.constraint), p.learn)
                       for p in prog.params.values()]
-            text = repr([(a.target.name, unhoist(a.value).key) for a in prog.assigns])
+            values = [unhoist(a.value) for a in prog.assigns]
+            if ir.tree_size(values) <= ir.TEXT_NODES:  # the text every checkpoint and search result holds
+                text = repr([(a.target.name, v.key) for a, v in zip(prog.assigns, values)])
+            else:  # written out, the text would take minutes (a Taylor-2 Newton direction through a norm)
+                text = repr([(a.target.name, ir.fingerprint(v)) for a, v in zip(prog.assigns, values)])
             text += repr((prog.steps, sorted(self.relations().items()), params,
                           sorted((str(k), str(v)) for k, v in prog.hyper_values.items())))
             text += repr(sorted(self.spec.dims().items()))

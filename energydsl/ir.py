@@ -13,6 +13,9 @@ the whole IR.
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+
 import sympy as sp
 
 from .ir_nodes import (
@@ -314,19 +317,100 @@ def reduce(op: str, index: str, body: Expr) -> Expr:
 
 
 def walk(e: Expr):
-    """Pre-order traversal."""
+    """Pre-order traversal of `e` written out as a tree: a shared sub-expression once per path to it."""
     yield e
     for c in e.children:
         yield from walk(c)
 
 
+def nodes(e: Expr):
+    """Each distinct sub-expression of `e` once, pre-order: for what `walk` would only test or collect,
+    without its cost on a DAG (see `occurrences`)."""
+    seen: set[Expr] = set()
+
+    def visit(x: Expr):
+        if x not in seen:
+            seen.add(x)
+            yield x
+            for c in x.children:
+                yield from visit(c)
+
+    return visit(e)
+
+
+def occurrences(roots: list[Expr]) -> Counter[Expr]:
+    """How often each sub-expression occurs in `roots` written out as trees (what counting `walk` gives, in
+    the order `walk` first meets them), computed over the DAG: a Newton direction shares its gradient
+    between Taylor terms, and its tree is exponentially larger than its distinct nodes."""
+    first: dict[Expr, int] = {}  # pre-order of first occurrence, as `walk` meets them
+    finished: list[Expr] = []  # children before parents
+
+    def visit(x: Expr) -> None:
+        if x not in first:
+            first[x] = 0
+            for c in x.children:
+                visit(c)
+            finished.append(x)
+
+    for r in roots:
+        visit(r)
+    for r in roots:
+        first[r] += 1
+    for x in reversed(finished):  # each node's count is complete before it passes it on
+        for c in x.children:
+            first[c] += first[x]
+    return Counter(first)
+
+
+TEXT_NODES = 20_000  # an expression up to this size written out is keyed by its text (`stable_text`)
+
+
+def stable_text(e: Expr) -> str:
+    """A text for content hashes (cache keys, equation hashes), the same in every process: `repr(e.key)` for
+    an expression of at most `TEXT_NODES` nodes written out (the form hashes held before), its DAG's
+    `fingerprint` beyond (written out, a Taylor-2 Newton direction through a norm took minutes)."""
+    return repr(e.key) if e.tree_size <= TEXT_NODES else f"dag:{fingerprint(e)}"
+
+
+def tree_size(roots: list[Expr]) -> int:
+    """The number of nodes `roots` have written out as trees (what `walk` would visit)."""
+    return sum(r.tree_size for r in roots)
+
+
+def fingerprint(e: Expr) -> str:
+    """A digest of `e`'s structure that is the same in every process (unlike `hash`), computed over the DAG:
+    each node's from its type, its plain fields and its children's digests."""
+    memo: dict[int, str] = {}
+
+    def digest(x: Expr) -> str:
+        hit = memo.get(id(x))
+        if hit is None:
+            fields = [digest(c) if isinstance(c, Expr) else [digest(y) for y in c] if isinstance(c, tuple)
+                      and c and isinstance(c[0], Expr) else repr(c) for c in x._fields()]
+            hit = memo[id(x)] = hashlib.sha256(repr((type(x).__name__, fields)).encode()).hexdigest()
+        return hit
+
+    return digest(e)
+
+
 def substitute(e: Expr, mapping: dict[Expr, Expr]) -> Expr:
-    """Replace sub-expressions (structural match), rebuilding through the smart constructors."""
-    if e in mapping:
-        return mapping[e]
-    if not e.children:
-        return e
-    return rebuild(e, [substitute(c, mapping) for c in e.children])
+    """Replace sub-expressions (structural match), rebuilding through the smart constructors; each shared
+    sub-expression once."""
+    memo: dict[int, Expr] = {}
+
+    def visit(x: Expr) -> Expr:
+        hit = memo.get(id(x))
+        if hit is None:
+            if x in mapping:
+                hit = mapping[x]
+            elif not x.children:
+                hit = x
+            else:
+                hit = rebuild(x, [visit(c) for c in x.children])
+            memo[id(x)] = hit
+        return hit
+
+    return visit(e)
 
 
 def rebuild(e: Expr, kids: list[Expr]) -> Expr:

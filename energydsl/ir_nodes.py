@@ -21,6 +21,34 @@ class ShapeError(Exception):
 Shape = tuple[sp.Expr, ...]
 
 
+KEY_COMPARE_NODES = 10_000  # larger expressions are compared node pair by node pair (`_same_dag`)
+
+
+def _same_dag(a: Expr, b: Expr) -> bool:
+    """Structural equality visiting each pair of nodes once: comparing `key`s compares two DAGs built apart
+    as trees, exponential in their depth of sharing (a Newton direction loaded twice)."""
+    equal: set[tuple[int, int]] = set()
+
+    def same(x: Expr, y: Expr) -> bool:
+        if x is y or (id(x), id(y)) in equal:
+            return True
+        if type(x) is not type(y) or x._hash != y._hash:
+            return False
+        for f, g in zip(x._fields(), y._fields(), strict=True):
+            if isinstance(f, Expr):
+                if not (isinstance(g, Expr) and same(f, g)):
+                    return False
+            elif isinstance(f, tuple) and f and isinstance(f[0], Expr):
+                if not (isinstance(g, tuple) and len(f) == len(g) and all(same(p, q) for p, q in zip(f, g))):
+                    return False
+            elif f != g:
+                return False
+        equal.add((id(x), id(y)))
+        return True
+
+    return same(a, b)
+
+
 @dataclass(frozen=True, eq=False)
 class Expr:
     """Base class. Equality is structural (via `key`), hashing is cached.
@@ -43,12 +71,27 @@ class Expr:
 
     @cached_property
     def _hash(self) -> int:
-        return hash(self.key)
+        """From the children's cached hashes: `hash(self.key)` would rehash the whole nested key, every
+        shared subtree once per path to it (exponential in a Newton direction's depth of sharing)."""
+        return hash((type(self).__name__,) + tuple(
+            (c._hash if isinstance(c, Expr) else tuple(x._hash for x in c) if isinstance(c, tuple)
+             and c and isinstance(c[0], Expr) else c)
+            for c in self._fields()
+        ))
+
+    @cached_property
+    def tree_size(self) -> int:
+        """Nodes written out as a tree: each shared sub-expression once per path to it."""
+        return 1 + sum(c.tree_size for c in self.children)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
-        return isinstance(other, Expr) and self._hash == other._hash and self.key == other.key
+        if not isinstance(other, Expr) or self._hash != other._hash:
+            return False
+        if self.tree_size <= KEY_COMPARE_NODES:
+            return self.key == other.key  # at C speed
+        return _same_dag(self, other)
 
     def __hash__(self) -> int:
         return self._hash

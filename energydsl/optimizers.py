@@ -377,8 +377,7 @@ def _preconditioner_matrix(spec: EnergyIR, params: dict[str, ParamSpec], head: s
     return get("P_M")
 
 
-def _state_dependent(e: Expr) -> bool:
-    return any(isinstance(n, Var) and n.role in ("state", "leaf", "aux") for n in ir.walk(e))
+_STATE_ROLES = ("state", "leaf", "aux")
 
 
 def _worth_hoisting(e: Expr) -> bool:
@@ -387,20 +386,37 @@ def _worth_hoisting(e: Expr) -> bool:
 
 
 def _hoist(e: Expr, hoisted: list[Let]) -> Expr:
-    """Name the largest state-independent sub-expressions (keys, values, gates): computed once."""
+    """Name the largest state-independent sub-expressions (keys, values, gates): computed once.
+
+    Both walks are memoised per node: the IR is a DAG (a Newton direction shares its gradient between
+    Taylor terms), and a tree walk of a Taylor-2 direction through a norm visited millions of nodes.
+    """
     known = {h.body: h for h in hoisted}
+    dependent: dict[int, bool] = {}
+    memo: dict[int, Expr] = {}
+
+    def state_dependent(x: Expr) -> bool:
+        hit = dependent.get(id(x))
+        if hit is None:
+            hit = isinstance(x, Var) and x.role in _STATE_ROLES or any(state_dependent(c) for c in x.children)
+            dependent[id(x)] = hit
+        return hit
 
     def visit(x: Expr) -> Expr:
         if isinstance(x, (Var, ir.Scalar, ir.Pos, Let, ir.Index, ir.Ones, ir.Identity, ir.Count)):
             return x
-        if not _state_dependent(x) and _worth_hoisting(x):
-            if x in known:
-                return known[x]
-            let = Let(f"c{len(hoisted)}", x)
-            hoisted.append(let)
-            known[x] = let
-            return let
-        return ir.rebuild(x, [visit(c) for c in x.children])
+        hit = memo.get(id(x))
+        if hit is not None:
+            return hit
+        if not state_dependent(x) and _worth_hoisting(x):
+            out = known.get(x)
+            if out is None:
+                out = known[x] = Let(f"c{len(hoisted)}", x)
+                hoisted.append(out)
+        else:
+            out = ir.rebuild(x, [visit(c) for c in x.children])
+        memo[id(x)] = out
+        return out
 
     return visit(e)
 

@@ -385,12 +385,9 @@ def name_repeats(exprs: list[ir.Expr], index_order: list[str], context: set[str]
         return printed[x]
 
     while True:
-        counts: dict[ir.Expr, int] = {}
-        for e in [*exprs, *(body for body, _ in lets)]:
-            for x in ir.walk(e):
-                if x.children and not _is_name(x):
-                    counts[x] = counts.get(x, 0) + 1
-        repeats = [(size(x), x) for x, n in counts.items() if n > 1 and not isinstance(x, ir.Scalar)]
+        counts = ir.occurrences([*exprs, *(body for body, _ in lets)])
+        repeats = [(size(x), x) for x, n in counts.items()
+                   if n > 1 and x.children and not _is_name(x) and not isinstance(x, ir.Scalar)]
         repeats = [(size, x) for size, x in repeats if size >= min_chars]
         if not repeats:
             break
@@ -446,7 +443,16 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
         s = p(x)
         return s if atomic(x) else st.paren(s)
 
+    memo: dict[int, tuple[ir.Expr, str]] = {}  # x kept alive with its text: `printed` makes temporary nodes
+
     def p(x: ir.Expr) -> str:
+        """Each shared sub-expression printed once (`printed`: the IR is a DAG)."""
+        hit = memo.get(id(x))
+        if hit is None:
+            hit = memo[id(x)] = (x, printed(x))
+        return hit[1]
+
+    def printed(x: ir.Expr) -> str:
         match x:
             case ir.Scalar():
                 return st.scalar(by_name(x.value))

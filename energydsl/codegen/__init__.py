@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import ir
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -48,8 +50,8 @@ def cache_key(derived: Derived, backend: str) -> str:
     """The generated file's key. Besides the update (`equation_hash`), what its docstring's derivation shows:
     the energy, its norm and gradient and the tied direction, as IR keys (no printing before a cache hit)."""
     prog, spec = derived.program, derived.spec
-    shown = repr([e.key for e in (spec.energy, spec.via[1] if spec.via else None, prog.gradient,
-                                  prog.tied_direction) if e is not None])
+    shown = repr([ir.stable_text(e) for e in (spec.energy, spec.via[1] if spec.via else None, prog.gradient,
+                                              prog.tied_direction) if e is not None])
     text = f"{derived.equation_hash()}|{spec.name}|{backend}|{generator_version()}|{shown}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 

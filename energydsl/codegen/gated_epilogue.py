@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 def fused_gate(em: Emitter, e: ir.Mul) -> Val | None:
     """`e` as value * G(pre) on generated gated kernels, trying the innermost pre-activation first (so that
     `exp(-z²)` fuses whole); None where no factor is a printable function of one token tensor of e's shape."""
-    candidates = [n for f in e.factors for fn in ir.walk(f) if isinstance(fn, ir.Func) for n in ir.walk(fn.arg)]
+    candidates = [n for f in e.factors for fn in ir.nodes(f) if isinstance(fn, ir.Func) for n in ir.nodes(fn.arg)]
     for pre in reversed(list(dict.fromkeys(candidates))):
         axes = token_axes(pre, em.indices)
         if not ir.same_shape(pre.shape, e.shape) or BATCH not in axes:
             continue  # not a token tensor of the product's shape (parameters alone are not worth a kernel)
         g_factors, rest = _split(em, e.factors, pre)
-        if not any(isinstance(n, ir.Func) for f in g_factors for n in ir.walk(f)):
+        if not any(isinstance(n, ir.Func) for f in g_factors for n in ir.nodes(f)):
             continue  # nothing to fuse: a plain product
         rest_expr = ir.mul(*rest) if rest else None
         if rest_expr is not None and (token_axes(rest_expr, em.indices) != axes
@@ -67,7 +67,7 @@ def _split(em: Emitter, factors: tuple[Expr, ...], pre: Expr) -> tuple[list[Expr
         except ir.ShapeError:
             h = None
         if h is not None and all(n == VAR or (isinstance(n, ir.Scalar) and _number(n.value, em.scalars) is not None)
-                                 for n in ir.walk(h) if not n.children):
+                                 for n in ir.nodes(h) if not n.children):
             g.append(h)
         else:
             rest.append(f)
@@ -78,12 +78,19 @@ def _elementwise_over(f: Expr, pre: Expr) -> bool:
     """Whether every node of f above `pre` keeps pre's shape: f is element-wise in pre. A dot product, norm or
     sum over pre's entries (`sqrt(z·z + 1)`, rmsnorm's `(z·z / d + ε)^(-1/2)`) is not, and G, a function of one
     entry, would compute `z_m²` for `z·z` (found by differential fuzzing: wrong values, float64 too)."""
+    memo: dict[int, tuple[bool, bool]] = {}  # each shared node once (the IR is a DAG)
+
     def visit(n: Expr) -> tuple[bool, bool]:  # (n contains pre, every node from n down to pre keeps its shape)
-        if n == pre:
-            return True, True
-        below = [visit(c) for c in n.children]
-        contains = any(c for c, _ in below)
-        return contains, all(ok for _, ok in below) and (not contains or ir.same_shape(n.shape, pre.shape))
+        hit = memo.get(id(n))
+        if hit is None:
+            if n == pre:
+                hit = True, True
+            else:
+                below = [visit(c) for c in n.children]
+                contains = any(c for c, _ in below)
+                hit = contains, all(ok for _, ok in below) and (not contains or ir.same_shape(n.shape, pre.shape))
+            memo[id(n)] = hit
+        return hit
 
     return visit(f)[1]
 

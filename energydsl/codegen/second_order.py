@@ -266,7 +266,7 @@ def collect_expanded_sums(em: Emitter, e: Expr) -> Expr:
             return done[node]
         out = node if not node.children else ir.rebuild(node, [visit(c) for c in node.children])
         if isinstance(out, ir.Add) and not _context_indices(em, out) and any(
-                isinstance(n, ir.Reduce) and _is_context_sum(em, n) for n in ir.walk(out)):
+                isinstance(n, ir.Reduce) and _is_context_sum(em, n) for n in ir.nodes(out)):
             out = _collected(em, out, polys) or out
         done[node] = out
         return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
@@ -148,10 +149,21 @@ def coefficient(e: Expr, var: ir.Var) -> sp.Expr | None:
 def simplify(e: Expr, numbers: dict[sp.Symbol, float] | None = None) -> Expr:
     """Codegen-only rewrites: abs(x) * sign(x) = x (everywhere, 0 included), from d|x|²/dx; and, given the
     values of the fixed hyper-parameters (`numbers`), a constant times a sum distributed over it where a term
-    then cancels (`x - η (x - a)` is `a` at η = 1: the modern Hopfield step)."""
-    if not e.children:
-        return e
-    e = ir.rebuild(e, [simplify(c, numbers) for c in e.children])
+    then cancels (`x - η (x - a)` is `a` at η = 1: the modern Hopfield step). Each shared node once."""
+    memo: dict[int, Expr] = {}
+
+    def visit(x: Expr) -> Expr:
+        hit = memo.get(id(x))
+        if hit is None:
+            hit = memo[id(x)] = _simplified(x, numbers, visit) if x.children else x
+        return hit
+
+    return visit(e)
+
+
+def _simplified(e: Expr, numbers: dict[sp.Symbol, float] | None, visit: Callable[[Expr], Expr]) -> Expr:
+    """`simplify` at one node, its children simplified by `visit`."""
+    e = ir.rebuild(e, [visit(c) for c in e.children])
     if isinstance(e, ir.Add) and numbers is not None and (cancelled := _distributed_if_it_cancels(e, numbers)):
         return cancelled
     if isinstance(e, ir.Mul):

@@ -157,16 +157,24 @@ def weights_first(e: Expr, size: Callable[[sp.Expr], int], context: frozenset[st
     Sums over the context (the indices in `context`) are left whole: there the lowering moves a weight out of
     the sum instead (`Σ_j p_ij W_Qᵀ W_K h_j = W_Qᵀ Σ_j p_ij W_K h_j`, attention at the head width), which
     joining W_Qᵀ W_K into one matrix would undo."""
-    everywhere = Counter(ir.walk(e))
+    everywhere = ir.occurrences([e])
+    memo: dict[int, Expr] = {}  # each shared node rewritten once (the IR is a DAG)
 
     def rewrite(e: Expr) -> Expr:
+        hit = memo.get(id(e))
+        if hit is None:
+            hit = memo[id(e)] = rewritten(e)
+        return hit
+
+    def rewritten(e: Expr) -> Expr:
         if isinstance(e, (ir.Reduce, ir.Softmax)) and e.index in context:
             return _map_out_of_context_sum(e, size) or e
         form = _linear_form(e) if not e.free & context else None
         if form is not None:
             m, v, products = form
-            inside = Counter(n for n in ir.walk(e) if n in products)
-            saved = sum(size(p.a.shape[0]) * size(p.a.shape[1]) for p in products if inside[p] == everywhere[p])
+            inside = ir.occurrences([e])
+            saved = sum(size(p.a.shape[0]) * size(p.a.shape[1]) for p in products
+                        if inside[p] == everywhere[p])
             if len(products) > 1 and size(m.shape[0]) * size(m.shape[1]) <= saved:
                 return ir.MatMul(m, v)
         if not e.children:

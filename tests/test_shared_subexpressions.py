@@ -1,0 +1,128 @@
+"""Derived updates are DAGs: passes over them visit each shared node once.
+
+A Newton direction's Hessian-vector products reuse the gradient, so its tree, written out, is exponentially
+larger than its distinct nodes (tests/data/newton-through-a-norm.energy: millions of nodes). Derive, print,
+hash and compile each walked it as a tree: over 5 minutes to derive, 9 to print, 9 to compile. Each test
+below is guarded by an alarm, so that a pass gone exponential again fails instead of hanging the suite.
+"""
+
+import contextlib
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import sympy as sp
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import energydsl  # noqa: E402
+from energydsl import ir  # noqa: E402
+from energydsl.codegen import energy_source, module_class  # noqa: E402
+from energydsl.codegen.gated_epilogue import _elementwise_over  # noqa: E402
+from energydsl.codegen.torch_expr import simplify  # noqa: E402
+from energydsl.instance import instance_from_params, run_program  # noqa: E402
+from energydsl.optimizers import _hoist  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPTH = 48  # 2^48 nodes written out: a tree walk never finishes
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Fail (not hang) when the body takes longer than `seconds`: a guard against exponential work, with a
+    wide margin over what the body takes, not a timing."""
+    def expired(*_):
+        raise TimeoutError(f"took over {seconds} s: a pass walks the DAG as a tree")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _deep(x: ir.Expr, depth: int) -> ir.Expr:
+    """e_{n+1} = tanh(e_n) ⊙ e_n: each level reads the one below twice."""
+    e = x
+    for _ in range(depth):
+        e = ir.mul(ir.func("tanh", e), e)
+    return e
+
+
+X = ir.Var("x", "state", (sp.Integer(4),))
+Y = ir.Var("y", "state", (sp.Integer(4),))
+
+
+def test_counts_and_nodes_agree_with_the_tree_walk():
+    e = _deep(X, 4)
+    assert ir.occurrences([e, e]) == Counter(ir.walk(e)) + Counter(ir.walk(e))
+    assert list(ir.occurrences([e])) == list(dict.fromkeys(ir.walk(e)))  # in the order walk meets them
+    assert list(ir.nodes(e)) == list(dict.fromkeys(ir.walk(e)))
+
+
+def test_a_deep_dag_is_hashed_counted_fingerprinted_and_substituted_once_per_node():
+    with within(20):
+        e = _deep(X, DEPTH)
+        assert hash(e) == hash(_deep(X, DEPTH))  # (== of two such DAGs built apart compares their keys, trees)
+        assert ir.occurrences([e])[X] == 2**DEPTH and ir.tree_size([e]) > 2**DEPTH
+        assert ir.fingerprint(e) == ir.fingerprint(_deep(X, DEPTH)) != ir.fingerprint(_deep(X, DEPTH - 1))
+        assert ir.fingerprint(e) != ir.fingerprint(_deep(Y, DEPTH))
+        swapped = ir.substitute(e, {X: Y})
+        assert ir.fingerprint(swapped) == ir.fingerprint(_deep(Y, DEPTH)) and X not in set(ir.nodes(swapped))
+
+
+def test_codegen_and_hoisting_passes_visit_a_deep_dag_once_per_node():
+    with within(20):
+        e = _deep(X, DEPTH)
+        assert ir.fingerprint(simplify(e)) == ir.fingerprint(e)
+        assert _elementwise_over(e, X)
+        assert not _elementwise_over(ir.func("sqrt", ir.dot(e, e)), X)  # a dot over its entries is not
+        w = ir.Var("W", "param", (sp.Integer(4), sp.Integer(4)))
+        weights = ir.matmul(w, _deep(ir.Var("c", "param", (sp.Integer(4),)), DEPTH))
+        hoisted: list[ir.Let] = []
+        out = _hoist(ir.mul(weights, e), hoisted)  # the parameters' part is named, once
+        assert len(hoisted) == 1 and ir.fingerprint(hoisted[0].body) == ir.fingerprint(weights)
+        assert hoisted[0] in set(ir.nodes(out))
+
+
+def test_a_taylor_two_newton_step_through_a_norm_derives_prints_hashes_and_compiles():
+    spec = energydsl.load(ROOT / "tests/data/newton-through-a-norm.energy")
+    with within(120):
+        derived = spec.energy()
+        text = derived.equations()
+    assert "direction" in text and "where" in text  # its repeats are named, so it prints in a page
+    assert len(text) < 20_000
+    with within(60):
+        digest = derived.equation_hash()
+    assert digest == energydsl.load(ROOT / "tests/data/newton-through-a-norm.energy").energy().equation_hash()
+    with within(120):
+        source = energy_source(derived, "triton")
+    assert "@triton.jit" in source  # the gated epilogue (GELU′) is fused
+
+
+def test_the_generated_newton_step_through_a_norm_computes_the_derived_update():
+    """float64 against the interpreter: the displacement and the gradients of x and every parameter."""
+    derived = energydsl.load(ROOT / "tests/data/newton-through-a-norm.energy").energy()
+    torch.manual_seed(0)
+    for backend in ("torch", "triton"):
+        module = module_class(derived, backend)().double()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        x = module.example_input(2, 5).double().requires_grad_()
+        params = list(module.parameters())
+        raw = dict(module.named_parameters()) | dict(module.named_buffers())
+        got = module(x, delta=True)
+        want = run_program(derived.program, instance_from_params(derived.program, raw, x)) - x
+        w = torch.randn_like(got)
+        grads = torch.autograd.grad((got * w).sum(), [x, *params])
+        ref = torch.autograd.grad((want * w).sum(), [x, *params])
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+        for name, a, b in zip(["x", *(n for n, _ in module.named_parameters())], grads, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=lambda m, n=f"{backend} {name}": f"{n}: {m}")
+        assert want.abs().max() > 1e-3
