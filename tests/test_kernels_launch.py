@@ -295,3 +295,18 @@ def test_heads_of_one_wide_projection_need_no_copy(family: str) -> None:
     expected.backward(do)
     for got, want in ((out, expected), (wide.grad, dense.grad)):
         assert (got - want).norm() <= 1e-6 * want.norm()
+
+
+def test_autocast_inputs_casts_as_autocast_does_and_keeps_ties() -> None:
+    """In autocast's dtype under autocast (float32 and half alike), float64 and integers left as autocast leaves
+    them, tied tensors (v is k) one cast; outside autocast the very tensors given."""
+    from energydsl.kernels.launch import autocast_inputs
+
+    q, k = torch.randn(2, 3), torch.randn(2, 3)
+    wide, ints = torch.randn(2, dtype=torch.float64), torch.arange(3)
+    assert all(a is b for a, b in zip(autocast_inputs(q, k, k, None), (q, k, k, None)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cq, ck, cv, none, cw, ci = autocast_inputs(q, k, k, None, wide, ints)
+        assert (cq.dtype, ck.dtype) == (torch.bfloat16, torch.bfloat16) and cv is ck and none is None
+        assert cw is wide and ci is ints
+        assert autocast_inputs(q.half())[0].dtype == torch.bfloat16

@@ -343,6 +343,37 @@ def test_model_runs_on_kernels_with_same_state_dict() -> None:
         assert _rel(x, y) < 1e-3, n
 
 
+AUTOCAST = [  # energies whose q, k and v reach the kernels in different dtypes under bfloat16 autocast
+    ("models/cem.energy", "CEMAttention"),  # keys: cat(projection (bf16), rms_norm(h) (fp32)) -> fp32
+    ("intrinsic-optimizers/softmax-attention.energy", "SoftmaxAttention"),  # q = W z (bf16), k = v = h (fp32)
+    ("intrinsic-optimizers/softmax-attention-l2.energy", "SoftmaxAttentionL2"),
+    ("intrinsic-optimizers/linear-attention.energy", "LinearAttention"),
+    ("intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention"),
+    ("intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"),  # the second moment
+    ("cem/kq-diagonal-score-only.energy", "CEMKQDiagonalScoreOnly"),
+    ("../tests/data/weighted-context-sums.energy", "SigmoidAttention"),  # the pointwise kernels
+]
+
+
+@pytest.mark.parametrize("path,name", AUTOCAST, ids=[n for _, n in AUTOCAST])
+def test_layers_run_under_bfloat16_autocast_as_the_torch_backend(path: str, name: str) -> None:
+    """Under autocast, the kernels take q, k and v in autocast's dtype, as torch's attention does: a projection
+    (bf16) beside a raw context or a norm (fp32) was refused ("q, k, v must share a dtype"), so `energy train
+    --backend triton --dtype bfloat16` stopped with an internal error."""
+    derived = load(ROOT / "examples" / path).energy(name)
+    torch.manual_seed(0)
+    ref = module_class(derived, "torch")().to(DEVICE)
+    tri = module_class(derived, "triton")().to(DEVICE)
+    tri.load_state_dict(ref.state_dict())
+    x = ref.example_input(2, 13).to(DEVICE)
+    w = torch.randn(x.shape, device=DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        want, got = _run(ref, x, w), _run(tri, x, w)
+    assert got[0].dtype == want[0].dtype
+    for label, g, r in zip(["delta", "x"] + [n for n, _ in ref.named_parameters()], got, want):
+        assert _rel(g, r) < 0.05, f"{name} {label}: {_rel(g, r):.2e}"  # bfloat16 has 8 bits of mantissa
+
+
 def test_bias_forms_reach_the_kernel_flags() -> None:
     """ALiBi, the self-token bias and per-key biases become kernel arguments, not a T x T mask."""
     src = energy_source(load(ROOT / "examples/cem/alibi.energy").energy("CEMAlibiAttention"), "triton")

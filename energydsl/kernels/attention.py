@@ -41,6 +41,7 @@ from .attention_ref import energy_attention_lse_ref, weighted_second_moment_ref
 from .attention_wide_kernels import _bwd_dkdv_wide_kernel, _bwd_dq_wide_kernel, _fwd_wide_kernel
 from .launch import (
     INTERPRET,
+    autocast_inputs,
     cdiv,
     dot_precision,
     empty_grad,
@@ -51,6 +52,7 @@ from .launch import (
     launch_options,
     maybe_autotune,
     next_power_of_2,
+    no_autocast,
     refuse_unbaked,
     register_op,
     wrap_triton,
@@ -479,11 +481,13 @@ class AttentionOps:
         lse is what `weighted_second_moment` needs to recompute the same softmax without a second online pass.
         Rows with no admissible key (strict row 0) have o = 0 and lse = 0.
         """
+        q, k, v = autocast_inputs(q, k, v)
         if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
-            o, lse = self.energy_attention_with_lse(
-                q.float(), k.float(), v.float(), scale=scale, strict=strict, alibi_slopes=alibi_slopes,
-                self_bias=self_bias, key_bias=key_bias,
-            )
+            with no_autocast(q):
+                o, lse = self.energy_attention_with_lse(
+                    q.float(), k.float(), v.float(), scale=scale, strict=strict, alibi_slopes=alibi_slopes,
+                    self_bias=self_bias, key_bias=key_bias,
+                )
             return o.to(v.dtype), lse
         q, k, v, alibi_slopes, self_bias, key_bias = self._check(
             q, k, v, strict, False, alibi_slopes, self_bias, key_bias
@@ -540,11 +544,13 @@ class AttentionOps:
         Jacobian (as if p were recomputed from scratch) and lse itself receives none, so passing a
         differentiable lse does not count anything twice.
         """
+        q, k, v, u = autocast_inputs(q, k, v, u)
         if INTERPRET and q.dtype == torch.bfloat16:  # as in energy_attention_with_lse
-            return self.weighted_second_moment(
-                q.float(), k.float(), v.float(), lse, u.float(), scale=scale, strict=strict,
-                alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias,
-            ).to(v.dtype)
+            with no_autocast(q):
+                return self.weighted_second_moment(
+                    q.float(), k.float(), v.float(), lse, u.float(), scale=scale, strict=strict,
+                    alibi_slopes=alibi_slopes, self_bias=self_bias, key_bias=key_bias,
+                ).to(v.dtype)
         q, k, v, alibi_slopes, self_bias, key_bias = self._check(
             q, k, v, strict, True, alibi_slopes, self_bias, key_bias
         )

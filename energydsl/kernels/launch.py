@@ -229,6 +229,28 @@ def next_power_of_2(n: int) -> int:
 # and dense where an input is a column view, so that no gradient carries the wide product's gaps.
 
 
+def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Under autocast, the float32 and half inputs in autocast's dtype, as torch's own attention and matmuls
+    take them there (float64 is left, as autocast leaves it); unchanged outside autocast. A generated layer's
+    q, k and v can come from ops autocast treats differently (a projection in bfloat16, a norm or a
+    concatenation in float32), and the kernels take one dtype. Tied inputs (v is k) stay tied."""
+    kind = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    cast: dict[int, Tensor] = {}
+    for t in tensors:
+        if t is not None and id(t) not in cast:
+            cast[id(t)] = t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+    return tuple(None if t is None else cast[id(t)] for t in tensors)
+
+
+def no_autocast(like: Tensor) -> AbstractContextManager[None]:
+    """Autocast off on `like`'s device: for an op that calls itself again on inputs it has cast (the
+    interpreter's float32 stand-in for bfloat16), which `autocast_inputs` would otherwise cast back."""
+    return torch.autocast(like.device.type, enabled=False)
+
+
 def kernel_layout(t: Tensor) -> Tensor:
     """t itself if its features are adjacent (any batch, head and row strides), else a contiguous copy. Also a
     copy where rows would overflow the kernels' 32-bit row offsets (T row strides past 2^31); batch and head

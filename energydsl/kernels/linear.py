@@ -48,6 +48,7 @@ from torch import Tensor
 from . import kernels_take, op_set
 from .launch import (
     INTERPRET,
+    autocast_inputs,
     cdiv,
     dot_precision,
     empty_grad,
@@ -57,6 +58,7 @@ from .launch import (
     launch_options,
     maybe_autotune,
     next_power_of_2,
+    no_autocast,
     refuse_unbaked,
     register_op,
     wrap_triton,
@@ -516,6 +518,7 @@ class LinearAttentionOps:
         (gamma_ij = a_h^(i-j)); it must be <= 0 for the chunked form to be overflow-free. Differentiable in
         q, k, v and log_decay.
         """
+        q, k, v = autocast_inputs(q, k, v)
         if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
             raise ValueError(
                 f"expected q, k (B,H,T,Dk) and v (B,H,T,Dv); got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -526,8 +529,9 @@ class LinearAttentionOps:
         call = dict(HAS_DECAY=log_decay is not None, STRICT=strict)
         refuse_unbaked(self.name, self.baked, call)
         if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
-            return self.linear_attention(q.float(), k.float(), v.float(), scale=scale, log_decay=log_decay,
-                                         strict=strict).to(v.dtype)
+            with no_autocast(q):
+                return self.linear_attention(q.float(), k.float(), v.float(), scale=scale, log_decay=log_decay,
+                                             strict=strict).to(v.dtype)
         B, H, T, _ = q.shape
         if log_decay is not None:
             if log_decay.shape == (H,):

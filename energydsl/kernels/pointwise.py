@@ -32,6 +32,7 @@ from . import MAX_HEAD_DIM, kernels_take, op_set
 from .attention_configs import AUTOTUNE_CONFIGS, _configs, tune_bucket
 from .launch import (
     INTERPRET,
+    autocast_inputs,
     cdiv,
     dot_precision,
     empty_grad,
@@ -41,6 +42,7 @@ from .launch import (
     launch_options,
     maybe_autotune,
     next_power_of_2,
+    no_autocast,
     refuse_unbaked,
     register_op,
     wrap_triton,
@@ -193,6 +195,7 @@ class PointwiseOps:
         q, k: (B, H, T, Dk); v: (B, H, T, Dv), may be `k`; row_bias, key_bias: (B, H, T); alibi_slopes,
         self_bias: (H,). Differentiable in all of them.
         """
+        q, k, v = autocast_inputs(q, k, v)
         if q.dim() != 4 or k.shape != q.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
             raise ValueError(f"expected q, k (B,H,T,Dk) and v (B,H,T,Dv); got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -203,9 +206,10 @@ class PointwiseOps:
         call = _flags(strict, row_bias, key_bias, alibi_slopes, self_bias)
         refuse_unbaked(self.name, self.baked, call)
         if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's tl.dot misreads bf16 (triton#11584)
-            return self.pointwise_attention(q.float(), k.float(), v.float(), scale=scale, strict=strict,
-                                            row_bias=row_bias, key_bias=key_bias, alibi_slopes=alibi_slopes,
-                                            self_bias=self_bias).to(v.dtype)
+            with no_autocast(q):
+                return self.pointwise_attention(q.float(), k.float(), v.float(), scale=scale, strict=strict,
+                                                row_bias=row_bias, key_bias=key_bias, alibi_slopes=alibi_slopes,
+                                                self_bias=self_bias).to(v.dtype)
         if not self.wide and max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
             raise ValueError(f"{self.name} takes head dims up to {MAX_HEAD_DIM} (wider ones take the wide kernels, "
                              f"`pointwise_wide_ops`); got {q.shape[-1]}, {v.shape[-1]}")
