@@ -323,6 +323,23 @@ def test_resuming_with_changed_settings_says_so_or_refuses(text_dataset, tmp_pat
     assert {"kind": "resumed", "step": 10, "changed": {"steps": [10, 20], "lr": [0.003, 0.001]}} in rows
 
 
+def test_a_resumed_run_trains_with_its_own_weight_decay_and_betas(text_dataset, tmp_path):
+    """The moments come back from the checkpoint, the settings do not: a changed --weight-decay that a
+    resume announces is the one it applies (load_state_dict brought back the saved one)."""
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=4, weight_decay=0.1), tmp_path,
+          metadata=META, progress=False)
+    saved = torch.load(tmp_path / "last.optim.pt", weights_only=True)["optimizer"]
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]
+    result = train(tiny_gpt(text_dataset.vocab_size), text_dataset,
+                   config(steps=6, weight_decay=0.0, betas=(0.8, 0.95)), tmp_path, metadata=META, progress=False)
+    assert result["resumed_from"] == 4
+    groups = torch.load(tmp_path / "last.optim.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0]
+    assert [tuple(g["betas"]) for g in groups] == [(0.8, 0.95)] * 2
+    assert saved["state"][0]["step"] < torch.load(tmp_path / "last.optim.pt", weights_only=True)[
+        "optimizer"]["state"][0]["step"]  # the moments went on from the checkpoint's
+
+
 def test_no_resume_when_disabled_and_other_model_refused(text_dataset, tmp_path):
     cfg = config(steps=10)
     train(tiny_gpt(text_dataset.vocab_size), text_dataset, cfg, tmp_path, metadata=META, progress=False)

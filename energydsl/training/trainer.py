@@ -349,7 +349,12 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
                  "or pass --fresh (resume=False) to start over")
     changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
     model.load_state_dict(weights)
+    # the moments resume, the settings are this run's: load_state_dict would bring back the saved weight decay,
+    # betas and fused flag (a changed --weight-decay was announced and not applied)
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(extra["optimizer"])
+    for group, now in zip(optimizer.param_groups, settings, strict=True):
+        group.update(now)
     if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
         scaler.load_state_dict(extra["scaler"])
     generator.set_state(extra["rng"]["batches"])
