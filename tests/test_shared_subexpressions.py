@@ -126,3 +126,15 @@ def test_the_generated_newton_step_through_a_norm_computes_the_derived_update():
         for name, a, b in zip(["x", *(n for n, _ in module.named_parameters())], grads, ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=lambda m, n=f"{backend} {name}": f"{n}: {m}")
         assert want.abs().max() > 1e-3
+
+
+def test_printing_each_node_once_keeps_the_temporary_nodes_it_prints_apart():
+    """`show` memoises per node; the sign it takes out of a coefficient makes a temporary node, which must
+    not share a memo entry with a later temporary at the same address (the Energy Transformer's `− 1/2 ⟨…⟩`
+    printed as `− sqrt(d)/sqrt(heads) ⟨…⟩` while the memo was keyed by address alone)."""
+    from energydsl.printing import show
+
+    terms = [ir.mul(ir.Scalar(sp.Rational(-k, 97)), ir.Var(f"v{k}", "state", (sp.Integer(4),))) for k in range(1, 60)]
+    text = show(ir.add(*terms))
+    for k in range(1, 60):
+        assert f"({sp.Rational(k, 97)}) v{k}" in text or f"{sp.Rational(k, 97)} v{k}" in text, (k, text[:300])
