@@ -46,6 +46,7 @@ from .ir import (
     matmul,
     mul,
     neg,
+    nodes,
     outer,
     power,
     rebuild,
@@ -53,7 +54,6 @@ from .ir import (
     scalar,
     sum_all,
     transpose,
-    walk,
 )
 
 
@@ -159,7 +159,7 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
     total: Expr = ZERO
     # the context's index innermost, whatever the indices are called: Σ_k W_kᵀ Σ_j p_kj v_kj, the form the
     # kernels recognise, for `sum[head](logsumexp[j](...))` as for `sum[k](...)`
-    context = {x.index for x in walk(f) if (isinstance(x, Pos) or isinstance(x, Var) and x.role == "context")
+    context = {x.index for x in nodes(f) if (isinstance(x, Pos) or isinstance(x, Var) and x.role == "context")
                and x.index}
     for part, bound in parts:
         # summed over its free indices and the reductions around it: a contribution without a reduction's
@@ -183,7 +183,7 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
             case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad():
                 return ZERO
             case Index():
-                if any(isinstance(y, Var) and y.name == wrt.name and y.role == wrt.role for y in walk(x)):
+                if any(isinstance(y, Var) and y.name == wrt.name and y.role == wrt.role for y in nodes(x)):
                     raise NotDifferentiable(f"no derivative rule for an entry of a value of `{wrt.name}`")
                 return ZERO
             case Let():
@@ -327,7 +327,7 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
     free: list[Expr] = []  # the terms whose factor is absorbed, without it
     absorbed: dict[str, object] = {}
     for coef, rest in _terms(direction):
-        names = {v.name for v in walk(rest) if isinstance(v, Var)}
+        names = {v.name for v in nodes(rest) if isinstance(v, Var)}
         absorber = next((n for n in new_params if n in names), None)
         if absorber is None:
             kept.append(mul(scalar(coef), rest))

@@ -132,7 +132,7 @@ def check_gradient(prog: UpdateProgram) -> CheckResult:
 
 
 def check_sympy(prog: UpdateProgram) -> CheckResult:
-    if any(isinstance(n, ir.StopGrad) for n in ir.walk(prog.spec.energy)):
+    if any(isinstance(n, ir.StopGrad) for n in ir.nodes(prog.spec.energy)):
         return CheckResult("sympy", "skip", "stopgrad has no counterpart in sympy.diff; autograd check only")
     seq = 3
     grads, info = sympy_instance.gradient_at(prog, seed=7, seq=seq)

@@ -452,4 +452,4 @@ def rebuild(e: Expr, kids: list[Expr]) -> Expr:
 
 
 def count_nodes(e: Expr) -> int:
-    return sum(1 for _ in walk(e))
+    return e.tree_size

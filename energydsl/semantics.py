@@ -557,7 +557,7 @@ class _Lowering(ExpressionLowering):
         """A dim in the energy prints as its name, Greek where it has one: `eta` as η. Beside an optimizer whose
         η is another number (`gd(eta = 0.1)`, or a learned one that moves away) every equation would show two
         values under one name: refuse it where declared. `gd(eta = eta)`, η set from the dim, stays allowed."""
-        used = {s for node in ir.walk(energy) if isinstance(node, ir.Scalar) for s in node.value.free_symbols}
+        used = {s for node in ir.nodes(energy) if isinstance(node, ir.Scalar) for s in node.value.free_symbols}
         for key, h in opt.hyper.items():
             name = h.symbol.name
             if self.dim_symbols.get(name) in used and (h.learn or float(h.value) != self.dim_values[name]):
@@ -596,7 +596,7 @@ class _Lowering(ExpressionLowering):
     def _untie_rule(self, rule) -> tuple[Expr, Expr]:
         lhs_node, rhs_node, span = rule
         lhs = self.expr(lhs_node)
-        token = next((x for x in ir.walk(lhs) if isinstance(x, Var) and x.role != "param"), None)
+        token = next((x for x in ir.nodes(lhs) if isinstance(x, Var) and x.role != "param"), None)
         if token is not None:
             what = {"state": "the state", "leaf": "the `via` variable", "input": "the input",
                     "context": "the context"}.get(token.role, "a token's value")

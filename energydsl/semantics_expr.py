@@ -170,7 +170,7 @@ class ExpressionLowering:
                                     f"its relation is declared as `{ctx.index} <= i` or `{ctx.index} < i`")
                 return ctx
         out = self.expr(base)
-        moving = next((x for x in ir.walk(out) if isinstance(x, Var) and x.role in ("state", "leaf")), None)
+        moving = next((x for x in ir.nodes(out) if isinstance(x, Var) and x.role in ("state", "leaf")), None)
         if moving is not None:
             name = f"the state `{moving.name}`" if moving.role == "state" else f"the `via` variable `{moving.name}`"
             what = name if out is moving else f"a value of {name}"

@@ -558,7 +558,7 @@ def _split(em: Emitter, body: Expr, j: str) -> tuple[list[Expr], list[Expr], lis
 
 
 def _state_dependent(e: Expr) -> bool:
-    return any(isinstance(n, ir.Var) and n.role in TOKEN_ROLES for n in ir.walk(e))
+    return any(isinstance(n, ir.Var) and n.role in TOKEN_ROLES for n in ir.nodes(e))
 
 
 def _heads(*vals: Val, j: str | None = None) -> tuple[str, ...]:

@@ -78,7 +78,7 @@ def _per_feature(e: Expr, shape: ir.Shape) -> bool:
     and constants only."""
     if e.shape not in ((), shape) or e.free:
         return False
-    nodes = list(ir.walk(e))
+    nodes = list(ir.nodes(e))
     if not any(isinstance(v, ir.Var) and v.role == "param" or isinstance(v, ir.Scalar) and v.value.free_symbols
                for v in nodes):
         return False

@@ -123,11 +123,11 @@ def split_weight(em: Emitter, w: Expr, j: str, strict: bool) -> WeightPlan | Non
     def tokens(n: Expr) -> bool:
         return bool(token_axes(n, em.indices) & {BATCH, POS, j}) or _state_dependent(n)
 
-    for node in ir.walk(w):
+    for node in ir.nodes(w):
         if not isinstance(node, (ir.Add, ir.Dot, ir.Mul, ir.Let)) or node.shape or not tokens(node):
             continue
         g = ir.substitute(w, {node: SCORE})
-        if any(tokens(n) for n in ir.walk(g)):
+        if any(tokens(n) for n in ir.nodes(g)):
             continue  # tokens outside the candidate: not G of it
         terms = _score_terms(em, node, j, tokens, strict)
         printed = None if terms is None else scalar_function(em, g)

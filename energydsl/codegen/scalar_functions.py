@@ -56,7 +56,7 @@ def scalar_function(em: Emitter, g: Expr) -> ScalarFunction | None:
     except (NotDifferentiable, ir.ShapeError):
         return None
     # a derivative that is 0 everywhere (step's, in relu(s)^2 step(s)) drops out of its product and sum
-    dg = ir.substitute(dg, {n: ir.ZERO for n in ir.walk(dg) if isinstance(n, ir.Func) and n.name == "zero"})
+    dg = ir.substitute(dg, {n: ir.ZERO for n in ir.nodes(dg) if isinstance(n, ir.Func) and n.name == "zero"})
     torch_src = _torch_src(em, g)
     if torch_src is None:
         return None

@@ -305,7 +305,7 @@ def _collect(raw: list[tuple[sp.Expr, tuple[Expr, ...]]]) -> Poly:
 def _refolded(em: Emitter, poly: Poly, polys: dict[Expr, Poly | None]) -> Poly:
     """poly with the terms of a context sum that a factor reads (m in m·a) written as that sum again, when
     all of them are there in one proportion: `q + a` is `m` once more, which is computed anyway."""
-    sums = dict.fromkeys(n for _, factors in poly.values() for f in factors for n in ir.walk(f)
+    sums = dict.fromkeys(n for _, factors in poly.values() for f in factors for n in ir.nodes(f)
                          if isinstance(n, ir.Reduce) and _is_context_sum(em, n))  # in order met: reproducible
     for r in sums:
         part = _poly_of_sum(em, r, polys)

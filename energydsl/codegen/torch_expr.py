@@ -121,7 +121,7 @@ def function_src(name: str, x: str) -> str:
 def token_axes(e: Expr, indices: dict[str, IndexInfo]) -> frozenset[str]:
     """The named axes a value of `e` has: its free indices plus batch / query position if it depends on them."""
     out: set[str] = set(e.free)
-    for node in ir.walk(e):
+    for node in ir.nodes(e):
         match node:
             case ir.Var(role=role) if role in TOKEN_ROLES:
                 out |= {BATCH, POS}

@@ -36,7 +36,7 @@ _Form = tuple[Expr, Expr, frozenset[Expr]]  # (M, v, the token-side products rep
 def _token_free(e: Expr) -> bool:
     """e is the same for every token: no state, input, context or buffer in it, and no position."""
     return not any((isinstance(n, ir.Var) and (n.role in TOKEN_ROLES or n.role == "context"))
-                   or isinstance(n, (ir.Pos, ir.Count)) for n in ir.walk(e))
+                   or isinstance(n, (ir.Pos, ir.Count)) for n in ir.nodes(e))
 
 
 def _linear_form(e: Expr) -> _Form | None:

@@ -96,7 +96,7 @@ def one_sided_terms(e: Expr, side: Callable[[Expr], str | None]) -> list[Expr] |
 def expand_pair_dots(e: Expr, side: Callable[[Expr], str | None]) -> Expr:
     """`e` with each dot product of a pair whose two operands are sums of one-sided terms multiplied out."""
     mapping: dict[Expr, Expr] = {}
-    for node in ir.walk(e):
+    for node in ir.nodes(e):
         if isinstance(node, ir.Dot) and node not in mapping and side(node) is None:
             a, b = one_sided_terms(node.a, side), one_sided_terms(node.b, side)
             if a is not None and b is not None and len(a) * len(b) > 1:
