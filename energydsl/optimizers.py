@@ -26,6 +26,7 @@ from .calculus import NotDifferentiable, absorb_constants, directional, gradient
 from .errors import SpecError
 from .ir_nodes import Expr, Let, Var
 from .printing import show
+from .composition import MAX_SIZE, SIZE_LIMIT_HINT
 from .semantics import EnergyIR, ParamSpec
 
 SOFTPLUS_ONE = math.log(math.e - 1)  # softplus(SOFTPLUS_ONE) = 1: preconditioners start at the identity
@@ -276,6 +277,11 @@ def _pre_params(spec: EnergyIR, head: str | None, params: dict[str, ParamSpec]) 
     out: dict[str, Expr] = {}
     for name, (shape, init) in shapes.items():
         full = lead + tuple(shape)
+        entries = math.prod(spec.size(s) for s in full)
+        if entries > MAX_SIZE:  # `dplr(rank = 1e17)`: each size fits, the factor does not
+            raise SpecError(f"the preconditioner's `{name}` {ir.fmt_shape(full)} would have {entries:.3g} entries "
+                            f"(with {', '.join(f'{k}={v:g}' for k, v in spec.dim_values.items())})", opt.span,
+                            SIZE_LIMIT_HINT)
         learn = True if kind != "covariance" else bool(opt.precondition_options["tau"][1])
         params[name] = ParamSpec(name, full, init, None, learn, opt.span, origin="precondition")
         if not full:

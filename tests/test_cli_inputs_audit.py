@@ -335,3 +335,30 @@ def test_the_activation_check_counts_the_block_and_the_dtype(monkeypatch) -> Non
     for block, dtype in ((None, "bfloat16"), (16, "float32"), (None, None)):  # 62.5 MiB, 31.3 MiB, unchecked
         _, model = cli_sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype=dtype)
         assert model.plan.layers == 2000 and len(model.layers) == 1
+
+
+PRECONDITIONED = """energy Pull(d = 8) {
+  state x[d]
+  param w[d] ~ normal(0, 1)
+  global E = 0.5 * ((x - w) . (x - w))
+  optimizer gd(eta = 0.5), precondition PRE
+}
+"""
+
+
+@pytest.mark.parametrize("command", ["compile", "derive", "check"])
+@pytest.mark.parametrize("pre,dims,says", [
+    ("dplr(rank = 2e17)", [], "`P_U` [d, 200000000000000000] would have 1.6e+18 entries"),
+    ("psd(rank = 3e17)", [], "`P_L` [d, 300000000000000000] would have 2.4e+18 entries"),
+    ("full", ["--set", "d=2e9"], "`P_M` [d, d] would have 4e+18 entries (with d=2e+09)"),
+])
+def test_a_preconditioner_too_large_for_a_tensor_is_exit_2_at_the_optimizer(monkeypatch, capsys, tmp_path, command,
+                                                                          pre, dims, says) -> None:
+    """Each size fits but the factor's entries do not: `compile` wrote a module that failed allocating it."""
+    spec = tmp_path / "pull.energy"
+    spec.write_text(PRECONDITIONED.replace("PRE", pre))
+    out = ["-o", str(tmp_path / "pull.py")] if command == "compile" else []
+    code, _, err = run_main(monkeypatch, capsys, command, str(spec), *dims, *out)
+    assert code == 2, err
+    assert says in err and "2**60 - 1" in err and f"{spec}:5:3: error:" in err, err
+    assert not (tmp_path / "pull.py").exists()
