@@ -101,6 +101,9 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
         os.close(fd)
         os.unlink(tmp)
     except OSError as e:
-        raise UserError(f"{what} {path}: cannot write a file there ({e.strerror or e})",
+        reason = e.strerror or str(e)
+        if e.errno == errno.ENOENT and p.parent.is_dir():  # /proc: the folder is there but takes no new files
+            reason = f"the folder {p.parent} takes no new files"
+        raise UserError(f"{what} {path}: cannot write a file there ({reason})",
                         hint="give a path in a directory you can write to") from None
     return p

@@ -23,10 +23,10 @@ import sympy as sp
 
 from . import ir
 from .calculus import NotDifferentiable, absorb_constants, directional, gradient, substitute_var, untie
+from .composition import MAX_SIZE, SIZE_LIMIT_HINT
 from .errors import SpecError
 from .ir_nodes import Expr, Let, Var
 from .printing import show
-from .composition import MAX_SIZE, SIZE_LIMIT_HINT
 from .semantics import EnergyIR, ParamSpec
 
 SOFTPLUS_ONE = math.log(math.e - 1)  # softplus(SOFTPLUS_ONE) = 1: preconditioners start at the identity

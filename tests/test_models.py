@@ -573,3 +573,13 @@ model M(vocab = 11, context = 9, d = 24, layers = 3, heads = 3) {{
     assert layers == 3 and sized.num_params(layers=layers) == sum(p.numel() for p in built.parameters())
     raw = dict(built.named_parameters())["layers.0.0.t"].detach()
     torch.testing.assert_close(raw, torch.full((3,), math.log(math.e - 1)))  # softplus(raw) = 1
+
+
+@pytest.mark.skipif(not Path("/proc/version").is_file(), reason="needs Linux's /proc")
+@pytest.mark.parametrize("name", ["version", "new.py"])
+def test_an_output_in_a_folder_that_takes_no_files_says_so(tmp_path: Path, name: str) -> None:
+    """/proc exists but refuses new files with ENOENT: the message read "No such file or directory"."""
+    r = _run("compile", "examples/cem/mlp.energy", "-o", f"/proc/{name}")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert f"-o/--output /proc/{name}: cannot write a file there (the folder /proc takes no new files)" in r.stderr
+    assert "No such file" not in r.stderr, r.stderr
