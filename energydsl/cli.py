@@ -426,9 +426,9 @@ def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> Non
     if e.checkpoint:
         loss_text = f" (val loss {val:.4f})" if val is not None else ""
         kept = (f"kept the last good checkpoint, step {step}{loss_text}: {e.checkpoint}; "
-                "rerun with a lower --lr to resume from it, or with --fresh to start over")
+                f"rerun with {e.remedy} to resume from it, or with --fresh to start over")
     else:
-        kept = "no good checkpoint was written; rerun with a lower --lr"
+        kept = f"no good checkpoint was written; rerun with {e.remedy}"
     print(f"training diverged at step {e.step}: {reason}; {kept}", file=sys.stderr)
     if as_json:
         print(json.dumps({"diverged": True, "step": e.step, "loss": loss, "reason": reason,

@@ -94,7 +94,8 @@ class TrainingDiverged(Exception):
     """
 
     def __init__(self, step: int, loss: float, checkpoint: str | None = None, reason: str | None = None,
-                 checkpoint_step: int | None = None, checkpoint_val_loss: float | None = None):
+                 checkpoint_step: int | None = None, checkpoint_val_loss: float | None = None,
+                 remedy: str = "a lower --lr"):
         where = f"; last good checkpoint kept at {checkpoint}" if checkpoint else ""
         super().__init__(f"training diverged at step {step} (loss = {loss}){where}")
         self.step = step
@@ -103,6 +104,7 @@ class TrainingDiverged(Exception):
         self.checkpoint_step = checkpoint_step
         self.checkpoint_val_loss = checkpoint_val_loss
         self.checkpoint = checkpoint
+        self.remedy = remedy  # the setting to change, as the CLI spells it: "a lower --lr"
 
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -554,7 +554,7 @@ def test_rerun_after_divergence_is_refused_unless_settings_change(text_dataset, 
     again = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=0)  # replaying would diverge at once
     with pytest.raises(UserError, match="diverged at step 17 with these same settings") as err:
         train(again, text_dataset, config(), tmp_path, metadata=META, progress=False)
-    assert "--lr" in err.value.hint and "--fresh" in err.value.hint
+    assert "rerun with a lower lr, or other" in err.value.hint and "--fresh" in err.value.hint
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert sum('"diverged"' in r for r in rows) == 1
     healthy = NaNAfter(tiny_gpt(text_dataset.vocab_size), k=10**9)

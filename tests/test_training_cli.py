@@ -85,6 +85,20 @@ def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, mo
     assert code == 2 and "same settings" in err and "Traceback" not in err
 
 
+def test_a_divergence_from_weight_decay_names_weight_decay_not_lr(corpus, tmp_path, monkeypatch, capsys):
+    """lr x weight decay > 1: AdamW's decay alone flips and grows the weights; the advice was always a lower --lr."""
+    args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "0", "--weight-decay", "5000",
+                        "--eval-interval", "5")
+    code, _, err = energy(monkeypatch, capsys, *args)
+    remedy = ("a lower --weight-decay (--lr x --weight-decay = 5, so each step's decay alone scales the weights "
+              "by -4)")
+    assert code == 1 and err.startswith("training diverged at step ") and f"rerun with {remedy} to resume" in err, err
+    code, _, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused with the same advice
+    assert code == 2 and f"hint: rerun with {remedy}, or other changed settings, to resume" in err, err
+    code, _, err = energy(monkeypatch, capsys, *args[:-4], "--weight-decay", "0.1", "--eval-interval", "5")
+    assert code == 0 and "--weight-decay 5000 → 0.1" in err, err  # the advice taken: the run resumes and trains
+
+
 @pytest.mark.parametrize(("signum", "status", "as_json"), [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
 def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path, signum, status, as_json):
     """Ctrl-C, and SIGTERM (a scheduler's pre-emption): the run is saved first (SIGTERM killed it unsaved)."""

@@ -316,7 +316,7 @@ def train(
                 with _deferred_interrupt(out_dir is not None) as interrupt:
                     result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
                                    run, resumed=found is not None, progress=progress, on_eval=on_eval,
-                                   interrupt=interrupt)
+                                   interrupt=interrupt, names=names)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # before RuntimeError: it is one
                 raise _compile_error(e, names) from None
             except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -327,6 +327,20 @@ def train(
                 torch.set_float32_matmul_precision(precision)
         result.update(params=params, out_dir=str(out_dir) if out_dir is not None else None)
         return result
+
+
+def divergence_remedy(config: TrainConfig, names: dict[str, str] | None = None) -> str:
+    """The setting a diverged run should change, spelled as `names` does: a lower lr, unless AdamW's decoupled
+    decay alone overshoots zero (lr x weight decay > 1 scales the weights by 1 - lr wd < 0 each step, and by more
+    than 1 in size past 2), which no lower lr short of lr wd <= 1 cures."""
+    def name(field: str) -> str:
+        return (names or {}).get(field, field)
+
+    shrink = config.lr * config.weight_decay
+    if shrink > 1:
+        return (f"a lower {name('weight_decay')} ({name('lr')} x {name('weight_decay')} = {shrink:.4g}, so each "
+                f"step's decay alone scales the weights by {1 - shrink:.4g})")
+    return f"a lower {name('lr')}"
 
 
 def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run: RunDir, model: nn.Module,
@@ -345,7 +359,8 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
             f"the run in {out_dir} diverged at step {diverged.get('step')} with these same settings "
             f"({diverged.get('reason')}); resuming from its last good checkpoint (step {training.get('step')}) "
             "would diverge again",
-            hint="rerun with a lower --lr (or other changed settings) to resume from that checkpoint, "
+            hint=f"rerun with {divergence_remedy(config, names)}, or other changed settings, to resume from that "
+                 "checkpoint, "
                  "or pass --fresh (resume=False) to start over")
     changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
     model.load_state_dict(weights)
@@ -456,7 +471,8 @@ def _deferred_interrupt(enabled: bool):
 def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: torch.device,
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, autocast: Callable[[], Any],
           generator: torch.Generator, state: RunState, run: RunDir, *, resumed: bool, progress: bool,
-          on_eval: Callable[[int, float], bool] | None, interrupt: _Interrupt) -> dict[str, Any]:
+          on_eval: Callable[[int, float], bool] | None, interrupt: _Interrupt,
+          names: dict[str, str] | None = None) -> dict[str, Any]:
     """The step loop; evaluation (and checkpointing) at every multiple of eval_interval, at the end, and
     when `interrupt` was requested (then it raises TrainingInterrupted)."""
     vocab = dataset.vocab_size
@@ -491,7 +507,8 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                            "checkpoint_step": checkpoint_step, "config": _jsonable(asdict(config))})
         run.plot(force=True)
         bar.close()
-        raise TrainingDiverged(at, value, run.last_checkpoint, reason, checkpoint_step, good[1] if good else None)
+        raise TrainingDiverged(at, value, run.last_checkpoint, reason, checkpoint_step, good[1] if good else None,
+                               divergence_remedy(config, names))
 
     def check_pending() -> None:
         values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
