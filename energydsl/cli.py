@@ -378,7 +378,7 @@ def train_(
                             f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")
         metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file),
                     "model": model.plan.name, "dims": model.plan.dims, "context": model.block_size,
-                    "equation_hash": model.equation_hash()}
+                    "equation_hash": model.equation_hash(), "backend": backend}
         try:
             result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh,
                            progress=not as_json, names=TRAIN_FLAGS,

@@ -99,6 +99,23 @@ def test_a_divergence_from_weight_decay_names_weight_decay_not_lr(corpus, tmp_pa
     assert code == 0 and "--weight-decay 5000 → 0.1" in err, err  # the advice taken: the run resumes and trains
 
 
+def test_the_backend_is_recorded_and_a_switch_on_resume_is_announced(corpus, tmp_path, monkeypatch, capsys):
+    """Both backends hold the same parameters, so a run may resume on the other; it said nothing of the switch."""
+    args = tiny_cli_run(corpus, tmp_path)
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0 and json.loads((tmp_path / "last.json").read_text())["backend"] == "torch", err
+    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6", "--backend", "triton")
+    assert code == 0 and 'with changed settings: --steps 4 → 6, --backend "torch" → "triton"' in err, err
+    assert json.loads((tmp_path / "last.json").read_text())["backend"] == "triton"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["changed"] for r in rows if r["kind"] == "resumed"] == [{"steps": [4, 6], "backend": ["torch", "triton"]}]
+    sidecar = json.loads((tmp_path / "last.json").read_text())
+    del sidecar["backend"]  # a checkpoint from before the backend was recorded: resumed, nothing announced
+    (tmp_path / "last.json").write_text(json.dumps(sidecar))
+    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "8")
+    assert code == 0 and "--steps 6 → 8" in err and "--backend" not in err, err
+
+
 @pytest.mark.parametrize(("signum", "status", "as_json"), [(signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)])
 def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path, signum, status, as_json):
     """Ctrl-C, and SIGTERM (a scheduler's pre-emption): the run is saved first (SIGTERM killed it unsaved)."""

@@ -99,6 +99,11 @@ KEPT_ON_RESUME = {
 }
 
 
+# Metadata a resumed run may change, announced with its changed settings rather than refused: the code backend
+# computes the same update with the same parameters (state dicts move between backends).
+SWITCHABLE_ON_RESUME = ("backend",)
+
+
 def _value(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else _show(value)
 
@@ -209,6 +214,7 @@ class RunDir:
         self.config = config
         self.params = params
         self.last_plot = 0.0
+        self.switched: dict[str, tuple[Any, Any]] = {}  # SWITCHABLE_ON_RESUME metadata a resume changed
         self.good: tuple[int, float] | None = None  # (step, val loss) of `last` as this run wrote or resumed it
         self.pending: list[str] | None = None  # metrics rows of an attempt that has not begun yet (`start`)
         self._lock: TextIO | None = None
@@ -293,6 +299,12 @@ class RunDir:
         saved_source, source = sidecar.get("spec_source"), self.metadata.get("spec_source")
         if isinstance(saved_source, str) and isinstance(source, str) and same_source(saved_source, source):
             sidecar["spec_source"] = source  # a comment or spacing edited: the same spec, the same run
+        for key in SWITCHABLE_ON_RESUME:  # absent from older checkpoints: unknown, so nothing to announce
+            old, new = sidecar.pop(key, None), self.metadata.get(key)
+            if old is not None and new is not None and old != new:
+                self.switched[key] = (old, new)
+            if key in self.metadata:
+                sidecar[key] = self.metadata[key]
         diffs += _differences(sidecar, self.metadata)
         diffs += _shape_differences(state, model.state_dict())
         if diffs:  # most likely a typo in a flag: never overwrite a run unasked

@@ -59,7 +59,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
                "min_lr": "--min-lr", "warmup_steps": "--warmup", "weight_decay": "--weight-decay",
                "grad_clip": "--grad-clip", "eval_interval": "--eval-interval", "eval_iters": "--eval-iters",
-               "seed": "--seed", "device": "--device", "dtype": "--dtype", "compile": "--compile"}
+               "seed": "--seed", "device": "--device", "dtype": "--dtype", "compile": "--compile",
+               "backend": "--backend"}
 
 
 @dataclass
@@ -363,6 +364,7 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
                  "checkpoint, "
                  "or pass --fresh (resume=False) to start over")
     changes = changed_settings(training.get("config", {}), now, out_dir, training.get("step"), names)
+    changes.update(run.switched)
     model.load_state_dict(weights)
     # the moments resume, the settings are this run's: load_state_dict would bring back the saved weight decay,
     # betas and fused flag (a changed --weight-decay was announced and not applied)
