@@ -566,7 +566,12 @@ def main() -> None:
     except Exception as e:
         if isinstance(e, OSError) and e.errno in _FULL:  # the machine's state, not a bug: what was saved is kept
             where = f" {e.filename}" if e.filename else ""
-            _to_stderr(f"error: cannot write{where}: {e.strerror}")
+            _to_stderr(f"error: cannot write{where}: {e.strerror}\n"
+                       "hint: what was saved is kept: make room (or a writable place) and rerun the same command")
+            sys.exit(2)
+        if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # pathlib's exists() and is_dir() raise it
+            _to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\n"
+                       "hint: a file or folder name holds at most 255 bytes, a whole path 4096")
             sys.exit(2)
         # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
         kinds = {c.__name__ for c in type(e).__mro__}

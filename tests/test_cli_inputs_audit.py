@@ -362,3 +362,25 @@ def test_a_preconditioner_too_large_for_a_tensor_is_exit_2_at_the_optimizer(monk
     assert code == 2, err
     assert says in err and "2**60 - 1" in err and f"{spec}:5:3: error:" in err, err
     assert not (tmp_path / "pull.py").exists()
+
+
+LONG = "a" * 300  # over a file name's 255 bytes: pathlib's exists() and is_dir() raise ENAMETOOLONG
+
+
+@pytest.mark.parametrize("args", [
+    ["train", GPT, "--data", "shakespeare_char", "--out", "{long}"],
+    ["train", GPT, "--data", "chars:{long}.txt", "--out", "{tmp}/run"],
+    ["sample", "{long}"],
+    ["search", str(ROOT / "search/quickstart.energy"), "--trials", "1", "--storage", "{long}/optuna.journal"],
+    ["search", str(ROOT / "search/quickstart.energy"), "--trials", "1", "--storage", "{tmp}/s.journal",
+     "--report", "{long}.html"],
+    ["report", "{long}"],
+    ["compile", MHA, "-o", "{long}.py"],
+], ids=["train --out", "train --data", "sample", "search --storage", "search --report", "report", "compile -o"])
+def test_a_path_too_long_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args) -> None:
+    """Every command said `internal error ... OSError: [Errno 36] File name too long` (exit 70)."""
+    long = str(tmp_path / LONG)
+    code, _, err = run_main(monkeypatch, capsys, *(a.format(long=long, tmp=tmp_path) for a in args))
+    assert code == 2, err
+    assert err.startswith(f"error: a path is too long: {long}") and "internal error" not in err, err
+    assert "hint: a file or folder name holds at most 255 bytes" in err

@@ -378,3 +378,58 @@ def test_a_dtype_the_device_cannot_run_is_refused_before_any_trial(tmp_path: Pat
                cwd=tmp_path)
     clean_exit_2(r, "--set dtype=float16: dtype float16 needs CUDA")
     assert not (tmp_path / "s.journal").exists()
+
+
+# ----------------------------------------------------------------------------- a journal a crash left behind
+
+
+@contextlib.contextmanager
+def fails_after(seconds: int):
+    """SIGALRM: a search that would spin for ever fails the test instead of hanging it."""
+    def expired(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_record_cut_short_at_the_journals_end_is_set_aside_and_the_search_continues(tmp_path: Path) -> None:
+    """A full disk or a kill mid-append leaves a last line without its newline. Optuna reads past it, but the
+    rerun's first append followed it on the same line: exit 70, and the study unreadable for good."""
+    journal = tmp_path / "s.journal"
+    base = ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--set", "mixers=ssm",
+            "--storage", str(journal)]
+    assert energy(*base, "--trials", "1", cwd=tmp_path).returncode == 0
+    whole = journal.read_bytes()
+    journal.write_bytes(whole[:-37])  # the last record (the trial's end) cut short
+    r = energy(*base, "--trials", "2", cwd=tmp_path)
+    assert r.returncode == 0 and "ended in a record cut short (" in r.stderr, r.stderr[-2000:]
+    torn = journal.with_name("s.journal.torn").read_bytes()
+    assert torn == whole[whole[:-37].rfind(b"\n") + 1:-37] + b"\n"
+    assert all(json.loads(line) for line in journal.read_bytes().splitlines())  # every record whole
+    trials = load_study(str(journal), "toy").get_trials()
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2, trials  # the cut-short trial ran again
+    write_report(str(journal), "toy", tmp_path / "r.html")
+
+
+def test_a_stale_journal_lock_that_points_nowhere_is_cleared(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Optuna's lock is a symlink to the journal, and its grace period stats the target: a relative link (as a
+    relative --storage, the default runs/STUDY/optuna.journal, made it) or one from a moved folder points nowhere,
+    and a search after a kill mid-append spun on it for ever."""
+    monkeypatch.chdir(tmp_path)
+    a_study(tmp_path)
+    os.makedirs("runs/t")
+    os.replace("study.journal", "runs/t/optuna.journal")
+    os.symlink("runs/t/optuna.journal", "runs/t/optuna.journal.lock")  # as a killed append left it
+    capsys.readouterr()
+    with fails_after(90):
+        run_search(toy(tmp_path), storage="runs/t/optuna.journal", study_name="t", trials=2, progress=False,
+                   json=True)
+    assert "removed a stale lock of the journal" in capsys.readouterr().err
+    assert not os.path.lexists("runs/t/optuna.journal.lock")
+    assert sum(t.state == TrialState.COMPLETE for t in load_study("runs/t/optuna.journal", "t").get_trials()) == 2

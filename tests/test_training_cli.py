@@ -270,13 +270,15 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
 
-    def full(path, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    from safetensors import SafetensorError
 
-    monkeypatch.setattr(checkpoint, "_write_weights", full)
+    def full(*args, **kwargs):  # what safetensors raises on a full disk: its own type, the errno in the text
+        raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
-    assert code == 2 and "\nerror: cannot write " in err and "No space left on device" in err, err
-    assert "internal error" not in err
+    assert code == 2 and f"\nerror: cannot write {tmp_path}/" in err and ".safetensors: No space left on device" in err
+    assert "hint: what was saved is kept" in err and "internal error" not in err, err
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 

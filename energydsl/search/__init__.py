@@ -67,8 +67,8 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
     names = [n for n, _ in space.objectives]
     directions = [d for _, d in space.objectives]
     with storage_lock(storage):
-        study = optuna.create_study(storage=open_storage(storage), study_name=study_name, directions=directions,
-                                    load_if_exists=True)
+        study = optuna.create_study(storage=open_storage(storage, append=True), study_name=study_name,
+                                    directions=directions, load_if_exists=True)
     have = ["minimize" if d == optuna.study.StudyDirection.MINIMIZE else "maximize" for d in study.directions]
     recorded = study.user_attrs.get("objectives")
     if have != directions or (recorded is not None and recorded != names):

@@ -7,9 +7,11 @@ URL missing the `//` after its scheme, an in-memory SQLite database, a folder, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +143,56 @@ def check_storage_given(spec: str) -> None:
                         hint="give a database file (e.g. sqlite:///runs/NAME.db) or a journal file")
 
 
-def open_storage(spec: str) -> BaseStorage:
-    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path.
+def _clear_dangling_lock(path: Path) -> None:
+    """Remove Optuna's journal lock (`JOURNAL.lock`, a symlink to the journal) when it points nowhere: left by a
+    process killed while appending, from a folder since moved (or by a version that linked a relative path).
+    Optuna's grace period never frees such a lock (it stats the link's target) and spins on it for ever."""
+    lock = Path(f"{path}.lock")
+    if lock.is_symlink() and not lock.exists():
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+        print(f"note: removed a stale lock of the journal, {lock} (left by a search killed while writing)",
+              file=sys.stderr)
+
+
+def _mend_torn_record(path: Path) -> None:
+    """Move a last record that a write left cut short (a full disk, a kill mid-append) to `JOURNAL.torn`, under
+    the journal's lock. Optuna reads past such a tail, but its next append would follow it on the same line and
+    leave a record that is not JSON in the middle of the journal, which no later read gets past."""
+    from optuna.storages.journal import JournalFileSymlinkLock
+
+    if not path.is_file() or path.stat().st_size == 0 or _last_byte(path) == b"\n":
+        return
+    lock = JournalFileSymlinkLock(str(path))
+    lock.acquire()
+    try:  # under the lock no one is appending, so a tail without its newline is torn, not being written
+        with open(path, "r+b") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - (1 << 20)))
+            chunk = f.read()
+            if not chunk or chunk.endswith(b"\n"):
+                return
+            keep = size - len(chunk) + chunk.rfind(b"\n") + 1
+            f.seek(keep)
+            tail = f.read()
+            with open(f"{path}.torn", "ab") as torn:
+                torn.write(tail + b"\n")
+            f.truncate(keep)
+    finally:
+        lock.release()
+    print(f"note: {path} ended in a record cut short ({len(tail)} bytes, a write that did not finish); "
+          f"moved it to {path}.torn, the records before it are whole", file=sys.stderr)
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
+def open_storage(spec: str, append: bool = False) -> BaseStorage:
+    """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path. With `append`
+    (a search, which writes), a journal's stale lock is cleared and a record cut short at its end set aside.
 
     Raises UserError, naming the path, for an empty spec, a URL without its `//` or an in-memory SQLite one
     (`check_storage_given`), a directory, a file that is not an Optuna journal (never appended to), or a
@@ -162,7 +212,12 @@ def open_storage(spec: str) -> BaseStorage:
     _check_journal(path)
     try:
         make_dirs(path.parent)
-        backend = JournalFileBackend(str(path))
+        if append:
+            _clear_dangling_lock(path)
+            _mend_torn_record(path)
+        # absolute: Optuna's lock is a symlink to this path, and a relative one would point nowhere from the
+        # journal's folder, so a stale lock's grace period (which stats the target) would never run out
+        backend = JournalFileBackend(os.path.abspath(path))
     except OSError as e:
         raise UserError(f"cannot create the storage {path}: {e.strerror or e}",
                         hint="give a journal path in a directory you can write to") from None

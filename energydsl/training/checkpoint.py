@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -64,7 +65,13 @@ def _fsync(path: Path) -> None:
 
 
 def _write_weights(path: Path, tensors: dict[str, Tensor], header: dict[str, str]) -> None:
-    save_file(tensors, str(path), metadata=header)
+    try:
+        save_file(tensors, str(path), metadata=header)
+    except Exception as e:  # SafetensorError: "I/O error: No space left on device (os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None  # a full disk names the file
     # safetensors writes a private temporary file (mode 0600) and renames it: give the weights the mode of
     # any file the user writes (0644 under umask 022), as the other checkpoint files have
     os.chmod(path, new_file_mode())
