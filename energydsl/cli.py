@@ -502,6 +502,10 @@ def sample(
                             "holds is unknown", hint=f"a run written by `energy train` has both files: "
                             f"`energy sample {other}` if that checkpoint is whole, or train again")
         raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
+    if not isinstance(meta["model"], str) or not isinstance(meta.get("dims"), dict):
+        raise UserError(f"the metadata of {checkpoint} is damaged: it lacks the model's name or dims that "
+                        "`energy train` writes",
+                        hint="sample the run's other checkpoint if it is whole, or train again")
     # the spec as trained travels in the checkpoint: the file at spec_path may have been edited since (its
     # path is used only while it still holds that text, so that its imports resolve next to it)
     path, source = Path(meta.get("spec_path", "")), meta.get("spec_source")

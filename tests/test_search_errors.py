@@ -433,3 +433,12 @@ def test_a_stale_journal_lock_that_points_nowhere_is_cleared(tmp_path: Path, mon
     assert "removed a stale lock of the journal" in capsys.readouterr().err
     assert not os.path.lexists("runs/t/optuna.journal.lock")
     assert sum(t.state == TrialState.COMPLETE for t in load_study("runs/t/optuna.journal", "t").get_trials()) == 2
+
+
+def test_a_journal_record_of_an_unknown_kind_is_a_damaged_journal(tmp_path: Path) -> None:
+    """Optuna's replay asserts on an op code it does not know (`AssertionError: Should not reach.`, exit 70)."""
+    journal = a_study(tmp_path)
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join([*lines[:2], '{"op_code": 99}\n', *lines[3:]]))
+    with pytest.raises(UserError, match=f"storage {journal} is not a readable Optuna journal"):
+        open_storage(str(journal))

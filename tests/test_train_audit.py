@@ -137,7 +137,20 @@ def test_resume_refuses_weights_with_nan_as_a_damaged_checkpoint(run, corpus):
     # an emptied sidecar read as "a checkpoint (step None) of a different model or dataset: the dataset is null"
     (lambda run: (run / "last.json").write_text("{}"),
      "the checkpoint's last.json in {run} is damaged: it lacks the training record that `energy train` writes"),
-], ids=["optim-not-torch", "sidecar-emptied"])
+    # each was exit 70 (TypeError, KeyError, AttributeError where the value is used), or accepted (`lr: "x"`)
+    (lambda run: (run / "last.json").write_text("[]"),
+     "checkpoint metadata {run}/last.json is damaged: it is not the JSON object a save writes (it holds a list)"),
+    (lambda run: edit_json(run / "last.json", lambda d: d["training"].pop("best_val_loss")),
+     "the checkpoint last.* in {run} is damaged: last.json's training record lacks best_val_loss"),
+    (lambda run: edit_json(run / "last.json", lambda d: d["training"]["config"].update(lr="x")),
+     "the checkpoint last.* in {run} is damaged: last.json's training config has lr = \"x\""),
+    (lambda run: torch.save({k: v for k, v in torch.load(run / "last.optim.pt").items() if k != "rng"},
+                            run / "last.optim.pt"),
+     "the checkpoint last.* in {run} is damaged: last.optim.pt's rng state is missing"),
+    (lambda run: torch.save([1, 2], run / "last.optim.pt"),
+     "last.optim.pt holds a list, not the optimizer, scaler and RNG states"),
+], ids=["optim-not-torch", "sidecar-emptied", "sidecar-a-list", "record-lacks-a-field", "config-value-a-string",
+        "optim-without-rng", "optim-a-list"])
 def test_resume_names_a_damaged_file_as_damaged(run, corpus, damage, message):
     damage(run)
     before = files(run)
@@ -145,6 +158,49 @@ def test_resume_names_a_damaged_file_as_damaged(run, corpus, damage, message):
     assert code == 2 and message.format(run=run) in err, err
     assert "different model" not in err and "weights_only" not in err and "hint: pass --fresh" in err
     assert files(run) == before
+
+
+def edit_json(path: Path, edit) -> None:
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda run: edit_json(run / "best.json", lambda d: d.pop("dims")),
+     "the metadata of {run} is damaged: it lacks the model's name or dims"),
+    (lambda run: edit_json(run / "best.json", lambda d: d.update(training=5)),
+     "checkpoint metadata {run}/best.json is damaged: it is not the JSON object a save writes (its training record "
+     "is a int)"),
+    (lambda run: (run / ".checkpoint.commit").write_text('{"files": 5}'),
+     "the checkpoint commit record {run}/.checkpoint.commit is damaged"),
+], ids=["no-dims", "training-a-number", "commit-record-not-names"])
+def test_sample_names_damaged_metadata(run, damage, message):
+    """Each was exit 70 (KeyError, AttributeError, TypeError)."""
+    damage(run)
+    code, out, err = energy("sample", str(run), "--tokens", "5")
+    assert code == 2 and out == "" and message.format(run=run) in err, err
+
+
+def test_resume_refuses_a_damaged_commit_record_and_a_metrics_file_that_is_a_folder(run, corpus):
+    (run / ".checkpoint.commit").write_text('{"files": 5}')
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2 and f"the checkpoint commit record {run / '.checkpoint.commit'} is damaged" in err, err
+    (run / ".checkpoint.commit").unlink()
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    assert code == 2 and f"{run / 'metrics.jsonl'} is not a file: the run writes its metrics there" in err, err
+
+
+def test_a_metrics_row_the_disk_damaged_is_dropped_on_resume(run, corpus):
+    """Bytes that are not UTF-8 in metrics.jsonl were a UnicodeDecodeError (exit 70)."""
+    with (run / "metrics.jsonl").open("ab") as f:
+        f.write(b'{"kind": "train", "step": 1, "loss": \xff}\n')
+    code, _, err = energy(*tiny(corpus, run, "--steps", "6"))
+    assert code == 0, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4, 6]
 
 
 def test_sample_names_lost_metadata_and_the_other_checkpoint(run):

@@ -223,7 +223,7 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
                         hint="give a journal path in a directory you can write to") from None
     try:
         return JournalStorage(backend)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a damaged journal (JSON, fields)
+    except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:  # damaged: JSON, fields, op code
         raise UserError(f"storage {path} is not a readable Optuna journal ({type(e).__name__}: {e})") from None
 
 

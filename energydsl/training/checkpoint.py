@@ -92,7 +92,11 @@ def _read_commit(out_dir: Path) -> dict[str, Any] | None:
         return None
     except (OSError, ValueError) as e:  # written by an atomic rename: damaged only by hand
         raise DataError(f"cannot read the checkpoint commit record {out_dir / COMMIT}: {e}") from e
-    return record if isinstance(record, dict) else None
+    names = [record.get(k, []) for k in ("files", "drop")] if isinstance(record, dict) else [None]
+    if not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in names):
+        raise DataError(f"the checkpoint commit record {out_dir / COMMIT} is damaged: it is not the lists of file "
+                        "names a save writes", hint="remove it if the checkpoint files beside it are whole")
+    return record
 
 
 def checkpoint_file(path: Path) -> Path | None:
@@ -247,6 +251,11 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
             metadata = _read(sidecar, lambda p: json.loads(p.read_text()))
         except (OSError, ValueError) as e:
             raise DataError(f"cannot read checkpoint metadata {sidecar}: {e}") from e
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("training", {}), dict):
+            held = metadata.get("training") if isinstance(metadata, dict) else metadata
+            raise DataError(f"checkpoint metadata {sidecar} is damaged: it is not the JSON object a save writes "
+                            f"({'its training record is' if held is not metadata else 'it holds'} a "
+                            f"{type(held).__name__})")
     return state, metadata, header
 
 

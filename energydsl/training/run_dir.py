@@ -203,6 +203,50 @@ def _claim(out_dir: Path) -> TextIO:
     return f
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _record_damage(training: dict[str, Any], now: TrainConfig) -> str | None:
+    """What is wrong with a checkpoint's training record (`RunState` and the config, as a save writes them),
+    or None: damaged bytes are named here, not met as a KeyError where a value is used."""
+    for f in fields(RunState):
+        if f.name not in training:
+            return f"last.json's training record lacks {f.name}"
+        value = training[f.name]
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0 if f.name == "step" else (
+            value is None or _number(value))
+        if not ok:
+            return f"last.json's training record has {f.name} = {_show(value)}"
+    config = training.get("config", {})
+    if not isinstance(config, dict):
+        return f"last.json's training config is {_show(config)}, not an object"
+    for f in fields(now):  # a value of another kind than this run's would be announced as a change and applied
+        if f.name in config and config[f.name] is not None and not _same_kind(config[f.name], getattr(now, f.name)):
+            return f"last.json's training config has {f.name} = {_show(config[f.name])}"
+    return None
+
+
+def _same_kind(value: Any, now: Any) -> bool:
+    if isinstance(now, bool | str):
+        return isinstance(value, type(now))
+    if isinstance(now, tuple | list):
+        return isinstance(value, list) and all(_number(v) for v in value)
+    return _number(value)
+
+
+def _resume_state_damage(extra: Any) -> str | None:
+    """What is wrong with a checkpoint's `last.optim.pt` (optimizer, scaler and RNG states), or None."""
+    if not isinstance(extra, dict):
+        return f"last.optim.pt holds a {type(extra).__name__}, not the optimizer, scaler and RNG states"
+    for key in ("optimizer", "scaler", "rng"):
+        if not isinstance(extra.get(key), dict):
+            return f"last.optim.pt's {key} state is {'missing' if key not in extra else type(extra[key]).__name__}"
+    if not isinstance(extra["rng"].get("batches"), Tensor):
+        return "last.optim.pt lacks the batch generator's state"
+    return None
+
+
 class RunDir:
     """One training run's files: checkpoints, metrics and the plot (all no-ops without an out_dir)."""
 
@@ -290,6 +334,10 @@ class RunDir:
         if not isinstance(training, dict) or "step" not in training or not isinstance(training.get("dataset"), dict):
             raise UserError(f"the checkpoint's last.json in {self.out_dir} is damaged: it lacks the training record "
                             "that `energy train` writes, so the run cannot resume", hint=_START_OVER)
+        damage = _record_damage(training, self.config) or _resume_state_damage(extra)
+        if damage:
+            raise UserError(f"the checkpoint last.* in {self.out_dir} is damaged: {damage}, so the run cannot resume",
+                            hint=_START_OVER)
         data = training["dataset"]
         diffs = []
         if data.get("name") != self.dataset_info["name"]:
@@ -333,8 +381,12 @@ class RunDir:
         if self.out_dir is None:
             return
         keep: list[str] = []
+        if self.metrics.exists() and not self.metrics.is_file():
+            raise UserError(f"{self.metrics} is not a file: the run writes its metrics there",
+                            hint="move it out of the way, or choose another --out directory")
         if resumed_step is not None and self.metrics.exists():
-            for line in self.metrics.read_text().splitlines():
+            # a row the disk damaged (bytes that are not UTF-8 or JSON) is dropped, as a torn last row is
+            for line in self.metrics.read_text(errors="replace").splitlines():
                 with contextlib.suppress(ValueError, AttributeError):
                     row = json.loads(line)
                     if row.get("step", 0) <= resumed_step and row.get("kind") != "diverged":
