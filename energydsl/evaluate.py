@@ -233,11 +233,12 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
             t = t.expand(*[m.shape[0] if a == 1 else -1 for a in range(t.dim())])
     rest = tuple(n for n in body.idx if n != e.index)
     if isinstance(e, Softmax):
-        s = t if mask is None else t.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(s, dim=axis)
-        if mask is not None:
-            p = torch.nan_to_num(p, nan=0.0) * mask  # an empty context has no weights
-        return Value(p, body.idx)
+        if mask is None:
+            return Value(torch.softmax(t, dim=axis), body.idx)
+        # an empty context has no weights: its scores are taken as 0, not -inf, so that no derivative of any
+        # order meets softmax's 0/0 (nan_to_num mended the value and the gradient, not the double backward)
+        s = t.masked_fill(~mask, float("-inf")).masked_fill(~mask.any(axis, keepdim=True), 0.0)
+        return Value(torch.softmax(s, dim=axis) * mask, body.idx)
     if e.op == "sum":
         out = (t if mask is None else t * mask.to(t.dtype)).sum(axis)
     elif e.op == "mean":
