@@ -136,7 +136,13 @@ def _eval(e: Expr, env: Env) -> Value:
             t = torch.arange(env.seq_len, dtype=dtype, device=device)
             if e.index is None:
                 return Value(t.reshape(1, -1), ())
-            return Value(t.reshape(1, 1, -1), (e.index,))
+            if env.indices[e.index].context is None:
+                return Value(t.reshape(1, 1, -1), (e.index,))
+            # a context position past the mask reads as the last kept one (i, or i - 1 when strict): the mask
+            # drops those pairs, and their values must stay finite wherever the kept ones are, or a 0 weight
+            # times an infinite derivative (1/(i - j) at j = i) is NaN in the gradient
+            last = t.reshape(-1, 1) - (1 if env.indices[e.index].strict else 0)
+            return Value(torch.minimum(t.reshape(1, -1), last).unsqueeze(0), (e.index,))
         case Ones():
             shape = tuple(int(sympy_to_torch(s, env.scalars)) for s in e.shape)
             return Value(torch.ones((1, 1) + shape, dtype=dtype, device=device), ())

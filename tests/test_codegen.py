@@ -798,3 +798,29 @@ def test_nrgpt_feed_forward_adds_a_bias_in_the_gemm(path: str, fused: str, added
     assert len(re.findall(r"\+ b\w*\[None, None\]", forward)) == (added is not None), forward
     assert added is None or re.search(added, forward), forward
     _matches_interpreter(derived, 5, backend="torch")
+
+
+SINGULAR_PAST_THE_MASK = {  # a position weight finite on every kept pair, infinite or NaN on some masked one
+    "Harmonic": ("j < i", "-z . sum[j]((i - j)^(-1) * c[j])"),
+    "HarmonicCausal": ("j <= i", "-z . sum[j]((1 + i - j)^(-1) * c[j])"),
+    "LogDistance": ("j < i", "-sum[j](log(i - j) * (z . c[j]))"),
+    "SqrtDistance": ("j <= i", "-sum[j](sqrt(i - j) * (z . c[j]))"),
+    "SoftmaxOfLogDistance": ("j < i", "-logsumexp[j]((z . c[j]) - log(i - j))"),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", sorted(SINGULAR_PAST_THE_MASK))
+def test_a_position_weight_singular_only_past_the_mask_gives_finite_updates_and_gradients(name, backend) -> None:
+    """Masked pairs are dropped, but their values were computed: 1/(i - j) at j = i made the interpreter's
+    masked sum inf * 0 = NaN and the module's gradient 0 * inf = NaN, so `check` failed a sound spec (found by
+    generating energies). A context position past the mask now reads as the last kept one."""
+    mask, energy = SINGULAR_PAST_THE_MASK[name]
+    spec = energydsl.load(f"energy {name}(d = 2) {{\n  state z[d]\n  context c[j, d] where {mask}\n"
+                          f"  global F = {energy} + 0.5 * (z . z)\n}}\n")
+    derived = spec.energy(name)
+    if backend == "torch":
+        failed = [r for r in derived.check() if not r.ok]
+        assert not failed, failed
+    _, x, ref = _matches_interpreter(derived, backend=backend)
+    assert torch.isfinite(ref).all()

@@ -404,6 +404,13 @@ class Emitter:
                 return self.tmp(code, axes, base.rank - 1)
             case ir.Pos(index=None):
                 return Val("pos", (POS,), 0)
+            case ir.Pos(index=k) if self.indices[k].context is not None:
+                # j past the mask reads as the last kept position (i, or i - 1 when strict), as the interpreter's:
+                # a term of (i - j) is then finite on masked pairs wherever it is on kept ones, and a masked
+                # pair's 0 weight times its derivative is 0, where 1/(i - j) at j = i made it 0 * inf = NaN
+                last = "pos[:, None] - 1.0" if self.indices[k].strict else "pos[:, None]"
+                return self.tmp(f"torch.minimum(pos[None, :], {last})", (POS, k), 0,
+                                "context positions, masked ones at the last kept")
             case ir.Pos(index=k):
                 return Val("pos", (k,), 0)
             case ir.Ones():
