@@ -312,6 +312,35 @@ def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:
     return [(coef, e)]
 
 
+def _linear_in(e: Expr, name: str) -> bool:
+    """Whether `e` is linear in the parameter `name` (scaling the parameter scales `e`): every part of it reads
+    the parameter once, through sums, products with parameter-free factors, reductions and transposes.
+    `t (z - Wv c)` is not: its `t z` holds no Wv, and absorbing the term's factor into Wv would flip that part."""
+    def free(x: Expr) -> bool:
+        return not any(isinstance(v, Var) and v.name == name for v in nodes(x))
+
+    match e:
+        case Var():
+            return e.name == name
+        case Add():
+            return all(_linear_in(t, name) for t in e.terms)
+        case Mul() | MatMul() | Dot() | Outer():
+            parts = e.factors if isinstance(e, Mul) else (e.a, e.b)
+            holding = [p for p in parts if not free(p)]
+            return len(holding) == 1 and _linear_in(holding[0], name)
+        case Reduce() if e.op in ("sum", "mean"):
+            return _linear_in(e.body, name)
+        case SumAll():
+            return _linear_in(e.a, name)
+        case Transpose():
+            return _linear_in(e.a, name)
+        case Index():
+            return _linear_in(e.base, name)
+        case Let():
+            return _linear_in(e.body, name)
+    return False
+
+
 def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[sp.Symbol] = ()
                      ) -> tuple[Expr, dict[str, object]]:
     """An untied direction with each term that holds a new parameter written without its constant factor
@@ -321,7 +350,8 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
 
     Returns the direction and, for each absorbing parameter, `scale` with which the untied update equals
     the tied one when the parameter is `scale` × its tied value. A term's first new parameter (in rule
-    order) absorbs; when one parameter's terms have different factors, nothing is absorbed."""
+    order) absorbs; when one parameter's terms have different factors, or a term is not linear in it (part of it
+    holds no new parameter: `t (z - Wv c)`), nothing is absorbed."""
     learned = tuple(learned)
     kept: list[Expr] = []
     free: list[Expr] = []  # the terms whose factor is absorbed, without it
@@ -333,7 +363,7 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
             kept.append(mul(scalar(coef), rest))
             continue
         constant, learned_part = sp.sympify(coef).as_independent(*learned, as_Add=False) if learned else (coef, 1)
-        if absorbed.setdefault(absorber, constant) != constant:
+        if absorbed.setdefault(absorber, constant) != constant or not _linear_in(rest, absorber):
             return direction, {}
         free.append(mul(scalar(learned_part), rest))
     return add(neg(add(*free)), *kept), {name: -coef for name, coef in absorbed.items()}

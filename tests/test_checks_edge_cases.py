@@ -401,6 +401,47 @@ def test_untie_keeps_the_factors_when_one_param_cannot_absorb_them_all():
     assert all(r.ok for r in layer.check())
 
 
+UNTIE_NOT_LINEAR = {  # the new parameter's term also holds a part without it
+    "L2Score": """energy U(d = 2) {
+  state z[d]
+  context c[j, d] where j <= i
+  param K[d, d] ~ normal(0, 0.5)
+  global F = -mean[j](sigmoid(-(z - (K @ c[j])) . (z - (K @ c[j])) / 2))
+  untie value K -> Wv
+}
+""",
+    "PreconditionedWithARegulariser": """energy U(d = 4, heads = 2) {
+  dim dh = d / heads
+  state z[d]
+  context c[j, d] where j <= i
+  param Q[heads, dh, d] ~ normal(0, 0.5)
+  param K[heads, dh, d] ~ normal(0, 0.5)
+  global F = -sum[k](logsumexp[j]((Q[k] @ z) . (K[k] @ c[j]))) + 0.5 * (z . z)
+  optimizer gd(eta = 1) precondition diag
+  untie value K[k] -> Wv[k]
+}
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNTIE_NOT_LINEAR))
+def test_untie_keeps_the_factor_of_a_term_not_linear_in_the_new_param(name):
+    """`t_j (z - Wv c_j)`: absorbing the term's -1 into Wv flipped the sign of its `t_j z` too, so the compiled
+    untied layer pushed z away where the tied one pulls it back, and only check's tying row said so (found by
+    generating energies). Such a term keeps its factor; the untied update at Wv = K is the tied one."""
+    layer = load(UNTIE_NOT_LINEAR[name]).energy()
+    assert layer.program.untie_scales == {}
+    failed = [r for r in layer.check() if not r.ok]
+    assert not failed, failed
+    module = load(UNTIE_NOT_LINEAR[name]).module().double()
+    with torch.no_grad():
+        module.Wv.copy_(module.K)
+    x = module.example_input(2, 5).double()
+    tied = load(UNTIE_NOT_LINEAR[name].replace("untie", "# untie")).energy().program
+    raw = {k: v for k, v in module.named_parameters() if k != "Wv"}
+    torch.testing.assert_close(module(x), run_program(tied, instance_from_params(tied, raw, x)))
+
+
 def test_untie_keeps_a_learned_scalar_factor_so_that_it_trains():
     """-c · ½ in front of B's term: B absorbs the constant ½ (and the sign), never the learned c, which would
     drop out of the update and get no gradient; a fixed (`learn` off) scalar is a constant and is absorbed."""
