@@ -99,8 +99,10 @@ def _tuned(kernel: Any, configs: list[triton.Config]) -> Any:
 
 
 def _scalar(s: Tensor | float, like: Tensor, name: str) -> Tensor:
-    """A one-element tensor on `like`'s device (a float becomes fp32); `.to` keeps it differentiable."""
-    t = s if isinstance(s, Tensor) else torch.tensor(float(s), dtype=torch.float32)
+    """A one-element tensor on `like`'s device (a float becomes fp32, or fp64 beside fp64 values: fp32 would
+    round a fixed eta = 0.1 by 1.5e-8 there); `.to` keeps it differentiable."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    t = s if isinstance(s, Tensor) else torch.tensor(float(s), dtype=dtype)
     if t.numel() != 1:
         raise ValueError(f"{name} must be a scalar (one element); got shape {tuple(t.shape)}")
     return t.to(like.device)
