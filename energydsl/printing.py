@@ -356,6 +356,11 @@ def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Var) -> ir.Expr:
 
 
 WHERE_MIN_CHARS = 16  # a repeat written out in fewer characters reads better as it is (`abs(i − j)`, `W1_k z`)
+# A repeat of more nodes written out than this is sized as this many characters a node, not printed: its text,
+# a tree over a DAG, can be exponentially long (a Newton step through layernorm, taylor 3: 24 GB). Every example's
+# repeats are far smaller, so they are sized by their text as before.
+WHERE_PRINT_NODES = 4_000
+WHERE_CHARS_PER_NODE = 4
 
 
 def name_repeats(exprs: list[ir.Expr], index_order: list[str], context: set[str], taken: set[str],
@@ -366,7 +371,8 @@ def name_repeats(exprs: list[ir.Expr], index_order: list[str], context: set[str]
     The largest repeat is named first and the rest recounted, so a part that occurs only inside a named
     one stays written out in that one's definition. A name carries its free indices as subscripts
     (`p_k,j = softmax_j(...)`): softmax weights are `p`, sums over a `context` index `m`, anything else
-    `t`, numbered when there are several and never one of `taken`. Sizes are as printed (in text)."""
+    `t`, numbered when there are several and never one of `taken`. Sizes are as printed (in text), up to
+    `WHERE_PRINT_NODES` nodes."""
     def indexed(name: str, body: ir.Expr) -> ir.Expr:
         """A name standing for `body`, with `body`'s free indices (a sum over j of it still depends on j)."""
         free = sorted(body.free, key=lambda i: (index_order.index(i) if i in index_order else len(index_order), i))
@@ -381,7 +387,8 @@ def name_repeats(exprs: list[ir.Expr], index_order: list[str], context: set[str]
 
     def size(x: ir.Expr) -> int:
         if x not in printed:
-            printed[x] = len(show(x))
+            nodes = x.tree_size
+            printed[x] = len(show(x)) if nodes <= WHERE_PRINT_NODES else WHERE_CHARS_PER_NODE * nodes
         return printed[x]
 
     while True:

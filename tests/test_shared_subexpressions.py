@@ -138,3 +138,33 @@ def test_printing_each_node_once_keeps_the_temporary_nodes_it_prints_apart():
     text = show(ir.add(*terms))
     for k in range(1, 60):
         assert f"({sp.Rational(k, 97)}) v{k}" in text or f"{sp.Rational(k, 97)} v{k}" in text, (k, text[:300])
+
+
+NEWTON_TAYLOR_3_THROUGH_LAYERNORM = """energy O(d = 4) {
+  state z[d] via u = layernorm(z)
+  param W[d, d] ~ normal(0, 0.5)
+  global F = norm(W @ u)
+  optimizer newton(taylor = 3)
+}
+"""
+
+
+def test_naming_the_repeats_of_a_taylor_three_step_does_not_write_them_out(tmp_path):
+    """`where` sized each repeat by printing it, a tree over the DAG: 24 GB, then the kernel killed the process
+    (found by generating energies). Under a 3 GiB address-space limit, derive and compile finish."""
+    import resource
+    import subprocess
+    import sys
+
+    spec = tmp_path / "o.energy"
+    spec.write_text(NEWTON_TAYLOR_3_THROUGH_LAYERNORM)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ENERGYDSL_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    for args in (["derive", str(spec)], ["compile", str(spec), "-o", str(tmp_path / "o.py")]):
+        r = subprocess.run([sys.executable, "-m", "energydsl", *args], capture_output=True, text=True, env=env,
+                           timeout=300, preexec_fn=limit)
+        assert r.returncode == 0, r.stderr[-1000:]
+    assert "where" in r.stderr + (tmp_path / "o.py").read_text()
