@@ -58,7 +58,11 @@ from .ir import (
 
 
 class NotDifferentiable(Exception):
-    """A construct with no usable derivative where one is needed (e.g. `max`)."""
+    """A construct with no usable derivative where one is needed (e.g. `max`); `hint`: what to do instead."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 def _unbroadcast(g: Expr, target: Expr) -> Expr:

@@ -181,7 +181,10 @@ def _torchable(expr: sp.Expr) -> bool:
     return True
 
 
-_INTEGRAL_FORMAT = 2  # of the files below; part of their names
+_INTEGRAL_FORMAT = 3  # of the files below; part of their names
+
+
+_T = sp.Symbol("_t", real=True)  # the variable of integration of an integral SymPy leaves unevaluated
 
 
 def _closed_form_integral(formula: sp.Expr) -> sp.Expr:
@@ -202,9 +205,11 @@ def _closed_form_integral(formula: sp.Expr) -> sp.Expr:
     except (OSError, sp.SympifyError, SyntaxError, TypeError, ValueError):
         pass
     closed = sp.integrate(formula, X)
-    closed = sp.simplify(closed - closed.subs(X, 0)) if closed.subs(X, 0).is_finite else closed
-    # what SymPy leaves unevaluated (∫SiLU) as a plain Integral, the class its text reads back as
-    closed = closed.replace(lambda e: isinstance(e, sp.Integral), lambda e: sp.Integral(*e.args))
+    if closed.has(sp.Integral):  # no closed form (∫SiLU): ∫_0^x, as the torch side's quadrature, which evalf
+        # computes (an indefinite Integral at a point has no value: `check`'s sympy row failed on it)
+        closed = sp.Integral(formula.subs(X, _T), (_T, 0, X))
+    else:
+        closed = sp.simplify(closed - closed.subs(X, 0)) if closed.subs(X, 0).is_finite else closed
     text = sp.srepr(closed)
     try:
         if sp.sympify(text) != closed:  # a form whose text does not read back: not kept

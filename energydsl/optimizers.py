@@ -92,8 +92,8 @@ def build_program(spec: EnergyIR) -> UpdateProgram:
         return _build_program(spec)
     except NotDifferentiable as e:  # a construct of the user's energy, not a bug: say where
         raise SpecError(f"the energy cannot be differentiated: {e}", spec.energy_span or spec.span,
-                        "only constructs that do not depend on the state (or sit under stopgrad) may lack a "
-                        "derivative") from None
+                        e.hint or "only constructs that do not depend on the state (or sit under stopgrad) may "
+                        "lack a derivative") from None
 
 
 def _build_program(spec: EnergyIR) -> UpdateProgram:
@@ -243,7 +243,12 @@ def _neumann(spec: EnergyIR, g: Expr, point: Var) -> Expr:
     lam = ir.Scalar(opt.hyper["damping"].symbol)
     r = g
     for _ in range(k):
-        hv = directional(g, point, r)
+        try:
+            hv = directional(g, point, r)
+        except NotDifferentiable as e:  # the gradient exists (gd takes this energy): its derivative does not
+            raise NotDifferentiable(f"newton's Hessian-vector products differentiate the gradient once more, and "
+                                    f"{e}", hint="a first-order optimizer (gd, momentum, nag), or newton(taylor = 0), "
+                                    "needs no second derivative") from None
         r = ir.add(g, r, ir.neg(hv), ir.neg(ir.mul(lam, r)))
     return r
 

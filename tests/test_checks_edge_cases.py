@@ -719,3 +719,36 @@ def test_a_stack_of_psd_matrices_checks_and_keeps_each_positive_definite():
     spec = "energy A(d = 4, heads = 2) {\n  state z[d]\n  param S[heads, d, d] ~ normal(0, 1) psd\n" \
            "  global F = 0.5 * sum[k](z . (S[k] @ z))\n}\n"
     assert all(r.status == "ok" for r in checks_of(spec).values())
+
+
+PROD_OF_SIGMOIDS = """energy P(d = 2) {
+  state z[d]
+  context c[j, d] where j <= i
+  global F = -log(1 + prod[j](sigmoid(z . c[j])))
+  optimizer newton(taylor = TAYLOR)
+}
+"""
+
+
+def test_newton_taylor_zero_needs_no_hessian_and_taylor_one_says_why_it_is_refused(tmp_path):
+    """(found by generating energies) With taylor 0, Newton is gd and takes no Hessian-vector product, yet the
+    hessian row failed ("`prod` has no directional derivative"); taylor 1 was refused with the hint that only
+    constructs that do not depend on the state may lack a derivative, though gd takes the same energy."""
+    layer = load(PROD_OF_SIGMOIDS.replace("TAYLOR", "0")).energy()
+    results = {r.name: r for r in layer.check()}
+    assert "hessian" not in results and all(r.ok for r in results.values()), results
+    with pytest.raises(SpecError) as err:
+        load(PROD_OF_SIGMOIDS.replace("TAYLOR", "1")).energy()
+    assert "newton's Hessian-vector products differentiate the gradient once more, and `prod` has no " \
+           "directional derivative" in err.value.message
+    assert "newton(taylor = 0), needs no second derivative" in err.value.hint
+
+
+@pytest.mark.parametrize("energy", ["sum(integral(silu)(z))^2", "sum(integral(silu)(z)) * sum(softplus(z))"])
+def test_the_sympy_check_evaluates_an_antiderivative_sympy_cannot_close(energy):
+    """∫SiLU has no closed form: it was an indefinite Integral at a point, which has no value, and the sympy
+    row failed with "Cannot convert complex to float" wherever the gradient holds φ itself (found by
+    generating energies). It is ∫_0^x, as the generated code's quadrature computes."""
+    layer = load(f"energy C(d = 2) {{\n  state z[d]\n  global F = {energy}\n}}\n").energy()
+    results = {r.name: r for r in layer.check()}
+    assert results["sympy"].ok and all(r.ok for r in results.values()), results
