@@ -1,5 +1,7 @@
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +121,19 @@ def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *ar
         code = e.code if isinstance(e.code, int) else 1
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+@contextlib.contextmanager
+def within(seconds: int, why: str = "work that should take seconds"):
+    """Fail (not hang) when the body takes longer than `seconds` (SIGALRM, main thread): a guard against work
+    gone exponential or a spin that never ends, with a wide margin over what the body takes, not a timing."""
+    def expired(*_):
+        raise TimeoutError(f"took over {seconds} s: {why}")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

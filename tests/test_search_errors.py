@@ -18,6 +18,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from conftest import within
 from optuna.trial import TrialState
 
 from energydsl.errors import UserError
@@ -383,21 +384,6 @@ def test_a_dtype_the_device_cannot_run_is_refused_before_any_trial(tmp_path: Pat
 # ----------------------------------------------------------------------------- a journal a crash left behind
 
 
-@contextlib.contextmanager
-def fails_after(seconds: int):
-    """SIGALRM: a search that would spin for ever fails the test instead of hanging it."""
-    def expired(*_: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def test_a_record_cut_short_at_the_journals_end_is_set_aside_and_the_search_continues(tmp_path: Path) -> None:
     """A full disk or a kill mid-append leaves a last line without its newline. Optuna reads past it, but the
     rerun's first append followed it on the same line: exit 70, and the study unreadable for good."""
@@ -427,7 +413,7 @@ def test_a_stale_journal_lock_that_points_nowhere_is_cleared(tmp_path: Path, mon
     os.replace("study.journal", "runs/t/optuna.journal")
     os.symlink("runs/t/optuna.journal", "runs/t/optuna.journal.lock")  # as a killed append left it
     capsys.readouterr()
-    with fails_after(90):
+    with within(90, "a search spins on a lock"):
         run_search(toy(tmp_path), storage="runs/t/optuna.journal", study_name="t", trials=2, progress=False,
                    json=True)
     assert "removed a stale lock of the journal" in capsys.readouterr().err

@@ -6,14 +6,13 @@ hash and compile each walked it as a tree: over 5 minutes to derive, 9 to print,
 below is guarded by an alarm, so that a pass gone exponential again fails instead of hanging the suite.
 """
 
-import contextlib
 import os
-import signal
 from collections import Counter
 from pathlib import Path
 
 import sympy as sp
 import torch
+from conftest import within as guard
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
@@ -30,20 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPTH = 48  # 2^48 nodes written out: a tree walk never finishes
 
 
-@contextlib.contextmanager
 def within(seconds: int):
-    """Fail (not hang) when the body takes longer than `seconds`: a guard against exponential work, with a
-    wide margin over what the body takes, not a timing."""
-    def expired(*_):
-        raise TimeoutError(f"took over {seconds} s: a pass walks the DAG as a tree")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+    return guard(seconds, "a pass walks the DAG as a tree")
 
 
 def _deep(x: ir.Expr, depth: int) -> ir.Expr:
