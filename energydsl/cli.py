@@ -381,7 +381,7 @@ def train_(
                     "equation_hash": model.equation_hash(), "backend": backend}
         try:
             result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh,
-                           progress=not as_json, names=TRAIN_FLAGS,
+                           progress=not as_json, names={**TRAIN_FLAGS, "backend": "--backend"},
                            notify=lambda notice: print(notice, file=sys.stderr))
         except TrainingDiverged as e:
             _report_divergence(e, run_dir, as_json)

@@ -403,6 +403,16 @@ def test_a_record_cut_short_at_the_journals_end_is_set_aside_and_the_search_cont
     write_report(str(journal), "toy", tmp_path / "r.html")
 
 
+def test_a_cut_short_record_longer_than_a_read_block_is_set_aside_whole(tmp_path: Path, capsys) -> None:
+    """The tail is looked for block by block (64 KiB) from the end: a longer one must not cut a whole record."""
+    journal = a_study(tmp_path)
+    whole = journal.read_bytes()
+    journal.write_bytes(whole + b'{"op_code": 4, "x": "' + b"a" * 200_000)
+    open_storage(str(journal), append=True)
+    assert journal.read_bytes() == whole and "ended in a record cut short (200021 bytes" in capsys.readouterr().err
+    assert optuna.get_all_study_names(open_storage(str(journal))) == ["t"]
+
+
 def test_a_stale_journal_lock_that_points_nowhere_is_cleared(tmp_path: Path, monkeypatch, capsys) -> None:
     """Optuna's lock is a symlink to the journal, and its grace period stats the target: a relative link (as a
     relative --storage, the default runs/STUDY/optuna.journal, made it) or one from a moved folder points nowhere,

@@ -126,8 +126,8 @@ def retrain_command(settings: dict[str, Any]) -> str:
     flags = [f"--data {shlex.quote(str(settings['data']))}"]
     for key, flag in TRAIN_FLAGS.items():
         value = settings.get(key)
-        # the device, --compile and --backend are the user's machine's business, not the trial's result
-        if value is not None and key not in ("device", "compile", "backend"):
+        # the device and --compile are the user's machine's business, not the trial's result
+        if value is not None and key not in ("device", "compile"):
             flags.append(f"{flag} {repr(value) if isinstance(value, float) else shlex.quote(str(value))}")  # exact
     return "energy train THIS_FILE " + " ".join(flags)
 

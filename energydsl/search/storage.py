@@ -163,16 +163,22 @@ def _mend_torn_record(path: Path) -> None:
 
     if not path.is_file() or path.stat().st_size == 0 or _last_byte(path) == b"\n":
         return
-    lock = JournalFileSymlinkLock(str(path))
+    lock = JournalFileSymlinkLock(os.path.abspath(path))  # as the backend's (see open_storage)
     lock.acquire()
     try:  # under the lock no one is appending, so a tail without its newline is torn, not being written
         with open(path, "r+b") as f:
             size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - (1 << 20)))
-            chunk = f.read()
-            if not chunk or chunk.endswith(b"\n"):
+            end, keep = size, 0  # keep: just after the last newline, looked for block by block from the end
+            while end > 0:
+                start = max(0, end - (1 << 16))
+                f.seek(start)
+                cut = f.read(end - start).rfind(b"\n")
+                if cut >= 0:
+                    keep = start + cut + 1
+                    break
+                end = start
+            if keep == size:
                 return
-            keep = size - len(chunk) + chunk.rfind(b"\n") + 1
             f.seek(keep)
             tail = f.read()
             with open(f"{path}.torn", "ab") as torn:

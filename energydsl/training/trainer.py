@@ -59,8 +59,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
                "min_lr": "--min-lr", "warmup_steps": "--warmup", "weight_decay": "--weight-decay",
                "grad_clip": "--grad-clip", "eval_interval": "--eval-interval", "eval_iters": "--eval-iters",
-               "seed": "--seed", "device": "--device", "dtype": "--dtype", "compile": "--compile",
-               "backend": "--backend"}
+               "seed": "--seed", "device": "--device", "dtype": "--dtype", "compile": "--compile"}
 
 
 @dataclass
@@ -370,8 +369,8 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
     # betas and fused flag (a changed --weight-decay was announced and not applied)
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(extra["optimizer"])
-    for group, now in zip(optimizer.param_groups, settings, strict=True):
-        group.update(now)
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
     if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
         scaler.load_state_dict(extra["scaler"])
     generator.set_state(extra["rng"]["batches"])
