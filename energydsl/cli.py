@@ -13,7 +13,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -22,10 +22,7 @@ from rich.text import Text
 
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
-from .files import check_output, make_dirs
-
-if TYPE_CHECKING:  # torch is imported where a command needs it: start-up stays fast
-    pass
+from .files import check_output, read_text, writable_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -335,6 +332,7 @@ def train_(
     import torch
 
     from .training import TrainConfig, load_dataset, train
+    from .training.run_dir import interrupted_at_once_note, resume_hint
     from .training.trainer import TRAIN_FLAGS
 
     if steps < 1:
@@ -358,7 +356,7 @@ def train_(
             spec, model = load_model(file, name, parse_sets(sets), backend, train_on=train_on,
                                      block_size=block_size, dtype=dtype)
         run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
-        _writable_dir(run_dir, "--out")
+        writable_dir(run_dir, "--out")
         config.block_size = block_size or model.block_size
         if config.block_size > model.block_size:
             raise UserError(f"--block-size {config.block_size} is longer than the model's context "
@@ -376,7 +374,7 @@ def train_(
         if dataset.vocab_size > model.vocab_size:
             raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
                             f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")
-        metadata = {"spec_path": str(Path(file).resolve()), "spec_source": _spec_text(file),
+        metadata = {"spec_path": str(Path(file).resolve()), "spec_source": read_text(file),
                     "model": model.plan.name, "dims": model.plan.dims, "context": model.block_size,
                     "equation_hash": model.equation_hash(), "backend": backend}
         try:
@@ -387,13 +385,13 @@ def train_(
             _report_divergence(e, run_dir, as_json)
             raise typer.Exit(1) from None
         except TrainingInterrupted as e:
-            print(f"interrupted at step {e.step}: saved {e.checkpoint}; {_resume_hint(fresh)}", file=sys.stderr)
+            print(f"interrupted at step {e.step}: saved {e.checkpoint}; {resume_hint(fresh)}", file=sys.stderr)
             if as_json:  # an outcome, as a divergence is
                 print(json.dumps({"interrupted": True, "step": e.step, "checkpoint": e.checkpoint,
                                   "out": str(run_dir)}))
             sys.exit(128 + e.signum)  # 130 (Ctrl-C), 143 (SIGTERM); SystemExit passes Typer and `main` as is
     except KeyboardInterrupt:  # a Ctrl-C before the training loop, or a second one, which stops at once
-        print(_interrupted_at_once(run_dir, fresh), file=sys.stderr)
+        print(interrupted_at_once_note(run_dir, fresh), file=sys.stderr)
         sys.exit(130)
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
@@ -401,20 +399,6 @@ def train_(
         print(json.dumps(result, default=str))
     else:
         out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
-
-
-def _writable_dir(path: Path, flag: str) -> None:
-    """Create `path` as a directory we can write into, or say why not (before any work is done)."""
-    import os
-
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{flag} {path} is a file, not a directory", hint=f"choose another {flag}")
-    try:
-        make_dirs(path)
-    except OSError as e:
-        raise UserError(f"cannot create {flag} {path}: {e.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write into {flag} {path}: permission denied")
 
 
 def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> None:
@@ -434,39 +418,6 @@ def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> Non
         print(json.dumps({"diverged": True, "step": e.step, "loss": loss, "reason": reason,
                           "checkpoint": e.checkpoint, "checkpoint_step": step, "checkpoint_val_loss": val,
                           "out": str(run_dir)}, allow_nan=False))
-
-
-def _spec_text(file: str) -> str:
-    try:
-        with open(file) as f:
-            return f.read()
-    except OSError as e:
-        raise UserError(f"cannot read {file}: {e.strerror}") from None
-
-
-def _resume_hint(fresh: bool) -> str:
-    """How to resume from `last`: the same command, less --fresh (which would start over again)."""
-    return "rerun without --fresh to resume" if fresh else "rerun the same command to resume"
-
-
-def _interrupted_at_once(run_dir: Path | None, fresh: bool) -> str:
-    """The note for a Ctrl-C that stopped `energy train` at once (before the training loop, or a second Ctrl-C):
-    nothing is saved then, so it says which checkpoint the run directory keeps."""
-    from .training.checkpoint import checkpoint_file
-
-    if run_dir is None:
-        return "interrupted before training started: nothing was written"
-    step = None
-    try:  # the committed last.json, as resuming reads it (a save the Ctrl-C cut short reads as the previous one)
-        sidecar = checkpoint_file(run_dir / "last.json")
-        if sidecar is not None:
-            step = json.loads(sidecar.read_text())["training"]["step"]
-    except Exception:  # noqa: BLE001 - a damaged run directory: say what is certain
-        step = None
-    if step is None:
-        return f"interrupted at once, before a checkpoint was written: nothing was saved in {run_dir}"
-    return (f"interrupted at once, without saving: kept the last checkpoint, step {step}: "
-            f"{run_dir / 'last.safetensors'}; {_resume_hint(fresh)} from it")
 
 
 @app.command()
@@ -509,7 +460,7 @@ def sample(
     # the spec as trained travels in the checkpoint: the file at spec_path may have been edited since (its
     # path is used only while it still holds that text, so that its imports resolve next to it)
     path, source = Path(meta.get("spec_path", "")), meta.get("spec_source")
-    unchanged = path.is_file() and (source is None or _spec_text(str(path)) == source)
+    unchanged = path.is_file() and (source is None or read_text(str(path)) == source)
     spec = load(path) if unchanged or not source else load(source, base=path.parent)
     model = spec.model(meta["model"], **meta["dims"])
     # an imported file is read as it is now: the model must still be the one trained

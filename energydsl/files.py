@@ -107,3 +107,25 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
         raise UserError(f"{what} {path}: cannot write a file there ({reason})",
                         hint="give a path in a directory you can write to") from None
     return p
+
+
+def writable_dir(path: Path, flag: str) -> None:
+    """Create `path` as a directory we can write into, or say why not (before any work is done); `flag` names
+    the setting that gave it (`--out`)."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file, not a directory", hint=f"choose another {flag}")
+    try:
+        make_dirs(path)
+    except OSError as e:
+        raise UserError(f"cannot create {flag} {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write into {flag} {path}: permission denied")
+
+
+def read_text(path: str | os.PathLike[str]) -> str:
+    """A file's text, or a UserError that names it and says why it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None

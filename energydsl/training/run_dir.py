@@ -453,3 +453,26 @@ class RunDir:
             _plot(self.metrics, self.out_dir / "loss.png")
         except Exception as e:  # a plotting problem must never cost a training run
             warnings.warn(f"could not draw {self.out_dir / 'loss.png'}: {e}", stacklevel=2)
+
+
+def resume_hint(fresh: bool) -> str:
+    """How to resume from `last`: the same command, less --fresh (which would start over again)."""
+    return "rerun without --fresh to resume" if fresh else "rerun the same command to resume"
+
+
+def interrupted_at_once_note(run_dir: Path | None, fresh: bool) -> str:
+    """The note for a Ctrl-C that stopped `energy train` at once (before the training loop, or a second Ctrl-C):
+    nothing is saved then, so it says which checkpoint the run directory keeps."""
+    if run_dir is None:
+        return "interrupted before training started: nothing was written"
+    step = None
+    try:  # the committed last.json, as resuming reads it (a save the Ctrl-C cut short reads as the previous one)
+        sidecar = checkpoint_file(run_dir / "last.json")
+        if sidecar is not None:
+            step = json.loads(sidecar.read_text())["training"]["step"]
+    except Exception:  # noqa: BLE001 - a damaged run directory: say what is certain
+        step = None
+    if step is None:
+        return f"interrupted at once, before a checkpoint was written: nothing was saved in {run_dir}"
+    return (f"interrupted at once, without saving: kept the last checkpoint, step {step}: "
+            f"{run_dir / 'last.safetensors'}; {resume_hint(fresh)} from it")
