@@ -8,6 +8,7 @@ tests/test_search_dsl.py. Every storage here is a real Optuna journal (or SQLite
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -401,6 +402,24 @@ def test_a_record_cut_short_at_the_journals_end_is_set_aside_and_the_search_cont
     trials = load_study(str(journal), "toy").get_trials()
     assert sum(t.state == TrialState.COMPLETE for t in trials) == 2, trials  # the cut-short trial ran again
     write_report(str(journal), "toy", tmp_path / "r.html")
+
+
+def test_a_full_disk_names_the_journal_it_could_not_write(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A full disk fails in write() or fsync(), whose OSError has no file name: the message said `cannot write:
+    No space left on device` without saying what."""
+    from energydsl import cli
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    journal = tmp_path / "s.journal"
+    monkeypatch.setattr(os, "fsync", full)
+    monkeypatch.setattr(sys, "argv", ["energy", "search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}",
+                                      "--trials", "1", "--storage", str(journal)])
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 2
+    assert f"error: cannot write {journal.resolve()}: No space left on device" in capsys.readouterr().err
 
 
 def test_a_cut_short_record_longer_than_a_read_block_is_set_aside_whole(tmp_path: Path, capsys) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock, JournalStorage
 
 from energydsl.errors import UserError
 from energydsl.files import make_dirs
@@ -159,8 +160,6 @@ def _mend_torn_record(path: Path) -> None:
     """Move a last record that a write left cut short (a full disk, a kill mid-append) to `JOURNAL.torn`, under
     the journal's lock. Optuna reads past such a tail, but its next append would follow it on the same line and
     leave a record that is not JSON in the middle of the journal, which no later read gets past."""
-    from optuna.storages.journal import JournalFileSymlinkLock
-
     if not path.is_file() or path.stat().st_size == 0 or _last_byte(path) == b"\n":
         return
     lock = JournalFileSymlinkLock(os.path.abspath(path))  # as the backend's (see open_storage)
@@ -196,6 +195,19 @@ def _last_byte(path: Path) -> bytes:
         return f.read(1)
 
 
+class _JournalFile(JournalFileBackend):
+    """Optuna's journal file, whose failed appends name it: a full disk fails in write() or fsync(), whose
+    OSError carries no file name, so the message would not say which file could not be written."""
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        try:
+            super().append_logs(logs)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = self._file_path
+            raise
+
+
 def open_storage(spec: str, append: bool = False) -> BaseStorage:
     """An Optuna storage from a URL (sqlite:///..., postgresql://...) or a journal file path. With `append`
     (a search, which writes), a journal's stale lock is cleared and a record cut short at its end set aside.
@@ -212,8 +224,6 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
             return optuna.storages.RDBStorage(spec, **kwargs)
         except Exception as e:  # bad URL, missing driver, unreachable server
             raise UserError(f"cannot open storage {spec!r}: {e}") from e
-    from optuna.storages.journal import JournalFileBackend, JournalStorage
-
     path = Path(spec)
     _check_journal(path)
     try:
@@ -223,7 +233,7 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
             _mend_torn_record(path)
         # absolute: Optuna's lock is a symlink to this path, and a relative one would point nowhere from the
         # journal's folder, so a stale lock's grace period (which stats the target) would never run out
-        backend = JournalFileBackend(os.path.abspath(path))
+        backend = _JournalFile(os.path.abspath(path))
     except OSError as e:
         raise UserError(f"cannot create the storage {path}: {e.strerror or e}",
                         hint="give a journal path in a directory you can write to") from None
