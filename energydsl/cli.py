@@ -22,7 +22,7 @@ from rich.text import Text
 
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
-from .files import check_output, read_text, writable_dir
+from .files import PATH_LIMITS, check_output, read_text, writable_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -525,21 +525,34 @@ def main() -> None:
                        "hint: what was saved is kept: make room (or a writable place) and rerun the same command")
             sys.exit(2)
         if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # pathlib's exists() and is_dir() raise it
-            _to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\n"
-                       "hint: a file or folder name holds at most 255 bytes, a whole path 4096")
+            _to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\nhint: {PATH_LIMITS}")
             sys.exit(2)
         # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
         kinds = {c.__name__ for c in type(e).__mro__}
+        if "UsageError" in kinds:  # as every other flag error reads: `error: ...` and a hint, not click's block
+            _to_stderr(_usage_error(e))
+            sys.exit(2)
         if "ClickException" in kinds:
             try:
                 e.show()  # type: ignore[attr-defined]
             except BrokenPipeError:
                 _to_stderr("")
-            sys.exit(2 if "UsageError" in kinds else e.exit_code)  # type: ignore[attr-defined]
+            sys.exit(e.exit_code)  # type: ignore[attr-defined]
         first = (str(e).strip().splitlines() or [""])[0]  # one line: torch appends pages of C++ frames
         _to_stderr(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
                    "(please report this with the spec)")
         sys.exit(70)
+
+
+def _usage_error(e: Exception) -> str:
+    """A flag or argument click refused (unknown, missing, not a number) as `error: ...` with a hint naming the
+    command's --help."""
+    message = e.format_message()  # type: ignore[attr-defined]
+    ctx = getattr(e, "ctx", None)
+    command = ctx.command_path if ctx is not None else "energy"
+    lists = "the commands" if ctx is None or ctx.parent is None else "its options and arguments"
+    message = message[:1].lower() + message[1:].rstrip(".")
+    return f"error: {message}\nhint: `{command} --help` lists {lists}"
 
 
 BROKEN_PIPE = 128 + 13  # 141: as a shell reports a command that SIGPIPE stopped (`energy derive x | head`)

@@ -13,6 +13,8 @@ from typing import Any
 
 from .errors import UserError
 
+PATH_LIMITS = "a file or folder name holds at most 255 bytes, a whole path 4096"  # hint for ENAMETOOLONG
+
 
 def new_file_mode() -> int:
     """The mode open() gives a new file: 0o666 less the umask. A file written through a private temporary one

@@ -11,6 +11,7 @@ the conversion of lark's parse tree into them in `syntax_build.py`.
 from __future__ import annotations
 
 import codecs
+import errno
 import functools
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ import lark
 from lark import Lark
 
 from .errors import Span, SpecError, UserError
+from .files import PATH_LIMITS
 from .syntax_build import _ToAst
 from .syntax_tree import (
     EXPECT_NAMES,
@@ -177,6 +179,8 @@ def _read(path: Path, span: Span | None, name: str | None = None) -> str:
     except IsADirectoryError:
         raise SpecError(f"{path} is a directory, not a .energy file", span) from None
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:  # as the CLI says it of any path
+            raise SpecError(f"a path is too long: {path} ({e.strerror})", span, hint=PATH_LIMITS) from None
         raise SpecError(f"cannot read {path}: {e.strerror}", span) from None
     if len(data) > MAX_SOURCE_BYTES:
         raise SpecError(f"{path} is larger than {MAX_SOURCE_BYTES // (1024 * 1024)} MiB: not a spec", span)

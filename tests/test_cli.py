@@ -11,17 +11,23 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples/models/gpt.energy")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["train", GPT, "--steps", "1"], "Missing option '--data'"),
-    (["train", GPT, "--data", "shakespeare_char", "--steps", "x"], "Invalid value for '--steps'"),
-    (["compile", GPT, "--no-such-flag"], "No such option"),
-    (["train", GPT, "--data", "shakespeare_char", "--backend", "bogus", "--steps", "1"], "unknown backend `bogus`"),
+@pytest.mark.parametrize("args,message,hint", [
+    (["train", GPT, "--steps", "1"], "error: missing option '--data'\n", "train --help` lists its options"),
+    (["train", GPT, "--data", "shakespeare_char", "--steps", "x"], "error: invalid value for '--steps'",
+     "train --help` lists its options"),
+    (["compile", GPT, "--no-such-flag"], "error: no such option: --no-such-flag", "compile --help` lists its"),
+    (["derive"], "error: missing argument 'FILE'\n", "derive --help` lists its options"),
+    (["no-such-command"], "error: no such command 'no-such-command'\n", "--help` lists the commands"),
+    (["train", GPT, "--data", "shakespeare_char", "--backend", "bogus", "--steps", "1"], "unknown backend `bogus`",
+     ""),
 ])
-def test_usage_errors_exit_2(args: list[str], message: str) -> None:
+def test_usage_errors_exit_2(args: list[str], message: str, hint: str) -> None:
+    """Flags click refuses read as every other flag error does: `error: ...` and a hint (not click's usage block)."""
     proc = subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+    assert "\nhint: " in proc.stderr and hint in proc.stderr and "Usage:" not in proc.stderr, proc.stderr
 
 
 def test_report_on_a_missing_sqlite_file_creates_nothing(tmp_path: Path) -> None:

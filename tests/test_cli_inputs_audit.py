@@ -376,7 +376,11 @@ LONG = "a" * 300  # over a file name's 255 bytes: pathlib's exists() and is_dir(
      "--report", "{long}.html"],
     ["report", "{long}"],
     ["compile", MHA, "-o", "{long}.py"],
-], ids=["train --out", "train --data", "sample", "search --storage", "search --report", "report", "compile -o"])
+    ["derive", "{long}.energy"],
+    ["check", "{long}.energy"],
+    ["train", "{long}.energy", "--data", "shakespeare_char"],
+], ids=["train --out", "train --data", "sample", "search --storage", "search --report", "report", "compile -o",
+        "derive FILE", "check FILE", "train FILE"])
 def test_a_path_too_long_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args) -> None:
     """Every command said `internal error ... OSError: [Errno 36] File name too long` (exit 70)."""
     long = str(tmp_path / LONG)
