@@ -61,6 +61,17 @@ def parse_sets(items: list[str] | None) -> dict[str, float]:
     return dims
 
 
+def parse_betas(text: str) -> tuple[float, float]:
+    """`--betas 0.9,0.95` as AdamW's pair (its range is checked with the other settings)."""
+    parts = text.split(",")
+    try:
+        if len(parts) == 2:
+            return float(parts[0]), float(parts[1])
+    except ValueError:
+        pass
+    raise UserError(f"--betas takes two numbers B1,B2, got {text!r}", hint="e.g. --betas 0.9,0.95")
+
+
 def expand_files(files: list[str]) -> list[str]:
     paths: list[str] = []
     for f in files:
@@ -293,6 +304,7 @@ def train_(
                       ] = None,
     weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW's, on matrices only (not norm gains).")
                             ] = 0.1,
+    betas: Annotated[str, typer.Option("--betas", metavar="B1,B2", help="AdamW's moment decays.")] = "0.9,0.99",
     grad_clip: Annotated[float, typer.Option("--grad-clip", help="Gradient norm clipping; 0: off.")] = 1.0,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16 (autocast; float16: CUDA)")
                      ] = "float32",
@@ -344,8 +356,9 @@ def train_(
     # checked before the model and the data are built; the block size defaults to the model's context, below
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr,
                          min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=warmup,
-                         weight_decay=weight_decay, grad_clip=grad_clip, eval_interval=eval_interval,
-                         eval_iters=eval_iters, device=device, seed=seed, dtype=dtype, compile=compile_)
+                         weight_decay=weight_decay, betas=parse_betas(betas), grad_clip=grad_clip,
+                         eval_interval=eval_interval, eval_iters=eval_iters, device=device, seed=seed, dtype=dtype,
+                         compile=compile_)
     config.validate(TRAIN_FLAGS)
     train_on = config.resolve_device(TRAIN_FLAGS)
     run_dir: Path | None = None

@@ -99,6 +99,28 @@ def test_a_divergence_from_weight_decay_names_weight_decay_not_lr(corpus, tmp_pa
     assert code == 0 and "--weight-decay 5000 → 0.1" in err, err  # the advice taken: the run resumes and trains
 
 
+@pytest.mark.parametrize("betas,says", [("0.9", "--betas takes two numbers B1,B2, got '0.9'"),
+                                         ("0.9,x", "--betas takes two numbers B1,B2, got '0.9,x'"),
+                                         ("1.5,0.9", "--betas must be two numbers in [0, 1), got (1.5, 0.9)")])
+def test_bad_betas_are_refused_before_any_work(corpus, tmp_path, monkeypatch, capsys, betas: str, says: str):
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run"), "--betas", betas)
+    assert code == 2 and err.startswith(f"error: {says}"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_betas_train_and_a_change_on_resume_is_announced_and_applied(corpus, tmp_path, monkeypatch, capsys):
+    """docs/models.md named --betas among the settings a resumed run applies; the flag did not exist."""
+    args = tiny_cli_run(corpus, tmp_path, "--betas", "0.8,0.95")
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0, err
+    assert json.loads((tmp_path / "last.json").read_text())["training"]["config"]["betas"] == [0.8, 0.95]
+    code, _, err = energy(monkeypatch, capsys, *args[:-2], "--betas", "0.7,0.9", "--steps", "6")
+    assert code == 0 and "with changed settings: --steps 4 → 6, --betas 0.8,0.95 → 0.7,0.9" in err, err
+    assert json.loads((tmp_path / "last.json").read_text())["training"]["config"]["betas"] == [0.7, 0.9]
+    _, meta = load_checkpoint(str(tmp_path / "last.safetensors"))
+    assert meta["training"]["step"] == 6
+
+
 def test_the_backend_is_recorded_and_a_switch_on_resume_is_announced(corpus, tmp_path, monkeypatch, capsys):
     """Both backends hold the same parameters, so a run may resume on the other; it said nothing of the switch."""
     args = tiny_cli_run(corpus, tmp_path)

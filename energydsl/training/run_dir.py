@@ -105,6 +105,9 @@ SWITCHABLE_ON_RESUME = ("backend",)
 
 
 def _value(value: Any) -> str:
+    """A setting as its flag is written: 0.001, or 0.9,0.95 for a pair (--betas)."""
+    if isinstance(value, list | tuple) and value and all(isinstance(v, float) for v in value):
+        return ",".join(f"{v:g}" for v in value)
     return f"{value:g}" if isinstance(value, float) else _show(value)
 
 

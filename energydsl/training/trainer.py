@@ -58,8 +58,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: writes into a candidate's file to train it again as its trial was trained
 TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "--block-size", "lr": "--lr",
                "min_lr": "--min-lr", "warmup_steps": "--warmup", "weight_decay": "--weight-decay",
-               "grad_clip": "--grad-clip", "eval_interval": "--eval-interval", "eval_iters": "--eval-iters",
-               "seed": "--seed", "device": "--device", "dtype": "--dtype", "compile": "--compile"}
+               "betas": "--betas", "grad_clip": "--grad-clip", "eval_interval": "--eval-interval",
+               "eval_iters": "--eval-iters", "seed": "--seed", "device": "--device", "dtype": "--dtype",
+               "compile": "--compile"}
 
 
 @dataclass
