@@ -135,7 +135,10 @@ def check_sympy(prog: UpdateProgram) -> CheckResult:
     if any(isinstance(n, ir.StopGrad) for n in ir.nodes(prog.spec.energy)):
         return CheckResult("sympy", "skip", "stopgrad has no counterpart in sympy.diff; autograd check only")
     seq = 3
-    grads, info = sympy_instance.gradient_at(prog, seed=7, seq=seq)
+    try:
+        grads, info = sympy_instance.gradient_at(prog, seed=7, seq=seq)
+    except sympy_instance.NotReal as e:
+        return CheckResult("sympy", "fail", f"not real: {e}")
     spec = prog.spec
     dt = torch.float64
     tensors: dict[str, torch.Tensor] = {}

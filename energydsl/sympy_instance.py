@@ -227,6 +227,10 @@ def _generic_offsets(n: int) -> tuple[sp.Rational, ...]:
     return tuple(sp.Rational(1, q) for q in primes[:n])
 
 
+class NotReal(ArithmeticError):
+    """The explicit instance's gradient is complex at the sampled state."""
+
+
 def gradient_at(prog: UpdateProgram, seed: int = 0, seq: int = 3) -> tuple[list[float], dict]:
     """∂F/∂state by `sympy.diff` at the last position of a small explicit instance.
 
@@ -247,5 +251,11 @@ def gradient_at(prog: UpdateProgram, seed: int = 0, seq: int = 3) -> tuple[list[
     w = {s: sp.Symbol(f"_line_w_{s.name}", real=True) for s in flat}
     f, _, scal, values = build(prog, seed, seq, position, state=lambda s: point[s] + t * w[s])
     slope = sp.diff(f, t).xreplace({t: sp.Integer(0)})  # Σ_k ∂F/∂z_k(p) w_k
-    grads = [float(slope.xreplace({w[o]: sp.Integer(1 if o is s else 0) for o in flat}).evalf()) for s in flat]
+    partials = [slope.xreplace({w[o]: sp.Integer(1 if o is s else 0) for o in flat}).evalf() for s in flat]
+    for s, v in zip(flat, partials, strict=True):
+        if sp.im(v).is_nonzero:  # NaN and zoo are left to the comparison (not finite)
+            raise NotReal(f"sympy.diff's ∂F/∂{s} is {sp.N(v, 4)} at the sampled state, not a real number: a log, a "
+                          "root or a non-integer power of a negative value (the energy is real only where that "
+                          "value is positive)")
+    grads = [float(v) for v in partials]
     return grads, {"point": point, "values": values, "scalars": scal, "position": position}

@@ -752,3 +752,13 @@ def test_the_sympy_check_evaluates_an_antiderivative_sympy_cannot_close(energy):
     layer = load(f"energy C(d = 2) {{\n  state z[d]\n  global F = {energy}\n}}\n").energy()
     results = {r.name: r for r in layer.check()}
     assert results["sympy"].ok and all(r.ok for r in results.values()), results
+
+
+@pytest.mark.parametrize("energy", ["sum(z^0.5)", "sum(z^a)"])
+def test_a_power_complex_at_the_sampled_state_says_so(energy):
+    """z^0.5, or z^a with a learned a, is complex where z < 0: the sympy row said "could not run: TypeError: Cannot
+    convert complex to float" (found by checking the docs' examples)."""
+    layer = load(f"energy C(d = 2) {{\n  state z[d]\n  param a = 2.5 learn\n  global F = {energy}\n}}\n").energy()
+    results = {r.name: r for r in layer.check()}
+    assert not results["sympy"].ok and results["sympy"].detail.startswith("not real: sympy.diff's ∂F/∂z_"), results
+    assert "non-integer power of a negative value" in results["sympy"].detail
