@@ -534,3 +534,23 @@ def test_relu_times_its_step_is_the_relu_and_stays_verified() -> None:
     assert mul(Func("relu", z), Func("step", z)) == Func("relu", z)
     assert mul(Func("step", z), z, Func("relu", z)) == mul(z, Func("relu", z))
     assert len(mul(Func("relu", z), Func("step", w)).factors) == 2
+
+
+@pytest.mark.parametrize("body,reference", [
+    ("norm(z)", lambda z: torch.linalg.vector_norm(z, dim=-1)),
+    ("norm(z, 3)", lambda z: torch.linalg.vector_norm(z, 3, dim=-1)),
+    ("norm(z, 1.5)", lambda z: torch.linalg.vector_norm(z, 1.5, dim=-1)),
+    ("mean(z * z)", lambda z: (z * z).mean(-1)),
+])
+def test_norms_and_means_step_as_torchs(body: str, reference) -> None:
+    """The built-ins' formulas against torch's own (the checks compare the derivation with autograd of the same
+    formula, so a wrong p-norm or mean would pass them): one gd step is -eta times the reference's gradient."""
+    from energydsl import load
+
+    spec = load(f"energy E(d = 5, eta = 0.5) {{\n  state z[d]\n  global F = {body}\n  optimizer gd(eta = eta)\n}}\n")
+    assert all(r.ok for r in spec.energy().check())
+    x = torch.randn(2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    step = spec.module(d=5).double()(x, delta=True)
+    x.requires_grad_(True)
+    (grad,) = torch.autograd.grad(reference(x).sum(), x)
+    torch.testing.assert_close(step, -0.5 * grad, rtol=1e-12, atol=1e-12)
