@@ -333,7 +333,7 @@ class Spec:
         check_backend(backend)
         if name is None:
             names = self.energy_names + self.model_names
-            name = self._pick(None, names, ("energy or model", "energies or models"), {})
+            name = self._pick(None, names, ("energy or model", "energies or models"), {}, "module")
         if name in self.syntax.models:
             return self.model(name, backend, **dims)
         return module_class(self.energy(name, **dims), backend)()
@@ -344,16 +344,18 @@ class Spec:
         name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
         return plan_model(self.syntax, name, dims)
 
-    def _pick(self, name: str | None, names: list[str], what: tuple[str, str], every: dict[str, Any]) -> str:
+    def _pick(self, name: str | None, names: list[str], what: tuple[str, str], every: dict[str, Any],
+              method: str | None = None) -> str:
         """`name`, which may be any of `every` (imported declarations too); left out, the one of `names`
-        (this file's own). `what`: the kind, singular and plural, for messages."""
+        (this file's own). `what`: the kind, singular and plural, for messages; `method`: the Python call that
+        takes the name (default: the kind's own, `.energy(...)`)."""
         one, many = what
         if name is None:
             if not names:
                 raise SpecError(f"{self.path} declares no {one}", None)
             if len(names) != 1:
                 raise SpecError(f"{self.path} declares {len(names)} {many} ({', '.join(names)}); name one", None,
-                                f"`--name {names[0]}` on the command line; in Python, .{one}(\"{names[0]}\")")
+                                f"`--name {names[0]}` on the command line; in Python, .{method or one}(\"{names[0]}\")")
             return names[0]
         if name not in every:
             kinds = {"model": self.syntax.models, "block": self.syntax.blocks, "energy": self.syntax.energies}

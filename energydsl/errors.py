@@ -96,11 +96,11 @@ class TrainingDiverged(Exception):
     def __init__(self, step: int, loss: float, checkpoint: str | None = None, reason: str | None = None,
                  checkpoint_step: int | None = None, checkpoint_val_loss: float | None = None,
                  remedy: str = "a lower --lr"):
+        self.reason = reason or f"the loss is {loss}"
         where = f"; last good checkpoint kept at {checkpoint}" if checkpoint else ""
-        super().__init__(f"training diverged at step {step} (loss = {loss}){where}")
+        super().__init__(f"training diverged at step {step}: {self.reason}{where}; try {remedy}")
         self.step = step
         self.loss = loss
-        self.reason = reason or f"the loss is {loss}"
         self.checkpoint_step = checkpoint_step
         self.checkpoint_val_loss = checkpoint_val_loss
         self.checkpoint = checkpoint

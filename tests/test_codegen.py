@@ -172,6 +172,21 @@ def test_a_generated_forward_names_what_is_wrong_with_its_inputs(call, message: 
         assert module(torch.randn(2, 5, 16)).shape == (2, 5, 16)
 
 
+def test_an_input_of_another_length_is_named_as_a_per_token_input() -> None:
+    """`input` is each token's own: the message explained it as the context is ("tokens up to i")."""
+    module = energydsl.load("examples/cem/mlp.energy").module()
+    with pytest.raises(ValueError) as err:
+        module(torch.randn(2, 4, 8), input=torch.randn(2, 3, 8))
+    assert str(err.value) == "CEMMLP: input must have x's batch and length (2, 4) (token i reads its own token's " \
+                             "input), got (2, 3)"
+
+
+def test_a_module_of_a_file_with_several_names_hints_the_module_call() -> None:
+    with pytest.raises(energydsl.SpecError) as err:
+        energydsl.load("examples/models/gpt.energy").module()
+    assert err.value.hint == '`--name MHA` on the command line; in Python, .module("MHA")'  # was .energy or model(
+
+
 def test_cache_reuses_generated_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
     derived = energydsl.load("examples/cem/mlp.energy").energy(d=6, dv=10)  # dims no other test uses

@@ -443,10 +443,15 @@ def test_every_model_example_trains_one_step(path: str) -> None:
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+IDS = "idx must be token ids (batch, seq), int64 or int32 (what an embedding reads)"
+
+
 @pytest.mark.parametrize("idx, message", [
-    (torch.zeros(5, dtype=torch.long), "idx must be token ids (batch, seq) of an integer dtype, got shape (5,)"),
-    (torch.zeros(2, 5), "idx must be token ids (batch, seq) of an integer dtype, got shape (2, 5), torch.float32"),
-    ([[1, 2]], "idx must be token ids (batch, seq) of an integer dtype, got list"),
+    (torch.zeros(5, dtype=torch.long), f"{IDS}, got shape (5,)"),
+    (torch.zeros(2, 5), f"{IDS}, got shape (2, 5), torch.float32"),
+    ([[1, 2]], f"{IDS}, got list"),
+    (torch.ones(2, 5, dtype=torch.uint8), f"{IDS}, got shape (2, 5), torch.uint8"),  # passed, to fail in F.embedding
+    (torch.ones(2, 5, dtype=torch.bool), f"{IDS}, got shape (2, 5), torch.bool"),
     (torch.zeros(2, 0, dtype=torch.long), "idx has no tokens"),
     (torch.zeros(0, 4, dtype=torch.long), "idx has no sequences"),  # a RuntimeError from idx.min() before
     (torch.zeros(2, 17, dtype=torch.long), "sequence of length 17 is longer than the model's context 16"),

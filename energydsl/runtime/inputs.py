@@ -63,7 +63,8 @@ def _check_tensor(module: nn.Module, what: str, value: object, x: Tensor | None,
     if x is None:
         return
     if value.shape[:2] != x.shape[:2]:
+        reads = ("the context of tokens up to i" if what == "context" else f"its own token's {what}")
         raise ValueError(f"{name}: {what} must have x's batch and length {tuple(x.shape[:2])} (token i reads "
-                         f"the {what} of tokens up to i), got {tuple(value.shape[:2])}")
+                         f"{reads}), got {tuple(value.shape[:2])}")
     if value.dtype != x.dtype or value.device != x.device:
         raise ValueError(f"{name}: {what} is {value.dtype} on {value.device} but x is {x.dtype} on {x.device}")

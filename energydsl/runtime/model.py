@@ -167,9 +167,9 @@ class LanguageModel(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         """Logits (batch, seq, vocab) for token ids idx (batch, seq), 1 <= seq <= the context."""
-        if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.is_floating_point() or idx.is_complex():
+        if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
             got = f"shape {tuple(idx.shape)}, {idx.dtype}" if isinstance(idx, Tensor) else type(idx).__name__
-            raise ValueError(f"idx must be token ids (batch, seq) of an integer dtype, got {got}")
+            raise ValueError(f"idx must be token ids (batch, seq), int64 or int32 (what an embedding reads), got {got}")
         B, T = idx.shape
         if T > self.block_size:
             raise ValueError(f"sequence of length {T} is longer than the model's context {self.block_size}")

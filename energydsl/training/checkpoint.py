@@ -191,6 +191,8 @@ def save_checkpoint(out_dir: Path, stem: str, model: nn.Module, sidecar: dict[st
 
 def checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
     """The weights and sidecar named by a directory (its `which`, else `last`), a .safetensors or a .json."""
+    if which not in ("best", "last"):
+        raise ValueError(f"which must be \"best\" or \"last\" (a run directory's two checkpoints), got {which!r}")
     path = Path(path_or_dir).expanduser()
     if path.is_dir():
         weights = path / f"{which}.safetensors"

@@ -6,6 +6,7 @@ The checkpoint files (and how a save survives a kill) are `energydsl.training.ch
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -188,6 +189,14 @@ def sample(
     For character codecs the result has exactly `max_new_tokens` characters.
     """
     codec = getattr(dataset_or_codec, "codec", dataset_or_codec)
+    if not callable(getattr(codec, "encode", None)) or not callable(getattr(codec, "decode", None)):
+        raise DataError(f"dataset_or_codec must be a dataset or its codec (what encodes the prompt and decodes the "
+                        f"tokens), got {type(dataset_or_codec).__name__}",
+                        hint="the dataset the model was trained on: load_dataset(...)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise DataError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
+    if temperature != temperature:  # NaN: torch.multinomial's "probability tensor contains inf, nan" otherwise
+        raise DataError("temperature must be a number (<= 0: greedy), got nan")
     vocab = getattr(codec, "vocab_size", None)
     ids = codec.encode(prompt) if prompt else [getattr(codec, "start_id", 0)]
     param = next(iter(model.parameters()), None)

@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
+import operator
 import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,7 @@ class TrainConfig:
         def name(field: str) -> str:
             return (names or {}).get(field, field)
 
+        self._normalize_types(name)
         # `not x >= 0` rather than `x < 0`: NaN fails every comparison and must not slip through
         for field in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval"):
             if not getattr(self, field) >= 1:
@@ -117,7 +120,7 @@ class TrainConfig:
             raise UserError(f"{name('lr')} must be a finite number, got {self.lr}")
         # torch's generators take seeds in [0, 2**64) (negative ones are aliases of large ones): refused here
         # rather than as an overflow inside torch.manual_seed
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+        if not 0 <= self.seed < 2**64:
             raise UserError(f"{name('seed')} must be a whole number in [0, 2**64), got {self.seed}")
         if not 0 <= self.min_lr <= self.lr:
             raise UserError(f"{name('min_lr')} must be in [0, {name('lr')}], got {self.min_lr} with "
@@ -128,6 +131,29 @@ class TrainConfig:
             raise UserError(f"unknown {name('dtype')} {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
         if not self.diverge_factor > 1:
             raise UserError(f"{name('diverge_factor')} must be above 1, got {self.diverge_factor}")
+
+    def _normalize_types(self, name: Callable[[str], str]) -> None:
+        """Each setting as the type it is: a whole number (numpy's too, or 4.0, as 8 / 2 gives) as an int, a
+        number as a float, betas as a pair; anything else refused by name. A float batch size failed inside
+        torch.randint after the run had started, and steps = 2.5 trained 3 steps."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                whole = _whole(value)
+                if whole is None:
+                    raise UserError(f"{name(f.name)} must be a whole number, got {value!r} ({type(value).__name__})")
+                setattr(self, f.name, whole)
+            elif f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise UserError(f"{name(f.name)} must be a number, got {value!r} ({type(value).__name__})")
+                setattr(self, f.name, float(value))
+            elif f.type == "bool" and not isinstance(value, bool):
+                raise UserError(f"{name(f.name)} must be True or False, got {value!r}")
+        pair = self.betas
+        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2 or not all(
+                isinstance(b, numbers.Real) and not isinstance(b, bool) for b in pair):
+            raise UserError(f"{name('betas')} must be two numbers in [0, 1), got {pair!r}")
+        self.betas = (float(pair[0]), float(pair[1]))
 
     def resolve_device(self, names: dict[str, str] | None = None) -> torch.device:
         """The device this trains on, checked with the dtype (float16 needs CUDA): a CLI calls it before it
@@ -214,9 +240,41 @@ def estimate_loss(model: nn.Module, dataset: LMDataset, config: TrainConfig, dev
     return out
 
 
+def _whole(value: Any) -> int | None:
+    """`value` as an int if it is a whole number (an int, a numpy integer, an integral float), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    return None
+
+
 def _jsonable(value: Any) -> Any:
     """The value as it reads back from JSON, so metadata compares equal after a round trip."""
     return json.loads(json.dumps(value, default=str))
+
+
+def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any) -> None:
+    """What `train` is given, named where it is not what it takes (from Python: the CLI builds them right)."""
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if hasattr(model, "example_input") and not hasattr(model, "vocab_size"):  # a generated energy layer
+        raise UserError(f"{type(model).__name__} is one energy layer (states to states); train() takes a language "
+                        "model (token ids to logits)", hint="build one with load(path).model(name, **dims)")
+    if not isinstance(dataset, LMDataset):
+        raise UserError(f"dataset must be an LMDataset, got {type(dataset).__name__}",
+                        hint="load_dataset('shakespeare_char'), or load_dataset('chars:PATH')")
+    if not isinstance(config, TrainConfig):
+        raise UserError(f"config must be a TrainConfig, got {type(config).__name__}",
+                        hint="TrainConfig(steps=..., lr=...)" + (", or TrainConfig(**settings) from a dict"
+                                                                 if isinstance(config, dict) else ""))
+    if not isinstance(metadata, dict):
+        raise UserError(f"metadata must be a dict (what a resumed run must match), got {type(metadata).__name__}",
+                        hint="metadata={} when there is nothing to record")
 
 
 def _check_fits(model: nn.Module, dataset: LMDataset, config: TrainConfig) -> None:
@@ -267,6 +325,7 @@ def train(
     refused (`UserError`, see `run_dir.KEPT_ON_RESUME`). Errors name settings as `names` spells them (a CLI
     passes its flags, e.g. {"lr": "--lr"}).
     """
+    _check_arguments(model, dataset, config, metadata)
     config.validate(names)
     device = config.resolve_device(names)
     dataset.check_block_size(config.block_size)

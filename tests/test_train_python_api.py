@@ -1,0 +1,102 @@
+"""`train`, `sample`, `TrainConfig` and `load_checkpoint` called from Python with the wrong kinds of arguments:
+a UserError (or ValueError) naming the argument, never an error from deep inside torch (found by an audit of the
+Python API as a notebook uses it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import energydsl
+from energydsl.errors import TrainingDiverged, UserError
+from energydsl.training import TrainConfig, load_checkpoint, load_dataset, sample, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return energydsl.load(ROOT / "examples/models/gpt.energy").model(vocab=40, context=8, d=8, layers=1, heads=2)
+
+
+@pytest.fixture()
+def data(corpus: Path):
+    return load_dataset(f"chars:{corpus}")
+
+
+def tiny(**settings) -> TrainConfig:
+    return TrainConfig(**{"steps": 2, "batch_size": 2, "block_size": 8, "eval_interval": 2, "eval_iters": 1,
+                          **settings})
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"batch_size": 2.5}, "batch_size must be a whole number, got 2.5 (float)"),  # torch.randint's overloads
+    ({"steps": 2.5}, "steps must be a whole number, got 2.5 (float)"),  # trained 3 steps
+    ({"steps": "3"}, "steps must be a whole number, got '3' (str)"),
+    ({"lr": "1e-3"}, "lr must be a number, got '1e-3' (str)"),  # '>' not supported between 'str' and 'int'
+    ({"grad_clip": None}, "grad_clip must be a number, got None (NoneType)"),
+    ({"betas": 0.9}, "betas must be two numbers in [0, 1), got 0.9"),  # object of type 'float' has no len()
+    ({"steps": True}, "steps must be a whole number, got True (bool)"),
+    ({"compile": 1}, "compile must be True or False, got 1"),
+])
+def test_a_setting_of_the_wrong_type_is_named(settings: dict, message: str) -> None:
+    with pytest.raises(UserError) as err:
+        tiny(**settings).validate()
+    assert err.value.message == message
+
+
+def test_whole_numbers_of_other_types_are_taken_as_ints(gpt, data) -> None:
+    """8 / 2 is 4.0 and numpy's ints are not ints: both were refused or failed inside torch; the seed's message
+    said `must be a whole number in [0, 2**64), got 1`."""
+    config = tiny(block_size=16 / 2, seed=np.int64(1), steps=np.int32(2), lr=np.float32(1e-3), betas=[0.8, 0.9])
+    assert train(gpt, data, config, None, metadata={}, progress=False)["steps"] == 2
+    assert (config.block_size, config.seed, config.steps, config.betas) == (8, 1, 2, (0.8, 0.9))
+    assert all(type(v) is int for v in (config.block_size, config.seed, config.steps)) and type(config.lr) is float
+
+
+def test_train_names_an_argument_of_the_wrong_kind(gpt, data) -> None:
+    layer = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy").module(d=8, heads=2)
+    cases = [
+        (lambda: train(gpt, "shakespeare_char", tiny(), None, metadata={}), "dataset must be an LMDataset, got str"),
+        (lambda: train(gpt, data, {"steps": 2}, None, metadata={}), "config must be a TrainConfig, got dict"),
+        (lambda: train(gpt, data, tiny(), None, metadata=None), "metadata must be a dict"),
+        (lambda: train(layer, data, tiny(), None, metadata={}), "MHA is one energy layer (states to states); "
+                                                                "train() takes a language model"),
+    ]
+    for call, message in cases:
+        with pytest.raises(UserError) as err:
+            call()
+        assert err.value.message.startswith(message), err.value.message
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"dataset_or_codec": None}, "dataset_or_codec must be a dataset or its codec"),
+    ({"max_new_tokens": -3}, "max_new_tokens must be a whole number >= 0, got -3"),  # returned '' silently
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 0, got 2.5"),
+    ({"temperature": float("nan")}, "temperature must be a number (<= 0: greedy), got nan"),  # torch.multinomial's
+])
+def test_sample_names_an_argument_of_the_wrong_kind(gpt, data, kwargs: dict, message: str) -> None:
+    with pytest.raises(UserError) as err:
+        sample(gpt, **{"dataset_or_codec": data, "prompt": "to", "max_new_tokens": 3, **kwargs})
+    assert err.value.message.startswith(message), err.value.message
+    assert len(sample(gpt, data, "to", np.int64(3))) == 3
+
+
+def test_load_checkpoint_names_a_wrong_which(gpt, data, tmp_path: Path) -> None:
+    train(gpt, data, tiny(), tmp_path, metadata={}, progress=False)
+    with pytest.raises(ValueError, match='which must be "best" or "last" .*got \'latest\''):  # "no checkpoint in"
+        load_checkpoint(tmp_path, which="latest")
+    assert load_checkpoint(tmp_path, which="last")[1]["training"]["step"] == 2
+
+
+def test_a_divergence_says_why_and_what_to_change(gpt, data) -> None:
+    """str(e) was `training diverged at step 1 (loss = ...)`: the reason and the remedy were attributes only."""
+    with pytest.raises(TrainingDiverged) as err:
+        config = tiny(steps=30, lr=1e4, weight_decay=0, warmup_steps=0, log_interval=1)
+        train(gpt, data, config, None, metadata={}, progress=False)
+    assert str(err.value).startswith(f"training diverged at step {err.value.step}: {err.value.reason}")
+    assert str(err.value).endswith("; try a lower lr"), str(err.value)
