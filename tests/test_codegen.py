@@ -199,6 +199,25 @@ def test_cache_reuses_generated_file(tmp_path, monkeypatch) -> None:
     assert energy_source(derived) == files[0].read_text()
 
 
+def test_a_cache_that_cannot_be_written_builds_in_a_private_folder_and_says_so(tmp_path, monkeypatch, capsys):
+    """A read-only home or an ENERGYDSL_CACHE naming a file: no layer could be built at all (pathlib's
+    FileExistsError, naming neither the cache nor the setting)."""
+    from energydsl import codegen
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file")
+    monkeypatch.setenv("ENERGYDSL_CACHE", str(blocker))
+    monkeypatch.setattr(codegen, "_PRIVATE_DIR", None)
+    for d in (7, 9):  # dims no other test uses: generated here, not found in sys.modules
+        layer = module_class(energydsl.load("examples/cem/mlp.energy").energy(d=d, dv=11))()
+        assert layer(torch.randn(1, 2, d)).shape == (1, 2, d)
+    notice = capsys.readouterr().err
+    assert notice.count("energydsl: cannot write the code cache") == 1, notice  # said once
+    assert f"code cache {blocker} ({blocker} is a file, not a directory)" in notice
+    assert "set ENERGYDSL_CACHE to a folder you can write" in notice
+    assert len(list(codegen._PRIVATE_DIR.glob("*.py"))) == 2 and blocker.read_text() == "a file"
+
+
 def test_a_changed_generator_regenerates(tmp_path, monkeypatch) -> None:
     """The cache key hashes the generator's own source: an edited generator never reuses an old file."""
     from energydsl import codegen

@@ -10,15 +10,19 @@ source, so an unchanged spec is never regenerated, and any change to the generat
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import ir
+from ..files import make_dirs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -99,18 +103,43 @@ def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
     mod_name = f"energydsl_generated_{key}"
     if mod_name in sys.modules:
         return _class_of(sys.modules[mod_name], derived)
-    path = cache_dir() / f"{derived.spec.name.lower()}_{key}.py"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(energy_source(derived, backend))
-        os.replace(tmp, path)  # atomic: concurrent workers never import a half-written file
+    name = f"{derived.spec.name.lower()}_{key}.py"
+    path = cache_dir() / name
+    if not path.is_file():
+        text = energy_source(derived, backend)
+        try:
+            _write_atomically(path, text)
+        except OSError as e:  # a read-only home, a cache path that is a file: build anyway, and say where
+            path = _private_dir(e, path.parent) / name
+            _write_atomically(path, text)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
     return _class_of(module, derived)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    make_dirs(path.parent)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # atomic: concurrent workers never import a half-written file
+
+
+_PRIVATE_DIR: Path | None = None
+
+
+def _private_dir(error: OSError, cache: Path) -> Path:
+    """A temporary folder for this process's generated files (imported from a file: Triton reads a kernel's
+    source from it), announced once with why the cache could not be written."""
+    global _PRIVATE_DIR
+    if _PRIVATE_DIR is None:
+        _PRIVATE_DIR = Path(tempfile.mkdtemp(prefix="energydsl-codegen-"))
+        atexit.register(shutil.rmtree, _PRIVATE_DIR, ignore_errors=True)
+        print(f"energydsl: cannot write the code cache {cache} ({error.strerror or error}): generated modules go "
+              f"to {_PRIVATE_DIR} for this process; set ENERGYDSL_CACHE to a folder you can write", file=sys.stderr)
+    return _PRIVATE_DIR
 
 
 def _class_of(module, derived: Derived) -> type[nn.Module]:
