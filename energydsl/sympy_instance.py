@@ -7,6 +7,7 @@ so none of SymPy's matrix-trace bugs) and compares with the derived gradient at 
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections.abc import Callable
 
@@ -61,6 +62,15 @@ def _tensor(shape: tuple[int, ...], make) -> object:
     if len(shape) == 2:
         return sp.Matrix(shape[0], shape[1], lambda a, b: make((a, b)))
     return [_tensor(shape[1:], lambda rest, i=i: make((i,) + rest)) for i in range(shape[0])]
+
+
+def instance_size(prog: UpdateProgram, seq: int) -> int:
+    """How many numbers `build` makes into SymPy entries: the parameters, the state and `seq` context tokens."""
+    spec = prog.spec
+    shapes = [p.shape for p in prog.params.values() if p.shape] + [prog.point.shape]
+    shapes += [spec.context.shape] * seq if spec.context is not None else []
+    shapes += [spec.input.shape] if spec.input is not None else []
+    return sum(math.prod(_shape(prog, s)) for s in shapes)
 
 
 def state_symbols(prog: UpdateProgram) -> object:
