@@ -859,3 +859,19 @@ def test_a_position_weight_singular_only_past_the_mask_gives_finite_updates_and_
         assert not failed, failed
     _, x, ref = _matches_interpreter(derived, backend=backend)
     assert torch.isfinite(ref).all()
+
+
+def test_second_derivatives_through_attention_run_on_sdpas_math_form() -> None:
+    """What docs/models.md says to do for a Hessian-vector product or a jvp through a softmax layer (SDPA's fused
+    kernels have neither): under the math backend both run, and the double backward is right (gradgradcheck)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layer = energydsl.load("examples/intrinsic-optimizers/mha.energy").module(d=8, heads=2).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.autograd.gradgradcheck(lambda t: layer(t), (x,))
+        _, tangent = torch.func.jvp(layer, (x.detach(),), (torch.ones_like(x),))
+    with torch.no_grad():  # the tangent against central differences along the same direction
+        eps, v = 1e-6, torch.ones_like(x)
+        differences = (layer(x + eps * v) - layer(x - eps * v)) / (2 * eps)
+    torch.testing.assert_close(tangent, differences, rtol=1e-6, atol=1e-8)
