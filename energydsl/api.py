@@ -194,6 +194,13 @@ class Derived:
                              for label, lhs, e in self.equation_list())
         return f"$$\\begin{{aligned}}{body}\\end{{aligned}}$$"
 
+    def module(self, backend: str = "torch"):
+        """This energy's layer, an nn.Module (as `load(path).module(name, **dims)` builds it)."""
+        from .codegen import check_backend, module_class
+
+        check_backend(backend)
+        return module_class(self, backend)()
+
     def check(self) -> list[CheckResult]:
         if self._checks is None:
             self._checks = run_checks(self.program)

@@ -200,16 +200,19 @@ def parse_module(source: str | Path, *, name: str | None = None, base: Path | No
     """Parse a file (or text) and everything it imports into one `Module`.
 
     `source` is a path when it is one line without a `{` (every declaration has one; a mistyped path
-    then reads "no such file", not a syntax error in its text) and not an `import` line; otherwise it is
-    spec text, whose imports resolve against `base` (default: the working directory).
+    then reads "no such file", not a syntax error in its text) and not an `import` line, the line's surrounding
+    whitespace dropped (a path read from a file keeps its newline); otherwise it is spec text, whose imports
+    resolve against `base` (default: the working directory).
     """
     if not isinstance(source, str | Path):
         raise TypeError(f"expected a path or spec text (str or pathlib.Path), got {type(source).__name__}")
     if isinstance(source, str) and not source.strip():
         raise UserError("empty spec: give a path to a .energy file or spec text")
-    if isinstance(source, Path) or ("\n" not in source and "{" not in source
-                                    and not source.lstrip().startswith("import ")):
-        path = Path(source).expanduser()
+    if isinstance(source, str) and "\n" not in source.strip() and "{" not in source \
+            and not source.lstrip().startswith("import "):
+        source = Path(source.strip())
+    if isinstance(source, Path):
+        path = source.expanduser()
         text = _read(path, None)
         module = Module(str(path))
         _load(text, str(path), path.parent, module, stack=[str(path.resolve())], seen=set(), top=True)

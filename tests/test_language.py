@@ -231,6 +231,17 @@ def test_load_takes_a_path_or_spec_text_and_says_so(tmp_path, monkeypatch):
     (tmp_path / "mha.energy").write_text(MHA)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert load("~/mha.energy").energy_names == ["MHA"]  # ~ is the home directory, as in load_dataset
+    # a path read from a file keeps its newline: it was spec text then, "unexpected `/`" at 1:1
+    assert load(f"{tmp_path / 'mha.energy'}\n").energy_names == ["MHA"]
+
+
+def test_a_derivation_builds_its_layer() -> None:
+    """`spec.energy(...)` is the README's first call; `.module()` on it was an AttributeError."""
+    import torch
+
+    spec = load("examples/intrinsic-optimizers/mha.energy")
+    layer = spec.energy("MHA", d=8, heads=2).module()
+    assert type(layer) is type(spec.module("MHA", d=8, heads=2)) and layer(torch.randn(1, 3, 8)).shape == (1, 3, 8)
 
 
 # ----------------------------------------------------------------------------- reading the equations
