@@ -100,3 +100,12 @@ def test_a_divergence_says_why_and_what_to_change(gpt, data) -> None:
         train(gpt, data, config, None, metadata={}, progress=False)
     assert str(err.value).startswith(f"training diverged at step {err.value.step}: {err.value.reason}")
     assert str(err.value).endswith("; try a lower lr"), str(err.value)
+
+
+def test_an_out_dir_that_is_a_file_is_named(gpt, data, tmp_path: Path) -> None:
+    """From Python it was pathlib's FileExistsError (the CLI checks --out itself)."""
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    with pytest.raises(UserError) as err:
+        train(gpt, data, tiny(), target, metadata={}, progress=False)
+    assert err.value.message == f"out_dir {target} is a file, not a directory" and target.read_text() == "keep me"

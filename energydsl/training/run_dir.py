@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from energydsl.errors import UserError
+from energydsl.files import writable_dir
 from energydsl.syntax import same_source
 
 from .checkpoint import checkpoint_file, read_checkpoint, read_resume_state, save_checkpoints
@@ -266,7 +267,7 @@ class RunDir:
         self.pending: list[str] | None = None  # metrics rows of an attempt that has not begun yet (`start`)
         self._lock: TextIO | None = None
         if out_dir is not None:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            writable_dir(out_dir, "out_dir")  # from Python: a file there was pathlib's FileExistsError
             self.metrics = out_dir / "metrics.jsonl"
             self.diverged = out_dir / "diverged.json"
             self._lock = _claim(out_dir)
