@@ -123,8 +123,12 @@ def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
 def _write_atomically(path: Path, text: str) -> None:
     make_dirs(path.parent)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic: concurrent workers never import a half-written file
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)  # atomic: concurrent workers never import a half-written file
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left in the cache
+        raise
 
 
 _PRIVATE_DIR: Path | None = None
