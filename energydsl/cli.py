@@ -344,8 +344,8 @@ def train_(
     import torch
 
     from .training import TrainConfig, load_dataset, train
+    from .training.config import TRAIN_FLAGS
     from .training.run_dir import interrupted_at_once_note, resume_hint
-    from .training.trainer import TRAIN_FLAGS
 
     if steps < 1:
         raise UserError(f"--steps must be at least 1, got {steps}")

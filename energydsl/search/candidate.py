@@ -121,7 +121,7 @@ class DslCandidate:
 
 def retrain_command(settings: dict[str, Any]) -> str:
     """The `energy train` command that trains a candidate as its trial trained it (`settings` complete)."""
-    from energydsl.training.trainer import TRAIN_FLAGS
+    from energydsl.training.config import TRAIN_FLAGS
 
     flags = [f"--data {shlex.quote(str(settings['data']))}"]
     for key, flag in TRAIN_FLAGS.items():

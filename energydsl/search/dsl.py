@@ -390,7 +390,7 @@ class DslSpace:
     def check_device(self, device: str, local: bool = True) -> None:
         """Fail now for a device the trials could not train on (training's own check), not in every trial.
         `local`: trials run on this machine (else on Ray nodes: only the name is checked here)."""
-        from energydsl.training.trainer import TrainConfig
+        from energydsl.training.config import TrainConfig
 
         if local:  # the device, and each dtype a trial may take on it (float16 needs CUDA)
             for dtype, span, given in possible_values(self.settings, "dtype"):

@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+from .config import TrainConfig
 from .data import IGNORE_INDEX, LMDataset, TaskDataset, TextDataset, download_shakespeare, load_dataset
 from .sampling import Codec, codec_from_json, load_checkpoint, sample
-from .trainer import TrainConfig, train
+from .trainer import train
 
 __all__ = [
     "IGNORE_INDEX", "Codec", "LMDataset", "TaskDataset", "TextDataset", "TrainConfig", "codec_from_json",

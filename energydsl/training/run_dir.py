@@ -28,7 +28,7 @@ from .checkpoint import checkpoint_file, read_checkpoint, read_resume_state, sav
 from .data import LMDataset
 
 if TYPE_CHECKING:
-    from .trainer import TrainConfig
+    from .config import TrainConfig
 
 FORMAT = 1  # of the `training` record in a checkpoint's sidecar
 
