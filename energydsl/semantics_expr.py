@@ -155,7 +155,8 @@ class ExpressionLowering:
             if name in self.scope.lets:
                 idx, body = self.scope.lets[name]
                 if len(idx) != len(n.indices):
-                    raise SpecError(f"`{name}` takes {len(idx)} indices, got {len(n.indices)}", n.span)
+                    takes = f"{len(idx)} {'index' if len(idx) == 1 else 'indices'}"
+                    raise SpecError(f"`{name}` takes {takes}, got {len(n.indices)}", n.span)
                 for old, new in zip(idx, n.indices):
                     self._rename_index(name, old, new, n.span)
                 return _rename(body, dict(zip(idx, n.indices)))

@@ -593,3 +593,36 @@ def test_latex_keeps_a_names_digits_apart_from_its_indices() -> None:
     """`W1_k` is W1's k-th head; `W_{1,k}` would read as an entry of W."""
     latex = load("examples/intrinsic-optimizers/mha.energy").energy().equations("latex")
     assert "\\mathrm{W1}_{k}" in latex and "W_{1,k}" not in latex
+
+
+def _energy(body: str, head: str = "d = 4", extra: str = "") -> str:
+    return f"energy E({head}) {{\n  state z[d]\n  context h[j, d] where j <= i\n{extra}  global F = {body}\n}}\n"
+
+
+@pytest.mark.parametrize("text,located", [
+    (_energy("sum(z ^ z)"), "4:22: error: an exponent must be a scalar"),
+    (_energy("a[k] * sum(z)", extra="  param a = 1\n"), "5:14: error: too many indices: this is a scalar"),
+    (_energy("sum(sum[j](softmax[j](h[j]) * z))"), "4:25: error: softmax[...] takes a scalar score"),
+    (_energy("sum(logsumexp[j](h[j]))"), "4:18: error: logsumexp[j] takes a scalar body"),
+    (_energy("sum[j](z . z)"), "4:14: error: sum[j] over an expression that does not use `j`"),
+    (_energy("z . (eye(z) @ z)"), "4:19: error: eye(n) takes a size"),
+    (_energy("sum(huber(z, z))"), "4:18: error: huber(r, delta) takes a value and a constant threshold"),
+    (_energy("z . (diag(W) @ z)", extra="  param W[d, d]\n"), "5:19: error: diag(v) takes one vector"),
+    (_energy("sum(outer(z) @ z)"), "4:18: error: outer(a, b) takes two vectors"),
+    (_energy("sum(exp(z, z))"), "4:18: error: exp(x) takes one argument"),
+    (_energy("sum(rmsnorm(z, z))"), "4:18: error: rmsnorm(x) takes one vector"),
+    (_energy("sum(z, z)"), "4:14: error: sum(x) takes one tensor; to reduce over an index write sum[j](...)"),
+    (_energy("norm(z, z)"), "4:14: error: norm(x) or norm(x, p) with a constant p"),
+    (_energy("sum(alibi_slopes(2) * z)"), "4:18: error: alibi_slopes(heads) is an initialiser"),
+    (_energy("sum(integral(norm)(z))"), "4:18: error: integral(norm): `norm` is not an element-wise function"),
+    (_energy("sum[j](z . h[j, j])"), "4:25: error: context `h` takes one index"),
+    (_energy("z . h"), "4:18: error: context `h` must be indexed by its token index: `h[j]`"),
+    (_energy("E", extra="  local E[j] = z . h[j]\n"), "5:14: error: `E` is indexed by j: write `E[j]`"),
+    (_energy("logsumexp[j](E[j, j])", extra="  local E[j] = z . h[j]\n"),
+     "5:27: error: `E` takes 1 index, got 2"),
+])
+def test_a_misused_construct_is_named_at_its_place(text: str, located: str) -> None:
+    """Messages of the expression checker that no test reached in process (found by measuring coverage)."""
+    with pytest.raises(SpecError) as err:
+        load(text).energy()
+    assert err.value.render().splitlines()[0].startswith(f"<string>:{located}"), err.value.render()
