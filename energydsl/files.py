@@ -53,17 +53,20 @@ def read_record(path: Path, format: int) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data.get("format") == format else None
 
 
-def write_whole(path: Path, text: str) -> None:
+def write_whole(path: Path, text: str, *, quiet: bool = True) -> None:
     """Write a cache file whole or not at all (renamed into place: a reader in another process never sees half
-    of it). A cache that cannot be written is only slower, so a failure is ignored."""
+    of it). A cache that cannot be written is only slower, so a failure is ignored, unless not `quiet` (then
+    the OSError is raised, no half-written file left)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if not quiet:
+            raise
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:

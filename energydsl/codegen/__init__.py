@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import ir
-from ..files import make_dirs
+from ..files import write_whole
 
 if TYPE_CHECKING:
     from torch import nn
@@ -107,28 +107,17 @@ def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
     path = cache_dir() / name
     if not path.is_file():
         text = energy_source(derived, backend)
-        try:
-            _write_atomically(path, text)
+        try:  # whole or not at all: concurrent workers never import a half-written file
+            write_whole(path, text, quiet=False)
         except OSError as e:  # a read-only home, a cache path that is a file: build anyway, and say where
             path = _private_dir(e, path.parent) / name
-            _write_atomically(path, text)
+            write_whole(path, text, quiet=False)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
     return _class_of(module, derived)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    make_dirs(path.parent)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)  # atomic: concurrent workers never import a half-written file
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a full disk: no half-written file left in the cache
-        raise
 
 
 _PRIVATE_DIR: Path | None = None
