@@ -875,3 +875,22 @@ def test_second_derivatives_through_attention_run_on_sdpas_math_form() -> None:
         eps, v = 1e-6, torch.ones_like(x)
         differences = (layer(x + eps * v) - layer(x - eps * v)) / (2 * eps)
     torch.testing.assert_close(tangent, differences, rtol=1e-6, atol=1e-8)
+
+
+
+@pytest.mark.parametrize(("path", "call"), [
+    ("examples/intrinsic-optimizers/softmax-attention-l2.energy", "key_bias="),
+    ("examples/nrgpt/attention.energy", "strict=True"),
+])
+def test_torch_attention_builds_no_t_by_t_tensor_for_a_key_bias_or_a_strict_context(path: str, call: str) -> None:
+    """The l2 energy's per-key bias and NRGPT's strict context keep SDPA's fused causal path: no (B, H, T, T)
+    bias or mask is built (the bias was, with a gradient of that size); values: the example's row above."""
+    spec = energydsl.load(path)
+    derived = spec.energy(spec.energy_names[0])
+    forward = energy_source(derived).split("def forward", 1)[1]
+    (attention,) = re.findall(r"softmax_attention\(.*", forward)
+    assert call in attention and " bias=" not in attention and "T, T)" not in forward, forward
+    module = module_class(derived)()
+    x = module.example_input(2, 64).requires_grad_()
+    largest = largest_tensor_made(lambda: module(x).square().sum().backward())
+    assert largest < 2 * 64 * 64, largest  # B x T x T would be the mask's or the bias's size

@@ -56,3 +56,38 @@ def test_softmax_attention_takes_a_negative_scale(strict: bool, biased: bool) ->
     want = torch.nan_to_num(torch.softmax(scores, -1)) @ v  # the strict first row: no context, zero
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("key_biased", [False, True])
+@pytest.mark.parametrize("scale", [0.7, -0.3, 0.0, "learned"])
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_softmax_attention_key_bias_and_strict_context_stay_fused(strict: bool, key_biased: bool,
+                                                                   scale: float | str, T: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-key bias (one more feature) and a strict context (the causal one shifted by a token) run SDPA with
+    its causal flag and no (T, T) mask, values and gradients equal to the explicit masked softmax's."""
+    import torch.nn.functional as F
+
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw))
+    g = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(2, 3, T, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, T, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    kb = torch.randn(2, 3, T, generator=g, dtype=torch.float64, requires_grad=True) if key_biased else None
+    c = torch.tensor(0.4, dtype=torch.float64, requires_grad=True) if scale == "learned" else scale
+    got = softmax_attention(q, k, v, scale=c, key_bias=kb, strict=strict)
+    if scale != 0.0 or not key_biased:  # a zero scale cannot carry the bias as a feature: the mask path
+        assert masks in ([], [None]), masks
+    allowed = torch.ones(T, T, dtype=torch.bool).tril(-1 if strict else 0)
+    scores = c * q @ k.transpose(-1, -2) + (0 if kb is None else kb[..., None, :])
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    want = torch.nan_to_num(torch.softmax(scores, -1)) @ v
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    leaves = [t for t in (q, k, v, kb, c) if isinstance(t, torch.Tensor)]
+    w = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), leaves, materialize_grads=True),
+                    torch.autograd.grad((want * w).sum(), leaves, materialize_grads=True), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -12,7 +12,8 @@ second-order sums of covariance and Newton-Taylor updates are in `second_order.p
 * product-weighted sums, `sum[j](gamma_ij (a(x_i) . b(h_j)) v_j)` with gamma = 1 or a^(i - j): linear
   attention, chunked, O(T d^2).
 
-The torch backend calls `softmax_attention` (SDPA; biases become a T x T additive mask) and the chunked
+The torch backend calls `softmax_attention` (SDPA, fused and linear in T for a per-key bias and a strict
+context; a bias with the query's position becomes a T x T additive mask) and the chunked
 `linear_attention` of `energydsl.runtime.ops`. The triton backend calls Triton kernels with the kernel's
 flags read off the IR (for the softmax family, copies specialised by those flags and written into the
 generated file: `triton_source.py`): causal or strict context, and each bias term
@@ -77,7 +78,7 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
             out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0], wide)
             return _unflat(em, _apply_maps(em, maps, out), e.shape)
     scale_src = em.scalar(sc.scale)
-    bias = _score_bias(em, sc, heads, j) or "None"
+    bias, mask_bias = _torch_bias(em, sc, heads, j, info.strict)
     qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j), (v, j)))
     from .second_order import canonical_softmax
 
@@ -87,10 +88,10 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
         out = _from_bhtd(em, f"({weights} @ {vc})", heads, 1, "softmax-weighted sum over j: p @ v")
         return _unflat(em, _apply_maps(em, maps, out), e.shape)
     em.used_ops.add("softmax_attention")
-    code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, bias={bias}, strict={info.strict})"
+    code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, {bias}strict={info.strict})"
     out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
     step_cache(em).setdefault(("torch attention calls", sm, info.strict), []).append(TorchAttentionCall(
-        em.lines, code, qc, kc, vc, scale_src, None if bias == "None" else bias, heads))
+        em.lines, code, qc, kc, vc, scale_src, mask_bias, heads))
     return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 
@@ -162,10 +163,27 @@ def score_operands(em: Emitter, sm: ir.Softmax, j: str) -> Scores | None:
     return None if plan is None else _emit_scores(em, *plan, j)[0]
 
 
-def _score_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str) -> str | None:
-    """The bias terms as one (B, H, T, T) tensor (the torch ops' additive mask), or None if there are none."""
+def _torch_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str, strict: bool) -> tuple[str, str | None]:
+    """The bias keyword of a `softmax_attention` call (with its comma, or "" for none) and the bias as a term
+    that broadcasts over (B, H, T, T) scores (for T x T weights computed from the same scores).
+
+    Per-key terms alone (the l2 energy's -|k_j|^2 / 2T) are a (B, H, T) `key_bias`, which keeps the op fused
+    and linear in T; any term with the query's position becomes a (B, H, T, T) additive mask.
+    """
     if not sc.bias_terms:
-        return None
+        return "", None
+    kinds = _bias_kinds(em, list(sc.bias_terms), j, strict)
+    if kinds is not None and not kinds["alibi"] and not kinds["self"]:
+        if not kinds["key"]:  # every term vanishes on the admissible pairs
+            return "", None
+        key = key_bias_arg(em, kinds, heads, j)
+        return f"key_bias={key}, ", f"{key}[..., None, :]"
+    full = score_bias(em, sc, heads, j)
+    return f"bias={full}, ", full
+
+
+def score_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str) -> str:
+    """The bias terms as one (B, H, T, T) tensor (the torch ops' additive mask)."""
     b = em.emit(ir.add(*sc.bias_terms))
     axes = canonical({BATCH, POS, j} | set(heads))
     full = em.expand(b, axes)
@@ -257,10 +275,14 @@ def kernel_score_args(em: Emitter, sc: Scores, kinds: dict[str, list[Expr]], hea
         if kinds[kind]:
             keywords.append(f"{arg}={_per_head(em, em.emit(ir.mul(ir.scalar(sign), ir.add(*kinds[kind]))), heads)}")
     if kinds["key"]:
-        kb = em.emit(ir.add(*kinds["key"]))
-        key = _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j)
-        keywords.append(f"key_bias={key}[..., 0]")
+        keywords.append(f"key_bias={key_bias_arg(em, kinds, heads, j)}")
     return qc, kc, keywords
+
+
+def key_bias_arg(em: Emitter, kinds: dict[str, list[Expr]], heads: tuple[str, ...], j: str) -> str:
+    """The per-key bias terms as a (B, H, T) tensor."""
+    kb = em.emit(ir.add(*kinds["key"]))
+    return _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j) + "[..., 0]"
 
 
 @dataclass

@@ -39,12 +39,12 @@ from .lowering import (  # the first-order forms this builds on, and their shape
     _flat,
     _from_bhtd,
     _heads,
-    _n_heads,
     _numel,
     _split,
     _state_dependent,
     _unflat,
     kernel_score_args,
+    score_bias,
     score_operands,
     step_cache,
 )
@@ -176,13 +176,7 @@ def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, 
     qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j)))
     scores = f"{em.scalar(sc.scale)} * ({qc} @ {kc}.transpose(-1, -2))"
     if sc.bias_terms:
-        b = em.emit(ir.add(*sc.bias_terms))
-        axes = canonical({BATCH, POS, j} | set(heads))
-        full = em.expand(b, axes)
-        order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
-        bias = em.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {_n_heads(em, heads)}, T, T)",
-                      (), 0, "additive score bias")
-        scores += f" + {bias.code}"
+        scores += f" + {score_bias(em, sc, heads, j)}"
     em.used_ops.add("masked_softmax")
     p = em.tmp(f"masked_softmax({scores}, {'mask_strict' if strict else 'mask'}, dim=-1)", (), 4,
                "softmax weights p_ij (B, H, T, T)")

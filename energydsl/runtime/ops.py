@@ -96,27 +96,50 @@ def prefix_reduce(x: Tensor, dim: int, op: str, strict: bool) -> Tensor:
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor, bias: Tensor | None = None,
-                      strict: bool = False) -> Tensor:
-    """o_i = Σ_{j ≤ i} softmax_j(scale q_i·k_j + bias_ij) v_j, q, k, v as (B, H, T, D).
+                      key_bias: Tensor | None = None, strict: bool = False) -> Tensor:
+    """o_i = Σ_{j ≤ i} softmax_j(scale q_i·k_j + bias_ij + key_bias_j) v_j, q, k, v as (B, H, T, D).
 
-    The causal case without a bias is `scaled_dot_product_attention(is_causal=True)`, which picks a
-    fused (flash / memory-efficient) kernel; a bias or a strict context passes an additive mask.
+    Without a (T, T) `bias` this is `scaled_dot_product_attention(is_causal=True)`, which picks a fused
+    (flash / memory-efficient) kernel and keeps memory linear in T: a per-key bias (B, H, T) rides along as
+    one more feature (q' = [q, 1], k' = [k, key_bias / scale]), and a strict context is the causal one
+    shifted by a token (query i + 1 against keys ≤ i; row 0, with no context, is 0). A `bias` passes an
+    additive (T, T) mask.
     """
     if isinstance(scale, Tensor):  # a learned temperature: fold it into the queries
         q, scale = q * scale, 1.0
-    if bias is None and not strict:
-        if scale < 0:  # torch 2.13's CPU SDPA with is_causal returns NaN on every masked row for a negative scale
-            q, scale = -q, -scale  # (the explicit-mask path below takes one as it is)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(scale))
+    if bias is not None or (key_bias is not None and scale == 0):
+        full = key_bias[..., None, :] if bias is None else bias if key_bias is None else bias + key_bias[..., None, :]
+        return _masked_attention(q, k, v, scale, full, strict)
+    if key_bias is not None:
+        q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+        k = torch.cat([k, (key_bias / scale)[..., None].to(k.dtype)], dim=-1)
+    if not strict:
+        return _causal_attention(q, k, v, scale)
+    shifted = _causal_attention(q[..., 1:, :], k[..., :-1, :], v[..., :-1, :], scale) if q.shape[-2] > 1 \
+        else v[..., :0, :]  # one token: no row has a context (an empty slice keeps the graph)
+    return F.pad(shifted, (0, 0, 1, 0))
+
+
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """SDPA over j <= i. q and k may be wider than v (a key bias's feature): v is padded to their width and
+    cut back, as SDPA's flash kernel takes only equal widths."""
+    if scale < 0:  # torch 2.13's CPU SDPA with is_causal returns NaN on every masked row for a negative scale
+        q, scale = -q, -scale  # (the explicit-mask path takes one as it is)
+    width = v.shape[-1]
+    if q.shape[-1] == width + 1:
+        v = F.pad(v, (0, 1))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(scale))[..., :width]
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor, strict: bool) -> Tensor:
+    """SDPA with the context and the bias as one additive (T, T) mask (ALiBi, a self-token bias)."""
     T = q.shape[-2]
     allowed = causal_masks(T, q.device)[1 if strict else 0]
     if strict:  # row 0 has no context: let it see key 0, then zero its output (no update, zero gradient)
         allowed = allowed.clone()
         allowed[0, 0] = True
     mask = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    if bias is not None:
-        mask = bias.to(q.dtype) + mask
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=float(scale))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype) + mask, scale=float(scale))
     if strict:
         keep = torch.ones(T, 1, dtype=out.dtype, device=out.device)
         keep[0] = 0
