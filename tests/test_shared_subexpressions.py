@@ -21,7 +21,7 @@ import energydsl  # noqa: E402
 from energydsl import ir  # noqa: E402
 from energydsl.codegen import energy_source, module_class  # noqa: E402
 from energydsl.codegen.gated_epilogue import _elementwise_over  # noqa: E402
-from energydsl.codegen.torch_expr import simplify  # noqa: E402
+from energydsl.codegen.simplify import simplify  # noqa: E402
 from energydsl.instance import instance_from_params, run_program  # noqa: E402
 from energydsl.optimizers import _hoist  # noqa: E402
 

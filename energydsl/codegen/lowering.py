@@ -16,9 +16,9 @@ The torch backend calls `softmax_attention` (SDPA, fused and linear in T for a p
 context; a bias with the query's position becomes a T x T additive mask) and the chunked
 `linear_attention` of `energydsl.runtime.ops`. The triton backend calls Triton kernels with the kernel's
 flags read off the IR (for the softmax family, copies specialised by those flags and written into the
-generated file: `triton_source.py`): causal or strict context, and each bias term
-classified as an ALiBi distance penalty (c_h |i - j|), a self-token bias (c_h [i = j]) or a per-key bias
-(no query position); terms constant over j are dropped (softmax ignores them), as are terms that vanish on
+generated file: `triton_source.py`): causal or strict context, and each bias term classified
+(`bias_kinds.py`) as an ALiBi distance penalty (c_h |i - j|), a self-token bias (c_h [i = j]) or a per-key
+bias (no query position); terms constant over j are dropped (softmax ignores them), as are terms that vanish on
 every admissible pair (the self bias under a strict context). Feature widths above 256 take
 the feature-tiled (wide) copies of the kernels. A score the kernel cannot take (an unclassified bias) falls
 back to the torch op, which is always correct.
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import sympy as sp
 
 from .. import ir
-from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
+from .bias_kinds import bias_kinds
 from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
@@ -72,7 +72,7 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     dv = _numel(em, value.shape)
     em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dv))
     if em.backend == "triton":
-        kinds = _bias_kinds(em, list(sc.bias_terms), j, strict=info.strict)
+        kinds = bias_kinds(em, list(sc.bias_terms), j, strict=info.strict)
         if kinds is not None:
             wide = max(sc.width, dv) > MAX_HEAD_DIM
             out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0], wide)
@@ -172,7 +172,7 @@ def _torch_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str, strict:
     """
     if not sc.bias_terms:
         return "", None
-    kinds = _bias_kinds(em, list(sc.bias_terms), j, strict)
+    kinds = bias_kinds(em, list(sc.bias_terms), j, strict)
     if kinds is not None and not kinds["alibi"] and not kinds["self"]:
         if not kinds["key"]:  # every term vanishes on the admissible pairs
             return "", None
@@ -382,97 +382,6 @@ def _fold_into_query(em: Emitter, d: ir.Dot, factors: list[Expr], j: str) -> ir.
     if j in token_axes(d.a, em.indices):
         return ir.Dot(d.a, ir.mul(*factors, d.b))
     return ir.Dot(ir.mul(*factors, d.a), d.b)
-
-
-def _bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str, list[Expr]] | None:
-    """Split bias terms into the kernel's kinds: coefficients of |i - j| and [i = j], and per-key terms."""
-    kinds: dict[str, list[Expr]] = {"alibi": [], "self": [], "key": []}
-    for t in terms:
-        body = t.body if isinstance(t, ir.Let) else t
-        if POS not in token_axes(body, em.indices):
-            if token_axes(body, em.indices) - {BATCH, j} - set(em.sizes):
-                return None
-            kinds["key"].append(t)
-            continue
-        factors = _factors(body)
-        positional = [f for f in factors if token_axes(f, em.indices) & {POS, j}]
-        coef = [f for f in factors if f not in positional]
-        if len(positional) != 1 or any(token_axes(f, em.indices) - set(em.sizes) for f in coef):
-            return None
-        kind = _distance_kind(positional[0], j, strict)
-        if kind is None:
-            return None
-        if kind != "zero":  # a term that vanishes on every admissible pair adds nothing to the scores
-            kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
-    return kinds
-
-
-def _factors(e: Expr) -> list[Expr]:
-    """The factors of a product, through the values computed once (`-1 * c1` with c1 = m[k] |i - j| hoisted
-    is -1, m[k] and |i - j|), so that a bias's distance is found wherever the optimizer put it."""
-    body = e.body if isinstance(e, ir.Let) else e
-    if isinstance(body, ir.Mul):
-        return [g for f in body.factors for g in _factors(f)]
-    return [e]
-
-
-_I, _J = sp.symbols("_i _j", integer=True, nonnegative=True)
-_N, _M = sp.symbols("_n _m", integer=True, nonnegative=True)
-
-
-def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
-    """"alibi" if e = |i - j|, "self" if e = [i = j], "zero" if e = 0 (the self bias under a strict context),
-    for every admissible pair (i, j): proven by SymPy with i = j + n, n >= 0 (n >= 1 when strict). A small
-    grid of pairs rejects most other forms quickly; what passes the grid but cannot be proven (a capped
-    distance, a window) is None: the torch op stays."""
-    f = _position_sympy(e, j)
-    if f is None:
-        return None
-    pairs = [(a, b) for a in range(8) for b in range(a + (0 if strict else 1))]
-    values = [complex(f.subs({_I: a, _J: b})) for a, b in pairs]
-    if all(abs(val) < 1e-12 for val in values):
-        return "zero" if _is_zero(f.subs(_I, _J + (_M + 1 if strict else _N))) else None
-    if all(abs(val - abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
-        n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
-        return "alibi" if _is_zero(f.subs(_I, _J + n) - n) else None
-    if not strict and all(abs(val - (a == b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
-        at = f.subs(_I, _J + _N)
-        return "self" if _is_zero(at.subs(_N, 0) - 1) and _is_zero(at.subs(_N, _M + 1)) else None
-    return None
-
-
-def _is_zero(e: sp.Expr) -> bool:
-    """True when SymPy proves e = 0 (under the symbols' assumptions); unproven is False."""
-    try:
-        return sp.simplify(e) == 0
-    except (TypeError, ValueError, NotImplementedError, RecursionError):
-        return False
-
-
-def _position_sympy(e: Expr, j: str) -> sp.Expr | None:
-    """A position-only expression (positions i and j, numbers, element-wise functions) as SymPy in _i, _j."""
-    match e:
-        case ir.Pos(index=None):
-            return _I
-        case ir.Pos(index=index) if index == j:
-            return _J
-        case ir.Scalar():
-            value = sp.sympify(e.value)
-            return None if value.free_symbols else value
-        case ir.Let():
-            return _position_sympy(e.body, j)
-        case ir.Add() | ir.Mul():
-            parts = [_position_sympy(c, j) for c in e.children]
-            if any(p is None for p in parts):
-                return None
-            return sp.Add(*parts) if isinstance(e, ir.Add) else sp.Mul(*parts)
-        case ir.Pow():
-            base = _position_sympy(e.base, j)
-            return None if base is None else base ** sp.sympify(e.exponent)
-        case ir.Func() if e.name in REGISTRY:
-            arg = _position_sympy(e.arg, j)
-            return None if arg is None else REGISTRY[e.name].formula.subs(X, arg)
-    return None
 
 
 # ----------------------------------------------------------------------------- product-weighted sums

@@ -28,10 +28,10 @@ import sympy as sp
 from .. import ir
 from ..ir import Expr
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
+from .bias_kinds import bias_kinds
 from .lowering import (
     _apply_maps,
     _as_bhtd,
-    _bias_kinds,
     _emit_scores,
     _from_bhtd,
     _numel,
@@ -58,7 +58,7 @@ class WeightPlan:
     weight: ScalarFunction
     couplings: list[tuple[sp.Expr, ir.Dot]]
     row_terms: list[Expr]
-    kinds: dict[str, list[Expr]]  # the terms with the context token: "key", "alibi" and "self" (`_bias_kinds`)
+    kinds: dict[str, list[Expr]]  # the terms with the context token: "key", "alibi" and "self" (`bias_kinds`)
 
 
 def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | None, strict: bool,
@@ -154,7 +154,7 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
             if found is None:
                 return None
             couplings += found
-    kinds = _bias_kinds(em, biases, j, strict)
+    kinds = bias_kinds(em, biases, j, strict)
     return (couplings, rows, kinds) if couplings and kinds is not None else None
 
 

@@ -29,7 +29,7 @@ from ..calculus import NotDifferentiable, gradient
 from ..functions import REGISTRY, X
 from ..ir import Expr
 from .lowering import _number
-from .torch_expr import function_src, is_number
+from .scalar_src import function_src, is_number
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter

@@ -31,11 +31,11 @@ import sympy as sp
 from .. import ir
 from ..ir import Expr, IndexInfo
 from ..kernels import MAX_HEAD_DIM
+from .bias_kinds import bias_kinds
 from .lowering import (  # the first-order forms this builds on, and their shape helpers
     AttentionCall,
     Scores,
     _as_bhtd,
-    _bias_kinds,
     _flat,
     _from_bhtd,
     _heads,
@@ -133,7 +133,7 @@ def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Va
                           j: str, strict: bool, wide: bool) -> Val | None:
     """The second-moment pass of the attention kernels (written into the file), over the scores and lse of
     the first-order attention when it was emitted, else over its own scores and a first pass for the lse."""
-    kinds = _bias_kinds(em, list(sc.bias_terms), j, strict)
+    kinds = bias_kinds(em, list(sc.bias_terms), j, strict)
     if kinds is None:
         return None
     terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import string
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
@@ -33,6 +32,7 @@ from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
 from .norms import Norm, affine_norm, norm_factors, norm_form
+from .scalar_src import function_src, is_number, sympy_src
 from .triton_source import KernelRequest
 
 BATCH, POS = "@b", "@i"
@@ -56,63 +56,6 @@ class Val:
 def canonical(axes: set[str] | frozenset[str]) -> tuple[str, ...]:
     head = [a for a in (BATCH, POS) if a in axes]
     return tuple(head + sorted(a for a in axes if a not in (BATCH, POS)))
-
-
-# ----------------------------------------------------------------------------- scalars (SymPy) to source
-
-# SymPy's function classes (a square root is a Pow in SymPy, printed as `** 0.5` above)
-_SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.erf: "erf", sp.Abs: "abs", sp.sign: "sign",
-             sp.cosh: "cosh", sp.sinh: "sinh"}
-
-
-def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
-    """Python source for a SymPy scalar; `names` maps symbols to the tensors or numbers they stand for.
-
-    Numeric sub-expressions are folded to floats; functions of tensors use torch.
-    """
-    expr = sp.sympify(expr)
-    numbers = {s: float(v) for s, v in names.items() if is_number(v)}
-    if numbers and expr.free_symbols & set(numbers):
-        expr = expr.subs(numbers)
-    if not (expr.free_symbols & set(names)):
-        if expr.free_symbols:
-            raise KeyError(f"no value for {sorted(map(str, expr.free_symbols))}")
-        return repr(float(expr))
-    if expr in names:
-        return names[expr]
-    if isinstance(expr, sp.Add):
-        return "(" + " + ".join(sympy_src(a, names) for a in expr.args) + ")"
-    if isinstance(expr, sp.Mul):
-        return "(" + " * ".join(sympy_src(a, names) for a in expr.args) + ")"
-    if isinstance(expr, sp.Pow):
-        return f"({sympy_src(expr.base, names)} ** {sympy_src(expr.exp, names)})"
-    if isinstance(expr, sp.Max):
-        a, b = expr.args
-        return f"torch.maximum(torch.as_tensor({sympy_src(a, names)}), torch.as_tensor({sympy_src(b, names)}))"
-    if isinstance(expr, sp.Heaviside):
-        a = sympy_src(expr.args[0], names)
-        return f"({a} > 0).to(torch.get_default_dtype())"
-    for cls, fn in _SP_FUNCS.items():
-        if isinstance(expr, cls):
-            return f"torch.{fn}(torch.as_tensor({sympy_src(expr.args[0], names)}))"
-    raise NotImplementedError(f"cannot print {expr.func.__name__} as torch code")
-
-
-def is_number(text: str) -> bool:
-    """Whether generated source `text` is a plain number (a dim or fixed hyper-parameter put in)."""
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def function_src(name: str, x: str) -> str:
-    """Source for an element-wise function applied to the value named `x`."""
-    fn = REGISTRY[name]
-    if fn.torch_src is not None:
-        return fn.torch_src.format(x=x)
-    return sympy_src(fn.formula, {X: x})
 
 
 # ----------------------------------------------------------------------------- layout of an IR expression
@@ -143,57 +86,6 @@ def coefficient(e: Expr, var: ir.Var) -> sp.Expr | None:
     if isinstance(e, ir.Mul) and len(e.factors) == 2 and isinstance(e.factors[0], ir.Scalar) \
             and e.factors[1] == var:
         return e.factors[0].value
-    return None
-
-
-def simplify(e: Expr, numbers: dict[sp.Symbol, float] | None = None) -> Expr:
-    """Codegen-only rewrites: abs(x) * sign(x) = x (everywhere, 0 included), from d|x|²/dx; and, given the
-    values of the fixed hyper-parameters (`numbers`), a constant times a sum distributed over it where a term
-    then cancels (`x - η (x - a)` is `a` at η = 1: the modern Hopfield step). Each shared node once."""
-    memo: dict[int, Expr] = {}
-
-    def visit(x: Expr) -> Expr:
-        hit = memo.get(id(x))
-        if hit is None:
-            hit = memo[id(x)] = _simplified(x, numbers, visit) if x.children else x
-        return hit
-
-    return visit(e)
-
-
-def _simplified(e: Expr, numbers: dict[sp.Symbol, float] | None, visit: Callable[[Expr], Expr]) -> Expr:
-    """`simplify` at one node, its children simplified by `visit`."""
-    e = ir.rebuild(e, [visit(c) for c in e.children])
-    if isinstance(e, ir.Add) and numbers is not None and (cancelled := _distributed_if_it_cancels(e, numbers)):
-        return cancelled
-    if isinstance(e, ir.Mul):
-        factors = list(e.factors)
-        for a in factors:
-            if isinstance(a, ir.Func) and a.name == "abs":
-                partner = next((b for b in factors if isinstance(b, ir.Func) and b.name == "sign" and b.arg == a.arg),
-                               None)
-                if partner is not None:
-                    factors.remove(a)
-                    factors.remove(partner)
-                    return ir.mul(a.arg, *factors)
-    return e
-
-
-def _distributed_if_it_cancels(e: ir.Add, numbers: dict[sp.Symbol, float]) -> Expr | None:
-    """e with a term `c (u + v + ...)`, c a number (with `numbers` put in), written `c u + c v + ...`, when a
-    term then cancels against another of e; None otherwise (distributing alone trades one scaling for several)."""
-    for t in e.terms:
-        if not (isinstance(t, ir.Mul) and len(t.factors) == 2 and isinstance(t.factors[0], ir.Scalar)
-                and isinstance(t.factors[1], ir.Add)):
-            continue
-        c = t.factors[0].value.subs(numbers)
-        if not c.is_number:
-            continue
-        terms = [u for u in e.terms if u is not t] + [ir.mul(ir.Scalar(c), u) for u in t.factors[1].terms]
-        out = ir.add(*terms)
-        left = len(out.terms) if isinstance(out, ir.Add) else 0 if ir.is_zero(out) else 1
-        if left < len({ir.split_coefficient(u)[1] for u in terms}):
-            return out
     return None
 
 

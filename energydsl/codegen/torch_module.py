@@ -21,8 +21,10 @@ from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
 from .projections import fuse_biases, fuse_projections
+from .scalar_src import is_number, sympy_src
 from .second_order import collect_expanded_sums
-from .torch_expr import Emitter, coefficient, is_number, simplify, sympy_src
+from .simplify import simplify
+from .torch_expr import Emitter, coefficient
 from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
 

@@ -1,0 +1,62 @@
+"""SymPy scalars and the registry's element-wise functions as PyTorch source (the generated code's numbers,
+hyper-parameters and activations)."""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from ..functions import REGISTRY, X
+
+# SymPy's function classes (a square root is a Pow in SymPy, printed as `** 0.5` by `sympy_src`)
+_SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.erf: "erf", sp.Abs: "abs", sp.sign: "sign",
+             sp.cosh: "cosh", sp.sinh: "sinh"}
+
+
+def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
+    """Python source for a SymPy scalar; `names` maps symbols to the tensors or numbers they stand for.
+
+    Numeric sub-expressions are folded to floats; functions of tensors use torch.
+    """
+    expr = sp.sympify(expr)
+    numbers = {s: float(v) for s, v in names.items() if is_number(v)}
+    if numbers and expr.free_symbols & set(numbers):
+        expr = expr.subs(numbers)
+    if not (expr.free_symbols & set(names)):
+        if expr.free_symbols:
+            raise KeyError(f"no value for {sorted(map(str, expr.free_symbols))}")
+        return repr(float(expr))
+    if expr in names:
+        return names[expr]
+    if isinstance(expr, sp.Add):
+        return "(" + " + ".join(sympy_src(a, names) for a in expr.args) + ")"
+    if isinstance(expr, sp.Mul):
+        return "(" + " * ".join(sympy_src(a, names) for a in expr.args) + ")"
+    if isinstance(expr, sp.Pow):
+        return f"({sympy_src(expr.base, names)} ** {sympy_src(expr.exp, names)})"
+    if isinstance(expr, sp.Max):
+        a, b = expr.args
+        return f"torch.maximum(torch.as_tensor({sympy_src(a, names)}), torch.as_tensor({sympy_src(b, names)}))"
+    if isinstance(expr, sp.Heaviside):
+        a = sympy_src(expr.args[0], names)
+        return f"({a} > 0).to(torch.get_default_dtype())"
+    for cls, fn in _SP_FUNCS.items():
+        if isinstance(expr, cls):
+            return f"torch.{fn}(torch.as_tensor({sympy_src(expr.args[0], names)}))"
+    raise NotImplementedError(f"cannot print {expr.func.__name__} as torch code")
+
+
+def is_number(text: str) -> bool:
+    """Whether generated source `text` is a plain number (a dim or fixed hyper-parameter put in)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def function_src(name: str, x: str) -> str:
+    """Source for an element-wise function applied to the value named `x`."""
+    fn = REGISTRY[name]
+    if fn.torch_src is not None:
+        return fn.torch_src.format(x=x)
+    return sympy_src(fn.formula, {X: x})
