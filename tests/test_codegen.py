@@ -894,3 +894,34 @@ def test_torch_attention_builds_no_t_by_t_tensor_for_a_key_bias_or_a_strict_cont
     x = module.example_input(2, 64).requires_grad_()
     largest = largest_tensor_made(lambda: module(x).square().sum().backward())
     assert largest < 2 * 64 * 64, largest  # B x T x T would be the mask's or the bias's size
+
+
+
+def test_a_bias_without_the_batch_is_built_once_not_per_sequence() -> None:
+    """CEM's ALiBi and self-token bias depend on the head and the positions only: the torch op's additive mask
+    is (1, H, T, T), broadcast by SDPA, not a (B, H, T, T) copy (values: the example's row above)."""
+    source = energy_source(energydsl.load("examples/cem/alibi.energy").energy("CEMAlibiAttention"))
+    assert ".reshape(1, 2, T, T)  # additive score bias" in source
+    model = energy_source(energydsl.load("examples/models/cem.energy").energy("CEMAttention"))
+    assert ".reshape(1, 2, T, T)  # additive score bias" in model
+
+
+@pytest.mark.parametrize(("bias", "lead"), [
+    ("-m[k] * abs(i - j)", "1"),  # heads and positions only: one (1, H, T, T) mask
+    ("-m[k] * abs(i - j) + 0.5 * (h[j] . h[j])", "B"),  # a per-key term of each sequence: (B, H, T, T)
+])
+def test_the_torch_bias_mask_has_the_batch_only_when_a_term_does(bias: str, lead: str) -> None:
+    derived = energydsl.load(f"""
+        energy Biased(d = 8, heads = 2) {{
+          dim     dh = d / heads
+          state   x[d]
+          context h[j, d] where j <= i
+          param   WQ[heads, dh, d] ~ normal(0, 0.3)
+          param   WK[heads, dh, d] ~ normal(0, 0.3)
+          param   m[heads] ~ normal(1, 0.1)
+          local   s[k, j] = (WQ[k] @ x) . (WK[k] @ h[j]) + {bias}
+          global  E = -sum[k](logsumexp[j](s[k, j]))
+          optimizer gd(eta = 1)
+        }}""").energy()
+    assert f".reshape({lead}, 2, T, T)  # additive score bias" in energy_source(derived)
+    _matches_interpreter(derived)

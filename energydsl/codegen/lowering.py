@@ -183,13 +183,15 @@ def _torch_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str, strict:
 
 
 def score_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str) -> str:
-    """The bias terms as one (B, H, T, T) tensor (the torch ops' additive mask)."""
+    """The bias terms as one (B, H, T, T) tensor (the torch ops' additive mask), (1, H, T, T) when no term
+    depends on the batch (ALiBi, a self-token bias): SDPA broadcasts it, and autograd keeps one copy, not B."""
     b = em.emit(ir.add(*sc.bias_terms))
-    axes = canonical({BATCH, POS, j} | set(heads))
+    batch = [BATCH] if BATCH in b.axes else []
+    axes = canonical({*batch, POS, j} | set(heads))
     full = em.expand(b, axes)
-    order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(POS), axes.index(j)]
-    return em.tmp(f"{full.code}.permute({', '.join(map(str, order))}).reshape(B, {_n_heads(em, heads)}, T, T)",
-                  (), 0, "additive score bias").code
+    order = [axes.index(a) for a in (*batch, *heads, POS, j)]
+    return em.tmp(f"{full.code}.permute({', '.join(map(str, order))})"
+                  f".reshape({'B' if batch else 1}, {_n_heads(em, heads)}, T, T)", (), 0, "additive score bias").code
 
 
 def _peel_maps(em: Emitter, e: Expr, j: str) -> tuple[list[Expr], Expr]:
