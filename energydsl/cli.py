@@ -343,6 +343,7 @@ def train_(
     """
     import torch
 
+    from .codegen import runnable_backend
     from .training import TrainConfig, load_dataset, train
     from .training.config import TRAIN_FLAGS
     from .training.run_dir import interrupted_at_once_note, resume_hint
@@ -389,7 +390,7 @@ def train_(
                             f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")
         metadata = {"spec_path": str(Path(file).resolve()), "spec_source": read_text(file),
                     "model": model.plan.name, "dims": model.plan.dims, "context": model.block_size,
-                    "equation_hash": model.equation_hash(), "backend": backend}
+                    "equation_hash": model.equation_hash(), "backend": runnable_backend(backend)}
         try:
             result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh,
                            progress=not as_json, names={**TRAIN_FLAGS, "backend": "--backend"},

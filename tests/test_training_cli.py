@@ -123,10 +123,15 @@ def test_betas_train_and_a_change_on_resume_is_announced_and_applied(corpus, tmp
 
 def test_the_backend_is_recorded_and_a_switch_on_resume_is_announced(corpus, tmp_path, monkeypatch, capsys):
     """Both backends hold the same parameters, so a run may resume on the other; it said nothing of the switch."""
+    from energydsl import codegen
+
     args = tiny_cli_run(corpus, tmp_path)
     code, _, err = energy(monkeypatch, capsys, *args)
     assert code == 0 and json.loads((tmp_path / "last.json").read_text())["backend"] == "torch", err
+    # the triton backend's module, as where its kernels run (on CPU tensors they take the torch references)
+    monkeypatch.setattr(codegen, "_triton_runs", lambda: True)
     code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6", "--backend", "triton")
+    monkeypatch.undo()
     assert code == 0 and 'with changed settings: --steps 4 → 6, --backend "torch" → "triton"' in err, err
     assert json.loads((tmp_path / "last.json").read_text())["backend"] == "triton"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -202,6 +207,40 @@ def test_cli_resuming_with_changed_settings(corpus, tmp_path, monkeypatch, capsy
     # --warmup stays 30 (the default): the schedule clamps it to the steps, the report names only what was passed
     assert code == 0 and err == (f"resuming {tmp_path} at step 4 with changed settings: --steps 4 → 6, "
                                  "--lr 0.001 → 0.01, --min-lr 0.0001 → 0.001\n")
+
+
+def test_a_triton_run_that_fell_back_records_the_torch_backend_it_ran(corpus, tmp_path, monkeypatch, capsys):
+    """Without CUDA or the interpreter, --backend triton trains on torch (with a notice); the checkpoint recorded
+    "triton", so a plain resume announced `--backend "triton" → "torch"`, a switch that never happened."""
+    from energydsl import codegen, kernels
+
+    monkeypatch.setattr(kernels, "use_triton", lambda device=None: False)  # as on a machine without CUDA
+    monkeypatch.setattr(codegen, "_NOTICE_SHOWN", False)
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--backend", "triton"))
+    assert code == 0 and err.count("the triton backend falls back to torch") == 1, err  # said once
+    assert json.loads((tmp_path / "last.json").read_text())["backend"] == "torch"
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    assert code == 0 and err == f"resuming {tmp_path} at step 4 with changed settings: --steps 4 → 6\n", err
+
+
+def test_steps_the_run_has_already_reached_train_nothing_and_say_so(corpus, tmp_path, monkeypatch, capsys):
+    """--steps at or below the checkpoint's step trains nothing: it was announced as changed settings (`--steps
+    6 → 4`), as if the run went on with them. Exit 0 and the run's summary, as rerunning a finished run gives."""
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--json"))  # --steps 4
+    assert code == 0 and err == (f"the run in {tmp_path} is already at step 6, past --steps 4: nothing to train; "
+                                 "pass a --steps above 6 to train it further\n"), err
+    summary = strict_json(out)
+    assert summary["steps"] == 6 and summary["resumed_from"] == 6
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
+    assert code == 0 and err == (f"the run in {tmp_path} is already at step 6, the --steps 6 asked for: nothing to "
+                                 "train (not applied: --lr 0.001 → 0.01, --min-lr 0.0001 → 0.001); pass a --steps "
+                                 "above 6 to train it further\n"), err
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    assert code == 0 and err == "", err  # the same command again: nothing changed, nothing to say
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypatch, capsys):

@@ -91,14 +91,19 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
     return text
 
 
+def runnable_backend(backend: str) -> str:
+    """The backend `module_class` builds for `backend`: triton falls back to torch where its kernels cannot run
+    (with the notice), and a checkpoint records the backend it was trained on, not the one asked for."""
+    return "torch" if backend == "triton" and not _triton_runs() else backend
+
+
 def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
     """Generate (or reuse from the cache) and import the module class for `derived`.
 
     The triton backend needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1); without
     either it falls back to the torch backend (same parameters, so checkpoints still load) with a notice.
     """
-    if backend == "triton" and not _triton_runs():
-        backend = "torch"
+    backend = runnable_backend(backend)
     key = cache_key(derived, backend)
     mod_name = f"energydsl_generated_{key}"
     if mod_name in sys.modules:

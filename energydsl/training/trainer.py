@@ -180,9 +180,10 @@ def train(
     with exactly this config (resuming would diverge again; change a setting, e.g. a lower lr).
 
     Resuming with other settings (a lower lr after a divergence, more steps) passes one line saying what
-    changed to `notify` (default: `warnings.warn`); other seed, batch_size, block_size or eval_iters are
-    refused (`UserError`, see `run_dir.KEPT_ON_RESUME`). Errors name settings as `names` spells them (a CLI
-    passes its flags, e.g. {"lr": "--lr"}).
+    changed to `notify` (default: `warnings.warn`), or, when the run is already at `steps`, that there is nothing
+    to train; other seed, batch_size, block_size or eval_iters are refused (`UserError`, see
+    `run_dir.KEPT_ON_RESUME`). Errors name settings as `names` spells them (a CLI passes its flags, e.g.
+    {"lr": "--lr"}).
     """
     _check_arguments(model, dataset, config, metadata)
     config.validate(names)
@@ -297,10 +298,24 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
     run.good = (state.step, state.val_loss)
     if run.best_is_stale(state):  # a run directory written before saves were transactions
         run.save(("best",), model, state, extra)
-    if changes:
+    if changes and state.step >= config.steps:  # nothing to train: the changes apply to no step
+        (notify or _warn)(_nothing_to_train(out_dir, state.step, config.steps, changes, names))
+    elif changes:
         (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
                           f"{describe_changes(changes, names)}")
     return state, changes
+
+
+def _nothing_to_train(out_dir: Path | None, step: int, steps: int, changes: dict[str, tuple[Any, Any]],
+                      names: dict[str, str] | None) -> str:
+    """The line for a resume whose `steps` the run has already reached: it trains nothing, so announcing "changed
+    settings" (`--steps 6 → 4`) would say the run changed when it did not; a larger --steps trains further."""
+    flag = (names or {}).get("steps", "steps")
+    unused = {k: v for k, v in changes.items() if k != "steps"}
+    reached = f"past {flag} {steps}" if step > steps else f"the {flag} {steps} asked for"
+    ignored = f" (not applied: {describe_changes(unused, names)})" if unused else ""
+    return (f"the run in {out_dir} is already at step {step}, {reached}: nothing to train{ignored}; "
+            f"pass a {flag} above {step} to train it further")
 
 
 def _compile_error(e: BaseException, names: dict[str, str] | None) -> UserError:
