@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import syntax as ast
+from .clause_calls import ACROSS_LAYERS
 from .errors import Span, SpecError
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ NORMS = ("layernorm", "rmsnorm")
 MAX_SIZE = 2**60 - 1
 SIZE_LIMIT_HINT = ("a size, and the number of entries of any tensor it shapes, is at most 2**60 - 1 (about 1.2e18): "
                    "a tensor's size in bytes must fit the platform's 64-bit index type")
-ACROSS = {"momentum": {"beta": 0.9, "eta": 1.0}, "nag": {"beta": 0.9, "eta": 1.0}}
 # `ModelPlan.graph` (and `energy graph`) draws up to this many layers one by one; a deeper stack, whose layers are
 # identical, is drawn once as `layer × N` (a million layers drawn one by one took 75 s and 5 GiB, for a picture no
 # one could read). Every model under examples/ (the RMT paper's 24 layers included) stays drawn in full.
@@ -189,6 +189,9 @@ def _stage_dims(decl: ast.EnergyDecl, ref: ast.StageRef, env: dict[str, float]) 
             continue
         if key not in names:
             raise SpecError(f"`{ref.name}` has no dim `{key}`", node.span, f"its dims: {', '.join(names) or 'none'}")
+        if key in names[:len(positional)]:
+            raise SpecError(f"`{key}` is given twice in `{ref.name}(...)`: by position and by name", node.span,
+                            f"`{ref.name}`'s dims in order: {', '.join(names)}")
         dims[key] = evaluate_number(node, env, f"the dim `{key}` of `{ref.name}`")
     return dims
 
@@ -368,12 +371,9 @@ def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
         raise SpecError("`choice{...}` across layers belongs in a `search`", call.span)
     if call.name == "none":
         return None
-    if call.name not in ACROSS:
-        raise SpecError(f"unknown optimizer across layers `{call.name}`", call.span, "use momentum, nag or none")
-    hyper = {k: (v, False) for k, v in ACROSS[call.name].items()}
+    ACROSS_LAYERS.check(call.name, call.span, [(kw.name, kw.span) for kw in call.kwargs])
+    hyper = {k: (float(v), False) for k, v in ACROSS_LAYERS.takes[call.name].items()}
     for kw in call.kwargs:
-        if kw.name not in hyper:
-            raise SpecError(f"`{call.name}` across layers has no `{kw.name}`", kw.span, "it takes beta and eta")
         hyper[kw.name] = (evaluate_number(kw.value, {}, f"`{kw.name}`"), kw.flag == "learn")
     return call.name, hyper
 

@@ -1,8 +1,8 @@
 """Optimizers: from an energy's gradient to the update program a layer runs.
 
 The program is a list of assignments executed once per optimizer step (`steps T`), after the
-context-independent ... er, state-independent values (keys, values, gates) have been hoisted out
-and computed once. Every later stage (checks, printers, code generation) reads this program.
+state-independent values (keys, values, gates) have been hoisted out and computed once. Every later
+stage (checks, printers, code generation) reads this program.
 
     gd        x ← x − η D(x)
     momentum  m ← β m + D(x);   x ← x − η m

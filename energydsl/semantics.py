@@ -16,6 +16,7 @@ import sympy as sp
 
 from . import ir
 from . import syntax_tree as ast
+from .clause_calls import OPTIMIZER, PRECONDITIONER
 from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
 from .errors import Span, SpecError
 from .ir_nodes import Expr, IndexInfo, Var
@@ -476,20 +477,12 @@ class _Lowering(ExpressionLowering):
         call = c.value
         if isinstance(call, ast.OptHole):
             raise SpecError("`choice{...}` of optimizers belongs in a `search`", call.span)
-        known = {"gd": {"eta"}, "momentum": {"eta", "beta"}, "nag": {"eta", "beta"},
-                 "newton": {"eta", "taylor", "damping"}}
-        if call.name not in known:
-            raise SpecError(f"unknown optimizer `{call.name}`", call.span, "use gd, momentum, nag or newton")
-        defaults = {"eta": 1, "beta": 0.9, "taylor": 1, "damping": 0}
+        OPTIMIZER.check(call.name, call.span, [(k.name, k.span) for k in call.kwargs])
         spec = OptimizerSpec(kind=call.name, span=c.span)
         given = {k.name: k for k in call.kwargs}
-        for k in given:
-            if k not in known[call.name]:
-                raise SpecError(f"`{call.name}` has no parameter `{k}`", given[k].span,
-                                f"it takes {', '.join(sorted(known[call.name]))}")
-        for name in sorted(known[call.name]):
+        for name, default in sorted(OPTIMIZER.takes[call.name].items()):
             kw = given.get(name)
-            value = sp.sympify(defaults[name]) if kw is None else sp.nsimplify(self._constant(kw.value, f"`{name}`"))
+            value = sp.sympify(default) if kw is None else sp.nsimplify(self._constant(kw.value, f"`{name}`"))
             learn = kw is not None and kw.flag == "learn"
             spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
         if "taylor" in spec.hyper:
@@ -512,24 +505,17 @@ class _Lowering(ExpressionLowering):
         if pre is not None:
             if isinstance(pre, ast.OptHole):
                 raise SpecError("`choice{...}` of preconditioners belongs in a `search`", pre.span)
-            kinds = {"scalar": set(), "diag": set(), "dplr": {"rank"}, "psd": {"rank"}, "full": set(),
-                     "covariance": {"tau"}}
-            if pre.name not in kinds:
-                raise SpecError(f"unknown preconditioner `{pre.name}`", pre.span,
-                                "use scalar, diag, dplr(rank), psd(rank), full or covariance(tau)")
+            PRECONDITIONER.check(pre.name, pre.span, [(kw.name, kw.span) for kw in pre.kwargs])
             spec.precondition = pre.name
             for kw in pre.kwargs:
-                if kw.name not in kinds[pre.name]:
-                    raise SpecError(f"`{pre.name}` has no option `{kw.name}`", kw.span)
                 value = self._constant(kw.value, f"`{kw.name}`")
                 if kw.name == "rank" and (value < 1 or value != int(value)):
                     raise SpecError(f"`rank` must be a positive whole number, not {_fmt_num(value)}", kw.value.span,
                                     "the number of columns of the low-rank factor: 1, 2, ...")
                 spec.precondition_options[kw.name] = (value, kw.flag != "fixed")
-            if pre.name in ("dplr", "psd"):
-                spec.precondition_options.setdefault("rank", (1.0, True))
+            for key, default in PRECONDITIONER.takes[pre.name].items():
+                spec.precondition_options.setdefault(key, (float(default), True))
             if pre.name == "covariance":
-                spec.precondition_options.setdefault("tau", (0.01, True))
                 if call.name == "newton":
                     raise SpecError("`precondition covariance` needs a first-order optimizer: it is seed 004's "
                                     "first-order stand-in for a Newton step, and on `newton` it would rewrite the "

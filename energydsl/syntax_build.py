@@ -130,10 +130,12 @@ class _ToAst(Transformer):
     # energy clauses ------------------------------------------------------
     @v_args(meta=True)
     def header_item(self, meta, children):
-        return (str(children[0]), children[1])
+        return (str(children[0]), children[1], self._span(children[0]))
 
     def header(self, children):
-        return [c for c in children if c is not None]
+        items = [c for c in children if c is not None]
+        _refuse_repeats([(name, span) for name, _, span in items], "in the header")
+        return [(name, value) for name, value, _ in items]
 
     def dims(self, children):
         return list(children)
@@ -200,6 +202,7 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def opt_call(self, meta, c):
         kwargs = [k for k in c[1:] if k is not None]
+        _refuse_repeats([(k.name, k.span) for k in kwargs], f"in `{c[0]}(...)`")
         return OptCall(str(c[0]), kwargs, self._span(meta), has_parens=len(c) > 1)
 
     @v_args(meta=True)
@@ -256,14 +259,20 @@ class _ToAst(Transformer):
     # composition ---------------------------------------------------------
     @v_args(meta=True)
     def named_arg(self, meta, c):
-        return (str(c[0]), c[1])
+        return (str(c[0]), c[1], self._span(c[0]))
 
     def arg(self, c):
-        return (None, c[0])
+        return (None, c[0], c[0].span)
 
     @v_args(meta=True)
     def stage_ref(self, meta, c):
-        return StageRef(str(c[0]), [a for a in c[1:] if a is not None], self._span(meta))
+        args = [a for a in c[1:] if a is not None]
+        _refuse_repeats([(key, span) for key, _, span in args if key is not None], f"in `{c[0]}(...)`")
+        for (key, _, _), (later, _, span) in zip(args, args[1:]):
+            if key is not None and later is None:
+                raise SpecError(f"a dim of `{c[0]}` given by position after one given by name", span,
+                                "give dims by position first, then by name (as Python's arguments)")
+        return StageRef(str(c[0]), [(key, value) for key, value, _ in args], self._span(meta))
 
     def summed(self, c):
         return list(c)
@@ -364,3 +373,13 @@ class _ToAst(Transformer):
 
     def start(self, c):
         return list(c)
+
+
+def _refuse_repeats(named: list[tuple[str, Span]], where: str) -> None:
+    """A name given twice in one list (a header's dims, a call's keywords) is an error at the second, not the
+    last value silently winning."""
+    first: dict[str, Span] = {}
+    for name, span in named:
+        if name in first:
+            raise SpecError(f"`{name}` is given twice {where} (first at {first[name]})", span)
+        first[name] = span

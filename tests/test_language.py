@@ -92,6 +92,13 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "d/heads is not a size with d=3, heads=0: it divides by zero", 2, 12),
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer adam(eta = 1)\n}",
          "unknown optimizer", 4, 13),
+        # a name given twice was the last value silently winning (the header's dims, a call's keywords)
+        ("energy A(d = 2, d = 4) {\n  state z[d]\n  global F = z . z\n}", "`d` is given twice in the header", 1, 17),
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 1, eta = 2)\n}",
+         "`eta` is given twice in `gd(...)`", 4, 25),
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n"
+         "  optimizer gd, precondition dplr(rank = 1, rank = 2)\n}",
+         "`rank` is given twice in `dplr(...)`", 4, 45),
         # a non-constant exponent takes a scalar base only (a[k] is one: exp((i - j) log a[k])), not a vector
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d]\n"
          "  global F = sum[j]((W^(i - j)) . h[j])\n}", "a tensor power needs a constant exponent", 5, 25),

@@ -588,3 +588,25 @@ def test_an_output_in_a_folder_that_takes_no_files_says_so(tmp_path: Path, name:
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert f"-o/--output /proc/{name}: cannot write a file there (the folder /proc takes no new files)" in r.stderr
     assert "No such file" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("old", "new", "message"), [
+    # a name given twice was the last value silently winning: `layers` 3, `heads` 2, a dropped learned beta
+    ("heads = 4) {", "heads = 4, layers = 3) {", "`layers` is given twice in the header"),
+    ("MHA(d, heads)", "MHA(d, heads = 4, heads = 2)", "`heads` is given twice in `MHA(...)`"),
+    ("MHA(d, heads)", "MHA(d, d = 16)", "`d` is given twice in `MHA(...)`: by position and by name"),
+    ("MHA(d, heads)", "MHA(heads = 4, d)", "a dim of `MHA` given by position after one given by name"),
+    ("  head tied\n", "  head tied\n  across layers momentum(beta = 0.9 learn, eta = 1 learn, beta = 0.1)\n",
+     "`beta` is given twice in `momentum(...)`"),
+    ("  head tied\n", "  head tied\n  across layers momentum(gamma = 1)\n",
+     "`momentum` across layers has no parameter `gamma`"),
+])
+def test_a_model_name_given_twice_or_out_of_order_is_a_located_error(old: str, new: str, message: str) -> None:
+    text = (ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8")
+    assert old in text
+    bad = text.replace(old, new, 1)
+    with pytest.raises(energydsl.SpecError) as e:
+        energydsl.load(bad).plan("GPT")
+    assert e.value.message.startswith(message), e.value.message
+    line = next(n for n, row in enumerate(bad.splitlines(), 1) if new.strip().splitlines()[-1] in row)
+    assert e.value.span is not None and e.value.span.line == line

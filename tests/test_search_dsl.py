@@ -271,6 +271,24 @@ def test_imports_are_inlined(tmp_path: Path) -> None:
     ("train eval_iters = int 0..3", "eval_iters must be at least 1"),
     ("train lr = 2 * float 1e-3..1e-2", "takes a number or one hole"),
     ("data mqar", "dataset mqar has 8192 tokens, more than model `Tiny`'s vocab 65"),
+    # a dim given twice: by name (the parser), by position and name (an internal error, exit 70, before)
+    ("model Tiny(d = choice{16, 32}, d = 8)", "`d` is given twice in `Tiny(...)`"),
+    ("model Tiny(65, choice{16, 32}, context = 8)", "`context` is given twice in `Tiny(...)`: by position"),
+    ("energy Mix(heads = 2, heads = 4)", "`heads` is given twice in `Mix(...)`"),
+    ("model Tiny(context = 32, 99)", "a dim of `Tiny` given by position after one given by name"),
+    # clause options the language would refuse in every trial: found at load, not trial by trial as pruned
+    ("optimizer Mix: choice{ foo, gd }", "unknown optimizer `foo`"),
+    ("optimizer Mix: choice{ gd, momentum(beta = 0.9, zeta = 1) }", "`momentum` has no parameter `zeta`"),
+    ("optimizer Mix: nag(gamma = 1)", "`nag` has no parameter `gamma`"),
+    ("optimizer Mix: gd(eta = 1, eta = 2)", "`eta` is given twice in `gd(...)`"),
+    ("precondition Mix: choice{ none, foo }", "unknown preconditioner `foo`"),
+    ("precondition Mix: choice{ dplr(rank = 2, tau = 1) }", "`dplr` has no parameter `tau`"),
+    ("across layers choice{ none, adam(beta = 0.9) }", "unknown optimizer across layers `adam`"),
+    ("across layers momentum(beta = 0.9 learn, eta = 1 learn, beta = 0.1)", "`beta` is given twice"),
+    ("optimizer Mix: choice{ gd(eta=1), gd(eta = 1) }", "listed twice"),  # the same call, spaced otherwise
+    ("optimizer Mix: choice{ nag(beta = 0.5, eta = 1), nag(eta = 1, beta = 0.5) }", "listed twice"),
+    ("model Tiny(d = choice{2*8, 2 * 8})", "listed twice"),
+    ("train lr = 1e-3 learn", "`learn` does not apply to a training setting"),  # it was ignored
 ])
 def test_mistakes_in_a_search_are_located(tmp_path: Path, bad: str, message: str) -> None:
     path = write(tmp_path, TINY + f"search T {{\n  {bad}\n}}\n")

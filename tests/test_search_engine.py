@@ -585,3 +585,23 @@ def test_the_leaderboard_turns_rather_than_cut_names_in_a_narrow_terminal() -> N
     study_without_notes = optuna.create_study(study_name="plain")
     study_without_notes.add_trials([t for t in study.trials if t.number != 5])
     assert "note" not in _leaderboard_text(study_without_notes, 300)
+
+
+def test_the_leaderboard_says_why_candidates_were_invalid() -> None:
+    """Pruned-as-invalid trials showed only as a count (their reasons were in the HTML report alone): a space
+    whose every candidate the language refused ended with an empty leaderboard and exit 0, saying nothing."""
+    study = optuna.create_study(study_name="refused")
+    study.set_user_attr("objectives", ["val_loss"])
+    reasons = ["`precondition covariance` needs a first-order optimizer (at `optimizer newton, precondition "
+               "covariance`)", "`precondition covariance` needs a first-order optimizer (at `optimizer newton "
+               "steps 2, precondition covariance`)", "`taylor` is the number of Neumann-series terms (at `x`)"]
+    for reason in reasons:
+        study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED,
+                                                  user_attrs={"kind": "invalid", "reason": reason}))
+    text = " ".join(_leaderboard_text(study, 200).split())
+    assert "invalid candidates (3)" in text, text
+    assert "│ 2 │ `precondition covariance` needs a first-order optimizer │" in text, text  # grouped without the line
+    assert "│ 1 │ `taylor` is the number of Neumann-series terms │" in text, text
+    assert "no trial has completed" in text
+    study.add_trial(optuna.trial.create_trial(value=3.0))
+    assert "no trial has completed" not in _leaderboard_text(study, 200)

@@ -8,8 +8,10 @@ Everything goes to stderr, leaving stdout to the JSON summary.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import optuna
@@ -165,10 +167,30 @@ def failures_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
     return table
 
 
+def invalid_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
+    """Why candidates were invalid, the most frequent reasons first: a combination the language refuses now
+    and then is expected (the attention zoo has some), one refused in every trial is a broken space."""
+    reasons = Counter(re.sub(r" \(at `[^`]*`\)", "", str(t.user_attrs.get(REASON, "")))  # the candidate's line
+                      for t in trials if trial_kind(t) == "invalid")
+    if not reasons:
+        return None
+    table = Table(title=f"invalid candidates ({sum(reasons.values())})")
+    table.add_column("trials", justify="right")
+    table.add_column("reason", overflow="fold")
+    for reason, count in reasons.most_common(top):
+        table.add_row(str(count), reason)
+    if len(reasons) > top:
+        table.caption = f"and {len(reasons) - top} other reasons (`energy report` lists every trial)"
+    return table
+
+
 def print_leaderboard(study: optuna.Study, top: int = 10, console: Console | None = None) -> None:
     console = console or Console(stderr=True)
     console.print()
     console.print(leaderboard_table(study, top, console.width))
-    fails = failures_table(study.get_trials(deepcopy=False))
-    if fails is not None:
-        console.print(fails)
+    trials = study.get_trials(deepcopy=False)
+    for table in (failures_table(trials), invalid_table(trials)):
+        if table is not None:
+            console.print(table)
+    if trials and not any(t.state == TrialState.COMPLETE for t in trials):
+        console.print("no trial has completed: the reasons are above; the report lists every trial")

@@ -34,6 +34,7 @@ from typing import Any
 
 import lark
 
+from energydsl.clause_calls import ACROSS_LAYERS, OPTIMIZER, PRECONDITIONER, CallKind
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.candidate import DslCandidate
 from energydsl.search.holes import (  # source files, holes and filling them
@@ -173,6 +174,10 @@ class DslSpace:
                                         f"known: {', '.join(TRAIN_KEYS)}")
                     if TRAIN_KEYS[k] in self.settings:
                         raise SpecError(f"`{k}` is given twice", sf.span(kw))
+                    if kw.children[2] is not None:  # the grammar shares optimizer keywords' `learn` / `fixed`
+                        raise SpecError(f"`{kw.children[2]}` does not apply to a training setting",
+                                        sf.span(kw.children[2]), "`learn` and `fixed` mark an optimizer's "
+                                        "hyper-parameters; a training setting is a number or a hole")
                     self.settings[TRAIN_KEYS[k]] = _setting(col, kw.children[1], TRAIN_KEYS[k], f"train.{k}")
             elif kind == "objectives":
                 objs = []
@@ -242,13 +247,18 @@ class DslSpace:
         items = _kids(header) if header is not None else []
         names = [str(i.children[0]) for i in items]
         out = []
+        given: set[str] = set()  # by position (the parser refuses a name given twice, or a position after a name)
         for i, arg in enumerate(_kids(ref)[1:]):
             if arg.data == "named_arg":
                 dim, node = str(arg.children[0]), arg.children[1]
+                if dim in given:
+                    raise SpecError(f"`{dim}` is given twice in `{target}(...)`: by position and by name",
+                                    sf.span(arg), f"{what} `{target}`'s dims in order: {', '.join(names)}")
             else:
                 if i >= len(items):
                     raise SpecError(f"{what} `{target}` has {len(items)} dims ({', '.join(names)})", sf.span(arg))
                 dim, node = names[i], arg.children[0]
+                given.add(dim)
             if dim not in names:
                 raise SpecError(f"`{dim}` is not a dim of {what} `{target}`", sf.span(arg),
                                 f"its dims: {', '.join(names) or 'none'}")
@@ -262,6 +272,7 @@ class DslSpace:
         tf, decl = model
         name = str(decl.children[0])
         node = clause.children[0]
+        _check_calls(col.file, node, ACROSS_LAYERS)
         if node.data == "opt_hole":
             hole = col.clause_hole(node, f"{name}.across", None, None)
             holes = [hole]
@@ -295,8 +306,9 @@ class DslSpace:
         holes: list[_Hole] = []
         parts: list[Callable[[_Filler], str]] = []  # modifiers other than precondition
 
-        def node_value(collector: _Collector, node: lark.Tree, hole_name: str, none_text: str | None
-                       ) -> tuple[list[_Hole], Callable[[_Filler], str]]:
+        def node_value(collector: _Collector, node: lark.Tree, hole_name: str, none_text: str | None,
+                       kind: CallKind = OPTIMIZER) -> tuple[list[_Hole], Callable[[_Filler], str]]:
+            _check_calls(collector.file, node, kind)
             if node.data == "opt_hole":
                 h = collector.clause_hole(node, hole_name, None, none_text)
                 return [h], lambda fl: fl.value(h)
@@ -314,7 +326,7 @@ class DslSpace:
             holes += hs
             for m in mods:
                 if m.data == "precondition":
-                    hs, precond = node_value(tc, m.children[0], f"{name}.precondition", None)
+                    hs, precond = node_value(tc, m.children[0], f"{name}.precondition", None, PRECONDITIONER)
                 else:
                     s, e = _pos(m)
                     hs = tc.holes(m, f"{name}.{m.data}")
@@ -326,7 +338,7 @@ class DslSpace:
             holes += hs
         if pre is not None:
             holes = [h for h in holes if not h.name.startswith(f"{name}.precondition")]
-            hs, precond = node_value(col, pre[0], f"{name}.precondition", None)
+            hs, precond = node_value(col, pre[0], f"{name}.precondition", None, PRECONDITIONER)
             holes += hs
 
         def render(fl: _Filler) -> str:
@@ -552,6 +564,16 @@ class DslSpace:
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
         }
+
+
+def _check_calls(file: _File, node: lark.Tree, kind: CallKind) -> None:
+    """A clause's call, or each option of its `choice{...}`, as the language checks it (a known name, keywords
+    it takes): a misspelt option is refused at load, not found trial by trial as pruned candidates."""
+    for call in _kids(node) if node.data == "opt_hole" else [node]:
+        name = str(call.children[0])
+        if name != "none":  # no clause (the language's default optimizer)
+            kind.check(name, file.span(call.children[0]),
+                       [(str(kw.children[0]), file.span(kw)) for kw in _kids(call)[1:]])
 
 
 def _refuse(message: str, span: Span | None, given: str | None, hint: str | None) -> None:

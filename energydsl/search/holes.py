@@ -66,6 +66,18 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
+def _same_text(a: Any, b: Any) -> bool:
+    """Two options' labels, equal but for white space (`a+b` and `a + b`)."""
+    return a == b or isinstance(a, str) and isinstance(b, str) and "".join(a.split()) == "".join(b.split())
+
+
+def _same_call(a: lark.Tree, b: lark.Tree, f: _File) -> bool:
+    """Two calls in a clause choice with the same name and the same keywords, in any order and spacing."""
+    def key(call: lark.Tree) -> tuple[str, frozenset]:
+        return str(call.children[0]), frozenset(("".join(f.slice(kw).split())) for kw in _kids(call)[1:])
+    return key(a) == key(b)
+
+
 def _read_files(path: Path) -> list[_File]:
     """The file and everything it imports (depth first, each once): text and parse tree."""
     syntax.parse_module(path)  # the language's own checks first: syntax, duplicates, import cycles
@@ -205,7 +217,7 @@ class _Collector:
                 label: Any = int(v) if v.is_integer() and "." not in str(opt.children[0]) else v
             else:
                 label = _norm(f.slice(opt))
-            if any(o.label == label for o in options):
+            if any(_same_text(o.label, label) for o in options):
                 raise SpecError(f"`{label}` is listed twice in this choice", span)
             options.append(_Option(label, os_, oe, self.holes(opt, f"{name}.{i}"),
                                    wrap=opt.data not in _EXPR_ATOMS))
@@ -220,7 +232,7 @@ class _Collector:
         options = []
         for i, c in enumerate(calls):
             label = names[i] if unique else _norm(f.slice(c))
-            if label in [o.label for o in options]:
+            if any(_same_call(calls[n], c, f) for n in range(i)):
                 raise SpecError(f"`{label}` is listed twice in this choice", f.span(c))
             none = names[i] == "none"
             if none and len(c.children) > 1 and c.children[1] is not None:
