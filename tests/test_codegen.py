@@ -925,3 +925,33 @@ def test_the_torch_bias_mask_has_the_batch_only_when_a_term_does(bias: str, lead
         }}""").energy()
     assert f".reshape({lead}, 2, T, T)  # additive score bias" in energy_source(derived)
     _matches_interpreter(derived)
+
+
+_SCORE_BIASES = {"none": "", "key": " - 0.5 * (WK[k] @ h[j]) . (WK[k] @ h[j])", "alibi": " - m[k] * abs(i - j)",
+                 "alibi and key": " - m[k] * abs(i - j) + 0.3 * (h[j] . h[j])",
+                 "self": " + m[k] * relu(1 - abs(i - j))"}
+
+
+@pytest.mark.parametrize(("relation", "bias"), [(r, b) for r in ("<=", "<") for b in _SCORE_BIASES
+                                                if (r, b) != ("<", "self")])  # 0 on j < i: dropped, m unused
+def test_every_score_bias_form_of_the_torch_attention_matches_the_interpreter(relation: str, bias: str) -> None:
+    """The torch op's paths (SDPA's causal flag; a per-key bias as a feature; a strict context shifted by a
+    token; a (1, H, T, T) or (B, H, T, T) mask), under a negative score and a learned temperature per head too:
+    the layer against the interpreter, T = 7 and T = 1 (a strict context's only row is empty)."""
+    for sign, temperature in (("", "sqrt(dh)"), ("-", "tq[k]")):
+        derived = energydsl.load(f"""
+            energy S(d = 4, heads = 2) {{
+              dim     dh = d / heads
+              state   x[d]
+              context h[j, d] where j {relation} i
+              param   WQ[heads, dh, d] ~ normal(0, 0.5)
+              param   WK[heads, dh, d] ~ normal(0, 0.5)
+              param   m[heads] ~ normal(1, 0.1)
+              param   tq[heads] ~ normal(2, 0.1)
+              local   s[k, j] = {sign}(WQ[k] @ x) . (WK[k] @ h[j]) / {temperature}{_SCORE_BIASES[bias]}
+              global  E = -sum[k](logsumexp[j](s[k, j]))
+              optimizer gd(eta = 1)
+            }}""").energy()
+        assert "softmax_attention(" in energy_source(derived)
+        for T in (7, 1):
+            _matches_interpreter(derived, T)
