@@ -21,7 +21,8 @@ Every hole has a stable name (`Model.d`, `MHA.optimizer`, `MHA.optimizer.nag.bet
 Optuna parameter it is sampled as. A candidate is the file's text with every hole's source span replaced
 by the sampled value's text, the search-level overrides written into the model and energy declarations,
 imports inlined and `search` declarations dropped: a plain `.energy` file (`Candidate.source()`), which
-is what gets loaded, built, checked and trained. `docs/search.md` is the user's guide.
+is what gets loaded, built, checked and trained. The holes and the filled text are `holes.py`'s, the
+search-level overrides `overrides.py`'s; `docs/search.md` is the user's guide.
 """
 
 from __future__ import annotations
@@ -34,11 +35,9 @@ from typing import Any
 
 import lark
 
-from energydsl.clause_calls import ACROSS_LAYERS, OPTIMIZER, PRECONDITIONER, CallKind
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.candidate import DslCandidate
 from energydsl.search.holes import (  # source files, holes and filling them
-    DEFAULT_OPTIMIZER,
     _Collector,
     _convert,
     _File,
@@ -49,11 +48,10 @@ from energydsl.search.holes import (  # source files, holes and filling them
     _Placement,
     _pos,
     _read_files,
-    _render,
     _setting,
     _Value,
-    _value,
 )
+from energydsl.search.overrides import across_override, header_override, optimizer_override
 from energydsl.search.settings import (
     DEFAULTS,
     SET_KEYS,
@@ -151,7 +149,7 @@ class DslSpace:
             if kind == "search_model":
                 model_ref = clause.children[0]
             elif kind == "search_energy":
-                overrides += self._header_override(clause.children[0], "energy_decl", decls, col)
+                overrides += header_override(sf, clause.children[0], "energy_decl", decls, col)
             elif kind == "across":
                 across = clause
             elif kind in ("search_optimizer", "search_precondition"):
@@ -203,7 +201,7 @@ class DslSpace:
             if self.model_name not in models:
                 raise SpecError(f"no model named `{self.model_name}`", sf.span(model_ref),
                                 f"models: {', '.join(models) or 'none'}")
-            overrides += self._header_override(model_ref, "model_decl", decls, col)
+            overrides += header_override(sf, model_ref, "model_decl", decls, col)
         elif len(models) == 1:
             self.model_name = models[0]
         else:
@@ -212,10 +210,9 @@ class DslSpace:
                             sf.span(search.children[0]), "add `model NAME` to the search" if models else
                             "declare a `model` (see docs/language.md)")
         if across is not None:
-            overrides.append(self._across_override(across, decls[self.model_name], col))
+            overrides.append(across_override(across, decls[self.model_name], col))
         for energy in dict.fromkeys([*opt_over, *pre_over]):
-            overrides.append(self._optimizer_override(decls[energy], opt_over.get(energy), pre_over.get(energy),
-                                                      col))
+            overrides.append(optimizer_override(decls[energy], opt_over.get(energy), pre_over.get(energy), col))
         # the file's own holes, unless an override replaces the text they stand in
         placements: list[_Placement] = list(overrides)
         for f in self.files:
@@ -233,124 +230,6 @@ class DslSpace:
         self.placements = placements
         self._apply_sets(sets)
         self._unique_names()
-
-    def _header_override(self, ref: lark.Tree, kind: str, decls: dict[str, tuple[_File, lark.Tree]],
-                         col: _Collector) -> list[_Placement]:
-        """`model M(d = ...)` / `energy E(heads = ...)`: new defaults for the declaration's header dims."""
-        sf = self.search_file
-        target = str(ref.children[0])
-        what = "model" if kind == "model_decl" else "energy"
-        if target not in decls or decls[target][1].data != kind:
-            raise SpecError(f"no {what} named `{target}`", sf.span(ref))
-        tf, decl = decls[target]
-        header = next((c for c in _kids(decl)[1:] if c.data == "header"), None)
-        items = _kids(header) if header is not None else []
-        names = [str(i.children[0]) for i in items]
-        out = []
-        given: set[str] = set()  # by position (the parser refuses a name given twice, or a position after a name)
-        for i, arg in enumerate(_kids(ref)[1:]):
-            if arg.data == "named_arg":
-                dim, node = str(arg.children[0]), arg.children[1]
-                if dim in given:
-                    raise SpecError(f"`{dim}` is given twice in `{target}(...)`: by position and by name",
-                                    sf.span(arg), f"{what} `{target}`'s dims in order: {', '.join(names)}")
-            else:
-                if i >= len(items):
-                    raise SpecError(f"{what} `{target}` has {len(items)} dims ({', '.join(names)})", sf.span(arg))
-                dim, node = names[i], arg.children[0]
-                given.add(dim)
-            if dim not in names:
-                raise SpecError(f"`{dim}` is not a dim of {what} `{target}`", sf.span(arg),
-                                f"its dims: {', '.join(names) or 'none'}")
-            item = items[names.index(dim)]
-            s, e = _pos(item.children[1])
-            v = _value(col, node, f"{target}.{dim}")
-            out.append(_Placement(tf, s, e, v.holes, v.text, "search"))
-        return out
-
-    def _across_override(self, clause: lark.Tree, model: tuple[_File, lark.Tree], col: _Collector) -> _Placement:
-        tf, decl = model
-        name = str(decl.children[0])
-        node = clause.children[0]
-        _check_calls(col.file, node, ACROSS_LAYERS)
-        if node.data == "opt_hole":
-            hole = col.clause_hole(node, f"{name}.across", None, None)
-            holes = [hole]
-
-            def value(fl: _Filler) -> str:
-                return fl.value(hole)
-        else:
-            v = _value(col, node, f"{name}.across")
-            holes = v.holes
-            fixed_none = str(node.children[0]) == "none"
-
-            def value(fl: _Filler) -> str:
-                return "" if fixed_none else v.text(fl)
-        existing = next((c for c in _kids(decl)[1:] if c.data == "across"), None)
-        if existing is not None:
-            s, e = _pos(existing)
-            return _Placement(tf, s, e, holes, lambda fl: (lambda t: f"across layers {t}" if t else "")(value(fl)),
-                              "search")
-        at = _pos(decl)[1] - 1  # before the closing brace
-        return _Placement(tf, at, at, holes, lambda fl: (lambda t: f"  across layers {t}\n" if t else "")(value(fl)),
-                          "search")
-
-    def _optimizer_override(self, energy: tuple[_File, lark.Tree], opt: tuple[lark.Tree, Span] | None,
-                            pre: tuple[lark.Tree, Span] | None, col: _Collector) -> _Placement:
-        """Rebuild energy E's optimizer clause from the search's optimizer and/or preconditioner choice, the
-        clause's other parts (and their holes) kept."""
-        tf, decl = energy
-        name = str(decl.children[0])
-        tc = _Collector(tf)
-        clause = next((c for c in _kids(decl)[1:] if c.data == "optimizer_clause"), None)
-        holes: list[_Hole] = []
-        parts: list[Callable[[_Filler], str]] = []  # modifiers other than precondition
-
-        def node_value(collector: _Collector, node: lark.Tree, hole_name: str, none_text: str | None,
-                       kind: CallKind = OPTIMIZER) -> tuple[list[_Hole], Callable[[_Filler], str]]:
-            _check_calls(collector.file, node, kind)
-            if node.data == "opt_hole":
-                h = collector.clause_hole(node, hole_name, None, none_text)
-                return [h], lambda fl: fl.value(h)
-            s, e = _pos(node)
-            hs = collector.call_holes(node, hole_name)
-            is_none = str(node.children[0]) == "none"
-            f = collector.file
-            return hs, lambda fl: (none_text or "") if is_none else _render(f, s, e, hs, fl)
-
-        call: Callable[[_Filler], str] = lambda fl: DEFAULT_OPTIMIZER
-        precond: Callable[[_Filler], str] = lambda fl: ""
-        if clause is not None:
-            first, *mods = _kids(clause)
-            hs, call = node_value(tc, first, f"{name}.optimizer", DEFAULT_OPTIMIZER)
-            holes += hs
-            for m in mods:
-                if m.data == "precondition":
-                    hs, precond = node_value(tc, m.children[0], f"{name}.precondition", None, PRECONDITIONER)
-                else:
-                    s, e = _pos(m)
-                    hs = tc.holes(m, f"{name}.{m.data}")
-                    parts.append(lambda fl, s=s, e=e, hs=hs: _render(tf, s, e, hs, fl))
-                holes += hs
-        if opt is not None:
-            holes = [h for h in holes if not h.name.startswith(f"{name}.optimizer")]
-            hs, call = node_value(col, opt[0], f"{name}.optimizer", DEFAULT_OPTIMIZER)
-            holes += hs
-        if pre is not None:
-            holes = [h for h in holes if not h.name.startswith(f"{name}.precondition")]
-            hs, precond = node_value(col, pre[0], f"{name}.precondition", None, PRECONDITIONER)
-            holes += hs
-
-        def render(fl: _Filler) -> str:
-            text = "optimizer " + call(fl) + "".join(" " + p(fl) for p in parts)
-            p = precond(fl)
-            return text + (f", precondition {p}" if p else "")
-
-        if clause is not None:
-            s, e = _pos(clause)
-            return _Placement(tf, s, e, holes, render, "search")
-        at = _pos(decl)[1] - 1
-        return _Placement(tf, at, at, holes, lambda fl: f"  {render(fl)}\n", "search")
 
     def _apply_sets(self, sets: dict[str, Any]) -> None:
         for key, raw in sets.items():
@@ -564,16 +443,6 @@ class DslSpace:
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
         }
-
-
-def _check_calls(file: _File, node: lark.Tree, kind: CallKind) -> None:
-    """A clause's call, or each option of its `choice{...}`, as the language checks it (a known name, keywords
-    it takes): a misspelt option is refused at load, not found trial by trial as pruned candidates."""
-    for call in _kids(node) if node.data == "opt_hole" else [node]:
-        name = str(call.children[0])
-        if name != "none":  # no clause (the language's default optimizer)
-            kind.check(name, file.span(call.children[0]),
-                       [(str(kw.children[0]), file.span(kw)) for kw in _kids(call)[1:]])
 
 
 def _refuse(message: str, span: Span | None, given: str | None, hint: str | None) -> None:
