@@ -296,10 +296,12 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
     positions = False
     embed_rank = head_rank = None
     if "embed" in one:
-        for what in one["embed"].value:
+        for n, what in enumerate(one["embed"].value):
             if what not in ("tokens", "positions"):
                 raise SpecError(f"cannot embed `{what}`", one["embed"].span, "use `embed tokens` or "
                                 "`embed tokens, positions`")
+            if what in one["embed"].value[:n]:
+                raise SpecError(f"`{what}` is given twice in `embed`", one["embed"].span)
         positions = "positions" in one["embed"].value
         embed_rank = _rank(one["embed"], env, stream)
     layers, shared = 1, False

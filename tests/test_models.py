@@ -600,6 +600,7 @@ def test_an_output_in_a_folder_that_takes_no_files_says_so(tmp_path: Path, name:
      "`beta` is given twice in `momentum(...)`"),
     ("  head tied\n", "  head tied\n  across layers momentum(gamma = 1)\n",
      "`momentum` across layers has no parameter `gamma`"),
+    ("embed tokens, positions", "embed tokens, positions, tokens", "`tokens` is given twice in `embed`"),
 ])
 def test_a_model_name_given_twice_or_out_of_order_is_a_located_error(old: str, new: str, message: str) -> None:
     text = (ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8")
