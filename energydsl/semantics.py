@@ -153,6 +153,7 @@ class _Lowering(ExpressionLowering):
         self.input: Var | None = None
         self.context: Var | None = None
         self.scalar_params: dict[str, sp.Symbol] = {}
+        self.untied: list[tuple[Expr, Span]] = []  # the untie rules' patterns so far, where each is written
 
     # ------------------------------------------------------------------ driver
     def run(self) -> EnergyIR:
@@ -589,6 +590,10 @@ class _Lowering(ExpressionLowering):
             raise SpecError(f"an untie pattern is built from params only; `{token.name}` is {what}, which changes "
                             "from token to token and cannot become a parameter", lhs_node.span,
                             "untie a weight as it appears in the update, e.g. `untie value W1[k]^T -> Wo[k]`")
+        if (first := next((at for seen, at in self.untied if seen == lhs), None)) is not None:
+            raise SpecError(f"this pattern is untied twice (first at {first})", lhs_node.span,
+                            "one rule per pattern: its place in the update gets one new parameter")
+        self.untied.append((lhs, lhs_node.span))
         rhs_base = rhs_node
         idx: list[str] = []
         while isinstance(rhs_base, ast.Index):
@@ -602,6 +607,10 @@ class _Lowering(ExpressionLowering):
         if name in self.scope.decl_spans:
             raise SpecError(f"`{name}` already exists (declared at {self.scope.decl_spans[name]}); untie introduces "
                             "a new parameter", rhs_node.span)
+        earlier = self.scope.params.get(name)  # another rule's new parameter (untie's names are not declarations)
+        if earlier is not None and earlier.origin == "untie":
+            raise SpecError(f"`{name}` is already the new parameter of an untie rule (at {earlier.span})",
+                            rhs_node.span, "each rule introduces a parameter of its own: give this one another name")
         sizes = []
         for i in idx:
             info = self.indices.get(i)

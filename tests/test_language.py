@@ -115,6 +115,14 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
          "  global F = -logsumexp[j](z . (W @ h[j]))\n  untie value W @ h[j] -> V\n}",
          "`h` is the context", 6, 15),
+        # a pattern untied twice kept the first rule only; one new name for two patterns broke the check with
+        # torch's "Expected size for first two dimensions of batch2 tensor ..."
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
+         "  global F = -logsumexp[j](z . (W @ h[j]))\n  untie value W -> V, W -> U\n}",
+         "this pattern is untied twice", 6, 23),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
+         "  global F = -logsumexp[j](z . (W @ h[j]))\n  untie value W^T -> V, W -> V\n}",
+         "`V` is already the new parameter of an untie rule", 6, 30),
     ],
 )
 def test_located_errors(text, message, line, col):
