@@ -79,7 +79,7 @@ def test_softmax_attention_key_bias_and_strict_context_stay_fused(strict: bool, 
     kb = torch.randn(2, 3, T, generator=g, dtype=torch.float64, requires_grad=True) if key_biased else None
     c = torch.tensor(0.4, dtype=torch.float64, requires_grad=True) if scale == "learned" else scale
     got = softmax_attention(q, k, v, scale=c, key_bias=kb, strict=strict)
-    if scale != 0.0 or not key_biased:  # a zero scale cannot carry the bias as a feature: the mask path
+    if scale != 0.0:  # a zero scale takes the mask path (torch 2.13's CPU flash kernel gives NaN for it)
         assert masks in ([], [None]), masks
     allowed = torch.ones(T, T, dtype=torch.bool).tril(-1 if strict else 0)
     scores = c * q @ k.transpose(-1, -2) + (0 if kb is None else kb[..., None, :])

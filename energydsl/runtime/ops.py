@@ -107,9 +107,9 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor,
     """
     if isinstance(scale, Tensor):  # a learned temperature: fold it into the queries
         q, scale = q * scale, 1.0
-    if bias is not None or (key_bias is not None and scale == 0):
-        full = key_bias[..., None, :] if bias is None else bias if key_bias is None else bias + key_bias[..., None, :]
-        return _masked_attention(q, k, v, scale, full, strict)
+    if bias is not None or scale == 0:  # (a zero scale: torch 2.13's CPU flash kernel gives NaN for one)
+        keys = 0.0 if key_bias is None else key_bias[..., None, :]
+        return _masked_attention(q, k, v, scale, keys if bias is None else bias + keys, strict)
     if key_bias is not None:
         q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
         k = torch.cat([k, (key_bias / scale)[..., None].to(k.dtype)], dim=-1)
@@ -121,17 +121,19 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor,
 
 
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """SDPA over j <= i. q and k may be wider than v (a key bias's feature): v is padded to their width and
-    cut back, as SDPA's flash kernel takes only equal widths."""
+    """SDPA over j <= i. Where q and k are not as wide as v (a key bias's feature), all three are padded with
+    zeros to one width, a multiple of 8, and the output cut back: SDPA's flash kernel takes equal widths only,
+    its memory-efficient one multiples of 8 (otherwise the math fallback builds the T x T weights)."""
     if scale < 0:  # torch 2.13's CPU SDPA with is_causal returns NaN on every masked row for a negative scale
         q, scale = -q, -scale  # (the explicit-mask path takes one as it is)
     width = v.shape[-1]
-    if q.shape[-1] == width + 1:
-        v = F.pad(v, (0, 1))
+    if q.shape[-1] != width:
+        common = -(-max(q.shape[-1], width) // 8) * 8
+        q, k, v = (F.pad(t, (0, common - t.shape[-1])) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=float(scale))[..., :width]
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor, strict: bool) -> Tensor:
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | float, strict: bool) -> Tensor:
     """SDPA with the context and the bias as one additive (T, T) mask (ALiBi, a self-token bias)."""
     T = q.shape[-2]
     allowed = causal_masks(T, q.device)[1 if strict else 0]
@@ -139,7 +141,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tenso
         allowed = allowed.clone()
         allowed[0, 0] = True
     mask = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype) + mask, scale=float(scale))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask + bias, scale=float(scale))
     if strict:
         keep = torch.ones(T, 1, dtype=out.dtype, device=out.device)
         keep[0] = 0
