@@ -760,16 +760,27 @@ energy NegativeScale(d = 4) {
   param W[d, d] ~ normal(0, 0.3)
   global F = -logsumexp[j](-0.5 * z . (W @ h[j]))
 }
+
+energy HoistedAttention(d = 4) {
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W[d, d] ~ normal(0, 0.5)
+  param   wb[d] ~ normal(0, 0.5)
+  global  F = -((W @ z) . sum[j](softmax[j](wb . h[j]) * h[j]))
+  optimizer gd(eta = 1)
+}
 """
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("name", ["TiedUntie", "NewtonVia", "NegativeScale"])
+@pytest.mark.parametrize("name", ["TiedUntie", "NewtonVia", "NegativeScale", "HoistedAttention"])
 def test_specs_found_by_differential_fuzzing_compute_the_derived_update(name: str, backend: str) -> None:
     """TiedUntie: the value's narrowed key and the score's key, one tensor, were two lets, and naming the second
     renamed the first's line (NameError in forward). NewtonVia: the rewrite merged two terms of a scaled sum
     (ValueError in codegen). NegativeScale: torch's CPU SDPA gave NaN for a negative scale (torch backend).
-    Values and gradients equal the interpreter's."""
+    HoistedAttention: an attention with state-free scores, computed once before the steps, left the lowering's
+    step cache (a dict) in the memo that naming the hoisted value rewrites (AttributeError in codegen; its
+    checks passed, `energy compile` exited 70). Values and gradients equal the interpreter's."""
     _matches_interpreter(energydsl.load(FOUND_BY_FUZZING).energy(name), 7, backend, atol=1e-10)
 
 

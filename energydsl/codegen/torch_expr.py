@@ -268,7 +268,8 @@ class Emitter:
             named_before = any(w.code == v.code for w in self.lets.values())  # another let's name: keep it
             if last.startswith(f"{v.code} = ") and not named_before:  # name the value itself, not a copy
                 self.lines[-1] = f"{e.name} = " + last[len(v.code) + 3:]
-                self.memo.update({k: named for k, hit in self.memo.items() if hit.code == v.code})
+                self.memo.update({k: named for k, hit in self.memo.items()  # (the memo holds the lowering's
+                                  if isinstance(hit, Val) and hit.code == v.code})  # step cache too, a dict)
             else:
                 self.lines.append(f"{e.name} = {v.code}")
             v = named
