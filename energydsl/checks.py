@@ -319,11 +319,15 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         (hv,) = torch.autograd.grad((gr * v).sum(), p, allow_unused=True)
         curv.append(0.0 if hv is None else float((hv * v).sum()))
     opt = spec.optimizer
-    if not decreased and (opt.precondition in ("dplr", "full") or opt.kind == "newton"):
-        why = f"the {opt.precondition} preconditioner is not positive-definite by construction" \
-            if opt.precondition in ("dplr", "full") else \
-            "a truncated Newton step need not descend (F may be non-convex here, or the Neumann series may " \
-            "not converge: it needs every eigenvalue of H + λI inside (0, 2))"
+    if not decreased and (opt.precondition in ("dplr", "full", "covariance") or opt.kind == "newton"):
+        if opt.precondition in ("dplr", "full"):
+            why = f"the {opt.precondition} preconditioner is not positive-definite by construction"
+        elif opt.precondition == "covariance":  # I + τC is positive-definite; it multiplies v̄, not ∇F = Σ_k A_kᵀ v̄_k
+            why = ("`covariance` multiplies each softmax-weighted sum inside the gradient by its own I + τ·C, so "
+                   "the direction is not one positive-definite matrix times ∇F (a head's weights, several heads)")
+        else:
+            why = ("a truncated Newton step need not descend (F may be non-convex here, or the Neumann series may "
+                   "not converge: it needs every eigenvalue of H + λI inside (0, 2))")
         return CheckResult("descent", "warn", f"a small step raised F for some token here: {why}")
     if not decreased and prog.point is not spec.state and _via_jacobian_indefinite(prog, inst):
         name = prog.point.name

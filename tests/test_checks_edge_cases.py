@@ -776,3 +776,25 @@ def test_the_sympy_row_is_skipped_past_its_size_saying_why():
     assert results["sympy"].status == "skip" and results["sympy"].ok
     assert results["sympy"].detail.startswith("skipped at these dims: the explicit instance would hold 66,048 numbers")
     assert results["gradient"].status == "ok" and results["update"].status == "ok"
+
+
+def test_covariance_that_does_not_descend_is_a_warning_with_its_reason():
+    """`covariance` multiplies each softmax-weighted sum in the gradient by its own I + τC (found by fuzzing: it
+    failed `descent` as a wrong derivation would, while `update` proved the program equals its definition)."""
+    derived = load("""
+energy H(d = 6, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   Wq[heads, dh, d] ~ normal(0, 0.5)
+  param   Wk[heads, dh, d] ~ normal(0, 0.5)
+  param   delta[d] ~ normal(0, 0.3)
+  param   tq[heads] ~ normal(2, 0.1) positive
+  param   mk[heads] ~ normal(1, 0.1)
+  global  F = -mean[k](logsumexp[j](-(Wq[k]^T @ (Wk[k] @ (layernorm(h[j]) + delta))) . z / tq[k] - mk[k] * abs(i - j)))
+  optimizer momentum(beta = 0.5, eta = 0.5 learn) per head, precondition covariance(tau = 0.2)
+}""").energy()
+    results = {r.name: r for r in derived.check()}
+    assert results["update"].status == "ok", results["update"].detail
+    assert results["descent"].status == "warn", results["descent"].detail
+    assert "`covariance` multiplies each softmax-weighted sum" in results["descent"].detail
