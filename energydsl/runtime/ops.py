@@ -141,7 +141,7 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tenso
         allowed = allowed.clone()
         allowed[0, 0] = True
     mask = torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill(~allowed, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask + bias, scale=float(scale))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=(mask + bias).to(q.dtype), scale=float(scale))
     if strict:
         keep = torch.ones(T, 1, dtype=out.dtype, device=out.device)
         keep[0] = 0

@@ -74,7 +74,7 @@ def _same_text(a: Any, b: Any) -> bool:
 def _same_call(a: lark.Tree, b: lark.Tree, f: _File) -> bool:
     """Two calls in a clause choice with the same name and the same keywords, in any order and spacing."""
     def key(call: lark.Tree) -> tuple[str, frozenset]:
-        return str(call.children[0]), frozenset(("".join(f.slice(kw).split())) for kw in _kids(call)[1:])
+        return str(call.children[0]), frozenset("".join(f.slice(kw).split()) for kw in _kids(call)[1:])
     return key(a) == key(b)
 
 
