@@ -722,11 +722,3 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     metrics = [t.user_attrs.get("metrics", {}) for t in load_study(s["storage"], "Quickstart").get_trials()]
     assert any({"val_loss", "params", "flops_per_token", "step_time"} <= set(m) for m in metrics)
 
-
-
-def test_two_names_of_one_setting_are_refused(tmp_path: Path) -> None:
-    """`batch` and `batch_size` name one setting: both given, the last silently won."""
-    path = write(tmp_path, TINY + SEARCH)
-    with pytest.raises(UserError, match=r"--set batch=4 and --set batch_size=8 set the same setting"):
-        load_search(path, batch="4", batch_size="8")
-    assert load_search(path, batch="4").settings["batch_size"].fixed == 4

@@ -232,11 +232,8 @@ class DslSpace:
         self._unique_names()
 
     def _apply_sets(self, sets: dict[str, Any]) -> None:
-        named: dict[str, str] = {}  # each setting's --set, under its field: `batch` and `batch_size` are one
         for key, raw in sets.items():
             given = f"--set {key}={raw}"
-            if (first := named.setdefault(TRAIN_KEYS.get(key, key), given)) != given:
-                raise UserError(f"{first} and {given} set the same setting", hint="give it once")
             if key in ("search", "trials", "timeout"):
                 if key == "trials" and raw not in (None, ""):
                     self.trials = _given(given, lambda raw=raw: _convert("trials", str(raw), None))
