@@ -20,8 +20,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .cli_search import refuse_a_second_set
-from .cli_search import register as register_search
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, read_text, writable_dir
@@ -57,11 +55,9 @@ def parse_sets(items: list[str] | None) -> dict[str, float]:
         if not eq or not name.strip().isidentifier():
             raise UserError(f"--set {item!r}: expected NAME=VALUE, e.g. --set d=64")
         try:
-            number = float(value)
+            dims[name.strip()] = float(value)
         except ValueError:
             raise UserError(f"--set {item!r}: `{value}` is not a number") from None
-        refuse_a_second_set(dims, name.strip(), number)
-        dims[name.strip()] = number
     return dims
 
 
@@ -501,7 +497,9 @@ def sample(
     print(text)
 
 
-register_search(app)  # search and report (optuna loads lazily)
+from .cli_search import register as register_search  # noqa: E402  (search and report; optuna loads lazily)
+
+register_search(app)
 
 
 # a full disk, an exhausted quota, a file system turned read-only while a command writes

@@ -20,14 +20,6 @@ SetOpt = Annotated[list[str] | None, typer.Option(
                   "batch, block, warmup, min_lr, weight_decay, grad_clip, eval_interval, eval_iters, seed, dtype.")]
 
 
-def refuse_a_second_set(given: dict[str, Any], key: str, value: Any) -> None:
-    """`--set d=8 --set d=16`: the last one would silently win (the same value twice is harmless)."""
-    if key in given and given[key] != value:
-        shown = [f"{v:g}" if isinstance(v, float) else v for v in (given[key], value)]
-        raise UserError(f"--set {key} is given twice: {key}={shown[0]} and {key}={shown[1]}",
-                        hint="give each name once")
-
-
 def parse_sets(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or []:
@@ -35,7 +27,6 @@ def parse_sets(items: list[str] | None) -> dict[str, str]:
         key = key.strip()
         if not eq or not key.isidentifier():
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set steps=100")
-        refuse_a_second_set(out, key, value.strip())
         out[key] = value.strip()
     return out
 

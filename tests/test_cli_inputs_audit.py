@@ -388,16 +388,3 @@ def test_a_path_too_long_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args
     assert code == 2, err
     assert err.startswith(f"error: a path is too long: {long}") and "internal error" not in err, err
     assert "hint: a file or folder name holds at most 255 bytes" in err
-
-
-@pytest.mark.parametrize("args, message", [
-    (["derive", MHA, "--set", "d=8", "--set", "d=16"], "--set d is given twice: d=8 and d=16"),
-    (["search", str(ROOT / "search/quickstart.energy"), "--holes", "--set", "steps=3", "--set", "steps=4"],
-     "--set steps is given twice: steps=3 and steps=4"),
-])
-def test_a_set_given_twice_with_two_values_is_refused(monkeypatch, capsys, args: list[str], message: str) -> None:
-    """The last `--set` silently won (`derive --set d=8 --set d=16` derived at 16); the same value twice is fine."""
-    code, _, err = run_main(monkeypatch, capsys, *args)
-    assert code == 2 and err.startswith(f"error: {message}"), err
-    code, out, err = run_main(monkeypatch, capsys, "derive", MHA, "--set", "d=8", "--set", "d=8.0")
-    assert code == 0 and "d=8," in out, err
