@@ -388,3 +388,9 @@ def test_a_path_too_long_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args
     assert code == 2, err
     assert err.startswith(f"error: a path is too long: {long}") and "internal error" not in err, err
     assert "hint: a file or folder name holds at most 255 bytes" in err
+
+
+def test_a_set_given_twice_takes_the_last_value(monkeypatch, capsys) -> None:
+    """Flags are overrides (a script adds its own `--set` after a shared base command): documented, tested."""
+    code, out, err = run_main(monkeypatch, capsys, "derive", MHA, "--set", "d=8", "--set", "d=16")
+    assert code == 0 and "d=16," in out, err
