@@ -91,3 +91,17 @@ def test_softmax_attention_key_bias_and_strict_context_stay_fused(strict: bool, 
     for a, b in zip(torch.autograd.grad((got * w).sum(), leaves, materialize_grads=True),
                     torch.autograd.grad((want * w).sum(), leaves, materialize_grads=True), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_softmax_attention_hands_sdpa_a_mask_of_the_query_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias of another dtype (float32 under bf16 autocast, say) reaches SDPA cast to the query's dtype, as the
+    op always passed it (the refactor that split the mask path had dropped the cast; not a GPU-verified need)."""
+    import torch.nn.functional as F
+
+    dtypes = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: dtypes.append(kw["attn_mask"].dtype) or sdpa(*a, **kw))
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
+    softmax_attention(q, k, v, scale=0.5, bias=torch.randn(1, 2, 5, 5, dtype=torch.float64), strict=True)
+    assert dtypes == [torch.float32]
