@@ -22,6 +22,7 @@ from . import ir, syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError
 from .ir import Expr, Var
+from .number_text import plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
 from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show
 from .semantics import EnergyIR, lower_energy
@@ -185,7 +186,7 @@ class Derived:
         if spec.context is not None:
             rel = "j < i" if spec.indices[spec.context.index].strict else "j ≤ i"
             ctx = f"  ·  context {spec.context.name}_{spec.context.index}, {rel}"
-        dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
+        dims = ", ".join(f"{k}={plain_number(v)}" for k, v in spec.dim_values.items())
         return f"{spec.name}  ·  state {spec.state.name} ∈ ℝ^[{shape}]{ctx}  ·  {dims}"
 
     def _repr_latex_(self) -> str:
@@ -255,10 +256,6 @@ def _updates(assigns: list[Assign], folded: Callable[[Expr], Expr]) -> list[tupl
         rows.append((f"{a.target.name}⁺", value))
         written[a.target] = Var(f"{a.target.name}⁺", NAME, a.target.shape)
     return rows
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 class Spec:

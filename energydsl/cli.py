@@ -23,6 +23,7 @@ from rich.text import Text
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, read_text, writable_dir
+from .number_text import plain_value
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -388,8 +389,9 @@ def train_(
         if dataset.vocab_size > model.vocab_size:
             raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
                             f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")
+        dims = {k: plain_value(v) for k, v in model.plan.dims.items()}
         metadata = {"spec_path": str(Path(file).resolve()), "spec_source": read_text(file),
-                    "model": model.plan.name, "dims": model.plan.dims, "context": model.block_size,
+                    "model": model.plan.name, "dims": dims, "context": model.block_size,
                     "equation_hash": model.equation_hash(), "backend": runnable_backend(backend)}
         try:
             result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh,

@@ -20,6 +20,7 @@ from .clause_calls import OPTIMIZER, PRECONDITIONER
 from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
 from .errors import Span, SpecError
 from .ir_nodes import Expr, IndexInfo, Var
+from .number_text import plain_number
 from .python_names import name_problem
 from .semantics_expr import ExpressionLowering
 
@@ -272,16 +273,16 @@ class _Lowering(ExpressionLowering):
         value = sp.sympify(e).subs(subs)
         if value.free_symbols:
             raise SpecError(f"{what} is not a size", span)
-        given = ", ".join(f"{k}={_fmt_num(x)}" for k, x in self.dim_values.items())
+        given = ", ".join(f"{k}={plain_number(x)}" for k, x in self.dim_values.items())
         if value.has(sp.zoo, sp.nan, sp.oo, -sp.oo) or not value.is_real:  # e.g. d / heads with heads = 0
             raise SpecError(f"{what} = {e} is not a size with {given}: it divides by zero or is not a real "
                             "number", span, "choose dims that divide evenly")
         v = float(value)
         if not math.isfinite(v) or v < 1 or abs(v - round(v)) > 1e-9:
-            raise SpecError(f"{what} = {e} = {_fmt_num(v)} is not a positive whole number (with {given})", span,
+            raise SpecError(f"{what} = {e} = {plain_number(v)} is not a positive whole number (with {given})", span,
                             "choose dims that divide evenly")
         if round(v) > MAX_SIZE:
-            raise SpecError(f"{what} = {e} = {_fmt_num(v)} is too large (with {given})", span, SIZE_LIMIT_HINT)
+            raise SpecError(f"{what} = {e} = {plain_number(v)} is too large (with {given})", span, SIZE_LIMIT_HINT)
 
     def _dims(self, nodes: list[ast.Node], what: str) -> tuple[sp.Expr, ...]:
         out = []
@@ -295,7 +296,7 @@ class _Lowering(ExpressionLowering):
         if entries > MAX_SIZE:  # each axis fits, their product does not: [d, d] at d = 2**40
             first, last = nodes[0].span, nodes[-1].span
             end = last.end_column if last.line == first.line else None
-            given = ", ".join(f"{k}={_fmt_num(x)}" for k, x in self.dim_values.items())
+            given = ", ".join(f"{k}={plain_number(x)}" for k, x in self.dim_values.items())
             raise SpecError(f"{what} of shape {ir.fmt_shape(tuple(out))} has {entries:.3g} entries (with {given})",
                             Span(first.file, first.line, first.column, first.source, end), SIZE_LIMIT_HINT)
         return tuple(out)
@@ -374,8 +375,8 @@ class _Lowering(ExpressionLowering):
             elif kind == "interval":
                 lo, hi = self._constant(opt[1], "a bound"), self._constant(opt[2], "a bound")
                 if lo >= hi:
-                    raise SpecError(f"the interval ({_fmt_num(lo)}, {_fmt_num(hi)}) is empty: its lower bound must "
-                                    "be below its upper bound", opt[3])
+                    raise SpecError(f"the interval ({plain_number(lo)}, {plain_number(hi)}) is empty: its lower "
+                                    "bound must be below its upper bound", opt[3])
                 spec.constraint = ("interval", lo, hi)
             elif kind == "flag":
                 if opt[1] == "fixed":
@@ -418,7 +419,7 @@ class _Lowering(ExpressionLowering):
                             f"declare `{name}[heads] = alibi_slopes(heads)`")
         n = self._constant(call.args[0], "the number of slopes")
         if n != self._size(shape[0]):
-            raise SpecError(f"`alibi_slopes({_fmt_num(n)})` gives {_fmt_num(n)} slopes, but `{name}` has "
+            raise SpecError(f"`alibi_slopes({plain_number(n)})` gives {plain_number(n)} slopes, but `{name}` has "
                             f"{self._size(shape[0])}", call.span, f"give it the size of `{name}`: "
                             f"`alibi_slopes({shape[0]})`")
 
@@ -433,11 +434,11 @@ class _Lowering(ExpressionLowering):
                             span, f"write `~ {usage}`")
         values = [self._constant(a, "an initialiser argument") for a in args]
         if name == "normal" and values[1] < 0:
-            raise SpecError(f"the standard deviation of `normal(mean, std)` must be >= 0, not {_fmt_num(values[1])}",
-                            args[1].span)
+            raise SpecError("the standard deviation of `normal(mean, std)` must be >= 0, not "
+                            f"{plain_number(values[1])}", args[1].span)
         if name == "uniform" and values[0] >= values[1]:
-            raise SpecError(f"`uniform(a, b)` needs a < b, not uniform({_fmt_num(values[0])}, "
-                            f"{_fmt_num(values[1])})", span)
+            raise SpecError(f"`uniform(a, b)` needs a < b, not uniform({plain_number(values[0])}, "
+                            f"{plain_number(values[1])})", span)
         if name == "orthogonal" and not shape:
             raise SpecError("`orthogonal()` initialises a vector or a matrix, not a scalar param", span,
                             "use `normal(mean, std)`, or `= value` for a scalar")
@@ -449,11 +450,11 @@ class _Lowering(ExpressionLowering):
         if spec.constraint and spec.constraint[0] == "interval":
             lo, hi = spec.constraint[1], spec.constraint[2]
             if not lo < value < hi:
-                raise SpecError(f"the initial value{what} {_fmt_num(value)} of `{spec.name}` is outside its interval "
-                                f"({_fmt_num(lo)}, {_fmt_num(hi)})", span,
+                raise SpecError(f"the initial value{what} {plain_number(value)} of `{spec.name}` is outside its "
+                                f"interval ({plain_number(lo)}, {plain_number(hi)})", span,
                                 "a constrained param can only take values strictly inside its interval")
         elif spec.constraint and spec.constraint[0] == "positive" and value <= 0:
-            raise SpecError(f"the initial value{what} {_fmt_num(value)} of `{spec.name}` is not positive", span,
+            raise SpecError(f"the initial value{what} {plain_number(value)} of `{spec.name}` is not positive", span,
                             "a `positive` param can only take values > 0")
 
     def _let(self, c: ast.Clause) -> None:
@@ -511,7 +512,7 @@ class _Lowering(ExpressionLowering):
             for kw in pre.kwargs:
                 value = self._constant(kw.value, f"`{kw.name}`")
                 if kw.name == "rank" and (value < 1 or value != int(value)):
-                    raise SpecError(f"`rank` must be a positive whole number, not {_fmt_num(value)}", kw.value.span,
+                    raise SpecError(f"`rank` must be a positive whole number, not {plain_number(value)}", kw.value.span,
                                     "the number of columns of the low-rank factor: 1, 2, ...")
                 spec.precondition_options[kw.name] = (value, kw.flag != "fixed")
             for key, default in PRECONDITIONER.takes[pre.name].items():
@@ -632,7 +633,3 @@ PRECONDITIONER_PARAMS = {"scalar": ("P_s",), "diag": ("P_d",), "dplr": ("P_d", "
 
 def _hyper_symbol(name: str) -> sp.Symbol:
     return sp.Symbol({"eta": "eta", "beta": "beta", "damping": "lambda", "taylor": "taylor"}[name], real=True)
-
-
-def _fmt_num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"  # 1e+30, not its 31 digits

@@ -249,11 +249,12 @@ def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypat
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8"))
     assert code == 2 and "Traceback" not in err
-    assert str(tmp_path) in err and "dims.d is 16.0 there, 8.0 now" in err and "--fresh" in err and "--out" in err
+    assert str(tmp_path) in err and "dims.d is 16 there, 8 now" in err and "--fresh" in err and "--out" in err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8", "--fresh"))
     assert code == 0, err
-    assert load_checkpoint(tmp_path)[1]["dims"]["d"] == 8
+    dims = load_checkpoint(tmp_path)[1]["dims"]
+    assert dims["d"] == 8 and all(type(v) is int for v in dims.values()), dims  # as written: 8, not 8.0
 
 
 def test_cli_seed_fixes_the_initial_weights(corpus, tmp_path, monkeypatch, capsys):

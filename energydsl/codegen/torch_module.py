@@ -17,6 +17,7 @@ import torch
 
 from .. import ir
 from ..instance import unconstrain
+from ..number_text import plain_number
 from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants
@@ -269,7 +270,7 @@ class ModuleWriter:
         cls = class_name(spec.name)
         init, reset = self._param_lines()
         fwd, used = self.forward_lines()
-        dims = ", ".join(f"{k}={_num(v)}" for k, v in spec.dim_values.items())
+        dims = ", ".join(f"{k}={plain_number(v)}" for k, v in spec.dim_values.items())
         state_shape = self._sizes(spec.state)
         if self.equations is None:  # a program without its Derived (module_source): derive's printer
             from ..api import Derived  # api imports codegen
@@ -365,10 +366,6 @@ def momentum_step(prog: UpdateProgram) -> MomentumStep | None:
         return None
     force = ir.add(*(t for t in first.terms if t is not betas[0][0]))
     return MomentumStep(m, betas[0][1], force, eta)
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 def module_source(prog: UpdateProgram, equation_hash: str, backend: str = "torch", lowering: bool = True) -> str:

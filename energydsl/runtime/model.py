@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from ..composition import check_stage_state
+from ..number_text import plain_value
 
 if TYPE_CHECKING:
     from ..api import Derived
@@ -274,7 +275,7 @@ class LanguageModel(nn.Module):
         """Sizes and costs; `layers`: of this model with that many layers instead of its own (see num_params)."""
         return {
             "model": self.plan.name,
-            "dims": {k: (int(v) if float(v).is_integer() else v) for k, v in self.plan.dims.items()},
+            "dims": {k: plain_value(v) for k, v in self.plan.dims.items()},
             "params": self.num_params(layers=layers),
             "params_non_embedding": self.num_params(non_embedding=True, layers=layers),
             "flops_per_token": int(round(self.flops_per_token(layers))),

@@ -18,6 +18,7 @@ import lark
 
 from energydsl import syntax
 from energydsl.errors import Span, SpecError
+from energydsl.number_text import plain_number
 
 INT_SETTINGS = {"steps", "batch_size", "block_size", "warmup_steps", "eval_interval", "eval_iters", "seed", "trials"}
 STR_SETTINGS = {"data", "dtype"}
@@ -135,9 +136,9 @@ class _Hole:
 
     def describe(self) -> str:
         if self.kind == "int":
-            return f"int {_num(self.low)}..{_num(self.high)}"
+            return f"int {plain_number(self.low)}..{plain_number(self.high)}"
         if self.kind == "float":
-            return f"float {_num(self.low)}..{_num(self.high)}" + (" log" if self.log else "")
+            return f"float {plain_number(self.low)}..{plain_number(self.high)}" + (" log" if self.log else "")
         return "choice{" + ", ".join(str(o.label) for o in self.options) + "}"
 
     def walk(self) -> list[_Hole]:
@@ -146,10 +147,6 @@ class _Hole:
             for h in o.holes:
                 out += h.walk()
         return out
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
 def _bound(node: lark.Tree) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 from energydsl.errors import UserError
 from energydsl.files import cache_setting, read_record, write_record
+from energydsl.number_text import plain_number
 
 SHRINK = (4, 8, 16, 32)  # checks run at small dims: sizes above the bound are halved while whole
 FORMAT = 1  # of the files; part of the hash
@@ -139,11 +140,7 @@ def stage_check(decl: Any, dims: dict[str, float]) -> str | None:
     failed = [r for r in derived.check() if r.status == "fail"]
     reason = None
     if failed:
-        at = ", ".join(f"{k}={_num(v)}" for k, v in used.items())
+        at = ", ".join(f"{k}={plain_number(v)}" for k, v in used.items())
         reason = "; ".join(f"check `{r.name}` failed: {r.detail}" for r in failed) + f" (checked at {at})"
     _remember(digest, Verdict(True, reason), decl.name, used)
     return reason
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"
