@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import largest_tensor_made
 from energydsl.kernels.linear_ref import linear_attention_parallel_ref
 from energydsl.runtime.ops import linear_attention, softmax_attention
 
@@ -105,3 +106,20 @@ def test_softmax_attention_hands_sdpa_a_mask_of_the_query_dtype(monkeypatch: pyt
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     softmax_attention(q, k, v, scale=0.5, bias=torch.randn(1, 2, 5, 5, dtype=torch.float64), strict=True)
     assert dtypes == [torch.float32]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_softmax_attention_with_strided_features_stays_fused(strict: bool) -> None:
+    """q, k, v whose features are not adjacent in memory (RMT's heads come out of an einsum with a stride of 2
+    between features) still take a fused SDPA kernel: no tensor grows as T x T, forward or backward. The math
+    fallback that SDPA takes for such views built the (B, H, T, T) weights."""
+    T = 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, T, 4, 2, generator=g)[..., 0].requires_grad_() for _ in range(3))
+    assert q.stride(-1) == 2
+    largest = largest_tensor_made(lambda: softmax_attention(q, k, v, scale=0.5, strict=strict).sum().backward())
+    assert largest < 2 * 2 * T * T // 4, largest  # a few (B, H, T, D) tensors, not B H T T
+    allowed = torch.ones(T, T, dtype=torch.bool).tril(-1 if strict else 0)
+    scores = (0.5 * q @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    want = torch.nan_to_num(torch.softmax(scores, -1)) @ v
+    torch.testing.assert_close(softmax_attention(q, k, v, scale=0.5, strict=strict), want, rtol=1e-5, atol=1e-6)

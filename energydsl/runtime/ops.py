@@ -105,6 +105,9 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor,
     shifted by a token (query i + 1 against keys ≤ i; row 0, with no context, is 0). A `bias` passes an
     additive (T, T) mask.
     """
+    # SDPA's fused kernels (flash, memory-efficient; CPU and CUDA) read features with unit stride; a view with
+    # strided features (RMT's per-head einsum) made it fall back to the math form and its T x T weights
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if isinstance(scale, Tensor):  # a learned temperature: fold it into the queries
         q, scale = q * scale, 1.0
     if bias is not None or scale == 0:  # (a zero scale: torch 2.13's CPU flash kernel gives NaN for one)
