@@ -85,7 +85,7 @@ def search(
 ) -> None:
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
     from energydsl.files import check_output
-    from energydsl.search import export_best, run_search, write_report
+    from energydsl.search import export_best, hole_rows, run_search, write_report
     from energydsl.search.space import SpaceRef, resolve_space
     from energydsl.search.storage import study_dir
 
@@ -95,7 +95,11 @@ def search(
             check_output(path, flag, example)  # before any trial runs, not after
     if holes:
         resolved = resolve_space(ref)
-        rows = resolved.describe() if hasattr(resolved, "describe") else []
+        rows = hole_rows(resolved)
+        if rows is None:  # a Python space may sample its holes in code no listing can read
+            print(f"space {resolved.name!r} does not list its holes: a Python space lists them with a "
+                  "`distributions()` method (docs/search.md)", file=sys.stderr)
+            rows = []
         if as_json:
             print(json.dumps([{"name": n, "values": v, "at": w} for n, v, w in rows]))
         else:

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import largest_tensor_made
+
 from energydsl.kernels.linear_ref import linear_attention_parallel_ref
 from energydsl.runtime.ops import linear_attention, softmax_attention
 

@@ -36,7 +36,7 @@ def toy(tmp_path: Path, **sets: object) -> SpaceRef:
 
 
 def energy(*args: str, cwd: Path, **popen: object) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **popen.pop("env", {})}  # type: ignore[dict-item]
     return subprocess.run([sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=120, **popen)  # type: ignore[call-overload]
 
@@ -346,6 +346,29 @@ def test_a_space_saved_with_a_byte_order_mark_lists_its_holes(tmp_path: Path) ->
     out = energy("search", str(space), "--holes", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "TinyGPT.d" in out.stdout and "choice{32, 64}" in out.stdout
+
+
+def test_a_python_space_lists_its_holes_or_says_it_cannot(tmp_path: Path) -> None:
+    """`--holes` on a Python space: its `distributions()` (the toy space's, less what an option fixes), or a notice
+    that it lists none. It printed nothing and exited 0 for either."""
+    out = energy("search", "toy", "--holes", "--set", "depth=2", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert [(r["name"], r["values"]) for r in json.loads(out.stdout)] == [
+        ("mixer", "choice{ssm, attn, attn_alias, bogus, diverge}"), ("lr", "float 0.0001..0.1 log")]
+    (tmp_path / "bare_space.py").write_text(
+        "from energydsl.search.toy import make_space\n"
+        "class Bare:  # suggest and evaluate only: no listing of its holes\n"
+        "    def __init__(self):\n"
+        "        self.toy = make_space()\n"
+        "        self.name, self.objectives, self.budget = 'bare', self.toy.objectives, self.toy.budget\n"
+        "    def suggest(self, trial):\n"
+        "        return self.toy.suggest(trial)\n"
+        "    def evaluate(self, *args):\n"
+        "        return self.toy.evaluate(*args)\n")
+    out = energy("search", "bare_space:Bare", "--holes", cwd=tmp_path,
+                 env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    assert out.returncode == 0 and out.stdout == "", out
+    assert "space 'bare' does not list its holes" in out.stderr and "distributions()" in out.stderr
 
 
 def test_the_report_and_best_files_get_the_mode_open_would_give(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ from energydsl.search.storage import check_storage_given, default_storage_path, 
 
 __all__ = [
     "Candidate", "SearchSpace", "SpaceRef", "register_space", "registered_spaces", "resolve_space",
-    "run_search", "open_study", "write_report", "export_best", "load_study",
+    "run_search", "open_study", "write_report", "export_best", "load_study", "hole_rows",
     "BACKENDS", "SAMPLERS", "PRUNERS",
 ]
 
@@ -149,6 +149,18 @@ def _show(d: optuna.distributions.BaseDistribution) -> str:
     if isinstance(d, optuna.distributions.FloatDistribution):
         return f"float {d.low:g}..{d.high:g}" + (" log" if d.log else "")
     return repr(d)
+
+
+def hole_rows(space: SearchSpace) -> list[tuple[str, str, str]] | None:
+    """(name, values, where) for every hole, as `energy search --holes` prints them: a `.energy` space's from
+    its `describe()`, a Python space's from its `distributions()`; None for a space that lists neither."""
+    describe = getattr(space, "describe", None)
+    if callable(describe):
+        return describe()
+    listed = getattr(space, "distributions", None)
+    if not callable(listed):
+        return None
+    return [(name, _show(dist), str(where) if where else space.name) for name, (dist, where) in listed().items()]
 
 
 def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: SearchSpace, storage: str) -> None:

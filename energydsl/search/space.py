@@ -58,8 +58,8 @@ class SearchSpace(Protocol):
 
     Optional, checked before any trial runs when a space has them: `check_device(device, local)` raises
     UserError for a device its trials could not use; `distributions()` returns {hole name: (Optuna
-    distribution, where it is written)}, so that a rerun of an edited space whose hole the study cannot
-    continue is refused at that hole."""
+    distribution, where it is written or None)}, so that a rerun of an edited space whose hole the study
+    cannot continue is refused at that hole, and `energy search --holes` lists them."""
 
     name: str
     objectives: list[tuple[str, str]]  # e.g. [("val_loss", "minimize"), ("params", "minimize")]

@@ -69,6 +69,16 @@ class ToySpace:
         """What results depend on besides the hole values (a rerun with other values is refused)."""
         return {"steps": str(self.steps)}
 
+    def distributions(self) -> dict[str, tuple[optuna.distributions.BaseDistribution, None]]:
+        """The holes `suggest` samples (those not fixed by an option), for `--holes` and a rerun's check."""
+        out: dict[str, tuple[optuna.distributions.BaseDistribution, None]] = {
+            "mixer": (optuna.distributions.CategoricalDistribution(list(self.mixers)), None)}
+        if self.depth is None:
+            out["depth"] = (optuna.distributions.IntDistribution(1, 4), None)
+        if self.lr is None:
+            out["lr"] = (optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True), None)
+        return out
+
     def suggest(self, trial: optuna.Trial) -> ToyCandidate:
         mixer = trial.suggest_categorical("mixer", list(self.mixers))
         depth = self.depth if self.depth is not None else trial.suggest_int("depth", 1, 4)
