@@ -256,7 +256,7 @@ class _Lowering(ExpressionLowering):
         except OverflowError:
             out = math.inf
         if not math.isfinite(out):  # `1e300 * 1e300`: finite to SymPy, not to a float
-            raise SpecError(f"{what} is too large: {sp.Float(v, 4)}", node.span)
+            raise SpecError(f"{what} is a number too large for a float", node.span)  # (not printed: 2^20000)
         return out
 
     def _dim(self, c: ast.Clause) -> None:

@@ -59,8 +59,8 @@ class ExpressionLowering:
                 raise SpecError(f"this is not a real number: {value}", n.span,
                                 "dims are positive; a square root or log of a negative value is complex")
             if value.is_number and value.is_real and not _fits_a_float(value):
-                raise SpecError(f"number too large: {sp.Float(value, 4)}", n.span,
-                                f"numbers must be below {sys.float_info.max:.4g}")
+                raise SpecError("number too large for a float", n.span,
+                                f"numbers must be below {sys.float_info.max:.4g} in size")
         return out
 
     def _expr(self, n: ast.Node) -> Expr:

@@ -498,6 +498,12 @@ BAD_VALUES_BASE = """energy A(d = 2) {
     ("F = z . z +", "F = z . z * 1e999 +", (5, 23), "number too large"),
     ("F = z . z +", "F = z . z * (1e300 * 1e300) +", (5, 24), "number too large"),
     ("eta = 0.1", "eta = 1e300 * 1e300", (6, 22), "number too large"),
+    # ... and one whose digits Python will not print (over 4,300), or that SymPy cannot make a Float of: the
+    # message printing the number crashed (exit 70)
+    ("F = z . z +", "F = sum(z^(2^20000)) +", (5, 22), "number too large for a float"),
+    ("F = z . z +", "F = exp(1000) * (z . z) +", (5, 15), "number too large for a float"),
+    ("eta = 0.1", "eta = 3^30000", (6, 22), "number too large for a float"),
+    ("normal(0, 0.02)", "normal(0, 2^2^2^2^2)", (4, 31), "number too large for a float"),
     # 2. a constant that is not finite inside a tensor expression
     ("F = z . z +", "F = (z . z) / 0 +", (5, 15), "not a finite number"),
     ("F = z . z +", "F = z / 0 . z +", (5, 15), "not a finite number"),
@@ -549,7 +555,7 @@ def test_a_constant_too_large_once_dims_are_set_is_located(tmp_path):
     path = tmp_path / "big.energy"
     path.write_text(BAD_VALUES_BASE.replace("eta = 0.1", "eta = d ^ 400"))
     res = run_cli("check", str(path), "--set", "d=10")
-    assert res.returncode == 2 and f"{path}:6:22: error: `eta` is too large" in res.stderr, res.stderr
+    assert res.returncode == 2 and f"{path}:6:22: error: `eta` is a number too large" in res.stderr, res.stderr
 
 
 PRINTED = """energy Hadamard(d = 3) {
