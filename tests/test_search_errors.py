@@ -408,23 +408,43 @@ def test_a_dtype_the_device_cannot_run_is_refused_before_any_trial(tmp_path: Pat
 # ----------------------------------------------------------------------------- a journal a crash left behind
 
 
-def test_a_record_cut_short_at_the_journals_end_is_set_aside_and_the_search_continues(tmp_path: Path) -> None:
-    """A full disk or a kill mid-append leaves a last line without its newline. Optuna reads past it, but the
-    rerun's first append followed it on the same line: exit 70, and the study unreadable for good."""
+@pytest.mark.parametrize("damage", ["cut short", "not JSON"])
+def test_a_damaged_last_record_of_the_journal_is_set_aside_and_the_search_continues(tmp_path: Path,
+                                                                                    damage: str) -> None:
+    """A full disk or a kill mid-append leaves a last line without its newline; a last line that is not JSON
+    reads alike. Optuna reads past either, but the rerun's first append followed it: exit 70 (JSONDecodeError at
+    the next read), and the study unreadable for good."""
     journal = tmp_path / "s.journal"
     base = ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--set", "mixers=ssm",
             "--storage", str(journal)]
     assert energy(*base, "--trials", "1", cwd=tmp_path).returncode == 0
     whole = journal.read_bytes()
-    journal.write_bytes(whole[:-37])  # the last record (the trial's end) cut short
+    if damage == "cut short":
+        journal.write_bytes(whole[:-37])  # the last record (the trial's end) cut short
+        set_aside = whole[whole[:-37].rfind(b"\n") + 1:-37] + b"\n"
+    else:
+        set_aside = b"garbage\xff\n"
+        journal.write_bytes(whole + set_aside)
     r = energy(*base, "--trials", "2", cwd=tmp_path)
-    assert r.returncode == 0 and "ended in a record cut short (" in r.stderr, r.stderr[-2000:]
-    torn = journal.with_name("s.journal.torn").read_bytes()
-    assert torn == whole[whole[:-37].rfind(b"\n") + 1:-37] + b"\n"
+    said = {"cut short": "ended in a record cut short (", "not JSON": "ended in a record that is not JSON ("}
+    assert r.returncode == 0 and said[damage] in r.stderr, r.stderr[-2000:]
+    assert journal.with_name("s.journal.torn").read_bytes() == set_aside
     assert all(json.loads(line) for line in journal.read_bytes().splitlines())  # every record whole
     trials = load_study(str(journal), "toy").get_trials()
-    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2, trials  # the cut-short trial ran again
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == 2, trials
     write_report(str(journal), "toy", tmp_path / "r.html")
+
+
+def test_a_journal_damaged_before_its_last_record_is_refused_naming_the_line(tmp_path: Path) -> None:
+    """Records after a damaged one cannot be replayed in order: a clear refusal that names the line, exit 2."""
+    journal = tmp_path / "s.journal"
+    base = ["search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--set", "mixers=ssm",
+            "--storage", str(journal)]
+    assert energy(*base, "--trials", "1", cwd=tmp_path).returncode == 0
+    lines = journal.read_bytes().splitlines(keepends=True)
+    journal.write_bytes(b"".join(lines[:2] + [b"garbage\n"] + lines[2:]))
+    clean_exit_2(energy(*base, "--trials", "2", cwd=tmp_path), f"storage {journal} is not a readable Optuna "
+                 "journal (line 3 is not a JSON record)", "restore a copy")
 
 
 def test_a_full_disk_names_the_journal_it_could_not_write(tmp_path: Path, monkeypatch, capsys) -> None:

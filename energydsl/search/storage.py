@@ -157,42 +157,58 @@ def _clear_dangling_lock(path: Path) -> None:
 
 
 def _mend_torn_record(path: Path) -> None:
-    """Move a last record that a write left cut short (a full disk, a kill mid-append) to `JOURNAL.torn`, under
-    the journal's lock. Optuna reads past such a tail, but its next append would follow it on the same line and
-    leave a record that is not JSON in the middle of the journal, which no later read gets past."""
-    if not path.is_file() or path.stat().st_size == 0 or _last_byte(path) == b"\n":
+    """Move a last record that a write left cut short (a full disk, a kill mid-append) or damaged (a line that is
+    not JSON) to `JOURNAL.torn`, under the journal's lock. Optuna reads past such a tail, but its next append
+    would follow it and leave a record that is not JSON in the middle of the journal, which no later read gets
+    past (a search would stop at its next read)."""
+    if not path.is_file():
         return
+    with open(path, "rb") as f:  # the common case, a whole last record, without the lock
+        if _bad_tail(f) is None:
+            return
     lock = JournalFileSymlinkLock(os.path.abspath(path))  # as the backend's (see open_storage)
     lock.acquire()
     try:  # under the lock no one is appending, so a tail without its newline is torn, not being written
         with open(path, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            end, keep = size, 0  # keep: just after the last newline, looked for block by block from the end
-            while end > 0:
-                start = max(0, end - (1 << 16))
-                f.seek(start)
-                cut = f.read(end - start).rfind(b"\n")
-                if cut >= 0:
-                    keep = start + cut + 1
-                    break
-                end = start
-            if keep == size:
+            bad = _bad_tail(f)
+            if bad is None:
                 return
-            f.seek(keep)
-            tail = f.read()
+            keep, tail = bad
             with open(f"{path}.torn", "ab") as torn:
-                torn.write(tail + b"\n")
+                torn.write(tail if tail.endswith(b"\n") else tail + b"\n")
             f.truncate(keep)
     finally:
         lock.release()
-    print(f"note: {path} ended in a record cut short ({len(tail)} bytes, a write that did not finish); "
-          f"moved it to {path}.torn, the records before it are whole", file=sys.stderr)
+    what = "a record cut short" if not tail.endswith(b"\n") else "a record that is not JSON"
+    print(f"note: {path} ended in {what} ({len(tail)} bytes, a write that did not finish); moved it to "
+          f"{path}.torn, the records before it are whole", file=sys.stderr)
 
 
-def _last_byte(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1)
+def _bad_tail(f: Any) -> tuple[int, bytes] | None:
+    """(where it starts, its bytes) of a journal's last record if it has no newline or is not JSON, else None."""
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+        return None
+    f.seek(size - 1)
+    whole = f.read(1) == b"\n"
+    end, keep = size - 1 if whole else size, 0
+    while end > 0:  # keep: just after the newline before the last record, looked for block by block from the end
+        start = max(0, end - (1 << 16))
+        f.seek(start)
+        cut = f.read(end - start).rfind(b"\n")
+        if cut >= 0:
+            keep = start + cut + 1
+            break
+        end = start
+    f.seek(keep)
+    tail = f.read()
+    if whole:
+        try:
+            json.loads(tail)
+            return None
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            pass
+    return keep, tail
 
 
 class _JournalFile(JournalFileBackend):
@@ -240,7 +256,22 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
     try:
         return JournalStorage(backend)
     except (ValueError, KeyError, TypeError, AttributeError, AssertionError) as e:  # damaged: JSON, fields, op code
-        raise UserError(f"storage {path} is not a readable Optuna journal ({type(e).__name__}: {e})") from None
+        line = _first_line_not_json(path)
+        where = f"line {line} is not a JSON record" if line else f"{type(e).__name__}: {e}"
+        raise UserError(f"storage {path} is not a readable Optuna journal ({where})",
+                        hint="a journal is only ever appended to; if a line was damaged, the records after it "
+                             "cannot be read in order: restore a copy, or start another study (--storage)") from None
+
+
+def _first_line_not_json(path: Path) -> int | None:
+    """The number of a journal's first line (from 1) that is not JSON, to name it in the error; None if all are."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                json.loads(line)
+            except ValueError:
+                return number
+    return None
 
 
 NO_STUDIES_HINT = ("a search writes its study there first (energy search SPACE --storage ...); without --storage a "
