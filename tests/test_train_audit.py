@@ -149,8 +149,24 @@ def test_resume_refuses_weights_with_nan_as_a_damaged_checkpoint(run, corpus):
      "the checkpoint last.* in {run} is damaged: last.optim.pt's rng state is missing"),
     (lambda run: torch.save([1, 2], run / "last.optim.pt"),
      "last.optim.pt holds a list, not the optimizer, scaler and RNG states"),
+    # each of these was exit 70, a KeyError, ValueError, TypeError or RuntimeError while loading the states or
+    # (a moment of another shape) at the first step; the first two named no file ("...cannot resume: 101")
+    (lambda run: (run / "last.optim.pt").write_bytes(b"hello\n"),
+     "checkpoint {run}/last.optim.pt is damaged: it is not an optimizer state PyTorch can read (KeyError)"),
+    (lambda run: (run / "last.optim.pt").unlink(), "checkpoint {run}/last.optim.pt is missing"),
+    (lambda run: edit_optim(run, lambda d: d.update(optimizer={})),
+     "the checkpoint last.* in {run} is damaged: the optimizer, scaler and batch-order states in last.optim.pt do "
+     "not fit this run (KeyError: 'param_groups')"),
+    (lambda run: edit_optim(run, lambda d: d["optimizer"]["state"][0].pop("step")), "(KeyError: 'step')"),
+    (lambda run: edit_optim(run, lambda d: d["rng"].update(batches=torch.zeros(3))),
+     "(TypeError: RNG state must be a torch.ByteTensor)"),
+    (lambda run: edit_optim(run, lambda d: d["optimizer"]["state"][0].update(exp_avg=torch.zeros(3))),
+     "(ValueError: exp_avg of shape [3] for a parameter of shape"),
+    (lambda run: alias_nothing(run / "last.safetensors"),
+     "checkpoint {run}/last.safetensors is damaged: its header's aliases name tensors it does not hold"),
 ], ids=["optim-not-torch", "sidecar-emptied", "sidecar-a-list", "record-lacks-a-field", "config-value-a-string",
-        "optim-without-rng", "optim-a-list"])
+        "optim-without-rng", "optim-a-list", "optim-text", "optim-missing", "optim-emptied", "moment-without-step",
+        "rng-of-floats", "moment-of-another-shape", "alias-of-nothing"])
 def test_resume_names_a_damaged_file_as_damaged(run, corpus, damage, message):
     damage(run)
     before = files(run)
@@ -158,6 +174,21 @@ def test_resume_names_a_damaged_file_as_damaged(run, corpus, damage, message):
     assert code == 2 and message.format(run=run) in err, err
     assert "different model" not in err and "weights_only" not in err and "hint: pass --fresh" in err
     assert files(run) == before
+
+
+def alias_nothing(path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors, header = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file(tensors, str(path), metadata={**header, "aliases": json.dumps({"x.weight": "nope"})})
+
+
+def edit_optim(run: Path, edit) -> None:
+    state = torch.load(run / "last.optim.pt", weights_only=True)
+    edit(state)
+    torch.save(state, run / "last.optim.pt")
 
 
 def edit_json(path: Path, edit) -> None:

@@ -21,9 +21,9 @@ a record (every directory at rest, and those written before this scheme) reads a
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import pickle
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -215,7 +215,7 @@ def _read(path: Path, read: Callable[[Path], Any]) -> Any:
     for attempt in range(3):
         found = checkpoint_file(path)
         if found is None:
-            raise FileNotFoundError(path)
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
         try:
             return read(found)
         except FileNotFoundError:
@@ -245,8 +245,12 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
                 "train again" if other else "use another checkpoint, or train again")
         raise DataError(f"checkpoint {weights} is damaged: its weights hold NaN or infinite values ({shown})",
                         hint=hint)
-    for alias, target in json.loads(header.get("aliases", "{}")).items():
-        state[alias] = state[target]
+    try:
+        for alias, target in json.loads(header.get("aliases", "{}")).items():
+            state[alias] = state[target]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"checkpoint {weights} is damaged: its header's aliases name tensors it does not hold "
+                        f"({type(e).__name__}: {e})") from None
     metadata: dict[str, Any] = {}
     if checkpoint_file(sidecar) is not None:
         try:
@@ -273,7 +277,9 @@ def read_resume_state(path: Path) -> dict[str, Any]:
     """The committed `<stem>.optim.pt` at `path` (optimizer, scaler and RNG states)."""
     try:
         state = _read(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
-    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+    except FileNotFoundError:
+        raise DataError(f"checkpoint {path} is missing") from None
+    except Exception as e:  # noqa: BLE001 - pickle's and the zip reader's errors on damaged bytes are many
         # torch's own text for a damaged file explains weights_only loading, which is beside the point here
         raise DataError(f"checkpoint {path} is damaged: it is not an optimizer state PyTorch can read "
                         f"({type(e).__name__})") from e

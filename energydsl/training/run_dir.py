@@ -34,7 +34,7 @@ FORMAT = 1  # of the `training` record in a checkpoint's sidecar
 
 # the checkpoint files a run leaves besides last.json (whose absence alone is not a fresh directory)
 _RUN_FILES = ("last.safetensors", "last.optim.pt", "best.json", "best.safetensors")
-_START_OVER = ("pass --fresh (resume=False) to start over (that overwrites best.* too: copy it first if you need "
+START_OVER_HINT = ("pass --fresh (resume=False) to start over (that overwrites best.* too: copy it first if you need "
                "it), or choose another --out directory")
 
 
@@ -323,7 +323,7 @@ class RunDir:
             left = [name for name in _RUN_FILES if checkpoint_file(self.out_dir / name) is not None]
             if left:
                 raise UserError(f"{self.out_dir} holds a run ({', '.join(left)}) without its last.json, so it cannot "
-                                "resume", hint=_START_OVER)
+                                "resume", hint=START_OVER_HINT)
             return None
         try:
             state, sidecar, header = read_checkpoint(self.out_dir / "last.safetensors")
@@ -333,15 +333,15 @@ class RunDir:
             text = e.message if isinstance(e, UserError) else str(e)
             first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
             raise UserError(f"the checkpoint last.* in {self.out_dir} cannot be read, so the run cannot resume: "
-                            f"{first[:200]}", hint=_START_OVER) from None
+                            f"{first[:200]}", hint=START_OVER_HINT) from None
         training = sidecar.pop("training", None)
         if not isinstance(training, dict) or "step" not in training or not isinstance(training.get("dataset"), dict):
             raise UserError(f"the checkpoint's last.json in {self.out_dir} is damaged: it lacks the training record "
-                            "that `energy train` writes, so the run cannot resume", hint=_START_OVER)
+                            "that `energy train` writes, so the run cannot resume", hint=START_OVER_HINT)
         damage = _record_damage(training, self.config) or _resume_state_damage(extra)
         if damage:
             raise UserError(f"the checkpoint last.* in {self.out_dir} is damaged: {damage}, so the run cannot resume",
-                            hint=_START_OVER)
+                            hint=START_OVER_HINT)
         data = training["dataset"]
         diffs = []
         if data.get("name") != self.dataset_info["name"]:
@@ -372,7 +372,7 @@ class RunDir:
         if len({str(v) for v in steps.values()}) > 1:  # not after a kill (saves are atomic): damaged or mixed up
             shown = ", ".join(f"{name} {step}" for name, step in steps.items())
             raise UserError(f"the checkpoint files last.* in {self.out_dir} are from different steps ({shown}), "
-                            "so the run cannot resume", hint=_START_OVER)
+                            "so the run cannot resume", hint=START_OVER_HINT)
         return state, training, extra
 
     def start(self, resumed_step: int | None) -> None:

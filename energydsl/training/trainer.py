@@ -47,7 +47,7 @@ from energydsl.signal_handlers import handlers_restored
 
 from .config import DTYPES, TRAIN_FLAGS, TrainConfig
 from .data import IGNORE_INDEX, LMDataset
-from .run_dir import RunDir, RunState, changed_settings, describe_changes, finite_or_none
+from .run_dir import START_OVER_HINT, RunDir, RunState, changed_settings, describe_changes, finite_or_none
 
 __all__ = ["TRAIN_FLAGS", "TrainConfig", "configure_optimizer", "estimate_loss", "lr_at", "train"]
 
@@ -288,12 +288,22 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
     # the moments resume, the settings are this run's: load_state_dict would bring back the saved weight decay,
     # betas and fused flag (a changed --weight-decay was announced and not applied)
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(extra["optimizer"])
+    try:  # states that load as a file but do not fit this run: damaged, or written by hand
+        optimizer.load_state_dict(extra["optimizer"])
+        if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
+            scaler.load_state_dict(extra["scaler"])
+        generator.set_state(extra["rng"]["batches"])
+        for param, moments in optimizer.state.items():  # AdamW would meet a wrong shape at its first step
+            for name, value in moments.items():
+                if isinstance(value, Tensor) and value.dim() and value.shape != param.shape:
+                    raise ValueError(f"{name} of shape {list(value.shape)} for a parameter of shape "
+                                     f"{list(param.shape)}")
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+        raise UserError(f"the checkpoint last.* in {out_dir} is damaged: the optimizer, scaler and batch-order "
+                        f"states in last.optim.pt do not fit this run ({type(e).__name__}: {str(e)[:160]}), so the "
+                        "run cannot resume", hint=START_OVER_HINT) from None
     for group, own in zip(optimizer.param_groups, settings, strict=True):
         group.update(own)
-    if extra["scaler"]:  # empty when saved by a disabled scaler (before a switch to float16)
-        scaler.load_state_dict(extra["scaler"])
-    generator.set_state(extra["rng"]["batches"])
     state = RunState(**{f.name: training[f.name] for f in fields(RunState)})
     run.good = (state.step, state.val_loss)
     if run.best_is_stale(state):  # a run directory written before saves were transactions
