@@ -449,51 +449,15 @@ def sample(
     """Generate text from a trained checkpoint (its spec and dims travel with it)."""
     import torch
 
-    from .api import load
-    from .training import load_dataset
-    from .training.checkpoint import checkpoint_file, checkpoint_paths
-    from .training.sampling import codec_from_json, load_checkpoint
     from .training.sampling import sample as generate
+    from .training.trained import load_trained
 
     if tokens < 0 or not temperature > 0 or math.isinf(temperature) or (top_k is not None and top_k < 1):
         raise UserError(f"--tokens must be >= 0, --temperature finite and > 0 and --top-k >= 1; got {tokens}, "
                         f"{temperature:g} and {top_k}")
     if not 0 <= seed < 2**64:  # torch's generator takes 64 bits
         raise UserError(f"--seed must be in [0, 2**64), got {seed}")
-    state, meta = load_checkpoint(checkpoint)
-    if "model" not in meta:
-        weights, sidecar = checkpoint_paths(checkpoint, "best")
-        if checkpoint_file(sidecar) is None:  # a run's weights whose .json was lost, or weights from elsewhere
-            other = weights.with_name({"best": "last", "last": "best"}.get(weights.stem, "last") + ".safetensors")
-            raise UserError(f"{weights} has no metadata beside it ({sidecar.name} is missing), so the model it "
-                            "holds is unknown", hint=f"a run written by `energy train` has both files: "
-                            f"`energy sample {other}` if that checkpoint is whole, or train again")
-        raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
-    if not isinstance(meta["model"], str) or not isinstance(meta.get("dims"), dict):
-        raise UserError(f"the metadata of {checkpoint} is damaged: it lacks the model's name or dims that "
-                        "`energy train` writes",
-                        hint="sample the run's other checkpoint if it is whole, or train again")
-    # the spec as trained travels in the checkpoint: the file at spec_path may have been edited since (its
-    # path is used only while it still holds that text, so that its imports resolve next to it)
-    path, source = Path(meta.get("spec_path", "")), meta.get("spec_source")
-    unchanged = path.is_file() and (source is None or read_text(str(path)) == source)
-    spec = load(path) if unchanged or not source else load(source, base=path.parent)
-    model = spec.model(meta["model"], **meta["dims"])
-    # an imported file is read as it is now: the model must still be the one trained
-    restore = "restore the spec files as they were when it was trained, or train again"
-    trained = meta.get("equation_hash")
-    if trained is not None and model.equation_hash() != trained:
-        raise UserError(f"{checkpoint}: the model its spec builds now is not the one trained, its equations "
-                        "changed (the spec travels in the checkpoint, but the files it imports are read as they are "
-                        "now)", hint=restore)
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise UserError(f"{checkpoint}: its weights do not fit the model its spec builds now: "
-                        f"{str(e).strip().splitlines()[-1].strip()[:200]}", hint=restore) from None
-    training = meta.get("training", {})
-    dataset = training.get("dataset", {})
-    codec = codec_from_json(dataset["codec"]) if "codec" in dataset else load_dataset(dataset.get("name", ""))
+    model, codec, meta = load_trained(checkpoint)
     text = generate(model, codec, prompt, tokens, temperature, top_k, torch.Generator().manual_seed(seed),
                     metadata=meta, include_prompt=True)
     print(text)

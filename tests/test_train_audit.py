@@ -205,9 +205,23 @@ def edit_json(path: Path, edit) -> None:
      "is a int)"),
     (lambda run: (run / ".checkpoint.commit").write_text('{"files": 5}'),
      "the checkpoint commit record {run}/.checkpoint.commit is damaged"),
-], ids=["no-dims", "training-a-number", "commit-record-not-names"])
+    (lambda run: edit_json(run / "best.json", lambda d: d["training"]["dataset"].update(codec="x")),
+     "the metadata of {run} is damaged: its training.dataset.codec is not what `energy train` writes"),
+    (lambda run: edit_json(run / "best.json", lambda d: d["training"].update(dataset=[1])),
+     "the metadata of {run} is damaged: its training.dataset is not what `energy train` writes"),
+    (lambda run: edit_json(run / "best.json", lambda d: d["training"]["dataset"]["codec"].pop("chars")),
+     "the metadata of {run} is damaged: its training.dataset.codec cannot be read (KeyError: 'chars')"),
+    (lambda run: edit_json(run / "best.json", lambda d: d.update(spec_source=5)),
+     "the metadata of {run} is damaged: its spec_source is not what `energy train` writes"),
+    (lambda run: edit_json(run / "best.json", lambda d: d.update(spec_path=5)),
+     "the metadata of {run} is damaged: its spec_path is not what `energy train` writes"),
+    # reported as `<string>:1:1: error: unexpected 'garbage'`, as if the user's own spec were wrong
+    (lambda run: edit_json(run / "best.json", lambda d: d.update(spec_source="garbage {{")),
+     "the metadata of {run} is damaged: the spec it holds (spec_source) does not load: unexpected `garbage`"),
+], ids=["no-dims", "training-a-number", "commit-record-not-names", "codec-a-string", "dataset-a-list",
+        "codec-without-chars", "spec-source-a-number", "spec-path-a-number", "spec-source-garbage"])
 def test_sample_names_damaged_metadata(run, damage, message):
-    """Each was exit 70 (KeyError, AttributeError, TypeError)."""
+    """Each was exit 70 (KeyError, AttributeError, TypeError), but the last, which blamed the spec."""
     damage(run)
     code, out, err = energy("sample", str(run), "--tokens", "5")
     assert code == 2 and out == "" and message.format(run=run) in err, err

@@ -1,0 +1,77 @@
+"""A trained checkpoint back as a model and its codec: the spec and dims travel in the checkpoint's metadata.
+
+What `energy sample` loads. Every field is checked before use, so a damaged or hand-edited `best.json` is a
+message that names the field, not an exception where the value is first used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from energydsl.errors import SpecError, UserError
+from energydsl.files import read_text
+
+from .checkpoint import checkpoint_file, checkpoint_paths, load_checkpoint
+from .sampling import Codec, codec_from_json
+
+_RESTORE = "restore the spec files as they were when it was trained, or train again"
+_OTHER = "sample the run's other checkpoint if it is whole, or train again"
+
+
+def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
+    """(model with the trained weights, the codec it was trained with, the checkpoint's metadata)."""
+    from energydsl.api import load
+    from energydsl.training import load_dataset
+
+    state, meta = load_checkpoint(checkpoint)
+    if "model" not in meta:
+        weights, sidecar = checkpoint_paths(checkpoint, "best")
+        if checkpoint_file(sidecar) is None:  # a run's weights whose .json was lost, or weights from elsewhere
+            other = weights.with_name({"best": "last", "last": "best"}.get(weights.stem, "last") + ".safetensors")
+            raise UserError(f"{weights} has no metadata beside it ({sidecar.name} is missing), so the model it "
+                            "holds is unknown", hint=f"a run written by `energy train` has both files: "
+                            f"`energy sample {other}` if that checkpoint is whole, or train again")
+        raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
+    if not isinstance(meta["model"], str) or not isinstance(meta.get("dims"), dict):
+        raise UserError(f"the metadata of {checkpoint} is damaged: it lacks the model's name or dims that "
+                        "`energy train` writes", hint=_OTHER)
+    path, source = meta.get("spec_path", ""), meta.get("spec_source")
+    training = meta.get("training", {})
+    dataset = training.get("dataset", {}) if isinstance(training, dict) else None
+    wrong = ("spec_path" if not isinstance(path, str) else "spec_source" if not isinstance(source, str | None)
+             else "training.dataset" if not isinstance(dataset, dict)
+             else "training.dataset.codec" if not isinstance(dataset.get("codec", {}), dict) else None)
+    if wrong:
+        raise UserError(f"the metadata of {checkpoint} is damaged: its {wrong} is not what `energy train` writes",
+                        hint=_OTHER)
+    # the spec as trained travels in the checkpoint: the file at spec_path may have been edited since (its
+    # path is used only while it still holds that text, so that its imports resolve next to it)
+    path = Path(path)
+    unchanged = path.is_file() and (source is None or read_text(str(path)) == source)
+    try:
+        spec = load(path) if unchanged or not source else load(source, base=path.parent)
+    except SpecError as e:
+        if unchanged or not source:
+            raise
+        raise UserError(f"the metadata of {checkpoint} is damaged: the spec it holds (spec_source) does not load: "
+                        f"{e.message}", hint=_OTHER) from None
+    model = spec.model(meta["model"], **meta["dims"])
+    # an imported file is read as it is now: the model must still be the one trained
+    trained = meta.get("equation_hash")
+    if trained is not None and model.equation_hash() != trained:
+        raise UserError(f"{checkpoint}: the model its spec builds now is not the one trained, its equations "
+                        "changed (the spec travels in the checkpoint, but the files it imports are read as they are "
+                        "now)", hint=_RESTORE)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise UserError(f"{checkpoint}: its weights do not fit the model its spec builds now: "
+                        f"{str(e).strip().splitlines()[-1].strip()[:200]}", hint=_RESTORE) from None
+    if "codec" not in dataset:
+        return model, load_dataset(dataset.get("name", "")), meta
+    try:
+        return model, codec_from_json(dataset["codec"]), meta
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"the metadata of {checkpoint} is damaged: its training.dataset.codec cannot be read "
+                        f"({type(e).__name__}: {e})", hint=_OTHER) from None
