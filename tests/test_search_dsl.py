@@ -387,6 +387,20 @@ def test_a_dataset_that_cannot_serve_the_block_is_refused_before_any_trial(tmp_p
     assert load_search(write(tmp_path, TINY + searched, "searched.energy"), data="listops")  # each trial checks
 
 
+def test_a_data_file_that_is_not_text_is_located_at_the_data_clause(tmp_path: Path) -> None:
+    """Reading the file (not UTF-8 text) failed unlocated, where an empty or missing file is located."""
+    binary = tmp_path / "binary.bin"
+    binary.write_bytes(bytes(range(128, 256)) * 4)
+    written = SEARCH.replace("data shakespeare_char", f'data "chars:{binary}"')
+    with pytest.raises(SpecError) as e:
+        load_search(write(tmp_path, TINY + written, "data.energy"))
+    assert e.value.message.startswith("text file is not UTF-8 text") and e.value.hint == f"use bytes:{binary}"
+    assert e.value.span.line == (TINY + written).splitlines().index(f'  data "chars:{binary}", steps 4') + 1
+    with pytest.raises(UserError) as e:
+        load_search(write(tmp_path, TINY + SEARCH), data=f"chars:{binary}")
+    assert e.value.message.startswith(f"--set data=chars:{binary}: text file is not UTF-8 text"), e.value.message
+
+
 def test_a_file_dataset_is_written_quoted_in_the_data_clause(tmp_path: Path, monkeypatch) -> None:
     """docs/search.md names `chars:PATH` datasets, which the clause refused ("unexpected `:`"): quoted, a relative
     path is read from the search file's folder, wherever the search runs from."""

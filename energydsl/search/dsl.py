@@ -261,14 +261,16 @@ class DslSpace:
         vocab, context = int(plan.vocab), int(plan.context)
         blocks = possible_values(self.settings, "block_size") or [(context, None, None)]
         for data, span, given in possible_values(self.settings, "data"):
-            if f"{self.model_name}.vocab" not in searched:
-                need = dataset_vocab(str(data))
-                if need > vocab:
-                    _refuse(f"dataset {data} has {need} tokens, more than {model}'s vocab {vocab}", span, given,
-                            f"write `model {self.model_name}(vocab = {need})` in the search")
+            try:  # reading the data: a file that is not UTF-8 text, say, is located like the other data errors
+                need = dataset_vocab(str(data)) if f"{self.model_name}.vocab" not in searched else 0
+                check_block = block_check(str(data))
+            except UserError as e:
+                _refuse(e.message, span, given, e.hint)
+            if need > vocab:
+                _refuse(f"dataset {data} has {need} tokens, more than {model}'s vocab {vocab}", span, given,
+                        f"write `model {self.model_name}(vocab = {need})` in the search")
             if f"{self.model_name}.context" in searched:
                 continue
-            check_block = block_check(str(data))
             for block, bspan, bgiven in blocks:
                 try:
                     check_block(min(int(block), context))
