@@ -158,6 +158,16 @@ def test_a_byte_that_is_not_utf8_is_reported_at_its_line_and_column(tmp_path: Pa
     assert e.hint.endswith(f"imported at {tmp_path / 'main.energy'}:2:3")
 
 
+def test_a_file_cut_inside_a_character_says_so(tmp_path: Path) -> None:
+    """A file that stops in the middle of a UTF-8 character was reported as a misencoded byte, with a Latin-1
+    hint, where it is a file cut short."""
+    path = tmp_path / "cut.energy"
+    path.write_bytes(UNDEFINED.replace("a comment", "τ").encode()[: UNDEFINED.index("a comment") + 1])
+    e = spec_error(path)
+    assert str(e.span) == f"{path}:3:5" and e.message.startswith("the file ends inside a character"), e.render()
+    assert "Latin-1" not in (e.hint or "")
+
+
 # ----------------------------------------------------------------------------- a broken pipe
 
 
