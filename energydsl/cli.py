@@ -250,14 +250,14 @@ def graph(
     from .composition import check_stage_state, describe
     from .semantics import lower_energy
 
-    if dot:
+    if dot is not None:
         check_output(dot, "--dot", "model.dot")  # before the composition is printed, not after
     plan = load(file).plan(name, **parse_sets(sets))
     for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs,
         spec = lower_energy(stage.decl, stage.dims)  # and its state fits the stream, as training needs
         check_stage_state(plan, stage, tuple(spec.size(s) for s in spec.state.shape))
     print(describe(plan))
-    if dot:
+    if dot is not None:
         g = plan.graph()
         lines = [f'digraph "{plan.name}" {{', "  rankdir=TB;"]
         repeated = []

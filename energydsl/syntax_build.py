@@ -69,7 +69,8 @@ class _ToAst(Transformer):
         """A NUMBER token's value; one too large for a float (`1e999`) is an error at the literal."""
         value = float(tok)
         if not math.isfinite(value):
-            raise SpecError(f"number too large: {tok}", self._span(tok),
+            shown = tok if len(tok) <= 40 else f"{tok[:12]}…{tok[-12:]} ({len(tok)} characters)"
+            raise SpecError(f"number too large: {shown}", self._span(tok),
                             f"numbers must be below {sys.float_info.max:.4g}")
         return value
 

@@ -404,3 +404,22 @@ def test_a_set_given_twice_takes_the_last_value(monkeypatch, capsys) -> None:
     """Flags are overrides (a script adds its own `--set` after a shared base command): documented, tested."""
     code, out, err = run_main(monkeypatch, capsys, "derive", MHA, "--set", "d=8", "--set", "d=16")
     assert code == 0 and "d=16," in out, err
+
+
+# ----------------------------------------------------------------------------- empty paths, long literals
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["graph", GPT, "--dot", ""], "error: --dot is empty"),  # exit 0, nothing written
+    (["sample", ""], "error: the checkpoint path is empty"),  # "no checkpoint in ." (the working directory)
+])
+def test_an_empty_path_is_refused_as_empty(monkeypatch, capsys, argv, says) -> None:
+    code, out, err = run_main(monkeypatch, capsys, *argv)
+    assert code == 2 and err.startswith(says) and out == "", (code, err)
+
+
+def test_a_literal_too_large_is_named_without_all_its_digits(tmp_path: Path) -> None:
+    path = tmp_path / "long.energy"
+    path.write_text(UNDEFINED.replace("z . q", "z . z * " + "9" * 5000))
+    e = spec_error(path)
+    assert e.message == "number too large: 999999999999…999999999999 (5000 characters)", e.message[:300]

@@ -193,6 +193,8 @@ def checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
     """The weights and sidecar named by a directory (its `which`, else `last`), a .safetensors or a .json."""
     if which not in ("best", "last"):
         raise ValueError(f"which must be \"best\" or \"last\" (a run directory's two checkpoints), got {which!r}")
+    if str(path_or_dir) == "":  # Path("") is the working directory
+        raise DataError("the checkpoint path is empty", hint="give a run directory or a .safetensors file")
     path = Path(path_or_dir).expanduser()
     if path.is_dir():
         weights = path / f"{which}.safetensors"
