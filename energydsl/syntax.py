@@ -193,9 +193,9 @@ def _read(path: Path, span: Span | None, name: str | None = None) -> str:
         imported = f"; it is imported at {span}" if span else ""
         where = Span(name or str(path), line, col, text)
         if e.reason == "unexpected end of data":  # the file stops inside a character: cut short, not misencoded
-            raise SpecError("the file ends inside a character: its last bytes begin a UTF-8 character that does "
-                            "not end, as in a file cut short", where, f"was it copied or saved whole?{imported}") \
-                from None
+            message = "the file ends inside a character: its last bytes begin a UTF-8 character that does not end"
+            hint = f"was it copied or saved whole?{imported}"
+            raise SpecError(f"{message}, as in a file cut short", where, hint) from None
         raise SpecError(f"this is not UTF-8 text: byte 0x{data[e.start]:02X} cannot start or continue a character "
                         "here", where, "a .energy spec is UTF-8 text: save it as "
                         f"UTF-8 (a Latin-1 `é` is the single byte 0xE9){imported}") from None

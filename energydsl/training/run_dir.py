@@ -34,8 +34,8 @@ FORMAT = 1  # of the `training` record in a checkpoint's sidecar
 
 # the checkpoint files a run leaves besides last.json (whose absence alone is not a fresh directory)
 _RUN_FILES = ("last.safetensors", "last.optim.pt", "best.json", "best.safetensors")
-START_OVER_HINT = ("pass --fresh (resume=False) to start over (that overwrites best.* too: copy it first if you need "
-               "it), or choose another --out directory")
+START_OVER_HINT = ("pass --fresh (resume=False) to start over (that overwrites best.* too: copy it first if you "
+                   "need it), or choose another --out directory")
 
 
 def finite_or_none(value: Any) -> Any:
