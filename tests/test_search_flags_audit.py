@@ -288,3 +288,22 @@ def test_a_report_reads_the_storage_once(tmp_path, monkeypatch, capsys) -> None:
     assert code == 0, err
     assert (tmp_path / "r.html").exists() and (tmp_path / "best.energy").exists()
     assert len(loads) == 1, loads
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("trials", 2.5, "trials must be a whole number, not 2.5"),  # ran 2 trials
+    ("trials", True, "trials must be a whole number, not True"),  # ran 1
+    ("workers", "2", "workers must be a whole number, not '2'"),  # '<' not supported between 'str' and 'int'
+    ("workers", 1.5, "workers must be a whole number, not 1.5"),  # failed in range() after the study opened
+    ("seed", 2.5, "seed must be a whole number, not 2.5"),  # failed inside numpy
+    ("timeout", "5", "timeout must be a number, not '5'"),
+    ("storage", 5, "storage must be a string, not 5"),  # 'int' object has no attribute 'strip'
+    ("study_name", 3, "study_name must be a string, not 3"),
+])
+def test_run_search_refuses_an_option_of_the_wrong_kind_by_name(tmp_path, option, value, says) -> None:
+    from energydsl.search import run_search
+
+    with pytest.raises(UserError) as e:
+        run_search("toy", progress=False, **{"storage": str(tmp_path / "s.journal"), option: value})
+    assert e.value.message == f"run_search's {says} ({type(value).__name__})"
+    assert not (tmp_path / "s.journal").exists()

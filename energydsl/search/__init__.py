@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -189,12 +191,32 @@ def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: S
                      f"to continue this one, write the hole as {_show(old)} again") from None
 
 
+def _check_types(**options: Any) -> None:
+    """From Python, `run_search(trials=2.5)` ran 2 trials and `workers="2"` failed in a comparison: each option
+    must be of its kind (a whole number, a number or a string; None where it may be left out)."""
+    kinds = {"trials": "whole", "workers": "whole", "seed": "whole", "timeout": "number", "gpus_per_trial": "number",
+             "cpus_per_trial": "number"}
+    for name, value in options.items():
+        kind = kinds.get(name, "string")
+        if value is None and name not in ("workers", "backend", "pruner", "device"):
+            continue
+        ok = (isinstance(value, str) if kind == "string" else
+              isinstance(value, numbers.Integral) and not isinstance(value, bool) if kind == "whole" else
+              isinstance(value, numbers.Real) and not isinstance(value, bool))  # its range: check_options
+        if not ok:
+            wanted = {"whole": "a whole number", "number": "a number", "string": "a string"}[kind]
+            raise UserError(f"run_search's {name} must be {wanted}, not {value!r} ({type(value).__name__})")
+
+
 def check_options(*, backend: str, trials: int | None, timeout: float | None, workers: int, storage: str | None,
                   study_name: str | None, pruner: str, device: str, address: str | None,
                   gpus_per_trial: float | None, cpus_per_trial: float | None, seed: int | None) -> None:
     """Refuse `run_search`'s options (the `energy search` flags, named as the command line spells them) that are
     out of range or meaningless together, before the space loads, a storage opens or a backend starts.
     `gpus_per_trial` / `cpus_per_trial` are None when not given; given, they need the ray backend."""
+    _check_types(trials=trials, workers=workers, seed=seed, timeout=timeout, gpus_per_trial=gpus_per_trial,
+                 cpus_per_trial=cpus_per_trial, storage=storage, study_name=study_name, address=address,
+                 backend=backend, pruner=pruner, device=device)
     if backend not in BACKENDS:
         raise UserError(f"unknown --backend {backend!r}; choose one of {', '.join(BACKENDS)}",
                         hint="local: worker processes on this machine; ray: Ray Tune trials, on a local Ray "
@@ -276,6 +298,8 @@ def run_search(
 
     `gpus_per_trial` and `cpus_per_trial` are for the ray backend only (given to the local one, they are refused);
     left out, each Ray trial reserves RAY_GPUS_PER_TRIAL GPUs and RAY_CPUS_PER_TRIAL CPUs."""
+    if isinstance(storage, os.PathLike):  # a journal's path as a Path
+        storage = os.fspath(storage)
     check_options(backend=backend, trials=trials, timeout=timeout, workers=workers, storage=storage,
                   study_name=study_name, pruner=pruner, device=device, address=address,
                   gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial, seed=seed)
