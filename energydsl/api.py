@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import html
+import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -230,6 +231,8 @@ class Derived:
 
     def flops_per_token(self, context: int) -> float:
         """Matmul FLOPs per token of one forward of the stage at full context (see `codegen`)."""
+        if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 1:
+            raise ValueError(f"context must be a whole number of tokens, at least 1, not {context!r}")
         if context not in self._flops:
             from .codegen.torch_module import flops_per_token
 

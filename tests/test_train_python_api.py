@@ -109,3 +109,46 @@ def test_an_out_dir_that_is_a_file_is_named(gpt, data, tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         train(gpt, data, tiny(), target, metadata={}, progress=False)
     assert err.value.message == f"out_dir {target} is a file, not a directory" and target.read_text() == "keep me"
+
+
+# ----------------------------------------------------------------------------- arguments of the wrong kind
+
+
+@pytest.mark.parametrize("layers", [0, -3, 2.5, "2", True])
+def test_model_sizes_refuse_a_layer_count_that_is_not_one(layers) -> None:
+    """`info(layers=0)` gave the model's own layers but counted parameters for none; -3 counted them negative."""
+    model = energydsl.load(ROOT / "examples/models/gpt.energy").model("GPT", vocab=11, context=8, d=16, layers=1,
+                                                                      heads=2)
+    for count in (model.info, model.num_params, model.flops_per_token, model.activation_floats_per_token):
+        with pytest.raises(ValueError, match="layers must be a whole number of at least 1"):
+            count(layers=layers)
+    assert model.num_params(layers=3) > model.num_params() == model.info()["params"]
+
+
+@pytest.mark.parametrize("context", [0, -1, 7.5, float("nan"), "16", None])
+def test_an_energys_flops_refuse_a_context_that_is_not_a_token_count(context) -> None:
+    derived = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy("MHA", d=16, heads=2)
+    with pytest.raises(ValueError, match="context must be a whole number of tokens"):
+        derived.flops_per_token(context)
+    assert derived.flops_per_token(16) > 0
+
+
+@pytest.mark.parametrize("delta", ["False", None, 0, 1])
+def test_a_generated_forward_takes_delta_as_a_bool_only(delta) -> None:
+    """`delta="False"` is truthy: it returned the displacement."""
+    import torch
+
+    module = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy").module("MHA", d=16, heads=2)
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(TypeError, match="delta must be True or False"):
+        module(x, delta=delta)
+    assert torch.allclose(module(x, delta=True), module(x) - x, atol=1e-6)
+
+
+def test_load_dataset_refuses_a_path_naming_what_it_takes(tmp_path: Path) -> None:
+    """A Path was `'PosixPath' object has no attribute 'strip'`: a file's kind (chars: or bytes:) is in the name."""
+    (tmp_path / "t.txt").write_text("hello world\n" * 50)
+    with pytest.raises(UserError, match="load_dataset takes a dataset name, not a PosixPath") as e:
+        load_dataset(tmp_path / "t.txt")
+    assert "chars:PATH" in e.value.hint
+    assert load_dataset(f"chars:{tmp_path / 't.txt'}").vocab_size > 0

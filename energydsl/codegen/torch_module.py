@@ -252,7 +252,7 @@ class ModuleWriter:
             em.used_ops.add("projections")
         lines.append(f"return {x} - x if delta else {x}")
         used = "\n".join(ln.split("  # ", 1)[0] for ln in lines)  # the code, not its comments
-        preamble = ["check_inputs(self, x, context, input)  # shapes, length, dtype: a clear ValueError"]
+        preamble = ["check_inputs(self, x, context, input, delta)  # shapes, length, dtype: a clear ValueError"]
         for names_, values in ((("B", "T"), ("x.shape[0]", "x.shape[1]")), (("dev", "dt"), ("x.device", "x.dtype"))):
             kept = [(n, v) for n, v in zip(names_, values, strict=True) if re.search(rf"\b{n}\b", used)]
             if kept:

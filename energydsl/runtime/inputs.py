@@ -2,7 +2,7 @@
 
 Without it a wrong input fails deep inside a matmul or a reshape ("mat1 and mat2 shapes cannot be
 multiplied"), or worse, a context of another length is reshaped into the batch and gives a wrong answer.
-Every generated `forward` starts with `check_inputs(self, x, context, input)`; the class says what it
+Every generated `forward` starts with `check_inputs(self, x, context, input, delta)`; the class says what it
 takes through `state_shape`, `context_shape` and `input_shape` (None: the energy has no such clause).
 """
 
@@ -12,12 +12,16 @@ import torch
 from torch import Tensor, nn
 
 
-def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Tensor | None) -> None:
+def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Tensor | None,
+                 delta: bool = False) -> None:
     """Raise ValueError unless x is (batch, seq, *state_shape) with batch, seq >= 1, and context and input (when
-    given) are tensors of the same batch, length, dtype and device with their own per-token shapes.
+    given) are tensors of the same batch, length, dtype and device with their own per-token shapes; TypeError
+    unless `delta` is a bool (`delta="False"` returned the displacement).
 
     Called at every forward, so the passing path does only comparisons (about 1.3 us on a 2-core CPU box): the
     messages are built when they are raised."""
+    if delta is not True and delta is not False:
+        raise TypeError(f"{type(module).__name__}: delta must be True or False, not {delta!r}")
     _check_tensor(module, "x", x, None, module.state_shape)
     if not x.is_floating_point():
         raise ValueError(f"{type(module).__name__}: x must be floating point, got {x.dtype}")

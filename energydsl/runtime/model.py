@@ -20,6 +20,7 @@ Kept as small as nanoGPT's model.py: everything model-specific lives in the gene
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -241,6 +242,14 @@ class LanguageModel(nn.Module):
 
     # ------------------------------------------------------------------ sizes and costs
 
+    def _layers(self, layers: int | None) -> int:
+        """`layers` as given (a positive whole number), or the model's own: 0 or -3 counted negative parameters."""
+        if layers is None:
+            return self.plan.layers
+        if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 1:
+            raise ValueError(f"layers must be a whole number of at least 1 (or None: the model's own), not {layers!r}")
+        return int(layers)
+
     def num_params(self, non_embedding: bool = False, layers: int | None = None) -> int:
         """Parameters counted once (a tied head is the embedding); non-embedding leaves out wte, wpe, lm_head
         (with their keys, when factorised).
@@ -250,9 +259,10 @@ class LanguageModel(nn.Module):
         total = sum(p.numel() for n, p in self.named_parameters()
                     if not (non_embedding and n.split(".")[0] in EMBEDDINGS))
         if layers is None or self.plan.shared:
+            self._layers(layers)
             return total
         first = [self.layers[0]] + ([self.norms[0]] if self.norms is not None else [])
-        return total + sum(p.numel() for m in first for p in m.parameters()) * (layers - len(self.layers))
+        return total + sum(p.numel() for m in first for p in m.parameters()) * (self._layers(layers) - len(self.layers))
 
     def flops_per_token(self, layers: int | None = None) -> float:
         """Forward matmul FLOPs per token: the stages (attention at full context), times the layers (`layers`,
@@ -265,11 +275,11 @@ class LanguageModel(nn.Module):
             head = 2.0 * plan.head_rank * (self.d + plan.stream[1] * self.vocab_size)
         else:
             head = 2.0 * self.d * self.vocab_size
-        return (layers or plan.layers) * stages + embed + head
+        return self._layers(layers) * stages + embed + head
 
     def activation_floats_per_token(self, layers: int | None = None) -> int:
         """A rough activation-memory estimate: the stream and one displacement per stage, per layer."""
-        return (2 * len(self.stage_info) * (layers or self.plan.layers) + 2) * self.d + self.vocab_size
+        return (2 * len(self.stage_info) * self._layers(layers) + 2) * self.d + self.vocab_size
 
     def info(self, layers: int | None = None) -> dict:
         """Sizes and costs; `layers`: of this model with that many layers instead of its own (see num_params)."""
@@ -280,7 +290,7 @@ class LanguageModel(nn.Module):
             "params_non_embedding": self.num_params(non_embedding=True, layers=layers),
             "flops_per_token": int(round(self.flops_per_token(layers))),
             "activation_bytes_per_token": 4 * self.activation_floats_per_token(layers),
-            "layers": layers or self.plan.layers,
+            "layers": self._layers(layers),
             "shared": self.plan.shared,
             "stages": [s.label for s in self.stage_info],
         }

@@ -557,6 +557,9 @@ def load_dataset(name: str, *, block_size: int | None = None, **options: Any) ->
     `options` go to the generator config (e.g. `seed=1, max_depth=4`); `shakespeare_char` takes
     `path=` and `download=True`. With `block_size`, a size the splits cannot serve fails here.
     """
+    if not isinstance(name, str):  # a Path is a file's, whose kind (chars: or bytes:) the name says
+        raise DataError(f"load_dataset takes a dataset name, not a {type(name).__name__} ({name!r})",
+                        hint="shakespeare_char, listops, mqar, or chars:PATH / bytes:PATH for a file")
     name = name.strip()
     if name == "shakespeare_char":
         _no_options(name, options, ("path", "download"))
