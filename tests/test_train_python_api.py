@@ -66,6 +66,16 @@ def test_train_names_an_argument_of_the_wrong_kind(gpt, data) -> None:
         (lambda: train(gpt, data, tiny(), None, metadata=None), "metadata must be a dict"),
         (lambda: train(layer, data, tiny(), None, metadata={}), "MHA is one energy layer (states to states); "
                                                                 "train() takes a language model"),
+        # saved as its repr (never equal on resume) / "x is NaN there, NaN now": a run that could not resume
+        (lambda: train(gpt, data, tiny(), None, metadata={"x": object()}), "metadata must be plain JSON (strings, "
+                                                                         "finite numbers, lists, dicts; paths are "
+                                                                         "taken), but it holds a object"),
+        (lambda: train(gpt, data, tiny(), None, metadata={"x": float("nan")}), "metadata must be plain JSON"),
+        (lambda: train(gpt, data, tiny(), None, metadata={}, resume="no"), "resume must be True or False, got 'no'"),
+        (lambda: train(gpt, data, tiny(), None, metadata={}, on_eval=5), "on_eval must be a function (or None)"),
+        (lambda: train(gpt, data, tiny(), None, metadata={}, notify=5), "notify must be a function (or None)"),
+        (lambda: train(gpt, data, tiny(), None, metadata={}, names=["lr"]), "names must be a dict"),
+        (lambda: train(gpt, data, tiny(), 5, metadata={}), "out_dir must be a path (or None: no files), got int"),
     ]
     for call, message in cases:
         with pytest.raises(UserError) as err:
@@ -78,10 +88,16 @@ def test_train_names_an_argument_of_the_wrong_kind(gpt, data) -> None:
     ({"max_new_tokens": -3}, "max_new_tokens must be a whole number >= 0, got -3"),  # returned '' silently
     ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 0, got 2.5"),
     ({"temperature": float("nan")}, "temperature must be a number (<= 0: greedy), got nan"),  # torch.multinomial's
+    ({"temperature": "1"}, "temperature must be a number (<= 0: greedy), got '1'"),  # '<=' not supported
+    ({"top_k": 2.5}, "top_k must be a whole number (or None), got 2.5"),  # topk(): argument 'k' must be int
+    ({"prompt": 5}, "prompt must be a string, got 5"),  # 'int' object is not iterable
+    ({"prompt": None}, "prompt must be a string, got None"),  # sampled as if empty
+    ({"generator": 1}, "generator must be a torch.Generator (or None), got int"),
+    ({"model": None}, "model must be a torch.nn.Module, got NoneType"),
 ])
 def test_sample_names_an_argument_of_the_wrong_kind(gpt, data, kwargs: dict, message: str) -> None:
     with pytest.raises(UserError) as err:
-        sample(gpt, **{"dataset_or_codec": data, "prompt": "to", "max_new_tokens": 3, **kwargs})
+        sample(**{"model": gpt, "dataset_or_codec": data, "prompt": "to", "max_new_tokens": 3, **kwargs})
     assert err.value.message.startswith(message), err.value.message
     assert len(sample(gpt, data, "to", np.int64(3))) == 3
 

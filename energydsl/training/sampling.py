@@ -195,8 +195,17 @@ def sample(
                         hint="the dataset the model was trained on: load_dataset(...)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise DataError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
-    if temperature != temperature:  # NaN: torch.multinomial's "probability tensor contains inf, nan" otherwise
-        raise DataError("temperature must be a number (<= 0: greedy), got nan")
+    # NaN: torch.multinomial's "probability tensor contains inf, nan" otherwise
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or temperature != temperature:
+        raise DataError(f"temperature must be a number (<= 0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+        raise DataError(f"top_k must be a whole number (or None), got {top_k!r}")
+    if not isinstance(prompt, str):  # None sampled as if empty
+        raise DataError(f"prompt must be a string, got {prompt!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise DataError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
+    if not isinstance(model, nn.Module):
+        raise DataError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     vocab = getattr(codec, "vocab_size", None)
     ids = codec.encode(prompt) if prompt else [getattr(codec, "start_id", 0)]
     param = next(iter(model.parameters()), None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -117,8 +118,19 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any) -> None:
+def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any, **options: Any) -> None:
     """What `train` is given, named where it is not what it takes (from Python: the CLI builds them right)."""
+    out_dir = options["out_dir"]
+    if out_dir is not None and not isinstance(out_dir, str | os.PathLike):
+        raise UserError(f"out_dir must be a path (or None: no files), got {type(out_dir).__name__}")
+    for name in ("resume", "progress"):
+        if not isinstance(options[name], bool):  # resume="no" is truthy: it resumed
+            raise UserError(f"{name} must be True or False, got {options[name]!r}")
+    for name in ("on_eval", "notify"):
+        if options[name] is not None and not callable(options[name]):
+            raise UserError(f"{name} must be a function (or None), got {type(options[name]).__name__}")
+    if options["names"] is not None and not isinstance(options["names"], dict):
+        raise UserError(f"names must be a dict of setting -> how to name it, got {type(options['names']).__name__}")
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "example_input") and not hasattr(model, "vocab_size"):  # a generated energy layer
@@ -134,6 +146,19 @@ def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any) -> No
     if not isinstance(metadata, dict):
         raise UserError(f"metadata must be a dict (what a resumed run must match), got {type(metadata).__name__}",
                         hint="metadata={} when there is nothing to record")
+    try:  # saved in the checkpoint and compared on resume: an object's repr, or NaN (never equal), could not be
+        json.dumps(metadata, allow_nan=False, default=_path_or_refuse)
+    except (TypeError, ValueError) as e:
+        held = str(e) if isinstance(e, TypeError) else "NaN or an infinity"
+        raise UserError("metadata must be plain JSON (strings, finite numbers, lists, dicts; paths are taken), but "
+                        f"it holds {held}", hint="it is saved with the checkpoint and a resumed run must match it") \
+            from None
+
+
+def _path_or_refuse(value: Any) -> str:
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"a {type(value).__name__}, {str(value)[:60]}")
 
 
 def _check_fits(model: nn.Module, dataset: LMDataset, config: TrainConfig) -> None:
@@ -185,7 +210,8 @@ def train(
     `run_dir.KEPT_ON_RESUME`). Errors name settings as `names` spells them (a CLI passes its flags, e.g.
     {"lr": "--lr"}).
     """
-    _check_arguments(model, dataset, config, metadata)
+    _check_arguments(model, dataset, config, metadata, out_dir=out_dir, resume=resume, progress=progress,
+                     on_eval=on_eval, notify=notify, names=names)
     config.validate(names)
     device = config.resolve_device(names)
     dataset.check_block_size(config.block_size)
