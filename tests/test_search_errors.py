@@ -500,3 +500,19 @@ def test_a_journal_record_of_an_unknown_kind_is_a_damaged_journal(tmp_path: Path
     journal.write_text("".join([*lines[:2], '{"op_code": 99}\n', *lines[3:]]))
     with pytest.raises(UserError, match=f"storage {journal} is not a readable Optuna journal"):
         open_storage(str(journal))
+
+
+def test_register_and_resolve_space_name_a_wrong_argument(tmp_path: Path) -> None:
+    """None and "" were registered as names, `toy` was silently replaced, a target of None failed in a regex, and a
+    Path to a .energy space was an AttributeError."""
+    from energydsl.search import register_space, resolve_space
+
+    for name, target, says in ((None, "energydsl.search.toy:make_space", "the name must be a non-empty string"),
+                               ("", "energydsl.search.toy:make_space", "the name must be a non-empty string"),
+                               ("toy", "energydsl.search.toy:make_space", "that name is the engine's own space"),
+                               ("mine", None, "None is not of the form package.module:attr")):
+        with pytest.raises(ValueError, match=says):
+            register_space(name, target)
+    with pytest.raises(UserError, match="a search space is a .energy path, a registered name or package.module:attr"):
+        resolve_space(None)
+    assert resolve_space(ROOT / "search" / "quickstart.energy").name == "Quickstart"

@@ -168,3 +168,11 @@ def test_load_dataset_refuses_a_path_naming_what_it_takes(tmp_path: Path) -> Non
         load_dataset(tmp_path / "t.txt")
     assert "chars:PATH" in e.value.hint
     assert load_dataset(f"chars:{tmp_path / 't.txt'}").vocab_size > 0
+
+
+@pytest.mark.parametrize("kwargs", [{"batch": 0}, {"seq": 100}, {"seq": -1}, {"batch": 2.5}])
+def test_a_models_example_input_is_one_the_model_takes(gpt, kwargs) -> None:
+    """(0, 8) and (2, 100) were returned, and refused by the model's own forward; -1 and 2.5 failed in torch."""
+    with pytest.raises(ValueError, match="example_input: (batch|seq) must be a whole number of at least 1"):
+        gpt.example_input(**kwargs)
+    assert gpt.example_input().shape == (2, 8) and gpt(gpt.example_input(1, 8)).shape == (1, 8, 40)

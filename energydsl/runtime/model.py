@@ -308,4 +308,11 @@ class LanguageModel(nn.Module):
         return [s.derived for s in self.stage_info]
 
     def example_input(self, batch: int = 2, seq: int | None = None) -> Tensor:
-        return torch.randint(0, self.vocab_size, (batch, seq or min(self.block_size, 16)))
+        """Random token ids of shape (batch, seq), seq at most the context (default: up to 16)."""
+        seq = min(self.block_size, 16) if seq is None else seq
+        for name, value, most in (("batch", batch, None), ("seq", seq, self.block_size)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1 or \
+                    (most is not None and value > most):
+                within = f" and at most the context, {most}" if most is not None else ""
+                raise ValueError(f"example_input: {name} must be a whole number of at least 1{within}, not {value!r}")
+        return torch.randint(0, self.vocab_size, (batch, seq))

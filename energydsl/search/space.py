@@ -11,6 +11,7 @@ rebuilt in each process by `resolve_space`, so a space object itself never needs
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -90,18 +91,23 @@ class SpaceRef:
 
 # name -> "module:attr": strings, not callables, so that every worker process can rebuild the space.
 _REGISTRY: dict[str, str] = {"toy": "energydsl.search.toy:make_space"}
+_BUILT_IN = frozenset(_REGISTRY)
 _IMPORT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 def register_space(name: str, target: str | Callable[..., SearchSpace]) -> None:
     """Make `name` usable as a SpaceRef spec. A callable is recorded by its import path, because the
     registry itself is not shared with worker processes: the target must be importable there."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"register_space: the name must be a non-empty string, not {name!r}")
+    if name in _REGISTRY and name in _BUILT_IN:
+        raise ValueError(f"register_space({name!r}): that name is the engine's own space; choose another")
     if callable(target):
         module, qual = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
         if not module or module == "__main__" or "<" in qual:
             raise ValueError(f"space factory {target!r}: not a module-level function workers can import")
         target = f"{module}:{qual}"
-    if not _IMPORT_RE.match(target):
+    if not isinstance(target, str) or not _IMPORT_RE.match(target):
         raise ValueError(f"register_space({name!r}): {target!r} is not of the form package.module:attr")
     _REGISTRY[name] = target
 
@@ -125,8 +131,11 @@ def absolute(ref: SpaceRef) -> SpaceRef:
 
 def resolve_space(ref: SpaceRef | str) -> SearchSpace:
     """Build the space a SpaceRef names, in this process. Raises UserError for what a user can fix."""
-    if isinstance(ref, str):
-        ref = SpaceRef(ref)
+    if isinstance(ref, str | os.PathLike):  # a .energy file given as a Path too
+        ref = SpaceRef(os.fspath(ref))
+    if not isinstance(ref, SpaceRef):
+        raise UserError(f"a search space is a .energy path, a registered name or package.module:attr (or a "
+                        f"SpaceRef), not {type(ref).__name__}")
     spec = _REGISTRY.get(ref.spec, ref.spec)
     if is_import_path(spec):
         module_name, attr = spec.split(":", 1)
