@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import html
-import numbers
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from . import ir, syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError
 from .ir import Expr, Var
-from .number_text import plain_number
+from .number_text import is_count, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
 from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show
 from .semantics import EnergyIR, lower_energy
@@ -231,7 +230,7 @@ class Derived:
 
     def flops_per_token(self, context: int) -> float:
         """Matmul FLOPs per token of one forward of the stage at full context (see `codegen`)."""
-        if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 1:
+        if not is_count(context):
             raise ValueError(f"context must be a whole number of tokens, at least 1, not {context!r}")
         if context not in self._flops:
             from .codegen.torch_module import flops_per_token

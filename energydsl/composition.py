@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import syntax as ast
 from .clause_calls import ACROSS_LAYERS
 from .errors import Span, SpecError
+from .number_text import is_count
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -81,6 +82,8 @@ class ModelPlan:
         marked `repeat=N` (N layers), as is the graph itself (`g.graph["repeat"]`; 1 when every layer is drawn)."""
         import networkx as nx  # only here: importing it costs a search worker ~0.1 s
 
+        if unroll is not None and not is_count(unroll):
+            raise ValueError(f"unroll must be a whole number of layers, at least 1 (or None: all), not {unroll!r}")
         collapsed = unroll is not None and self.layers > unroll
         g = nx.DiGraph(name=self.name, repeat=self.layers if collapsed else 1)
         g.add_node("tokens", kind="input")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 
 def plain_value(v: float) -> int | float:
     """An integral float as an int (`65.0` → `65`), for JSON and messages; others unchanged."""
@@ -11,3 +13,8 @@ def plain_value(v: float) -> int | float:
 def plain_number(v: float) -> str:
     """`8`, `0.5`, `1e+30` (not its 31 digits): a number in a message, a header or a generated docstring."""
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"
+
+
+def is_count(value: object, least: int = 1) -> bool:
+    """A whole number (int, numpy's too; not a bool or a float like 2.5) of at least `least`: layers, tokens."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least

@@ -176,3 +176,23 @@ def test_a_models_example_input_is_one_the_model_takes(gpt, kwargs) -> None:
     with pytest.raises(ValueError, match="example_input: (batch|seq) must be a whole number of at least 1"):
         gpt.example_input(**kwargs)
     assert gpt.example_input().shape == (2, 8) and gpt(gpt.example_input(1, 8)).shape == (1, 8, 40)
+
+
+@pytest.mark.parametrize("name", ["chars", "listops"])
+@pytest.mark.parametrize("batch, block", [(-1, 8), (2.5, 8), (0, 8), (2, 2.5), (2, "8"), (2, float("nan"))])
+def test_a_datasets_batch_and_block_are_whole_numbers(corpus, name, batch, block) -> None:
+    """torch's `negative dimension` or randint's overload error, an empty batch for 0, or (NaN) nothing at all."""
+    data = load_dataset(f"chars:{corpus}" if name == "chars" else "listops")
+    with pytest.raises(UserError, match=r"(batch_size|block_size) must be a whole number, at least 1"):
+        data.get_batch("train", batch, block if name == "chars" else 100)
+        if not isinstance(block, int):
+            data.check_block_size(block)
+    assert data.get_batch("train", 2, 8 if name == "chars" else 100)[0].shape[0] == 2
+
+
+@pytest.mark.parametrize("unroll", [0, -1, 2.5, "x"])
+def test_a_plans_graph_takes_a_layer_count(unroll) -> None:
+    plan = energydsl.load(ROOT / "examples/models/gpt.energy").plan("GPT")
+    with pytest.raises(ValueError, match="unroll must be a whole number of layers"):
+        plan.graph(unroll=unroll)
+    assert plan.graph(unroll=None).graph["repeat"] == 1

@@ -20,7 +20,6 @@ Kept as small as nanoGPT's model.py: everything model-specific lives in the gene
 from __future__ import annotations
 
 import hashlib
-import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from ..composition import check_stage_state
-from ..number_text import plain_value
+from ..number_text import is_count, plain_value
 
 if TYPE_CHECKING:
     from ..api import Derived
@@ -246,7 +245,7 @@ class LanguageModel(nn.Module):
         """`layers` as given (a positive whole number), or the model's own: 0 or -3 counted negative parameters."""
         if layers is None:
             return self.plan.layers
-        if isinstance(layers, bool) or not isinstance(layers, numbers.Integral) or layers < 1:
+        if not is_count(layers):
             raise ValueError(f"layers must be a whole number of at least 1 (or None: the model's own), not {layers!r}")
         return int(layers)
 
@@ -311,8 +310,7 @@ class LanguageModel(nn.Module):
         """Random token ids of shape (batch, seq), seq at most the context (default: up to 16)."""
         seq = min(self.block_size, 16) if seq is None else seq
         for name, value, most in (("batch", batch, None), ("seq", seq, self.block_size)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1 or \
-                    (most is not None and value > most):
+            if not is_count(value) or (most is not None and value > most):
                 within = f" and at most the context, {most}" if most is not None else ""
                 raise ValueError(f"example_input: {name} must be a whole number of at least 1{within}, not {value!r}")
         return torch.randint(0, self.vocab_size, (batch, seq))

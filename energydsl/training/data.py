@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from energydsl.errors import DataError
+from energydsl.number_text import is_count
 
 from .sampling import ByteCodec, CharCodec, Codec, IntCodec, WordCodec, codec_from_json
 
@@ -105,8 +106,8 @@ class TextDataset(LMDataset):
     """A token stream; a batch is `batch_size` random windows, targets shifted by one (nanoGPT)."""
 
     def check_block_size(self, block_size: int) -> None:
-        if block_size < 1:
-            raise DataError(f"block_size must be at least 1, got {block_size}")
+        if not is_count(block_size):
+            raise DataError(f"block_size must be a whole number, at least 1, got {block_size!r}")
         counts = {split: self.split(split).numel() for split in ("train", "val")}
         split = min(counts, key=counts.__getitem__)  # the shorter split bounds the block
         n = counts[split]
@@ -122,7 +123,9 @@ class TextDataset(LMDataset):
         self, split: str, batch_size: int, block_size: int, generator: torch.Generator | None = None
     ) -> tuple[Tensor, Tensor]:
         data = self.split(split)
-        if data.numel() <= block_size or block_size < 1:
+        if not is_count(batch_size):
+            raise DataError(f"batch_size must be a whole number, at least 1, got {batch_size!r}")
+        if not is_count(block_size) or data.numel() <= block_size:
             self.check_block_size(block_size)
         start = torch.randint(data.numel() - block_size, (batch_size,), generator=generator)
         chunk = data[start[:, None] + torch.arange(block_size + 1)]
@@ -151,6 +154,8 @@ class TaskDataset(LMDataset):
         self, split: str, batch_size: int, block_size: int, generator: torch.Generator | None = None
     ) -> tuple[Tensor, Tensor]:
         self.check_block_size(block_size)
+        if not is_count(batch_size):
+            raise DataError(f"batch_size must be a whole number, at least 1, got {batch_size!r}")
         self.split(split)  # validates the name
         rows, masks = self.rows[split], self.masks[split]
         pick = torch.randint(rows.shape[0], (batch_size,), generator=generator)
@@ -165,6 +170,8 @@ class TaskDataset(LMDataset):
 
 
 def _check_task_block(name: str, seq_len: int, block_size: int) -> None:
+    if not is_count(block_size):
+        raise DataError(f"block_size must be a whole number, at least 1, got {block_size!r}")
     if block_size < seq_len:
         raise DataError(f"{name} examples are {seq_len} tokens long but block_size is {block_size}",
                         hint=f"use a block size (and a model context) of at least {seq_len}, or, from Python, "
