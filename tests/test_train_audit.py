@@ -210,7 +210,8 @@ def edit_json(path: Path, edit) -> None:
     (lambda run: edit_json(run / "best.json", lambda d: d["training"].update(dataset=[1])),
      "the metadata of {run} is damaged: its training.dataset is not what `energy train` writes"),
     (lambda run: edit_json(run / "best.json", lambda d: d["training"]["dataset"]["codec"].pop("chars")),
-     "the metadata of {run} is damaged: its training.dataset.codec cannot be read (KeyError: 'chars')"),
+     "the metadata of {run} is damaged: its codec {{'kind': 'chars', 'vocab_size': 30}} is not what "
+     "Codec.to_json() writes (KeyError: 'chars')"),
     (lambda run: edit_json(run / "best.json", lambda d: d.update(spec_source=5)),
      "the metadata of {run} is damaged: its spec_source is not what `energy train` writes"),
     (lambda run: edit_json(run / "best.json", lambda d: d.update(spec_path=5)),

@@ -196,3 +196,18 @@ def test_a_plans_graph_takes_a_layer_count(unroll) -> None:
     with pytest.raises(ValueError, match="unroll must be a whole number of layers"):
         plan.graph(unroll=unroll)
     assert plan.graph(unroll=None).graph["repeat"] == 1
+
+
+@pytest.mark.parametrize("codec, says", [
+    (None, "a codec is the dict Codec.to_json() writes, not NoneType"),  # AttributeError: 'NoneType' ... 'get'
+    ({"kind": "chars"}, "is not what Codec.to_json() writes (KeyError: 'chars')"),  # a bare KeyError
+    ({"kind": "ints", "vocab_size": "x"}, "is not what Codec.to_json() writes (ValueError"),
+    ({"kind": "chars", "chars": 5}, "its table is not a string or list"),  # a codec that failed when used
+])
+def test_codec_from_json_names_a_damaged_codec(codec, says) -> None:
+    from energydsl.training.sampling import codec_from_json
+
+    with pytest.raises(UserError) as e:
+        codec_from_json(codec)
+    assert says in e.value.message, e.value.message
+    assert codec_from_json({"kind": "chars", "chars": "ab"}).decode([1, 0]) == "ba"

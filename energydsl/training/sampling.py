@@ -127,16 +127,22 @@ class IntCodec(Codec):
 
 def codec_from_json(spec: dict[str, Any]) -> Codec:
     """Rebuild a codec from `Codec.to_json()` (as stored in a checkpoint's `training.dataset.codec`)."""
-    kind = spec.get("kind")
-    if kind == "chars":
-        return CharCodec(spec["chars"])
-    if kind == "bytes":
-        return ByteCodec()
-    if kind == "words":
-        return WordCodec(spec["tokens"])
-    if kind == "ints":
-        return IntCodec(int(spec["vocab_size"]))
-    raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata")
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    try:
+        if kind == "chars" and isinstance(spec["chars"], str):
+            return CharCodec(spec["chars"])
+        if kind == "bytes":
+            return ByteCodec()
+        if kind == "words" and isinstance(spec["tokens"], list):
+            return WordCodec(spec["tokens"])
+        if kind == "ints":
+            return IntCodec(int(spec["vocab_size"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"codec {spec!r:.80} is not what Codec.to_json() writes ({type(e).__name__}: {e})") from None
+    if kind in ("chars", "words"):
+        raise DataError(f"codec {spec!r:.80} is not what Codec.to_json() writes (its table is not a string or list)")
+    raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata" if isinstance(spec, dict) else
+                    f"a codec is the dict Codec.to_json() writes, not {type(spec).__name__}")
 
 
 # ------------------------------------------------------------------------------------------ sampling

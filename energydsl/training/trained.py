@@ -72,6 +72,5 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
         return model, load_dataset(dataset.get("name", "")), meta
     try:
         return model, codec_from_json(dataset["codec"]), meta
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"the metadata of {checkpoint} is damaged: its training.dataset.codec cannot be read "
-                        f"({type(e).__name__}: {e})", hint=_OTHER) from None
+    except UserError as e:
+        raise UserError(f"the metadata of {checkpoint} is damaged: its {e.message}", hint=_OTHER) from None
