@@ -451,6 +451,7 @@ def load_search(path: str | Path, **sets: object):
 
     return _load_search(path, **sets)
 
+
 def model_of_plan(plan: Any, backend: str = "torch"):
     """The `LanguageModel` of a composition plan (`Spec.plan`). Every layer's weights have the first layer's
     shapes, so a plan with `layers=1` sizes a model of any depth (`LanguageModel.info(layers=...)`)."""

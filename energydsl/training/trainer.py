@@ -52,6 +52,7 @@ from .run_dir import START_OVER_HINT, RunDir, RunState, changed_settings, descri
 
 __all__ = ["TRAIN_FLAGS", "TrainConfig", "configure_optimizer", "estimate_loss", "lr_at", "train"]
 
+
 def lr_at(step: int, config: TrainConfig) -> float:
     """Linear warmup to `lr`, then cosine decay to `min_lr` at `steps` (nanoGPT's get_lr).
 
