@@ -280,6 +280,7 @@ class Spec:
 
         A block of one summed stage (`block B = Attention + FF`) may be named too: its energies are summed
         under the first one's optimizer, as a model's layer runs them."""
+        _check_name(name)
         if name in self.syntax.blocks:
             from .composition import expand_block
 
@@ -295,6 +296,7 @@ class Spec:
     def derivations(self, name: str | None = None, **dims: float) -> list[Derived]:
         """What `energy derive` and `energy compile` show: the named energy, each stage of the named block, or
         every energy of the file."""
+        _check_name(name)
         if name is None:
             return self.derive(**dims)
         return self.block(name, **dims) if name in self.syntax.blocks else [self.energy(name, **dims)]
@@ -304,6 +306,7 @@ class Spec:
         every energy that declares them, as a block's named arguments do in a model."""
         from .composition import expand_block
 
+        _check_name(name)
         self._pick(name, [], ("block", "blocks"), self.syntax.blocks)
         return [derive(stage.decl, stage.dims) for stage in expand_block(self.syntax, name, dims)]
 
@@ -318,7 +321,6 @@ class Spec:
 
     def check(self, **dims: float) -> dict[str, list[CheckResult]]:
         return {d.name: d.check() for d in self.derive(**dims)}
-
 
     @property
     def model_names(self) -> list[str]:
@@ -336,6 +338,7 @@ class Spec:
         when the file declares exactly one energy or model."""
         from .codegen import check_backend, module_class
 
+        _check_name(name)
         check_backend(backend)
         if name is None:
             names = self.energy_names + self.model_names
@@ -347,6 +350,7 @@ class Spec:
     def plan(self, name: str | None = None, **dims: float):
         from .composition import plan_model
 
+        _check_name(name)
         name = self._pick(name, self.model_names, ("model", "models"), self.syntax.models)
         return plan_model(self.syntax, name, dims)
 
@@ -375,6 +379,12 @@ class Spec:
             raise SpecError(f"no {one} named `{name}` in {self.path} (it has: "
                             f"{', '.join(every) or 'none'})", None, hint)
         return name
+
+
+def _check_name(name: object) -> None:
+    """`spec.energy(["MHA"])` failed as `unhashable type: 'list'`."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"a declaration's name is a string (or None: the file's one), not {type(name).__name__}")
 
 
 # ----------------------------------------------------------------------------- shared derivations

@@ -211,3 +211,14 @@ def test_codec_from_json_names_a_damaged_codec(codec, says) -> None:
         codec_from_json(codec)
     assert says in e.value.message, e.value.message
     assert codec_from_json({"kind": "chars", "chars": "ab"}).decode([1, 0]) == "ba"
+
+
+def test_a_name_or_a_checkpoint_of_the_wrong_kind_is_named() -> None:
+    """`spec.energy(["MHA"])` was `unhashable type: 'list'`; `load_checkpoint(None)` a pathlib TypeError."""
+    spec = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy")
+    for call in (spec.energy, spec.block, spec.module, spec.plan, spec.model, spec.derivations):
+        with pytest.raises(TypeError, match="a declaration's name is a string"):
+            call(["MHA"])
+    for bad in (None, 3):
+        with pytest.raises(UserError, match="a checkpoint is a path"):
+            load_checkpoint(bad)

@@ -193,6 +193,9 @@ def checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
     """The weights and sidecar named by a directory (its `which`, else `last`), a .safetensors or a .json."""
     if which not in ("best", "last"):
         raise ValueError(f"which must be \"best\" or \"last\" (a run directory's two checkpoints), got {which!r}")
+    if not isinstance(path_or_dir, str | os.PathLike):
+        raise DataError(f"a checkpoint is a path (a run directory or a .safetensors file), not "
+                        f"{type(path_or_dir).__name__}")
     if str(path_or_dir) == "":  # Path("") is the working directory
         raise DataError("the checkpoint path is empty", hint="give a run directory or a .safetensors file")
     path = Path(path_or_dir).expanduser()
