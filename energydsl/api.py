@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import html
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -452,6 +453,8 @@ def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, floa
 def load(source: str | Path, *, base: str | Path | None = None) -> Spec:
     """Parse a `.energy` file (a path) or spec text (whose imports resolve against `base`, default the working
     directory)."""
+    if base is not None and not isinstance(base, str | os.PathLike):
+        raise TypeError(f"base is the folder a spec text's imports resolve against (a path), not {type(base).__name__}")
     return Spec(syntax.parse_module(source, base=None if base is None else Path(base)))
 
 

@@ -222,3 +222,11 @@ def test_a_name_or_a_checkpoint_of_the_wrong_kind_is_named() -> None:
     for bad in (None, 3):
         with pytest.raises(UserError, match="a checkpoint is a path"):
             load_checkpoint(bad)
+
+
+def test_a_device_and_a_base_of_the_wrong_kind_are_named(gpt, data) -> None:
+    """`device=None` failed in torch.device's overloads; `load(text, base=3)` in pathlib."""
+    with pytest.raises(UserError, match="device must be a string, not None"):
+        train(gpt, data, tiny(device=None), None, metadata={}, progress=False)
+    with pytest.raises(TypeError, match="base is the folder a spec text's imports resolve against"):
+        energydsl.load((ROOT / "examples/intrinsic-optimizers/mha.energy").read_text(), base=3)

@@ -141,6 +141,8 @@ def _whole(value: Any) -> int | None:
 
 def device_of(name: str) -> torch.device:
     """The torch device a `device` setting names (`auto`: CUDA where there is one), checked."""
+    if not isinstance(name, str):  # None and 0 reached torch.device's overloads
+        raise UserError(f"device must be a string, not {name!r}", hint="use cpu, cuda, cuda:N or auto")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
