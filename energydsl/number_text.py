@@ -15,6 +15,11 @@ def plain_number(v: float) -> str:
     return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"
 
 
+def is_whole(value: object) -> bool:
+    """A whole number: an int, numpy's too; not a bool, nor a float like 2.5."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_count(value: object, least: int = 1) -> bool:
-    """A whole number (int, numpy's too; not a bool or a float like 2.5) of at least `least`: layers, tokens."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= least
+    """A whole number of at least `least`: layers, tokens, a batch."""
+    return is_whole(value) and value >= least

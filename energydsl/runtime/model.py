@@ -255,13 +255,13 @@ class LanguageModel(nn.Module):
 
         `layers`: the count of this model with that many layers instead of its own, without building them: every
         layer's weights (stages and norms) have the first layer's shapes (`energy info` of a deep model)."""
+        count = self._layers(layers)
         total = sum(p.numel() for n, p in self.named_parameters()
                     if not (non_embedding and n.split(".")[0] in EMBEDDINGS))
         if layers is None or self.plan.shared:
-            self._layers(layers)
             return total
         first = [self.layers[0]] + ([self.norms[0]] if self.norms is not None else [])
-        return total + sum(p.numel() for m in first for p in m.parameters()) * (self._layers(layers) - len(self.layers))
+        return total + sum(p.numel() for m in first for p in m.parameters()) * (count - len(self.layers))
 
     def flops_per_token(self, layers: int | None = None) -> float:
         """Forward matmul FLOPs per token: the stages (attention at full context), times the layers (`layers`,

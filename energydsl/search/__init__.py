@@ -20,6 +20,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
+from energydsl.number_text import is_whole
 from energydsl.search.display import LiveProgress, print_leaderboard
 from energydsl.search.local import (
     PRUNERS,
@@ -201,7 +202,7 @@ def _check_types(**options: Any) -> None:
         if value is None and name not in ("workers", "backend", "pruner", "device"):
             continue
         ok = (isinstance(value, str) if kind == "string" else
-              isinstance(value, numbers.Integral) and not isinstance(value, bool) if kind == "whole" else
+              is_whole(value) if kind == "whole" else
               isinstance(value, numbers.Real) and not isinstance(value, bool))  # its range: check_options
         if not ok:
             wanted = {"whole": "a whole number", "number": "a number", "string": "a string"}[kind]

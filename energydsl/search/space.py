@@ -100,7 +100,7 @@ def register_space(name: str, target: str | Callable[..., SearchSpace]) -> None:
     registry itself is not shared with worker processes: the target must be importable there."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"register_space: the name must be a non-empty string, not {name!r}")
-    if name in _REGISTRY and name in _BUILT_IN:
+    if name in _BUILT_IN:
         raise ValueError(f"register_space({name!r}): that name is the engine's own space; choose another")
     if callable(target):
         module, qual = getattr(target, "__module__", None), getattr(target, "__qualname__", "")

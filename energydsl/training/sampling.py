@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from energydsl.errors import DataError
+from energydsl.number_text import is_count, is_whole
 
 from .checkpoint import load_checkpoint, save_checkpoint
 
@@ -127,22 +128,22 @@ class IntCodec(Codec):
 
 def codec_from_json(spec: dict[str, Any]) -> Codec:
     """Rebuild a codec from `Codec.to_json()` (as stored in a checkpoint's `training.dataset.codec`)."""
-    kind = spec.get("kind") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict):
+        raise DataError(f"a codec is the dict Codec.to_json() writes, not {type(spec).__name__}")
+    kind, damaged = spec.get("kind"), f"codec {spec!r:.80} is not what Codec.to_json() writes"
     try:
-        if kind == "chars" and isinstance(spec["chars"], str):
-            return CharCodec(spec["chars"])
         if kind == "bytes":
             return ByteCodec()
-        if kind == "words" and isinstance(spec["tokens"], list):
-            return WordCodec(spec["tokens"])
         if kind == "ints":
             return IntCodec(int(spec["vocab_size"]))
+        if kind in ("chars", "words"):
+            table = spec["chars" if kind == "chars" else "tokens"]
+            if not isinstance(table, str if kind == "chars" else list):
+                raise DataError(f"{damaged} (its table is not a string or list)")
+            return CharCodec(table) if kind == "chars" else WordCodec(table)
     except (KeyError, TypeError, ValueError) as e:
-        raise DataError(f"codec {spec!r:.80} is not what Codec.to_json() writes ({type(e).__name__}: {e})") from None
-    if kind in ("chars", "words"):
-        raise DataError(f"codec {spec!r:.80} is not what Codec.to_json() writes (its table is not a string or list)")
-    raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata" if isinstance(spec, dict) else
-                    f"a codec is the dict Codec.to_json() writes, not {type(spec).__name__}")
+        raise DataError(f"{damaged} ({type(e).__name__}: {e})") from None
+    raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata")
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -199,12 +200,12 @@ def sample(
         raise DataError(f"dataset_or_codec must be a dataset or its codec (what encodes the prompt and decodes the "
                         f"tokens), got {type(dataset_or_codec).__name__}",
                         hint="the dataset the model was trained on: load_dataset(...)")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+    if not is_count(max_new_tokens, least=0):
         raise DataError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     # NaN: torch.multinomial's "probability tensor contains inf, nan" otherwise
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or temperature != temperature:
         raise DataError(f"temperature must be a number (<= 0: greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+    if top_k is not None and not is_whole(top_k):
         raise DataError(f"top_k must be a whole number (or None), got {top_k!r}")
     if not isinstance(prompt, str):  # None sampled as if empty
         raise DataError(f"prompt must be a string, got {prompt!r}")

@@ -119,19 +119,19 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any, **options: Any) -> None:
+def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any, *, out_dir: Any, resume: Any,
+                     progress: Any, on_eval: Any, notify: Any, names: Any) -> None:
     """What `train` is given, named where it is not what it takes (from Python: the CLI builds them right)."""
-    out_dir = options["out_dir"]
     if out_dir is not None and not isinstance(out_dir, str | os.PathLike):
         raise UserError(f"out_dir must be a path (or None: no files), got {type(out_dir).__name__}")
-    for name in ("resume", "progress"):
-        if not isinstance(options[name], bool):  # resume="no" is truthy: it resumed
-            raise UserError(f"{name} must be True or False, got {options[name]!r}")
-    for name in ("on_eval", "notify"):
-        if options[name] is not None and not callable(options[name]):
-            raise UserError(f"{name} must be a function (or None), got {type(options[name]).__name__}")
-    if options["names"] is not None and not isinstance(options["names"], dict):
-        raise UserError(f"names must be a dict of setting -> how to name it, got {type(options['names']).__name__}")
+    for name, flag in (("resume", resume), ("progress", progress)):
+        if not isinstance(flag, bool):  # resume="no" is truthy: it resumed
+            raise UserError(f"{name} must be True or False, got {flag!r}")
+    for name, function in (("on_eval", on_eval), ("notify", notify)):
+        if function is not None and not callable(function):
+            raise UserError(f"{name} must be a function (or None), got {type(function).__name__}")
+    if names is not None and not isinstance(names, dict):
+        raise UserError(f"names must be a dict of setting -> how to name it, got {type(names).__name__}")
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if hasattr(model, "example_input") and not hasattr(model, "vocab_size"):  # a generated energy layer
