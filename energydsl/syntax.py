@@ -201,13 +201,17 @@ def _read(path: Path, span: Span | None, name: str | None = None) -> str:
                         f"UTF-8 (a Latin-1 `é` is the single byte 0xE9){imported}") from None
 
 
+_DECLARATION_START = re.compile(r"\s*(energy|block|model|search)\s")  # spec text, when no such file exists
+
+
 def parse_module(source: str | Path, *, name: str | None = None, base: Path | None = None) -> Module:
     """Parse a file (or text) and everything it imports into one `Module`.
 
-    `source` is a path when it is one line without a `{` (every declaration has one; a mistyped path
-    then reads "no such file", not a syntax error in its text) and not an `import` line, the line's surrounding
-    whitespace dropped (a path read from a file keeps its newline); otherwise it is spec text, whose imports
-    resolve against `base` (default: the working directory).
+    `source` is a path when it is one line without a `{` (an energy, model or search declaration has one; a
+    mistyped path then reads "no such file", not a syntax error in its text) and not an `import` line, the line's
+    surrounding whitespace dropped (a path read from a file keeps its newline). A line that names no file and
+    begins with a declaration's keyword (`energy X(`, cut short) is text too, so its syntax error is shown.
+    Otherwise it is spec text, whose imports resolve against `base` (default: the working directory).
     """
     if not isinstance(source, str | Path):
         raise TypeError(f"expected a path or spec text (str or pathlib.Path), got {type(source).__name__}")
@@ -215,7 +219,9 @@ def parse_module(source: str | Path, *, name: str | None = None, base: Path | No
         raise UserError("empty spec: give a path to a .energy file or spec text")
     if isinstance(source, str) and "\n" not in source.strip() and "{" not in source \
             and not source.lstrip().startswith("import "):
-        source = Path(source.strip())
+        path = Path(source.strip())
+        if path.expanduser().exists() or not _DECLARATION_START.match(source):
+            source = path
     if isinstance(source, Path):
         path = source.expanduser()
         text = _read(path, None)

@@ -248,6 +248,15 @@ def test_load_takes_a_path_or_spec_text_and_says_so(tmp_path, monkeypatch):
     assert load("~/mha.energy").energy_names == ["MHA"]  # ~ is the home directory, as in load_dataset
     # a path read from a file keeps its newline: it was spec text then, "unexpected `/`" at 1:1
     assert load(f"{tmp_path / 'mha.energy'}\n").energy_names == ["MHA"]
+    # one line cut short before its `{` is spec text when no such file exists: its syntax error, not "no such file"
+    with pytest.raises(SpecError, match="<string>:1:10") as cut:
+        load("energy X(")
+    assert "never closed" in str(cut.value)
+    with pytest.raises(SpecError, match="no such file: energy-notes"):
+        load("energy-notes")  # a keyword only as a word's start: still a path
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "energy X").write_text(MHA)  # a file of that name is still read
+    assert load("energy X").energy_names == ["MHA"]
 
 
 def test_a_derivation_builds_its_layer() -> None:
