@@ -470,3 +470,35 @@ def test_a_resumed_run_that_fails_at_once_keeps_the_metrics_after_its_checkpoint
     assert code == 0, err
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4, 6, 8]
+
+
+def test_an_unreadable_checkpoint_says_permission_denied() -> None:
+    """safetensors reports a file it may not read as "No such file"; the message now says why it cannot be read.
+    Root reads any file, so the reading process gives up root first (after its imports: the venv may not be
+    readable to others), in a folder others may enter (pytest's tmp_path is private to its user)."""
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    folder = Path(tempfile.mkdtemp(prefix="energydsl-unreadable-"))
+    folder.chmod(0o755)
+    weights = folder / "best.safetensors"
+    save_file({"w": torch.zeros(2)}, str(weights))
+    weights.chmod(0)
+    code = ("import os, sys\n"
+            "from energydsl.training.checkpoint import read_checkpoint\n"
+            "from energydsl.errors import DataError\n"
+            "import safetensors.torch\n"
+            "if os.geteuid() == 0:\n"
+            "    os.setuid(65534)\n"
+            "try:\n"
+            f"    read_checkpoint({str(weights)!r})\n"
+            "except DataError as e:\n"
+            "    print(e)\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    finally:
+        shutil.rmtree(folder)
+    assert res.returncode == 0, res.stderr
+    assert f"cannot read checkpoint {weights}: Permission denied" in res.stdout and "No such file" not in res.stdout

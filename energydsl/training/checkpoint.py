@@ -230,6 +230,8 @@ def _read(path: Path, read: Callable[[Path], Any]) -> Any:
 
 
 def _read_weights(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    with open(path, "rb"):  # safetensors says "No such file" of a file it may not read; open says why
+        pass
     with safe_open(str(path), framework="pt", device="cpu") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
@@ -240,6 +242,8 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
     weights, sidecar = checkpoint_paths(path_or_dir, which)
     try:
         state, header = _read(weights, _read_weights)
+    except OSError as e:
+        raise DataError(f"cannot read checkpoint {weights}: {e.strerror}") from None
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise DataError(f"cannot read checkpoint {weights}: {e}") from e
     damaged = _nonfinite(state)
