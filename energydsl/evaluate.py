@@ -54,7 +54,6 @@ class Env:
     """Everything an expression may refer to, for one batch of sequences."""
 
     tensors: dict[str, torch.Tensor]  # per-token tensors are (B, T, *shape); params are their own shape
-    roles: dict[str, str]  # name -> state | leaf | context | input | param | let
     indices: dict[str, IndexInfo]
     scalars: dict[sp.Symbol, float | torch.Tensor]  # dims and scalar parameters by symbol
     seq_len: int

@@ -29,7 +29,6 @@ class Function:
     torch_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     derivative: str | None = None  # name of the derivative's entry, when a stable one is known
     latex: str | None = None
-    smooth: bool = True  # differentiable everywhere (abs, relu, sign are not at 0)
     torch_src: str | None = None  # how generated code spells it; `{x}` is the argument
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -78,11 +77,11 @@ for _f in [
     Function("log", sp.log(X), torch.log, "inv", torch_src="torch.log({x})"),
     Function("inv", 1 / X, torch.reciprocal, None, torch_src="torch.reciprocal({x})"),
     Function("sqrt", sp.sqrt(X), torch.sqrt, None, torch_src="torch.sqrt({x})"),
-    Function("abs", sp.Abs(X), torch.abs, "sign", smooth=False, torch_src="torch.abs({x})"),
-    Function("sign", sp.sign(X), torch.sign, "zero", smooth=False, torch_src="torch.sign({x})"),
+    Function("abs", sp.Abs(X), torch.abs, "sign", torch_src="torch.abs({x})"),
+    Function("sign", sp.sign(X), torch.sign, "zero", torch_src="torch.sign({x})"),
     Function("zero", sp.Integer(0) * X, torch.zeros_like, "zero", torch_src="torch.zeros_like({x})"),
-    Function("relu", sp.Max(0, X), torch.relu, "step", smooth=False, torch_src="torch.relu({x})"),
-    Function("step", sp.Heaviside(X, 0), lambda x: (x > 0).to(x.dtype), "zero", smooth=False,
+    Function("relu", sp.Max(0, X), torch.relu, "step", torch_src="torch.relu({x})"),
+    Function("step", sp.Heaviside(X, 0), lambda x: (x > 0).to(x.dtype), "zero",
              torch_src="({x} > 0).to({x}.dtype)"),
     Function("sigmoid", _sig, torch.sigmoid, "dsigmoid", latex="\\sigma", torch_src="torch.sigmoid({x})"),
     Function("dsigmoid", _sig * (1 - _sig), lambda x: torch.sigmoid(x) * (1 - torch.sigmoid(x)), "dsigmoid'",

@@ -235,7 +235,7 @@ def make_env(spec: EnergyIR, inst: Instance, tensors: dict[str, torch.Tensor]) -
         all_t[alias] = inst.input
     all_t.update(tensors)
     indices: dict[str, IndexInfo] = dict(spec.indices)
-    return Env(all_t, {}, indices, dict(inst.scalars), inst.seq_len)
+    return Env(all_t, indices, dict(inst.scalars), inst.seq_len)
 
 
 def evaluate_on(spec: EnergyIR, e: Expr, inst: Instance, tensors: dict[str, torch.Tensor]) -> Value:

@@ -123,10 +123,6 @@ class Expr:
             out |= c.free
         return out
 
-    @property
-    def is_scalar(self) -> bool:
-        return len(self.shape) == 0
-
 
 @dataclass(frozen=True, eq=False)
 class Scalar(Expr):

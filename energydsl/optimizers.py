@@ -219,7 +219,7 @@ def linear_map(e: Expr, point: Var) -> Expr | None:
     found: set[Expr] = set()
     bare = False
 
-    def visit(x: Expr, parent_ok: bool) -> None:
+    def visit(x: Expr) -> None:
         nonlocal bare
         if isinstance(x, ir.MatMul) and x.b == point and len(x.a.shape) == 2:
             found.add(x.a)
@@ -228,9 +228,9 @@ def linear_map(e: Expr, point: Var) -> Expr | None:
             bare = True
             return
         for c in x.children:
-            visit(c, True)
+            visit(c)
 
-    visit(e, True)
+    visit(e)
     if bare or len(found) != 1:
         return None
     return next(iter(found))

@@ -74,7 +74,6 @@ class EnergyIR:
     params: dict[str, ParamSpec]
     energy: Expr  # the global energy F, scalar, in terms of the state (or `u` when via)
     energy_name: str
-    local_names: list[str]
     optimizer: OptimizerSpec
     untie_rules: list[tuple[Expr, Expr]] = field(default_factory=list)
     untie_span: Span | None = None  # the first `untie` clause, where errors about untying point
@@ -82,10 +81,6 @@ class EnergyIR:
     expects: dict[str, tuple[Expr, Span]] = field(default_factory=dict)
     scalar_params: dict[str, sp.Symbol] = field(default_factory=dict)
     source: str = ""
-
-    @property
-    def context_index(self) -> str | None:
-        return self.context.index if self.context else None
 
     def dims(self) -> dict[str, float]:
         """All dim values (header and derived)."""
@@ -236,7 +231,7 @@ class _Lowering(ExpressionLowering):
             name=d.name, span=d.span, dim_symbols=self.dim_symbols, dim_values=self.dim_values,
             derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,
             indices=self.indices, params=self.scope.params, energy=energy, energy_name=ename,
-            local_names=[c.name for c in locals_], optimizer=opt, untie_rules=untie,
+            optimizer=opt, untie_rules=untie,
             untie_span=by_kind["untie"][0].span if by_kind.get("untie") else None, energy_span=gclause.span,
             expects=expects,
             scalar_params=self.scalar_params, source=d.source_text,
@@ -348,7 +343,6 @@ class _Lowering(ExpressionLowering):
         self.context = Var(c.name, "context", shape, idx)
         self.indices[idx] = IndexInfo(idx, context=c.name, strict=x["relation"] == "<")
         self.scope.vars.setdefault(c.name, self.context)
-        self.context_name = c.name
 
     def _param(self, c: ast.Clause) -> None:
         self.scope.declare(c.name, c.span, attribute=True)

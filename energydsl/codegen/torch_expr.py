@@ -48,10 +48,6 @@ class Val:
     rank: int = 0  # trailing shape axes
     scalar: bool = False  # a Python number or 0-d tensor expression
 
-    @property
-    def ndim(self) -> int:
-        return len(self.axes) + self.rank
-
 
 def canonical(axes: set[str] | frozenset[str]) -> tuple[str, ...]:
     head = [a for a in (BATCH, POS) if a in axes]

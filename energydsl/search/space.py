@@ -213,14 +213,6 @@ def check_space(space: Any) -> None:
         raise TypeError(f"search space {space.name!r}: budget must be a dict")
 
 
-def objective_names(space: SearchSpace) -> list[str]:
-    return [name for name, _ in space.objectives]
-
-
-def objective_directions(space: SearchSpace) -> list[str]:
-    return [direction for _, direction in space.objectives]
-
-
 # ----------------------------------------------------------------------------- reading what a space returns
 
 
