@@ -10,6 +10,7 @@ Checks, per energy:
   descent     a small step along the update lowers F; concave energies are reported
   definite    preconditioners claimed positive-definite are; dplr may be indefinite
   tying       the untied update equals the tied one with the new params at the (scaled) tied values
+  params      every learned param gets a gradient through the update (one that gets none never trains)
   expect      the `expect` clause holds, or a counterexample is printed
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+import sympy as sp
 import torch
 
 from . import ir, sympy_instance
@@ -431,6 +433,51 @@ def check_tying(prog: UpdateProgram) -> CheckResult | None:
                         f"values ({prog.untie_hits} replacements, rel. error {worst.error:.1e})")
 
 
+def check_params(prog: UpdateProgram) -> CheckResult | None:
+    """Each learned param reaches the update the module runs. One that does not gets no gradient and never trains:
+    a self-token bias under `where j < i` (the context never holds the token itself), a term the update does not
+    depend on (a param added to F alone), a param seen only through `step`. Random values of every learned param,
+    as `random_instance` draws them, keep one zero param from hiding another's gradient (a product `A @ B`)."""
+    learned = [name for name, p in prog.params.items() if p.learn]
+    if not learned:
+        return None
+    reached: set[str] = set()
+    for seed in SEEDS[:2]:
+        inst = random_instance(prog, seed=seed)
+        leaves = {name: _learned_leaf(prog, inst, name) for name in learned}
+        out = run_program(prog, inst)
+        if not out.requires_grad:
+            break
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+        grads = torch.autograd.grad((out * weights).sum(), list(leaves.values()), allow_unused=True)
+        reached |= {name for name, g in zip(leaves, grads) if g is not None and bool(g.abs().sum() > 0)}
+    idle = [name for name in learned if name not in reached]
+    if idle:
+        names = ", ".join(f"`{name}`" for name in idle)
+        return CheckResult("params", "warn", f"{names} get{'s' if len(idle) == 1 else ''} no gradient through the "
+                           "update on 2 random instances, so training never moves "
+                           f"{'it' if len(idle) == 1 else 'them'}: masked out (a self-token term under "
+                           "`where j < i`), outside the update, or seen only through `step`? Declare it `fixed`, or "
+                           "remove it")
+    return CheckResult("params", "ok", f"every learned param ({len(learned)}) gets a gradient through the update")
+
+
+def _learned_leaf(prog: UpdateProgram, inst: Instance, name: str) -> torch.Tensor:
+    """Make a param's value in `inst` a leaf that records gradients (where `_place` put it: tensors by name,
+    scalars by symbol, a learned optimizer hyper-parameter under its hyper's symbol too)."""
+    if name in inst.params:
+        inst.params[name] = leaf = inst.params[name].detach().clone().requires_grad_()
+        return leaf
+    spec = prog.spec
+    symbols = [spec.scalar_params.get(name) or sp.Symbol(name, real=True)]
+    if name.startswith("opt_"):
+        symbols.append(spec.optimizer.hyper[name[4:]].symbol)
+    leaf = torch.as_tensor(inst.scalars[symbols[0]], dtype=torch.float64).detach().clone().requires_grad_()
+    for symbol in symbols:
+        inst.scalars[symbol] = leaf
+    return leaf
+
+
 def check_expect(prog: UpdateProgram) -> list[CheckResult]:
     spec = prog.spec
     out = []
@@ -511,7 +558,7 @@ def run_checks(prog: UpdateProgram) -> list[CheckResult]:
     with _one_thread():
         results = [check_gradient(prog)]
         for fn in (check_sympy, check_hessian, check_update, check_causality, check_own_token, check_descent,
-                   check_definite, check_tying):
+                   check_definite, check_tying, check_params):
             try:
                 r = fn(prog)
             except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on

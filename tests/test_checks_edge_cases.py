@@ -798,3 +798,55 @@ energy H(d = 6, heads = 2) {
     assert results["update"].status == "ok", results["update"].detail
     assert results["descent"].status == "warn", results["descent"].detail
     assert "`covariance` multiplies each softmax-weighted sum" in results["descent"].detail
+
+
+# ----------------------------------------------------------------------------- params that never train
+
+SELF_BIAS = """energy SelfBias(d = 4) {{
+  state   x[d]
+  context h[j, d] where {relation}
+  param   WQ[d, d] ~ normal(0, 0.3)
+  param   m = 0.5 fixed
+  param   b_self = 0 learn
+  local   s[j] = (WQ @ x) . h[j] - m * abs(i - j) + b_self * relu(1 - abs(i - j))
+  global  E = -logsumexp[j](s[j])
+  optimizer {opt}
+}}"""
+
+
+def test_a_param_the_update_never_sees_is_reported():
+    """Under `j < i` the self-token term is never in the context: `b_self` gets no gradient (a module's
+    parameter with a None grad). Under `j <= i` it trains. A fixed param is never listed."""
+    strict = checks_of(SELF_BIAS.format(relation="j < i", opt="gd(eta = 1)"))["params"]
+    assert strict.status == "warn" and strict.ok
+    assert strict.detail.startswith("`b_self` gets no gradient through the update"), strict.detail
+    assert "`m`" not in strict.detail and "`WQ`" not in strict.detail
+    causal = checks_of(SELF_BIAS.format(relation="j <= i", opt="gd(eta = 1)"))["params"]
+    assert causal.status == "ok" and causal.detail == "every learned param (2) gets a gradient through the update"
+
+
+def test_params_outside_the_update_and_learned_hypers():
+    """A param added to F alone moves no gradient; a learned step size does, and so does β over two momentum steps
+    but not over one (m starts at 0, so the first step is β·0 + f)."""
+    outside = SELF_BIAS.format(relation="j <= i", opt="gd(eta = 1)").replace(
+        "global  E = -logsumexp[j](s[j])", "param   c = 1 learn\n  global  E = -logsumexp[j](s[j]) + c")
+    r = checks_of(outside)["params"]
+    assert r.status == "warn" and r.detail.startswith("`c` gets no gradient"), r.detail
+    one = checks_of(SELF_BIAS.format(relation="j <= i", opt="momentum(beta = 0.9 learn, eta = 0.5 learn)"))
+    assert one["params"].status == "warn" and one["params"].detail.startswith("`opt_beta` gets"), one["params"].detail
+    two = checks_of(SELF_BIAS.format(relation="j <= i", opt="momentum(beta = 0.9 learn, eta = 0.5 learn) steps 2"))
+    assert two["params"].status == "ok", two["params"].detail
+
+
+def test_a_zero_initialised_factor_does_not_hide_its_partner():
+    """LoRA's `B ~ zeros()` makes A's gradient zero at initialisation; the check draws learned params at random,
+    so neither is reported."""
+    lora = """energy Lora(d = 4, r = 2) {
+  state   z[d]
+  param   A[r, d] ~ normal(0, 0.02)
+  param   B[d, r] ~ zeros()
+  global  F = -sum(integral(gelu)((B @ A) @ z))
+  optimizer gd(eta = 1)
+}"""
+    r = checks_of(lora)["params"]
+    assert r.status == "ok", r.detail
