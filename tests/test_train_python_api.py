@@ -230,3 +230,44 @@ def test_a_device_and_a_base_of_the_wrong_kind_are_named(gpt, data) -> None:
         train(gpt, data, tiny(device=None), None, metadata={}, progress=False)
     with pytest.raises(TypeError, match="base is the folder a spec text's imports resolve against"):
         energydsl.load((ROOT / "examples/intrinsic-optimizers/mha.energy").read_text(), base=3)
+
+
+STRICT_SELF_BIAS = """energy StrictSelf(d = 8) {
+  state   x[d]
+  context h[j, d] where j < i
+  param   WQ[d, d] ~ normal(0, 0.02)
+  param   b_self = 0 learn
+  local   s[j] = (WQ @ x) . h[j] + b_self * relu(1 - abs(i - j))
+  global  E = -logsumexp[j](s[j])
+  optimizer gd(eta = 1)
+}
+energy Lora(d = 8, r = 2) {
+  state   z[d]
+  param   A[r, d] ~ normal(0, 0.02)
+  param   B[d, r] ~ zeros()
+  global  F = -(z . (B @ (A @ z)))
+  optimizer gd(eta = 1)
+}
+model M(vocab = 40, context = 8, d = 8, layers = 2) {
+  embed tokens
+  layer = StrictSelf(d) -> Lora(d)
+  repeat layers
+  norm rmsnorm before each stage
+  final norm rmsnorm
+  head tied
+}"""
+
+
+def test_parameters_that_never_get_a_gradient_are_named(gpt, data) -> None:
+    """The self-token bias under `j < i` gets a zero gradient at every step (the masked diagonal): the run says
+    so once. LoRA's A has a zero gradient at step 1 only (B starts at 0, and gets one), and is not named; nor is
+    any of GPT's. (With `-sum(integral(gelu)((B @ A) @ z))`, B = 0 is a saddle: gelu(0) = 0 gives B no gradient
+    either, and A, B and the norm before them are all named, rightly.)"""
+    notices: list[str] = []
+    model = energydsl.load(STRICT_SELF_BIAS).model("M")
+    train(model, data, tiny(steps=8, eval_interval=8), None, metadata={}, progress=False, notify=notices.append)
+    assert notices == ["2 parameters got no gradient in the first 5 steps and will not train: layers.0.0.b_self, "
+                       "layers.1.0.b_self. `energy check` on the energy that declares them says why, in its `params` "
+                       "row; declare them `fixed`, or remove them"], notices
+    train(gpt, data, tiny(steps=3, eval_interval=3), None, metadata={}, progress=False, notify=notices.append)
+    assert len(notices) == 1, notices  # a run shorter than the watch reports at its last step: nothing here

@@ -263,7 +263,7 @@ def train(
                 with _deferred_interrupt(out_dir is not None) as interrupt:
                     result = _loop(model, dataset, config, device, optimizer, scaler, autocast, generator, state,
                                    run, resumed=found is not None, progress=progress, on_eval=on_eval,
-                                   interrupt=interrupt, names=names)
+                                   interrupt=interrupt, names=names, notify=notify)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # before RuntimeError: it is one
                 raise _compile_error(e, names) from None
             except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
@@ -393,6 +393,20 @@ def _memory_error(e: BaseException, config: TrainConfig, device: torch.device, r
                      hint=f"train with a smaller {sizes}, or a smaller model; {kept}")
 
 
+# Steps over which every trainable parameter must get a nonzero gradient once. More than one: a LoRA-style
+# product with a zero factor gives its partner a zero gradient at the first step only.
+IDLE_WATCH_STEPS = 5
+
+
+def _idle_notice(idle: list[str], steps: int) -> str:
+    """What to say of parameters the loss does not reach."""
+    shown = ", ".join(idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+    them = "them" if len(idle) > 1 else "it"
+    return (f"{len(idle)} parameter{'s' if len(idle) > 1 else ''} got no gradient in the first {steps} "
+            f"step{'s' if steps > 1 else ''} and will not train: {shown}. `energy check` on the energy that "
+            f"declares {them} says why, in its `params` row; declare {them} `fixed`, or remove {them}")
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
@@ -428,9 +442,10 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
           optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, autocast: Callable[[], Any],
           generator: torch.Generator, state: RunState, run: RunDir, *, resumed: bool, progress: bool,
           on_eval: Callable[[int, float], bool] | None, interrupt: _Interrupt,
-          names: dict[str, str] | None = None) -> dict[str, Any]:
+          names: dict[str, str] | None = None, notify: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The step loop; evaluation (and checkpointing) at every multiple of eval_interval, at the end, and
-    when `interrupt` was requested (then it raises TrainingInterrupted)."""
+    when `interrupt` was requested (then it raises TrainingInterrupted). Parameters whose gradient is still
+    missing or exactly zero after the first `IDLE_WATCH_STEPS` steps are named through `notify`: they never train."""
     vocab = dataset.vocab_size
     explode_floor = 2.0 * math.log(max(vocab, 2))
     pending: list[tuple[int, Tensor]] = []  # losses not yet checked: checking syncs the GPU
@@ -483,6 +498,9 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
     # the compiled module shares the model's parameters; checkpoints are the model's own state dict
     forward = torch.compile(model) if config.compile else model
     first = True
+    # has each trainable parameter had a nonzero gradient yet? (flags on the device: no sync per step)
+    idle_watch: dict[str, Tensor] | None = {name: torch.zeros((), dtype=torch.bool, device=p.device)
+                                            for name, p in model.named_parameters() if p.requires_grad}
     while True:
         scheduled = step % config.eval_interval == 0 or step >= config.steps
         due = scheduled or interrupt.requested
@@ -531,6 +549,16 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             loss = _loss(forward, x, y, vocab)
         pending.append((step, loss.detach()))
         scaler.scale(loss).backward()
+        if idle_watch is not None:
+            for name, p in model.named_parameters():
+                if p.grad is not None and name in idle_watch:
+                    torch.logical_or(idle_watch[name], p.grad.ne(0).any(), out=idle_watch[name])
+            if step + 1 - start_step >= IDLE_WATCH_STEPS or step + 1 >= config.steps:
+                idle = [name for name, moved in idle_watch.items() if not moved.item()]
+                if idle:
+                    with tqdm.external_write_mode():  # the line above the progress bar, not through it
+                        (notify or _warn)(_idle_notice(idle, step + 1 - start_step))
+                idle_watch = None
         if config.grad_clip > 0:
             scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
