@@ -321,7 +321,30 @@ class Spec:
         return [self.energy(n, **_dims_for(self.syntax.energies[n], dims)) for n in self.energy_names]
 
     def check(self, **dims: float) -> dict[str, list[CheckResult]]:
-        return {d.name: d.check() for d in self.derive(**dims)}
+        """The checks of every energy and model declared in the file itself, by name. A dim goes to each energy
+        and model that declares it (`energy check --set`)."""
+        energy_dims, model_dims = self._split_dims(dims)
+        results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
+        return results | {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
+
+    def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:
+        """A model's own checks (`energydsl.model_checks`): causality of the composed model and parameters that
+        never get a gradient, in float64 on the torch backend."""
+        from .model_checks import check_model
+
+        return check_model(self.model(name, **dims))
+
+    def _split_dims(self, dims: dict[str, float]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+        """`--set` dims for the file's energies, and for each of its models; one neither declares is refused."""
+        energy_known = {n for e in self.energy_names for n, _ in self.syntax.energies[e].header}
+        model_known = {m: {n for n, _ in self.syntax.models[m].header} for m in self.model_names}
+        known = energy_known.union(*model_known.values())
+        unknown = sorted(set(dims) - known)
+        if unknown:
+            raise SpecError(f"`{unknown[0]}` is not a dim of any energy or model in {self.path} (dims: "
+                            f"{', '.join(sorted(known)) or 'none'})", None)
+        return ({k: v for k, v in dims.items() if k in energy_known},
+                {m: {k: v for k, v in dims.items() if k in names} for m, names in model_known.items()})
 
     @property
     def model_names(self) -> list[str]:

@@ -127,7 +127,7 @@ def check(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file.")] = False,
     sets: SetOpt = None,
 ) -> None:
-    """Prove every derived update against autograd and SymPy (float64)."""
+    """Prove every derived update against autograd and SymPy, and every model's causality (float64)."""
     from .api import load
     from .checks import as_json as results_json
 
@@ -138,27 +138,31 @@ def check(
         t0 = time.perf_counter()
         try:
             spec = load(path)
-            derived = spec.derive(**dims)
-            if not derived:
+            if not spec.energy_names and not spec.model_names:
                 raise no_energy(path, spec)
-            report = [(d, results, all(r.ok for r in results)) for d in derived for results in [d.check()]]
+            report = [("model" if name in spec.model_names else "energy", name, results, all(r.ok for r in results))
+                      for name, results in spec.check(**dims).items()]
         except Exception as e:  # --json: one object per file, and the files after a bad one still run
             if not as_json:
                 raise
             internal = not isinstance(e, UserError)
             error = f"internal error: {type(e).__name__}: {e}" if internal else e.render()
-            print(json.dumps({"file": path, "ok": False, "error": error, "energies": []}))
+            print(json.dumps({"file": path, "ok": False, "error": error, "energies": [], "models": []}))
             all_ok, status = False, max(status, 70 if internal else 2)
             continue
-        file_ok = all(ok for _, _, ok in report)
+        file_ok = all(ok for *_, ok in report)
         all_ok &= file_ok
         seconds = time.perf_counter() - t0
         if as_json:
-            print(json.dumps({"file": path, "ok": file_ok, "seconds": round(seconds, 3), "energies": [
-                {"name": d.name, "ok": ok, "checks": results_json(rs)} for d, rs, ok in report]}))
+            rows: dict[str, list[dict]] = {"energies": [], "models": []}
+            for kind, name, results, ok in report:
+                rows["models" if kind == "model" else "energies"].append(
+                    {"name": name, "ok": ok, "checks": results_json(results)})
+            print(json.dumps({"file": path, "ok": file_ok, "seconds": round(seconds, 3), **rows}))
             continue
-        for d, results, _ok in report:
-            table = Table(title=f"{path} · {d.name}", title_justify="left", show_edge=False)
+        for kind, name, results, _ok in report:
+            title = f"{path} · {'model ' if kind == 'model' else ''}{name}"
+            table = Table(title=title, title_justify="left", show_edge=False)
             table.add_column("check")
             table.add_column("")
             table.add_column("detail", overflow="fold")
