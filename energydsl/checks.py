@@ -514,8 +514,11 @@ def check_expect(prog: UpdateProgram) -> list[CheckResult]:
                                    f"(rel. error {worst.error:.1e})", worst.error))
         else:
             seed, t, got, exp = where
+            each = (f"; the expectation is a scalar, which stands for every entry of the {what} "
+                    f"{ir.fmt_shape(want)}" if not expr.shape and want else "")
             out.append(CheckResult("expect", "fail", f"`expect {what}` is refuted at {span}: seed {seed}, token "
-                                   f"{t}: {_counterexample(got, exp)} (rel. error {worst.error:.1e})", worst.error))
+                                   f"{t}: {_counterexample(got, exp)} (rel. error {worst.error:.1e}){each}",
+                                   worst.error))
     return out
 
 

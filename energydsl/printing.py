@@ -203,14 +203,24 @@ class LatexStyle(Style):
         return f"{lhs} \\leftarrow {rhs}"
 
 
+_XML_UNDEFINED_ENTITY = re.compile(r"&(?!(?:amp|lt|gt|quot|apos);)([A-Za-z][A-Za-z0-9]*;)")
+
+
+def _code_points(entity: re.Match) -> str:
+    """An HTML entity as numeric character references (XML defines only five named ones)."""
+    text = html.entities.html5.get(entity.group(1))
+    return "".join(f"&#x{ord(c):X};" for c in text) if text else entity.group(0)
+
+
 class MathMLStyle(Style):
     """Presentation MathML: renders in any modern browser with no network."""
 
     name = "mathml"
 
     def scalar(self, v):
-        # SymPy writes the HTML entity &InvisibleTimes;, which XML does not define: its code point parses
-        return sp.mathml(v, printer="presentation").replace("&InvisibleTimes;", "&#x2062;")
+        # SymPy writes HTML entities (&InvisibleTimes;, &ExponentialE; of exp(x), &ImaginaryI;) that XML does not
+        # define: their code points parse
+        return _XML_UNDEFINED_ENTITY.sub(_code_points, sp.mathml(v, printer="presentation"))
 
     def plain_name(self, n, sub):
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E

@@ -850,3 +850,23 @@ def test_a_zero_initialised_factor_does_not_hide_its_partner():
 }"""
     r = checks_of(lora)["params"]
     assert r.status == "ok", r.detail
+
+
+def test_a_refuted_scalar_expectation_says_it_stands_for_every_entry():
+    """`expect gradient = z . z` on a [d] gradient compared d equal entries and printed them, unexplained."""
+    r = checks_of("""energy S(d = 4) {
+  state z[d]
+  param b[d] ~ normal(0, 1)
+  global F = 0.5 * (z . z) - b . z
+  optimizer gd(eta = 0.5)
+  expect gradient = z . z
+}""")["expect"]
+    assert r.status == "fail" and r.detail.endswith(
+        "; the expectation is a scalar, which stands for every entry of the gradient [d]"), r.detail
+    holds = checks_of("""energy S(d = 4) {
+  state z[d]
+  global F = 0.5 * (z . z)
+  optimizer gd(eta = 1)
+  expect update = 0
+}""")["expect"]
+    assert holds.status == "ok", holds.detail

@@ -984,3 +984,23 @@ def test_generated_files_are_lint_clean(tmp_path, backend: str) -> None:
                            "--ignore", "E501", "--output-format", "concise", str(tmp_path)],
                           capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout[-3000:]
+
+
+def test_a_scalar_preconditioner_is_softplus_in_the_generated_code() -> None:
+    """softplus(P_s) folds into SymPy as log(1 + exp(P_s)), which the generated code computed as written: inf in
+    float32 from P_s = 89 on. It is `F.softplus` now, finite and equal to P_s there."""
+    spec = """energy MatScalar(d = 4) {
+  state z[d]
+  param W[d, d] ~ normal(0, 0.3)
+  global F = 0.5 * (z . z) - sum(exp(W @ z))
+  optimizer gd(eta = 0.5) precondition scalar
+}"""
+    derived = energydsl.load(spec).energy()
+    assert "F.softplus(torch.as_tensor(P_s))" in energy_source(derived)
+    layer = derived.module()
+    with torch.no_grad():
+        layer.P_s.fill_(100.0)
+    x = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(0))
+    W = layer.W.detach()
+    gradient = x - torch.exp(x @ W.T) @ W
+    torch.testing.assert_close(layer(x), x - 0.5 * 100.0 * gradient, rtol=1e-5, atol=1e-4)

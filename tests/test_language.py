@@ -233,6 +233,12 @@ def test_mathml_is_well_formed_and_shows_the_context_relation() -> None:
     ET.fromstring(f"<root>{mathml}</root>")  # raises on a bare `<` or `&`
     assert "<mo></mo>" not in mathml and "<mi></mi>" not in mathml
     assert "<mi>j</mi><mo>&lt;</mo><mi>i</mi>" in mathml
+    # exp of a scalar param (a `scalar` preconditioner's softplus) was SymPy's &ExponentialE;, undefined in XML
+    scalar = ("energy P(d = 4) {\n state z[d]\n param W[d, d]\n global F = 0.5 * (z . z) - sum(exp(W @ z))\n"
+              " optimizer gd(eta = 0.5) precondition scalar\n}")
+    mathml = load(scalar).energy().equations("mathml")
+    ET.fromstring(f"<root>{mathml}</root>")
+    assert "&#x2147;" in mathml and "&ExponentialE;" not in mathml
 
 
 def test_load_takes_a_path_or_spec_text_and_says_so(tmp_path, monkeypatch):

@@ -39,10 +39,21 @@ def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
     if isinstance(expr, sp.Heaviside):
         a = sympy_src(expr.args[0], names)
         return f"({a} > 0).to(torch.get_default_dtype())"
+    softplus_of = _softplus_argument(expr)
+    if softplus_of is not None:  # log(1 + exp(a)) overflows past a = 88 in float32; softplus does not
+        return f"F.softplus(torch.as_tensor({sympy_src(softplus_of, names)}))"
     for cls, fn in _SP_FUNCS.items():
         if isinstance(expr, cls):
             return f"torch.{fn}(torch.as_tensor({sympy_src(expr.args[0], names)}))"
     raise NotImplementedError(f"cannot print {expr.func.__name__} as torch code")
+
+
+def _softplus_argument(expr: sp.Expr) -> sp.Expr | None:
+    """a, when `expr` is log(1 + exp(a)): a preconditioner's softplus of a scalar param, folded into SymPy."""
+    if not isinstance(expr, sp.log) or not isinstance(expr.args[0], sp.Add) or len(expr.args[0].args) != 2:
+        return None
+    one, other = sorted(expr.args[0].args, key=lambda t: t != 1)
+    return other.args[0] if one == 1 and isinstance(other, sp.exp) else None
 
 
 def is_number(text: str) -> bool:
