@@ -341,8 +341,10 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         return CheckResult("descent", "fail", "a small step along the update raises F for some token "
                            "(the preconditioner or optimizer is not a descent direction here)")
     if all(c < 0 for c in curv):
-        return CheckResult("descent", "warn", "small steps descend, but F is concave along every probed direction: "
-                           "unbounded below, no minimum (each step is one descent step, not a solve)")
+        return CheckResult("descent", "warn", "small steps descend, but F is concave here along every probed "
+                           "direction: no minimum near this point, and none at all where F stays concave (as "
+                           "-logsumexp does; a term like ½ z·z can bound it); each step is one descent step, not a "
+                           "solve")
     return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
 
 
