@@ -446,7 +446,7 @@ def sample(
                                               "last) or a .safetensors checkpoint.")],
     prompt: Annotated[str, typer.Option("--prompt")] = "",
     tokens: Annotated[int, typer.Option("--tokens", help="How many tokens to generate.")] = 200,
-    temperature: Annotated[float, typer.Option("--temperature")] = 0.8,
+    temperature: Annotated[float, typer.Option("--temperature", help="0: greedy (the likeliest token).")] = 0.8,
     top_k: Annotated[int | None, typer.Option("--top-k")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
@@ -456,9 +456,9 @@ def sample(
     from .training.sampling import sample as generate
     from .training.trained import load_trained
 
-    if tokens < 0 or not temperature > 0 or math.isinf(temperature) or (top_k is not None and top_k < 1):
-        raise UserError(f"--tokens must be >= 0, --temperature finite and > 0 and --top-k >= 1; got {tokens}, "
-                        f"{temperature:g} and {top_k}")
+    if tokens < 0 or not temperature >= 0 or math.isinf(temperature) or (top_k is not None and top_k < 1):
+        raise UserError(f"--tokens must be >= 0, --temperature finite and >= 0 (0: greedy) and --top-k >= 1; got "
+                        f"{tokens}, {temperature:g} and {top_k}")
     if not 0 <= seed < 2**64:  # torch's generator takes 64 bits
         raise UserError(f"--seed must be in [0, 2**64), got {seed}")
     model, codec, meta = load_trained(checkpoint)

@@ -285,6 +285,8 @@ def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeyp
                             "1e-300")
     greedy = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "1e-6")
     assert code == 0 and out == greedy[1], err
+    zero = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "0")
+    assert zero[0] == 0 and zero[1] == out, zero[2]  # 0 is greedy, as sample(temperature=0) in Python
     code, _, err = energy(monkeypatch, capsys, "sample", run, "--seed", str(2**64))
     assert code == 2 and "--seed must be in [0, 2**64)" in err
 
