@@ -605,3 +605,21 @@ def test_the_leaderboard_says_why_candidates_were_invalid() -> None:
     assert "no trial has completed" in text
     study.add_trial(optuna.trial.create_trial(value=3.0))
     assert "no trial has completed" not in _leaderboard_text(study, 200)
+
+
+def test_reasons_are_shown_as_written_not_as_rich_markup() -> None:
+    """`softmax[j](...)` in an invalid candidate's reason lost its `[j]` to Rich's markup; a failure too."""
+    import optuna
+    from rich.console import Console
+
+    from energydsl.search.display import failures_table, invalid_table
+    from energydsl.search.report import KIND, REASON
+
+    reason = "`expect update` is refuted at `expect update = z + sum[j](softmax[j](z . h[j]) * h[j])`"
+    invalid = optuna.trial.create_trial(state=optuna.trial.TrialState.PRUNED,
+                                        user_attrs={KIND: "invalid", REASON: reason})
+    failed = optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, user_attrs={REASON: "bad h[j] [bold]x"})
+    console = Console(width=400, record=True)
+    console.print(invalid_table([invalid]), failures_table([failed]))
+    text = console.export_text()
+    assert reason in text and "bad h[j] [bold]x" in text

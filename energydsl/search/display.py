@@ -124,7 +124,7 @@ def leaderboard_table(study: optuna.Study, top: int = 10, width: int | None = No
     for n, head in enumerate(heads):
         table.add_column(head, justify="right" if n < len(objectives) else "left")
     for number, cells in columns.items():
-        table.add_row(str(number), *cells)
+        table.add_row(str(number), *map(Text, cells))  # as written: a param's `W[k]` is not markup
     if width is None or _natural_width(table) <= width:
         return table
     return _by_parameter(title, heads, columns, width)
@@ -150,7 +150,7 @@ def _by_parameter(title: str, heads: list[str], columns: dict[int, list[str]], w
     for number in shown:
         table.add_column(f"#{number}", overflow="fold")
     for n, head in enumerate(heads):
-        table.add_row(head, *(columns[number][n] for number in shown))
+        table.add_row(Text(head), *(Text(columns[number][n]) for number in shown))
     return table
 
 
@@ -163,7 +163,7 @@ def failures_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
     table.add_column("#", justify="right")
     table.add_column("reason", overflow="fold")
     for t in bad:
-        table.add_row(str(t.number), str(t.user_attrs.get(REASON, "")))
+        table.add_row(str(t.number), Text(str(t.user_attrs.get(REASON, ""))))  # `h[j]` is not markup
     return table
 
 
@@ -178,7 +178,7 @@ def invalid_table(trials: list[FrozenTrial], top: int = 5) -> Table | None:
     table.add_column("trials", justify="right")
     table.add_column("reason", overflow="fold")
     for reason, count in reasons.most_common(top):
-        table.add_row(str(count), reason)
+        table.add_row(str(count), Text(reason))  # as written: `softmax[j]` is not markup
     if len(reasons) > top:
         table.caption = f"and {len(reasons) - top} other reasons (`energy report` lists every trial)"
     return table

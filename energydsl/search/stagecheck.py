@@ -110,6 +110,17 @@ def _remember(digest: str, verdict: Verdict, name: str, dims: dict[str, float]) 
     write_record(where / f"{digest}.json", record)
 
 
+def _quoted(detail: str, derived: Any) -> str:
+    """A check's detail with each `expect` clause's location (`<string>:10:3`, a line of the filled candidate, which
+    the search file does not have and which moves from candidate to candidate) replaced by the clause's text."""
+    for _, span in derived.program.spec.expects.values():
+        lines = span.source.splitlines() if span is not None and span.source else []
+        if 1 <= span.line <= len(lines):
+            clause = " ".join(lines[span.line - 1].split())
+            detail = detail.replace(f"at {span}", f"at `{clause[:120]}`")
+    return detail
+
+
 def stage_check(decl: Any, dims: dict[str, float]) -> str | None:
     """Run `energy check` on one stage's energy at small dims; the failure reason, or None.
 
@@ -141,6 +152,7 @@ def stage_check(decl: Any, dims: dict[str, float]) -> str | None:
     reason = None
     if failed:
         at = ", ".join(f"{k}={plain_number(v)}" for k, v in used.items())
-        reason = "; ".join(f"check `{r.name}` failed: {r.detail}" for r in failed) + f" (checked at {at})"
+        reason = "; ".join(f"check `{r.name}` failed: {_quoted(r.detail, derived)}" for r in failed) + \
+            f" (checked at {at})"
     _remember(digest, Verdict(True, reason), decl.name, used)
     return reason
