@@ -272,7 +272,7 @@ class ExpressionLowering:
         if f in ("mean", "sum"):
             if len(vals) != 1:
                 raise SpecError(f"{f}(x) takes one tensor; to reduce over an index write {f}[j](...)", n.span)
-            total = ir.sum_all(vals[0])
+            total = _sum_of(vals[0])
             if f == "mean":
                 size = sp.Integer(1)
                 for s in vals[0].shape:
@@ -337,3 +337,13 @@ def _token_index_message(i: str, context: Var | None) -> str:
                 "tensor is indexed by it")
     return f"`{i}` is the context's token index: only the context `{context.name}` is indexed by it" \
         if context is not None else f"`{i}` is a token index"
+
+
+def _sum_of(x: ir.Expr) -> ir.Expr:
+    """`sum(x)`, where `sum(a * b)` of two tensors of one shape is `a . b`: the same number, and the form the
+    lowering recognises (a context sum over `sum(z * (W @ h[j]))` is attention then, not T × T weights)."""
+    if isinstance(x, ir.Mul):
+        tensors = [f for f in x.factors if f.shape]
+        if len(tensors) == 2 and ir.same_shape(tensors[0].shape, tensors[1].shape):
+            return ir.mul(*(f for f in x.factors if not f.shape), ir.dot(*tensors))
+    return ir.sum_all(x)

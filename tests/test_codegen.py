@@ -1004,3 +1004,35 @@ def test_a_scalar_preconditioner_is_softplus_in_the_generated_code() -> None:
     W = layer.W.detach()
     gradient = x - torch.exp(x @ W.T) @ W
     torch.testing.assert_close(layer(x), x - 0.5 * 100.0 * gradient, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dot, summed", [
+    ("z . (W @ h[j])", "sum(z * (W @ h[j]))"),
+    ("2 * (z . (W @ h[j]))", "sum(2 * z * (W @ h[j]))"),
+])
+def test_sum_of_a_product_is_a_dot_product(dot: str, summed: str) -> None:
+    """`sum(a * b)` (language.md's own spelling of Σ_k a_k b_k) derived as SumAll(a ⊙ b), which no lowering
+    recognised: a context sum over it became (B, T, T) weights, where `a . b` is attention."""
+    spec = """energy S(d = 8) {{
+  state z[d]
+  context h[j, d] where j <= i
+  param W[d, d] ~ normal(0, 0.1)
+  global F = -logsumexp[j]({score})
+  optimizer gd(eta = 1)
+}}"""
+    by_dot, by_sum = (energydsl.load(spec.format(score=s)).energy() for s in (dot, summed))
+    assert by_sum.equation_hash() == by_dot.equation_hash()
+    assert "softmax_attention(" in energy_source(by_sum) and "masked_softmax" not in energy_source(by_sum)
+
+
+def test_sum_of_a_product_of_matrices_lowers_as_their_dot_product() -> None:
+    spec = """energy M(dk = 4, dv = 3) {{
+  state Z[dk, dv]
+  context H[j, dk, dv] where j <= i
+  param A[dk, dk] ~ normal(0, 0.1)
+  global F = -logsumexp[j]({score})
+  optimizer gd(eta = 1)
+}}"""
+    by_dot, by_sum = (energydsl.load(spec.format(score=s)).energy() for s in ("Z . (A @ H[j])", "sum(Z * (A @ H[j]))"))
+    assert by_sum.equation_hash() == by_dot.equation_hash()
+    assert "masked_softmax" not in energy_source(by_sum)
