@@ -31,6 +31,7 @@ from .ir import (
     Outer,
     Pos,
     Pow,
+    ProdOthers,
     Reduce,
     Scalar,
     ShapeError,
@@ -146,8 +147,8 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
                     if e.body.shape:
                         raise ShapeError("logsumexp needs a scalar body")
                     visit(e.body, mul(g, Softmax(e.index, e.body)), inner)
-                elif e.op == "prod":
-                    visit(e.body, mul(g, e, power(e.body, -1)), inner)
+                elif e.op == "prod":  # ∏_{m≠k} b_m, not ∏ b / b_k: finite where a factor is 0
+                    visit(e.body, mul(g, ProdOthers(e.index, e.body)), inner)
                 else:
                     raise NotDifferentiable(f"`{e.op}[{e.index}]` has no gradient; use logsumexp as a smooth max")
             case Softmax():

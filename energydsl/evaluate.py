@@ -33,6 +33,7 @@ from .ir_nodes import (
     Outer,
     Pos,
     Pow,
+    ProdOthers,
     Reduce,
     Scalar,
     Softmax,
@@ -211,12 +212,12 @@ def _eval(e: Expr, env: Env) -> Value:
         case Inverse():
             a = evaluate(e.a, env)
             return Value(torch.linalg.inv(a.tensor), a.idx)
-        case Reduce() | Softmax():
+        case Reduce() | Softmax() | ProdOthers():
             return _reduce(e, env)
     raise NotImplementedError(type(e).__name__)
 
 
-def _reduce(e: Reduce | Softmax, env: Env) -> Value:
+def _reduce(e: Reduce | Softmax | ProdOthers, env: Env) -> Value:
     body = evaluate(e.body, env)
     if e.index not in body.idx:  # broadcast over the index (e.g. Σ_k of something per-k-free)
         body = Value(body.tensor.unsqueeze(2 + sum(1 for n in body.idx if n < e.index)),
@@ -237,6 +238,8 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
         if t.shape[1] == 1:
             t = t.expand(*[m.shape[0] if a == 1 else -1 for a in range(t.dim())])
     rest = tuple(n for n in body.idx if n != e.index)
+    if isinstance(e, ProdOthers):
+        return Value(_prod_of_others(t, axis, mask), body.idx)
     if isinstance(e, Softmax):
         if mask is None:
             return Value(torch.softmax(t, dim=axis), body.idx)
@@ -266,6 +269,18 @@ def _reduce(e: Reduce | Softmax, env: Env) -> Value:
     else:
         raise NotImplementedError(e.op)
     return Value(out, rest)
+
+
+def _prod_of_others(t: torch.Tensor, axis: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Entry k: the product of the entries m ≠ k along `axis` that `mask` keeps (0 where it drops k), formed as
+    a (k, m) table with ones on its diagonal: plain, and independent of the generated code's cumulative products."""
+    if mask is not None:
+        t = torch.where(mask, t, torch.ones_like(t))
+    n = t.shape[axis]
+    diagonal = torch.eye(n, dtype=torch.bool, device=t.device).reshape(
+        [1] * axis + [n, n] + [1] * (t.dim() - axis - 1))
+    out = torch.where(diagonal, torch.ones_like(t.unsqueeze(axis)), t.unsqueeze(axis)).prod(axis + 1)
+    return out if mask is None else out * mask.to(out.dtype)
 
 
 def _index_size(name: str, env: Env) -> int:

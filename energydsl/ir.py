@@ -36,6 +36,7 @@ from .ir_nodes import (
     Outer,
     Pos,
     Pow,
+    ProdOthers,
     Reduce,
     Scalar,
     Shape,
@@ -49,8 +50,8 @@ from .ir_nodes import (
 
 __all__ = [  # the node types are re-exported: codegen, api and the tests name them `ir.X`
     "Add", "Count", "Diag", "Dot", "Expr", "Func", "Identity", "Index", "IndexInfo", "Inverse", "Let", "MatMul",
-    "Mul", "Ones", "Outer", "Pos", "Pow", "Reduce", "Scalar", "Shape", "ShapeError", "Softmax", "StopGrad",
-    "SumAll", "Transpose", "Var",
+    "Mul", "Ones", "Outer", "Pos", "Pow", "ProdOthers", "Reduce", "Scalar", "Shape", "ShapeError", "Softmax",
+    "StopGrad", "SumAll", "Transpose", "Var",
     "ONE", "ZERO", "add", "add_broadcast", "count_nodes", "dot", "fmt_shape", "func", "is_one", "is_zero",
     "matmul", "mul", "neg", "outer", "power", "rebuild", "reduce", "same_shape", "scalar", "substitute",
     "sum_all", "transpose", "walk",
@@ -438,6 +439,8 @@ def rebuild(e: Expr, kids: list[Expr]) -> Expr:
             return reduce(e.op, e.index, kids[0])
         case Softmax():
             return Softmax(e.index, kids[0])
+        case ProdOthers():
+            return ProdOthers(e.index, kids[0])
         case StopGrad():
             return StopGrad(kids[0])
         case Diag():

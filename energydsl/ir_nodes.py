@@ -338,6 +338,21 @@ class Softmax(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class ProdOthers(Expr):
+    """∏ of `body` over the other values of `index` (all but the one `index` takes here); keeps `index` free.
+
+    The gradient of `prod[k](b_k)` is Σ_k (∏_{m≠k} b_m) δb_k. Written ∏_m b_m / b_k it is NaN where a factor is 0,
+    which a relu, a sigmoid that underflows or a zero-initialised param makes exactly 0."""
+
+    index: str
+    body: Expr
+
+    @cached_property
+    def shape(self) -> Shape:
+        return self.body.shape
+
+
+@dataclass(frozen=True, eq=False)
 class Count(Expr):
     """The number of terms a reduction over `index` has (context size for j).
 

@@ -202,7 +202,7 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
             return sp.diag(*ev(e.a))
         case ir.Inverse():
             return ev(e.a).inv()
-        case ir.Reduce() | ir.Softmax():
+        case ir.Reduce() | ir.Softmax() | ir.ProdOthers():
             info = spec.indices[e.index]
             if info.context is not None:
                 rng_ = range(i) if info.strict else range(i + 1)
@@ -212,6 +212,8 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
             if isinstance(e, ir.Softmax):
                 exps = [sp.exp(t) for t in terms]
                 return exps[bind[e.index]] / sum(exps)
+            if isinstance(e, ir.ProdOthers):
+                return _product([t for m, t in zip(rng_, terms, strict=True) if m != bind[e.index]])
             if e.op == "sum":
                 return sum(terms[1:], terms[0]) if terms else sp.Integer(0)
             if e.op == "mean":  # an empty context gives 0 (the count is clamped to 1)
@@ -219,10 +221,17 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
             if e.op == "logsumexp":
                 return sp.log(sum(sp.exp(t) for t in terms)) if terms else sp.Integer(0)
             if e.op == "prod":
-                return sp.Mul(*terms)
+                return _product(terms)
             if e.op == "max":
                 return sp.Max(*terms) if terms else sp.Integer(0)  # an empty context: 0, as the evaluator's
     raise NotImplementedError(type(e).__name__)
+
+
+def _product(terms: list) -> sp.Expr | sp.Matrix:
+    """The element-wise product of scalars or of matrices of one shape (`sp.Mul` would multiply matrices)."""
+    if terms and isinstance(terms[0], sp.MatrixBase):
+        return functools.reduce(lambda a, b: a.multiply_elementwise(b), terms)
+    return sp.Mul(*terms)
 
 
 @functools.cache

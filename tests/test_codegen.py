@@ -1036,3 +1036,47 @@ def test_sum_of_a_product_of_matrices_lowers_as_their_dot_product() -> None:
     by_dot, by_sum = (energydsl.load(spec.format(score=s)).energy() for s in ("Z . (A @ H[j])", "sum(Z * (A @ H[j]))"))
     assert by_sum.equation_hash() == by_dot.equation_hash()
     assert "masked_softmax" not in energy_source(by_sum)
+
+
+@pytest.mark.parametrize("name, spec", [
+    ("heads", """energy PoE(d = 4, experts = 3) {
+  state z[d]
+  param W[experts, d] ~ normal(0, 1)
+  global F = 0.5 * (z . z) - prod[k](relu(W[k] . z))
+  optimizer gd(eta = 0.5)
+}"""),
+    ("context", """energy CtxProd(d = 4) {
+  state z[d]
+  context h[j, d] where j < i
+  param W[d, d] ~ normal(0, 1)
+  global F = 0.5 * (z . z) - prod[j](sigmoid(z . (W @ h[j])))
+  optimizer gd(eta = 0.5)
+}"""),
+])
+def test_the_gradient_of_a_product_is_finite_where_a_factor_is_zero(name: str, spec: str) -> None:
+    """∇ prod[k](b_k) was ∏ b · Σ_k b_k' / b_k: NaN where a relu is 0 or a sigmoid underflows, where autograd's is
+    finite. It is Σ_k (∏_{m≠k} b_m) b_k' now, in the reference interpreter and in the generated module."""
+    derived = energydsl.load(spec).energy()
+    layer = derived.module().double()
+    x = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        if name == "heads":  # expert 0 along one token, experts 1 and 2 along another: some factors are 0
+            layer.W[0], layer.W[1:] = x[0, 1], x[0, 0]
+        else:  # the first token, large: its sigmoid factor is 0 or 1 for every later token, the others are not
+            layer.W.copy_(torch.eye(4, dtype=torch.float64))
+            x[:, 0] *= 1000.0
+    W = layer.W.detach()
+
+    def factors(z: torch.Tensor) -> torch.Tensor:
+        if name == "heads":
+            return torch.relu(z @ W.T)
+        s = torch.sigmoid(torch.einsum("btd,bjd->btj", z, x @ W.T))
+        return torch.where(torch.ones(6, 6, dtype=torch.bool).tril(-1), s, torch.ones_like(s))
+
+    z = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad((0.5 * (z * z).sum(-1) - factors(z).prod(-1)).sum(), z)
+    assert bool((factors(x) == 0).any()) and float((grad - x).abs().max()) > 0.01  # zeros met; a live product too
+    expected = x - 0.5 * grad
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+    inst = instance_from_params(derived.program, dict(layer.named_parameters()), x)
+    torch.testing.assert_close(run_program(derived.program, inst), expected, rtol=1e-12, atol=1e-12)

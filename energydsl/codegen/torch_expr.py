@@ -70,7 +70,7 @@ def token_axes(e: Expr, indices: dict[str, IndexInfo]) -> frozenset[str]:
                 out.add(POS)
             case ir.Count(index=k) if indices[k].context is not None:
                 out.add(POS)
-            case ir.Reduce(index=k) | ir.Softmax(index=k) if indices[k].context is not None:
+            case ir.Reduce(index=k) | ir.Softmax(index=k) | ir.ProdOthers(index=k) if indices[k].context is not None:
                 out.add(POS)
     return frozenset(out)
 
@@ -345,7 +345,7 @@ class Emitter:
                 a = self.emit(e.a)
                 self.used_ops.add("inverse")
                 return self.tmp(f"inverse({a.code})", a.axes, a.rank)
-            case ir.Reduce() | ir.Softmax():
+            case ir.Reduce() | ir.Softmax() | ir.ProdOthers():
                 return self._reduce(e)
         raise NotImplementedError(f"no torch code for {type(e).__name__}")
 
@@ -499,7 +499,7 @@ class Emitter:
 
     # -- reductions
 
-    def _reduce(self, e: ir.Reduce | ir.Softmax) -> Val:
+    def _reduce(self, e: ir.Reduce | ir.Softmax | ir.ProdOthers) -> Val:
         info = self.indices[e.index]
         if info.context is not None:
             return self._context_reduce(e, info)
@@ -511,6 +511,9 @@ class Emitter:
         if e.index not in body.axes:  # the body does not vary with the index
             if isinstance(e, ir.Softmax):
                 return self.tmp(f"torch.full_like({body.code}, {1 / size!r})", body.axes, body.rank)
+            if isinstance(e, ir.ProdOthers):
+                code = f"{body.code} ** {size - 1}"
+                return Val(f"({code})", scalar=True) if body.scalar else self.tmp(code, body.axes, body.rank)
             code = {"sum": f"{size} * {body.code}", "mean": body.code, "max": body.code,
                     "logsumexp": f"{body.code} + {float(sp.log(size))!r}", "prod": f"{body.code} ** {size}"}[e.op]
             return Val(f"({code})", scalar=True) if body.scalar else self.tmp(code, body.axes, body.rank)
@@ -518,12 +521,15 @@ class Emitter:
         rest = tuple(a for a in body.axes if a != e.index)
         if isinstance(e, ir.Softmax):
             return self.tmp(f"torch.softmax({body.code}, dim={axis})", body.axes, body.rank)
+        if isinstance(e, ir.ProdOthers):
+            self.used_ops.add("prod_of_others")
+            return self.tmp(f"prod_of_others({body.code}, dim={axis})", body.axes, body.rank)
         code = {"sum": f"{body.code}.sum({axis})", "mean": f"{body.code}.mean({axis})",
                 "logsumexp": f"torch.logsumexp({body.code}, dim={axis})", "prod": f"{body.code}.prod({axis})",
                 "max": f"{body.code}.amax({axis})"}[e.op]
         return self.tmp(code, rest, body.rank)
 
-    def _context_reduce(self, e: ir.Reduce | ir.Softmax, info: IndexInfo) -> Val:
+    def _context_reduce(self, e: ir.Reduce | ir.Softmax | ir.ProdOthers, info: IndexInfo) -> Val:
         if self.lowering and isinstance(e, ir.Reduce) and e.op == "sum":
             from .lowering import lower_context_sum
             from .weighted_sums import weighted_context_sum
@@ -539,8 +545,8 @@ class Emitter:
             axes = canonical(set(body.axes) | {POS})
             bcode = self.align(body, axes, body.rank)
             ccode = self.align(Val(n, (POS,), 0), axes, body.rank)
-            if isinstance(e, ir.Softmax):
-                raise NotImplementedError("softmax of a value that does not vary over the context")
+            if isinstance(e, ir.Softmax | ir.ProdOthers):
+                raise NotImplementedError(f"{type(e).__name__.lower()} of a value that does not vary over the context")
             code = {"sum": f"{bcode} * {ccode}", "mean": f"{bcode} * ({ccode} > 0)", "max": f"{bcode} * ({ccode} > 0)",
                     "logsumexp": f"({bcode} + torch.log({ccode}.clamp(min=1))) * ({ccode} > 0)",
                     "prod": f"{bcode} ** {ccode}"}[e.op]  # an empty context: 0 (prod: 1), as `masked_reduce`
@@ -555,6 +561,9 @@ class Emitter:
         if isinstance(e, ir.Softmax):
             self.used_ops.add("masked_softmax")
             return self.tmp(f"masked_softmax({full.code}, {mask}, dim={axis})", axes, body.rank)
+        if isinstance(e, ir.ProdOthers):
+            self.used_ops.add("prod_of_others")
+            return self.tmp(f"prod_of_others({full.code}, dim={axis}, mask={mask})", axes, body.rank)
         if e.op == "sum" and isinstance(e.body, ir.Mul) and not body.scalar:  # Σ_j a_ij b_j: a contraction
             n = self._axes_flops(set(axes))
             for size in e.body.shape:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["causal_masks", "inverse", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce",
-           "projections", "softmax_attention"]
+           "prod_of_others", "projections", "softmax_attention"]
 
 
 def causal_masks(T: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -70,6 +70,17 @@ def masked_reduce(x: Tensor, mask: Tensor, dim: int, op: str) -> Tensor:
     if op == "max":  # over no tokens: 0, as logsumexp's (not -inf, which would poison every gradient)
         return torch.where(mask.any(dim), x.masked_fill(~mask, float("-inf")).amax(dim), 0.0)
     raise ValueError(op)
+
+
+def prod_of_others(x: Tensor, dim: int, mask: Tensor | None = None) -> Tensor:
+    """Entry k: the product of the entries m ≠ k along `dim` (those `mask` keeps; 0 where it drops k), the gradient
+    of a product. The products before and after k, not ∏ x / x_k: that is NaN where an entry is 0."""
+    if mask is not None:
+        x = torch.where(mask, x, 1.0)
+    before = _shift(x, dim, 1.0).cumprod(dim)
+    after = _shift(x.flip(dim), dim, 1.0).cumprod(dim).flip(dim)
+    out = before * after
+    return out if mask is None else out * mask
 
 
 def _shift(x: Tensor, dim: int, fill: float) -> Tensor:
