@@ -1080,3 +1080,28 @@ def test_the_gradient_of_a_product_is_finite_where_a_factor_is_zero(name: str, s
     torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
     inst = instance_from_params(derived.program, dict(layer.named_parameters()), x)
     torch.testing.assert_close(run_program(derived.program, inst), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_an_l2_score_on_a_normed_state_runs_as_attention() -> None:
+    """Under `u = rmsnorm(x)` the derivation writes the l2 score's coupling r(x_i) (x_i . k_j), a factor of the
+    query token times a dot. It stayed (B, T, T) weights; the factor now moves into the query, which is u."""
+    spec = """energy L2Norm(d = 8) {
+  state x[d] via u = rmsnorm(x)
+  context h[j, d] where j <= i
+  param Wk[d, d] ~ normal(0, 0.1)
+  global F = -logsumexp[j](-0.5 * ((u - Wk @ h[j]) . (u - Wk @ h[j])))
+  optimizer gd(eta = 1) wrt u
+}"""
+    derived = energydsl.load(spec).energy()
+    source = energy_source(derived)
+    assert "softmax_attention(" in source and "masked_softmax" not in source
+    layer = derived.module().double()
+    x = torch.randn(2, 7, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64, requires_grad=True)
+    got = layer(x)
+    inst = instance_from_params(derived.program, dict(layer.named_parameters()), x)
+    want = run_program(derived.program, inst)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_got = torch.autograd.grad(got.square().sum(), [x, layer.Wk])
+    g_want = torch.autograd.grad(want.square().sum(), [x, layer.Wk])
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

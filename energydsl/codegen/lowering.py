@@ -340,8 +340,10 @@ def step_cache(em: Emitter) -> dict:
 def _couplings(em: Emitter, e: Expr, j: str) -> list[tuple[sp.Expr, ir.Dot]] | None:
     """A score term as a sum of c * (a . b): (c, a . b) pairs, or None if it is not one.
 
-    A factor of no token, state or context (a learned temperature per head, `(q_k . k_j) / t_k`) moves into
-    the query side's vector, so that such scores still run as attention: c_k (a . b_j) = (c_k a) . b_j.
+    A scalar factor without the context token moves into the query side's vector, so that such scores still run
+    as attention: c (a . b_j) = (c a) . b_j, for a learned temperature per head (`(q_k . k_j) / t_k`) as for a
+    factor of the query token (the rmsnorm scale r(x_i) of an l2 score on `u = rmsnorm(x)`, which the
+    derivation writes r(x_i) (x_i . k_j)).
     `stopgrad` only matters to the derivation (done by now), so it is looked through.
     """
     match e:
@@ -361,12 +363,12 @@ def _couplings(em: Emitter, e: Expr, j: str) -> list[tuple[sp.Expr, ir.Dot]] | N
             return out
         case ir.Mul():
             coef = sp.Integer(1)
-            tensors: list[Expr] = []  # the token-free factors
+            tensors: list[Expr] = []  # the scalar factors without the context token
             rest: list[Expr] = []
             for f in e.factors:
                 if isinstance(f, ir.Scalar):
                     coef *= f.value
-                elif not f.shape and not token_axes(f, em.indices) & {BATCH, POS, j} and not _state_dependent(f):
+                elif not f.shape and j not in token_axes(f, em.indices):
                     tensors.append(f)
                 else:
                     rest.append(f)
