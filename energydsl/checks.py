@@ -27,6 +27,7 @@ import torch
 from . import ir, sympy_instance
 from .calculus import directional
 from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
+from .number_text import plain_number
 from .optimizers import UpdateProgram
 from .replay import (
     autograd_gradient,
@@ -294,6 +295,9 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     if not eta > 0:  # the first step is x − η D (momentum starts at 0): a small step along D says nothing then
         return CheckResult("descent", "fail", f"the step size η = {eta} is not positive: the update x − η D "
                            + ("does not move" if eta == 0 else "climbs F instead of descending"))
+    momentum = _momentum_range(spec.optimizer)
+    if momentum is not None and momentum.status == "fail":
+        return momentum
     inst = random_instance(prog, seed=4)
     # the step is applied to x, so descent is judged on F as a function of x: under `via` (with or
     # without `wrt u`) that is F(N(x)), never the spec's F(u), which the state's value cannot bind
@@ -340,12 +344,30 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     if not decreased:
         return CheckResult("descent", "fail", "a small step along the update raises F for some token "
                            "(the preconditioner or optimizer is not a descent direction here)")
+    if momentum is not None:
+        return momentum
     if all(c < 0 for c in curv):
         return CheckResult("descent", "warn", "small steps descend, but F is concave here along every probed "
                            "direction: no minimum near this point, and none at all where F stays concave (as "
                            "-logsumexp does; a term like ½ z·z can bound it); each step is one descent step, not a "
                            "solve")
     return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
+
+
+def _momentum_range(opt) -> CheckResult | None:
+    """β of momentum or nag over several steps, outside [0, 1). The first step starts from m = 0, where β does
+    nothing, so the descent probe alone never sees it: β ≥ 1 never lets the momentum decay (the steps grow without
+    bound), β < 0 reverses part of the last step (negative momentum: unusual, so a warning)."""
+    if opt.kind not in ("momentum", "nag") or opt.steps < 2:
+        return None
+    beta = float(opt.hyper["beta"].value)
+    if beta >= 1:
+        return CheckResult("descent", "fail", f"β = {plain_number(beta)} ≥ 1: the momentum m = β m + D never decays "
+                           f"over the {opt.steps} steps, which grow without bound; β must be in [0, 1)")
+    if beta < 0:
+        return CheckResult("descent", "warn", f"β = {plain_number(beta)} < 0: each step reverses part of the last "
+                           "(negative momentum); small steps descend, but β is usually in [0, 1)")
+    return None
 
 
 def _via_jacobian_indefinite(prog: UpdateProgram, inst: Instance) -> bool:

@@ -215,6 +215,7 @@ class _Lowering(ExpressionLowering):
             raise SpecError(f"index {idx} is used outside a reduction in the global energy", gclause.span,
                             f"wrap it in sum[{idx}](...) or logsumexp[{idx}](...)")
         self._check_wrt(opt, by_kind.get("optimizer", []))
+        self._check_seen_through_via(opt, energy, gclause)
         untie = [self._untie_rule(r) for c in by_kind.get("untie", []) for r in c.value]
         expects = {}
         for c in by_kind.get("expect", []):
@@ -225,6 +226,9 @@ class _Lowering(ExpressionLowering):
                 idx = ", ".join(sorted(claim.free))
                 raise SpecError(f"index {idx} is used outside a reduction in `expect {c.name}`", c.value.span,
                                 f"wrap it in sum[{idx}](...) or mean[{idx}](...)")
+            if c.name in expects:  # the last one would silently win: a false first claim never checked
+                raise SpecError(f"a second `expect {c.name}`: an energy states each kind once", c.span,
+                                f"the first is at {expects[c.name][1]}; keep the one you mean")
             expects[c.name] = (claim, c.span)
         self._check_dims_named_like_hypers(opt, energy)
         return EnergyIR(
@@ -559,6 +563,17 @@ class _Lowering(ExpressionLowering):
         hint = None if via else f"to take the gradient at a normalised point, declare `state {state}[...] via " \
             f"u = rmsnorm({state})` and write `wrt u`"
         raise SpecError(f"`wrt {opt.wrt}`: {found}; `wrt` must name {allowed}", span, hint)
+
+    def _check_seen_through_via(self, opt: OptimizerSpec, energy: Expr, clause: ast.Clause) -> None:
+        """Under `wrt u` the gradient is taken at u = N(x): an energy that reads x too has no gradient in u alone
+        (x moves with u), and holding x fixed would derive a direction that is not F's."""
+        if not (self.via and opt.wrt == self.via[0].name):
+            return
+        if any(isinstance(v, Var) and v.name == self.state.name for v in ir.nodes(energy)):
+            u, x = self.via[0].name, self.state.name
+            raise SpecError(f"under `wrt {u}` the energy must see the state only through `{u}`, but it reads "
+                            f"`{x}` itself", clause.span,
+                            f"write `{u}` where it reads `{x}`, or take the gradient at `{x}` (leave `wrt {u}` out)")
 
     def _kind_of(self, name: str) -> str | None:
         """What a declared name is, in words (for errors about a name used in the wrong place)."""

@@ -870,3 +870,48 @@ def test_a_refuted_scalar_expectation_says_it_stands_for_every_entry():
   expect update = 0
 }""")["expect"]
     assert holds.status == "ok", holds.detail
+
+
+# ----------------------------------------------------------------------------- found by mutating specs
+
+
+def test_a_second_expect_of_one_kind_is_refused():
+    """The last `expect update` silently replaced the first: a false claim above a true one passed."""
+    text = SELF_BIAS.format(relation="j <= i", opt="gd(eta = 1)").replace(
+        "  optimizer gd(eta = 1)\n", "  optimizer gd(eta = 1)\n  expect  update = 2 * x\n  expect  update = x\n")
+    with pytest.raises(SpecError, match="a second `expect update`") as e:
+        load(text).energy()
+    assert e.value.span.line == 11 and "the first is at <string>:10:3" in e.value.hint
+
+
+def test_an_energy_that_reads_the_state_besides_its_via_variable_is_refused_under_wrt():
+    """`wrt g` with an energy of g and x held x fixed in the derivation and crashed the checks (KeyError)."""
+    text = """energy Mixed(d = 4) {
+  state   x[d] via g = rmsnorm(x)
+  param   W[d, d] ~ normal(0, 0.02)
+  global  E = -0.5 * (g . (W @ x))
+  optimizer gd(eta = 1) wrt g
+}"""
+    with pytest.raises(SpecError, match="under `wrt g` the energy must see the state only through `g`, but it "
+                                        "reads `x` itself") as e:
+        load(text).energy()
+    assert e.value.span.line == 4
+    assert checks_of(text.replace(" wrt g", ""))["gradient"].status == "ok"  # at x, F(N(x), x) is fine
+
+
+@pytest.mark.parametrize("opt, status, says", [
+    ("momentum(beta = 5, eta = 0.5) steps 3", "fail", "β = 5 ≥ 1: the momentum m = β m + D never decays"),
+    ("nag(beta = 1.5, eta = 0.5) steps 2", "fail", "β = 1.5 ≥ 1"),
+    ("momentum(beta = -0.5, eta = 0.5) steps 2", "warn", "β = -0.5 < 0: each step reverses part of the last"),
+    ("momentum(beta = 5, eta = 0.5)", "ok", "a small step along the update lowers F"),  # one step: β unused
+])
+def test_momentum_outside_zero_one_is_reported(opt: str, status: str, says: str):
+    """The descent probe takes the first step, where m = 0 and β does nothing: β = 5 over 3 steps passed."""
+    text = """energy Q(d = 4) {
+  state   z[d]
+  param   b[d] ~ normal(0, 1)
+  global  F = 0.5 * (z . z) - b . z
+  optimizer OPT
+}""".replace("OPT", opt)
+    r = checks_of(text)["descent"]
+    assert r.status == status and r.detail.startswith(says), r.detail
