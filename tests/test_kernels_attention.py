@@ -263,10 +263,12 @@ def test_unequal_query_and_key_tiles(blocks: tuple[int, int], monkeypatch: pytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("T, D", [(1, 16), (70, 24), (130, 300)], ids=["T1-d16", "T70-d24", "T130-d300"])
+@pytest.mark.parametrize("T, D", [(1, 16), (70, 24), (130, 300), (5, 129)],
+                         ids=["T1-d16", "T70-d24", "T130-d300", "T5-d129"])
 def test_backward_row_term_matches_torch(T: int, D: int, dtype: torch.dtype) -> None:
     """`_bwd_delta_kernel`, delta_i = dO_i . o_i - dlse_i in fp32, against the torch form it replaces: rows in
-    several blocks with a padded tail, one feature tile and several (300 = 2 x 128 + a masked 44), with and
+    several blocks with a padded tail, one feature tile and several (300 = 2 x 128 + a masked 44; 129, whose last
+    tile holds one feature: a loop bound of D - 1 survived the others), with and
     without an lse gradient; o and dO each head-major (B, H, T, D) or token-major ((B, T, H, D) in memory), read
     through their strides."""
     gen = torch.Generator(device=DEVICE).manual_seed(T + D)

@@ -40,6 +40,9 @@ CASES = [
     ("light-h2", LIGHT, {"heads": 2}, "kernel"),
     ("light-strict", LIGHT.replace("where j <= i", "where j < i"), {}, "kernel"),
     ("light-untied", LIGHT.replace("  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "torch"),
+    # the T x T form's own mask: `mask` for `mask_strict` there survived every other case
+    ("light-untied-strict", LIGHT.replace("where j <= i", "where j < i").replace(
+        "  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "torch"),
     ("newton-h1", NEWTON, {"heads": 1}, "kernel"),
     ("newton-h2", NEWTON, {"heads": 2}, "kernel"),
     ("newton-strict", NEWTON.replace("where j <= i", "where j < i"), {}, "kernel"),
