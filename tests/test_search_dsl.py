@@ -238,6 +238,31 @@ search T {
     assert "optimizer gd(eta = 1) steps 2 per head\n" in src and "across layers" not in src
 
 
+def test_an_optimizer_the_search_replaces_drops_the_claims_about_the_old_one(tmp_path: Path) -> None:
+    """`expect update` states what the declared optimizer does: with `optimizer FF: choice{...}` every candidate
+    with another step was refuted, so the whole search was invalid. The search drops it (and `expect direction`)
+    from such an energy; `expect gradient`, which no optimizer changes, stays and is still checked."""
+    claims = ("  expect  update = z + W1^T @ relu(W1 @ z)\n  expect  direction = -(W1^T @ relu(W1 @ z))\n"
+              "  expect  gradient = -(W1^T @ relu(W1 @ z))\n")
+    text = TINY.replace("  global  F = -sum(integral(relu)(W1 @ z))\n  optimizer gd(eta = 1)\n",
+                        "  global  F = -sum(integral(relu)(W1 @ z))\n  optimizer gd(eta = 1)\n" + claims)
+    text += """
+search T {
+  optimizer FF: choice{ gd(eta = 0.5), gd(eta = 0.25) }
+  data shakespeare_char, steps 4
+}
+"""
+    space = load_search(write(tmp_path, text))
+    candidate = fill(space, **{"FF.optimizer": "gd(eta = 0.5)"})
+    src = candidate.source()
+    assert "optimizer gd(eta = 0.5)" in src and "expect  gradient = -(W1^T @ relu(W1 @ z))" in src
+    assert "expect  update" not in src and "expect  direction" not in src
+    assert candidate.invalid_reason() is None
+    assert "expect  update" in (tmp_path / "space.energy").read_text()  # the file itself is as written
+    wrong = load_search(write(tmp_path, text.replace("expect  gradient = -(", "expect  gradient = (")))
+    assert "`expect gradient` is refuted" in fill(wrong, **{"FF.optimizer": "gd(eta = 0.5)"}).invalid_reason()
+
+
 def test_imports_are_inlined(tmp_path: Path) -> None:
     write(tmp_path, TINY, "parts.energy")
     space = load_search(write(tmp_path, 'import "parts.energy"\n' + SEARCH))

@@ -51,7 +51,7 @@ from energydsl.search.holes import (  # source files, holes and filling them
     _setting,
     _Value,
 )
-from energydsl.search.overrides import across_override, header_override, optimizer_override
+from energydsl.search.overrides import across_override, header_override, optimizer_override, step_claims_dropped
 from energydsl.search.settings import (
     DEFAULTS,
     SET_KEYS,
@@ -213,6 +213,7 @@ class DslSpace:
             overrides.append(across_override(across, decls[self.model_name], col))
         for energy in dict.fromkeys([*opt_over, *pre_over]):
             overrides.append(optimizer_override(decls[energy], opt_over.get(energy), pre_over.get(energy), col))
+            overrides += step_claims_dropped(decls[energy])
         # the file's own holes, unless an override replaces the text they stand in
         placements: list[_Placement] = list(overrides)
         for f in self.files:

@@ -147,6 +147,19 @@ def optimizer_override(energy: tuple[_File, lark.Tree], opt: tuple[lark.Tree, Sp
     return _Placement(tf, at, at, holes, lambda fl: f"  {render(fl)}\n", "search")
 
 
+def step_claims_dropped(energy: tuple[_File, lark.Tree]) -> list[_Placement]:
+    """Deletions of the `expect update` and `expect direction` clauses of an energy whose optimizer or
+    preconditioner the search replaces: they state what the declared one does, so every candidate with another
+    would be refuted (invalid). `expect gradient` does not depend on the optimizer and stays."""
+    tf, decl = energy
+    out = []
+    for clause in _kids(decl)[1:]:
+        if clause.data == "expect_clause" and str(clause.children[0]) in ("update", "direction"):
+            s, e = _pos(clause)
+            out.append(_Placement(tf, s, e, [], lambda _fl: "", "delete"))
+    return out
+
+
 def _check_calls(file: _File, node: lark.Tree, kind: CallKind) -> None:
     """A clause's call, or each option of its `choice{...}`, as the language checks it (a known name, keywords
     it takes): a misspelt option is refused at load, not found trial by trial as pruned candidates."""
