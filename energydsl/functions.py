@@ -89,6 +89,11 @@ for _f in [
     Function("tanh", sp.tanh(X), torch.tanh, "dtanh", torch_src="torch.tanh({x})"),
     Function("dtanh", 1 - sp.tanh(X) ** 2, lambda x: 1 - torch.tanh(x) ** 2, "dtanh'", latex="\\tanh'",
              torch_src="(1 - torch.tanh({x}) ** 2)"),
+    # sin and cos: rotary position encodings (`cos(theta * i)`), periodic energies
+    Function("sin", sp.sin(X), torch.sin, "cos", torch_src="torch.sin({x})"),
+    Function("cos", sp.cos(X), torch.cos, "dcos", torch_src="torch.cos({x})"),
+    Function("dcos", -sp.sin(X), lambda x: -torch.sin(x), "dcos'", latex="\\cos'", torch_src="(-torch.sin({x}))"),
+    Function("dcos'", -sp.cos(X), lambda x: -torch.cos(x), "sin", latex="\\cos''", torch_src="(-torch.cos({x}))"),
     Function("softplus", sp.log(1 + sp.exp(X)), torch.nn.functional.softplus, "sigmoid",
              torch_src="F.softplus({x})"),
     Function("silu", X * _sig, torch.nn.functional.silu, "dsilu", latex="\\operatorname{SiLU}",
@@ -239,7 +244,8 @@ def antiderivative(name: str) -> str:
 
 _SP_TORCH: dict[type, Callable] = {
     sp.exp: torch.exp, sp.log: torch.log, sp.tanh: torch.tanh, sp.erf: torch.erf, sp.Abs: torch.abs,
-    sp.sign: torch.sign, sp.cosh: torch.cosh, sp.sinh: torch.sinh, sp.sqrt: torch.sqrt,
+    sp.sign: torch.sign, sp.cosh: torch.cosh, sp.sinh: torch.sinh, sp.sqrt: torch.sqrt, sp.sin: torch.sin,
+    sp.cos: torch.cos,
 }
 
 

@@ -23,7 +23,7 @@ from .ir_nodes import Expr, IndexInfo, ShapeError, Var
 if TYPE_CHECKING:
     from .semantics import _Scope
 
-FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus"}
+FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus", "sin", "cos"}
 SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye"}
 EPS = sp.Rational(1, 10**6)
 

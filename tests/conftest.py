@@ -85,7 +85,8 @@ def corpus(tmp_path_factory) -> Path:
 
 
 # the energies of tests/data/weighted-context-sums.energy: context sums of an element-wise weight of one score
-WEIGHTED_SUMS = ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel", "MultiquadricWeights"]
+WEIGHTED_SUMS = ["SigmoidAttention", "ReluSquaredStrict", "SigmoidMeanStrict", "GaussianKernel", "MultiquadricWeights",
+                 "SinusoidWeights"]
 
 
 def lay(t, layout: str):

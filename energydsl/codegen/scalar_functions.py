@@ -106,7 +106,7 @@ TRITON_FUNCTIONS = {
 _SYMPY_TRITON = {sp.exp: "tl.exp({x})", sp.log: "tl.log({x})", sp.erf: "tl.math.erf({x})", sp.Abs: "tl.abs({x})",
                  sp.sign: TRITON_FUNCTIONS["sign"], sp.tanh: TRITON_FUNCTIONS["tanh"],
                  sp.cosh: "0.5 * (tl.exp({x}) + tl.exp(-{x}))", sp.sinh: "0.5 * (tl.exp({x}) - tl.exp(-{x}))",
-                 sp.Heaviside: TRITON_FUNCTIONS["step"]}
+                 sp.sin: "tl.sin({x})", sp.cos: "tl.cos({x})", sp.Heaviside: TRITON_FUNCTIONS["step"]}
 
 
 class _TritonPrinter:

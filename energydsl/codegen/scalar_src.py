@@ -9,7 +9,7 @@ from ..functions import REGISTRY, X
 
 # SymPy's function classes (a square root is a Pow in SymPy, printed as `** 0.5` by `sympy_src`)
 _SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.erf: "erf", sp.Abs: "abs", sp.sign: "sign",
-             sp.cosh: "cosh", sp.sinh: "sinh"}
+             sp.cosh: "cosh", sp.sinh: "sinh", sp.sin: "sin", sp.cos: "cos"}
 
 
 def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
