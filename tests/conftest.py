@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,3 +139,11 @@ def within(seconds: int, why: str = "work that should take seconds"):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+_PROGRESS_LINE = re.compile(r"^step \d+/\d+: train loss .*\n", re.M)
+
+
+def without_progress(err: str) -> str:
+    """stderr without the line per evaluation `energy train` prints where stderr is not a terminal."""
+    return _PROGRESS_LINE.sub("", err)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import strict_json
+from conftest import strict_json, without_progress
 
 from energydsl.training import load_checkpoint
 
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ------------------------------------------------------------------------------------ command line
 
 
-def energy(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run the `energy` CLI in this process (much faster than a subprocess): exit status, stdout, stderr."""
+def energy(monkeypatch, capsys, *args: str, progress: bool = False) -> tuple[int, str, str]:
+    """Run the `energy` CLI in this process (much faster than a subprocess): exit status, stdout, stderr (without
+    the progress lines of each evaluation unless `progress`)."""
     from energydsl import cli
 
     monkeypatch.setattr(sys, "argv", ["energy", *args])
@@ -32,7 +34,7 @@ def energy(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     except SystemExit as e:
         code = e.code
     captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return code, captured.out, captured.err if progress else without_progress(captured.err)
 
 
 def tiny_cli_run(corpus: Path, out: Path, *more: str) -> list[str]:
@@ -160,6 +162,7 @@ def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path, signum, status
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == status, err
+    err = without_progress(err)
     step = json.loads((tmp_path / "last.json").read_text())["training"]["step"]
     assert step > 0 and err.strip() == (f"interrupted at step {step}: saved {tmp_path / 'last.safetensors'}; "
                                         "rerun the same command to resume")
@@ -415,3 +418,15 @@ def test_cli_compile_failure_is_exit_2_and_names_the_flag(corpus, tmp_path):
     assert proc.stderr.startswith("error: --compile: torch.compile failed: ") and "no-such-g++" in proc.stderr
     assert "hint: train without --compile" in proc.stderr and "Traceback" not in proc.stderr
     assert not list((tmp_path / "run").glob("*.safetensors"))
+
+
+def test_without_a_terminal_each_evaluation_prints_one_line(corpus, tmp_path, monkeypatch, capsys):
+    """The progress bar shows only on a terminal; a log file got nothing until the summary. Now one line per
+    evaluation; `--json` still prints only the summary."""
+    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "4"), progress=True)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["step 0/4", "step 2/4", "step 4/4"], err
+    assert re.fullmatch(r"step 0/4: train loss \d+\.\d{4}, val loss \d+\.\d{4} \(best\)", lines[0]), lines[0]
+    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "json", "--steps", "4", "--json"))
+    assert code == 0 and err == "", err

@@ -197,7 +197,8 @@ def train(
     """Train `model` on `dataset`; returns losses, steps, throughput (tokens/s, training steps only).
 
     Resumes from `out_dir/last.*` when `resume` and the checkpoint's metadata equals `metadata`
-    (the caller's description of the model, e.g. spec source and dims). `on_eval(step, val_loss)`
+    (the caller's description of the model, e.g. spec source and dims). `progress`: a progress bar on a terminal,
+    and elsewhere (a log file, a batch job) one line per evaluation on stderr. `on_eval(step, val_loss)`
     returning True stops after that evaluation. Raises `TrainingDiverged` on a NaN/inf or exploding
     loss (see the module docstring), leaving the last checkpoint (saved at the previous evaluation)
     untouched; the exception's `checkpoint` names it (None if there is none), `checkpoint_step` its
@@ -529,6 +530,9 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             run.save(("last", "best") if improved else ("last",), model, state, resume_state)
             run.plot()
             bar.set_postfix(loss=f"{shown['loss']:.4f}", val=f"{losses['val']:.4f}", refresh=False)
+            if progress and not show:  # no terminal (a log file, a batch job): one line per evaluation instead
+                print(f"step {step}/{config.steps}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                      + (" (best)" if improved else ""), file=sys.stderr, flush=True)
             if on_eval is not None and on_eval(step, losses["val"]) and step < config.steps:
                 stopped_early = True
             started = time.perf_counter()
