@@ -383,16 +383,19 @@ def train_(
                             f"--block-size of at most {model.block_size}")
         dataset = load_dataset(data)
         example = getattr(dataset, "seq_len", None)  # a task's examples are whole rows of this many tokens
+        problems, fixes = [], []  # both the block and the vocab, in one message: not one rerun for each
         if example is not None and config.block_size < example:
-            fix = ([f"--set context={example}"] if example > model.block_size else []) + \
+            fixes += ([f"--set context={example}"] if example > model.block_size else []) + \
                 ([f"--block-size {example}"] if block_size else [])
-            raise UserError(f"{dataset.name} examples are {example} tokens long but the block size is "
-                            f"{config.block_size}" + ("" if block_size else " (the model's context)"),
-                            hint=f"add {' '.join(fix)}")
-        dataset.check_block_size(config.block_size)
+            problems.append(f"{dataset.name} examples are {example} tokens long but the block size is "
+                            f"{config.block_size}" + ("" if block_size else " (the model's context)"))
         if dataset.vocab_size > model.vocab_size:
-            raise UserError(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
-                            f"{model.vocab_size}", hint=f"add --set vocab={dataset.vocab_size}")
+            problems.append(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
+                            f"{model.vocab_size}")
+            fixes.append(f"--set vocab={dataset.vocab_size}")
+        if problems:
+            raise UserError("; and ".join(problems), hint=f"add {' '.join(fixes)}")
+        dataset.check_block_size(config.block_size)
         dims = {k: plain_value(v) for k, v in model.plan.dims.items()}
         metadata = {"spec_path": str(Path(file).resolve()), "spec_source": read_text(file),
                     "model": model.plan.name, "dims": dims, "context": model.block_size,

@@ -480,6 +480,10 @@ def test_a_model_names_what_is_wrong_with_its_token_ids(idx, message: str) -> No
      "listops examples are 65 tokens long but the block size is 32\nhint: add --set context=65 --block-size 65"),
     (["train", "examples/models/gpt.energy", "--data", "listops", "--block-size", "32", "--set", "context=128"],
      "block size is 32\nhint: add --block-size 65"),
+    # both at once (they came one rerun at a time)
+    (["train", "examples/models/gpt.energy", "--data", "mqar", "--set", "context=32"],
+     "mqar examples are 64 tokens long but the block size is 32 (the model's context); and dataset mqar has 8192 "
+     "tokens but the model's vocab is 65\nhint: add --set context=64 --set vocab=8192"),
 ])
 def test_model_cli_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
     r = _run(*args)
