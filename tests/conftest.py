@@ -147,3 +147,16 @@ _PROGRESS_LINE = re.compile(r"^step \d+/\d+: train loss .*\n", re.M)
 def without_progress(err: str) -> str:
     """stderr without the line per evaluation `energy train` prints where stderr is not a terminal."""
     return _PROGRESS_LINE.sub("", err)
+
+
+# a learned self-token bias under a strict context, which never holds the token itself: it never trains
+STRICT_SELF_BIAS = """energy StrictSelf(d = 8) {
+  state   x[d]
+  context h[j, d] where j < i
+  param   WQ[d, d] ~ normal(0, 0.02)
+  param   b_self = 0 learn
+  local   s[j] = (WQ @ x) . h[j] + b_self * relu(1 - abs(i - j))
+  global  E = -logsumexp[j](s[j])
+  optimizer gd(eta = 1)
+}
+"""

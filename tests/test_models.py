@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import multi_head_linear_attention
+from conftest import STRICT_SELF_BIAS, multi_head_linear_attention
 
 import energydsl
 from benchmarks.reference_gpt import GPT
@@ -647,16 +647,7 @@ def test_a_model_check_names_parameters_that_never_train(tmp_path: Path) -> None
     """A self-token bias under `j < i` gets no gradient in the model either; `energy check` on a file that only
     imports its energies checks its model (such a file was 'declares no energy' before)."""
     energies = tmp_path / "strict.energy"
-    energies.write_text("""energy StrictSelf(d = 8) {
-  state   x[d]
-  context h[j, d] where j < i
-  param   WQ[d, d] ~ normal(0, 0.02)
-  param   b_self = 0 learn
-  local   s[j] = (WQ @ x) . h[j] + b_self * relu(1 - abs(i - j))
-  global  E = -logsumexp[j](s[j])
-  optimizer gd(eta = 1)
-}
-""")
+    energies.write_text(STRICT_SELF_BIAS)
     model = tmp_path / "model.energy"
     model.write_text('import "strict.energy"\nmodel M(vocab = 11, context = 8, d = 8, layers = 2) {\n'
                      "  embed tokens\n  layer = StrictSelf(d)\n  repeat layers\n  head tied\n}\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import STRICT_SELF_BIAS
 
 import energydsl
 from energydsl.errors import TrainingDiverged, UserError
@@ -232,16 +233,7 @@ def test_a_device_and_a_base_of_the_wrong_kind_are_named(gpt, data) -> None:
         energydsl.load((ROOT / "examples/intrinsic-optimizers/mha.energy").read_text(), base=3)
 
 
-STRICT_SELF_BIAS = """energy StrictSelf(d = 8) {
-  state   x[d]
-  context h[j, d] where j < i
-  param   WQ[d, d] ~ normal(0, 0.02)
-  param   b_self = 0 learn
-  local   s[j] = (WQ @ x) . h[j] + b_self * relu(1 - abs(i - j))
-  global  E = -logsumexp[j](s[j])
-  optimizer gd(eta = 1)
-}
-energy Lora(d = 8, r = 2) {
+STRICT_SELF_BIAS_AND_LORA = STRICT_SELF_BIAS + """energy Lora(d = 8, r = 2) {
   state   z[d]
   param   A[r, d] ~ normal(0, 0.02)
   param   B[d, r] ~ zeros()
@@ -264,7 +256,7 @@ def test_parameters_that_never_get_a_gradient_are_named(gpt, data) -> None:
     any of GPT's. (With `-sum(integral(gelu)((B @ A) @ z))`, B = 0 is a saddle: gelu(0) = 0 gives B no gradient
     either, and A, B and the norm before them are all named, rightly.)"""
     notices: list[str] = []
-    model = energydsl.load(STRICT_SELF_BIAS).model("M")
+    model = energydsl.load(STRICT_SELF_BIAS_AND_LORA).model("M")
     train(model, data, tiny(steps=8, eval_interval=8), None, metadata={}, progress=False, notify=notices.append)
     assert notices == ["2 parameters got no gradient in the first 5 steps and will not train: layers.0.0.b_self, "
                        "layers.1.0.b_self. `energy check` on the energy that declares them says why, in its `params` "
