@@ -192,7 +192,7 @@ def test_lowering_benchmark_times_a_named_energy_of_a_file_with_several() -> Non
     assert "SigmoidAttention(d=8, heads=2" in out.stdout and "ratio lowered / generic" in out.stdout
     assert "against the generic layer in float64: lowered" in out.stdout
     out = _run(*args)
-    assert out.returncode == 2 and "declares 5 energies" in out.stderr and "--name" in out.stderr
+    assert out.returncode == 2 and "declares 6 energies" in out.stderr and "--name" in out.stderr
 
 
 def test_model_vs_reference_times_both_models_eager_and_compiled() -> None:
