@@ -87,22 +87,27 @@ def test_a_weighted_context_sum_contracts_the_weights_with_the_values(name: str)
     assert largest < pairs * d // 2, (largest, pairs)  # T x T (x heads), not x features as well
 
 
-def _matches_interpreter(derived, T: int = 7, backend: str = "torch", atol: float = 1e-12):
+def _matches_interpreter(derived, T: int = 7, backend: str = "torch", atol: float = 1e-12,
+                         context: tuple[int, ...] | None = None):
     """The module's update, displacement and training gradients against the reference interpreter, float64;
-    returns (module, x, the interpreter's update)."""
+    returns (module, x, the interpreter's update). `context`: a context of this shape per token, where it is
+    not the state's (by default the context is the state, as in a model)."""
     module = _perturbed(module_class(derived, backend)())
     x = module.example_input(2, T).double()
     x.requires_grad_()
-    out = module(x)
-    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x))
+    h = None if context is None else torch.randn(2, T, *context, dtype=torch.float64,
+                                                 generator=torch.Generator().manual_seed(2)).requires_grad_()
+    out = module(x, context=h)
+    ref = run_program(derived.program, instance_from_params(derived.program, _raw(module), x, context=h))
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=atol)
-    torch.testing.assert_close(module(x, delta=True), ref - x, rtol=1e-9, atol=max(atol, 1e-11))
-    # training gradients: the input's and every parameter's, under a random cotangent
-    leaves = [x, *module.parameters()]
+    torch.testing.assert_close(module(x, context=h, delta=True), ref - x, rtol=1e-9, atol=max(atol, 1e-11))
+    # training gradients: the input's (and context's) and every parameter's, under a random cotangent
+    leaves = [x, *([] if h is None else [h]), *module.parameters()]
     cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
     got = torch.autograd.grad(out, leaves, cotangent, allow_unused=True)
     want = torch.autograd.grad(ref, leaves, cotangent, allow_unused=True)
-    for (label, _), g, w in zip([("x", x), *module.named_parameters()], got, want, strict=True):
+    labelled = [("x", x), *([] if h is None else [("context", h)]), *module.named_parameters()]
+    for (label, _), g, w in zip(labelled, got, want, strict=True):
         assert (g is None) == (w is None), label
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m, label=label: f"{label}: {m}")
@@ -1147,3 +1152,30 @@ def test_sin_and_cos_derive_check_and_compile() -> None:
     results = derived.check()
     assert all(r.ok for r in results) and {r.name for r in results} >= {"gradient", "sympy", "hessian", "update"}
     _matches_interpreter(derived)
+
+
+_DELTA_RULE = """energy Delta(d = 8, dk = 4, dv = 3) {
+  state Z[dk, dv]
+  context h[j, d] where j <= i
+  param Wk[dk, d] ~ normal(0, 0.3)
+  param Wv[dv, d] ~ normal(0, 0.3)
+  let r[j] = Z^T @ (Wk @ h[j]) - Wv @ h[j]
+  global F = 0.5 * sum[j](r[j] . r[j])
+  optimizer gd(eta = 0.1)
+}"""
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("relation", ["j <= i", "j < i"])
+def test_the_delta_rule_runs_on_prefix_sums(backend: str, relation: str) -> None:
+    """Σ_j (Zᵀ k_j − v_j) k_jᵀ, the delta rule's gradient, was a (B, T, T, dv, dk) tensor of pair products. It is
+    Zᵀ (Σ_j k_j k_jᵀ) − Σ_j v_j k_jᵀ now: two prefix sums along j and a matrix product per token."""
+    derived = energydsl.load(_DELTA_RULE.replace("j <= i", relation)).energy()
+    source = energy_source(derived, backend)
+    assert source.count("prefix_reduce(") == 2 and "masked_reduce" not in source
+    for T in (7, 1):
+        _matches_interpreter(derived, T, backend, context=(8,))
+    module = module_class(derived, backend)()
+    x, h = module.example_input(2, 64).requires_grad_(), torch.randn(2, 64, 8)
+    largest = largest_tensor_made(lambda: module(x, context=h).square().sum().backward())
+    assert largest <= 2 * 64 * 8 * 8, largest  # (B, T, dk, dk) and the context's own: no T x T

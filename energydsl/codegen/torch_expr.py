@@ -532,11 +532,15 @@ class Emitter:
     def _context_reduce(self, e: ir.Reduce | ir.Softmax | ir.ProdOthers, info: IndexInfo) -> Val:
         if self.lowering and isinstance(e, ir.Reduce) and e.op == "sum":
             from .lowering import lower_context_sum
+            from .outer_sums import query_factored_sum
             from .weighted_sums import weighted_context_sum
 
             out = lower_context_sum(self, e, info) or weighted_context_sum(self, e, info.strict)
             if out is not None:
                 return out
+            factored = query_factored_sum(e, self._side(e.index))
+            if factored is not None:  # the delta rule's Σ_j (Zᵀ k_j − v_j) k_jᵀ: prefix sums, not T x T pairs
+                return self.emit(factored)
         body = self.emit(e.body)
         j = e.index
         strict = info.strict
@@ -572,6 +576,14 @@ class Emitter:
         self.used_ops.add("masked_reduce")
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
+
+    def _side(self, j: str):
+        """Which token a value depends on: "query" (not j), "key" (j, not the query's position) or None (both)."""
+        def side(t: Expr) -> str | None:
+            axes = token_axes(t, self.indices)
+            return "query" if j not in axes else "key" if POS not in axes else None
+
+        return side
 
     def _prefix(self, e: ir.Reduce, body: Val, strict: bool) -> Val:
         """Σ_{j ≤ i} v_j of a value without the query position: a prefix sum along j, which becomes i."""
