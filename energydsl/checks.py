@@ -477,12 +477,12 @@ def check_params(prog: UpdateProgram) -> CheckResult | None:
         reached |= {name for name, g in zip(leaves, grads) if g is not None and bool(g.abs().sum() > 0)}
     idle = [name for name in learned if name not in reached]
     if idle:
-        names = ", ".join(f"`{name}`" for name in idle)
-        return CheckResult("params", "warn", f"{names} get{'s' if len(idle) == 1 else ''} no gradient through the "
-                           "update on 2 random instances, so training never moves "
-                           f"{'it' if len(idle) == 1 else 'them'}: masked out (a self-token term under "
-                           "`where j < i`), outside the update, or seen only through `step`? Declare it `fixed`, or "
-                           "remove it")
+        names, one = ", ".join(f"`{name}`" for name in idle), len(idle) == 1
+        it = "it" if one else "them"
+        return CheckResult("params", "warn", f"{names} get{'s' if one else ''} no gradient through the update on 2 "
+                           f"random instances, so training never moves {it}: masked out (a self-token term under "
+                           f"`where j < i`), outside the update, or seen only through `step`? Declare {it} `fixed`, "
+                           f"or remove {it}")
     return CheckResult("params", "ok", f"every learned param ({len(learned)}) gets a gradient through the update")
 
 
