@@ -66,7 +66,8 @@ def _outer_terms(body: Expr) -> list[tuple[Expr, Expr, Expr]] | None:
             out += part
         return out
     if isinstance(body, ir.Mul) and len(body.factors) == 2 and isinstance(body.factors[0], ir.Scalar):
-        return [(ir.mul(body.factors[0], c), a, b) for c, a, b in (_outer_terms(body.factors[1]) or [])] or None
+        inner = _outer_terms(body.factors[1])
+        return None if inner is None else [(ir.mul(body.factors[0], c), a, b) for c, a, b in inner]
     if isinstance(body, ir.Outer):
         lefts = body.a.terms if isinstance(body.a, ir.Add) else (body.a,)
         rights = body.b.terms if isinstance(body.b, ir.Add) else (body.b,)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
@@ -538,7 +539,7 @@ class Emitter:
             out = lower_context_sum(self, e, info) or weighted_context_sum(self, e, info.strict)
             if out is not None:
                 return out
-            factored = query_factored_sum(e, self._side(e.index))
+            factored = query_factored_sum(e, self.side(e.index))
             if factored is not None:  # the delta rule's Σ_j (Zᵀ k_j − v_j) k_jᵀ: prefix sums, not T x T pairs
                 return self.emit(factored)
         body = self.emit(e.body)
@@ -577,7 +578,7 @@ class Emitter:
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
 
-    def _side(self, j: str):
+    def side(self, j: str) -> Callable[[Expr], str | None]:
         """Which token a value depends on: "query" (not j), "key" (j, not the query's position) or None (both)."""
         def side(t: Expr) -> str | None:
             axes = token_axes(t, self.indices)

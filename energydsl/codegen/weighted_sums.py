@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import ir
 from ..ir import Expr
-from .torch_expr import POS, Val, canonical, token_axes
+from .torch_expr import POS, Val, canonical
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
@@ -38,11 +38,7 @@ def weighted_context_sum(em: Emitter, e: ir.Reduce, strict: bool) -> Val | None:
     """`Σ_j w_ij v_j` as the masked weights times the values (one einsum), its dots and pair vectors regrouped
     first; None where the sum is not of that shape (the caller emits the masked form)."""
     j = e.index
-
-    def side(t: Expr) -> str | None:
-        axes = token_axes(t, em.indices)
-        return "query" if j not in axes else "key" if POS not in axes else None
-
+    side = em.side(j)
     body = expand_pair_dots(e.body, side)
     factors = list(body.factors) if isinstance(body, ir.Mul) else [body]
     vectors = [f for f in factors if f.shape and side(f) is None]

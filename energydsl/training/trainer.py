@@ -558,7 +558,8 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                 if p.grad is not None and name in idle_watch:
                     torch.logical_or(idle_watch[name], p.grad.ne(0).any(), out=idle_watch[name])
             if step + 1 - start_step >= IDLE_WATCH_STEPS or step + 1 >= config.steps:
-                idle = [name for name, moved in idle_watch.items() if not moved.item()]
+                moved = torch.stack(list(idle_watch.values())).tolist() if idle_watch else []  # one sync for all
+                idle = [name for name, got in zip(idle_watch, moved, strict=True) if not got]
                 if idle:
                     with tqdm.external_write_mode():  # the line above the progress bar, not through it
                         (notify or _warn)(_idle_notice(idle, step + 1 - start_step))
