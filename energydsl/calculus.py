@@ -17,6 +17,7 @@ from .ir import (
     ZERO,
     Add,
     Count,
+    Decay,
     Diag,
     Dot,
     Expr,
@@ -97,7 +98,7 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
             case Var():
                 if e.name == wrt.name and e.role == wrt.role:
                     parts.append((g, bound))
-            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad():
+            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Decay():  # Decay: of the context
                 return
             case Index():  # the language refuses it (semantics); never a silent zero
                 raise NotDifferentiable(f"no derivative rule for an entry of a value of `{wrt.name}`")
@@ -185,7 +186,7 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
         match x:
             case Var():
                 return v if (x.name == wrt.name and x.role == wrt.role) else ZERO
-            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad():
+            case Scalar() | Pos() | Ones() | Identity() | Count() | StopGrad() | Decay():  # Decay: of the context
                 return ZERO
             case Index():
                 if any(isinstance(y, Var) and y.name == wrt.name and y.role == wrt.role for y in nodes(x)):

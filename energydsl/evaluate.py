@@ -18,6 +18,7 @@ from .functions import REGISTRY, sympy_to_torch
 from .ir_nodes import (
     Add,
     Count,
+    Decay,
     Diag,
     Dot,
     Expr,
@@ -214,6 +215,8 @@ def _eval(e: Expr, env: Env) -> Value:
             return Value(torch.linalg.inv(a.tensor), a.idx)
         case Reduce() | Softmax() | ProdOthers():
             return _reduce(e, env)
+        case Decay():
+            return _decay(e, env)
     raise NotImplementedError(type(e).__name__)
 
 
@@ -281,6 +284,21 @@ def _prod_of_others(t: torch.Tensor, axis: int, mask: torch.Tensor | None) -> to
         [1] * axis + [n, n] + [1] * (t.dim() - axis - 1))
     out = torch.where(diagonal, torch.ones_like(t.unsqueeze(axis)), t.unsqueeze(axis)).prod(axis + 1)
     return out if mask is None else out * mask.to(out.dtype)
+
+
+def _decay(e: Decay, env: Env) -> Value:
+    """γ_ij = ∏ r_s over the context tokens s after j (j < s ≤ i, or s < i under `j < i`) as a product over an
+    (i, j, s) table, 1 past the last: plain, and independent of the generated code's cumulative sums of log r."""
+    r = evaluate(e.body, env)  # (B, 1, ..., T_j at `axis`, ...): the rate of each context token
+    axis = 2 + r.idx.index(e.index)
+    rates = r.tensor.movedim(axis, -1).unsqueeze(axis)  # (B, 1, ..., 1 (j), ..., T_s)
+    n = env.seq_len
+    pos = torch.arange(n, device=rates.device)
+    i, j, s = pos.reshape(n, 1, 1), pos.reshape(1, n, 1), pos.reshape(1, 1, n)
+    last = i - 1 if env.indices[e.index].strict else i
+    between = ((j < s) & (s <= last)).reshape([1, n] + [1] * (axis - 2) + [n] + [1] * (rates.dim() - axis - 2) + [n])
+    rates = rates.expand(*[n if a == 1 else -1 for a in range(rates.dim())])
+    return Value(torch.where(between, rates, torch.ones_like(rates)).prod(-1), r.idx)
 
 
 def _index_size(name: str, env: Env) -> int:

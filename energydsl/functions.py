@@ -96,6 +96,11 @@ for _f in [
     Function("dcos'", -sp.cos(X), lambda x: -torch.cos(x), "sin", latex="\\cos''", torch_src="(-torch.cos({x}))"),
     Function("softplus", sp.log(1 + sp.exp(X)), torch.nn.functional.softplus, "sigmoid",
              torch_src="F.softplus({x})"),
+    # log sigmoid: the log of a `decay` rate (ir.log_rate), finite where sigmoid underflows to 0
+    Function("logsigmoid", -sp.log(1 + sp.exp(-X)), torch.nn.functional.logsigmoid, "dlogsigmoid",
+             latex="\\log\\sigma", torch_src="F.logsigmoid({x})"),
+    Function("dlogsigmoid", 1 / (1 + sp.exp(X)), lambda x: torch.sigmoid(-x), None, latex="(\\log\\sigma)'",
+             torch_src="torch.sigmoid(-{x})"),
     Function("silu", X * _sig, torch.nn.functional.silu, "dsilu", latex="\\operatorname{SiLU}",
              torch_src="F.silu({x})"),
     Function("dsilu", sp.diff(X * _sig, X),

@@ -21,6 +21,7 @@ import sympy as sp
 from .ir_nodes import (
     Add,
     Count,
+    Decay,
     Diag,
     Dot,
     Expr,
@@ -49,11 +50,11 @@ from .ir_nodes import (
 )
 
 __all__ = [  # the node types are re-exported: codegen, api and the tests name them `ir.X`
-    "Add", "Count", "Diag", "Dot", "Expr", "Func", "Identity", "Index", "IndexInfo", "Inverse", "Let", "MatMul",
-    "Mul", "Ones", "Outer", "Pos", "Pow", "ProdOthers", "Reduce", "Scalar", "Shape", "ShapeError", "Softmax",
+    "Add", "Count", "Decay", "Diag", "Dot", "Expr", "Func", "Identity", "Index", "IndexInfo", "Inverse", "Let",
+    "MatMul", "Mul", "Ones", "Outer", "Pos", "Pow", "ProdOthers", "Reduce", "Scalar", "Shape", "ShapeError", "Softmax",
     "StopGrad", "SumAll", "Transpose", "Var",
     "ONE", "ZERO", "add", "add_broadcast", "count_nodes", "dot", "fmt_shape", "func", "is_one", "is_zero",
-    "matmul", "mul", "neg", "outer", "power", "rebuild", "reduce", "same_shape", "scalar", "substitute",
+    "log_rate", "matmul", "mul", "neg", "outer", "power", "rebuild", "reduce", "same_shape", "scalar", "substitute",
     "sum_all", "transpose", "walk",
 ]
 
@@ -278,6 +279,33 @@ def func(name: str, a: Expr) -> Expr:
     return Func(name, a)
 
 
+def log_rate(r: Expr) -> Expr | None:
+    """log r for a rate positive by its form, None for any other: `decay(r)` accumulates log r over the tokens
+    (γ_ij = exp(Σ_{j<s≤i} log r_s)), and only these forms have a log that is finite wherever r is.
+
+    sigmoid(x) gives logsigmoid(x) (finite where sigmoid underflows to 0 in float32), exp(y) gives y (and
+    exp(-softplus(u)), Mamba-2's rate, which is sigmoid(-u), logsigmoid(-u)); products, powers and positive
+    numbers follow."""
+    match r:
+        case Let():
+            return log_rate(r.body)
+        case Func(name="sigmoid"):
+            return func("logsigmoid", r.arg)
+        case Func(name="exp") if isinstance(r.arg, Mul) and len(r.arg.factors) == 2 and r.arg.factors[0] == Scalar(-1) \
+                and isinstance(r.arg.factors[1], Func) and r.arg.factors[1].name == "softplus":
+            return func("logsigmoid", neg(r.arg.factors[1].arg))
+        case Func(name="exp"):
+            return r.arg
+        case Scalar() if r.value.is_positive:
+            return Scalar(sp.log(r.value))
+        case Pow() if log_rate(r.base) is not None:
+            return mul(Scalar(r.exponent), log_rate(r.base))
+        case Mul():
+            logs = [log_rate(f) for f in r.factors]
+            return None if any(g is None for g in logs) else add(*logs)
+    return None
+
+
 def sum_all(a: Expr) -> Expr:
     if is_zero(a):
         return ZERO
@@ -441,6 +469,8 @@ def rebuild(e: Expr, kids: list[Expr]) -> Expr:
             return Softmax(e.index, kids[0])
         case ProdOthers():
             return ProdOthers(e.index, kids[0])
+        case Decay():
+            return Decay(e.index, kids[0])
         case StopGrad():
             return StopGrad(kids[0])
         case Diag():

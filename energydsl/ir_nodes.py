@@ -353,6 +353,23 @@ class ProdOthers(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Decay(Expr):
+    """`decay(r[j])`: γ_ij = ∏ r_s over the context tokens s after j (j < s ≤ i; s < i under `j < i`, which reads
+    no rate of token i itself): the cumulative gate of GLA, Mamba-2 or the Forgetting Transformer, RetNet's
+    a^(i−j) made data-dependent. 1 at the last context token.
+
+    `body` (r) is a scalar of context token `index` alone, so γ is a constant of the calculus: it depends on the
+    context, not on the state. Keeps `index` free, and depends on the query's position as Softmax does."""
+
+    index: str
+    body: Expr
+
+    @cached_property
+    def shape(self) -> Shape:
+        return ()
+
+
+@dataclass(frozen=True, eq=False)
 class Count(Expr):
     """The number of terms a reduction over `index` has (context size for j).
 

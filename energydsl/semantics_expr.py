@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .semantics import _Scope
 
 FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus", "sin", "cos"}
-SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye"}
+SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye", "decay"}
 EPS = sp.Rational(1, 10**6)
 
 
@@ -279,11 +279,40 @@ class ExpressionLowering:
                     size *= s
                 total = ir.mul(ir.Scalar(1 / size), total)
             return total
+        if f == "decay":
+            return self._decay(vals, n.span)
         if f == "eye":
             if len(vals) != 1 or not isinstance(vals[0], ir.Scalar):
                 raise SpecError("eye(n) takes a size", n.span)
             return ir.Identity(vals[0].value)
         raise SpecError(f"unknown function `{f}`", n.span)
+
+
+    def _decay(self, vals: list[Expr], span) -> Expr:
+        """`decay(r)`: r must be a scalar of one context token and params, positive by its form."""
+        example = "decay(sigmoid(w . h[j]))"
+        if len(vals) != 1 or vals[0].shape:
+            raise SpecError(f"decay(r) takes one scalar, the rate of a context token: `{example}`", span)
+        r = vals[0]
+        tokens = sorted(k for k in r.free if self.indices[k].context is not None)
+        if len(tokens) != 1:
+            read = f"reads {len(tokens)} context indices" if tokens else "reads no context token"
+            raise SpecError(f"decay(r) multiplies r over the tokens after context token j up to i, but this r {read}",
+                            span, f"write the rate of token j, e.g. `{example}`; a rate the same for every token "
+                            "is a power: `a^(i - j)`")
+        for x in ir.nodes(r):
+            if isinstance(x, Var) and x.role not in ("context", "param") or isinstance(x, ir.Pos):
+                what = f"the {x.role} `{x.name}`" if isinstance(x, Var) else "a position"
+                raise SpecError(f"decay(r): r reads {what}; a rate may read only its context token and params", span,
+                                "γ_ij multiplies the rates of the tokens between j and i, each from its own token")
+            if isinstance(x, ir.Reduce | ir.Softmax | ir.Decay) and self.indices[x.index].context is not None:
+                raise SpecError("decay(r): r must be the rate of one token, not a sum or product over the context",
+                                span)
+        if ir.log_rate(r) is None:
+            raise SpecError("decay(r) needs a rate that is positive by its form", span,
+                            "write it as sigmoid(...) or exp(...) (products and powers of them too), e.g. "
+                            f"`{example}` or `exp(-softplus(a . h[j]))`")
+        return ir.Decay(tokens[0], r)
 
 
 def _rename(e: Expr, mapping: dict[str, str]) -> Expr:

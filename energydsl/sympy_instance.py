@@ -224,6 +224,10 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
                 return _product(terms)
             if e.op == "max":
                 return sp.Max(*terms) if terms else sp.Integer(0)  # an empty context: 0, as the evaluator's
+        case ir.Decay():  # ∏ r_s over the context tokens after j: j < s ≤ i, or s < i when strict
+            j, last = bind[e.index], i - 1 if spec.indices[e.index].strict else i
+            return _product([evaluate(e.body, prog, values, scal, {**bind, e.index: s}, i, seq)
+                             for s in range(j + 1, last + 1)])
     raise NotImplementedError(type(e).__name__)
 
 

@@ -117,6 +117,8 @@ def _matches_interpreter(derived, T: int = 7, backend: str = "torch", atol: floa
 @pytest.mark.parametrize("path", ["examples/intrinsic-optimizers/mha.energy",
                                   "examples/intrinsic-optimizers/gated-linear-attention.energy",
                                   "examples/intrinsic-optimizers/multi-head-linear-attention.energy",  # decay per head
+                                  "examples/intrinsic-optimizers/data-gated-linear-attention.energy",  # decay(r)
+                                  "examples/models/gla.energy:GatedRetention",  # decay(r) per head
                                   "examples/nrgpt/attention.energy", "examples/cem/alibi.energy",
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecay",  # exp(-lam[k] (i - j))
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict",  # (j - i)

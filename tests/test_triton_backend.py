@@ -50,6 +50,8 @@ LOWERED = [
     ("intrinsic-optimizers/linear-attention.energy", "LinearAttention", {}),
     ("intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention", {}),
     ("intrinsic-optimizers/multi-head-linear-attention.energy", "MultiHeadLinearAttention", {}),
+    ("intrinsic-optimizers/data-gated-linear-attention.energy", "DataGatedLinearAttention", {}),  # decay(r)
+    ("models/gla.energy", "GatedRetention", {}),  # decay(r) per head, untied values
     ("cem/alibi.energy", "CEMAlibiAttention", {}),
     ("cem/alibi.energy", "CEMAlibiAttention", {"heads": 1}),
     ("cem/tied-attention.energy", "CEMTiedAttention", {}),

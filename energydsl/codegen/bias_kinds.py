@@ -1,7 +1,8 @@
 """A softmax score's bias terms sorted into the kinds the attention kernels compute themselves.
 
 `bias_kinds` splits the terms of s_ij that carry the context token but no state into an ALiBi distance
-penalty (c |i - j|), a self-token bias (c [i = j]) and per-key terms (no query position). The positional
+penalty (c |i - j|), a self-token bias (c [i = j]), per-key terms (no query position) and decay gates
+(c log(decay(r)), the Forgetting Transformer's; the kernels take their key part as a per-key bias). The positional
 forms are proven with SymPy for every admissible pair (i = j + n, n >= 0, n >= 1 when strict), not matched
 by shape, so `-m * abs(i - j)` and CEM's `relu(1 - abs(i - j))` are recognised however the derivation or
 the optimizer wrote them (terms that vanish on every admissible pair are dropped); a term no kind fits
@@ -23,11 +24,16 @@ if TYPE_CHECKING:
     from .torch_expr import Emitter
 
 
-def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str, list[Expr]] | None:
-    """Split bias terms into the kernel's kinds: coefficients of |i - j| and [i = j], and per-key terms."""
-    kinds: dict[str, list[Expr]] = {"alibi": [], "self": [], "key": []}
+def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str, list] | None:
+    """Split bias terms into the kernel's kinds: coefficients of |i - j| and [i = j], per-key terms, and decay
+    gates c log(decay(r)) as (c, the decay) pairs."""
+    kinds: dict[str, list] = {"alibi": [], "self": [], "key": [], "gate": []}
     for t in terms:
         body = t.body if isinstance(t, ir.Let) else t
+        gate = _log_gate(em, body, j)
+        if gate is not None:
+            kinds["gate"].append(gate)
+            continue
         if POS not in token_axes(body, em.indices):
             if token_axes(body, em.indices) - {BATCH, j} - set(em.sizes):
                 return None
@@ -44,6 +50,21 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
         if kind != "zero":  # a term that vanishes on every admissible pair adds nothing to the scores
             kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
     return kinds
+
+
+def _log_gate(em: Emitter, e: Expr, j: str) -> tuple[Expr, ir.Decay] | None:
+    """(c, γ) for e = c log γ with γ = decay(r) over j (the Forgetting Transformer's score term) and c a number
+    or a value per head."""
+    def bare(x: Expr) -> Expr:
+        return x.body if isinstance(x, ir.Let) else x
+
+    factors = _factors(e)
+    logs = [f for f in factors if isinstance(bare(f), ir.Func) and bare(f).name == "log"
+            and isinstance(bare(bare(f).arg), ir.Decay) and bare(bare(f).arg).index == j]
+    coef = [f for f in factors if f not in logs]
+    if len(logs) != 1 or any(token_axes(f, em.indices) - set(em.sizes) for f in coef):
+        return None
+    return (ir.mul(*coef) if coef else ir.scalar(1)), bare(bare(logs[0]).arg)
 
 
 def _factors(e: Expr) -> list[Expr]:

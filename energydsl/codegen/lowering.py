@@ -173,7 +173,9 @@ def _torch_bias(em: Emitter, sc: Scores, heads: tuple[str, ...], j: str, strict:
     if not sc.bias_terms:
         return "", None
     kinds = bias_kinds(em, list(sc.bias_terms), j, strict)
-    if kinds is not None and not kinds["alibi"] and not kinds["self"]:
+    # a decay gate's key part -c G_j is large (the log decay since the first token): a feature of k in bf16 would
+    # round it away, so on this path it stays in the (T, T) bias, as the difference c (G_i - G_j)
+    if kinds is not None and not kinds["alibi"] and not kinds["self"] and not kinds["gate"]:
         if not kinds["key"]:  # every term vanishes on the admissible pairs
             return "", None
         key = key_bias_arg(em, kinds, heads, j)
@@ -253,8 +255,8 @@ def _kernel_attention(em: Emitter, sc: Scores, v: Val, kinds: dict[str, list[Exp
     qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
     vc = _as_bhtd(em, v, heads, j)
     ops = em.kernel_set(KernelRequest.attention(strict=strict, alibi=bool(kinds["alibi"]),
-                                                self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),
-                                                wide=wide))
+                                                self_bias=bool(kinds["self"]),
+                                                key_bias=bool(kinds["key"] or kinds["gate"]), wide=wide))
     args = [qc, kc, vc, *keywords]
     code = f"{ops}.energy_attention({', '.join(args)})"
     out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: the Triton attention kernels above")
@@ -276,15 +278,29 @@ def kernel_score_args(em: Emitter, sc: Scores, kinds: dict[str, list[Expr]], hea
     for kind, arg, sign in (("alibi", "alibi_slopes", -1), ("self", "self_bias", 1)):  # slopes m of -m |i - j|
         if kinds[kind]:
             keywords.append(f"{arg}={_per_head(em, em.emit(ir.mul(ir.scalar(sign), ir.add(*kinds[kind]))), heads)}")
-    if kinds["key"]:
+    if kinds["key"] or kinds["gate"]:
         keywords.append(f"key_bias={key_bias_arg(em, kinds, heads, j)}")
     return qc, kc, keywords
 
 
-def key_bias_arg(em: Emitter, kinds: dict[str, list[Expr]], heads: tuple[str, ...], j: str) -> str:
-    """The per-key bias terms as a (B, H, T) tensor."""
-    kb = em.emit(ir.add(*kinds["key"]))
+def key_bias_arg(em: Emitter, kinds: dict[str, list], heads: tuple[str, ...], j: str) -> str:
+    """The per-key bias terms as a (B, H, T) tensor, a decay gate's c log γ_ij = c (G_i - G_j) as its key part
+    -c G_j (at least float32, which the kernels read): the query's part is the same for every key of a row,
+    and a softmax drops it."""
+    parts = [em.emit(ir.add(*kinds["key"]))] if kinds["key"] else []
+    for coef, gate in kinds["gate"]:
+        parts.append(_scaled_val(em, em.emit(ir.neg(coef)), em.log_rate_prefix(gate)[1]))
+    axes = canonical(set().union(*(p.axes for p in parts)))
+    kb = parts[0] if len(parts) == 1 else em.tmp(" + ".join(em.align(p, axes, 0) for p in parts), axes, 0)
     return _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j) + "[..., 0]"
+
+
+def _scaled_val(em: Emitter, c: Val, v: Val) -> Val:
+    """c * v, c a scalar or a value per head."""
+    if c.scalar and c.code == "1.0":
+        return v
+    axes = canonical(set(c.axes) | set(v.axes))
+    return em.tmp(f"{em.align(c, axes, 0)} * {em.align(v, axes, 0)}", axes, 0)
 
 
 @dataclass
@@ -394,13 +410,16 @@ def _fold_into_query(em: Emitter, d: ir.Dot, factors: list[Expr], j: str) -> ir.
 def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     j = e.index
     qs, ks, both = _split(em, e.body, j)
-    decay = None
+    decay = None  # c of a^(i - j) = exp(c (i - j))
+    gate = None  # decay(r): per-token rates
     coupling = None
     for f in both:
         g = f.body if isinstance(f, ir.Let) else f
         d = _decay(em, g, j)
         if d is not None and decay is None:
             decay = d
+        elif isinstance(g, ir.Decay) and g.index == j and gate is None:
+            gate = g
         elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
             coupling = g
         else:
@@ -420,21 +439,36 @@ def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
         return None
     if decay is not None and not token_axes(decay, em.indices) <= set(heads):  # a decay over another axis
         return None
+    if gate is not None and not gate.body.free - {j} <= set(heads):
+        return None
     rank = v.rank
     if rank == 0:
         v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     dv = em.shape_size(e.shape[0]) if e.shape else 1
     em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
     qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
-    ld = _log_decay(em, decay, heads)
+    ld = _log_decay(em, decay, heads) if gate is None else _token_log_decay(em, gate, decay, heads)
+    # the ops' gate for pair (i, j) takes the rates of j < s <= i; a strict context's stops at i - 1 (no rate of
+    # token i itself), which is the ops' causal sum for the query one token later, shifted back (and a constant
+    # decay's a^(i - j) one factor a short: the early queries carry it)
+    early = gate is not None and info.strict
+    strict = info.strict and not early
+    if early:
+        code = f"F.pad({qc}[:, :, 1:], (0, 0, 0, 1))"
+        if decay is not None:
+            code += f" * torch.exp({_log_decay(em, decay, heads)})[:, None, None]"
+        qc = em.tmp(code, (), 4, "each query one token early").code
     if em.backend == "triton":
-        ops = em.kernel_set(KernelRequest.linear(strict=info.strict, decay=decay is not None))
-        code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
+        ops = em.kernel_set(KernelRequest.linear(strict=strict, decay=ld != "None"))
+        code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
         comment = "sum over j of (q.k_j) v_j: the chunked Triton linear-attention kernels above"
     else:
         em.used_ops.add("linear_attention")
-        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={info.strict})"
+        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
         comment = "sum over j of (q.k_j) v_j: chunked linear attention"
+    if early:
+        code = f"F.pad({code}[:, :, :-1], (0, 0, 1, 0))"
+        comment += ", with j < i: one token later"
     out = _from_bhtd(em, code, heads, rank, comment)
     if qs:
         rest = em.emit(ir.mul(*qs))
@@ -472,6 +506,24 @@ def _log_decay(em: Emitter, c: Expr | None, heads: tuple[str, ...]) -> str:
     if isinstance(c, ir.Scalar):
         return f"torch.as_tensor({em.scalar(c.value)}, dtype=dt, device=dev).reshape(1).expand({n_heads})"
     return f"{em.expand(em.emit(c), canonical(set(heads))).code}.reshape({n_heads})"
+
+
+def _token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[str, ...]) -> str:
+    """The linear-attention ops' per-token `log_decay` (B, H, T) for γ_ij = decay(r) (times exp(c (i - j))): log r
+    of every token, laid out once before the optimizer's steps, since the rates read only the context."""
+    j = gate.index
+    rate = ir.log_rate(gate.body) if c is None else ir.add(ir.log_rate(gate.body), c)
+    with em.in_prologue():
+        v = em.emit(rate)
+        key = ("log_decay", v.code, heads, j)
+        if key not in em.invariant_layouts:
+            axes = canonical({BATCH, j} | set(heads))
+            full = em.expand(v, axes)
+            order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(j)]
+            code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
+            em.invariant_layouts[key] = em.tmp(f"{code}.reshape(B, {_n_heads(em, heads)}, T)", (), 3,
+                                               f"log of decay's rates, (B, H, T): {j} as the token").code
+    return em.invariant_layouts[key]
 
 
 # ----------------------------------------------------------------------------- layout helpers

@@ -155,7 +155,8 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
                 return None
             couplings += found
     kinds = bias_kinds(em, biases, j, strict)
-    return (couplings, rows, kinds) if couplings and kinds is not None else None
+    # a decay gate in the score (c log γ_ij) has a query part too, which a function of the score does not drop
+    return (couplings, rows, kinds) if couplings and kinds is not None and not kinds["gate"] else None
 
 
 def _terms(e: Expr, tokens: Callable[[Expr], bool]) -> list[Expr]:

@@ -69,8 +69,8 @@ def scalar_function(em: Emitter, g: Expr) -> ScalarFunction | None:
 
 
 #: element-wise functions in Triton, `{x}` a name (each argument is bound to a local first); numerically
-#: stable forms where the naive one overflows (softplus, tanh, the antiderivatives of sigmoid and tanh). A function
-#: not listed prints from its formula.
+#: stable forms where the naive one overflows (softplus, log sigmoid, tanh, the antiderivatives of sigmoid and
+#: tanh). A function not listed prints from its formula.
 TRITON_FUNCTIONS = {
     "exp": "tl.exp({x})",
     "log": "tl.log({x})",
@@ -89,6 +89,8 @@ TRITON_FUNCTIONS = {
     "tanh": "2.0 * tl.sigmoid(2.0 * {x}) - 1.0",
     "dtanh": "1.0 - (2.0 * tl.sigmoid(2.0 * {x}) - 1.0) * (2.0 * tl.sigmoid(2.0 * {x}) - 1.0)",
     "softplus": "tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x})))",
+    "logsigmoid": "tl.minimum({x}, 0.0) - tl.log(1.0 + tl.exp(-tl.abs({x})))",
+    "dlogsigmoid": "tl.sigmoid(-{x})",
     "int_sigmoid": "tl.maximum({x}, 0.0) + tl.log(1.0 + tl.exp(-tl.abs({x}))) - 0.6931471805599453",
     "int_tanh": "tl.abs({x}) + tl.log(1.0 + tl.exp(-2.0 * tl.abs({x}))) - 0.6931471805599453",
     "silu": "{x} * tl.sigmoid({x})",

@@ -136,8 +136,8 @@ def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Va
     kinds = bias_kinds(em, list(sc.bias_terms), j, strict)
     if kinds is None:
         return None
-    terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]), key_bias=bool(kinds["key"]),
-                 wide=wide)
+    terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]),
+                 key_bias=bool(kinds["key"] or kinds["gate"]), wide=wide)
     shared = _shared_lse(em, sm, strict, heads)
     vc = _as_bhtd(em, v, heads, j)
     if shared is not None:  # exactly the attention's score operands: its lse is these scores' lse
