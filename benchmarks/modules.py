@@ -46,6 +46,7 @@ CASES = [
     ("CEM T = 2", "examples/cem/steps2.energy", "CEMAttentionSteps2"),
     ("Multi-head gated linear", "examples/intrinsic-optimizers/multi-head-linear-attention.energy",
      "MultiHeadLinearAttention"),
+    ("GLA, data-dependent gates", "examples/models/gla.energy", "GatedRetention"),  # decay(r) per head
     # no seed paper's: sigmoid weights, no normalisation (the pointwise kernels)
     ("Sigmoid attention", "tests/data/weighted-context-sums.energy", "SigmoidAttention"),
 ]

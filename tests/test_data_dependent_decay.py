@@ -28,7 +28,8 @@ GATED_SIGMOID = """energy GatedSigmoidWeights(d = 6) {
   optimizer gd(eta = 0.5)
 }
 """
-ENERGIES = ["DataGate", "HeadGatesStrict", "MambaRate", "ForgettingAttention", "GatedSigmoidWeights"]
+ENERGIES = ["DataGate", "HeadGatesStrict", "MambaRate", "ForgettingAttention", "NewtonGate", "MomentumForget",
+            "GatedSigmoidWeights"]
 LINEAR = ENERGIES[:3]  # the gate times (q . k_j) v_j: chunked linear attention with per-token log decays
 
 
@@ -82,7 +83,7 @@ def test_triton_backend_matches_torch_backend(name: str) -> None:
     source = energy_source(derived, "triton")
     if name in LINEAR:
         assert ".linear_attention(" in source
-    if name == "ForgettingAttention":  # the gate's key part -G_j as a per-key bias of the attention kernels
+    if name in ("ForgettingAttention", "MomentumForget"):  # the gate's key part -G_j: the kernels' key bias
         assert re.search(r"\.energy_attention\([^\n]*key_bias=", source) and "masked_" not in source
     _compare_backends(derived, name)
     _compare_backends(derived, name, T=70)

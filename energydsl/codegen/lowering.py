@@ -9,8 +9,8 @@ second-order sums of covariance and Newton-Taylor updates are in `second_order.p
   concatenated along the feature axis: q' = [c_1 a_1, c_2 a_2], k' = [b_1, b_2], so q'.k' = Σ_c c_c a_c.b_c;
   a learned factor with no token in it, a temperature per head, is moved into a_c) and state-independent
   biases;
-* product-weighted sums, `sum[j](gamma_ij (a(x_i) . b(h_j)) v_j)` with gamma = 1 or a^(i - j): linear
-  attention, chunked, O(T d^2).
+* product-weighted sums, `sum[j](gamma_ij (a(x_i) . b(h_j)) v_j)` with gamma = 1, a^(i - j) or a gate
+  `decay(r)`: linear attention, chunked, O(T d^2) (`linear_sums.py`).
 
 The torch backend calls `softmax_attention` (SDPA, fused and linear in T for a per-key bias and a strict
 context; a bias with the query's position becomes a T x T additive mask) and the chunked
@@ -35,6 +35,7 @@ from .. import ir
 from ..ir import Expr, IndexInfo
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .bias_kinds import bias_kinds
+from .gates import log_rate_prefix
 from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
@@ -44,9 +45,10 @@ if TYPE_CHECKING:
 
 def lower_context_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     """The lowered value of a context sum, or None when no primitive fits (the caller emits it generically)."""
+    from .linear_sums import linear_attention_sum
     from .second_order import second_order_sum  # it builds on the first-order forms below
 
-    return _softmax_attention(em, e, info) or _linear_attention(em, e, info) or second_order_sum(em, e, info)
+    return _softmax_attention(em, e, info) or linear_attention_sum(em, e, info) or second_order_sum(em, e, info)
 
 
 # ----------------------------------------------------------------------------- softmax-weighted sums
@@ -289,7 +291,7 @@ def key_bias_arg(em: Emitter, kinds: dict[str, list], heads: tuple[str, ...], j:
     and a softmax drops it."""
     parts = [em.emit(ir.add(*kinds["key"]))] if kinds["key"] else []
     for coef, gate in kinds["gate"]:
-        parts.append(_scaled_val(em, em.emit(ir.neg(coef)), em.log_rate_prefix(gate)[1]))
+        parts.append(_scaled_val(em, em.emit(ir.neg(coef)), log_rate_prefix(em, gate)[1]))
     axes = canonical(set().union(*(p.axes for p in parts)))
     kb = parts[0] if len(parts) == 1 else em.tmp(" + ".join(em.align(p, axes, 0) for p in parts), axes, 0)
     return _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j) + "[..., 0]"
@@ -402,128 +404,6 @@ def _fold_into_query(em: Emitter, d: ir.Dot, factors: list[Expr], j: str) -> ir.
     if j in token_axes(d.a, em.indices):
         return ir.Dot(d.a, ir.mul(*factors, d.b))
     return ir.Dot(ir.mul(*factors, d.a), d.b)
-
-
-# ----------------------------------------------------------------------------- product-weighted sums
-
-
-def _linear_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
-    j = e.index
-    qs, ks, both = _split(em, e.body, j)
-    decay = None  # c of a^(i - j) = exp(c (i - j))
-    gate = None  # decay(r): per-token rates
-    coupling = None
-    for f in both:
-        g = f.body if isinstance(f, ir.Let) else f
-        d = _decay(em, g, j)
-        if d is not None and decay is None:
-            decay = d
-        elif isinstance(g, ir.Decay) and g.index == j and gate is None:
-            gate = g
-        elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
-            coupling = g
-        else:
-            return None
-    if coupling is None or len(e.shape) > 1:
-        return None
-    a_ax = token_axes(coupling.a, em.indices)
-    qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
-    if j in token_axes(qe, em.indices) or POS in token_axes(ke, em.indices):
-        return None
-    q, k = em.emit(qe), em.emit(ke)
-    v = em.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
-    if v.scalar:
-        v = em.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
-    heads = _heads(q, k, v, j=j)
-    if any(h not in em.sizes for h in heads):
-        return None
-    if decay is not None and not token_axes(decay, em.indices) <= set(heads):  # a decay over another axis
-        return None
-    if gate is not None and not gate.body.free - {j} <= set(heads):
-        return None
-    rank = v.rank
-    if rank == 0:
-        v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
-    dv = em.shape_size(e.shape[0]) if e.shape else 1
-    em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
-    qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
-    ld = _log_decay(em, decay, heads) if gate is None else _token_log_decay(em, gate, decay, heads)
-    # the ops' gate for pair (i, j) takes the rates of j < s <= i; a strict context's stops at i - 1 (no rate of
-    # token i itself), which is the ops' causal sum for the query one token later, shifted back (and a constant
-    # decay's a^(i - j) one factor a short: the early queries carry it)
-    early = gate is not None and info.strict
-    strict = info.strict and not early
-    if early:
-        code = f"F.pad({qc}[:, :, 1:], (0, 0, 0, 1))"
-        if decay is not None:
-            code += f" * torch.exp({_log_decay(em, decay, heads)})[:, None, None]"
-        qc = em.tmp(code, (), 4, "each query one token early").code
-    if em.backend == "triton":
-        ops = em.kernel_set(KernelRequest.linear(strict=strict, decay=ld != "None"))
-        code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
-        comment = "sum over j of (q.k_j) v_j: the chunked Triton linear-attention kernels above"
-    else:
-        em.used_ops.add("linear_attention")
-        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
-        comment = "sum over j of (q.k_j) v_j: chunked linear attention"
-    if early:
-        code = f"F.pad({code}[:, :, :-1], (0, 0, 1, 0))"
-        comment += ", with j < i: one token later"
-    out = _from_bhtd(em, code, heads, rank, comment)
-    if qs:
-        rest = em.emit(ir.mul(*qs))
-        axes = canonical(set(out.axes) | set(rest.axes))
-        out = em.tmp(f"{em.align(out, axes, out.rank)} * {em.align(rest, axes, out.rank)}", axes, out.rank)
-    return out
-
-
-def _decay(em: Emitter, e: Expr, j: str) -> Expr | None:
-    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j): a number (ir.Scalar), or a
-    value per head (a[k]^(i - j), RetNet's multi-scale retention; exp(-lam[k] * (i - j)) written out) that
-    depends on no token and not on the state. The distance may be written j - i (c changes sign)."""
-    if not (isinstance(e, ir.Func) and e.name == "exp" and isinstance(e.arg, ir.Mul)):
-        return None
-    factors = list(e.arg.factors)
-    forward = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
-    for n, f in enumerate(factors):
-        sign = 1 if f == forward else -1 if f == ir.add(ir.Pos(j), ir.neg(ir.Pos(None))) else 0
-        if sign:
-            c = ir.mul(ir.scalar(sign), *factors[:n], *factors[n + 1:])
-            break
-    else:
-        return None
-    if c.shape or _state_dependent(c) or token_axes(c, em.indices) & {BATCH, POS, j}:
-        return None
-    return c
-
-
-def _log_decay(em: Emitter, c: Expr | None, heads: tuple[str, ...]) -> str:
-    """The linear-attention ops' `log_decay` argument for gamma_ij = exp(c (i - j)): None, or one log decay per
-    head of the (B, H, T, D) layout, (H,) in the order `_as_bhtd` flattens the heads."""
-    if c is None:
-        return "None"
-    n_heads = _n_heads(em, heads)
-    if isinstance(c, ir.Scalar):
-        return f"torch.as_tensor({em.scalar(c.value)}, dtype=dt, device=dev).reshape(1).expand({n_heads})"
-    return f"{em.expand(em.emit(c), canonical(set(heads))).code}.reshape({n_heads})"
-
-
-def _token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[str, ...]) -> str:
-    """The linear-attention ops' per-token `log_decay` (B, H, T) for γ_ij = decay(r) (times exp(c (i - j))): log r
-    of every token, laid out once before the optimizer's steps, since the rates read only the context."""
-    j = gate.index
-    rate = ir.log_rate(gate.body) if c is None else ir.add(ir.log_rate(gate.body), c)
-    with em.in_prologue():
-        v = em.emit(rate)
-        key = ("log_decay", v.code, heads, j)
-        if key not in em.invariant_layouts:
-            axes = canonical({BATCH, j} | set(heads))
-            full = em.expand(v, axes)
-            order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(j)]
-            code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
-            em.invariant_layouts[key] = em.tmp(f"{code}.reshape(B, {_n_heads(em, heads)}, T)", (), 3,
-                                               f"log of decay's rates, (B, H, T): {j} as the token").code
-    return em.invariant_layouts[key]
 
 
 # ----------------------------------------------------------------------------- layout helpers

@@ -10,10 +10,9 @@ Recognised forms are lowered to better primitives than the generic masked T x T 
 
 * a softmax-weighted sum over the causal context, `sum[j](softmax[j](c q.k_j + bias) * v_j)`,
   becomes `softmax_attention` (scaled_dot_product_attention underneath), or the fused Triton kernel
-  under the triton backend;
-* a product-weighted sum `sum[j](gamma_ij (q.k_j) v_j)` with gamma = 1 or a decay a^(i-j) becomes
-  `linear_attention`, chunked, O(T d^2) instead of O(T^2);
-  (both in `lowering.py`)
+  under the triton backend (`lowering.py`);
+* a product-weighted sum `sum[j](gamma_ij (q.k_j) v_j)` with gamma = 1, a decay a^(i-j) or a gate `decay(r)`
+  becomes `linear_attention`, chunked, O(T d^2) instead of O(T^2) (`linear_sums.py`, `gates.py`);
 * a second-order sum `sum[j](p_ij (u.x_j) y_j)` (covariance preconditioners, Newton with a Taylor
   inverse; centred or l2-score forms are multiplied out first) becomes a weighted second moment from
   the T x T weights, or the fused Triton kernel sharing the attention's log-sum-exp (`second_order.py`);
@@ -128,7 +127,7 @@ class Emitter:
         self.layouts: dict[tuple, str] = {}
         self.invariant_layouts: dict[tuple, str] = {}
         self.context_names = {name for var, name in token_names.items() if var.startswith("ctx:")}
-        self.log_rate_prefixes: dict[ir.Decay, Val] = {}  # G of each decay(r), emitted into the prologue
+        self.log_rate_prefixes: dict[ir.Decay, Val] = {}  # G of each decay(r), in the prologue (`gates.py`)
         self.used_ops: set[str] = set()
         self.kernel_requests: list[KernelRequest] = []  # triton: kernels to write into the generated file
         # triton, nag: (state, velocity), whose look-ahead state + c * velocity is the fused Nesterov op
@@ -183,18 +182,6 @@ class Emitter:
             yield
         finally:
             self.lines, self.memo = saved
-
-    def log_rate_prefix(self, e: ir.Decay) -> tuple[Val, Val]:
-        """(log r, G): the log rate of every context token of `decay(r)` and its prefix sum over the tokens (at
-        least float32), laid out (batch, j, heads...) and computed once, before the optimizer's steps."""
-        with self.in_prologue():
-            rate = self.emit(ir.log_rate(e.body))  # the rates read only the context: the same at every step
-            if e not in self.log_rate_prefixes:
-                axis = rate.axes.index(e.index)
-                self.log_rate_prefixes[e] = self.tmp(
-                    f"{rate.code}.to(torch.promote_types({rate.code}.dtype, torch.float32)).cumsum({axis})",
-                    rate.axes, 0, f"log decay from the first token through each {e.index}")
-        return rate, self.log_rate_prefixes[e]
 
     def forget(self) -> None:
         """Drop memoised values (after the state changes); hoisted values stay."""
@@ -375,7 +362,9 @@ class Emitter:
             case ir.Reduce() | ir.Softmax() | ir.ProdOthers():
                 return self._reduce(e)
             case ir.Decay():
-                return self._decay(e)
+                from .gates import gate_weights
+
+                return gate_weights(self, e)
         raise NotImplementedError(f"no torch code for {type(e).__name__}")
 
     def _dim(self, s: sp.Expr) -> str:
@@ -605,24 +594,6 @@ class Emitter:
         self.used_ops.add("masked_reduce")
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
-
-    def _decay(self, e: ir.Decay) -> Val:
-        """γ_ij = exp(G_i − G_j) from G, the prefix sum of log r over the tokens (G_{i−1} − G_j under a strict
-        context, whose last token is i − 1); 1 on masked pairs, so that they stay finite (a log(γ) in a score has
-        no infinite derivative there). A (T, T) weight: the lowering's linear attention takes the log rates
-        themselves instead (`lowering._token_log_decay`)."""
-        j = e.index
-        strict = self.indices[j].strict
-        rate, g = self.log_rate_prefix(e)
-        axis = rate.axes.index(j)
-        at_i = canonical({POS if a == j else a for a in rate.axes})
-        last = f"({g.code} - {rate.code})" if strict else g.code  # G at the last context token
-        g_i = Val(last if axis == at_i.index(POS) else f"{last}.movedim({axis}, {at_i.index(POS)})", at_i)
-        axes = canonical(set(rate.axes) | {POS})
-        mask = self.align(Val("mask_strict" if strict else "mask", (POS, j), 0), axes, 0)
-        diff = f"{self.align(g_i, axes, 0)} - {self.align(g, axes, 0)}"
-        return self.tmp(f"torch.exp(({diff}).masked_fill(~{mask}, 0.0)).to(dt)", axes, 0,
-                        f"decay: the product of the rates after {j} up to i")
 
     def side(self, j: str) -> Callable[[Expr], str | None]:
         """Which token a value depends on: "query" (not j), "key" (j, not the query's position) or None (both)."""

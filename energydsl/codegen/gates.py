@@ -1,0 +1,71 @@
+"""Data-dependent gates, `decay(r)`: γ_ij = Π r_s over the context tokens s after j, from the log rates.
+
+Every form is built from G, the prefix sum of log r over the tokens (at least float32), computed once before
+the optimizer's steps since the rates read only the context: γ_ij = exp(G_i − G_j) (G_{i−1} under a strict
+context, whose last token is i − 1). A gated sum Σ_j γ_ij (q_i·k_j) v_j takes the log rates themselves as the
+linear-attention ops' per-token log decays (`token_log_decay`, used by `linear_sums.py`); a gate in a softmax
+score, c log γ_ij, gives the attention kernels a per-key bias −c G_j (`lowering.key_bias_arg`); anything else
+gets the (T, T) weights (`gate_weights`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import ir
+from ..ir import Expr
+from .torch_expr import BATCH, POS, Val, canonical
+
+if TYPE_CHECKING:
+    from .torch_expr import Emitter
+
+
+def log_rate_prefix(em: Emitter, e: ir.Decay) -> tuple[Val, Val]:
+    """(log r, G): the log rate of every context token of `decay(r)` and its prefix sum over the tokens (at least
+    float32), laid out (batch, j, heads...) and computed once, before the optimizer's steps."""
+    with em.in_prologue():
+        rate = em.emit(ir.log_rate(e.body))  # the rates read only the context: the same at every step
+        if e not in em.log_rate_prefixes:
+            axis = rate.axes.index(e.index)
+            em.log_rate_prefixes[e] = em.tmp(
+                f"{rate.code}.to(torch.promote_types({rate.code}.dtype, torch.float32)).cumsum({axis})",
+                rate.axes, 0, f"log decay from the first token through each {e.index}")
+    return rate, em.log_rate_prefixes[e]
+
+
+def gate_weights(em: Emitter, e: ir.Decay) -> Val:
+    """γ_ij = exp(G_i − G_j) as (T, T) weights; 1 on masked pairs, so that they stay finite (a log(γ) in a score
+    has no infinite derivative there)."""
+    j = e.index
+    strict = em.indices[j].strict
+    rate, g = log_rate_prefix(em, e)
+    axis = rate.axes.index(j)
+    at_i = canonical({POS if a == j else a for a in rate.axes})
+    last = f"({g.code} - {rate.code})" if strict else g.code  # G at the last context token
+    g_i = Val(last if axis == at_i.index(POS) else f"{last}.movedim({axis}, {at_i.index(POS)})", at_i)
+    axes = canonical(set(rate.axes) | {POS})
+    mask = em.align(Val("mask_strict" if strict else "mask", (POS, j), 0), axes, 0)
+    diff = f"{em.align(g_i, axes, 0)} - {em.align(g, axes, 0)}"
+    return em.tmp(f"torch.exp(({diff}).masked_fill(~{mask}, 0.0)).to(dt)", axes, 0,
+                  f"decay: the product of the rates after {j} up to i")
+
+
+def token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[str, ...]) -> str:
+    """The linear-attention ops' per-token `log_decay` (B, H, T) for γ_ij = decay(r) (times exp(c (i - j))): log r
+    of every token, laid out once before the optimizer's steps, since the rates read only the context."""
+    j = gate.index
+    n_heads = " * ".join(em.size(h) for h in heads) or "1"
+    rate = ir.log_rate(gate.body) if c is None else ir.add(ir.log_rate(gate.body), c)
+    with em.in_prologue():
+        v = em.emit(rate)
+        key = ("log_decay", v.code, heads, j)
+        if key not in em.invariant_layouts:
+            axes = canonical({BATCH, j} | set(heads))
+            full = em.expand(v, axes)
+            order = [axes.index(BATCH)] + [axes.index(h) for h in heads] + [axes.index(j)]
+            code = full.code if order == sorted(order) else f"{full.code}.permute({', '.join(map(str, order))})"
+            em.invariant_layouts[key] = em.tmp(f"{code}.reshape(B, {n_heads}, T)", (), 3,
+                                               f"log of decay's rates, (B, H, T): {j} as the token").code
+    return em.invariant_layouts[key]
+
+

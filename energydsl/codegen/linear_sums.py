@@ -1,0 +1,124 @@
+"""Product-weighted context sums lowered to chunked linear attention.
+
+`sum[j](γ_ij (a(x_i) . b(h_j)) v_j)`, where γ is 1, a decay a^(i - j) (a number or one per head: RetNet's
+multi-scale retention, or exp(-lam[k] (i - j)) written out), a data-dependent gate `decay(r)` (GLA, Mamba-2;
+`gates.py`), or a gate times a decay: `linear_attention` of `energydsl.runtime.ops` (torch backend) or the
+chunkwise Triton kernels (triton backend), O(T·C·d + T·d²) with no T x T matrix. The decay goes in as one log
+decay per head, a gate as per-token log decays (B, H, T).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import ir
+from ..ir import Expr, IndexInfo
+from .gates import token_log_decay
+from .lowering import _as_bhtd, _from_bhtd, _heads, _n_heads, _split, _state_dependent
+from .torch_expr import BATCH, POS, Val, canonical, token_axes
+from .triton_source import KernelRequest
+
+if TYPE_CHECKING:
+    from .torch_expr import Emitter
+
+
+def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
+    """Σ_j γ_ij (q_i·k_j) v_j as the chunked linear-attention ops, or None when the sum is not of that form."""
+    j = e.index
+    qs, ks, both = _split(em, e.body, j)
+    decay = None  # c of a^(i - j) = exp(c (i - j))
+    gate = None  # decay(r): per-token rates
+    coupling = None
+    for f in both:
+        g = f.body if isinstance(f, ir.Let) else f
+        d = _constant_decay(em, g, j)
+        if d is not None and decay is None:
+            decay = d
+        elif isinstance(g, ir.Decay) and g.index == j and gate is None:
+            gate = g
+        elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
+            coupling = g
+        else:
+            return None
+    if coupling is None or len(e.shape) > 1:
+        return None
+    a_ax = token_axes(coupling.a, em.indices)
+    qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
+    if j in token_axes(qe, em.indices) or POS in token_axes(ke, em.indices):
+        return None
+    q, k = em.emit(qe), em.emit(ke)
+    v = em.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
+    if v.scalar:
+        v = em.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
+    heads = _heads(q, k, v, j=j)
+    if any(h not in em.sizes for h in heads):
+        return None
+    if decay is not None and not token_axes(decay, em.indices) <= set(heads):  # a decay over another axis
+        return None
+    if gate is not None and not gate.body.free - {j} <= set(heads):
+        return None
+    rank = v.rank
+    if rank == 0:
+        v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
+    dv = em.shape_size(e.shape[0]) if e.shape else 1
+    em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
+    qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
+    ld = _log_decay(em, decay, heads) if gate is None else token_log_decay(em, gate, decay, heads)
+    # the ops' gate for pair (i, j) takes the rates of j < s <= i; a strict context's stops at i - 1 (no rate of
+    # token i itself), which is the ops' causal sum for the query one token later, shifted back (and a constant
+    # decay's a^(i - j) one factor a short: the early queries carry it)
+    early = gate is not None and info.strict
+    strict = info.strict and not early
+    if early:
+        code = f"F.pad({qc}[:, :, 1:], (0, 0, 0, 1))"
+        if decay is not None:
+            code += f" * torch.exp({_log_decay(em, decay, heads)})[:, None, None]"
+        qc = em.tmp(code, (), 4, "each query one token early").code
+    if em.backend == "triton":
+        ops = em.kernel_set(KernelRequest.linear(strict=strict, decay=ld != "None"))
+        code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
+        comment = "sum over j of (q.k_j) v_j: the chunked Triton linear-attention kernels above"
+    else:
+        em.used_ops.add("linear_attention")
+        code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
+        comment = "sum over j of (q.k_j) v_j: chunked linear attention"
+    if early:
+        code = f"F.pad({code}[:, :, :-1], (0, 0, 1, 0))"
+        comment += ", with j < i: one token later"
+    out = _from_bhtd(em, code, heads, rank, comment)
+    if qs:
+        rest = em.emit(ir.mul(*qs))
+        axes = canonical(set(out.axes) | set(rest.axes))
+        out = em.tmp(f"{em.align(out, axes, out.rank)} * {em.align(rest, axes, out.rank)}", axes, out.rank)
+    return out
+
+
+def _constant_decay(em: Emitter, e: Expr, j: str) -> Expr | None:
+    """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j): a number (ir.Scalar), or a
+    value per head (a[k]^(i - j), RetNet's multi-scale retention; exp(-lam[k] * (i - j)) written out) that
+    depends on no token and not on the state. The distance may be written j - i (c changes sign)."""
+    if not (isinstance(e, ir.Func) and e.name == "exp" and isinstance(e.arg, ir.Mul)):
+        return None
+    factors = list(e.arg.factors)
+    forward = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
+    for n, f in enumerate(factors):
+        sign = 1 if f == forward else -1 if f == ir.add(ir.Pos(j), ir.neg(ir.Pos(None))) else 0
+        if sign:
+            c = ir.mul(ir.scalar(sign), *factors[:n], *factors[n + 1:])
+            break
+    else:
+        return None
+    if c.shape or _state_dependent(c) or token_axes(c, em.indices) & {BATCH, POS, j}:
+        return None
+    return c
+
+
+def _log_decay(em: Emitter, c: Expr | None, heads: tuple[str, ...]) -> str:
+    """The linear-attention ops' `log_decay` argument for gamma_ij = exp(c (i - j)): None, or one log decay per
+    head of the (B, H, T, D) layout, (H,) in the order `_as_bhtd` flattens the heads."""
+    if c is None:
+        return "None"
+    n_heads = _n_heads(em, heads)
+    if isinstance(c, ir.Scalar):
+        return f"torch.as_tensor({em.scalar(c.value)}, dtype=dt, device=dev).reshape(1).expand({n_heads})"
+    return f"{em.expand(em.emit(c), canonical(set(heads))).code}.reshape({n_heads})"
