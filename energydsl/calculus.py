@@ -34,6 +34,7 @@ from .ir import (
     Pow,
     ProdOthers,
     Reduce,
+    Rope,
     Scalar,
     ShapeError,
     Softmax,
@@ -53,6 +54,7 @@ from .ir import (
     power,
     rebuild,
     reduce,
+    rope,
     scalar,
     sum_all,
     transpose,
@@ -132,6 +134,8 @@ def gradient(f: Expr, wrt: Var, keep: frozenset[str] = frozenset()) -> Expr:
                 visit(e.b, matmul(transpose(g), e.a), bound)
             case Transpose():
                 visit(e.a, transpose(g), bound)
+            case Rope():  # a rotation: its transpose rotates back (the position holds no state)
+                visit(e.a, rope(g, e.pos, e.base, -e.sign), bound)
             case Func():
                 visit(e.arg, mul(g, func(derivative(e.name), e.arg)), bound)
             case SumAll():
@@ -213,6 +217,8 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
                 return add(outer(tangent(x.a), x.b), outer(x.a, tangent(x.b)))
             case Transpose():
                 return transpose(tangent(x.a))
+            case Rope():
+                return rope(tangent(x.a), x.pos, x.base, x.sign)
             case Func():
                 t = tangent(x.arg)
                 return ZERO if is_zero(t) else mul(func(derivative(x.name), x.arg), t)
@@ -300,6 +306,9 @@ def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, int]:
             case Transpose():
                 a, n = visit(x.a, on_path)
                 return transpose(a), n
+            case Rope():
+                a, n = visit(x.a, on_path)
+                return rope(a, x.pos, x.base, x.sign), n
             case Reduce() if x.op in ("sum", "mean"):
                 body, n = visit(x.body, on_path)
                 return reduce(x.op, x.index, body), n
@@ -340,7 +349,7 @@ def _linear_in(e: Expr, name: str) -> bool:
             return _linear_in(e.body, name)
         case SumAll():
             return _linear_in(e.a, name)
-        case Transpose():
+        case Transpose() | Rope():
             return _linear_in(e.a, name)
         case Index():
             return _linear_in(e.base, name)

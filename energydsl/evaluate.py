@@ -36,6 +36,7 @@ from .ir_nodes import (
     Pow,
     ProdOthers,
     Reduce,
+    Rope,
     Scalar,
     Softmax,
     StopGrad,
@@ -217,6 +218,8 @@ def _eval(e: Expr, env: Env) -> Value:
             return _reduce(e, env)
         case Decay():
             return _decay(e, env)
+        case Rope():
+            return _rope(e, env)
     raise NotImplementedError(type(e).__name__)
 
 
@@ -299,6 +302,28 @@ def _decay(e: Decay, env: Env) -> Value:
     between = ((j < s) & (s <= last)).reshape([1, n] + [1] * (axis - 2) + [n] + [1] * (rates.dim() - axis - 2) + [n])
     rates = rates.expand(*[n if a == 1 else -1 for a in range(rates.dim())])
     return Value(torch.where(between, rates, torch.ones_like(rates)).prod(-1), r.idx)
+
+
+def _rope(e: Rope, env: Env) -> Value:
+    """The rotation as a (D, D) matrix per position, built from its definition (feature m and m + D/2 turned by
+    p θ_m): independent of the generated code's rotate-half arithmetic."""
+    a = evaluate(e.a, env)
+    n, width = env.seq_len, a.tensor.shape[-1]
+    half = width // 2
+    theta = float(e.base) ** (-2.0 * torch.arange(half, dtype=torch.float64) / width)
+    angle = e.sign * torch.arange(n, dtype=torch.float64)[:, None] * theta  # (T, D/2)
+    rotation = torch.zeros(n, width, width, dtype=torch.float64)
+    m = torch.arange(half)
+    rotation[:, m, m] = rotation[:, m + half, m + half] = angle.cos()
+    rotation[:, m, m + half], rotation[:, m + half, m] = -angle.sin(), angle.sin()
+    rotation = rotation.to(a.tensor)
+    idx = tuple(sorted(set(a.idx) | e.pos.free))
+    t = _align(a, idx)
+    if e.pos.index is None:  # the token's own position: along axis 1
+        shape = [1, n] + [1] * len(idx) + [width, width]
+    else:  # a context token's: along its index's axis
+        shape = [1, 1] + [n if name == e.pos.index else 1 for name in idx] + [width, width]
+    return Value((rotation.reshape(shape) @ t.unsqueeze(-1)).squeeze(-1), idx)
 
 
 def _index_size(name: str, env: Env) -> int:

@@ -39,6 +39,7 @@ from .ir_nodes import (
     Pow,
     ProdOthers,
     Reduce,
+    Rope,
     Scalar,
     Shape,
     ShapeError,
@@ -51,11 +52,11 @@ from .ir_nodes import (
 
 __all__ = [  # the node types are re-exported: codegen, api and the tests name them `ir.X`
     "Add", "Count", "Decay", "Diag", "Dot", "Expr", "Func", "Identity", "Index", "IndexInfo", "Inverse", "Let",
-    "MatMul", "Mul", "Ones", "Outer", "Pos", "Pow", "ProdOthers", "Reduce", "Scalar", "Shape", "ShapeError", "Softmax",
-    "StopGrad", "SumAll", "Transpose", "Var",
+    "MatMul", "Mul", "Ones", "Outer", "Pos", "Pow", "ProdOthers", "Reduce", "Rope", "Scalar", "Shape", "ShapeError",
+    "Softmax", "StopGrad", "SumAll", "Transpose", "Var",
     "ONE", "ZERO", "add", "add_broadcast", "count_nodes", "dot", "fmt_shape", "func", "is_one", "is_zero",
-    "log_rate", "matmul", "mul", "neg", "outer", "power", "rebuild", "reduce", "same_shape", "scalar", "substitute",
-    "sum_all", "transpose", "walk",
+    "log_rate", "matmul", "mul", "neg", "outer", "power", "rebuild", "reduce", "rope", "same_shape", "scalar",
+    "substitute", "sum_all", "transpose", "walk",
 ]
 
 
@@ -306,6 +307,11 @@ def log_rate(r: Expr) -> Expr | None:
     return None
 
 
+def rope(a: Expr, pos: Expr, base: sp.Expr, sign: int = 1) -> Expr:
+    """`a` rotated by its position (`Rope`); the rotation of 0 is 0."""
+    return ZERO if is_zero(a) else Rope(a, pos, base, sign)
+
+
 def sum_all(a: Expr) -> Expr:
     if is_zero(a):
         return ZERO
@@ -340,6 +346,8 @@ def reduce(op: str, index: str, body: Expr) -> Expr:
                 return matmul(reduce("sum", index, body.a), body.b)
         if isinstance(body, Transpose):
             return transpose(reduce("sum", index, body.a))
+        if isinstance(body, Rope) and index not in body.pos.free:  # Σ_j R_i x_j = R_i Σ_j x_j
+            return rope(reduce("sum", index, body.a), body.pos, body.base, body.sign)
     if op == "mean" and index not in body.free:
         return body
     return Reduce(op, index, body)
@@ -471,6 +479,8 @@ def rebuild(e: Expr, kids: list[Expr]) -> Expr:
             return ProdOthers(e.index, kids[0])
         case Decay():
             return Decay(e.index, kids[0])
+        case Rope():
+            return rope(kids[0], kids[1], e.base, e.sign)
         case StopGrad():
             return StopGrad(kids[0])
         case Diag():

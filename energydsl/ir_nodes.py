@@ -370,6 +370,23 @@ class Decay(Expr):
 
 
 @dataclass(frozen=True, eq=False)
+class Rope(Expr):
+    """`rope(a, p)`: the vector a with each feature pair (m, m + D/2) rotated by the angle p θ_m, θ_m = base^(−2m/D)
+    (rotary position embedding, in GPT-NeoX's and Hugging Face Llama's rotate-half pairing). `pos` is a position,
+    the token's own i or a context token's j (ir.Pos); `sign` −1 rotates back by −p θ_m, the transpose, which a
+    gradient through rope needs. Linear in a: the calculus and `untie` see through it."""
+
+    a: Expr
+    pos: Expr
+    base: sp.Expr
+    sign: int = 1
+
+    @cached_property
+    def shape(self) -> Shape:
+        return self.a.shape
+
+
+@dataclass(frozen=True, eq=False)
 class Count(Expr):
     """The number of terms a reduction over `index` has (context size for j).
 

@@ -393,7 +393,7 @@ _STATE_ROLES = ("state", "leaf", "aux")
 
 def _worth_hoisting(e: Expr) -> bool:
     return isinstance(e, (ir.MatMul, ir.Dot, ir.Func, ir.Outer, ir.SumAll, ir.Reduce, ir.Softmax, ir.ProdOthers,
-                          ir.Decay, ir.Inverse, ir.Mul, ir.Add, ir.Pow)) and e.free != frozenset() \
+                          ir.Decay, ir.Rope, ir.Inverse, ir.Mul, ir.Add, ir.Pow)) and e.free != frozenset() \
         or isinstance(e, (ir.MatMul, ir.Inverse))
 
 

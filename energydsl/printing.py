@@ -452,7 +452,7 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
     rel = relations or {}
 
     def atomic(x: ir.Expr) -> bool:
-        return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.ProdOthers, ir.Decay, ir.Func, ir.Let,
+        return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.ProdOthers, ir.Decay, ir.Rope, ir.Func, ir.Let,
                               ir.Transpose, ir.Dot, ir.Ones, ir.Identity)) or (
             isinstance(x, ir.Scalar) and (x.value.is_Atom))
 
@@ -537,6 +537,8 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
                 return st.softmax(x.index, rel.get(x.index, ""), p(x.body))
             case ir.ProdOthers():  # prod's gradient: the product over the index's other values
                 return st.op("prod_others", x.index, rel.get(x.index, ""), p(x.body))
+            case ir.Rope():  # the rotation by a position, or back (the gradient's transpose)
+                return st.op("rope", ("-" if x.sign < 0 else "") + p(x.pos), "", p(x.a))
             case ir.Decay():  # the product of the rate over the tokens after j up to i
                 return st.op("decay", x.index, "", p(x.body))
             case ir.StopGrad():

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .semantics import _Scope
 
 FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus", "sin", "cos"}
-SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye", "decay"}
+SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye", "decay", "rope"}
 EPS = sp.Rational(1, 10**6)
 
 
@@ -34,6 +34,8 @@ class ExpressionLowering:
     scope: _Scope
     indices: dict[str, IndexInfo]
     scalar_params: dict[str, sp.Symbol]
+    dim_symbols: dict[str, sp.Symbol]
+    dim_values: dict[str, float]
     input: Var | None
     context: Var | None
     via: tuple[Var, Expr, str] | None
@@ -281,12 +283,33 @@ class ExpressionLowering:
             return total
         if f == "decay":
             return self._decay(vals, n.span)
+        if f == "rope":
+            return self._rope(vals, n.span)
         if f == "eye":
             if len(vals) != 1 or not isinstance(vals[0], ir.Scalar):
                 raise SpecError("eye(n) takes a size", n.span)
             return ir.Identity(vals[0].value)
         raise SpecError(f"unknown function `{f}`", n.span)
 
+
+    def _rope(self, vals: list[Expr], span) -> Expr:
+        """`rope(v, p)` or `rope(v, p, base)`: a vector of even width rotated by a position, `i` or a context index."""
+        usage = "rope(v, i) or rope(v, j, base): a vector, a position (`i` or the context index) and a base"
+        if len(vals) not in (2, 3):
+            raise SpecError(f"{usage} (10000 by default)", span)
+        v, pos = vals[0], vals[1]
+        if len(v.shape) != 1:
+            raise SpecError(f"rope rotates the feature pairs of a vector; this is {ir.fmt_shape(v.shape)}", span)
+        width = sp.sympify(v.shape[0]).subs({self.dim_symbols[k]: x for k, x in self.dim_values.items()})
+        if width.is_number and int(width) % 2:
+            raise SpecError(f"rope pairs feature m with m + D/2, so the vector's width must be even; it is {width}",
+                            span)
+        if not isinstance(pos, ir.Pos):
+            raise SpecError(f"rope's position must be `i` or the context index: {usage}", span)
+        base = vals[2] if len(vals) == 3 else ir.Scalar(sp.Integer(10000))
+        if not (isinstance(base, ir.Scalar) and base.value.is_positive):
+            raise SpecError("rope's base must be a positive constant (10000 in RoFormer and Llama)", span)
+        return ir.Rope(v, pos, base.value)
 
     def _decay(self, vals: list[Expr], span) -> Expr:
         """`decay(r)`: r must be a scalar of one context token and params, positive by its form."""

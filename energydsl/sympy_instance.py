@@ -224,6 +224,16 @@ def evaluate(e: ir.Expr, prog: UpdateProgram, values, scal, bind: dict[str, int]
                 return _product(terms)
             if e.op == "max":
                 return sp.Max(*terms) if terms else sp.Integer(0)  # an empty context: 0, as the evaluator's
+        case ir.Rope():  # feature m and m + D/2 turned by p θ_m, θ_m = base^(-2m/D)
+            a, p = ev(e.a), ev(e.pos)
+            width = a.shape[0]
+            half = width // 2
+            out = list(a)
+            for m in range(half):
+                angle = e.sign * p * sp.sympify(e.base) ** sp.Rational(-2 * m, width)
+                c, s_ = sp.cos(angle), sp.sin(angle)
+                out[m], out[m + half] = a[m] * c - a[m + half] * s_, a[m + half] * c + a[m] * s_
+            return sp.Matrix(out)
         case ir.Decay():  # ∏ r_s over the context tokens after j: j < s ≤ i, or s < i when strict
             j, last = bind[e.index], i - 1 if spec.indices[e.index].strict else i
             return _product([evaluate(e.body, prog, values, scal, {**bind, e.index: s}, i, seq)

@@ -52,6 +52,7 @@ LOWERED = [
     ("intrinsic-optimizers/multi-head-linear-attention.energy", "MultiHeadLinearAttention", {}),
     ("intrinsic-optimizers/data-gated-linear-attention.energy", "DataGatedLinearAttention", {}),  # decay(r)
     ("models/gla.energy", "GatedRetention", {}),  # decay(r) per head, untied values
+    ("models/rope-llama.energy", "RopeMHA", {}),  # rotated queries and keys, the rotation back after the sum
     ("cem/alibi.energy", "CEMAlibiAttention", {}),
     ("cem/alibi.energy", "CEMAlibiAttention", {"heads": 1}),
     ("cem/tied-attention.energy", "CEMTiedAttention", {}),

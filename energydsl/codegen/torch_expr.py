@@ -361,6 +361,14 @@ class Emitter:
                 return self.tmp(f"inverse({a.code})", a.axes, a.rank)
             case ir.Reduce() | ir.Softmax() | ir.ProdOthers():
                 return self._reduce(e)
+            case ir.Rope():  # the position along the query's axis or the context token's, never both
+                a = self.emit(e.a)
+                axis = POS if e.pos.index is None else e.pos.index
+                a = self.expand(a, canonical(set(a.axes) | {axis}))
+                self.used_ops.add("rope")
+                return self.tmp(f"rope({a.code}, {a.axes.index(axis)}, base={float(e.base)!r}, sign={e.sign})",
+                                a.axes, a.rank,
+                                f"rotary position embedding by {'-' if e.sign < 0 else ''}{axis.lstrip('@')}")
             case ir.Decay():
                 from .gates import gate_weights
 

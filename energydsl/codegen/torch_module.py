@@ -34,7 +34,7 @@ RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "de
             "causal_masks", "alibi_slopes", "attention_ops", "linear_attention_ops", "gated_activation_ops",
             "momentum_ops", "nesterov_ops", "pointwise_ops"}  # the last: the generated file's imports
 OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse",
-       "projections", "prod_of_others")
+       "projections", "prod_of_others", "rope")
 RESERVED |= set(OPS)  # imported by name: a parameter called `inverse` must not shadow the function
 
 

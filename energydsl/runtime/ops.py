@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["causal_masks", "inverse", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce",
-           "prod_of_others", "projections", "softmax_attention"]
+           "prod_of_others", "projections", "rope", "softmax_attention"]
 
 
 def causal_masks(T: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -104,6 +104,21 @@ def prefix_reduce(x: Tensor, dim: int, op: str, strict: bool) -> Tensor:
         out = torch.logcumsumexp(x, dim)
         return _shift(out, dim, 0.0) if strict else out
     raise ValueError(op)
+
+
+def rope(x: Tensor, dim: int, *, base: float = 10000.0, sign: int = 1) -> Tensor:
+    """Rotary position embedding, rotate-half pairing (GPT-NeoX, Hugging Face Llama): features m and m + D/2 of x
+    (..., D) turned by sign · p · θ_m, θ_m = base^(−2m/D), p the position along axis `dim` of x (0, 1, ...). The
+    positions and angles are at least float32, whatever x's dtype (bfloat16 counts exactly only to 256)."""
+    half = x.shape[-1] // 2
+    acc = torch.promote_types(x.dtype, torch.float32)
+    theta = base ** (-2.0 * torch.arange(half, device=x.device, dtype=acc) / x.shape[-1])
+    shape = [1] * (x.dim() - 1)
+    shape[dim] = x.shape[dim]
+    angle = sign * torch.arange(x.shape[dim], device=x.device, dtype=acc).reshape(shape)[..., None] * theta
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | Tensor, bias: Tensor | None = None,
