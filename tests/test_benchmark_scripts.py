@@ -53,18 +53,18 @@ def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> 
     # attention: 3 kernels + 2 SDPA peers; linear: 2 kernels + 2 chunked torch peers
     assert "profiled 9 implementations" in out.stdout
     assert len(list(tmp_path.glob("*.json"))) == 9
-    # the generated layers: each of modules.py's 10 on the kernels and on the torch backend
+    # the generated layers: each of modules.py's 11 on the kernels and on the torch backend
     out = _run("benchmarks/profile_kernels.py", "--device", "cpu", "--families", "layers", "--steps", "1",
                interpret=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "profiled 20 implementations" in out.stdout and "MomenMHA" in out.stdout
+    assert "profiled 22 implementations" in out.stdout and "MomenMHA" in out.stdout
 
 
 def test_host_overhead_script_times_every_op_and_layer_with_launches_stubbed() -> None:
-    """The CPU host-time script: 12 op cases (its own TRITON_INTERPRET=1) and the 10 generated layers."""
+    """The CPU host-time script: 13 op cases (its own TRITON_INTERPRET=1) and the 11 generated layers."""
     out = _run("benchmarks/host_overhead.py", "--min-run-time", "0.01")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "measured 23 cases" in out.stdout and "MomenMHA" in out.stdout and "torch backend" in out.stdout
+    assert "measured 24 cases" in out.stdout and "MomenMHA" in out.stdout and "torch backend" in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this is the benchmark itself")

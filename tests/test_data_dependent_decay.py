@@ -1,6 +1,7 @@
-"""`decay(r[j])`, the data-dependent cumulative gate ∏ r_s over the context tokens after j: checked against
-autograd and SymPy, the generated modules against the reference interpreter (float64, gradients included), the
-triton backend against the torch backend, and the spellings the language refuses."""
+"""`decay(r[j])`, the data-dependent cumulative gate ∏ r_s over the context tokens after j (and a step size per
+token, a factor of the energy): checked against autograd and SymPy, the generated modules against the reference
+interpreter (float64, gradients included), the triton backend against the torch backend, and the spellings the
+language refuses."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ GATED_SIGMOID = """energy GatedSigmoidWeights(d = 6) {
 }
 """
 ENERGIES = ["DataGate", "HeadGatesStrict", "MambaRate", "ForgettingAttention", "NewtonGate", "MomentumForget",
-            "GatedSigmoidWeights"]
+            "TokenStep", "GatedSigmoidWeights"]
 LINEAR = ENERGIES[:3]  # the gate times (q . k_j) v_j: chunked linear attention with per-token log decays
 
 
@@ -87,6 +88,12 @@ def test_triton_backend_matches_torch_backend(name: str) -> None:
         assert re.search(r"\.energy_attention\([^\n]*key_bias=", source) and "masked_" not in source
     _compare_backends(derived, name)
     _compare_backends(derived, name, T=70)
+
+
+def test_a_step_size_per_token_scales_the_fused_attention() -> None:
+    """σ(w·x) of the token's own input in front of the energy: the attention stays fused, one factor after it."""
+    forward = energy_source(load(FILE).energy("TokenStep")).split("def forward")[1]
+    assert "softmax_attention(" in forward and "masked_" not in forward and "torch.sigmoid(" in forward
 
 
 def test_a_gate_in_a_softmax_score_is_finite_on_masked_pairs() -> None:

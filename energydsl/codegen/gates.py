@@ -67,5 +67,3 @@ def token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[st
             em.invariant_layouts[key] = em.tmp(f"{code}.reshape(B, {n_heads}, T)", (), 3,
                                                f"log of decay's rates, (B, H, T): {j} as the token").code
     return em.invariant_layouts[key]
-
-
