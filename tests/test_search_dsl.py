@@ -637,6 +637,23 @@ def test_quickstart_space() -> None:
     assert plan.across[0] == "nag" and plan.d == 32
 
 
+def test_attention_zoo_has_the_rotary_score() -> None:
+    """RoFormer's score is one of the zoo's: a candidate with it passes its checks and runs as fused attention."""
+    from energydsl.codegen import energy_source
+
+    space = load_search(ROOT / "search" / "attention-zoo.energy")
+    score = "rope(q[k], i) . rope(key[k, j], j)"
+    assert score in dict((n, v) for n, v, _ in space.describe())["Attention.s"]
+    cand = fill(space, **{"Attention.s": score, "Attention.steps": 1, "Attention.optimizer": "gd",
+                          "Attention.precondition": "none", "MLP.F": "-sum(integral(gelu)(W1 @ z))",
+                          "ZooGPT.d": 256, "ZooGPT.layers": 4, "ZooGPT.heads": 4, "ZooGPT.across": "none",
+                          "train.lr": 0.001})
+    derived = energydsl.load(cand.source()).energy("Attention")
+    assert all(r.status != "fail" for r in derived.check())
+    forward = energy_source(derived).split("def forward")[1]
+    assert "softmax_attention(" in forward and "rope(" in forward and "masked_" not in forward
+
+
 def test_attention_zoo_space() -> None:
     space = load_search(ROOT / "search" / "attention-zoo.energy")
     assert space.objectives == [("val_loss", "minimize"), ("params", "minimize")]
