@@ -277,7 +277,34 @@ def func(name: str, a: Expr) -> Expr:
         return Scalar(scalar_value(name, a.value))
     if name not in REGISTRY:
         raise ShapeError(f"unknown function `{name}`")
+    if name == "log" and (split := _log_of_gates(a)) is not None:
+        return split
     return Func(name, a)
+
+
+def _log_of_gates(a: Expr) -> Expr | None:
+    """log of a product with decay gates, term by term: log(γ b) = log γ + log b, log(γ^n) = n log γ (a gate is
+    positive, so this holds wherever the log is real) and log(exp(x)) = x in such a product, so that every gate's
+    log is a term of its own: the kernels take c log γ as a bias (`codegen/bias_kinds.py`), and the torch code
+    forms it without the exp, which underflows to 0 at long sequences (a log of that is -inf, its gradient NaN)."""
+    def gate(f: Expr) -> bool:
+        f = f.body if isinstance(f, Let) else f
+        return isinstance(f, Decay) or isinstance(f, Pow) and gate(f.base)
+
+    body = a.body if isinstance(a, Let) else a
+    if isinstance(body, Pow) and gate(body.base):
+        return mul(Scalar(body.exponent), func("log", body.base))
+    if not (isinstance(body, Mul) and any(gate(f) for f in body.factors)):
+        return None
+    logs = []
+    for f in body.factors:
+        bare = f.body if isinstance(f, Let) else f
+        if isinstance(bare, Func) and bare.name == "exp":
+            logs.append(bare.arg)
+        else:
+            logs.append(func("log", f) if gate(f) else None)
+    rest = [f for f, g in zip(body.factors, logs, strict=True) if g is None]
+    return add(*(g for g in logs if g is not None), *([Func("log", mul(*rest))] if rest else []))
 
 
 def log_rate(r: Expr) -> Expr | None:

@@ -538,7 +538,8 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
             case ir.ProdOthers():  # prod's gradient: the product over the index's other values
                 return st.op("prod_others", x.index, rel.get(x.index, ""), p(x.body))
             case ir.Rope():  # the rotation by a position, or back (the gradient's transpose)
-                return st.op("rope", ("-" if x.sign < 0 else "") + p(x.pos), "", p(x.a))
+                base = "" if x.base == 10000 else f", {st.scalar(x.base)}"  # RoFormer's base is not printed
+                return st.op("rope", ("-" if x.sign < 0 else "") + p(x.pos) + base, "", p(x.a))
             case ir.Decay():  # the product of the rate over the tokens after j up to i
                 return st.op("decay", x.index, "", p(x.body))
             case ir.StopGrad():

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus", "sin", "cos"}
 SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye", "decay", "rope"}
 EPS = sp.Rational(1, 10**6)
+ROPE_USAGE = "rope(v, i) or rope(v, j, base): a vector, a position (`i` or the context index) and a base"
 
 
 class ExpressionLowering:
@@ -237,7 +238,13 @@ class ExpressionLowering:
                 raise SpecError("alibi_slopes(heads) is an initialiser: `param m[heads] = alibi_slopes(heads)`", n.span)
             hint = f"known functions: {', '.join(sorted(FUNCTIONS | SPECIAL))}"
             raise SpecError(f"unknown function `{f}`", n.span, hint)
-        vals = [self.expr(a) for a in args]
+        vals = []
+        for a in args:
+            if f == "rope" and len(vals) == 1 and isinstance(a, ast.Name) and a.name in self.indices \
+                    and self.indices[a.name].context is None:  # a head index (bound by the vector) is no position
+                raise SpecError(f"rope's position must be `i` or the context index, not the index `{a.name}`: "
+                                f"{ROPE_USAGE}", n.span)
+            vals.append(self.expr(a))
         if f == "norm":
             if len(vals) == 1:
                 return ir.func("sqrt", ir.dot(vals[0], vals[0]))
@@ -293,23 +300,31 @@ class ExpressionLowering:
 
 
     def _rope(self, vals: list[Expr], span) -> Expr:
-        """`rope(v, p)` or `rope(v, p, base)`: a vector of even width rotated by a position, `i` or a context index."""
-        usage = "rope(v, i) or rope(v, j, base): a vector, a position (`i` or the context index) and a base"
+        """`rope(v, p)` or `rope(v, p, base)`: a vector of even width rotated by a position, `i` or a context index
+        (`-i` or `-j`: rotated back), by a positive constant base."""
         if len(vals) not in (2, 3):
-            raise SpecError(f"{usage} (10000 by default)", span)
+            raise SpecError(f"{ROPE_USAGE} (10000 by default)", span)
         v, pos = vals[0], vals[1]
         if len(v.shape) != 1:
             raise SpecError(f"rope rotates the feature pairs of a vector; this is {ir.fmt_shape(v.shape)}", span)
-        width = sp.sympify(v.shape[0]).subs({self.dim_symbols[k]: x for k, x in self.dim_values.items()})
-        if width.is_number and int(width) % 2:
-            raise SpecError(f"rope pairs feature m with m + D/2, so the vector's width must be even; it is {width}",
-                            span)
+        width = self._number(v.shape[0])
+        if width is not None and int(width) % 2:
+            raise SpecError(f"rope pairs feature m with m + D/2, so the vector's width must be even; it is "
+                            f"{int(width)}", span)
+        sign = 1
+        if isinstance(pos, ir.Mul) and len(pos.factors) == 2 and pos.factors[0] == ir.Scalar(sp.Integer(-1)):
+            sign, pos = -1, pos.factors[1]  # rope(v, -i): the rotation back, as `energy derive` prints it
         if not isinstance(pos, ir.Pos):
-            raise SpecError(f"rope's position must be `i` or the context index: {usage}", span)
-        base = vals[2] if len(vals) == 3 else ir.Scalar(sp.Integer(10000))
-        if not (isinstance(base, ir.Scalar) and base.value.is_positive):
+            raise SpecError(f"rope's position must be `i` or the context index: {ROPE_USAGE}", span)
+        base = self._number(vals[2].value) if len(vals) == 3 and isinstance(vals[2], ir.Scalar) else None
+        if len(vals) == 3 and (base is None or not base > 0):
             raise SpecError("rope's base must be a positive constant (10000 in RoFormer and Llama)", span)
-        return ir.Rope(v, pos, base.value)
+        return ir.Rope(v, pos, sp.nsimplify(base) if base is not None else sp.Integer(10000), sign)
+
+    def _number(self, e: sp.Expr) -> float | None:
+        """e's value with the dims filled in, or None if it is not a number (a learned scalar in it)."""
+        value = sp.sympify(e).subs({self.dim_symbols[k]: x for k, x in self.dim_values.items()})
+        return float(value) if value.is_number and value.is_real else None
 
     def _decay(self, vals: list[Expr], span) -> Expr:
         """`decay(r)`: r must be a scalar of one context token and params, positive by its form."""
@@ -317,25 +332,28 @@ class ExpressionLowering:
         if len(vals) != 1 or vals[0].shape:
             raise SpecError(f"decay(r) takes one scalar, the rate of a context token: `{example}`", span)
         r = vals[0]
+        for x in ir.nodes(r):  # what r must not read, named before what it lacks
+            if isinstance(x, Var) and x.role not in ("context", "param") or isinstance(x, ir.Pos):
+                what = f"{_ROLE_WORDS.get(x.role, 'the ' + x.role)} `{x.name}`" if isinstance(x, Var) else "a position"
+                raise SpecError(f"decay(r): r reads {what}; a rate may read only its context token and params", span,
+                                "γ_ij multiplies the rates of the tokens between j and i, each from its own token")
+            if isinstance(x, ir.Reduce | ir.Softmax | ir.Decay) and self.indices[x.index].context is not None:
+                raise SpecError("decay(r): r must be the rate of one token, not a sum or product over the context",
+                                span)
         tokens = sorted(k for k in r.free if self.indices[k].context is not None)
         if len(tokens) != 1:
             read = f"reads {len(tokens)} context indices" if tokens else "reads no context token"
             raise SpecError(f"decay(r) multiplies r over the tokens after context token j up to i, but this r {read}",
                             span, f"write the rate of token j, e.g. `{example}`; a rate the same for every token "
                             "is a power: `a^(i - j)`")
-        for x in ir.nodes(r):
-            if isinstance(x, Var) and x.role not in ("context", "param") or isinstance(x, ir.Pos):
-                what = f"the {x.role} `{x.name}`" if isinstance(x, Var) else "a position"
-                raise SpecError(f"decay(r): r reads {what}; a rate may read only its context token and params", span,
-                                "γ_ij multiplies the rates of the tokens between j and i, each from its own token")
-            if isinstance(x, ir.Reduce | ir.Softmax | ir.Decay) and self.indices[x.index].context is not None:
-                raise SpecError("decay(r): r must be the rate of one token, not a sum or product over the context",
-                                span)
         if ir.log_rate(r) is None:
             raise SpecError("decay(r) needs a rate that is positive by its form", span,
                             "write it as sigmoid(...) or exp(...) (products and powers of them too), e.g. "
                             f"`{example}` or `exp(-softplus(a . h[j]))`")
         return ir.Decay(tokens[0], r)
+
+
+_ROLE_WORDS = {"state": "the state", "leaf": "the `via` variable", "input": "the input"}
 
 
 def _rename(e: Expr, mapping: dict[str, str]) -> Expr:

@@ -30,7 +30,8 @@ GATED_SIGMOID = """energy GatedSigmoidWeights(d = 6) {
 }
 """
 ENERGIES = ["DataGate", "HeadGatesStrict", "MambaRate", "ForgettingAttention", "NewtonGate", "MomentumForget",
-            "TokenStep", "GatedSigmoidWeights"]
+            "TokenStep", "ForgetWithDecay", "GatedSigmoidWeights"]
+SOFTMAX_GATES = ["ForgettingAttention", "MomentumForget", "ForgetWithDecay"]
 LINEAR = ENERGIES[:3]  # the gate times (q . k_j) v_j: chunked linear attention with per-token log decays
 
 
@@ -84,7 +85,7 @@ def test_triton_backend_matches_torch_backend(name: str) -> None:
     source = energy_source(derived, "triton")
     if name in LINEAR:
         assert ".linear_attention(" in source
-    if name in ("ForgettingAttention", "MomentumForget"):  # the gate's key part -G_j: the kernels' key bias
+    if name in SOFTMAX_GATES:  # the gate's key part -G_j: the kernels' key bias
         assert re.search(r"\.energy_attention\([^\n]*key_bias=", source) and "masked_" not in source
     _compare_backends(derived, name)
     _compare_backends(derived, name, T=70)
@@ -96,17 +97,28 @@ def test_a_step_size_per_token_scales_the_fused_attention() -> None:
     assert "softmax_attention(" in forward and "masked_" not in forward and "torch.sigmoid(" in forward
 
 
-def test_a_gate_in_a_softmax_score_is_finite_on_masked_pairs() -> None:
-    """log(decay(…)) in a score: the masked pairs' weights are 1, not 0, so no log(0) reaches the backward."""
-    module = module_class(load(FILE).energy("ForgettingAttention"))()
-    x = module.example_input(2, 9).requires_grad_()
+@pytest.mark.parametrize("name", SOFTMAX_GATES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_gate_in_a_softmax_score_keeps_gradients_finite_at_long_sequences(name: str, backend: str) -> None:
+    """log(decay(…)) in a score is G_i - G_j itself: the log of exp(G_i - G_j), which underflows to 0 once the log
+    decay passes -103 (float32), was -inf and made the gradients NaN at T = 512. Masked pairs are finite too."""
+    module = module_class(load(FILE).energy(name), backend)()
+    x = module.example_input(1, 512).requires_grad_()
     module(x).square().sum().backward()
     assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in module.parameters())
 
 
+def test_the_log_of_a_product_with_gates_is_split_term_by_term() -> None:
+    """log(a^(i-j) γ^2) = (i - j) log a + 2 log γ: an ALiBi slope and a key bias for the kernels."""
+    forward = energy_source(load(FILE).energy("ForgetWithDecay"), "triton").split("def forward")[1]
+    assert re.search(r"\.energy_attention\([^\n]*alibi_slopes=[^\n]*key_bias=", forward)
+    assert "torch.exp(" not in forward  # no gate weights formed, only their logs
+
+
 def _energy(gate: str, relation: str = "j <= i") -> str:
     return f"""energy G(d = 4) {{
-  state   z[d]
+  state   z[d] via u = rmsnorm(z)
+  input   x[d]
   context h[j, d] where {relation}
   param   w[d] ~ normal(0, 0.5)
   global  F = -0.5 * sum[j]({gate} * (z . h[j])^2)
@@ -117,11 +129,12 @@ def _energy(gate: str, relation: str = "j <= i") -> str:
 
 @pytest.mark.parametrize("gate, message", [
     ("decay(sigmoid(z . h[j]))", "r reads the state `z`"),
+    ("decay(sigmoid(w . x))", "r reads the input `x`"),
     ("decay(0.9)", "reads no context token"),
     ("decay(sigmoid(w . h[j]) * sigmoid(i - j))", "r reads a position"),
     ("decay(w . h[j])", "positive by its form"),
     ("decay(sigmoid(h[j]))", "takes one scalar"),
-    ("decay(sigmoid(sum[j](w . h[j])))", "reads no context token"),
+    ("decay(sigmoid(sum[j](w . h[j])))", "not a sum or product over the context"),
     ("decay(decay(sigmoid(w . h[j])))", "not a sum or product over the context"),
 ])
 def test_refused_rates_are_located(gate: str, message: str) -> None:
@@ -129,8 +142,13 @@ def test_refused_rates_are_located(gate: str, message: str) -> None:
         load(_energy(gate)).derive()
     err = info.value
     assert message in err.message
-    assert (err.span.line, err.span.column) == (5, 29)  # the call
+    assert (err.span.line, err.span.column) == (6, 29)  # the call
     assert "^" in err.render()
+
+
+def test_a_rate_of_the_via_variable_is_named_so() -> None:
+    with pytest.raises(SpecError, match="r reads the `via` variable `u`"):
+        load(_energy("decay(sigmoid(u . h[j]))")).derive()
 
 
 def test_the_hint_for_a_constant_rate_is_a_power() -> None:

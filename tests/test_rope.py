@@ -103,5 +103,37 @@ def _energy(score: str, width: str = "d") -> str:
 def test_refused_rotations_are_located(score: str, width: str, message: str) -> None:
     with pytest.raises(SpecError) as info:
         load(_energy(score, width)).derive()
-    assert message in info.value.message
+    assert message in info.value.message and "5.0" not in info.value.message
     assert info.value.span.line == 5 and "^" in info.value.render()
+
+
+HEADS = """energy R(d = 8, heads = 2, base = 500) {{
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   Q[heads, dh, d] ~ normal(0, 0.3)
+  global  F = -sum[k](logsumexp[j]({score}))
+  {expect}
+}}
+"""
+
+
+def test_a_head_index_is_no_position() -> None:
+    with pytest.raises(SpecError, match="not the index `k`"):
+        load(HEADS.format(score="rope(Q[k] @ z, k) . (Q[k] @ h[j])", expect="")).derive()
+
+
+def test_the_base_may_be_a_dim_and_is_printed() -> None:
+    """A header dim (or an expression of dims) is a constant base; `energy derive` shows a base other than 10000."""
+    derived = load(HEADS.format(score="rope(Q[k] @ z, i, base) . rope(Q[k] @ h[j], j, dh * 100)", expect="")).energy()
+    assert all(r.status != "fail" for r in derived.check())
+    text = derived.equations("text")
+    assert "rope_{i, 500}(Q_k z)" in text and "rope_{j, 400}(Q_k h_j)" in text
+
+
+def test_an_expect_clause_can_rotate_back() -> None:
+    """`rope(v, -i)` is the rotation back that `energy derive` prints as rope_{-i}: an update can be claimed."""
+    claim = ("expect update = z + sum[k](Q[k]^T @ rope(sum[j](softmax[j](rope(Q[k] @ z, i) . rope(Q[k] @ h[j], j))"
+             " * rope(Q[k] @ h[j], j)), -i))")
+    derived = load(HEADS.format(score="rope(Q[k] @ z, i) . rope(Q[k] @ h[j], j)", expect=claim)).energy()
+    assert [r.status for r in derived.check() if r.name == "expect"] == ["ok"]

@@ -5,7 +5,8 @@ the optimizer's steps since the rates read only the context: γ_ij = exp(G_i −
 context, whose last token is i − 1). A gated sum Σ_j γ_ij (q_i·k_j) v_j takes the log rates themselves as the
 linear-attention ops' per-token log decays (`token_log_decay`, used by `linear_sums.py`); a gate in a softmax
 score, c log γ_ij, gives the attention kernels a per-key bias −c G_j (`lowering.key_bias_arg`); anything else
-gets the (T, T) weights (`gate_weights`).
+gets the (T, T) values of log γ (`gate_log_weights`, for a log of a gate: never the log of its exp) or of γ
+(`gate_weights`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def log_rate_prefix(em: Emitter, e: ir.Decay) -> tuple[Val, Val]:
     return rate, em.log_rate_prefixes[e]
 
 
-def gate_weights(em: Emitter, e: ir.Decay) -> Val:
-    """γ_ij = exp(G_i − G_j) as (T, T) weights; 1 on masked pairs, so that they stay finite (a log(γ) in a score
-    has no infinite derivative there)."""
+def gate_log_weights(em: Emitter, e: ir.Decay) -> Val:
+    """log γ_ij = G_i − G_j as (T, T) values, 0 on masked pairs: what `log(decay(r))` is, never formed as the log
+    of γ, whose exp underflows to 0 once the log decay passes −103 in float32 (the log is then −inf, its
+    gradient NaN)."""
     j = e.index
     strict = em.indices[j].strict
     rate, g = log_rate_prefix(em, e)
@@ -46,8 +48,14 @@ def gate_weights(em: Emitter, e: ir.Decay) -> Val:
     axes = canonical(set(rate.axes) | {POS})
     mask = em.align(Val("mask_strict" if strict else "mask", (POS, j), 0), axes, 0)
     diff = f"{em.align(g_i, axes, 0)} - {em.align(g, axes, 0)}"
-    return em.tmp(f"torch.exp(({diff}).masked_fill(~{mask}, 0.0)).to(dt)", axes, 0,
-                  f"decay: the product of the rates after {j} up to i")
+    return em.tmp(f"({diff}).masked_fill(~{mask}, 0.0).to(dt)", axes, 0,
+                  f"log decay: the log rates of the tokens after {j} up to i")
+
+
+def gate_weights(em: Emitter, e: ir.Decay) -> Val:
+    """γ_ij = exp(G_i − G_j) as (T, T) weights; 1 on masked pairs, so that they stay finite."""
+    log = gate_log_weights(em, e)
+    return em.tmp(f"torch.exp({log.code})", log.axes, 0, "decay: the product of those rates")
 
 
 def token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[str, ...]) -> str:
