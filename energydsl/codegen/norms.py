@@ -10,12 +10,17 @@ the step's largest chain of element-wise passes.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import TYPE_CHECKING, NamedTuple
 
 import sympy as sp
 
 from .. import ir
 from ..ir import Expr
+from .scalar_src import is_number
+
+if TYPE_CHECKING:
+    from .torch_expr import Emitter, Val
 
 
 class Norm(NamedTuple):
@@ -136,3 +141,24 @@ def _scaled(e: Expr, kind: type, coefficient: sp.Expr) -> Expr | None:
         if isinstance(c, ir.Scalar) and isinstance(node, kind) and sp.simplify(c.value - coefficient) == 0:
             return node
     return None
+
+
+def emit_norm(em: Emitter, norm: Norm) -> Val:
+    """An rmsnorm or layernorm as torch's fused op over the token's own axes (a vector's, or a matrix state's
+    two)."""
+    from .torch_expr import Val  # torch_expr imports this module
+
+    x = em.emit(norm.x)
+    shape = norm.x.shape
+    dims = ", ".join(em._dim(s) for s in shape)
+    entries = math.prod(em.shape_size(s) for s in shape)
+    em.count_flops(2 * entries * em._axes_flops(set(x.axes)))  # y·y, as before
+    args = [x.code, f"({dims},)" if len(shape) == 1 else f"({dims})"]
+    for name, part in (("weight", norm.weight), ("bias", norm.bias)):
+        if part is not None:
+            v = em.emit(part)  # of the normalised shape, or a scalar (a tensor or a number) spread over it
+            if v.rank == 0 and is_number(v.code):  # a learned gain is a tensor already
+                v = Val(f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)", scalar=True)
+            args.append(f"{name}={v.code}" if v.rank == len(shape) else f"{name}={v.code}.expand({dims})")
+    return em.tmp(f"F.{norm.function}({', '.join(args)}, eps={norm.eps!r})", x.axes, x.rank,
+                  norm.function.replace("_", ""))

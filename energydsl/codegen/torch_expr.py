@@ -21,7 +21,6 @@ Recognised forms are lowered to better primitives than the generic masked T x T 
 
 from __future__ import annotations
 
-import math
 import string
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ import sympy as sp
 from .. import ir
 from ..functions import REGISTRY, X
 from ..ir import Expr, IndexInfo
-from .norms import Norm, affine_norm, norm_factors, norm_form
+from .norms import affine_norm, emit_norm, norm_factors, norm_form
 from .scalar_src import function_src, is_number, sympy_src
 from .triton_source import KernelRequest
 
@@ -389,11 +388,11 @@ class Emitter:
         if isinstance(e, ir.Add) and (affine := affine_norm(e)) is not None:
             norm, taken, rest = affine
             if not rest:
-                return self._norm(norm)
+                return emit_norm(self, norm)
             e = ir.Add((ir.Add(taken), *rest))  # the norm one term of e
         if isinstance(e, ir.Mul):
             if (norm := norm_form(e)) is not None:
-                return self._norm(norm)
+                return emit_norm(self, norm)
             if (split := norm_factors(e)) is not None:
                 e = ir.Mul((split[0], *split[1]))  # the norm one factor, the same value as the norm alone
         if self.backend == "triton":
@@ -440,24 +439,6 @@ class Emitter:
         code = [self.align(v, axes, len(e.shape)) for v in vals]
         return self.tmp(" + ".join(code[:len(plus)]) + "".join(f" - {c}" for c in code[len(plus):]), axes,
                         len(e.shape))
-
-    def _norm(self, norm: Norm) -> Val:
-        """An rmsnorm or layernorm (`norms.py`) as torch's fused op over the token's own axes (a vector's, or
-        a matrix state's two)."""
-        x = self.emit(norm.x)
-        shape = norm.x.shape
-        dims = ", ".join(self._dim(s) for s in shape)
-        entries = math.prod(self.shape_size(s) for s in shape)
-        self.count_flops(2 * entries * self._axes_flops(set(x.axes)))  # y·y, as before
-        args = [x.code, f"({dims},)" if len(shape) == 1 else f"({dims})"]
-        for name, part in (("weight", norm.weight), ("bias", norm.bias)):
-            if part is not None:
-                v = self.emit(part)  # of the normalised shape, or a scalar (a tensor or a number) spread over it
-                if v.rank == 0 and is_number(v.code):  # a learned gain is a tensor already
-                    v = Val(f"torch.as_tensor({v.code}, dtype={x.code}.dtype, device={x.code}.device)", scalar=True)
-                args.append(f"{name}={v.code}" if v.rank == len(shape) else f"{name}={v.code}.expand({dims})")
-        return self.tmp(f"F.{norm.function}({', '.join(args)}, eps={norm.eps!r})", x.axes, x.rank,
-                        norm.function.replace("_", ""))
 
     def _nesterov_lookahead(self, e: ir.Add) -> Val | None:
         """state + c * velocity (nag's look-ahead point, c a scalar such as -beta) with both full token
