@@ -304,7 +304,7 @@ def _log_of_gates(a: Expr) -> Expr | None:
         else:
             logs.append(func("log", f) if gate(f) else None)
     rest = [f for f, g in zip(body.factors, logs, strict=True) if g is None]
-    return add(*(g for g in logs if g is not None), *([Func("log", mul(*rest))] if rest else []))
+    return add(*(g for g in logs if g is not None), *([func("log", mul(*rest))] if rest else []))
 
 
 def log_rate(r: Expr) -> Expr | None:

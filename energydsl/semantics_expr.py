@@ -27,6 +27,7 @@ FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmo
 SPECIAL = {"norm", "rmsnorm", "layernorm", "diag", "stopgrad", "outer", "huber", "mean", "sum", "eye", "decay", "rope"}
 EPS = sp.Rational(1, 10**6)
 ROPE_USAGE = "rope(v, i) or rope(v, j, base): a vector, a position (`i` or the context index) and a base"
+_ROLE_WORDS = {"state": "the state", "leaf": "the `via` variable", "input": "the input"}  # what a rate may not read
 
 
 class ExpressionLowering:
@@ -298,7 +299,6 @@ class ExpressionLowering:
             return ir.Identity(vals[0].value)
         raise SpecError(f"unknown function `{f}`", n.span)
 
-
     def _rope(self, vals: list[Expr], span) -> Expr:
         """`rope(v, p)` or `rope(v, p, base)`: a vector of even width rotated by a position, `i` or a context index
         (`-i` or `-j`: rotated back), by a positive constant base."""
@@ -351,9 +351,6 @@ class ExpressionLowering:
                             "write it as sigmoid(...) or exp(...) (products and powers of them too), e.g. "
                             f"`{example}` or `exp(-softplus(a . h[j]))`")
         return ir.Decay(tokens[0], r)
-
-
-_ROLE_WORDS = {"state": "the state", "leaf": "the `via` variable", "input": "the input"}
 
 
 def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
