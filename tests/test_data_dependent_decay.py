@@ -30,7 +30,7 @@ GATED_SIGMOID = """energy GatedSigmoidWeights(d = 6) {
 }
 """
 ENERGIES = ["DataGate", "HeadGatesStrict", "MambaRate", "ForgettingAttention", "NewtonGate", "MomentumForget",
-            "TokenStep", "ForgetWithDecay", "GatedSigmoidWeights"]
+            "TokenStep", "ForgetWithDecay", "SigmoidForget", "GatedSigmoidWeights"]
 SOFTMAX_GATES = ["ForgettingAttention", "MomentumForget", "ForgetWithDecay"]
 LINEAR = ENERGIES[:3]  # the gate times (q . k_j) v_j: chunked linear attention with per-token log decays
 
@@ -85,6 +85,8 @@ def test_triton_backend_matches_torch_backend(name: str) -> None:
     source = energy_source(derived, "triton")
     if name in LINEAR:
         assert ".linear_attention(" in source
+    if name == "SigmoidForget":  # no softmax drops the query part: G_i a row bias, -G_j a key bias
+        assert re.search(r"\.pointwise_attention\([^\n]*key_bias=[^\n]*row_bias=", source)
     if name in SOFTMAX_GATES:  # the gate's key part -G_j: the kernels' key bias
         assert re.search(r"\.energy_attention\([^\n]*key_bias=", source) and "masked_" not in source
     _compare_backends(derived, name)

@@ -4,7 +4,8 @@ Every form is built from G, the prefix sum of log r over the tokens (at least fl
 the optimizer's steps since the rates read only the context: γ_ij = exp(G_i − G_j) (G_{i−1} under a strict
 context, whose last token is i − 1). A gated sum Σ_j γ_ij (q_i·k_j) v_j takes the log rates themselves as the
 linear-attention ops' per-token log decays (`token_log_decay`, used by `linear_sums.py`); a gate in a softmax
-score, c log γ_ij, gives the attention kernels a per-key bias −c G_j (`lowering.key_bias_arg`); anything else
+score, c log γ_ij, gives the attention kernels a per-key bias −c G_j (`lowering.key_bias_arg`), and a pointwise
+kernel the row bias c G_i as well (`gate_query_part`: no softmax drops it there); anything else
 gets the (T, T) values of log γ (`gate_log_weights`, for a log of a gate: never the log of its exp) or of γ
 (`gate_weights`).
 """
@@ -34,19 +35,32 @@ def log_rate_prefix(em: Emitter, e: ir.Decay) -> tuple[Val, Val]:
     return rate, em.log_rate_prefixes[e]
 
 
+def _last_prefix(em: Emitter, e: ir.Decay) -> tuple[Val, Val, Val]:
+    """(log r, G over j, G at the last context token of each query i, laid out over i): G_i, or G_{i−1} under a
+    strict context."""
+    j = e.index
+    rate, g = log_rate_prefix(em, e)
+    axis = rate.axes.index(j)
+    at_i = canonical({POS if a == j else a for a in rate.axes})
+    last = f"({g.code} - {rate.code})" if em.indices[j].strict else g.code
+    return rate, g, Val(last if axis == at_i.index(POS) else f"{last}.movedim({axis}, {at_i.index(POS)})", at_i)
+
+
+def gate_query_part(em: Emitter, e: ir.Decay) -> Val:
+    """G_i of log γ_ij = G_i − G_j (G_{i−1} under a strict context), one per query: with −G_j as a key bias, a
+    pointwise kernel's row bias, where no softmax drops it."""
+    g_i = _last_prefix(em, e)[2]
+    return em.tmp(g_i.code, g_i.axes, 0, "log decay up to the last context token, per query")
+
+
 def gate_log_weights(em: Emitter, e: ir.Decay) -> Val:
     """log γ_ij = G_i − G_j as (T, T) values, 0 on masked pairs: what `log(decay(r))` is, never formed as the log
     of γ, whose exp underflows to 0 once the log decay passes −103 in float32 (the log is then −inf, its
     gradient NaN)."""
     j = e.index
-    strict = em.indices[j].strict
-    rate, g = log_rate_prefix(em, e)
-    axis = rate.axes.index(j)
-    at_i = canonical({POS if a == j else a for a in rate.axes})
-    last = f"({g.code} - {rate.code})" if strict else g.code  # G at the last context token
-    g_i = Val(last if axis == at_i.index(POS) else f"{last}.movedim({axis}, {at_i.index(POS)})", at_i)
+    rate, g, g_i = _last_prefix(em, e)
     axes = canonical(set(rate.axes) | {POS})
-    mask = em.align(Val("mask_strict" if strict else "mask", (POS, j), 0), axes, 0)
+    mask = em.align(Val("mask_strict" if em.indices[j].strict else "mask", (POS, j), 0), axes, 0)
     diff = f"{em.align(g_i, axes, 0)} - {em.align(g, axes, 0)}"
     return em.tmp(f"({diff}).masked_fill(~{mask}, 0.0).to(dt)", axes, 0,
                   f"log decay: the log rates of the tokens after {j} up to i")

@@ -292,17 +292,24 @@ def key_bias_arg(em: Emitter, kinds: dict[str, list], heads: tuple[str, ...], j:
     parts = [em.emit(ir.add(*kinds["key"]))] if kinds["key"] else []
     for coef, gate in kinds["gate"]:
         parts.append(_scaled_val(em, em.emit(ir.neg(coef)), log_rate_prefix(em, gate)[1]))
-    axes = canonical(set().union(*(p.axes for p in parts)))
-    kb = parts[0] if len(parts) == 1 else em.tmp(" + ".join(em.align(p, axes, 0) for p in parts), axes, 0)
+    kb = _sum_vals(em, parts)
     return _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j) + "[..., 0]"
 
 
 def _scaled_val(em: Emitter, c: Val, v: Val) -> Val:
-    """c * v, c a scalar or a value per head."""
+    """c * v, c a scalar or a value per head, v a number per token."""
     if c.scalar and c.code == "1.0":
         return v
     axes = canonical(set(c.axes) | set(v.axes))
     return em.tmp(f"{em.align(c, axes, 0)} * {em.align(v, axes, 0)}", axes, 0)
+
+
+def _sum_vals(em: Emitter, parts: list[Val]) -> Val:
+    """The sum of numbers per token (or per key) with their axes joined."""
+    if len(parts) == 1:
+        return parts[0]
+    axes = canonical(set().union(*(p.axes for p in parts)))
+    return em.tmp(" + ".join(em.align(p, axes, 0) for p in parts), axes, 0)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .. import ir
 from ..ir import Expr
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .bias_kinds import bias_kinds
+from .gates import gate_query_part
 from .lowering import (
     _apply_maps,
     _as_bhtd,
@@ -36,7 +37,9 @@ from .lowering import (
     _from_bhtd,
     _numel,
     _peel_maps,
+    _scaled_val,
     _state_dependent,
+    _sum_vals,
     _unflat,
     kernel_score_args,
     oriented_couplings,
@@ -58,7 +61,7 @@ class WeightPlan:
     weight: ScalarFunction
     couplings: list[tuple[sp.Expr, ir.Dot]]
     row_terms: list[Expr]
-    kinds: dict[str, list[Expr]]  # the terms with the context token: "key", "alibi" and "self" (`bias_kinds`)
+    kinds: dict[str, list]  # the terms with the context token: "key", "alibi", "self" and "gate" (`bias_kinds`)
 
 
 def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | None, strict: bool,
@@ -91,7 +94,10 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     width = 1 if value is None else _numel(em, value.shape) + (query_term is not None)  # (the column of ones)
     wide = max(sum(_numel(em, d.a.shape) for _, d in plan.couplings), width) > MAX_HEAD_DIM  # feature-tiled kernels
     sc, heads = _emit_scores(em, plan.couplings, [], j, also=(v,))
-    row = em.emit(ir.add(*plan.row_terms)) if plan.row_terms else None
+    rows = [em.emit(ir.add(*plan.row_terms))] if plan.row_terms else []
+    # a decay gate c log γ_ij = c (G_i - G_j) in the score: -c G_j goes in the key bias, c G_i here
+    rows += [_scaled_val(em, em.emit(coef), gate_query_part(em, gate)) for coef, gate in plan.kinds["gate"]]
+    row = _sum_vals(em, rows) if rows else None
     if any(h not in em.sizes for h in heads) or (row is not None and set(row.axes) - {BATCH, POS} - set(heads)):
         return None  # a head axis on the row bias that the scores do not have
     qc, kc, keywords = kernel_score_args(em, sc, plan.kinds, heads, j, strict)
@@ -100,7 +106,8 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
         keywords.append(f"row_bias={_as_bhtd(em, column, heads, POS)}[..., 0]")
     vc = _as_bhtd(em, v, heads, j)
     ops = em.kernel_set(KernelRequest.pointwise(
-        strict=strict, row_bias=row is not None, key_bias=bool(plan.kinds["key"]), alibi=bool(plan.kinds["alibi"]),
+        strict=strict, row_bias=row is not None, key_bias=bool(plan.kinds["key"] or plan.kinds["gate"]),
+        alibi=bool(plan.kinds["alibi"]),
         self_bias=bool(plan.kinds["self"]), weight=plan.weight.value, weight_grad=plan.weight.grad,
         reference=plan.weight.torch, wide=wide))
     code = f"{ops}.pointwise_attention({', '.join([qc, kc, vc, *keywords])})"
@@ -155,8 +162,7 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
                 return None
             couplings += found
     kinds = bias_kinds(em, biases, j, strict)
-    # a decay gate in the score (c log γ_ij) has a query part too, which a function of the score does not drop
-    return (couplings, rows, kinds) if couplings and kinds is not None and not kinds["gate"] else None
+    return (couplings, rows, kinds) if couplings and kinds is not None else None
 
 
 def _terms(e: Expr, tokens: Callable[[Expr], bool]) -> list[Expr]:
