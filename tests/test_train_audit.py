@@ -442,6 +442,7 @@ def test_a_fresh_run_that_fails_before_its_first_checkpoint_keeps_the_previous_r
             mp.setattr(LanguageModel, "forward", lambda self, idx: original(self, idx) * float("nan"))
             code, _, err = energy(*tiny(corpus, run, "--fresh"))
         assert code == 1 and "training diverged at step 0" in err and "no good checkpoint was written" in err, err
+        assert "no optimizer setting changes it" in err and "--lr" not in err, err  # no step ran: not the lr
     assert files(run) == before
 
 

@@ -479,8 +479,12 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                            "checkpoint_step": checkpoint_step, "config": _jsonable(asdict(config))})
         run.plot(force=True)
         bar.close()
+        # at step 0 no optimizer step has run: the untrained model's own loss is not finite, which no lr cures
+        remedy = (divergence_remedy(config, names) if at > 0 else "a spec whose untrained model gives a finite "
+                  "loss: no optimizer setting changes it (`energy check` runs each energy and the model on random "
+                  "instances)")
         raise TrainingDiverged(at, value, run.last_checkpoint, reason, checkpoint_step, good[1] if good else None,
-                               divergence_remedy(config, names))
+                               remedy)
 
     def check_pending() -> None:
         values = torch.stack([loss for _, loss in pending]).tolist() if pending else []
