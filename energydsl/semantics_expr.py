@@ -241,9 +241,11 @@ class ExpressionLowering:
             raise SpecError(f"unknown function `{f}`", n.span, hint)
         vals = []
         for a in args:
-            if f == "rope" and len(vals) == 1 and isinstance(a, ast.Name) and a.name in self.indices \
-                    and self.indices[a.name].context is None:  # a head index (bound by the vector) is no position
-                raise SpecError(f"rope's position must be `i` or the context index, not the index `{a.name}`: "
+            if f == "rope" and len(vals) == 1 and isinstance(a, ast.Name) and a.name != "i" \
+                    and a.name not in self.scope.lets and not (a.name in self.indices
+                                                               and self.indices[a.name].context is not None):
+                what = "the index" if a.name in self.indices or a.name not in self.scope.decl_spans else "the name"
+                raise SpecError(f"rope's position must be `i` or the context index, not {what} `{a.name}`: "
                                 f"{ROPE_USAGE}", n.span)
             vals.append(self.expr(a))
         if f == "norm":

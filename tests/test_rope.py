@@ -118,9 +118,11 @@ HEADS = """energy R(d = 8, heads = 2, base = 500) {{
 """
 
 
-def test_a_head_index_is_no_position() -> None:
+@pytest.mark.parametrize("score", ["rope(Q[k] @ z, k) . (Q[k] @ h[j])",  # k bound by the vector
+                                   "rope(z, k) . rope(Q[k] @ h[j], j)"])  # k not bound yet
+def test_a_head_index_is_no_position(score: str) -> None:
     with pytest.raises(SpecError, match="not the index `k`"):
-        load(HEADS.format(score="rope(Q[k] @ z, k) . (Q[k] @ h[j])", expect="")).derive()
+        load(HEADS.format(score=score, expect="")).derive()
 
 
 def test_the_base_may_be_a_dim_and_is_printed() -> None:

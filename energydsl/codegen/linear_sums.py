@@ -50,12 +50,11 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     v = em.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
     if v.scalar:
         v = em.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
-    heads = _heads(q, k, v, j=j)
-    if any(h not in em.sizes for h in heads):
-        return None
-    if decay is not None and not token_axes(decay, em.indices) <= set(heads):  # a decay over another axis
-        return None
-    if gate is not None and not gate.body.free - {j} <= set(heads):
+    # a decay or gate per head with q, k and v shared by the heads: those are spread over the heads
+    per_head = (token_axes(decay, em.indices) if decay is not None else set()) | \
+        (gate.body.free - {j} if gate is not None else set())
+    heads = tuple(sorted(set(_heads(q, k, v, j=j)) | per_head))
+    if any(h not in em.sizes for h in heads):  # (a decay over a token axis among them)
         return None
     rank = v.rank
     if rank == 0:

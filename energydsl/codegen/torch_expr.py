@@ -369,7 +369,7 @@ class Emitter:
                 axis = POS if e.pos.index is None else e.pos.index
                 a = self.expand(a, canonical(set(a.axes) | {axis}))
                 self.used_ops.add("rope")
-                return self.tmp(f"rope({a.code}, {a.axes.index(axis)}, base={float(e.base)!r}, sign={e.sign})",
+                return self.tmp(f"rope({a.code}, dim={a.axes.index(axis)}, base={float(e.base)!r}, sign={e.sign})",
                                 a.axes, a.rank,
                                 f"rotary position embedding by {'-' if e.sign < 0 else ''}{axis.lstrip('@')}")
             case ir.Decay():
