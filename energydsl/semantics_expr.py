@@ -239,15 +239,9 @@ class ExpressionLowering:
                 raise SpecError("alibi_slopes(heads) is an initialiser: `param m[heads] = alibi_slopes(heads)`", n.span)
             hint = f"known functions: {', '.join(sorted(FUNCTIONS | SPECIAL))}"
             raise SpecError(f"unknown function `{f}`", n.span, hint)
-        vals = []
-        for a in args:
-            if f == "rope" and len(vals) == 1 and isinstance(a, ast.Name) and a.name != "i" \
-                    and a.name not in self.scope.lets and not (a.name in self.indices
-                                                               and self.indices[a.name].context is not None):
-                what = "the index" if a.name in self.indices or a.name not in self.scope.decl_spans else "the name"
-                raise SpecError(f"rope's position must be `i` or the context index, not {what} `{a.name}`: "
-                                f"{ROPE_USAGE}", n.span)
-            vals.append(self.expr(a))
+        if f == "rope":
+            return self._rope(args, n.span)
+        vals = [self.expr(a) for a in args]
         if f == "norm":
             if len(vals) == 1:
                 return ir.func("sqrt", ir.dot(vals[0], vals[0]))
@@ -293,20 +287,26 @@ class ExpressionLowering:
             return total
         if f == "decay":
             return self._decay(vals, n.span)
-        if f == "rope":
-            return self._rope(vals, n.span)
         if f == "eye":
             if len(vals) != 1 or not isinstance(vals[0], ir.Scalar):
                 raise SpecError("eye(n) takes a size", n.span)
             return ir.Identity(vals[0].value)
         raise SpecError(f"unknown function `{f}`", n.span)
 
-    def _rope(self, vals: list[Expr], span) -> Expr:
+    def _rope(self, args: list[ast.Node], span) -> Expr:
         """`rope(v, p)` or `rope(v, p, base)`: a vector of even width rotated by a position, `i` or a context index
         (`-i` or `-j`: rotated back), by a positive constant base."""
-        if len(vals) not in (2, 3):
+        if len(args) not in (2, 3):
             raise SpecError(f"{ROPE_USAGE} (10000 by default)", span)
-        v, pos = vals[0], vals[1]
+        v = self.expr(args[0])
+        name = args[1].name if isinstance(args[1], ast.Name) else None
+        if name is not None and name != "i" and name not in self.scope.lets \
+                and not (name in self.indices and self.indices[name].context is not None):  # said before lookup
+            what = "the index" if name in self.indices or name not in self.scope.decl_spans else "the name"
+            raise SpecError(f"rope's position must be `i` or the context index, not {what} `{name}`: {ROPE_USAGE}",
+                            span)
+        vals = [v, *(self.expr(a) for a in args[1:])]
+        pos = vals[1]
         if len(v.shape) != 1:
             raise SpecError(f"rope rotates the feature pairs of a vector; this is {ir.fmt_shape(v.shape)}", span)
         width = self._number(v.shape[0])
