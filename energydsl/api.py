@@ -295,12 +295,25 @@ class Spec:
         return Derived(spec, build_program(spec))
 
     def derivations(self, name: str | None = None, **dims: float) -> list[Derived]:
-        """What `energy derive` and `energy compile` show: the named energy, each stage of the named block, or
-        every energy of the file."""
+        """What `energy derive` and `energy compile` show: the named energy, each stage of the named block, each
+        distinct stage of the named model's layer (at the model's dims), or every energy of the file."""
         _check_name(name)
         if name is None:
             return self.derive(**dims)
+        if name in self.syntax.models:
+            return self.stages(name, **dims)
         return self.block(name, **dims) if name in self.syntax.blocks else [self.energy(name, **dims)]
+
+    def stages(self, name: str | None = None, **dims: float) -> list[Derived]:
+        """Each distinct stage of a model's layer, derived at the dims the model passes it: the layers
+        `energy train` builds, imported energies included. A stage that repeats (same energies, same dims) is
+        derived once."""
+        seen: dict[tuple[str, tuple[tuple[str, float], ...]], Derived] = {}
+        for stage in self.plan(name, **dims).stages:
+            key = (stage.label, tuple(sorted(stage.dims.items())))
+            if key not in seen:
+                seen[key] = derive(stage.decl, stage.dims)
+        return list(seen.values())
 
     def block(self, name: str, **dims: float) -> list[Derived]:
         """Each stage of a block, derived: its energies summed under the first one's optimizer. `dims` go to
@@ -394,8 +407,8 @@ class Spec:
         if name not in every:
             kinds = {"model": self.syntax.models, "block": self.syntax.blocks, "energy": self.syntax.energies}
             other = next((k for k, decls in kinds.items() if name in decls), None)
-            hint = {"model": f"`{name}` is a model: `energy info`, `graph` and `train` take it; in Python, "
-                             ".model(...) or .plan(...)",
+            hint = {"model": f"`{name}` is a model: `energy info`, `graph`, `train`, `derive` and `compile` take "
+                             "it; in Python, .model(...), .plan(...) or .stages(...)",
                     "block": f"`{name}` is a block: .energy(\"{name}\") or .block(...) derives it, a model's "
                              "`layer = ...` uses it",
                     "energy": f"`{name}` is an energy: `energy derive`, `check` and `compile` take it; in Python, "

@@ -47,6 +47,8 @@ def backend_flag(value: str) -> str:
 
 
 BACKEND_METAVAR = "<torch|triton>"
+NAME_HELP = ("Which energy, block or model (a model: each stage of its layer, at its dims); default: every energy "
+             "in the file.")
 
 
 def parse_sets(items: list[str] | None) -> dict[str, float]:
@@ -103,8 +105,7 @@ def no_energy(path: str, spec) -> UserError:
 @app.command()
 def derive(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
-    name: Annotated[str | None, typer.Option(
-        "--name", help="Which energy or block (default: every energy in the file).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help=NAME_HELP)] = None,
     fmt: Annotated[str, typer.Option("--format", help="text | latex | markdown | mathml")] = "text",
     sets: SetOpt = None,
 ) -> None:
@@ -179,7 +180,7 @@ def check(
 def compile_(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
     output: Annotated[str | None, typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
-    name: Annotated[str | None, typer.Option("--name", help="Which energy (default: all of them).")] = None,
+    name: Annotated[str | None, typer.Option("--name", help=NAME_HELP)] = None,
     backend: Annotated[
         str,
         typer.Option(

@@ -542,10 +542,8 @@ def test_asking_for_a_model_or_block_as_an_energy_says_what_it_is() -> None:
     with pytest.raises(energydsl.SpecError) as err:
         spec.energy("NRGPT")
     assert "no energy named `NRGPT`" in err.value.message
-    assert err.value.hint == "`NRGPT` is a model: `energy info`, `graph` and `train` take it; in Python, " \
-                             ".model(...) or .plan(...)"
-    r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT")  # the command line's user reads it too
-    assert r.returncode == 2 and "`energy info`, `graph` and `train` take it" in r.stderr, r.stderr
+    assert err.value.hint == "`NRGPT` is a model: `energy info`, `graph`, `train`, `derive` and `compile` take " \
+                             "it; in Python, .model(...), .plan(...) or .stages(...)"
     r = _run("info", "examples/models/nrgpt.energy", "--name", "NRGPTBlock")
     assert r.returncode == 2 and "is a block" in r.stderr, r.stderr
     r = _run("info", "examples/intrinsic-optimizers/mha.energy", "--name", "MHA")
@@ -659,3 +657,26 @@ def test_a_model_check_names_parameters_that_never_train(tmp_path: Path) -> None
     params = {c["name"]: c for c in row["models"][0]["checks"]}["params"]
     assert params["status"] == "warn" and params["detail"].startswith(
         "`layers.0.0.b_self`, `layers.1.0.b_self`, `layers.2.0.b_self` got no gradient"), params
+
+
+def test_derive_and_compile_take_a_model_its_layer_at_its_dims(tmp_path: Path) -> None:
+    """`--name Model`: each distinct stage of its layer (imported energies included), at the dims the model
+    passes them, so the compiled modules are the layers `energy train` builds and take their state dicts."""
+    spec = energydsl.load(ROOT / "examples/models/rope-llama.energy")
+    assert [d.name for d in spec.stages(d=64)] == ["RopeMHA", "SwiGLU"]  # SwiGLU is imported from llama.energy
+    out = tmp_path / "layers.py"
+    r = _run("compile", "examples/models/rope-llama.energy", "--name", "RopeLlama", "--set", "d=64", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    namespace: dict = {}
+    exec(compile(out.read_text(), str(out), "exec"), namespace)  # noqa: S102 - the generated module, as a user loads it
+    model = spec.model(d=64)
+    for index, cls in enumerate((namespace["RopeMHA"], namespace["SwiGLU"])):
+        layer = model.layers[0][index]
+        module = cls()
+        module.load_state_dict(layer.state_dict())  # same names, same shapes
+        x = torch.randn(2, 5, 64)
+        torch.testing.assert_close(module(x), layer(x))
+    r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT")
+    assert r.returncode == 0 and "NRGPTAttention_NRGPTFF2W" in r.stdout and "d=128, heads=1" in r.stdout, r.stderr
+    r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT", "--set", "e=3")
+    assert r.returncode == 2 and "`e`" in r.stderr and "Traceback" not in r.stderr, r.stderr
