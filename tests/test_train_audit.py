@@ -442,7 +442,7 @@ def test_a_fresh_run_that_fails_before_its_first_checkpoint_keeps_the_previous_r
             mp.setattr(LanguageModel, "forward", lambda self, idx: original(self, idx) * float("nan"))
             code, _, err = energy(*tiny(corpus, run, "--fresh"))
         assert code == 1 and "training diverged at step 0" in err and "no good checkpoint was written" in err, err
-        assert "no optimizer setting changes it" in err and "--lr" not in err, err  # no step ran: not the lr
+        assert "no optimizer setting changes them" in err and "--lr" not in err, err  # no step ran: not the lr
     assert files(run) == before
 
 
@@ -504,3 +504,17 @@ def test_an_unreadable_checkpoint_says_permission_denied() -> None:
         shutil.rmtree(folder)
     assert res.returncode == 0, res.stderr
     assert f"cannot read checkpoint {weights}: Permission denied" in res.stdout and "No such file" not in res.stdout
+
+
+def test_a_gradient_that_is_not_finite_at_step_0_names_the_parameters_not_the_lr(run, corpus):
+    """A finite loss whose first gradient is NaN (here: sqrt at 0 on the embedding) used to be reported at step 1,
+    as a NaN loss, with "try a lower --lr"; no optimizer step had run yet, so no lr could help."""
+    from energydsl.runtime.model import LanguageModel
+
+    original = LanguageModel.forward
+    with pytest.MonkeyPatch.context() as mp:  # the value is unchanged; the gradient of sqrt(0 * w) is NaN
+        mp.setattr(LanguageModel, "forward",
+                   lambda self, idx: original(self, idx) + 0 * torch.sqrt(self.wte.weight * 0).sum())
+        code, _, err = energy(*tiny(corpus, run, "--fresh"))
+    assert code == 1 and "training diverged at step 0: the gradient at step 0 is not finite in wte.weight" in err, err
+    assert "no optimizer setting changes them" in err and "--lr" not in err, err

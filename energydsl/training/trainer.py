@@ -399,9 +399,21 @@ def _memory_error(e: BaseException, config: TrainConfig, device: torch.device, r
 IDLE_WATCH_STEPS = 5
 
 
+def _listed(names: list[str]) -> str:
+    """The first four names, and how many more."""
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _nonfinite_gradients(model: nn.Module) -> list[str]:
+    """The parameters whose gradient holds a NaN or an infinity."""
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    finite = torch.stack([torch.isfinite(grad).all() for _, grad in named]).tolist() if named else []
+    return [name for (name, _), ok in zip(named, finite, strict=True) if not ok]
+
+
 def _idle_notice(idle: list[str], steps: int) -> str:
     """What to say of parameters the loss does not reach."""
-    shown = ", ".join(idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+    shown = _listed(idle)
     them = "them" if len(idle) > 1 else "it"
     return (f"{len(idle)} parameter{'s' if len(idle) > 1 else ''} got no gradient in the first {steps} "
             f"step{'s' if steps > 1 else ''} and will not train: {shown}. `energy check` on the energy that "
@@ -471,7 +483,8 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
         return None
 
     def diverge(at: int, value: float, reason: str) -> None:
-        """Record the divergence and raise; `last` and `best` keep the last good states."""
+        """Record the divergence and raise; `last` and `best` keep the last good states. At step 0 no optimizer
+        step has run: the untrained model's own loss or gradient is not finite, which no lr cures."""
         good = run.good if run.last_checkpoint is not None else None
         checkpoint_step = good[0] if good else None
         run.log(kind="diverged", step=at, loss=value, reason=reason, checkpoint_step=checkpoint_step)
@@ -479,10 +492,9 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                            "checkpoint_step": checkpoint_step, "config": _jsonable(asdict(config))})
         run.plot(force=True)
         bar.close()
-        # at step 0 no optimizer step has run: the untrained model's own loss is not finite, which no lr cures
         remedy = (divergence_remedy(config, names) if at > 0 else "a spec whose untrained model gives a finite "
-                  "loss: no optimizer setting changes it (`energy check` runs each energy and the model on random "
-                  "instances)")
+                  "loss and gradient: no optimizer setting changes them (`energy check` runs each energy and the "
+                  "model on random instances)")
         raise TrainingDiverged(at, value, run.last_checkpoint, reason, checkpoint_step, good[1] if good else None,
                                remedy)
 
@@ -557,6 +569,12 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             loss = _loss(forward, x, y, vocab)
         pending.append((step, loss.detach()))
         scaler.scale(loss).backward()
+        if step == 0 and not scaler.is_enabled():  # (float16's scaler skips a step whose gradient overflowed)
+            broken = _nonfinite_gradients(model)  # the first step only: one sync
+            if broken:
+                value = float(loss.detach())
+                diverge(0, value, why_diverged(value, "training loss at step 0")
+                        or f"the gradient at step 0 is not finite in {_listed(broken)}")
         if idle_watch is not None:
             for name, p in model.named_parameters():
                 if p.grad is not None and name in idle_watch:
