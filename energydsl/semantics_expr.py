@@ -19,6 +19,7 @@ from . import syntax_tree as ast
 from .errors import SpecError
 from .functions import antiderivative
 from .ir_nodes import Expr, IndexInfo, ShapeError, Var
+from .number_text import plain_number
 
 if TYPE_CHECKING:
     from .semantics import _Scope
@@ -148,9 +149,29 @@ class ExpressionLowering:
                     return ir.power(a, b.value)
                 if a.shape:
                     raise SpecError("a tensor power needs a constant exponent", n.right.span)
+                self._check_positive_base(n.left, a)
                 log_a = ir.Scalar(sp.log(a.value)) if isinstance(a, ir.Scalar) else ir.func("log", a)
                 return ir.func("exp", ir.mul(b, log_a))  # a^b = exp(b log a): a > 0
         raise SpecError(f"unknown operator {n.op}", n.span)
+
+    def _check_positive_base(self, base: ast.Node, value: Expr) -> None:
+        """A non-constant exponent is computed as a^b = exp(b log a), real only for a > 0: a number or a param
+        that is not positive is refused here (`energy check` would only find NaN), naming the constraint."""
+        if isinstance(value, ir.Scalar) and value.value.is_number and not value.value.is_positive:
+            raise SpecError(f"the base of a power with a non-constant exponent must be positive, it is "
+                            f"{plain_number(float(value.value))}", base.span, "a^b is computed as exp(b log a)")
+        node = base.base if isinstance(base, ast.Index) else base
+        param = self.scope.params.get(node.name) if isinstance(node, ast.Name) else None
+        if param is None or param.constraint in (("positive",),) or (
+                param.constraint and param.constraint[0] == "interval" and param.constraint[1] >= 0):
+            return
+        if not param.learn and param.init is not None and param.init[0] == "value" and param.init[1][0] > 0:
+            return  # a fixed positive number
+        what = "a learned param that nothing keeps positive" if param.learn else "a fixed param that is not positive"
+        raise SpecError(f"the base of a power with a non-constant exponent must be positive, and `{node.name}` "
+                        f"is {what}", base.span,
+                        f"a^b is computed as exp(b log a): declare `param {node.name} in (0, 1)` (a decay per "
+                        f"step) or `param {node.name} positive`")
 
     def _index(self, n: ast.Index) -> Expr:
         base = n.base

@@ -102,6 +102,15 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
         # a non-constant exponent takes a scalar base only (a[k] is one: exp((i - j) log a[k])), not a vector
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d]\n"
          "  global F = sum[j]((W^(i - j)) . h[j])\n}", "a tensor power needs a constant exponent", 5, 25),
+        # and it is exp((i - j) log a): a base that may be negative was NaN in `energy check`, not refused
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param a ~ uniform(0.8, 0.99)\n"
+         "  global F = sum[j](a^(i - j) * (z . h[j]))\n}", "`a` is a learned param that nothing keeps positive", 5, 21),
+        ("energy A(d = 2, heads = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param a[heads] in (-1, 1)\n"
+         "  global F = sum[k](sum[j](a[k]^(i - j) * (z . h[j])))\n}", "nothing keeps positive", 5, 28),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param a = -0.5 fixed\n"
+         "  global F = sum[j](a^(i - j) * (z . h[j]))\n}", "`a` is a fixed param that is not positive", 5, 21),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+         "  global F = sum[j](0^(i - j) * (z . h[j]))\n}", "must be positive, it is 0", 4, 21),
         # a scalar that is complex or not finite is an error where it first arises, not a crash later
         ("energy A(d = 2) {\n  state z[d]\n  let T = 2 * sqrt(-d)\n  global F = T * z . z\n}",
          "not a real number", 3, 15),
