@@ -1181,3 +1181,12 @@ def test_the_delta_rule_runs_on_prefix_sums(backend: str, relation: str) -> None
     x, h = module.example_input(2, 64).requires_grad_(), torch.randn(2, 64, 8)
     largest = largest_tensor_made(lambda: module(x, context=h).square().sum().backward())
     assert largest <= 2 * 64 * 8 * 8, largest  # (B, T, dk, dk) and the context's own: no T x T
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_generated_numbers_are_rounded_once(backend):
+    """sqrt(heads)/sqrt(d) at d=8, heads=2 is 0.5: the dims go in exactly and the result is rounded once
+    (float arithmetic gave `scale=0.5000000000000001`)."""
+    text = energy_source(energydsl.load("examples/intrinsic-optimizers/mha.energy").derive(), backend, [])
+    scales = set(re.findall(r"scale=([-0-9.e]+)", text))
+    assert scales == {"0.5"}, scales

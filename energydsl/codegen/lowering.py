@@ -36,6 +36,7 @@ from ..ir import Expr, IndexInfo
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .bias_kinds import bias_kinds
 from .gates import log_rate_prefix
+from .scalar_src import exact_number
 from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
@@ -463,14 +464,15 @@ def _n_heads(em: Emitter, heads: tuple[str, ...]) -> str:
 
 
 def _number(e: sp.Expr, scalars: dict[sp.Symbol, str]) -> float | None:
-    """`e` as a float when every symbol in it stands for a number (not a learned tensor)."""
+    """`e` as a float when every symbol in it stands for a number (not a learned tensor). The numbers go in
+    exactly and the result is rounded once: 1/sqrt(4) is 0.5, not 0.5000000000000001."""
     values = {}
     for sym in sp.sympify(e).free_symbols:
         try:
-            values[sym] = float(scalars[sym])
+            values[sym] = exact_number(scalars[sym])
         except (KeyError, ValueError):
             return None
-    return float(sp.sympify(e).subs(values))
+    return float(sp.sympify(e).subs(values).evalf(30))
 
 
 def _scaled(em: Emitter, a: Val, c: sp.Expr) -> Val:

@@ -3,6 +3,8 @@ hyper-parameters and activations)."""
 
 from __future__ import annotations
 
+import math
+
 import sympy as sp
 
 from ..functions import REGISTRY, X
@@ -18,7 +20,7 @@ def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
     Numeric sub-expressions are folded to floats; functions of tensors use torch.
     """
     expr = sp.sympify(expr)
-    numbers = {s: float(v) for s, v in names.items() if is_number(v)}
+    numbers = {s: exact_number(v) for s, v in names.items() if is_number(v)}
     if numbers and expr.free_symbols & set(numbers):
         expr = expr.subs(numbers)
     if not (expr.free_symbols & set(names)):
@@ -54,6 +56,13 @@ def _softplus_argument(expr: sp.Expr) -> sp.Expr | None:
         return None
     one, other = sorted(expr.args[0].args, key=lambda t: t != 1)
     return other.args[0] if one == 1 and isinstance(other, sp.exp) else None
+
+
+def exact_number(text: str) -> sp.Expr:
+    """A number's source as an exact SymPy number, so that folding rounds once at the end: sqrt(2)/sqrt(8) is
+    0.5, not the 0.5000000000000001 of float arithmetic."""
+    value = float(text)
+    return sp.Rational(text) if math.isfinite(value) else sp.Float(value)
 
 
 def is_number(text: str) -> bool:
