@@ -715,3 +715,36 @@ def test_several_score_dots_pass_their_first_coefficient_as_the_kernels_scale(sp
     raw = dict(module.named_parameters())
     torch.testing.assert_close(module(x), run_program(derived.program, instance_from_params(derived.program, raw, x)),
                                rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("path, name", [
+    ("intrinsic-optimizers/momen-mha.energy", "MomenMHA"),  # the attention op and the fused momentum update
+    ("cem/mlp.energy", "CEMMLP"),  # the gated epilogue, whose backward op returns a list
+    ("intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention"),  # chunked linear attention
+])
+def test_torch_func_per_sample_gradients_match_the_torch_backend(path, name):
+    """torch.func's transforms take the kernels' autograd (a Function with its own setup_context and a vmap
+    rule: it refused them, "must override the setup_context staticmethod"): per-sample gradients, vmap over
+    grad, agree with the torch backend's. A second derivative is refused by name, not computed wrong."""
+    torch.manual_seed(0)
+    spec = load(ROOT / "examples" / path)
+    reference, fused = spec.module(name, backend="torch").double(), spec.module(name, backend="triton")
+    fused.load_state_dict(reference.state_dict())
+    xs = torch.randn(3, 2, 7, *fused.state_shape, dtype=torch.float64)
+    per_sample = {}
+    for module, x in ((reference, xs), (fused, xs.float())):  # the kernels run in float32
+        params = {k: v.detach() for k, v in module.named_parameters()}
+
+        def loss(p, x, module=module):
+            return torch.func.functional_call(module, p, (x,)).square().sum()
+
+        per_sample[module] = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    assert set(per_sample[fused]) == set(per_sample[reference])
+    for key, want in per_sample[reference].items():
+        got = per_sample[fused][key].double()
+        assert got.shape == (3, *dict(reference.named_parameters())[key].shape)
+        assert (got - want).abs().max() <= TOL * want.abs().max().clamp_min(1e-30), key
+    x = xs[0].float().requires_grad_()
+    (gx,) = torch.autograd.grad(fused(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()

@@ -77,7 +77,9 @@ def register_op(
     custom op runs its forward through the op's generated Function with grad on, which fills in the schema's
     defaults and redispatches on every call; wired outside, a fwd+bwd of one attention op spends about a
     quarter less host time (`docs/models.md`, "Host time per call"). Without grad mode the call is the op
-    alone. Dynamo traces the Function and the op inside it, so compiled callers see the same kernels.
+    alone. Dynamo traces the Function and the op inside it, so compiled callers see the same kernels. The
+    Function is the kind torch.func takes (its own setup_context, a generated vmap rule; the op's vmap rule runs
+    it per batch entry), and its backward is once-differentiable: the backward kernels have no autograd.
 
     "The op" is its body, `impl`, called directly wherever nothing could tell the difference
     (`runs_body_directly`): the dispatcher's round trip through a custom op costs more host time than the
@@ -90,6 +92,7 @@ def register_op(
         op.register_fake(fake)
     else:
         op = torch.library.triton_op(qualname, impl, mutates_args=())
+    op.register_vmap(_one_by_one(op))
     differentiable = backward is not None
 
     def run(*args: Any) -> Any:
@@ -102,16 +105,21 @@ def register_op(
         return run
     op.register_autograd(backward, setup_context=setup_context)
 
-    def forward(ctx: Any, *args: Any) -> Any:
-        output = run(*args)
-        setup_context(ctx, args, output)
-        return output
+    def forward(*args: Any) -> Any:
+        return run(*args)
 
+    def save(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        setup_context(ctx, inputs, output)
+
+    @torch.autograd.function.once_differentiable  # the backward kernels have no autograd: say so if asked
     def differentiate(ctx: Any, *grads: Any) -> Any:  # a plain function: Dynamo misbinds a bound method here
         return backward(ctx, *grads)
 
+    # forward and setup_context apart, and a generated vmap rule: torch.func's transforms (grad, vmap, vjp,
+    # per-sample gradients) take such a Function, where one whose forward takes ctx is refused
     function = type(f"{name}_function", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(differentiate)})
+                    {"forward": staticmethod(forward), "setup_context": staticmethod(save),
+                     "backward": staticmethod(differentiate), "generate_vmap_rule": True})
 
     def call(*args: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -121,6 +129,21 @@ def register_op(
         return function.apply(*args)
 
     return call
+
+
+def _one_by_one(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A vmap rule for `op`: the op once per batch entry, the outputs stacked. torch's own fallback does the
+    same for an op that returns tensors, but none returns a list (the backward ops do); a kernel batched over
+    vmap's dimension is not worth its code for `torch.func`'s uses (per-sample gradients, ensembles)."""
+    def rule(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
+        outputs = [op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims, strict=True)))
+                   for b in range(info.batch_size)]
+        if isinstance(outputs[0], Tensor):
+            return torch.stack(outputs), 0
+        stacked = [torch.stack(parts) for parts in zip(*outputs, strict=True)]
+        return type(outputs[0])(stacked), type(outputs[0])(0 for _ in stacked)
+
+    return rule
 
 
 def launching_directly() -> AbstractContextManager[None]:
