@@ -748,3 +748,19 @@ def test_torch_func_per_sample_gradients_match_the_torch_backend(path, name):
     (gx,) = torch.autograd.grad(fused(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gx.sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore")  # TorchScript tracing is deprecated, and says so
+@pytest.mark.parametrize("path", ["cem/mlp.energy", "intrinsic-optimizers/mha.energy",
+                                  "intrinsic-optimizers/gated-linear-attention.energy"])
+def test_torchscript_traces_the_kernel_ops_with_its_own_checks(path):
+    """torch.jit.trace with its trace check: the gated epilogue's shape guard failed on traced sizes, and the
+    check (a second trace, under no_grad) saw the op where the first saw the autograd Function. The trace
+    runs at another length, and its gradients are the module's."""
+    module = load(ROOT / "examples" / path).module(backend="triton")
+    traced = torch.jit.trace(module, (torch.randn(2, 8, *module.state_shape),))
+    x = torch.randn(2, 11, *module.state_shape)
+    assert torch.equal(traced(x), module(x))
+    grads = [torch.autograd.grad(m(x).square().sum(), list(module.parameters())) for m in (traced, module)]
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want)

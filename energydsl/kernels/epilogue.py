@@ -109,6 +109,8 @@ def _scalar(s: Tensor | float, like: Tensor, name: str) -> Tensor:
 
 
 def _same_shape(**tensors: Tensor) -> None:
+    if torch._C._get_tracing_state():  # TorchScript tracing: sizes are traced values, checked when run untraced
+        return
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"expected tensors of one shape; got {shapes}")

@@ -122,6 +122,8 @@ def register_op(
                      "backward": staticmethod(differentiate), "generate_vmap_rule": True})
 
     def call(*args: Any) -> Any:
+        if torch._C._get_tracing_state():  # TorchScript records the op, with or without grad (its trace check
+            return op(*args)  # traces again under no_grad: a Function there would make the graphs differ)
         if not torch.is_grad_enabled():
             return run(*args)  # no graph: the op (or its body) alone, with nothing saved
         if torch.compiler.is_compiling():
