@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,37 +31,22 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.model_vs_reference import step_time  # noqa: E402
 from energydsl import load  # noqa: E402
 from energydsl.api import Derived  # noqa: E402
-from energydsl.codegen.torch_module import class_name, module_source  # noqa: E402
+from energydsl.codegen import module_class  # noqa: E402
 from energydsl.errors import UserError  # noqa: E402
 from energydsl.runtime.model import LanguageModel  # noqa: E402
 
 
-def generic_twin(model: LanguageModel, workdir: Path) -> LanguageModel:
+def generic_twin(model: LanguageModel) -> LanguageModel:
     """The same plan and stages, every stage generated with lowering off."""
-    classes = []
-    for n, info in enumerate(model.stage_info):
-        d = info.derived
-        path = workdir / f"generic_{n}.py"
-        path.write_text(module_source(d.program, d.equation_hash(), lowering=False))
-        spec = importlib.util.spec_from_file_location(f"generic_{n}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        classes.append(getattr(module, class_name(d.spec.name)))
+    classes = [module_class(info.derived, lowering=False) for info in model.stage_info]
     twin = LanguageModel(model.plan, classes, model.stage_info)
     twin.load_state_dict(model.state_dict())
     return twin
 
 
-def generic_layer(layer: torch.nn.Module, derived: Derived, workdir: Path) -> torch.nn.Module:
+def generic_layer(layer: torch.nn.Module, derived: Derived) -> torch.nn.Module:
     """The same energy's layer generated with lowering off, with `layer`'s weights."""
-    path = workdir / "generic_layer.py"
-    path.write_text(module_source(derived.program, derived.equation_hash(), lowering=False))
-    spec = importlib.util.spec_from_file_location("generic_layer", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    twin = getattr(module, class_name(derived.spec.name))()
+    twin = module_class(derived, lowering=False)()
     twin.load_state_dict(layer.state_dict())
     return twin
 
@@ -102,19 +85,18 @@ def main() -> None:
         raise SystemExit(2) from None
     if not spec.model_names:
         return layer_main(derived, lowered, args)
-    with tempfile.TemporaryDirectory() as tmp:
-        generic = generic_twin(lowered, Path(tmp))
-        idx = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
-        targets = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
-        with torch.no_grad():
-            a, b = lowered(idx), generic(idx)
-            exact = copy.deepcopy(generic).double()(idx)  # float64: whose rounding is it
-        diff = ((a - b).abs().max() / b.abs().max()).item()
-        errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
-        times = {}
-        for label, m in (("lowered", lowered), ("generic", generic)):
-            step_time(m, idx, targets)  # warm-up
-            times[label] = statistics.median(step_time(m, idx, targets) for _ in range(args.repeats))
+    generic = generic_twin(lowered)
+    idx = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
+    targets = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
+    with torch.no_grad():
+        a, b = lowered(idx), generic(idx)
+        exact = copy.deepcopy(generic).double()(idx)  # float64: whose rounding is it
+    diff = ((a - b).abs().max() / b.abs().max()).item()
+    errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
+    times = {}
+    for label, m in (("lowered", lowered), ("generic", generic)):
+        step_time(m, idx, targets)  # warm-up
+        times[label] = statistics.median(step_time(m, idx, targets) for _ in range(args.repeats))
     print(f"{Path(args.spec).name}, context {args.context}, batch {args.batch}, "
           f"{torch.get_num_threads()} threads, fwd+bwd median of {args.repeats}")
     print(f"  lowered  {times['lowered'] * 1e3:9.1f} ms")
@@ -129,19 +111,18 @@ def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namesp
     with torch.no_grad():  # away from the tiny init, so that the softmax is not uniform
         for p in lowered.parameters():
             p.add_(0.5 * torch.randn_like(p))
-    with tempfile.TemporaryDirectory() as tmp:
-        generic = generic_layer(lowered, derived, Path(tmp))
-        x = lowered.example_input(args.batch, args.context)
-        w = torch.randn(x.shape)
-        with torch.no_grad():
-            a, b = lowered(x, delta=True), generic(x, delta=True)
-            exact = copy.deepcopy(generic).double()(x.double(), delta=True)  # float64: whose rounding is it
-        diff = ((a - b).abs().max() / b.abs().max()).item()
-        errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
-        times = {}
-        for label, m in (("lowered", lowered), ("generic", generic)):
-            layer_step_time(m, x, w)  # warm-up
-            times[label] = statistics.median(layer_step_time(m, x, w) for _ in range(args.repeats))
+    generic = generic_layer(lowered, derived)
+    x = lowered.example_input(args.batch, args.context)
+    w = torch.randn(x.shape)
+    with torch.no_grad():
+        a, b = lowered(x, delta=True), generic(x, delta=True)
+        exact = copy.deepcopy(generic).double()(x.double(), delta=True)  # float64: whose rounding is it
+    diff = ((a - b).abs().max() / b.abs().max()).item()
+    errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
+    times = {}
+    for label, m in (("lowered", lowered), ("generic", generic)):
+        layer_step_time(m, x, w)  # warm-up
+        times[label] = statistics.median(layer_step_time(m, x, w) for _ in range(args.repeats))
     shown = ", ".join(f"{k}={v:g}" for k, v in derived.spec.dims().items())
     print(f"{Path(args.spec).name}: {derived.spec.name}({shown}), context {args.context}, batch {args.batch}, "
           f"{torch.get_num_threads()} threads, fwd+bwd median of {args.repeats}")

@@ -1190,3 +1190,18 @@ def test_generated_numbers_are_rounded_once(backend):
     text = energy_source(energydsl.load("examples/intrinsic-optimizers/mha.energy").derive(), backend, [])
     scales = set(re.findall(r"scale=([-0-9.e]+)", text))
     assert scales == {"0.5"}, scales
+
+
+def test_the_generic_form_is_a_public_module_class_with_the_same_parameters():
+    """`module_class(derived, lowering=False)`: the unlowered form docs/models.md points users to (it named a
+    function that did not exist), cached apart from the lowered class, taking its state dict."""
+    derived = energydsl.load("examples/intrinsic-optimizers/mha.energy").energy()
+    lowered, generic = module_class(derived)(), module_class(derived, lowering=False)()
+    assert type(lowered) is not type(generic)
+    assert "softmax_attention(" in energy_source(derived) and "softmax_attention(" not in energy_source(
+        derived, lowering=False)
+    generic.load_state_dict(lowered.state_dict())
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    torch.testing.assert_close(generic.double()(x), lowered.double()(x))
+    with pytest.raises(energydsl.UserError, match="the generic form"):
+        energy_source(derived, "triton", lowering=False)

@@ -50,13 +50,14 @@ def generator_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def cache_key(derived: Derived, backend: str) -> str:
+def cache_key(derived: Derived, backend: str, lowering: bool = True) -> str:
     """The generated file's key. Besides the update (`equation_hash`), what its docstring's derivation shows:
     the energy, its norm and gradient and the tied direction, as IR keys (no printing before a cache hit)."""
     prog, spec = derived.program, derived.spec
     shown = repr([ir.stable_text(e) for e in (spec.energy, spec.via[1] if spec.via else None, prog.gradient,
                                               prog.tied_direction) if e is not None])
-    text = f"{derived.equation_hash()}|{spec.name}|{backend}|{generator_version()}|{shown}"
+    form = backend if lowering else f"{backend}|generic"
+    text = f"{derived.equation_hash()}|{spec.name}|{form}|{generator_version()}|{shown}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -69,14 +70,18 @@ def check_backend(backend: object) -> None:
                         "for example .module(\"MHA\", d=16)")
 
 
-def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfused: list[str] | None = None) -> str:
+def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfused: list[str] | None = None,
+                  lowering: bool = True) -> str:
     """The generated source for one derived energy, or one file with the modules of several. With the
     triton backend, the names of those no kernel family fuses (their forward is the torch path) are
-    appended to `unfused`."""
+    appended to `unfused`. `lowering=False` (torch backend only) writes the generic form: every context sum
+    as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
     from ..errors import UserError
     from .torch_module import ModuleWriter, class_name, file_source
 
     check_backend(backend)
+    if not lowering and backend != "torch":
+        raise UserError("the generic form (lowering=False) is the torch backend's", hint="backend=\"torch\"")
     many = derived if isinstance(derived, list) else [derived]
     classes: dict[str, str] = {}
     for d in many:
@@ -84,7 +89,7 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
         if other != d.name:
             raise UserError(f"energies `{other}` and `{d.name}` would both be the class `{class_name(d.name)}` of "
                             "one generated file", hint="rename one of them, or compile them apart (`--name`)")
-    writers = [ModuleWriter(d.program, d.equation_hash(), backend, equations=d.equations()) for d in many]
+    writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations()) for d in many]
     text = file_source(writers)
     if backend == "triton" and unfused is not None:
         unfused += [d.name for d, w in zip(many, writers) if not w.kernel_requests]
@@ -97,21 +102,22 @@ def runnable_backend(backend: str) -> str:
     return "torch" if backend == "triton" and not _triton_runs() else backend
 
 
-def module_class(derived: Derived, backend: str = "torch") -> type[nn.Module]:
+def module_class(derived: Derived, backend: str = "torch", lowering: bool = True) -> type[nn.Module]:
     """Generate (or reuse from the cache) and import the module class for `derived`.
 
     The triton backend needs a CUDA device or the Triton interpreter (TRITON_INTERPRET=1); without
     either it falls back to the torch backend (same parameters, so checkpoints still load) with a notice.
+    `lowering=False`: the generic form (`energy_source`), the same parameters.
     """
     backend = runnable_backend(backend)
-    key = cache_key(derived, backend)
+    key = cache_key(derived, backend, lowering)
     mod_name = f"energydsl_generated_{key}"
     if mod_name in sys.modules:
         return _class_of(sys.modules[mod_name], derived)
     name = f"{derived.spec.name.lower()}_{key}.py"
     path = cache_dir() / name
     if not path.is_file():
-        text = energy_source(derived, backend)
+        text = energy_source(derived, backend, lowering=lowering)
         try:  # whole or not at all: concurrent workers never import a half-written file
             write_whole(path, text, quiet=False)
         except OSError as e:  # a read-only home, a cache path that is a file: build anyway, and say where
