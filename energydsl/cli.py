@@ -362,7 +362,7 @@ def train_(
         raise UserError("--out is empty", hint="give a run directory, or leave --out out for runs/<model>")
     # checked before the model and the data are built; the block size defaults to the model's context, below
     config = TrainConfig(steps=steps, batch_size=batch_size, block_size=block_size or 1, lr=lr,
-                         min_lr=lr / 10 if min_lr is None else min_lr, warmup_steps=warmup,
+                         min_lr=min_lr, warmup_steps=warmup,
                          weight_decay=weight_decay, betas=parse_betas(betas), grad_clip=grad_clip,
                          eval_interval=eval_interval, eval_iters=eval_iters, device=device, seed=seed, dtype=dtype,
                          compile=compile_)

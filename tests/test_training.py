@@ -701,3 +701,14 @@ def test_cuda_training_and_resume(text_dataset, tmp_path, dtype):
     assert result["resumed_from"] == 10 and result["val_loss"] < math.log(text_dataset.vocab_size)
     state, meta = load_checkpoint(tmp_path)
     assert all(t.device.type == "cpu" for t in state.values())
+
+
+def test_min_lr_defaults_to_a_tenth_of_lr_as_on_the_command_line():
+    """TrainConfig's min_lr was a fixed 1e-4: `TrainConfig(lr=5e-5)` was refused (min_lr above lr) and any other
+    lr ran another schedule from Python than `energy train --lr` does."""
+    small = TrainConfig(lr=5e-5)
+    small.validate()
+    assert small.min_lr == 5e-6
+    explicit = TrainConfig(lr=1e-3, min_lr=0)
+    explicit.validate()
+    assert explicit.min_lr == 0.0

@@ -36,7 +36,7 @@ class TrainConfig:
     batch_size: int = 64
     block_size: int = 256
     lr: float = 1e-3
-    min_lr: float = 1e-4
+    min_lr: float | None = None  # the cosine schedule's end; None: lr / 10 (as `energy train --min-lr`)
     warmup_steps: int = 100
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.99)
@@ -106,7 +106,9 @@ class TrainConfig:
                 if whole is None:
                     raise UserError(f"{name(f.name)} must be a whole number, got {value!r} ({type(value).__name__})")
                 setattr(self, f.name, whole)
-            elif f.type == "float":
+            elif f.type in ("float", "float | None"):
+                if value is None and f.name == "min_lr":  # lr, the field before it, is a float by now
+                    value = self.lr / 10
                 if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     raise UserError(f"{name(f.name)} must be a number, got {value!r} ({type(value).__name__})")
                 setattr(self, f.name, float(value))
