@@ -368,7 +368,20 @@ class Spec:
         from .codegen import check_backend
 
         check_backend(backend)
-        return model_of_plan(self.plan(name, **dims), backend)
+        model = model_of_plan(self.plan(name, **dims), backend)
+        model.run_metadata = self._run_metadata(model, backend)
+        return model
+
+    def _run_metadata(self, model: Any, backend: str) -> dict[str, Any]:
+        """What a training run records to rebuild `model` (`energy sample`, `load_trained`): the spec's text
+        as trained and where its imports resolve, the model's name and dims, and the backend it runs on."""
+        from .codegen import runnable_backend
+        from .number_text import plain_value
+
+        source = Path(self.syntax.base) / (Path(self.path).name if Path(self.path).is_file() else "<string>")
+        return {"spec_path": str(source.resolve()), "spec_source": self.syntax.text, "model": model.plan.name,
+                "dims": {k: plain_value(v) for k, v in model.plan.dims.items()}, "context": model.block_size,
+                "equation_hash": model.equation_hash(), "backend": runnable_backend(backend)}
 
     def module(self, name: str | None = None, backend: str = "torch", **dims: float):
         """An nn.Module for an energy (its update) or a model (a language model); `name` may be left out

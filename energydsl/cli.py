@@ -22,8 +22,7 @@ from rich.text import Text
 
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
-from .files import PATH_LIMITS, check_output, read_text, writable_dir
-from .number_text import plain_value
+from .files import PATH_LIMITS, check_output, writable_dir
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -349,7 +348,6 @@ def train_(
     """
     import torch
 
-    from .codegen import runnable_backend
     from .training import TrainConfig, load_dataset, train
     from .training.config import TRAIN_FLAGS
     from .training.run_dir import interrupted_at_once_note, resume_hint
@@ -397,12 +395,8 @@ def train_(
         if problems:
             raise UserError("; and ".join(problems), hint=f"add {' '.join(fixes)}")
         dataset.check_block_size(config.block_size)
-        dims = {k: plain_value(v) for k, v in model.plan.dims.items()}
-        metadata = {"spec_path": str(Path(file).resolve()), "spec_source": read_text(file),
-                    "model": model.plan.name, "dims": dims, "context": model.block_size,
-                    "equation_hash": model.equation_hash(), "backend": runnable_backend(backend)}
         try:
-            result = train(model, dataset, config, run_dir, metadata=metadata, resume=not fresh,
+            result = train(model, dataset, config, run_dir, metadata=model.run_metadata, resume=not fresh,
                            progress=not as_json, names={**TRAIN_FLAGS, "backend": "--backend"},
                            notify=lambda notice: print(notice, file=sys.stderr))
         except TrainingDiverged as e:

@@ -225,10 +225,10 @@ def parse_module(source: str | Path, *, name: str | None = None, base: Path | No
     if isinstance(source, Path):
         path = source.expanduser()
         text = _read(path, None)
-        module = Module(str(path))
+        module = Module(str(path), text=text, base=str(path.parent))
         _load(text, str(path), path.parent, module, stack=[str(path.resolve())], seen=set(), top=True)
     else:
-        module = Module(name or "<string>")
+        module = Module(name or "<string>", text=str(source), base=str(base or Path.cwd()))
         _load(str(source), name or "<string>", base or Path.cwd(), module, stack=[], seen=set(), top=True)
     return module
 

@@ -168,6 +168,8 @@ class Module:
     models: dict[str, ModelDecl] = field(default_factory=dict)
     searches: dict[str, SearchDecl] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # declaration names in source order (this file only)
+    text: str = ""  # this file's own text, as read
+    base: str = "."  # the folder its imports resolve against
 
     def names(self) -> list[str]:
         return list(self.order)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import STRICT_SELF_BIAS
 
 import energydsl
@@ -64,7 +65,7 @@ def test_train_names_an_argument_of_the_wrong_kind(gpt, data) -> None:
     cases = [
         (lambda: train(gpt, "shakespeare_char", tiny(), None, metadata={}), "dataset must be an LMDataset, got str"),
         (lambda: train(gpt, data, {"steps": 2}, None, metadata={}), "config must be a TrainConfig, got dict"),
-        (lambda: train(gpt, data, tiny(), None, metadata=None), "metadata must be a dict"),
+        (lambda: train(gpt, data, tiny(), None, metadata=["gpt"]), "metadata must be a dict"),
         (lambda: train(layer, data, tiny(), None, metadata={}), "MHA is one energy layer (states to states); "
                                                                 "train() takes a language model"),
         # saved as its repr (never equal on resume) / "x is NaN there, NaN now": a run that could not resume
@@ -263,3 +264,29 @@ def test_parameters_that_never_get_a_gradient_are_named(gpt, data) -> None:
                        "row; declare them `fixed`, or remove them"], notices
     train(gpt, data, tiny(steps=3, eval_interval=3), None, metadata={}, progress=False, notify=notices.append)
     assert len(notices) == 1, notices  # a run shorter than the watch reports at its last step: nothing here
+
+
+@pytest.mark.parametrize("source", ["file", "text"])
+def test_a_run_trained_from_python_samples_and_resumes_like_a_cli_run(data, tmp_path: Path, source: str) -> None:
+    """train() without metadata records what `energy train` does for a model from load(...).model(...): `energy
+    sample` refused such a run ("not written by `energy train`"), and nothing said which metadata it needs. A
+    spec given as text travels as text."""
+    import subprocess
+    import sys
+
+    from energydsl.training.trained import load_trained
+
+    path = ROOT / "examples/models/gpt.energy"
+    spec = energydsl.load(path if source == "file" else path.read_text())
+    model = spec.model(vocab=data.vocab_size, context=8, d=8, layers=1, heads=2)
+    train(model, data, tiny(), tmp_path / "run", progress=False)
+    rebuilt, _, meta = load_trained(tmp_path / "run")
+    assert meta["model"] == "GPT" and meta["dims"]["d"] == 8 and meta["spec_source"] == path.read_text()
+    for got, want in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(got, want.cpu())
+    r = subprocess.run([sys.executable, "-m", "energydsl", "sample", str(tmp_path / "run"), "--prompt", "a",
+                        "--tokens", "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("a"), r.stderr
+    with pytest.warns(UserWarning, match="steps 2 → 4"):  # the same metadata: it resumes
+        train(model, data, tiny(steps=4), tmp_path / "run", progress=False)
+    assert load_checkpoint(tmp_path / "run")[1]["training"]["step"] == 4

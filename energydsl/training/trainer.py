@@ -146,7 +146,7 @@ def _check_arguments(model: Any, dataset: Any, config: Any, metadata: Any, *, ou
                                                                  if isinstance(config, dict) else ""))
     if not isinstance(metadata, dict):
         raise UserError(f"metadata must be a dict (what a resumed run must match), got {type(metadata).__name__}",
-                        hint="metadata={} when there is nothing to record")
+                        hint="leave it out: a model from load(path).model(...) records itself, others nothing")
     try:  # saved in the checkpoint and compared on resume: an object's repr, or NaN (never equal), could not be
         json.dumps(metadata, allow_nan=False, default=_path_or_refuse)
     except (TypeError, ValueError) as e:
@@ -187,7 +187,7 @@ def train(
     config: TrainConfig,
     out_dir: Path | str | None,
     *,
-    metadata: dict[str, Any],
+    metadata: dict[str, Any] | None = None,
     resume: bool = True,
     progress: bool = True,
     on_eval: Callable[[int, float], bool] | None = None,
@@ -197,7 +197,9 @@ def train(
     """Train `model` on `dataset`; returns losses, steps, throughput (tokens/s, training steps only).
 
     Resumes from `out_dir/last.*` when `resume` and the checkpoint's metadata equals `metadata`
-    (the caller's description of the model, e.g. spec source and dims). `progress`: a progress bar on a terminal,
+    (the caller's description of the model, e.g. spec source and dims; left out, a model built by
+    `load(path).model(...)` describes itself as `energy train` records it, so `energy sample` and
+    `load_trained` rebuild it, and any other model records nothing). `progress`: a progress bar on a terminal,
     and elsewhere (a log file, a batch job) one line per evaluation on stderr. `on_eval(step, val_loss)`
     returning True stops after that evaluation. Raises `TrainingDiverged` on a NaN/inf or exploding
     loss (see the module docstring), leaving the last checkpoint (saved at the previous evaluation)
@@ -212,6 +214,8 @@ def train(
     `run_dir.KEPT_ON_RESUME`). Errors name settings as `names` spells them (a CLI passes its flags, e.g.
     {"lr": "--lr"}).
     """
+    if metadata is None:
+        metadata = dict(getattr(model, "run_metadata", None) or {})
     _check_arguments(model, dataset, config, metadata, out_dir=out_dir, resume=resume, progress=progress,
                      on_eval=on_eval, notify=notify, names=names)
     config.validate(names)
