@@ -1205,3 +1205,26 @@ def test_the_generic_form_is_a_public_module_class_with_the_same_parameters():
     torch.testing.assert_close(generic.double()(x), lowered.double()(x))
     with pytest.raises(energydsl.UserError, match="the generic form"):
         energy_source(derived, "triton", lowering=False)
+
+
+def test_a_pickled_module_loads_in_a_fresh_process_with_an_empty_cache(tmp_path):
+    """torch.save of a whole generated module (or a language model of them) failed to load in a new process:
+    "No module named 'energydsl_generated_...'". It now travels with its generated file's text."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    layer = energydsl.load("examples/intrinsic-optimizers/mha.energy").module()
+    model = energydsl.load("examples/models/gpt.energy").model(d=16, heads=2, layers=1)
+    x, idx = torch.randn(2, 5, 8), torch.randint(0, 65, (1, 6))
+    torch.save({"layer": layer, "model": model, "x": x, "y": layer(x), "idx": idx, "logits": model(idx)},
+               tmp_path / "whole.pt")
+    check = ("import torch; d = torch.load('whole.pt', weights_only=False); "
+             "assert torch.equal(d['layer'](d['x']), d['y']) and torch.equal(d['model'](d['idx']), d['logits']); "
+             "print(type(d['layer']).__name__)")
+    env = {**os.environ, "ENERGYDSL_CACHE": str(tmp_path / "empty-cache")}
+    r = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "MHA", r.stderr
+    written = sorted(p.name.split("_")[0] for p in (tmp_path / "empty-cache").glob("*.py"))
+    assert written == ["mha", "mha", "mlp"]  # the layer's, and the model's two stages at its dims

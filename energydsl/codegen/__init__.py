@@ -18,8 +18,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from .. import ir
 from ..files import write_whole
@@ -110,25 +112,50 @@ def module_class(derived: Derived, backend: str = "torch", lowering: bool = True
     `lowering=False`: the generic form (`energy_source`), the same parameters.
     """
     backend = runnable_backend(backend)
-    key = cache_key(derived, backend, lowering)
-    mod_name = f"energydsl_generated_{key}"
+    file_name = f"{derived.spec.name.lower()}_{cache_key(derived, backend, lowering)}.py"
+    return _class_of(_generated_module(file_name, lambda: energy_source(derived, backend, lowering=lowering)),
+                     derived)
+
+
+def _generated_module(file_name: str, source: Callable[[], str]) -> ModuleType:
+    """The generated file `file_name` (`<energy>_<key>.py`) imported once per process, from the cache, where
+    `source()` is written first when the file is not there."""
+    mod_name = f"energydsl_generated_{file_name.removesuffix('.py').rsplit('_', 1)[1]}"
     if mod_name in sys.modules:
-        return _class_of(sys.modules[mod_name], derived)
-    name = f"{derived.spec.name.lower()}_{key}.py"
-    path = cache_dir() / name
+        return sys.modules[mod_name]
+    path = cache_dir() / file_name
     if not path.is_file():
-        text = energy_source(derived, backend, lowering=lowering)
+        text = source()
         try:  # whole or not at all: concurrent workers never import a half-written file
             write_whole(path, text, quiet=False)
         except OSError as e:  # a read-only home, a cache path that is a file: build anyway, and say where
-            path = _private_dir(e, path.parent) / name
+            path = _private_dir(e, path.parent) / file_name
             write_whole(path, text, quiet=False)
     spec = importlib.util.spec_from_file_location(mod_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     spec.loader.exec_module(module)
-    return _class_of(module, derived)
+    from torch import nn
+
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, nn.Module) and value.__module__ == mod_name:
+            value.__reduce__ = _reduce_generated
+    return module
+
+
+def _reduce_generated(self: nn.Module) -> tuple[Any, ...]:
+    """A generated module pickles (and deep-copies) with its file's text, so a fresh process (another machine,
+    an empty cache) loads it: by reference, its class was the module `energydsl_generated_<key>`, which only a
+    process that had built the same spec could import."""
+    file = Path(sys.modules[type(self).__module__].__file__)
+    return _rebuild_generated, (file.name, file.read_text(), type(self).__name__), self.__getstate__()
+
+
+def _rebuild_generated(file_name: str, text: str, class_name: str) -> nn.Module:
+    """An empty instance of a pickled generated module's class (its state follows), its file imported first."""
+    cls = getattr(_generated_module(file_name, lambda: text), class_name)
+    return cls.__new__(cls)
 
 
 _PRIVATE_DIR: Path | None = None
