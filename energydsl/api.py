@@ -273,6 +273,10 @@ class Spec:
         return self.syntax.names()
 
     @property
+    def block_names(self) -> list[str]:
+        return [n for n in self.syntax.names() if n in self.syntax.blocks]
+
+    @property
     def energy_names(self) -> list[str]:
         return [n for n in self.syntax.names() if n in self.syntax.energies]
 
@@ -338,6 +342,13 @@ class Spec:
         and model that declares it (`energy check --set`)."""
         energy_dims, model_dims = self._split_dims(dims)
         results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
+        for name in self.block_names:  # a block that no model uses was never resolved, nor its sums checked
+            from .composition import expand_block
+
+            summed = [stage for stage in expand_block(self.syntax, name, energy_dims) if len(stage.energies) > 1]
+            checks = [r for stage in summed for r in derive(stage.decl, stage.dims).check()]
+            if checks:
+                results[name] = checks
         return results | {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
 
     def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:

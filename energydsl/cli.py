@@ -95,7 +95,8 @@ def no_energy(path: str, spec) -> UserError:
         hint = f"it imports energies ({', '.join(imported)}): `energy derive {path} --name {imported[0]}` " \
                "derives one"
     elif syntax.models:
-        hint = "it declares models: `energy graph`, `energy info` and `energy train` take them"
+        hint = f"it declares models: `energy derive {path} --name {next(iter(syntax.models))}` derives a model's " \
+               "layer; `energy graph`, `info` and `train` take them"
     else:
         hint = "an energy is `energy Name(d = 8) { state z[d] ... }` (docs/language.md)"
     return UserError(f"{path} declares no energy", hint=hint)
@@ -138,7 +139,7 @@ def check(
         t0 = time.perf_counter()
         try:
             spec = load(path)
-            if not spec.energy_names and not spec.model_names:
+            if not spec.energy_names and not spec.model_names and not spec.block_names:
                 raise no_energy(path, spec)
             report = [("model" if name in spec.model_names else "energy", name, results, all(r.ok for r in results))
                       for name, results in spec.check(**dims).items()]

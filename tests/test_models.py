@@ -680,3 +680,18 @@ def test_derive_and_compile_take_a_model_its_layer_at_its_dims(tmp_path: Path) -
     assert r.returncode == 0 and "NRGPTAttention_NRGPTFF2W" in r.stdout and "d=128, heads=1" in r.stdout, r.stderr
     r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT", "--set", "e=3")
     assert r.returncode == 2 and "`e`" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_check_resolves_every_block_and_checks_its_sums(tmp_path: Path) -> None:
+    """A block that no model used was never resolved: `energy check` said "declares no energy" of a file of
+    blocks, and "ok" of one whose model used another block, whatever its unused block summed."""
+    spec = tmp_path / "pipe.energy"
+    spec.write_text(f'import "{ROOT}/examples/intrinsic-optimizers/mha.energy"\n'
+                    f'import "{ROOT}/examples/cem/mlp.energy"\n\nblock Sum = MHA + CEMMLP\n')
+    r = _run("check", str(spec))
+    assert r.returncode == 2 and "`MHA + CEMMLP`: `state x` is declared differently" in r.stderr, r.stderr
+    assert "mlp.energy:18:3" in r.stderr and "Traceback" not in r.stderr
+    results = energydsl.load(ROOT / "examples/models/nrgpt.energy").check()
+    assert list(results) == ["NRGPTAttention", "NRGPTFF2W", "NRGPTBlock", "NRGPT"]  # the summed block's own checks
+    assert {r.name for r in results["NRGPTBlock"]} >= {"gradient", "update", "causality"}
+    assert all(r.ok for r in results["NRGPTBlock"])
