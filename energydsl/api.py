@@ -338,17 +338,18 @@ class Spec:
         return [self.energy(n, **_dims_for(self.syntax.energies[n], dims)) for n in self.energy_names]
 
     def check(self, **dims: float) -> dict[str, list[CheckResult]]:
-        """The checks of every energy and model declared in the file itself, by name. A dim goes to each energy
-        and model that declares it (`energy check --set`)."""
+        """The checks of every energy, block and model declared in the file itself, by name (a pipeline block's
+        stages as `B stage 2 (MLP)`). A dim goes to each energy and model that declares it (`energy check
+        --set`)."""
         energy_dims, model_dims = self._split_dims(dims)
         results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
-        for name in self.block_names:  # a block that no model uses was never resolved, nor its sums checked
+        for name in self.block_names:  # each stage of a block, as a model's layer runs it (a sum: one energy)
             from .composition import expand_block
 
-            summed = [stage for stage in expand_block(self.syntax, name, energy_dims) if len(stage.energies) > 1]
-            checks = [r for stage in summed for r in derive(stage.decl, stage.dims).check()]
-            if checks:
-                results[name] = checks
+            stages = expand_block(self.syntax, name, energy_dims)
+            for n, stage in enumerate(stages):
+                label = name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})"
+                results[label] = derive(stage.decl, stage.dims).check()
         return results | {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
 
     def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:

@@ -122,10 +122,12 @@ def test_python_m_energydsl_runs_the_cli() -> None:
 def test_a_file_without_an_energy_of_its_own_names_what_it_has(tmp_path: Path) -> None:
     blocks = tmp_path / "blocks.energy"
     blocks.write_text(f'import "{ROOT / "examples/models/gpt.energy"}"\nblock Both = MHA -> MLP\n')
-    for command in ("derive", "check", "compile"):
+    for command in ("derive", "compile"):
         proc = energy_cli(command, str(blocks))
         assert proc.returncode == 2 and "declares no energy" in proc.stderr, proc.stderr
         assert "it has blocks (Both)" in proc.stderr and "--name Both" in proc.stderr
+    proc = energy_cli("check", str(blocks))  # checks the block's stages
+    assert proc.returncode == 0 and "Both stage 1 (MHA)" in proc.stdout and "Both stage 2 (MLP)" in proc.stdout
     imports = tmp_path / "imports.energy"
     imports.write_text(f'import "{ROOT / "examples/intrinsic-optimizers/mha.energy"}"\n')
     proc = energy_cli("derive", str(imports))
