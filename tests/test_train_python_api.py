@@ -91,7 +91,8 @@ def test_train_names_an_argument_of_the_wrong_kind(gpt, data) -> None:
     ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number >= 0, got 2.5"),
     ({"temperature": float("nan")}, "temperature must be a number (<= 0: greedy), got nan"),  # torch.multinomial's
     ({"temperature": "1"}, "temperature must be a number (<= 0: greedy), got '1'"),  # '<=' not supported
-    ({"top_k": 2.5}, "top_k must be a whole number (or None), got 2.5"),  # topk(): argument 'k' must be int
+    ({"top_k": 2.5}, "top_k must be a whole number >= 1 (or None: every token), got 2.5"),  # topk(): 'k' int
+    ({"top_k": -1}, "top_k must be a whole number >= 1 (or None: every token), got -1"),  # kept every token
     ({"prompt": 5}, "prompt must be a string, got 5"),  # 'int' object is not iterable
     ({"prompt": None}, "prompt must be a string, got None"),  # sampled as if empty
     ({"generator": 1}, "generator must be a torch.Generator (or None), got int"),

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from energydsl.errors import DataError
-from energydsl.number_text import is_count, is_whole
+from energydsl.number_text import is_count
 
 from .checkpoint import load_checkpoint, save_checkpoint
 
@@ -205,8 +205,8 @@ def sample(
     # NaN: torch.multinomial's "probability tensor contains inf, nan" otherwise
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or temperature != temperature:
         raise DataError(f"temperature must be a number (<= 0: greedy), got {temperature!r}")
-    if top_k is not None and not is_whole(top_k):
-        raise DataError(f"top_k must be a whole number (or None), got {top_k!r}")
+    if top_k is not None and not is_count(top_k):  # -1 kept every token, silently, as None does
+        raise DataError(f"top_k must be a whole number >= 1 (or None: every token), got {top_k!r}")
     if not isinstance(prompt, str):  # None sampled as if empty
         raise DataError(f"prompt must be a string, got {prompt!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -233,7 +233,7 @@ def sample(
                 # shifted so the largest is 0, in float64 (where 1e-300 is not 0): a tiny temperature then gives
                 # 0 and -inf, never inf - inf
                 logits = (logits - logits.max(dim=-1, keepdim=True).values).double() / temperature
-                if top_k is not None and top_k > 0:
+                if top_k is not None:
                     kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 probs = torch.softmax(logits, dim=-1)
