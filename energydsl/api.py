@@ -46,6 +46,11 @@ class Derived:
     def name(self) -> str:
         return self.spec.name
 
+    def __repr__(self) -> str:  # the dataclass's own printed the whole IR: 15,000 characters for MHA
+        dims = ", ".join(f"{k}={plain_number(v)}" for k, v in self.spec.dim_values.items())
+        return f"<Derived {self.name}({dims}), {self.program.steps} × {self.spec.optimizer.kind}, " \
+               f"equations {self.equation_hash()}>"
+
     def relations(self) -> dict[str, str]:
         ctx = self.spec.context
         if ctx is None:

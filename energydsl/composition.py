@@ -45,9 +45,9 @@ class StagePlan:
 
     label: str  # e.g. "MHA" or "NRGPTAttention+NRGPTFF"
     energies: list[tuple[str, dict[str, float]]]
-    decl: ast.EnergyDecl  # the energy itself, or the merged sum
+    decl: ast.EnergyDecl = field(repr=False)  # the energy itself, or the merged sum (its syntax tree: long)
     dims: dict[str, float]  # the dims passed to the (merged) declaration
-    span: Span | None = None
+    span: Span | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -695,3 +695,11 @@ def test_check_resolves_every_block_and_checks_its_sums(tmp_path: Path) -> None:
     assert list(results) == ["NRGPTAttention", "NRGPTFF2W", "NRGPTBlock", "NRGPT"]  # the summed block's own checks
     assert {r.name for r in results["NRGPTBlock"]} >= {"gradient", "update", "causality"}
     assert all(r.ok for r in results["NRGPTBlock"])
+
+
+def test_derivations_and_plans_print_in_a_line_or_two() -> None:
+    """A notebook showing `spec.derivations()` printed 79,000 characters (the dataclasses' IR and syntax trees)."""
+    spec = energydsl.load(ROOT / "examples/models/nrgpt.energy")
+    shown = repr(spec.derivations())
+    assert shown.startswith("[<Derived NRGPTAttention(d=4, heads=2), 1 × gd, equations ") and len(shown) < 300
+    assert "NRGPTAttention+NRGPTFF2W" in repr(spec.plan()) and len(repr(spec.plan())) < 1000
