@@ -1228,3 +1228,10 @@ def test_a_pickled_module_loads_in_a_fresh_process_with_an_empty_cache(tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "MHA", r.stderr
     written = sorted(p.name.split("_")[0] for p in (tmp_path / "empty-cache").glob("*.py"))
     assert written == ["mha", "mha", "mlp"]  # the layer's, and the model's two stages at its dims
+
+
+def test_a_generated_module_prints_its_dims_and_backend():
+    """print(module) said `MHA()`: two layers of other sizes looked the same."""
+    spec = energydsl.load("examples/models/gpt.energy")
+    assert repr(spec.module("MHA", d=16, heads=2)) == "MHA(d=16, heads=2, backend=torch)"
+    assert "(1): MLP(d=16, hidden=64, backend=torch)" in repr(spec.model(d=16, heads=2, layers=1))
