@@ -235,6 +235,17 @@ def test_a_device_and_a_base_of_the_wrong_kind_are_named(gpt, data) -> None:
         energydsl.load((ROOT / "examples/intrinsic-optimizers/mha.energy").read_text(), base=3)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_missing_gpu_is_named_in_the_callers_terms() -> None:
+    """From Python the hint said `use --device cpu`, a flag Python has not got."""
+    with pytest.raises(UserError) as err:
+        TrainConfig(device="cuda").resolve_device()
+    assert err.value.hint == 'use device="cpu"'
+    with pytest.raises(UserError) as err:
+        TrainConfig(device="cuda").resolve_device({"device": "--device"})
+    assert err.value.hint == "use --device cpu"
+
+
 STRICT_SELF_BIAS_AND_LORA = STRICT_SELF_BIAS + """energy Lora(d = 8, r = 2) {
   state   z[d]
   param   A[r, d] ~ normal(0, 0.02)

@@ -123,7 +123,7 @@ class TrainConfig:
     def resolve_device(self, names: dict[str, str] | None = None) -> torch.device:
         """The device this trains on, checked with the dtype (float16 needs CUDA): a CLI calls it before it
         builds or writes anything, `train` again."""
-        device = device_of(self.device)
+        device = device_of(self.device, (names or {}).get("device", "device"))
         check_dtype(self.dtype, device, (names or {}).get("dtype", "dtype"))
         return device
 
@@ -141,8 +141,9 @@ def _whole(value: Any) -> int | None:
     return None
 
 
-def device_of(name: str) -> torch.device:
-    """The torch device a `device` setting names (`auto`: CUDA where there is one), checked."""
+def device_of(name: str, setting: str = "device") -> torch.device:
+    """The torch device a `device` setting names (`auto`: CUDA where there is one), checked; `setting` is how
+    the caller spells it (`--device` on the command line)."""
     if not isinstance(name, str):  # None and 0 reached torch.device's overloads
         raise UserError(f"device must be a string, not {name!r}", hint="use cpu, cuda, cuda:N or auto")
     if name == "auto":
@@ -152,7 +153,8 @@ def device_of(name: str) -> torch.device:
     except RuntimeError as e:
         raise UserError(f"unknown device {name!r}", hint="use cpu, cuda, cuda:N or auto") from e
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("device 'cuda' requested but CUDA is not available", hint="use --device cpu")
+        cpu = f"{setting} cpu" if setting.startswith("--") else f'{setting}="cpu"'
+        raise UserError("device 'cuda' requested but CUDA is not available", hint=f"use {cpu}")
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"unsupported device {name!r}", hint="use cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and device.index is None:
