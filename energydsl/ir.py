@@ -270,6 +270,11 @@ def transpose(a: Expr) -> Expr:
     return Transpose(a)
 
 
+def bare(e: Expr) -> Expr:
+    """A named value (`Let`) as its expression; anything else as it is: what a rule matches on."""
+    return e.body if isinstance(e, Let) else e
+
+
 def func(name: str, a: Expr) -> Expr:
     from .functions import REGISTRY, scalar_value
 
@@ -288,19 +293,19 @@ def _log_of_gates(a: Expr) -> Expr | None:
     log is a term of its own: the kernels take c log γ as a bias (`codegen/bias_kinds.py`), and the torch code
     forms it without the exp, which underflows to 0 at long sequences (a log of that is -inf, its gradient NaN)."""
     def gate(f: Expr) -> bool:
-        f = f.body if isinstance(f, Let) else f
+        f = bare(f)
         return isinstance(f, Decay) or isinstance(f, Pow) and gate(f.base)
 
-    body = a.body if isinstance(a, Let) else a
+    body = bare(a)
     if isinstance(body, Pow) and gate(body.base):
         return mul(Scalar(body.exponent), func("log", body.base))
     if not (isinstance(body, Mul) and any(gate(f) for f in body.factors)):
         return None
     logs = []
     for f in body.factors:
-        bare = f.body if isinstance(f, Let) else f
-        if isinstance(bare, Func) and bare.name == "exp":
-            logs.append(bare.arg)
+        value = bare(f)
+        if isinstance(value, Func) and value.name == "exp":
+            logs.append(value.arg)
         else:
             logs.append(func("log", f) if gate(f) else None)
     rest = [f for f, g in zip(body.factors, logs, strict=True) if g is None]

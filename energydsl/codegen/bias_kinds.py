@@ -29,7 +29,7 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
     gates c log(decay(r)) as (c, the decay) pairs."""
     kinds: dict[str, list] = {"alibi": [], "self": [], "key": [], "gate": []}
     for t in terms:
-        body = t.body if isinstance(t, ir.Let) else t
+        body = ir.bare(t)
         gate = _log_gate(em, body, j)
         if gate is not None:
             kinds["gate"].append(gate)
@@ -55,9 +55,7 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
 def _log_gate(em: Emitter, e: Expr, j: str) -> tuple[Expr, ir.Decay] | None:
     """(c, γ) for e = c log γ with γ = decay(r) over j (the Forgetting Transformer's score term) and c a number
     or a value per head."""
-    def bare(x: Expr) -> Expr:
-        return x.body if isinstance(x, ir.Let) else x
-
+    bare = ir.bare
     factors = _factors(e)
     logs = [f for f in factors if isinstance(bare(f), ir.Func) and bare(f).name == "log"
             and isinstance(bare(bare(f).arg), ir.Decay) and bare(bare(f).arg).index == j]
@@ -70,7 +68,7 @@ def _log_gate(em: Emitter, e: Expr, j: str) -> tuple[Expr, ir.Decay] | None:
 def _factors(e: Expr) -> list[Expr]:
     """The factors of a product, through the values computed once (`-1 * c1` with c1 = m[k] |i - j| hoisted
     is -1, m[k] and |i - j|), so that a bias's distance is found wherever the optimizer put it."""
-    body = e.body if isinstance(e, ir.Let) else e
+    body = ir.bare(e)
     if isinstance(body, ir.Mul):
         return [g for f in body.factors for g in _factors(f)]
     return [e]

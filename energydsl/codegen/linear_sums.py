@@ -30,7 +30,7 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     gate = None  # decay(r): per-token rates
     coupling = None
     for f in both:
-        g = f.body if isinstance(f, ir.Let) else f
+        g = ir.bare(f)
         d = _constant_decay(em, g, j)
         if d is not None and decay is None:
             decay = d

@@ -221,7 +221,7 @@ def _narrow_dot(em: Emitter, d: ir.Dot, j: str) -> ir.Dot:
 
 def _narrowing(em: Emitter, e: Expr, j: str) -> tuple[Expr, Expr] | None:
     """e = A @ b with A token-independent and b narrower than e: (A, b), b hoisted if e was; else None."""
-    body = e.body if isinstance(e, ir.Let) else e
+    body = ir.bare(e)
     if not (isinstance(body, ir.MatMul) and len(body.b.shape) == 1 and len(body.a.shape) == 2
             and not token_axes(body.a, em.indices) & {BATCH, POS, j}
             and em.shape_size(body.b.shape[0]) < em.shape_size(body.shape[0])):

@@ -167,12 +167,12 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
 
 def _terms(e: Expr, tokens: Callable[[Expr], bool]) -> list[Expr]:
     """e as a flat list of terms, a token-free factor in front of a sum distributed over it."""
-    body = e.body if isinstance(e, ir.Let) else e
+    body = ir.bare(e)
     if isinstance(body, ir.Add):
         return [t for term in body.terms for t in _terms(term, tokens)]
     if isinstance(body, ir.Mul):
         sums = [f for f in body.factors if tokens(f)]
-        if len(sums) == 1 and isinstance(sums[0].body if isinstance(sums[0], ir.Let) else sums[0], ir.Add):
+        if len(sums) == 1 and isinstance(ir.bare(sums[0]), ir.Add):
             coef = [f for f in body.factors if f is not sums[0]]
             return [ir.mul(*coef, t) for t in _terms(sums[0], tokens)]
     return [e]

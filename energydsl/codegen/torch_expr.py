@@ -339,10 +339,10 @@ class Emitter:
             case ir.Transpose():
                 a = self.emit(e.a)
                 return self.tmp(f"{a.code}.transpose(-1, -2)", a.axes, a.rank)
-            case ir.Func(name="log") if isinstance(e.arg.body if isinstance(e.arg, ir.Let) else e.arg, ir.Decay):
+            case ir.Func(name="log") if isinstance(ir.bare(e.arg), ir.Decay):
                 from .gates import gate_log_weights
 
-                return gate_log_weights(self, e.arg.body if isinstance(e.arg, ir.Let) else e.arg)
+                return gate_log_weights(self, ir.bare(e.arg))
             case ir.Func():
                 a = self.emit(e.arg)
                 if a.scalar:

@@ -80,7 +80,7 @@ def _map_out_of_context_sum(e: Expr, size: Callable[[sp.Expr], int]) -> Expr | N
     if len(vectors) != 1:
         return None
     value = vectors[0]
-    mapped = value.body if isinstance(value, ir.Let) else value
+    mapped = ir.bare(value)
     if not isinstance(mapped, ir.MatMul) or len(mapped.a.shape) != 2 or not _token_free(mapped.a):
         return None
     a, b = mapped.a, mapped.b
