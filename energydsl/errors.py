@@ -11,6 +11,13 @@ import unicodedata
 from dataclasses import dataclass, field
 
 
+def first_few(names: list[str], shown: int = 4, sep: str = ", ") -> str:
+    """The first `shown` names of a list a message cites, and how many more: `a, b, c, d and 3 more`."""
+    more = len(names) - shown
+    tail = "" if more <= 0 else f" and {more} more" if sep == ", " else f"{sep}and {more} more"
+    return sep.join(names[:shown]) + tail
+
+
 def _blank(text: str) -> str:
     """Blanks as wide on a terminal as `text`: its tabs kept (so that the caret line meets the same tab
     stops as the source line above it), two spaces for a wide character, none for a zero-width one."""

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .checks import CheckResult, _one_thread
+from .errors import first_few
 
 # A leak makes a difference of the logits' own size; float64 arithmetic on the same inputs makes none, or one
 # near 1e-16 relative where a kernel's blocking follows the sequence length.
@@ -77,7 +78,7 @@ def _params(model: torch.nn.Module, idx: torch.Tensor, generator: torch.Generato
                     p.sub_(0.1 * g / (g.norm() + 1e-12))  # a step of fixed size: small and large gradients alike
     idle = [name for name, _ in named if name not in moved]
     if idle:
-        shown = ", ".join(f"`{name}`" for name in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+        shown = first_few([f"`{name}`" for name in idle])
         return CheckResult("params", "warn", f"{shown} got no gradient from the loss in {PARAM_STEPS} steps of "
                            "gradient descent from initialisation, so training never moves "
                            f"{'them' if len(idle) > 1 else 'it'} (the `params` check of the energy that declares "

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from energydsl.errors import DataError
+from energydsl.errors import DataError, first_few
 from energydsl.files import new_file_mode
 
 __all__ = ["COMMIT", "checkpoint_file", "checkpoint_paths", "load_checkpoint", "read_checkpoint", "read_resume_state",
@@ -248,7 +248,7 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
         raise DataError(f"cannot read checkpoint {weights}: {e}") from e
     damaged = _nonfinite(state)
     if damaged:  # saves never hold a diverged state: NaN or inf in the weights means damaged bytes
-        shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        shown = first_few(damaged, 3)
         other = {"last": "best", "best": "last"}.get(weights.stem)
         hint = (f"use the run's other checkpoint, {weights.with_name(f'{other}.safetensors')}, if it is intact, or "
                 "train again" if other else "use another checkpoint, or train again")

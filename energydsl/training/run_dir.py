@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 from torch import Tensor, nn
 
-from energydsl.errors import UserError
+from energydsl.errors import UserError, first_few
 from energydsl.files import writable_dir
 from energydsl.syntax import same_source
 
@@ -360,7 +360,7 @@ class RunDir:
         diffs += _differences(sidecar, self.metadata)
         diffs += _shape_differences(state, model.state_dict())
         if diffs:  # most likely a typo in a flag: never overwrite a run unasked
-            shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+            shown = first_few(diffs, sep="; ")
             raise UserError(f"{self.out_dir} holds a checkpoint (step {training.get('step')}) of a different "
                             f"model or dataset: {shown}",
                             hint="pass --fresh (resume=False) to overwrite that run, or choose another --out "

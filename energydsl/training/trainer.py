@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError
+from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError, first_few
 from energydsl.signal_handlers import handlers_restored
 
 from .arguments import check_arguments, check_fits
@@ -348,11 +348,6 @@ def _memory_error(e: BaseException, config: TrainConfig, device: torch.device, r
 IDLE_WATCH_STEPS = 5
 
 
-def _listed(names: list[str]) -> str:
-    """The first four names, and how many more."""
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
 def _nonfinite_gradients(model: nn.Module) -> list[str]:
     """The parameters whose gradient holds a NaN or an infinity."""
     named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
@@ -362,7 +357,7 @@ def _nonfinite_gradients(model: nn.Module) -> list[str]:
 
 def _idle_notice(idle: list[str], steps: int) -> str:
     """What to say of parameters the loss does not reach."""
-    shown = _listed(idle)
+    shown = first_few(idle)
     them = "them" if len(idle) > 1 else "it"
     return (f"{len(idle)} parameter{'s' if len(idle) > 1 else ''} got no gradient in the first {steps} "
             f"step{'s' if steps > 1 else ''} and will not train: {shown}. `energy check` on the energy that "
@@ -523,7 +518,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             if broken:
                 value = float(loss.detach())
                 diverge(0, value, why_diverged(value, "training loss at step 0")
-                        or f"the gradient at step 0 is not finite in {_listed(broken)}")
+                        or f"the gradient at step 0 is not finite in {first_few(broken)}")
         if idle_watch is not None:
             for name, p in model.named_parameters():
                 if p.grad is not None and name in idle_watch:
