@@ -165,8 +165,9 @@ class ExpressionLowering:
         if param is None or param.constraint in (("positive",),) or (
                 param.constraint and param.constraint[0] == "interval" and param.constraint[1] >= 0):
             return
-        if not param.learn and param.init is not None and param.init[0] == "value" and param.init[1][0] > 0:
-            return  # a fixed positive number
+        if not param.learn and param.init is not None and (
+                param.init[0] == "alibi_slopes" or param.init[0] == "value" and param.init[1][0] > 0):
+            return  # fixed positive numbers
         what = "a learned param that nothing keeps positive" if param.learn else "a fixed param that is not positive"
         raise SpecError(f"the base of a power with a non-constant exponent must be positive, and `{node.name}` "
                         f"is {what}", base.span,
