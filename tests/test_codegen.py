@@ -1235,3 +1235,13 @@ def test_a_generated_module_prints_its_dims_and_backend():
     spec = energydsl.load("examples/models/gpt.energy")
     assert repr(spec.module("MHA", d=16, heads=2)) == "MHA(d=16, heads=2, backend=torch)"
     assert "(1): MLP(d=16, hidden=64, backend=torch)" in repr(spec.model(d=16, heads=2, layers=1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_term_whose_coefficient_is_zero_at_the_fixed_values_is_not_computed(backend):
+    """Newton's two-term series carries (1 - 2 eta)-like coefficients that SymPy keeps; at the fixed value they
+    are 0, and the code multiplied by 0.0 at every step (`t17 = 0.0 * t16`). The module still equals the
+    reference interpreter (the repository-wide sweep runs this energy too)."""
+    derived = energydsl.load("tests/data/data-dependent-decay.energy").energy("NewtonGate")
+    text = energy_source(derived, backend)
+    assert not re.search(r"\b-?0\.0 \*|\* -?0\.0\b", text), text

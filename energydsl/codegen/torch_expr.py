@@ -385,6 +385,10 @@ class Emitter:
         return "(" + ", ".join(self._dim(s) for s in shape) + ",)"
 
     def _elementwise(self, e: ir.Add | ir.Mul) -> Val:
+        if isinstance(e, ir.Add):  # a term whose coefficient is 0 at these hyper-parameters adds nothing
+            kept = [t for t in e.terms if not self._zero_coefficient(t)]
+            if kept and len(kept) < len(e.terms):
+                return self.emit(kept[0]) if len(kept) == 1 else self._elementwise(ir.Add(tuple(kept)))
         if isinstance(e, ir.Add) and (affine := affine_norm(e)) is not None:
             norm, taken, rest = affine
             if not rest:
@@ -419,6 +423,18 @@ class Emitter:
         rank = len(e.shape)
         code = op.join(self.align(v, axes, rank) for v in vals)
         return self.tmp(code, axes, rank)
+
+    def _zero_coefficient(self, t: Expr) -> bool:
+        """Whether `t` is c · (...) with c a number that is 0 at this module's fixed values: Newton's truncated
+        series at eta = 1/2 has (1 - 2 eta) terms, which SymPy keeps (eta is a symbol) and the code multiplied
+        by 0.0 at every step."""
+        def zero(f: Expr) -> bool:
+            try:
+                return isinstance(f, ir.Scalar) and sympy_src(f.value, self.scalars) in ("0.0", "-0.0")
+            except KeyError:  # a symbol with no value here: not a number
+                return False
+
+        return isinstance(t, ir.Mul) and any(zero(f) for f in t.factors)
 
     def _difference(self, e: ir.Add) -> Val | None:
         """`a + (-1) b` as `a - b`, as SymPy's printers write it: the negation `-1.0 * b` was an element-wise op
