@@ -122,6 +122,14 @@ def test_out_of_range_search_flags_exit_2_naming_the_flag(tmp_path, monkeypatch,
     assert not journal.exists() and not (tmp_path / "calls.txt").exists()  # no study opened, no trial ran
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_missing_gpu_is_named_as_the_flag(tmp_path, monkeypatch, capsys) -> None:
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--device", "cuda:0")),
+            "CUDA is not available", "hint: use --device cpu")
+
+
 def test_an_empty_address_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys) -> None:
     """`--address ''` used to start a local Ray runtime, as no --address does."""
     journal = tmp_path / "s.journal"

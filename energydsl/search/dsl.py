@@ -289,7 +289,7 @@ class DslSpace:
         if local:  # the device, and each dtype a trial may take on it (float16 needs CUDA)
             for dtype, span, given in possible_values(self.settings, "dtype"):
                 try:
-                    TrainConfig(device=device, dtype=str(dtype)).resolve_device()
+                    TrainConfig(device=device, dtype=str(dtype)).resolve_device({"device": "--device"})
                 except UserError as e:
                     _refuse(e.message, span, given, e.hint)
             return
