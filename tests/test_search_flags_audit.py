@@ -126,8 +126,10 @@ def test_out_of_range_search_flags_exit_2_naming_the_flag(tmp_path, monkeypatch,
 def test_a_missing_gpu_is_named_as_the_flag(tmp_path, monkeypatch, capsys) -> None:
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--device", "cuda:0")),
+    space = str(Path(__file__).resolve().parents[1] / "search/quickstart.energy")
+    refused(energy(monkeypatch, capsys, "search", space, "--storage", str(journal), "--device", "cuda:0"),
             "CUDA is not available", "hint: use --device cpu")
+    assert not journal.exists()
 
 
 def test_an_empty_address_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys) -> None:
