@@ -114,6 +114,15 @@ def test_duplicates_share_one_result(tmp_path: Path) -> None:
     assert all(t.user_attrs["duplicate_of"] == first.number for t in ts[1:])
 
 
+def test_parallel_workers_train_a_candidate_once(tmp_path: Path) -> None:
+    """With two workers, a candidate drawn while the other worker trained the same equations trained again: the
+    later trial now waits for the earlier one and takes its result."""
+    s = search(tmp_path, toy(tmp_path, mixers="attn,attn_alias", depth=2, lr=0.01, sleep=0.3), trials=4,
+               workers=2, pruner="none")
+    assert len(calls(tmp_path)) == 1, calls(tmp_path)
+    assert s["completed"] == 4 and s["duplicates"] == 3
+
+
 def test_pruned_duplicates_are_counted_as_duplicates(tmp_path: Path) -> None:
     """A duplicate of a pruned trial is pruned too, and counted among the pruned trials' duplicates."""
     study = optuna.create_study(storage=open_storage(str(tmp_path / "study.journal")), study_name="t")

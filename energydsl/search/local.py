@@ -307,6 +307,19 @@ def find_same(study: optuna.Study, equation_hash: str, number: int) -> FrozenTri
     return found
 
 
+def same_when_done(study: optuna.Study, storage: BaseStorage, equation_hash: str, number: int,
+                   poll: float = 0.5) -> FrozenTrial | None:
+    """`find_same`, once no earlier trial with these equations is still running: with several workers, the
+    sampler can draw a candidate that another worker is training, which then trained twice at once. An earlier
+    trial whose worker is gone is recovered while waiting (and then this one trains); a later one is never
+    waited for, so two workers never wait for each other."""
+    while any(t.number < number and t.user_attrs.get(HASH) == equation_hash
+              for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
+        recover_stale(study, storage)
+        time.sleep(poll)
+    return find_same(study, equation_hash, number)
+
+
 def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: SearchSpace, device: str,
               prune: bool, heartbeat: Heartbeat | None = None) -> TrialState:
     """Run one claimed trial: check, deduplicate, evaluate, record. Never raises for a bad candidate."""
@@ -356,7 +369,7 @@ def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: S
             return fail(f"describing the candidate failed: {_describe(e)}")
         for k, v in info.items():  # recorded before training, so a crash still shows what ran
             trial.set_user_attr(k, v)
-        same = find_same(study, info[HASH], trial.number)
+        same = same_when_done(study, storage, info[HASH], trial.number)
         if same is not None:
             origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
             curve.extend(same.user_attrs.get(CURVE) or [])
