@@ -77,9 +77,11 @@ def search(
     pruner: Annotated[str, typer.Option(help="asha | hyperband | none")] = "asha",
     seed: Annotated[int | None, typer.Option(help="Sampler seed.")] = None,
     report: Annotated[str | None, typer.Option(help="Where to write the HTML report (default: next to the "
-                                                    "storage, report.html).")] = None,
+                                                    "storage, report.html; report-STUDY.html in a storage of "
+                                                    "several studies).")] = None,
     export: Annotated[str | None, typer.Option(help="Where to write the best candidate as a plain .energy file "
-                                                    "(default: next to the storage, best.energy).")] = None,
+                                                    "(default: next to the storage, best.energy; best-STUDY.energy in "
+                                                    "a storage of several studies).")] = None,
     holes: Annotated[bool, typer.Option("--holes", help="List the space's holes and exit.")] = False,
     sets: SetOpt = None,
 ) -> None:
@@ -87,7 +89,7 @@ def search(
     from energydsl.files import check_output
     from energydsl.search import export_best, hole_rows, run_search, write_report
     from energydsl.search.space import SpaceRef, resolve_space
-    from energydsl.search.storage import study_dir
+    from energydsl.search.storage import study_outputs
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
@@ -110,13 +112,13 @@ def search(
                          study_name=study, sampler=sampler, pruner=pruner, device=device, json=as_json,
                          address=address, gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial,
                          seed=seed)
-    where = study_dir(summary["storage"], summary["study"])
-    report_path = Path(report) if report else where / "report.html"
+    default_report, default_best = study_outputs(summary["storage"], summary["study"])
+    report_path = Path(report) if report else default_report
     write_report(summary["storage"], summary["study"], report_path)
     summary["report"] = str(report_path)
     summary["best_source"] = None
     if summary.get("completed"):
-        best_path = Path(export) if export else where / "best.energy"
+        best_path = Path(export) if export else default_best
         export_best(summary["storage"], summary["study"], best_path)
         summary["best_source"] = str(best_path)
     err = sys.stderr
@@ -150,11 +152,11 @@ def report(
     from energydsl.files import check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.storage import default_storage_path, study_dir
+    from energydsl.search.storage import default_storage_path, study_outputs
 
     store, study_name = _locate(study, storage, name, default_storage_path)
     loaded = load_study(store, study_name)  # a missing study is refused (naming those there) before any folder is made
-    path = Path(out) if out else study_dir(store, study_name) / "report.html"
+    path = Path(out) if out else study_outputs(store, study_name)[0]
     check_output(path, "-o/--output" if out else "report")
     if export:
         check_output(export, "--export", "best.energy")

@@ -317,3 +317,19 @@ def test_run_search_refuses_an_option_of_the_wrong_kind_by_name(tmp_path, option
         run_search("toy", progress=False, **{"storage": str(tmp_path / "s.journal"), option: value})
     assert e.value.message == f"run_search's {says} ({type(value).__name__})"
     assert not (tmp_path / "s.journal").exists()
+
+
+def test_studies_sharing_a_storage_keep_their_own_report_and_best(tmp_path, monkeypatch, capsys) -> None:
+    """Two studies in one storage wrote the same report.html and best.energy: the second overwrote the first's."""
+    journal = tmp_path / "zoo.journal"
+    monkeypatch.chdir(tmp_path)
+    for study in ("A", "B"):
+        code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--study", study,
+                                                            "--trials", "4", "--seed", "3", "--pruner", "none"))
+        assert code == 0, err
+    assert (tmp_path / "report.html").exists() and (tmp_path / "best.energy").exists()  # A's, alone then
+    assert (tmp_path / "report-B.html").exists() and (tmp_path / "best-B.energy").exists()
+    a_best = (tmp_path / "best.energy").read_text()
+    code, err = energy(monkeypatch, capsys, "report", str(journal), "--study", "A")
+    assert code == 0 and (tmp_path / "report-A.html").exists(), err
+    assert (tmp_path / "best.energy").read_text() == a_best

@@ -51,6 +51,18 @@ def study_dir(spec: str, study_name: str) -> Path:
     return local.parent if local is not None else Path("runs") / safe_name(study_name)
 
 
+def study_outputs(spec: str, study_name: str) -> tuple[Path, Path]:
+    """The default report and best-candidate files of a study, in `study_dir`: `report.html` and `best.energy`,
+    or, in a storage that holds other studies as well, `report-STUDY.html` and `best-STUDY.energy`, so that the
+    studies of one database do not overwrite each other's."""
+    import optuna
+
+    where = study_dir(spec, study_name)
+    shared = len(optuna.get_all_study_names(storage=open_storage(spec))) > 1
+    tag = f"-{safe_name(study_name)}" if shared else ""
+    return where / f"report{tag}.html", where / f"best{tag}.energy"
+
+
 def _dialect(scheme: str) -> str:
     """A URL scheme's SQLAlchemy dialect: `sqlite+pysqlite` -> `sqlite`, in lower case."""
     return scheme.split("+")[0].lower()
