@@ -778,3 +778,28 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     metrics = [t.user_attrs.get("metrics", {}) for t in load_study(s["storage"], "Quickstart").get_trials()]
     assert any({"val_loss", "params", "flops_per_token", "step_time"} <= set(m) for m in metrics)
 
+
+
+IDLE = """
+search Idle {
+  model Tiny(d = 8)
+  optimizer Mix: momentum(beta = 0.5 learn, eta = 1)
+  data shakespeare_char, steps 6
+  train lr = 1e-3, batch = 4, eval_interval = 3, eval_iters = 1
+  trials 1
+}
+"""
+
+
+def test_a_trials_training_notices_are_kept_on_it_and_in_the_report(tmp_path: Path) -> None:
+    """A learned momentum beta with one step never trains (the velocity starts at 0): training's notice was a raw
+    Python warning on stderr, lost with workers or Ray, and neither the trial nor the report kept it."""
+    path = write(tmp_path, TINY + IDLE)
+    r = energy("search", path, "--json", cwd=tmp_path)
+    assert r.returncode == 0 and "UserWarning" not in r.stderr, r.stderr
+    s = json.loads(r.stdout)
+    trial = next(t for t in load_study(s["storage"], "Idle").get_trials() if t.user_attrs.get("metrics"))
+    notes = trial.user_attrs["metrics"]["notes"]
+    assert any("got no gradient" in note and "opt_beta" in note for note in notes), notes
+    page = Path(s["report"]).read_text()
+    assert "<b>note:</b>" in page and "opt_beta" in page

@@ -52,6 +52,7 @@ from energydsl.search.holes import (  # source files, holes and filling them
     _Value,
 )
 from energydsl.search.overrides import across_override, header_override, optimizer_override, step_claims_dropped
+from energydsl.search.report import NOTES
 from energydsl.search.settings import (
     DEFAULTS,
     SET_KEYS,
@@ -423,6 +424,7 @@ class DslSpace:
             seed=int(s["seed"]), device=device, dtype=str(s["dtype"]), log_interval=max(1, min(10, steps)),
         )
         stopped: list[tuple[int, float]] = []
+        notes: list[str] = []  # training's notices (parameters that never train): the trial keeps them
 
         def on_eval(step: int, val: float) -> bool:
             if report(step, val) and step < steps:  # a trial that trained all its steps completed
@@ -431,7 +433,8 @@ class DslSpace:
             return False
 
         try:
-            result = train(model, data, config, None, metadata={}, progress=False, on_eval=on_eval)
+            result = train(model, data, config, None, metadata={}, progress=False, on_eval=on_eval,
+                           notify=notes.append)
             if stopped:
                 step, val = stopped[0]
                 raise optuna.TrialPruned(f"pruned at step {step} (val_loss {val:.4f})")
@@ -445,7 +448,7 @@ class DslSpace:
             "params_non_embedding": float(info.get("params_non_embedding", info["params"])),
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
-        }
+        } | ({NOTES: notes} if notes else {})
 
 
 def _refuse(message: str, span: Span | None, given: str | None, hint: str | None) -> None:

@@ -36,6 +36,7 @@ MATHML = "equations_mathml"
 HASH = "equation_hash"
 CURVE = "curve"  # [[step, val_loss], ...]
 METRICS = "metrics"
+NOTES = "notes"  # a metric that is not one: what training said of the trial (parameters that never train)
 DUPLICATE_OF = "duplicate_of"
 TIMING = "timing"  # {"evaluate_s": ..., "total_s": ...}: the benchmark's overhead measure
 TRACEBACK = "traceback"
@@ -376,8 +377,9 @@ def _trial_section(t: FrozenTrial, names: Sequence[str]) -> str:
         parts.append(f'<p>same equations as <a href="#trial-{int(ua[DUPLICATE_OF])}">#{ua[DUPLICATE_OF]}</a>;'
                      " its result was reused.</p>")
     if ua.get(METRICS):
-        m = ", ".join(f"{e(str(k))}={e(_fmt(v))}" for k, v in sorted(ua[METRICS].items()))
+        m = ", ".join(f"{e(str(k))}={e(_fmt(v))}" for k, v in sorted(ua[METRICS].items()) if k != NOTES)
         parts.append(f"<p><b>metrics:</b> {m}</p>")
+        parts += [f"<p><b>note:</b> {e(str(note))}</p>" for note in ua[METRICS].get(NOTES) or []]
     if ua.get(SOURCE):
         parts.append(f"<h4>Composition</h4><pre>{e(str(ua[SOURCE]))}</pre>")
     if ua.get(MATHML):

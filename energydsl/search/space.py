@@ -221,10 +221,13 @@ def candidate_info(cand: Candidate) -> dict[str, str]:
     return {HASH: str(cand.equation_hash()), SOURCE: str(cand.source()), MATHML: str(cand.equations_mathml())}
 
 
-def plain(v: Any) -> float | str:
-    """A metric as JSON can store it (numpy and 0-d torch numbers become floats)."""
+def plain(v: Any) -> float | str | list[str]:
+    """A metric as JSON can store it (numpy and 0-d torch numbers become floats; a list, such as training's
+    `notes`, a list of strings)."""
     if isinstance(v, str):
         return v
+    if isinstance(v, list | tuple):
+        return [str(x) for x in v]
     try:
         return float(v)
     except (TypeError, ValueError):
