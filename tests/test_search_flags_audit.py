@@ -7,6 +7,7 @@ storage is a real Optuna journal or SQLite file in tmp_path, and no test starts 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -333,3 +334,28 @@ def test_studies_sharing_a_storage_keep_their_own_report_and_best(tmp_path, monk
     code, err = energy(monkeypatch, capsys, "report", str(journal), "--study", "A")
     assert code == 0 and (tmp_path / "report-A.html").exists(), err
     assert (tmp_path / "best.energy").read_text() == a_best
+
+
+def test_more_cpus_per_trial_than_this_machine_has_is_refused_for_a_local_runtime(tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
+    """`--backend ray --cpus-per-trial 64` on a 2-CPU machine ran each trial with 64 threads."""
+    pytest.importorskip("ray")
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    many = str((os.cpu_count() or 1) + 1)
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--backend", "ray",
+                                                    "--cpus-per-trial", many)),
+            f"--cpus-per-trial {many}: this machine has", "a local Ray runtime")
+    assert not journal.exists() and not (tmp_path / "calls.txt").exists()
+
+
+@pytest.mark.parametrize("sampler, package", [("cmaes", "cmaes"), ("qmc", "scipy")])
+def test_a_sampler_whose_package_is_missing_names_the_extra(tmp_path, monkeypatch, capsys, sampler, package) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a))
+    monkeypatch.chdir(tmp_path)
+    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(tmp_path / "s.journal"),
+                                                    "--sampler", sampler)),
+            f"needs {'the `cmaes` package' if package == 'cmaes' else 'scipy'}", ".[samplers]")

@@ -256,6 +256,11 @@ def check_options(*, backend: str, trials: int | None, timeout: float | None, wo
             raise UserError(f"{flag} {value:g} reserves resources for each Ray trial, and the {backend} backend does "
                             "not use it", hint=f"add --backend ray to run the trials as Ray trials, or leave {flag} "
                                                "out (the local backend runs --workers processes, on --device)")
+    here = os.cpu_count() or 1
+    if backend == "ray" and address is None and cpus_per_trial is not None and cpus_per_trial > here:
+        raise UserError(f"--cpus-per-trial {cpus_per_trial:g}: this machine has {here} CPU{'s' if here > 1 else ''}, "
+                        "and a local Ray runtime runs every trial here (each would train with that many threads)",
+                        hint=f"give at most --cpus-per-trial {here}, or --address of a cluster with larger nodes")
     if backend == "local" or address is None:  # the trials run on this machine: worker processes, or a local Ray
         most = max_local_workers()
         if workers > most:

@@ -115,11 +115,13 @@ def make_sampler(name: str | None, n_objectives: int, seed: int | None = None) -
             if n_objectives > 1:
                 raise UserError("sampler cmaes handles one objective only; use nsga2 or tpe")
             if importlib.util.find_spec("cmaes") is None:
-                raise UserError("sampler cmaes needs the `cmaes` package (pip install cmaes)")
+                raise UserError("sampler cmaes needs the `cmaes` package", hint="pip install cmaes, or the "
+                                "project's extra: pip install -e '.[samplers]'")
             return s.CmaEsSampler(seed=seed, warn_independent_sampling=False)
         if name == "qmc":
             if importlib.util.find_spec("scipy") is None:
-                raise UserError("sampler qmc needs scipy (pip install scipy)")
+                raise UserError("sampler qmc needs scipy", hint="pip install scipy, or the project's extra: "
+                                "pip install -e '.[samplers]'")
             return s.QMCSampler(seed=seed, warn_independent_sampling=False)
     raise UserError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
 
