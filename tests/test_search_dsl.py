@@ -803,3 +803,4 @@ def test_a_trials_training_notices_are_kept_on_it_and_in_the_report(tmp_path: Pa
     assert any("got no gradient" in note and "opt_beta" in note for note in notes), notes
     page = Path(s["report"]).read_text()
     assert "<b>note:</b>" in page and "opt_beta" in page
+    assert trial.user_attrs["metrics"]["threads"] >= 1  # what a bit-for-bit rerun on the CPU needs

@@ -404,6 +404,7 @@ class DslSpace:
     def evaluate(self, candidate: DslCandidate, report: Callable[[int, float], bool], device: str
                  ) -> dict[str, float]:
         import optuna
+        import torch
 
         from energydsl.training import TrainConfig, load_dataset, train
 
@@ -448,6 +449,7 @@ class DslSpace:
             "params_non_embedding": float(info.get("params_non_embedding", info["params"])),
             "flops_per_token": float(info.get("flops_per_token", math.nan)),
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
+            "threads": float(torch.get_num_threads()),  # a bit-for-bit rerun on the CPU needs as many
         } | ({NOTES: notes} if notes else {})
 
 
