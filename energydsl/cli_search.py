@@ -40,8 +40,13 @@ def space_spec(space: str) -> str:
         return space
     p = Path(space)
     if not p.exists():
+        import difflib
+
+        close = difflib.get_close_matches(space, list(registered_spaces()), n=1)
         raise UserError(f"no such search space file: {space}",
-                        hint="give a .energy file with a `search` declaration (e.g. search/quickstart.energy)")
+                        hint=f"did you mean the registered space `{close[0]}`?" if close else
+                        "give a .energy file with a `search` declaration (e.g. search/quickstart.energy), or the "
+                        f"name of a registered space ({', '.join(registered_spaces())})")
     if p.is_dir():
         raise UserError(f"{space} is a directory, not a .energy file")
     return str(p.resolve())

@@ -717,6 +717,8 @@ def energy(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedP
 def test_cli_errors_exit_2(tmp_path: Path) -> None:
     r = energy("search", "nope.energy", cwd=tmp_path)
     assert r.returncode == 2 and "no such search space file" in r.stderr
+    r = energy("search", "tooy", cwd=tmp_path)  # a registered space's name, misspelt
+    assert r.returncode == 2 and "did you mean the registered space `toy`?" in r.stderr, r.stderr
     path = write(tmp_path, TINY + "search T {\n  objective minimize accuracy\n}\n")
     r = energy("search", path, "--json", cwd=tmp_path)
     assert r.returncode == 2 and "unknown objective `accuracy`" in r.stderr and "space.energy:" in r.stderr
