@@ -82,6 +82,8 @@ class LiveProgress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if exc[0] is not None:  # the error the caller prints starts on a line of its own, not on the panel's border
+            self.console.line()
 
     def _run(self) -> None:
         from rich.live import Live
