@@ -152,6 +152,9 @@ def report(
     export: Annotated[str | None, typer.Option(help="Also write the best candidate as a .energy file here.")
                       ] = None,
     leaderboard: Annotated[bool, typer.Option(help="Print the leaderboard too.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every trial as JSON (number, state, kind, "
+                                                         "params, values, metrics, reason) instead of the "
+                                                         "leaderboard.")] = False,
 ) -> None:
     """Write a self-contained HTML report of a study (plots, leaderboard, every trial's spec and equations)."""
     from energydsl.files import check_output
@@ -166,7 +169,12 @@ def report(
     if export:
         check_output(export, "--export", "best.energy")
     write_report(store, study_name, path, study=loaded)
-    if leaderboard:
+    if as_json:
+        from energydsl.search.report import trial_rows
+
+        print(json.dumps({"study": study_name, "storage": store, "report": str(path), "trials": trial_rows(loaded)},
+                         default=_plain))
+    elif leaderboard:
         print_leaderboard(loaded)
     print(f"report: {path}", file=sys.stderr)
     if export:

@@ -7,6 +7,7 @@ storage is a real Optuna journal or SQLite file in tmp_path, and no test starts 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -334,6 +335,28 @@ def test_studies_sharing_a_storage_keep_their_own_report_and_best(tmp_path, monk
     code, err = energy(monkeypatch, capsys, "report", str(journal), "--study", "A")
     assert code == 0 and (tmp_path / "report-A.html").exists(), err
     assert (tmp_path / "best.energy").read_text() == a_best
+
+
+def test_report_json_lists_every_trial_as_strict_json(tmp_path, monkeypatch, capsys) -> None:
+    """No machine-readable dump of a study's trials existed: `--json` of a search gives its summary only."""
+    from conftest import strict_json
+
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--trials", "4",
+                                                        "--seed", "3", "--pruner", "none"))
+    assert code == 0, err
+    monkeypatch.setattr(sys, "argv", ["energy", "report", str(journal), "--json"])
+    from energydsl import cli
+
+    with contextlib.suppress(SystemExit):
+        cli.main()
+    out = capsys.readouterr().out
+    dump = strict_json(out)
+    assert [t["number"] for t in dump["trials"]] == [0, 1, 2, 3]
+    assert {"state", "kind", "params", "values", "metrics", "reason", "duplicate_of"} <= set(dump["trials"][0])
+    done = [t for t in dump["trials"] if t["state"] == "COMPLETE"]
+    assert done and all(t["values"]["val_loss"] == t["metrics"]["val_loss"] for t in done)
 
 
 def test_more_cpus_per_trial_than_this_machine_has_is_refused_for_a_local_runtime(tmp_path, monkeypatch,

@@ -453,6 +453,30 @@ def write_report(storage: str | BaseStorage, study_name: str, out_html: str | os
     return out
 
 
+def trial_rows(study: optuna.Study) -> list[dict[str, Any]]:
+    """Every trial as plain JSON (`energy report --json`): number, state, kind, parameters, objective values,
+    metrics, why it did not complete, the trial it duplicates and its equation hash."""
+    names = [n for n, _ in objectives_of(study)]
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        ua = t.user_attrs
+        rows.append(_strict({"number": t.number, "state": t.state.name, "kind": trial_kind(t),
+                             "params": dict(t.params),
+                             "values": dict(zip(names, t.values, strict=False)) if t.values else None,
+                             "metrics": ua.get(METRICS), "reason": ua.get(REASON),
+                             "duplicate_of": ua.get(DUPLICATE_OF), "equation_hash": ua.get(HASH)}))
+    return rows
+
+
+def _strict(value: Any) -> Any:
+    """`value` with NaN and infinities as None, as strict JSON parsers (jq, JavaScript) take it."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
                 trial: int | None = None, *, study: optuna.Study | None = None) -> int:
     """Write the best trial's composition (or trial number `trial`'s) as a plain .energy file.
