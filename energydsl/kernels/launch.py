@@ -77,9 +77,10 @@ def register_op(
     custom op runs its forward through the op's generated Function with grad on, which fills in the schema's
     defaults and redispatches on every call; wired outside, a fwd+bwd of one attention op spends about a
     quarter less host time (`docs/models.md`, "Host time per call"). Without grad mode the call is the op
-    alone. Dynamo traces the Function and the op inside it, so compiled callers see the same kernels. The
-    Function is the kind torch.func takes (its own setup_context, a generated vmap rule; the op's vmap rule runs
-    it per batch entry), and its backward is once-differentiable: the backward kernels have no autograd.
+    alone. Dynamo traces the Function and the op inside it, so compiled callers see the same kernels. Under
+    torch.func's transforms a second Function of the kind they take runs instead (its own setup_context, a
+    generated vmap rule; the op's vmap rule runs it per batch entry), whose backward refuses a second transform:
+    the backward kernels have no autograd (elsewhere a second backward reaches the backward op, which says so).
 
     "The op" is its body, `impl`, called directly wherever nothing could tell the difference
     (`runs_body_directly`): the dispatcher's round trip through a custom op costs more host time than the
@@ -105,27 +106,50 @@ def register_op(
         return run
     op.register_autograd(backward, setup_context=setup_context)
 
-    def forward(*args: Any) -> Any:
+    def forward(ctx: Any, *args: Any) -> Any:
+        output = run(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    def differentiate(ctx: Any, *grads: Any) -> Any:  # a plain function: Dynamo misbinds a bound method here
+        return backward(ctx, *grads)  # (a second backward: the backward op raises, it has no autograd)
+
+    function = type(f"{name}_function", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(differentiate)})
+
+    def forward_alone(*args: Any) -> Any:
         return run(*args)
+
+    def first_order_only(ctx: Any, *grads: Any) -> Any:
+        """The backward under torch.func: refused where a second transform differentiates it (grad of grad,
+        hessian), whose derivative of the backward op would otherwise be taken as 0, silently."""
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        if sum(i.key() in (TransformType.Grad, TransformType.Jvp) for i in retrieve_all_functorch_interpreters()) > 1:
+            raise RuntimeError("a second derivative through energydsl's fused Triton kernels (torch.func's grad of "
+                               "grad, hessian): they have first derivatives only; take it on the torch backend's "
+                               "module (backend=\"torch\"), under SDPBackend.MATH for attention")
+        with torch.no_grad():  # first order: the backward op alone (its autograd would refuse the transform)
+            return backward(ctx, *grads)
 
     def save(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         setup_context(ctx, inputs, output)
 
-    @torch.autograd.function.once_differentiable  # the backward kernels have no autograd: say so if asked
-    def differentiate(ctx: Any, *grads: Any) -> Any:  # a plain function: Dynamo misbinds a bound method here
-        return backward(ctx, *grads)
-
-    # forward and setup_context apart, and a generated vmap rule: torch.func's transforms (grad, vmap, vjp,
-    # per-sample gradients) take such a Function, where one whose forward takes ctx is refused
-    function = type(f"{name}_function", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "setup_context": staticmethod(save),
-                     "backward": staticmethod(differentiate), "generate_vmap_rule": True})
+    # torch.func's transforms (grad, vmap, vjp, per-sample gradients) refuse a Function whose forward takes ctx;
+    # they take this one, forward and setup_context apart, with a generated vmap rule. Only they get it: its
+    # apply binds the arguments by signature, about 30 us more per fwd+bwd on the CPU box
+    transformable = type(f"{name}_transformable", (torch.autograd.Function,),
+                         {"forward": staticmethod(forward_alone), "setup_context": staticmethod(save),
+                          "backward": staticmethod(first_order_only), "generate_vmap_rule": True})
 
     def call(*args: Any) -> Any:
         if torch._C._get_tracing_state():  # TorchScript records the op, with or without grad (its trace check
             return op(*args)  # traces again under no_grad: a Function there would make the graphs differ)
         if not torch.is_grad_enabled():
             return run(*args)  # no graph: the op (or its body) alone, with nothing saved
+        if torch._C._are_functorch_transforms_active():
+            return transformable.apply(*args)
         if torch.compiler.is_compiling():
             args = _distinct(args)
         return function.apply(*args)
