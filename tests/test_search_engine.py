@@ -351,6 +351,29 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     assert write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").exists()
 
 
+def test_ray_trains_a_candidate_once_while_its_twin_runs(tmp_path: Path) -> None:
+    """As on the local backend: a candidate drawn while another Ray trial trains the same equations waits for it
+    and takes its result (it trained a second time)."""
+    pytest.importorskip("ray")
+    s = search(tmp_path, toy(tmp_path, mixers="attn,attn_alias", depth=2, lr=0.01, sleep=0.3), backend="ray",
+               trials=4, workers=2, cpus_per_trial=1, pruner="none")
+    assert len(calls(tmp_path)) == 1, calls(tmp_path)
+    assert s["completed"] == 4 and s["duplicates"] == 3 and ledger(trials(tmp_path)).running == 0
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_a_candidate_whose_twin_failed_trains_itself(tmp_path: Path, backend: str) -> None:
+    """A trial that waited for a running twin which then failed (no result to share) trains after all: the
+    search ends with every trial settled, none left running."""
+    if backend == "ray":
+        pytest.importorskip("ray")
+    extra = {"cpus_per_trial": 1} if backend == "ray" else {}
+    s = search(tmp_path, toy(tmp_path, mixers="diverge", depth=2, lr=0.01, sleep=1.0), backend=backend, trials=3,
+               workers=2, pruner="none", **extra)
+    assert s["failed"] == 3 and ledger(trials(tmp_path)).running == 0
+    assert len(calls(tmp_path)) == 3  # each trained: a failure is not a result to share
+
+
 def test_ray_folders_go_beside_an_sqlite_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tune's trial folders and log sit with the study's other files, as for a journal; they went under
     runs/STUDY in whatever directory the search was started from."""

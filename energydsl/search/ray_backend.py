@@ -26,7 +26,7 @@ from typing import Any
 from unittest import mock
 
 import optuna
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
 from energydsl.search.local import (
@@ -158,6 +158,7 @@ if OptunaSearch is not None:
             self._energy_pruned: set[str] = set()  # Tune trials the pruner stopped (StudyPruning)
             self._energy_curves: dict[str, list[list[float]]] = {}
             self._energy_started: dict[str, float] = {}  # Tune trial id -> when it was handed to Ray
+            self._energy_waiting: list[Any] = []  # Optuna trials waiting for a running twin's result
             self._energy_hb = Heartbeat(storage)
             super().__init__(space=self._define, metric=names if len(names) > 1 else names[0],
                              mode=modes if len(modes) > 1 else modes[0], sampler=sampler,
@@ -191,7 +192,42 @@ if OptunaSearch is not None:
             same = find_same(self._ot_study, info[HASH], trial.number)
             if same is not None:
                 return {RKIND: "duplicate", "_energy_same": same.number}
+            if self._running_twin(info[HASH], trial.number) is not None:  # its result comes: wait for it
+                return {RKIND: "wait"}
             return {RKIND: "train"}
+
+        def _running_twin(self, equation_hash: str, number: int) -> FrozenTrial | None:
+            """An earlier trial with these equations still running (never a later one: none waits for another)."""
+            return next((t for t in self._ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                         if t.number < number and t.user_attrs.get(HASH) == equation_hash), None)
+
+        def _settle_waiting(self) -> Any:
+            """Settle the trials that waited for a running twin whose trial has ended: a duplicate of its result,
+            or, where it left none (failed, lost), the first such trial back (it trains)."""
+            for ot_trial in list(self._energy_waiting):
+                equation_hash = self._energy_storage.get_trial(ot_trial._trial_id).user_attrs.get(HASH)
+                if self._running_twin(equation_hash, ot_trial.number) is not None:
+                    continue
+                self._energy_waiting.remove(ot_trial)
+                same = find_same(self._ot_study, equation_hash, ot_trial.number)
+                if same is None:
+                    return ot_trial
+                self._settle_duplicate(ot_trial, same)
+            return None
+
+        def _settle_duplicate(self, ot_trial: Any, same: FrozenTrial) -> None:
+            origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
+            curve = same.user_attrs.get(CURVE) or []
+            if self._energy_prune:  # as the local backend does: a pruned duplicate gets the same value
+                for step, value in curve:
+                    self._report(ot_trial, value, step)
+            attrs = {KIND: "duplicate", DUPLICATE_OF: origin, CURVE: curve,
+                     REASON: f"same equations as trial #{origin}"}
+            if same.state == TrialState.COMPLETE:
+                self._finish(ot_trial, TrialState.COMPLETE, list(same.values),
+                             metrics=same.user_attrs.get(METRICS, {}), **attrs)
+            else:
+                self._finish(ot_trial, TrialState.PRUNED, **attrs)
 
         def _finish(self, ot_trial: Any, state: TrialState, values: list[float] | None = None,
                     **attrs: Any) -> None:
@@ -202,39 +238,38 @@ if OptunaSearch is not None:
                 self._ot_study.tell(ot_trial, values, state=None if state == TrialState.COMPLETE else state)
             self._energy_hb.discard(ot_trial._trial_id)
 
+        def _train(self, trial_id: str, ot_trial: Any) -> dict[str, Any]:
+            self._ot_trials[trial_id] = ot_trial
+            self._energy_started[trial_id] = time.perf_counter()
+            return {PARAMS: dict(ot_trial.params), NUMBER: ot_trial.number}
+
         def suggest(self, trial_id: str) -> dict[str, Any] | str | None:
             while True:
+                back = self._settle_waiting()
+                if back is not None:  # its twin left no result: it trains after all
+                    return self._train(trial_id, back)
                 led = ledger(self._ot_study.get_trials(deepcopy=False))
                 late = self._energy_deadline is not None and time.time() >= self._energy_deadline
                 if late or led.finished + led.running >= self._energy_target:
-                    return Searcher.FINISHED
+                    # trials waiting for a twin count as running: ask again until they are settled
+                    return None if self._energy_waiting else Searcher.FINISHED
                 config = super().suggest(trial_id)
                 ot_trial = self._ot_trials[trial_id]
                 kind = config.get(RKIND)
                 if kind == "train":
-                    self._energy_started[trial_id] = time.perf_counter()
-                    return {PARAMS: dict(ot_trial.params), NUMBER: ot_trial.number}
+                    return self._train(trial_id, ot_trial)
                 del self._ot_trials[trial_id]  # settled here; ask again for the same Tune trial
                 reason = config.get("_energy_reason", "")
                 if kind == "invalid":
                     self._finish(ot_trial, TrialState.PRUNED, kind="invalid", reason=reason)
                 elif kind == "error":
                     self._finish(ot_trial, TrialState.FAIL, kind="error", reason=reason)
+                elif kind == "wait":  # an earlier trial trains the same equations: settled when it ends
+                    self._energy_waiting.append(ot_trial)
                 else:
                     same = next(t for t in self._ot_study.get_trials(deepcopy=False)
                                 if t.number == config["_energy_same"])
-                    origin = int(same.user_attrs.get(DUPLICATE_OF, same.number))
-                    curve = same.user_attrs.get(CURVE) or []
-                    if self._energy_prune:  # as the local backend does: a pruned duplicate gets the same value
-                        for step, value in curve:
-                            self._report(ot_trial, value, step)
-                    attrs = {KIND: "duplicate", DUPLICATE_OF: origin, CURVE: curve,
-                             REASON: f"same equations as trial #{origin}"}
-                    if same.state == TrialState.COMPLETE:
-                        self._finish(ot_trial, TrialState.COMPLETE, list(same.values),
-                                     metrics=same.user_attrs.get(METRICS, {}), **attrs)
-                    else:
-                        self._finish(ot_trial, TrialState.PRUNED, **attrs)
+                    self._settle_duplicate(ot_trial, same)
 
         def progress(self, trial_id: str, result: dict[str, Any]) -> bool:
             """A trial's evaluation (StudyPruning hands it over): record it, report it to the study, and say
