@@ -373,9 +373,8 @@ if OptunaSearch is not None:
             from energydsl.search.local import abandon
 
             n = 0
-            for trial_id, ot_trial in list(self._ot_trials.items()):
-                if trial_id in self._completed_trials:
-                    continue
+            unfinished = [ot for trial_id, ot in self._ot_trials.items() if trial_id not in self._completed_trials]
+            for ot_trial in unfinished + self._energy_waiting:  # those waiting for a twin too
                 frozen = self._energy_storage.get_trial(ot_trial._trial_id)
                 if frozen.state == TrialState.RUNNING:
                     n += abandon(self._ot_study, self._energy_storage, frozen, "the Ray run ended first",
