@@ -202,6 +202,9 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
         storage, study = (study if "://" in study or slashless_url(study) else str(Path(study).resolve())), ""
     if storage is not None:
         check_storage_given(storage)  # a URL without its `//`, an in-memory SQLite one
+    if study and name and study != name:  # `energy report toy --study Q`: the positional was dropped silently
+        raise UserError(f"STUDY {study!r} and --study {name!r} name two studies",
+                        hint="give the study once: as STUDY, or --study with STUDY the storage or run directory")
     if storage is None:
         storage = default(study)
         if not Path(storage).exists():

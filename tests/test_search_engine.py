@@ -655,3 +655,17 @@ def test_reasons_are_shown_as_written_not_as_rich_markup() -> None:
     console.print(invalid_table([invalid]), failures_table([failed]))
     text = console.export_text()
     assert reason in text and "bad h[j] [bold]x" in text
+
+
+def test_a_study_with_no_reason_to_show_does_not_point_above(tmp_path: Path) -> None:
+    """After a Ctrl-C that stopped every trial, the leaderboard said "the reasons are above" with none above."""
+    from rich.console import Console
+
+    from energydsl.search.display import print_leaderboard
+
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "study.journal")), study_name="t")
+    study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"kind": "interrupted"}))
+    console = Console(record=True, width=120)
+    print_leaderboard(study, console=console)
+    text = console.export_text()
+    assert "no trial has completed: none finished" in text and "reasons are above" not in text, text

@@ -162,7 +162,7 @@ def test_report_on_a_storage_without_studies_says_so_and_where(tmp_path, monkeyp
     db = tmp_path / "new.db"
     optuna.storages.RDBStorage(f"sqlite:///{db}")  # a database with its tables and no study
     for args in (["report", "empty.journal"], ["report", f"sqlite:///{db}"],
-                 ["report", "x", "--storage", "empty.journal", "--study", "q"]):
+                 ["report", "q", "--storage", "empty.journal", "--study", "q"]):
         code, err = energy(monkeypatch, capsys, *args)
         refused((code, err), "holds no studies")
         assert "pick one with --study" not in err and "studies there: []" not in err, err
@@ -382,3 +382,15 @@ def test_a_sampler_whose_package_is_missing_names_the_extra(tmp_path, monkeypatc
     refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(tmp_path / "s.journal"),
                                                     "--sampler", sampler)),
             f"needs {'the `cmaes` package' if package == 'cmaes' else 'scipy'}", ".[samplers]")
+
+
+def test_report_refuses_two_different_study_names(tmp_path, monkeypatch, capsys) -> None:
+    """`energy report toy --storage S --study Q` reported Q and dropped `toy` without a word."""
+    journal = tmp_path / "s.journal"
+    monkeypatch.chdir(tmp_path)
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--study", "Q"))
+    assert code == 0, err
+    refused(energy(monkeypatch, capsys, "report", "toy", "--storage", str(journal), "--study", "Q"),
+            "STUDY 'toy' and --study 'Q' name two studies")
+    code, err = energy(monkeypatch, capsys, "report", "Q", "--storage", str(journal), "--study", "Q")
+    assert code == 0, err

@@ -191,8 +191,9 @@ def print_leaderboard(study: optuna.Study, top: int = 10, console: Console | Non
     console.print()
     console.print(leaderboard_table(study, top, console.width))
     trials = study.get_trials(deepcopy=False)
-    for table in (failures_table(trials), invalid_table(trials)):
-        if table is not None:
-            console.print(table)
+    shown = [table for table in (failures_table(trials), invalid_table(trials)) if table is not None]
+    for table in shown:
+        console.print(table)
     if trials and not any(t.state == TrialState.COMPLETE for t in trials):
-        console.print("no trial has completed: the reasons are above; the report lists every trial")
+        why = "the reasons are above" if shown else "none finished (interrupted, or still running elsewhere)"
+        console.print(f"no trial has completed: {why}; the report lists every trial")
