@@ -22,6 +22,7 @@ import copy
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,22 +89,10 @@ def main() -> None:
     generic = generic_twin(lowered)
     idx = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
     targets = torch.randint(0, lowered.vocab_size, (args.batch, args.context))
-    with torch.no_grad():
-        a, b = lowered(idx), generic(idx)
-        exact = copy.deepcopy(generic).double()(idx)  # float64: whose rounding is it
-    diff = ((a - b).abs().max() / b.abs().max()).item()
-    errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
-    times = {}
-    for label, m in (("lowered", lowered), ("generic", generic)):
-        step_time(m, idx, targets)  # warm-up
-        times[label] = statistics.median(step_time(m, idx, targets) for _ in range(args.repeats))
     print(f"{Path(args.spec).name}, context {args.context}, batch {args.batch}, "
           f"{torch.get_num_threads()} threads, fwd+bwd median of {args.repeats}")
-    print(f"  lowered  {times['lowered'] * 1e3:9.1f} ms")
-    print(f"  generic  {times['generic'] * 1e3:9.1f} ms   (masked T x T form, the peer)")
-    print(f"  ratio lowered / generic: {times['lowered'] / times['generic']:.3f}   "
-          f"max relative logit difference {diff:.1e}")
-    print(f"  against the generic model in float64: lowered {errors[0]:.1e}, generic {errors[1]:.1e}")
+    compare(lowered, generic, lambda m: m(idx), lambda m: step_time(m, idx, targets), args.repeats, "model",
+            "logit ")
 
 
 def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namespace) -> None:
@@ -114,23 +103,31 @@ def layer_main(derived: Derived, lowered: torch.nn.Module, args: argparse.Namesp
     generic = generic_layer(lowered, derived)
     x = lowered.example_input(args.batch, args.context)
     w = torch.randn(x.shape)
+    shown = ", ".join(f"{k}={v:g}" for k, v in derived.spec.dims().items())
+    print(f"{Path(args.spec).name}: {derived.spec.name}({shown}), context {args.context}, batch {args.batch}, "
+          f"{torch.get_num_threads()} threads, fwd+bwd median of {args.repeats}")
+    compare(lowered, generic, lambda m: m(x.to(next(m.parameters()).dtype), delta=True),
+            lambda m: layer_step_time(m, x, w), args.repeats, "layer")
+
+
+def compare(lowered: torch.nn.Module, generic: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.Tensor],
+            step: Callable[[torch.nn.Module], float], repeats: int, what: str, outputs: str = "") -> None:
+    """Print the two forms' fwd+bwd times (median of `repeats`, after a warm-up), their ratio, how far apart
+    their outputs are, and each one's error against the generic form in float64 (whose rounding is it)."""
     with torch.no_grad():
-        a, b = lowered(x, delta=True), generic(x, delta=True)
-        exact = copy.deepcopy(generic).double()(x.double(), delta=True)  # float64: whose rounding is it
+        a, b = forward(lowered), forward(generic)
+        exact = forward(copy.deepcopy(generic).double())
     diff = ((a - b).abs().max() / b.abs().max()).item()
     errors = [((y.double() - exact).abs().max() / exact.abs().max()).item() for y in (a, b)]
     times = {}
     for label, m in (("lowered", lowered), ("generic", generic)):
-        layer_step_time(m, x, w)  # warm-up
-        times[label] = statistics.median(layer_step_time(m, x, w) for _ in range(args.repeats))
-    shown = ", ".join(f"{k}={v:g}" for k, v in derived.spec.dims().items())
-    print(f"{Path(args.spec).name}: {derived.spec.name}({shown}), context {args.context}, batch {args.batch}, "
-          f"{torch.get_num_threads()} threads, fwd+bwd median of {args.repeats}")
+        step(m)  # warm-up
+        times[label] = statistics.median(step(m) for _ in range(repeats))
     print(f"  lowered  {times['lowered'] * 1e3:9.1f} ms")
     print(f"  generic  {times['generic'] * 1e3:9.1f} ms   (masked T x T form, the peer)")
     print(f"  ratio lowered / generic: {times['lowered'] / times['generic']:.3f}   "
-          f"max relative difference {diff:.1e}")
-    print(f"  against the generic layer in float64: lowered {errors[0]:.1e}, generic {errors[1]:.1e}")
+          f"max relative {outputs}difference {diff:.1e}")
+    print(f"  against the generic {what} in float64: lowered {errors[0]:.1e}, generic {errors[1]:.1e}")
 
 
 if __name__ == "__main__":
