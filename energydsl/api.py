@@ -348,9 +348,9 @@ class Spec:
         --set`)."""
         energy_dims, model_dims = self._split_dims(dims)
         results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
-        for name in self.block_names:  # each stage of a block, as a model's layer runs it (a sum: one energy)
-            from .composition import expand_block
+        from .composition import expand_block
 
+        for name in self.block_names:  # each stage of a block, as a model's layer runs it (a sum: one energy)
             stages = expand_block(self.syntax, name, energy_dims)
             for n, stage in enumerate(stages):
                 label = name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})"

@@ -149,7 +149,13 @@ def _reduce_generated(self: nn.Module) -> tuple[Any, ...]:
     an empty cache) loads it: by reference, its class was the module `energydsl_generated_<key>`, which only a
     process that had built the same spec could import."""
     file = Path(sys.modules[type(self).__module__].__file__)
-    return _rebuild_generated, (file.name, file.read_text(), type(self).__name__), self.__getstate__()
+    return _rebuild_generated, (file.name, _file_text(file), type(self).__name__), self.__getstate__()
+
+
+@functools.cache
+def _file_text(path: Path) -> str:
+    """A generated file's text, read once per process (a deepcopy pickles it too); its key names its content."""
+    return path.read_text()
 
 
 def _rebuild_generated(file_name: str, text: str, class_name: str) -> nn.Module:

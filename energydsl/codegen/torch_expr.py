@@ -429,8 +429,10 @@ class Emitter:
         series at eta = 1/2 has (1 - 2 eta) terms, which SymPy keeps (eta is a symbol) and the code multiplied
         by 0.0 at every step."""
         def zero(f: Expr) -> bool:
+            if not isinstance(f, ir.Scalar) or f.value.is_number:  # a number: SymPy has dropped a zero already
+                return False
             try:
-                return isinstance(f, ir.Scalar) and sympy_src(f.value, self.scalars) in ("0.0", "-0.0")
+                return sympy_src(f.value, self.scalars) in ("0.0", "-0.0")
             except KeyError:  # a symbol with no value here: not a number
                 return False
 
