@@ -285,7 +285,7 @@ def test_an_empty_storage_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_sqlite_lock_lives_next_to_the_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from energydsl.search.local import lock_path
+    from energydsl.search.storage import lock_path
 
     work, db = tmp_path / "work", tmp_path / "db" / "s.db"
     work.mkdir()

@@ -32,8 +32,6 @@ from energydsl.search.local import (
     pruning_plan,
     quiet_optuna,
     run_local,
-    storage_lock,
-    study_lock,
 )
 from energydsl.search.report import export_best, summarize, write_report
 from energydsl.search.settings import HOLE, OPTIONS
@@ -47,7 +45,14 @@ from energydsl.search.space import (
     resolve_space,
     space_fingerprint,
 )
-from energydsl.search.storage import check_storage_given, default_storage_path, load_study, open_storage
+from energydsl.search.storage import (
+    check_storage_given,
+    default_storage_path,
+    load_study,
+    open_storage,
+    storage_lock,
+    study_lock,
+)
 
 __all__ = [
     "Candidate", "SearchSpace", "SpaceRef", "register_space", "registered_spaces", "resolve_space",

@@ -10,21 +10,17 @@ pid, start time) or its heartbeat, marked lost and its slot put back with the sa
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
-import hashlib
 import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import optuna
@@ -33,7 +29,6 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
-from energydsl.files import make_dirs
 from energydsl.search.report import (
     CLAIMER,
     CURVE,
@@ -57,7 +52,7 @@ from energydsl.search.report import (
     trial_kind,
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_as
-from energydsl.search.storage import local_file, open_storage, safe_name
+from energydsl.search.storage import open_storage, study_lock
 from energydsl.signal_handlers import handlers_restored
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
@@ -140,55 +135,6 @@ def make_pruner(name: str, budget: Mapping[str, Any]) -> optuna.pruners.BasePrun
 
 
 # ----------------------------------------------------------------------------- slots and recovery
-
-
-def _lock_dir(storage_spec: str) -> Path:
-    """Where a storage's locks live: next to its journal or SQLite database, whatever the working directory;
-    for a database server, in a per-user folder of the temp directory named by the URL's hash."""
-    local = local_file(storage_spec)
-    if local is not None:
-        return local.resolve().parent
-    key = hashlib.sha256(storage_spec.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"energydsl-locks-{os.getuid()}" / key
-
-
-def lock_path(storage_spec: str, study_name: str) -> Path:
-    """The lock file of a study (see `_lock_dir`)."""
-    return _lock_dir(storage_spec) / f".{safe_name(study_name)}.lock"
-
-
-@contextlib.contextmanager
-def _flock(path: Path, what: str) -> Iterator[None]:
-    try:
-        make_dirs(path.parent)
-        f = open(path, "a")  # noqa: SIM115 (closed below)
-    except OSError as e:
-        raise UserError(f"cannot create {what} lock file {path}: {e.strerror or e}") from None
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def study_lock(storage_spec: str, study_name: str) -> Iterator[None]:
-    """Serialize budget bookkeeping between commands on this host (a file lock, see `lock_path`)."""
-    with _flock(lock_path(storage_spec, study_name), "the study's"):
-        yield
-
-
-@contextlib.contextmanager
-def storage_lock(storage_spec: str) -> Iterator[None]:
-    """Serialize opening a database storage between commands on this host: Optuna creates a new database's
-    tables without a transaction, and two commands creating it at once fail (`table studies already exists`,
-    `UNIQUE constraint failed: alembic_version.version_num`). Journal files need no lock (appends)."""
-    if "://" not in storage_spec:
-        yield
-        return
-    with _flock(_lock_dir(storage_spec) / ".storage.lock", "the storage's"):
-        yield
 
 
 def _busy_slots(trials: list[FrozenTrial]) -> set[int]:

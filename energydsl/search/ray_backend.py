@@ -40,7 +40,6 @@ from energydsl.search.local import (
     owner_info,
     pruning_plan,
     recover_stale,
-    study_lock,
     worker_seed,
 )
 from energydsl.search.report import (
@@ -66,7 +65,7 @@ from energydsl.search.space import (
     resolve_as,
     space_fingerprint,
 )
-from energydsl.search.storage import open_storage, safe_name, study_dir
+from energydsl.search.storage import open_storage, safe_name, study_dir, study_lock
 from energydsl.signal_handlers import handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)

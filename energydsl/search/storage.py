@@ -3,15 +3,20 @@ opened as an Optuna storage.
 
 A wrong string is refused before anything is written, with the form that was probably meant: an empty one, a
 URL missing the `//` after its scheme, an in-memory SQLite database, a folder, a file that is not a journal.
+The file locks that commands on one host share a storage by live here too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +309,55 @@ def load_study(storage: str | BaseStorage, study_name: str) -> optuna.Study:
                             hint=NO_STUDIES_HINT) from None
         raise UserError(f"no study {study_name!r} in {storage}; studies there: {names}",
                         hint="name one of them (energy report: STUDY, or --study NAME)") from e
+
+
+# ----------------------------------------------------------------------------- locks between commands on this host
+
+
+def _lock_dir(storage_spec: str) -> Path:
+    """Where a storage's locks live: next to its journal or SQLite database, whatever the working directory;
+    for a database server, in a per-user folder of the temp directory named by the URL's hash."""
+    local = local_file(storage_spec)
+    if local is not None:
+        return local.resolve().parent
+    key = hashlib.sha256(storage_spec.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"energydsl-locks-{os.getuid()}" / key
+
+
+def lock_path(storage_spec: str, study_name: str) -> Path:
+    """The lock file of a study (see `_lock_dir`)."""
+    return _lock_dir(storage_spec) / f".{safe_name(study_name)}.lock"
+
+
+@contextlib.contextmanager
+def _flock(path: Path, what: str) -> Iterator[None]:
+    try:
+        make_dirs(path.parent)
+        f = open(path, "a")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        raise UserError(f"cannot create {what} lock file {path}: {e.strerror or e}") from None
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def study_lock(storage_spec: str, study_name: str) -> Iterator[None]:
+    """Serialize budget bookkeeping between commands on this host (a file lock, see `lock_path`)."""
+    with _flock(lock_path(storage_spec, study_name), "the study's"):
+        yield
+
+
+@contextlib.contextmanager
+def storage_lock(storage_spec: str) -> Iterator[None]:
+    """Serialize opening a database storage between commands on this host: Optuna creates a new database's
+    tables without a transaction, and two commands creating it at once fail (`table studies already exists`,
+    `UNIQUE constraint failed: alembic_version.version_num`). Journal files need no lock (appends)."""
+    if "://" not in storage_spec:
+        yield
+        return
+    with _flock(_lock_dir(storage_spec) / ".storage.lock", "the storage's"):
+        yield
