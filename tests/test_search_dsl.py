@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -115,7 +116,7 @@ def names(space: DslSpace) -> list[str]:
 # ----------------------------------------------------------------------------- holes and filled sources
 
 HOLES = """
-energy E(d = choice{4, 8}, heads = 2) {
+energy E(d = 8, heads = 2, r = choice{4, 8}) {
   dim     dh = d / heads
   state   z[d]
   context h[j, d] where j <= i
@@ -146,7 +147,7 @@ search S {
 def test_holes_are_named_by_where_they_stand(tmp_path: Path) -> None:
     space = load_search(write(tmp_path, HOLES))
     assert names(space) == [
-        "E.d", "E.W", "E.a", "E.F", "E.optimizer", "E.optimizer.nag.beta", "E.steps", "E.precondition",
+        "E.r", "E.W", "E.a", "E.F", "E.optimizer", "E.optimizer.nag.beta", "E.steps", "E.precondition",
         "B.E.d", "M.layers", "M.across", "M.across.momentum.beta", "steps", "train.lr",
     ]
     described = dict((n, v) for n, v, _ in space.describe())
@@ -159,13 +160,13 @@ def test_holes_are_named_by_where_they_stand(tmp_path: Path) -> None:
 
 def test_filled_source_is_plain_energy_text(tmp_path: Path) -> None:
     space = load_search(write(tmp_path, HOLES))
-    params = {"E.d": 8, "E.W": 0.02, "E.a": 0.5, "E.F": "2 + 1", "E.optimizer": "nag", "E.optimizer.nag.beta": 0.75,
+    params = {"E.r": 8, "E.W": 0.02, "E.a": 0.5, "E.F": "2 + 1", "E.optimizer": "nag", "E.optimizer.nag.beta": 0.75,
               "E.steps": 2, "E.precondition": "none", "B.E.d": 4, "M.layers": 2, "M.across": "momentum",
               "M.across.momentum.beta": 0.6, "steps": 3, "train.lr": 0.001}
     cand = fill(space, **params)
     text = cand.source()
     assert not any(hole in text for hole in ("choice{", "int 1", "int 2", "float 0", "search S"))
-    assert "energy E(d = 8, heads = 2)" in text
+    assert "energy E(d = 8, heads = 2, r = 8)" in text
     assert "~ normal(0, 0.02)" in text and "param   a = 0.5" in text
     assert "(2 + 1) * (W[k] @ z)" in text  # a compound choice is parenthesised where it lands
     assert "optimizer nag(beta = 0.75, eta = 1) steps 2\n" in text  # `none`: the precondition modifier is gone
@@ -184,6 +185,33 @@ def test_filled_source_is_plain_energy_text(tmp_path: Path) -> None:
     assert "optimizer gd(eta = 1) steps 2, precondition diag" in text
     assert "across layers" not in text
     assert energydsl.load(text).energy("E").spec.optimizer.precondition == "diag"
+
+
+def test_a_hole_the_model_always_overrides_is_refused_where_it_stands(tmp_path: Path) -> None:
+    # composition gives an energy every dim of the model's header it declares, and the arguments its use writes:
+    # a hole in the energy's own default for such a dim would be sampled and never change the candidate
+    dead = {
+        "Mix(d = 4, heads = int 1..2)": ("Mix.heads", "`model Tiny(heads = int 1..2)` in the search"),
+        "FF(d = 4, hidden = choice{8, 16})": ("FF.hidden", "`FF(..., hidden = choice{8, 16})`"),
+    }
+    for header, (hole, where) in dead.items():
+        energy = header.split("(")[0]
+        text = re.sub(rf"energy {energy}\([^)]*\)", f"energy {header}", TINY)
+        with pytest.raises(SpecError, match=f"the hole `{re.escape(hole)}` never takes effect") as e:
+            load_search(write(tmp_path, text + SEARCH))
+        assert where in e.value.hint and "space.energy:" in str(e.value)
+    # through a block whose use names the dim
+    text = TINY.replace("energy FF(d = 4, hidden = 8)", "energy FF(d = 4, hidden = int 8..16)") \
+        .replace("FF(d, hidden = 2 * d)", "FF(d)")
+    assert "FF.hidden" in names(load_search(write(tmp_path, text + SEARCH)))  # FF's own default applies
+    blocked = text.replace("model Tiny", "block B = FF(hidden = 8)\n\nmodel Tiny").replace("-> FF(d)", "-> B")
+    with pytest.raises(SpecError, match="`FF.hidden` never takes effect"):
+        load_search(write(tmp_path, blocked + SEARCH))
+    # a search-level default for a dim the model gives: pointed at in the search
+    over = SEARCH.replace("  data shakespeare_char", "  energy Mix(heads = choice{1, 2})\n  data shakespeare_char")
+    with pytest.raises(SpecError, match="`Mix.heads` never takes effect") as e:
+        load_search(write(tmp_path, TINY + over))
+    assert e.value.span.line == TINY.count("\n") + over.count("\n", 0, over.index("energy Mix")) + 1
 
 
 def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
@@ -208,7 +236,8 @@ def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
 
 def test_search_level_overrides_are_written_into_the_declarations(tmp_path: Path) -> None:
     text = TINY.replace("  optimizer gd(eta = 1)\n}\n\nenergy FF", "  optimizer gd(eta = 1) steps 2 per head\n}\n\n"
-                        "energy FF").replace("  optimizer gd(eta = 1)\n}\n\nmodel", "}\n\nmodel")
+                        "energy FF").replace("  optimizer gd(eta = 1)\n}\n\nmodel", "}\n\nmodel") \
+        .replace("FF(d, hidden = 2 * d)", "FF(d)")  # FF's own `hidden` default applies: the search may set it
     text += """
 search T {
   model Tiny(65, 16, 16, layers = int 1..2)
@@ -504,7 +533,16 @@ def test_a_rerun_with_other_training_settings_is_refused(tmp_path: Path) -> None
     write(tmp_path, "# a comment\n" + harmless.replace("  repeat layers", "  repeat   layers  # again"))
     open_study(journal, "T", load_search(path, steps="3", trials="12", timeout="60"))
     write(tmp_path, harmless.replace("vocab = 65", "vocab = 80"))  # outside the holes: other models
-    with pytest.raises(UserError, match="text outside its holes was edited"):
+    with pytest.raises(UserError, match=r"text outside its holes was edited \(model `Tiny`\)"):
+        open_study(journal, "T", load_search(path, steps="3"))
+    write(tmp_path, harmless.replace("  head tied", "  head tied\n}\n\nenergy New(d = 4) {\n  state z[d]\n"
+                                     "  global F = z . z\n  optimizer gd(eta = 1)"))
+    with pytest.raises(UserError, match=r"was edited \(energy `New` added\)"):
+        open_study(journal, "T", load_search(path, steps="3"))
+    legacy = dict(load_study(journal, "T").user_attrs["settings"])
+    del legacy["declarations"]  # a study recorded before declarations were hashed: the edit is not located
+    load_study(journal, "T").set_user_attr("settings", legacy)
+    with pytest.raises(UserError, match=r"text outside its holes was edited;"):
         open_study(journal, "T", load_search(path, steps="3"))
 
 

@@ -34,7 +34,7 @@ from energydsl.search.local import (
     run_local,
 )
 from energydsl.search.report import export_best, summarize, write_report
-from energydsl.search.settings import HOLE, OPTIONS
+from energydsl.search.settings import DECLARATIONS, HOLE, OPTIONS, edited_declarations
 from energydsl.search.space import (
     Candidate,
     SearchSpace,
@@ -126,7 +126,8 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     if not isinstance(old, dict) or not trained:
         return now  # a study from before fingerprints, or nothing trained yet (only waiting or failed trials)
     changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))
-               and (k in old or k != OPTIONS)]  # a study recorded before options were hashed: not compared
+               and (k in old or k != OPTIONS) and k != DECLARATIONS]  # a study recorded before options were hashed:
+    # not compared; the declarations' hashes only name what an edit of `text` touched
     if not changed:
         return now
     texts = ("text", OPTIONS)
@@ -134,7 +135,7 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     back = ", ".join(f"{k} = {_shown(old[k])}" for k in changed if k not in texts and k in old)
     hints = []
     if "text" in changed:
-        diffs.append("the space's text outside its holes was edited")
+        diffs.append(f"the space's text outside its holes was edited{edited_declarations(old, now)}")
     if OPTIONS in changed:
         diffs.append("what a choice's options fix was edited (an optimizer's or preconditioner's arguments, say)")
     if "text" in changed or OPTIONS in changed:

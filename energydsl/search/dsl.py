@@ -230,6 +230,7 @@ class DslSpace:
                         continue
                     placements.append(_Placement(f, s, e, [h], lambda fl, h=h: fl.value(h)))
         self.placements = placements
+        _refuse_dead_holes(placements, decls, self.model_name)
         self._apply_sets(sets)
         self._unique_names()
 
@@ -451,6 +452,60 @@ class DslSpace:
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
             "threads": float(torch.get_num_threads()),  # a bit-for-bit rerun on the CPU needs as many
         } | ({NOTES: notes} if notes else {})
+
+
+def _dims_given(decls: dict[str, tuple[_File, lark.Tree]], model: str) -> dict[str, set[str]]:
+    """For each energy the model's layer reaches: the header dims that every use of it gives, so that the energy's
+    own defaults for them never apply. Composition gives an energy each dim of the model's header (and of a block's
+    arguments) that it declares, and the arguments its use writes (`composition._stage_dims`)."""
+    given: dict[str, set[str]] = {}
+
+    def header(decl: lark.Tree) -> list[str]:
+        items = next((_kids(c) for c in _kids(decl)[1:] if c.data == "header"), [])
+        return [str(i.children[0]) for i in items]
+
+    def walk(pipeline: lark.Tree, env: set[str], seen: tuple[str, ...]) -> None:
+        for summed in _kids(pipeline):
+            for ref in _kids(summed):
+                name, args = str(ref.children[0]), _kids(ref)[1:]
+                named = {str(a.children[0]) for a in args if a.data == "named_arg"}
+                if name not in decls or name in seen:
+                    continue  # composition names what is missing, or the cycle
+                decl = decls[name][1]
+                if decl.data == "block_decl":
+                    walk(decl.children[1], env | named, (*seen, name))
+                elif decl.data == "energy_decl":
+                    dims = header(decl)
+                    positional = [a for a in args if a.data != "named_arg"]
+                    here = (env | named | set(dims[:len(positional)])) & set(dims)
+                    given[name] = given[name] & here if name in given else here
+    model_decl = decls[model][1]
+    layer = next((c for c in _kids(model_decl)[1:] if c.data == "layer"), None)
+    if layer is not None:
+        walk(layer.children[0], set(header(model_decl)), ())
+    return given
+
+
+def _refuse_dead_holes(placements: list[_Placement], decls: dict[str, tuple[_File, lark.Tree]], model: str) -> None:
+    """A hole in the default of an energy's header dim that the model always gives would be sampled and never
+    change the candidate: each trial would train the same model under another name."""
+    given = _dims_given(decls, model)
+    model_dims = {str(i.children[0]) for c in _kids(decls[model][1])[1:] if c.data == "header" for i in _kids(c)}
+    for energy, dims in given.items():
+        f, decl = decls[energy]
+        header = next((c for c in _kids(decl)[1:] if c.data == "header"), None)
+        for item in _kids(header) if header is not None else []:
+            dim = str(item.children[0])
+            s, e = _pos(item.children[1])
+            hole = next((p.holes[0] for p in placements if p.holes and p.file is f and s <= p.start and p.end <= e),
+                        None)
+            if dim not in dims or hole is None:
+                continue
+            where = (f"`model {model}({dim} = {hole.describe()})` in the search" if dim in model_dims else
+                     f"in the model's layer: `{energy}(..., {dim} = {hole.describe()})`")
+            raise SpecError(f"the hole `{hole.name}` never takes effect: model `{model}` gives `{energy}` its `{dim}` "
+                            f"wherever it uses it, so `{energy}`'s default for `{dim}` is never read", hole.span,
+                            f"put the hole where the model sets it ({where}), or write a number")
 
 
 def _refuse(message: str, span: Span | None, given: str | None, hint: str | None) -> None:

@@ -113,6 +113,7 @@ def check_setting(key: str, value: Any) -> None:
 
 HOLE = "hole: "  # how a fingerprint marks a setting that is a hole
 OPTIONS = "options"  # the fingerprint's hash of the choices' options (a key studies recorded only later)
+DECLARATIONS = "declarations"  # each declaration's hash: names what an edit of `text` touched (not compared)
 
 # the search's clauses its fingerprint's text hash leaves out: settings (compared one by one), objectives
 # (compared by open_study), the budget (may change between runs)
@@ -134,21 +135,46 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
         else:
             out[key] = HOLE + " ".join(v.file.text[v.start:v.end].split()) if v.file is not None else str(v.fixed)
     digest = hashlib.sha256()
+    parts: list[str] = []
     for f in files:
         cuts = [(h.start, h.end) for h in holes if h.file is f]
         for item in _kids(f.tree):
             if item.data == "search_decl":  # another search in the file does not matter; this one's clauses do
                 cuts += [_pos(c) for c in _kids(item)[1:] if c.data in _UNHASHED] if item is search else [_pos(item)]
-        parts, pos = [], 0
-        for start, end in sorted(cuts):
-            if start >= pos:
-                parts += [f.text[pos:start], " ? "]
-            pos = max(pos, end)
-        parts.append(f.text[pos:])
-        digest.update(" ".join(without_comments("".join(parts)).split()).encode() + b"\0")
+        digest.update(_outside(f.text, cuts, 0, len(f.text)).encode() + b"\0")
+        for item in _kids(f.tree):  # which declaration an edit is in, to name it when a rerun is refused
+            if item.data in ("energy_decl", "block_decl", "model_decl") or item is search:
+                start, end = _pos(item)
+                text = _outside(f.text, [c for c in cuts if start <= c[0] and c[1] <= end], start, end)
+                parts.append(f"{item.data.removesuffix('_decl')} {item.children[0]}="
+                             f"{hashlib.sha256(text.encode()).hexdigest()[:8]}")
     out["text"] = digest.hexdigest()[:16]
+    out[DECLARATIONS] = ";".join(parts)
     out[OPTIONS] = _options_digest(holes)
     return out
+
+
+def edited_declarations(old: dict[str, str], now: dict[str, str]) -> str:
+    """The declarations whose text differs between two fingerprints (` (energy `MHA`, model `M`)`), or "" when
+    either fingerprint has no per-declaration hashes (a study recorded before they were)."""
+    if DECLARATIONS not in old or DECLARATIONS not in now:
+        return ""
+    before, after = (dict(p.split("=") for p in f[DECLARATIONS].split(";") if p) for f in (old, now))
+    names = [n for n in dict.fromkeys([*before, *after]) if before.get(n) != after.get(n)]
+    return " (" + ", ".join(f"{n.split()[0]} `{n.split()[1]}`" + (
+        "" if n in before and n in after else " added" if n in after else " removed") for n in names) + ")" \
+        if names else ""
+
+
+def _outside(text: str, cuts: list[tuple[int, int]], start: int, end: int) -> str:
+    """text[start:end] with each cut (a hole, a setting) as ` ? `, comments and spacing normalised."""
+    parts, pos = [], start
+    for a, b in sorted(cuts):
+        if a >= pos:
+            parts += [text[pos:a], " ? "]
+        pos = max(pos, b)
+    parts.append(text[pos:end])
+    return " ".join(without_comments("".join(parts)).split())
 
 
 def _options_digest(holes: Sequence[_Hole]) -> str:
