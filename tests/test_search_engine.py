@@ -331,6 +331,20 @@ def test_single_objective_report(tmp_path: Path) -> None:
     assert not re.search(r"<script[^>]*\bsrc\s*=", page)
 
 
+def test_parallel_coordinates_keep_a_conditional_hole_numeric() -> None:
+    from energydsl.search.report import _axis
+
+    # `nag.beta` exists only in the trials that chose nag: its values stay on a numeric axis, the others on a tick
+    axis = _axis("MHA.optimizer.nag.beta", [0.5, None, 0.9, None])
+    assert axis["values"][0] == 0.5 and axis["values"][2] == 0.9
+    assert axis["values"][1] == axis["values"][3] == axis["tickvals"][0] < 0.5 and axis["ticktext"][0] == "not sampled"
+    assert axis["range"] == [axis["tickvals"][0], 0.9] and axis["ticktext"][1:] == ["0.5", "0.6", "0.7", "0.8", "0.9"]
+    assert _axis("d", [32, 64]) == {"label": "d", "values": [32, 64]}
+    assert _axis("b", [2, None])["tickvals"][0] < 2  # one value: below it still
+    names = _axis("MHA.optimizer", ["nag", "gd", "nag"])
+    assert names["values"] == [1, 0, 1] and names["ticktext"] == ["gd", "nag"]
+
+
 def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     from energydsl.search.ray_backend import TUNE_SIGNALS

@@ -291,6 +291,23 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _axis(label: str, values: list[Any]) -> dict[str, Any]:
+    """A parallel-coordinates axis: numbers on a numeric axis, a conditional hole's trials without it on a tick of
+    their own below the range; anything else (an optimizer's name, an expression's text) as categories."""
+    present = [v for v in values if v is not None]
+    if not present or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in present):
+        cats = sorted({str(v) for v in values})
+        return {"label": label, "values": [cats.index(str(v)) for v in values],
+                "tickvals": list(range(len(cats))), "ticktext": cats}
+    if len(present) == len(values):
+        return {"label": label, "values": values}
+    low, high = min(present), max(present)
+    absent = low - (0.2 * (high - low) or 0.2 * abs(low) or 1.0)
+    ticks = [low + (high - low) * n / 4 for n in range(5)] if high > low else [low]
+    return {"label": label, "values": [absent if v is None else v for v in values], "range": [absent, high],
+            "tickvals": [absent, *ticks], "ticktext": ["not sampled", *(f"{t:.3g}" for t in ticks)]}
+
+
 def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
     import plotly.graph_objects as go
 
@@ -328,13 +345,7 @@ def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
         dims = []
         keys = sorted({k for t in done for k in t.params})
         for k in keys:
-            vals = [t.params.get(k) for t in done]
-            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
-                dims.append({"label": k, "values": vals})
-            else:
-                cats = sorted({str(v) for v in vals})
-                dims.append({"label": k, "values": [cats.index(str(v)) for v in vals],
-                             "tickvals": list(range(len(cats))), "ticktext": cats})
+            dims.append(_axis(k, [t.params.get(k) for t in done]))
         for i, n in enumerate(names):
             dims.append({"label": n, "values": [t.values[i] for t in done]})
         color = [t.values[0] for t in done]
