@@ -125,9 +125,10 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     trained = any(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     if not isinstance(old, dict) or not trained:
         return now  # a study from before fingerprints, or nothing trained yet (only waiting or failed trials)
+    # options: not compared with a study recorded before they were hashed; declarations: they only name what an
+    # edit of `text` touched
     changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))
-               and (k in old or k != OPTIONS) and k != DECLARATIONS]  # a study recorded before options were hashed:
-    # not compared; the declarations' hashes only name what an edit of `text` touched
+               and (k in old or k != OPTIONS) and k != DECLARATIONS]
     if not changed:
         return now
     texts = ("text", OPTIONS)
