@@ -214,6 +214,19 @@ def test_a_hole_the_model_always_overrides_is_refused_where_it_stands(tmp_path: 
     assert e.value.span.line == TINY.count("\n") + over.count("\n", 0, over.index("energy Mix")) + 1
 
 
+def test_a_float_hole_where_a_whole_number_is_needed_is_refused(tmp_path: Path) -> None:
+    # every candidate but those at whole values would be invalid: refused at the hole, before any trial
+    cases = {"model Tiny(d = choice{8, 16})": ("model Tiny(d = float 8..16)", "`Tiny.d`", "int 8..16"),
+             "layer = Mix(d, heads)": ("layer = Mix(d, heads = float 1..2)", "`Tiny.layer.Mix.heads`", "int 1..2")}
+    for old, (new, hole, fix) in cases.items():
+        with pytest.raises(SpecError, match=f"the `float` hole {re.escape(hole)} stands where a whole number") as e:
+            load_search(write(tmp_path, (TINY + SEARCH).replace(old, new)))
+        assert fix in e.value.hint and e.value.span.line == (TINY + SEARCH).split(old)[0].count("\n") + 1
+    # a float where any number will do (an initial value, a fixed scale) is a float hole as written
+    text = TINY.replace("param   W1[hidden, d] ~ normal(0, 0.02)", "param   W1[hidden, d] ~ normal(0, float 0.01..0.1)")
+    assert "FF.W1" in names(load_search(write(tmp_path, text + SEARCH)))
+
+
 def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
     holes = "param   W1[hidden, d] ~ normal(0, 0.02)\n  param   a = float -1..1\n  let     c = int -3..-1"
     text = TINY.replace("param   W1[hidden, d] ~ normal(0, 0.02)", holes) \

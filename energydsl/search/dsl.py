@@ -84,6 +84,19 @@ class _AnyValues:
         return choices[0]
 
 
+class _Inside(_AnyValues):
+    """_AnyValues, but one float hole takes a value inside its range, not a whole number."""
+
+    def __init__(self, hole: _Hole):
+        self.hole = hole
+        fraction = 0.381966  # the golden section: not a whole number for any range a search writes
+        self.value = (hole.low * (hole.high / hole.low) ** fraction if hole.log else
+                      hole.low + (hole.high - hole.low) * fraction)
+
+    def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
+        return self.value if name == self.hole.name else low
+
+
 class DslSpace:
     """A `search` declaration: implements `energydsl.search.space.SearchSpace`."""
 
@@ -101,6 +114,7 @@ class DslSpace:
         self._search = search
         self._build(search, sets)
         self._check_data()
+        self._check_whole_floats()
         steps = self.settings.get("steps")
         top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
         self.budget: dict[str, Any] = {"trials": self.trials if self.trials is not None else 20, "steps": top_steps}
@@ -247,6 +261,35 @@ class DslSpace:
             value = _given(given, lambda raw=raw, field_=field_: _convert(field_, str(raw), None))
             self.settings[field_] = _Value(fixed=value, given=given)
         check_settings(self.settings)
+
+    def _check_whole_floats(self) -> None:
+        """A `float` hole where a whole number is needed (a width, a head count, a layer count) makes nearly every
+        candidate invalid: refused at the hole before any trial, not as a study of invalid trials. Seen by moving
+        one float hole from its low bound (where a candidate builds) to a value inside its range."""
+        def refused(candidate: DslCandidate) -> SpecError | None:
+            try:
+                candidate.spec().stages(self.model_name)  # composition and each stage's dims; no SymPy
+            except SpecError as e:
+                return e
+            except UserError:
+                pass
+            return None
+
+        floats = [h for h in self.holes() if h.kind == "float" and h.high > h.low]
+        if not floats:
+            return
+        base = self.suggest(_AnyValues())
+        if refused(base) is not None:
+            return
+        for hole in floats:
+            inside = _Inside(hole)
+            candidate = self.suggest(inside)
+            e = None if candidate.source() == base.source() else refused(candidate)  # unchanged: not sampled there
+            if e is not None and "whole number" in e.message:
+                raise SpecError(f"the `float` hole `{hole.name}` stands where a whole number is needed: at "
+                                f"{_fmt_float(inside.value)} the candidate is refused ({e.message})", hole.span,
+                                f"sample whole numbers: `int {_fmt_float(math.ceil(hole.low))}.."
+                                f"{_fmt_float(math.floor(hole.high))}`, or a `choice{{...}}` of the values")
 
     def _check_data(self) -> None:
         """Every dataset the trials can train on fits the model: its tokens fit the vocab, and it serves the block
