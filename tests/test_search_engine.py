@@ -345,6 +345,19 @@ def test_parallel_coordinates_keep_a_conditional_hole_numeric() -> None:
     assert names["values"] == [1, 0, 1] and names["ticktext"] == ["gd", "nag"]
 
 
+def test_one_worker_and_one_seed_draw_the_same_candidates_on_both_backends(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    drawn = {}
+    for backend in ("local", "ray", "local"):
+        d = tmp_path / f"{backend}-{len(drawn)}"
+        d.mkdir()
+        search(d, toy(d, sleep=0), backend=backend, workers=1, trials=4, seed=7, pruner="none",
+               **({"cpus_per_trial": 1} if backend == "ray" else {}))
+        drawn[d.name] = [t.params for t in sorted(trials(d), key=lambda t: t.number)]
+    assert len({repr(v) for v in drawn.values()}) == 1, drawn
+    assert len({repr(p) for p in drawn["local-0"]}) > 1  # the trials differ from each other
+
+
 def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     from energydsl.search.ray_backend import TUNE_SIGNALS

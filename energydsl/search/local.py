@@ -495,9 +495,8 @@ def run_local(ref: SpaceRef, study: optuna.Study, storage_spec: str, *, target: 
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
         recovered = recover_stale(study, storage)
+        history = len(study.get_trials(deepcopy=False))  # before this run's slots: the seeds are Ray's too
         ensure_slots(study, target, ahead=2 * workers)
-
-    history = len(study.get_trials(deepcopy=False))
     starts = 0
 
     def kwargs(i: int) -> dict[str, Any]:

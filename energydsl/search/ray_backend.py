@@ -448,7 +448,7 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
     objectives = list(space.objectives)
     prune, _ = pruning_plan(objectives, pruner)
     base = study_dir(storage_spec, study.study_name)
-    seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 0)
+    seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 1)  # the local backend's first worker's
     cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
     # each worker rebuilds the space and must find this one (`resolve_as`)
     trainable = tune.with_parameters(_trainable, ref=ref, fingerprint=space_fingerprint(space),
