@@ -310,7 +310,8 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
     layers, shared = 1, False
     if "repeat" in one:
         c = one["repeat"]
-        layers = _whole(evaluate_number(c.value, env, "`repeat`"), "`repeat`", c.span)
+        what = f"`repeat {c.value.name}`" if isinstance(c.value, ast.Name) else "`repeat`"  # the dim a caller set
+        layers = _whole(evaluate_number(c.value, env, what), what, c.span)
         shared = bool(c.extra.get("shared"))
     across = None
     if "across" in one:

@@ -12,7 +12,7 @@ import torch
 from conftest import STRICT_SELF_BIAS
 
 import energydsl
-from energydsl.errors import TrainingDiverged, UserError
+from energydsl.errors import SpecError, TrainingDiverged, UserError
 from energydsl.training import TrainConfig, load_checkpoint, load_dataset, sample, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +142,15 @@ def test_model_sizes_refuse_a_layer_count_that_is_not_one(layers) -> None:
         with pytest.raises(ValueError, match="layers must be a whole number of at least 1"):
             count(layers=layers)
     assert model.num_params(layers=3) > model.num_params() == model.info()["params"]
+
+
+def test_a_model_built_with_a_bad_layer_count_names_the_repeat_clause_and_its_dim() -> None:
+    spec = energydsl.load(ROOT / "examples/models/gpt.energy")
+    for layers in (0, 2.5):
+        with pytest.raises(SpecError, match=f"`repeat layers` must be a whole number ≥ 1, got {layers}") as e:
+            spec.model(layers=layers)
+        assert e.value.span.line == next(i for i, line in enumerate(spec.syntax.text.splitlines(), 1)
+                                         if line.strip() == "repeat layers")
 
 
 @pytest.mark.parametrize("context", [0, -1, 7.5, float("nan"), "16", None])
