@@ -21,7 +21,7 @@ from typing import Any
 
 from . import ir, syntax
 from .checks import CheckResult, run_checks
-from .errors import Span, SpecError
+from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
@@ -201,12 +201,13 @@ class Derived:
                              for label, lhs, e in self.equation_list())
         return f"$$\\begin{{aligned}}{body}\\end{{aligned}}$$"
 
-    def module(self, backend: str = "torch"):
-        """This energy's layer, an nn.Module (as `load(path).module(name, **dims)` builds it)."""
+    def module(self, backend: str = "torch", *, device: Any = None, dtype: Any = None):
+        """This energy's layer, an nn.Module (as `load(path).module(name, **dims)` builds it), moved to `device`
+        and `dtype` when given (as torch's layers take them)."""
         from .codegen import check_backend, module_class
 
         check_backend(backend)
-        return module_class(self, backend)()
+        return _placed(module_class(self, backend)(), device, dtype)
 
     def check(self) -> list[CheckResult]:
         if self._checks is None:
@@ -380,14 +381,16 @@ class Spec:
     def model_names(self) -> list[str]:
         return [n for n in self.syntax.names() if n in self.syntax.models]
 
-    def model(self, name: str | None = None, backend: str = "torch", **dims: float):
-        """The language model a `model` declaration describes (`energydsl.runtime.model.LanguageModel`)."""
+    def model(self, name: str | None = None, backend: str = "torch", *, device: Any = None, dtype: Any = None,
+              **dims: float):
+        """The language model a `model` declaration describes (`energydsl.runtime.model.LanguageModel`), moved to
+        `device` and `dtype` when given."""
         from .codegen import check_backend
 
         check_backend(backend)
         model = model_of_plan(self.plan(name, **dims), backend)
         model.run_metadata = self._run_metadata(model, backend)
-        return model
+        return _placed(model, device, dtype)
 
     def _run_metadata(self, model: Any, backend: str) -> dict[str, Any]:
         """What a training run records to rebuild `model` (`energy sample`, `load_trained`): the spec's text
@@ -400,10 +403,11 @@ class Spec:
                 "dims": {k: plain_value(v) for k, v in model.plan.dims.items()}, "context": model.block_size,
                 "equation_hash": model.equation_hash(), "backend": runnable_backend(backend)}
 
-    def module(self, name: str | None = None, backend: str = "torch", **dims: float):
-        """An nn.Module for an energy (its update) or a model (a language model); `name` may be left out
-        when the file declares exactly one energy or model."""
-        from .codegen import check_backend, module_class
+    def module(self, name: str | None = None, backend: str = "torch", *, device: Any = None, dtype: Any = None,
+               **dims: float):
+        """An nn.Module for an energy (its update) or a model (a language model), moved to `device` and `dtype`
+        when given; `name` may be left out when the file declares exactly one energy or model."""
+        from .codegen import check_backend
 
         _check_name(name)
         check_backend(backend)
@@ -411,8 +415,8 @@ class Spec:
             names = self.energy_names + self.model_names
             name = self._pick(None, names, ("energy or model", "energies or models"), {}, "module")
         if name in self.syntax.models:
-            return self.model(name, backend, **dims)
-        return module_class(self.energy(name, **dims), backend)()
+            return self.model(name, backend, device=device, dtype=dtype, **dims)
+        return self.energy(name, **dims).module(backend, device=device, dtype=dtype)
 
     def plan(self, name: str | None = None, **dims: float):
         from .composition import plan_model
@@ -446,6 +450,23 @@ class Spec:
             raise SpecError(f"no {one} named `{name}` in {self.path} (it has: "
                             f"{', '.join(every) or 'none'})", None, hint)
         return name
+
+
+def _placed(module: Any, device: Any, dtype: Any) -> Any:
+    """`module` on `device` (a name, as `--device` takes it, or a torch.device) in `dtype` (a floating torch.dtype
+    or its name), as torch's layers take them; a device this machine lacks is refused, naming it."""
+    import torch
+
+    from .training.config import device_of
+
+    if device is not None:
+        device = device_of(str(device) if isinstance(device, torch.device) else device)
+    given = dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
+    if given is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UserError(f"dtype must be a floating torch dtype (torch.float32, \"float64\", ...), got {given!r}")
+    return module if device is None and dtype is None else module.to(device=device, dtype=dtype)
 
 
 def _check_name(name: object) -> None:

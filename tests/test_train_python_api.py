@@ -153,6 +153,26 @@ def test_a_model_built_with_a_bad_layer_count_names_the_repeat_clause_and_its_di
                                          if line.strip() == "repeat layers")
 
 
+def test_modules_and_models_take_a_device_and_dtype_as_torch_layers_do() -> None:
+    import torch
+
+    mha = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy")
+    for dtype in (torch.float64, "float64"):
+        layer = mha.module("MHA", d=16, heads=2, device="cpu", dtype=dtype)
+        assert {p.dtype for p in layer.parameters()} == {torch.float64}
+        assert layer(torch.randn(2, 5, 16, dtype=torch.float64)).dtype == torch.float64
+    assert mha.energy("MHA", d=16, heads=2).module(dtype=torch.float64).Wo.dtype == torch.float64
+    gpt = energydsl.load(ROOT / "examples/models/gpt.energy")
+    model = gpt.model(vocab=11, context=8, d=16, layers=1, heads=2, dtype="float64")
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    logits = model(torch.randint(0, 11, (2, 8)))
+    assert logits.dtype == torch.float64 and logits.shape == (2, 8, 11) and torch.isfinite(logits).all()
+    for bad, message in ((dict(dtype="int64"), "dtype must be a floating torch dtype"),
+                         (dict(dtype="floaty"), "got 'floaty'"), (dict(device="tpu"), "unknown device 'tpu'")):
+        with pytest.raises(UserError, match=message):
+            mha.module("MHA", d=16, heads=2, **bad)
+
+
 @pytest.mark.parametrize("context", [0, -1, 7.5, float("nan"), "16", None])
 def test_an_energys_flops_refuse_a_context_that_is_not_a_token_count(context) -> None:
     derived = energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy("MHA", d=16, heads=2)
