@@ -318,11 +318,15 @@ class Spec:
         """Each distinct stage of a model's layer, derived at the dims the model passes it: the layers
         `energy train` builds, imported energies included. A stage that repeats (same energies, same dims) is
         derived once."""
+        from .composition import check_stage_state
+
         seen: dict[tuple[str, tuple[tuple[str, float], ...]], Derived] = {}
-        for stage in self.plan(name, **dims).stages:
+        plan = self.plan(name, **dims)
+        for stage in plan.stages:
             key = (stage.label, tuple(sorted(stage.dims.items())))
             if key not in seen:
                 seen[key] = derive(stage.decl, stage.dims)
+                check_stage_state(plan, stage, seen[key].spec)  # it fits the stream, as training needs
         return list(seen.values())
 
     def block(self, name: str, **dims: float) -> list[Derived]:

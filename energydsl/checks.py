@@ -171,8 +171,9 @@ def check_sympy(prog: UpdateProgram) -> CheckResult:
     ctx = tensors.pop(spec.context.name + "@ctx") if spec.context is not None else None
     inp = None
     if spec.input is not None:
+        in_shape = tuple(spec.size(s) for s in spec.input.shape)  # its own shape, not the state's
         inp = ctx if (spec.context is not None and spec.input.name == spec.context.name) else \
-            tensors.pop(spec.input.name).reshape((1, 1) + shape).expand(1, seq, *shape)
+            tensors.pop(spec.input.name).reshape((1, 1) + in_shape).expand(1, seq, *in_shape)
     inst = Instance(tensors, scal, x, ctx, inp, seq)
     derived = eval_tokens(spec, prog.gradient, inst, {prog.point.name: x})[0, info["position"]].reshape(-1)
     worst = _Worst("the derived ∇F", "sympy.diff's ∇F")

@@ -135,7 +135,8 @@ def check(
     dims = parse_sets(sets)
     all_ok = True
     status = 1  # of a failed run: 1 a failing check, 2 a bad file, 70 an internal error (the worst one wins)
-    for path in expand_files(files):
+    paths = expand_files(files)
+    for path in paths:
         t0 = time.perf_counter()
         try:
             spec = load(path)
@@ -143,12 +144,18 @@ def check(
                 raise no_energy(path, spec)
             report = [("model" if name in spec.model_names else "energy", name, results, all(r.ok for r in results))
                       for name, results in spec.check(**dims).items()]
-        except Exception as e:  # --json: one object per file, and the files after a bad one still run
-            if not as_json:
+        except Exception as e:  # one bad file of several: said, and the files after it still run
+            if not as_json and len(paths) == 1:
                 raise
             internal = not isinstance(e, UserError)
-            error = f"internal error: {type(e).__name__}: {e}" if internal else e.render()
-            print(json.dumps({"file": path, "ok": False, "error": error, "energies": [], "models": []}))
+            first = (str(e).strip().splitlines() or [""])[0]
+            error = f"internal error: {type(e).__name__}: {first} (please report this with the spec)" if internal \
+                else e.render()
+            if as_json:
+                print(json.dumps({"file": path, "ok": False, "error": error, "energies": [], "models": []}))
+            else:
+                _to_stderr(error)
+                out.print(f"[red]{path}: FAILED[/] (not checked)\n")
             all_ok, status = False, max(status, 70 if internal else 2)
             continue
         file_ok = all(ok for *_, ok in report)
@@ -260,7 +267,7 @@ def graph(
     plan = load(file).plan(name, **parse_sets(sets))
     for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs,
         spec = lower_energy(stage.decl, stage.dims)  # and its state fits the stream, as training needs
-        check_stage_state(plan, stage, tuple(spec.size(s) for s in spec.state.shape))
+        check_stage_state(plan, stage, spec)
     print(describe(plan))
     if dot is not None:
         g = plan.graph()

@@ -384,13 +384,24 @@ def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
     return call.name, hyper
 
 
-def check_stage_state(plan: ModelPlan, stage: StagePlan, shape: tuple[int, ...]) -> None:
-    """A stage's state (its shape at its dims) must hold one token's stream: as many entries as the stream."""
+def check_stage_state(plan: ModelPlan, stage: StagePlan, spec: Any) -> None:
+    """A stage's state (its shape at its dims, `spec` its lowered energy) must hold one token's stream: as many
+    entries as the stream. Its context and input, which a model does not pass, default to that state: each must
+    have the state's shape."""
+    shape = tuple(spec.size(s) for s in spec.state.shape)
     if math.prod(shape) != plan.d:
         raise SpecError(f"stage `{stage.label}` has the state [{', '.join(map(str, shape))}] "
                         f"({math.prod(shape)} entries) but the model's stream is "
                         f"[{', '.join(map(str, plan.stream))}] ({plan.d})", stage.span,
                         "a stage's state is the stream of a token: give it the stream's shape or size")
+    for what, var in (("context", spec.context), ("input", spec.input)):
+        other = None if var is None else tuple(spec.size(s) for s in var.shape)
+        if other is not None and other != shape:
+            raise SpecError(f"stage `{stage.label}` has the {what} `{var.name}` [{', '.join(map(str, other))}] per "
+                            f"token but the state [{', '.join(map(str, shape))}]: in a model a stage's {what} is "
+                            "the stream's tokens, shaped as its state", stage.span,
+                            f"give `{var.name}` the state's shape, or use the energy as a layer of its own "
+                            f"(`.module(...)`, which takes {what}= of any shape)")
 
 
 def describe(plan: ModelPlan) -> str:

@@ -57,6 +57,12 @@ def test_check_json_reports_every_file_and_exits_2_on_a_bad_one(tmp_path: Path) 
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["ok"] for r in rows] == [False, False, True]
     assert "no such file" in rows[0]["error"] and "declares no energy" in rows[1]["error"]
+    # as text too: each bad file is said, and the good one after them is checked (the first stopped the run)
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", str(tmp_path / "missing.energy"),
+                           str(empty), str(good)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "no such file" in proc.stderr and "declares no energy" in proc.stderr, proc.stderr
+    assert f"{empty}: FAILED (not checked)" in proc.stdout and f"{good}: ok" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stderr
 
 
 def energy_cli(*args: str) -> subprocess.CompletedProcess:

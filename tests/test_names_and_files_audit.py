@@ -163,6 +163,46 @@ def test_graph_refuses_a_stage_whose_state_does_not_fit_the_stream(monkeypatch, 
         assert code == 2 and f"{spec}:7:11: error: stage `A` has the state [4]" in err, (command, err)
 
 
+OTHER_SHAPES = """energy InOther(d = 4, e = 3, f = 5) {
+  state   z[d]
+  input   x[e]
+  context h[j, f] where j <= i
+  param   U[d, e] ~ normal(0, 0.5)
+  param   W[d, f] ~ normal(0, 0.5)
+  global  F = 0.5 * (z - U @ x) . (z - U @ x) - logsumexp[j](z . (W @ h[j]))
+  optimizer gd(eta = 0.5)
+}
+"""
+
+
+def test_an_input_and_context_of_their_own_shapes(monkeypatch, capsys, tmp_path) -> None:
+    """`energy check` reshaped the input to the state's shape (its sympy row failed on a valid spec); the module
+    failed deep in a matmul when context or input were left to default to x; a model stage with such a context
+    crashed `energy check` (exit 70) while `info`, `graph` and `compile` accepted it."""
+
+    spec = tmp_path / "other.energy"
+    spec.write_text(OTHER_SHAPES)
+    code, out, err = run_main(monkeypatch, capsys, "check", str(spec))
+    assert code == 0 and "sympy.diff of an explicit instance agrees" in out, out + err
+    layer = energydsl.load(spec).module("InOther")
+    assert layer(torch.randn(2, 3, 4), context=torch.randn(2, 3, 5), input=torch.randn(2, 3, 3)).shape == (2, 3, 4)
+    with pytest.raises(ValueError, match=r"context defaults to x, but its tokens have shape \(5,\) and x's \(4,\)"):
+        layer(torch.randn(2, 3, 4), input=torch.randn(2, 3, 3))
+    with pytest.raises(ValueError, match=r"input defaults to x, .* pass input= explicitly, \(batch, seq, 3\)"):
+        layer(torch.randn(2, 3, 4), context=torch.randn(2, 3, 5))
+    for clause, what in (("context h[j, f]", "input `x` [3]"), ("input   x[e]", "context `h` [5]")):
+        text = OTHER_SHAPES.replace(clause, clause.replace("[e]", "[d]").replace("[j, f]", "[j, d]"))
+        text = text.replace("W[d, f]" if "context" in clause else "U[d, e]",
+                            "W[d, d]" if "context" in clause else "U[d, d]")
+        spec.write_text(text + "model M(vocab = 11, context = 8, d = 4, layers = 1) {\n  layer = InOther(d)\n}\n")
+        for command in ("check", "info", "graph", "derive", "compile"):
+            code, _, err = run_main(monkeypatch, capsys, command, str(spec), *(
+                ["--name", "M"] if command in ("derive", "compile") else []), *(
+                ["-o", str(tmp_path / "x.py")] if command == "compile" else []))
+            assert code == 2 and f"{spec}:11:11: error: stage `InOther` has the {what} per token but the state [4]" \
+                in err, (command, err)
+
+
 def test_misleading_messages_now_say_what_is_wrong(monkeypatch, capsys, tmp_path) -> None:
     spec = tmp_path / "blocks.energy"
     spec.write_text("energy A(d = 8) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}\n"

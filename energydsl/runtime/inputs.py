@@ -34,8 +34,12 @@ def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Te
                          "at least one")
     if context is not None:
         _check_given(module, "context", context, x, module.context_shape)
+    elif module.context_shape is not None and module.context_shape != module.state_shape:
+        _no_default(module, "context")
     if input is not None:
         _check_given(module, "input", input, x, module.input_shape)
+    elif module.input_shape is not None and module.input_shape != module.state_shape:
+        _no_default(module, "input")
     if x.dtype != _parameter_dtype(module, x.dtype) and not torch.is_autocast_enabled(x.device.type):
         raise ValueError(f"{type(module).__name__}: x is {x.dtype} but the parameters are "
                          f"{_parameter_dtype(module, x.dtype)}; convert one (module.to(x.dtype)) or run under "
@@ -49,6 +53,13 @@ def _parameter_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
             return p.dtype
     p = next((p for p in module.parameters() if p.is_floating_point()), None)
     return default if p is None else p.dtype
+
+
+def _no_default(module: nn.Module, what: str) -> None:
+    shape = getattr(module, f"{what}_shape")
+    want = "(batch, seq" + "".join(f", {s}" for s in shape) + ")"
+    raise ValueError(f"{type(module).__name__}: {what} defaults to x, but its tokens have shape {tuple(shape)} and "
+                     f"x's {tuple(module.state_shape)}: pass {what}= explicitly, {want}")
 
 
 def _check_given(module: nn.Module, what: str, value: object, x: Tensor, shape: tuple[int, ...] | None) -> None:

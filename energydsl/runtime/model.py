@@ -129,8 +129,8 @@ class LanguageModel(nn.Module):
         self.vocab_size, self.block_size, self.d = plan.vocab, plan.context, plan.d
         self.stream = plan.stream
         self.stage_shapes = [state_shape(s.derived) for s in stages]
-        for shape, stage in zip(self.stage_shapes, plan.stages):
-            check_stage_state(plan, stage, shape)
+        for info, stage in zip(stages, plan.stages):
+            check_stage_state(plan, stage, info.derived.spec)
         self.wte: nn.Module
         self.wpe: nn.Module | None = None
         if plan.embed_rank:
