@@ -58,7 +58,8 @@ def init_param(p: ParamSpec, sizes: list[int], generator: torch.Generator | None
         return eye.expand(shape).clone()
     if kind == "orthogonal":
         w = torch.empty(shape, dtype=dtype)
-        torch.nn.init.orthogonal_(w.view(-1, shape[-1]) if len(shape) > 1 else w.view(1, -1))
+        for matrix in w.view(-1, *shape[-2:]) if len(shape) > 1 else [w.view(1, -1)]:  # a stack: each orthogonal
+            torch.nn.init.orthogonal_(matrix)
         return w
     if kind == "alibi_slopes":
         return alibi_slopes(shape[0]).to(dtype)

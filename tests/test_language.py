@@ -671,3 +671,21 @@ def test_a_misused_construct_is_named_at_its_place(text: str, located: str) -> N
     with pytest.raises(SpecError) as err:
         load(text).energy()
     assert err.value.render().splitlines()[0].startswith(f"<string>:{located}"), err.value.render()
+
+
+def test_orthogonal_initialises_each_matrix_of_a_stack() -> None:
+    """`Q[heads, d, d] ~ orthogonal()` made one (heads·d, d) matrix orthogonal: no single head was."""
+    import torch
+
+    from energydsl.instance import init_param
+
+    spec = load("energy A(d = 4, heads = 3) {\n  state z[d]\n  param Q[heads, d, d] ~ orthogonal()\n"
+                "  param V[d] ~ orthogonal()\n  global F = 0.5 * (z . z) + z . sum[k](Q[k] @ V)\n"
+                "  optimizer gd(eta = 1)\n}\n")
+    module = spec.module("A")
+    eye = torch.eye(4)
+    for k in range(3):
+        assert torch.allclose(module.Q[k] @ module.Q[k].T, eye, atol=1e-5), k
+    assert torch.isclose(module.V.norm(), torch.tensor(1.0))
+    reference = init_param(spec.energy("A").spec.params["Q"], [3, 4, 4], None)  # the checks' reference instance
+    assert all(torch.allclose(q @ q.T, eye.double(), atol=1e-12) for q in reference)

@@ -102,7 +102,9 @@ class ModuleWriter:
             return f"{target}.fill_({self._raw(p, 1.0)!r})"
         if kind == "eye":
             return f"{target}.copy_(torch.eye({shape[-1]}).expand({shape}))"
-        if kind == "orthogonal":
+        if kind == "orthogonal":  # a stack of matrices ([heads, n, m]): each one orthogonal
+            if len(shape) > 2:
+                return f"for w in {target}.view(-1, {shape[-2]}, {shape[-1]}): nn.init.orthogonal_(w)"
             return f"nn.init.orthogonal_({target}.view(-1, {shape[-1]}))"
         if kind == "alibi_slopes":
             return f"{target}.copy_(alibi_slopes({shape[0]}))"
