@@ -368,6 +368,10 @@ class _Lowering(ExpressionLowering, ParamLowering):
             value = sp.sympify(default) if kw is None else sp.nsimplify(self._constant(kw.value, f"`{name}`"))
             learn = kw is not None and kw.flag == "learn"
             spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
+        damping = spec.hyper.get("damping")
+        if damping is not None and damping.value.is_number and damping.value < 0:
+            raise SpecError(f"`damping` must be at least 0, got {plain_number(float(damping.value))}",
+                            given["damping"].value.span, "the λ of H + λI, added to make the Hessian positive-definite")
         if "taylor" in spec.hyper:
             t = spec.hyper["taylor"].value
             where = given["taylor"].span if "taylor" in given else c.span

@@ -269,6 +269,9 @@ class ExpressionLowering:
                 return ir.func("sqrt", ir.dot(vals[0], vals[0]))
             if len(vals) == 2 and isinstance(vals[1], ir.Scalar):
                 p = vals[1].value
+                if p.is_number and not p > 0:
+                    raise SpecError(f"norm(x, p) needs p > 0, got {plain_number(float(p))}", args[1].span,
+                                    "p = 2 is the Euclidean norm, p = 1 the sum of absolute values")
                 return ir.power(ir.sum_all(ir.power(ir.func("abs", vals[0]), p)), 1 / p)
             raise SpecError("norm(x) or norm(x, p) with a constant p", n.span)
         if f in ("rmsnorm", "layernorm"):
@@ -293,6 +296,10 @@ class ExpressionLowering:
         if f == "huber":
             if len(vals) != 2 or not isinstance(vals[1], ir.Scalar):
                 raise SpecError("huber(r, delta) takes a value and a constant threshold", n.span)
+            threshold = vals[1].value
+            if threshold.is_number and not threshold > 0:
+                raise SpecError(f"huber(r, delta) needs a threshold delta > 0, got {plain_number(float(threshold))}",
+                                args[1].span, "the quadratic part is |r| <= delta, the linear part beyond")
             r, delta = ir.func("abs", vals[0]), vals[1]
             over = ir.func("relu", ir.add_broadcast(r, ir.neg(delta)))
             clipped = ir.add(r, ir.neg(over))

@@ -111,6 +111,11 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "  global F = sum[j](a^(i - j) * (z . h[j]))\n}", "`a` is a fixed param that is not positive", 5, 21),
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
          "  global F = sum[j](0^(i - j) * (z . h[j]))\n}", "must be positive, it is 0", 4, 21),
+        # settings outside their meaning: they derived and passed `energy check`
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+         "  global F = sum[j](huber(z . h[j], -1))\n}", "huber(r, delta) needs a threshold delta > 0, got -1", 4, 37),
+        ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer newton(taylor = 2, damping = -3)\n}",
+         "`damping` must be at least 0, got -3", 4, 42),
         # a scalar that is complex or not finite is an error where it first arises, not a crash later
         ("energy A(d = 2) {\n  state z[d]\n  let T = 2 * sqrt(-d)\n  global F = T * z . z\n}",
          "not a real number", 3, 15),
@@ -531,7 +536,8 @@ BAD_VALUES_BASE = """energy A(d = 2) {
     # 2. a constant that is not finite inside a tensor expression
     ("F = z . z +", "F = (z . z) / 0 +", (5, 15), "not a finite number"),
     ("F = z . z +", "F = z / 0 . z +", (5, 15), "not a finite number"),
-    ("F = z . z +", "F = norm(z, 0) +", (5, 15), "not a finite number"),
+    ("F = z . z +", "F = norm(z, 0) +", (5, 23), "norm(x, p) needs p > 0, got 0"),
+    ("F = z . z +", "F = norm(z, -1) +", (5, 23), "norm(x, p) needs p > 0, got -1"),
     # 3. a preconditioner's rank is a positive whole number
     ("gd(eta = 0.1)", "gd(eta = 0.1) precondition dplr(rank = -1)", (6, 52), "`rank` must be a positive whole"),
     ("gd(eta = 0.1)", "gd(eta = 0.1) precondition dplr(rank = 2.5)", (6, 52), "`rank` must be a positive whole"),
