@@ -225,6 +225,9 @@ def _describe_char(ch: str) -> str:
     return f"U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character').lower()})"
 
 
+_REDUCER_ALIASES = {"lse": "logsumexp", "avg": "mean", "average": "mean", "product": "prod", "amax": "max"}
+
+
 def _unknown_reducer(e: lark.exceptions.UnexpectedToken, text: str, file: str, expected: set[str]) -> SpecError | None:
     """`logsumexpp[j](x)`: a name with indices then `(` after a complete expression reads as a mistyped reducer."""
     tok = e.token
@@ -239,7 +242,8 @@ def _unknown_reducer(e: lark.exceptions.UnexpectedToken, text: str, file: str, e
     span = Span(file, tok.line, col, text, col + len(name))
     reducers = _vocabulary().spellings.get("REDUCER", ())
     listed = ", ".join(f"`{r}`" for r in reducers)
-    close = difflib.get_close_matches(name, reducers, n=1, cutoff=0.6)
+    close = [_REDUCER_ALIASES[name]] if name in _REDUCER_ALIASES else difflib.get_close_matches(name, reducers, n=1,
+                                                                                               cutoff=0.6)
     if close:
         hint = f"did you mean `{close[0]}`? The reducers are {listed}."
     else:
@@ -297,6 +301,10 @@ def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> Sp
         line = tok.line if tok.line is not None else text.count("\n") + 1
         col = tok.column if tok.column is not None else 1
         hint = f"expected {_describe_expected(expected)}"
+        words = {w for t in expected for w in _vocabulary().spellings.get(t, ()) if w.isalpha()}
+        close = difflib.get_close_matches(str(tok), words, n=1, cutoff=0.65) if tok.type == "NAME" else []
+        if close:  # a misspelt keyword: `globl`, `setps`, `precondtion`
+            hint = f"did you mean `{close[0]}`? ({hint})"
         before = text.split("\n")[line - 1][:col - 1]
         if re.fullmatch(r"\s*expect\s+\w+\s*", before) and before.split()[1] not in EXPECT_NAMES:
             hint = f"an `expect` clause names what it states first: `expect update = {before.split()[1]} …` " \

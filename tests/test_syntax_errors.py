@@ -110,6 +110,22 @@ def test_expected_lists_in_user_terms(text, message, hint):
     assert_user_terms(err.hint)
 
 
+@pytest.mark.parametrize("typo, word", [("globl F = z . z", "global"), ("contxt g[j, d] where j <= i", "context"),
+                                        ("optimizer gd(eta = 1) setps 2", "steps"),
+                                        ("optimizer gd(eta = 1) wtr z", "wrt"),
+                                        ("optimizer gd(eta = 1), precondtion diag", "precondition")])
+def test_a_misspelt_keyword_is_named(typo: str, word: str) -> None:
+    err = syntax_error(ENERGY.replace("optimizer gd(eta = 1)", typo))
+    assert err.message.startswith("unexpected `")
+    assert err.hint.startswith(f"did you mean `{word}`? (expected "), err.hint
+    assert_user_terms(err.hint)
+
+
+def test_a_reducer_by_another_name_is_named() -> None:
+    err = syntax_error(ENERGY.replace("optimizer gd(eta = 1)", "global G = lse[j](z . h[j])"))
+    assert err.message == "no reducer named `lse`" and err.hint.startswith("did you mean `logsumexp`?")
+
+
 def test_long_expected_list_is_cut_short():
     err = syntax_error(ENERGY.replace("optimizer gd(eta = 1)", "param W[d, d] ~ normal(0, 1) bogus"))
     assert err.message == "unexpected `bogus`"
