@@ -87,9 +87,12 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
                 key = (c.kind, "" if c.kind in ("state", "context", "input") else c.name)
                 if key in seen:
                     if not _same(seen[key], c):
+                        shared = c.kind in ("state", "context", "input")  # one each, whatever their names
                         raise SpecError(f"`{first.name} + {decl.name}`: `{c.kind} {c.name}` is declared differently "
                                         f"in the two energies (first at {seen[key].span})", c.span,
-                                        "summed energies share their state, context and names; rename one")
+                                        f"summed energies share one {c.kind}: declare it alike in both (its shape"
+                                        + (", its `where` relation)" if c.kind == "context" else ")") if shared else
+                                        "summed energies share their names: rename one")
                     continue
                 seen[key] = c
                 clauses.append(c)

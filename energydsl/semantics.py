@@ -268,6 +268,9 @@ class _Lowering(ExpressionLowering, ParamLowering):
                             "number", span, "choose dims that divide evenly")
         v = float(value)
         if not math.isfinite(v) or v < 1 or abs(v - round(v)) > 1e-9:
+            if sp.sympify(e).is_number:  # written as a number: no dims to choose
+                raise SpecError(f"{what} is {plain_number(v)}, not a positive whole number", span,
+                                "a size is a whole number of at least 1")
             raise SpecError(f"{what} = {e} = {plain_number(v)} is not a positive whole number (with {given})", span,
                             "choose dims that divide evenly")
         if round(v) > MAX_SIZE:

@@ -111,6 +111,9 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "  global F = sum[j](a^(i - j) * (z . h[j]))\n}", "`a` is a fixed param that is not positive", 5, 21),
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
          "  global F = sum[j](0^(i - j) * (z . h[j]))\n}", "must be positive, it is 0", 4, 21),
+        # a size written as a number: no dims to choose ("choose dims that divide evenly" was the hint)
+        ("energy A(d = 2) {\n  state z[d]\n  param Q[0, d]\n  global F = z . (Q^T @ sum(Q))\n}",
+         "this size is 0, not a positive whole number", 3, 11),
         # settings outside their meaning: they derived and passed `energy check`
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
          "  global F = sum[j](huber(z . h[j], -1))\n}", "huber(r, delta) needs a threshold delta > 0, got -1", 4, 37),

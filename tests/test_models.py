@@ -691,6 +691,7 @@ def test_check_resolves_every_block_and_checks_its_sums(tmp_path: Path) -> None:
     r = _run("check", str(spec))
     assert r.returncode == 2 and "`MHA + CEMMLP`: `state x` is declared differently" in r.stderr, r.stderr
     assert "mlp.energy:18:3" in r.stderr and "Traceback" not in r.stderr
+    assert "hint: summed energies share one state: declare it alike in both (its shape)" in r.stderr  # not "rename"
     results = energydsl.load(ROOT / "examples/models/nrgpt.energy").check()
     assert list(results) == ["NRGPTAttention", "NRGPTFF2W", "NRGPTBlock", "NRGPT"]  # the summed block's own checks
     assert {r.name for r in results["NRGPTBlock"]} >= {"gradient", "update", "causality"}
