@@ -229,6 +229,16 @@ def test_position_terms_in_a_pointwise_weight_become_kernel_flags(term: str, con
     _compare_backends(derived, "SigmoidPositions")
 
 
+@pytest.mark.parametrize("term,context", [("- 1", "j <= i"), ("-m[k] * abs(i - j) - 1", "j < i")])
+def test_a_number_in_a_pointwise_score_is_the_kernels_row_bias(term: str, context: str) -> None:
+    """`sigmoid(q . k_j - 1)`: the number reached the kernel's row bias as `-1.0[..., None]` (a TypeError)."""
+    derived = load(_sigmoid_with(term, context)).energy("SigmoidPositions")
+    call = next(line for line in energy_source(derived, "triton").split("def forward")[1].splitlines()
+                if ".pointwise_attention(" in line)
+    assert "row_bias=" in call
+    _compare_backends(derived, "SigmoidPositions")
+
+
 @pytest.mark.parametrize("loop", [False, True])
 @pytest.mark.parametrize("name,dims", [("SigmoidAttention", dict(d=264, heads=1)),  # row bias, 264-wide heads
                                        ("GaussianKernel", dict(d=264))])  # row and key biases, values [1, k_j]

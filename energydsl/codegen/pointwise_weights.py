@@ -102,7 +102,8 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
         return None  # a head axis on the row bias that the scores do not have
     qc, kc, keywords = kernel_score_args(em, sc, plan.kinds, heads, j, strict)
     if row is not None:
-        column = row if row.rank else Val(f"{row.code}[..., None]", row.axes, 1)
+        scalar = f"torch.as_tensor({row.code}, dtype=dt, device=dev)" if row.scalar else row.code  # `- 1`: a number
+        column = row if row.rank else Val(f"{scalar}[..., None]", row.axes, 1)
         keywords.append(f"row_bias={_as_bhtd(em, column, heads, POS)}[..., 0]")
     vc = _as_bhtd(em, v, heads, j)
     ops = em.kernel_set(KernelRequest.pointwise(
