@@ -418,6 +418,7 @@ def _position_bias_energy(bias: str, relation: str = "j <= i") -> str:
 @pytest.mark.parametrize("bias, kernel_flag", [
     ("-m[k] * abs(i - j)", "alibi_slopes="),
     ("-m[k] * sqrt((i - j)^2)", "alibi_slopes="),  # |i - j| written otherwise: proven, not sampled
+    ("m[k] * (j - i)", "alibi_slopes="),  # -|i - j| on every pair j <= i: the sign goes to the slope
     ("m[k] * relu(1 - abs(i - j))", "self_bias="),
     # equal to |i - j| or [i = j] up to distance 7 only: a kernel flag would be silently wrong beyond it
     ("-m[k] * (abs(i - j) - relu(abs(i - j) - 7))", None),

@@ -47,6 +47,8 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
         kind = _distance_kind(positional[0], j, strict)
         if kind is None:
             return None
+        if kind == "-alibi":  # m (j - i) is -m |i - j|: ALiBi's with the sign in the coefficient
+            kind, coef = "alibi", [ir.scalar(-1), *coef]
         if kind != "zero":  # a term that vanishes on every admissible pair adds nothing to the scores
             kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
     return kinds
@@ -79,10 +81,10 @@ _N, _M = sp.symbols("_n _m", integer=True, nonnegative=True)
 
 
 def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
-    """"alibi" if e = |i - j|, "self" if e = [i = j], "zero" if e = 0 (the self bias under a strict context),
-    for every admissible pair (i, j): proven by SymPy with i = j + n, n >= 0 (n >= 1 when strict). A small
-    grid of pairs rejects most other forms quickly; what passes the grid but cannot be proven (a capped
-    distance, a window) is None: the torch op stays."""
+    """"alibi" if e = |i - j| ("-alibi" if e = -|i - j|, `j - i`), "self" if e = [i = j], "zero" if e = 0 (the
+    self bias under a strict context), for every admissible pair (i, j): proven by SymPy with i = j + n, n >= 0
+    (n >= 1 when strict). A small grid of pairs rejects most other forms quickly; what passes the grid but
+    cannot be proven (a capped distance, a window) is None: the torch op stays."""
     f = _position_sympy(e, j)
     if f is None:
         return None
@@ -90,9 +92,10 @@ def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
     values = [complex(f.subs({_I: a, _J: b})) for a, b in pairs]
     if all(abs(val) < 1e-12 for val in values):
         return "zero" if _is_zero(f.subs(_I, _J + (_M + 1 if strict else _N))) else None
-    if all(abs(val - abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
-        n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
-        return "alibi" if _is_zero(f.subs(_I, _J + n) - n) else None
+    for sign, kind in ((1, "alibi"), (-1, "-alibi")):  # |i - j|, or -|i - j| written `j - i`
+        if all(abs(val - sign * abs(a - b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
+            n = _M + 1 if strict else _N  # the distance i - j of an admissible pair
+            return kind if _is_zero(f.subs(_I, _J + n) - sign * n) else None
     if not strict and all(abs(val - (a == b)) < 1e-12 for val, (a, b) in zip(values, pairs, strict=True)):
         at = f.subs(_I, _J + _N)
         return "self" if _is_zero(at.subs(_N, 0) - 1) and _is_zero(at.subs(_N, _M + 1)) else None
