@@ -359,6 +359,25 @@ def test_no_resume_when_disabled_and_other_model_refused(text_dataset, tmp_path)
     assert load_checkpoint(tmp_path)[1]["dims"] == {"d": 16, "layers": 2}
 
 
+def test_resuming_needs_the_same_data_not_only_its_name_and_vocabulary(corpus, text_dataset, tmp_path):
+    """A corpus of the same name and characters, in another order, was taken: its validation split overlapped the
+    old training data, and `best` compared losses on two validation sets."""
+    train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=10), tmp_path, metadata=META,
+          progress=False)
+    before = (tmp_path / "last.json").read_text()
+    reordered = tmp_path / "reordered.txt"
+    reordered.write_text("\n".join(reversed(Path(corpus).read_text().splitlines())))
+    other = load_dataset(f"chars:{reordered}")
+    other.name = text_dataset.name  # the same name and vocabulary: only the tokens differ
+    assert other.vocab_size == text_dataset.vocab_size and other.digest() != text_dataset.digest()
+    with pytest.raises(UserError, match="has other contents there"):
+        train(tiny_gpt(text_dataset.vocab_size), other, config(steps=20), tmp_path, metadata=META, progress=False)
+    assert (tmp_path / "last.json").read_text() == before
+    again = train(tiny_gpt(text_dataset.vocab_size), load_dataset(f"chars:{corpus}"), config(steps=20), tmp_path,
+                  metadata=META, progress=False)  # the same file read again: the same digest, it resumes
+    assert again["resumed_from"] == 10
+
+
 def test_resuming_needs_the_same_shapes_and_the_same_derived_model(corpus, text_dataset, tmp_path):
     train(tiny_gpt(text_dataset.vocab_size), text_dataset, config(steps=10), tmp_path, metadata=META,
           progress=False)

@@ -95,7 +95,18 @@ class LMDataset:
             "train_tokens": int(self.train.numel()),
             "val_tokens": int(self.val.numel()),
             "options": self.options,
+            "digest": self.digest(),
         }
+
+    def digest(self) -> str:
+        """A hash of the tokens of both splits: a resumed run must train and be evaluated on the same data, not on
+        another corpus of the same name and vocabulary (about 10 ms for tinyshakespeare)."""
+        if getattr(self, "_digest", None) is None:
+            h = hashlib.sha256()
+            for t in (self.train, self.val):
+                h.update(str(tuple(t.shape)).encode() + t.detach().contiguous().cpu().numpy().tobytes())
+            self._digest = h.hexdigest()[:16]
+        return self._digest
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, vocab={self.vocab_size}, train={self.train.numel()}, " \

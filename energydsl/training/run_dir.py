@@ -348,6 +348,9 @@ class RunDir:
             diffs.append(f"the dataset is {_show(data.get('name'))} there, {_show(self.dataset_info['name'])} now")
         elif any(data.get(k) != self.dataset_info[k] for k in ("vocab_size", "codec")):
             diffs.append(f"the dataset {_show(data.get('name'))} has another vocabulary there")
+        elif "digest" in data and data["digest"] != self.dataset_info["digest"]:  # absent from older checkpoints
+            diffs.append(f"the dataset {_show(data.get('name'))} has other contents there (its splits' tokens "
+                         "hash differently: another file under that name, or the file was edited)")
         saved_source, source = sidecar.get("spec_source"), self.metadata.get("spec_source")
         if isinstance(saved_source, str) and isinstance(source, str) and same_source(saved_source, source):
             sidecar["spec_source"] = source  # a comment or spacing edited: the same spec, the same run
