@@ -459,18 +459,41 @@ def sample(
     """Generate text from a trained checkpoint (its spec and dims travel with it)."""
     import torch
 
-    from .training.sampling import sample as generate
+    from .training.sampling import stream
     from .training.trained import load_trained
 
-    if tokens < 0 or not temperature >= 0 or math.isinf(temperature) or (top_k is not None and top_k < 1):
-        raise UserError(f"--tokens must be >= 0, --temperature finite and >= 0 (0: greedy) and --top-k >= 1; got "
-                        f"{tokens}, {temperature:g} and {top_k}")
+    if tokens < 0:
+        raise UserError(f"--tokens must be at least 0, got {tokens}", hint="how many tokens to generate")
+    if not temperature >= 0 or math.isinf(temperature):
+        raise UserError(f"--temperature must be a finite number >= 0, got {temperature:g}",
+                        hint="0 is greedy (the likeliest token), 1 samples the model's own distribution")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k must be at least 1, got {top_k}", hint="leave it out to sample from every token")
     if not 0 <= seed < 2**64:  # torch's generator takes 64 bits
         raise UserError(f"--seed must be in [0, 2**64), got {seed}")
     model, codec, meta = load_trained(checkpoint)
-    text = generate(model, codec, prompt, tokens, temperature, top_k, torch.Generator().manual_seed(seed),
-                    metadata=meta, include_prompt=True)
-    print(text)
+    codec, ids, new = stream(model, codec, prompt, tokens, temperature, top_k, torch.Generator().manual_seed(seed),
+                             metadata=meta)
+    # printed as drawn, so that a long run shows its text and Ctrl-C keeps what came; a bytes model's bytes as
+    # they are (invalid UTF-8 included), every other codec's tokens decoded one by one
+    raw = codec.kind == "bytes"
+    separator = " " if codec.kind in ("words", "ints") else ""
+    written = bool(prompt)
+    if prompt:
+        _emit(bytes(ids) if raw else codec.decode(ids))
+    for token in new:
+        _emit(bytes([token]) if raw else (separator if written else "") + codec.decode([token]))
+        written = True
+    _emit(b"\n" if raw else "\n")
+
+
+def _emit(piece: str | bytes) -> None:
+    """One piece of `energy sample`'s output, flushed: text, or a bytes model's raw bytes."""
+    if isinstance(piece, bytes):
+        sys.stdout.buffer.write(piece)
+    else:
+        sys.stdout.write(piece)
+    sys.stdout.flush()
 
 
 from .cli_search import register as register_search  # noqa: E402  (search and report; optuna loads lazily)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -349,11 +350,42 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 
-@pytest.mark.parametrize("flag", [["--tokens", "-5"], ["--temperature", "-1"], ["--temperature", "nan"],
-                                  ["--temperature", "inf"], ["--top-k", "0"]])
-def test_sample_flags_are_checked(flag, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("flag,message", [
+    (["--tokens", "-5"], "--tokens must be at least 0, got -5"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--top-k", "0"], "--top-k must be at least 1, got 0"),
+])
+def test_sample_flags_are_checked(flag, message, monkeypatch, capsys, tmp_path):
+    """One message named every sampling flag, whichever was wrong."""
     code, _, err = energy(monkeypatch, capsys, "sample", str(tmp_path), *flag)
-    assert code == 2 and "--tokens must be >= 0" in err
+    assert code == 2 and f"error: {message}\nhint: " in err, err
+
+
+def test_sample_streams_and_a_bytes_model_takes_and_prints_raw_bytes(corpus, tmp_path, monkeypatch, capsys):
+    """A prompt that is not UTF-8 (argv gives Python lone surrogates) was an internal error on a bytes model, and
+    its output's invalid UTF-8 was printed as U+FFFD; every token was printed only at the end."""
+    import itertools
+
+    from energydsl.training.sampling import stream
+    from energydsl.training.trained import load_trained
+
+    data = tmp_path / "bytes.txt"
+    data.write_bytes(Path(corpus).read_bytes() + b"\xff\xfe" * 50)
+    args = tiny_cli_run(corpus, tmp_path / "run")
+    args[args.index("--data") + 1] = f"bytes:{data}"
+    code, _, err = energy(monkeypatch, capsys, *args, "--set", "vocab=256")
+    assert code == 0, err
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "sample", str(tmp_path / "run"), "--prompt",
+                           b"ab\xff", "--tokens", "7"], capture_output=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and b"internal error" not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith(b"ab\xff") and len(proc.stdout) == 3 + 7 + 1  # the bytes as they are, and "\n"
+    prompt = b"ab\xff".decode("utf-8", errors="surrogateescape")  # as Python read it from argv
+    model, codec, meta = load_trained(tmp_path / "run")
+    _, ids, new = stream(model, codec, prompt, 10**12, 0.8, None, torch.Generator().manual_seed(0), metadata=meta)
+    assert ids == [97, 98, 255]
+    assert len(list(itertools.islice(new, 7))) == 7  # drawn one at a time: 10**12 asked, 7 taken
 
 
 @pytest.mark.parametrize("damage", ["truncated weights", "steps disagree", "sidecar missing", "last missing"])

@@ -7,7 +7,7 @@ The checkpoint files (and how a save survives a kill) are `energydsl.training.ch
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +20,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 
 __all__ = [
     "ByteCodec", "CharCodec", "Codec", "IntCodec", "TextCodec", "WordCodec", "codec_from_json",
-    "load_checkpoint", "sample", "save_checkpoint",
+    "load_checkpoint", "sample", "save_checkpoint", "stream",
 ]
 
 
@@ -74,7 +74,8 @@ class ByteCodec(Codec):
     start_id = 10
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        # surrogateescape: bytes that are not UTF-8 reach Python (a command line's argv) as lone surrogates
+        return list(text.encode("utf-8", errors="surrogateescape"))
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -176,12 +177,11 @@ def _context_length(model: nn.Module, metadata: Mapping[str, Any] | None) -> int
     return None
 
 
-@torch.no_grad()
 def sample(
     model: nn.Module,
     dataset_or_codec: TextCodec,
     prompt: str,
-    max_new_tokens: int,
+    max_new_tokens: int = 200,
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
@@ -195,6 +195,25 @@ def sample(
     with learned positions never see more than they were built for. `temperature <= 0` is greedy.
     For character codecs the result has exactly `max_new_tokens` characters.
     """
+    codec, ids, new = stream(model, dataset_or_codec, prompt, max_new_tokens, temperature, top_k, generator,
+                             metadata=metadata)
+    out = list(new)
+    return codec.decode(ids + out if include_prompt and prompt else out)
+
+
+def stream(
+    model: nn.Module,
+    dataset_or_codec: TextCodec,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+) -> tuple[Any, list[int], Iterator[int]]:
+    """`sample`'s work one token at a time: the codec, the prompt's ids, and an iterator of the new ids as they are
+    drawn (what `energy sample` prints as they come). The arguments are checked here, before any is drawn."""
     codec = getattr(dataset_or_codec, "codec", dataset_or_codec)
     if not callable(getattr(codec, "encode", None)) or not callable(getattr(codec, "decode", None)):
         raise DataError(f"dataset_or_codec must be a dataset or its codec (what encodes the prompt and decodes the "
@@ -213,12 +232,17 @@ def sample(
         raise DataError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
     if not isinstance(model, nn.Module):
         raise DataError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    vocab = getattr(codec, "vocab_size", None)
     ids = codec.encode(prompt) if prompt else [getattr(codec, "start_id", 0)]
+    return codec, ids, _draw(model, getattr(codec, "vocab_size", None), ids, max_new_tokens, temperature, top_k,
+                             generator, _context_length(model, metadata))
+
+
+@torch.no_grad()
+def _draw(model: nn.Module, vocab: int | None, ids: list[int], max_new_tokens: int, temperature: float,
+          top_k: int | None, generator: torch.Generator | None, context: int | None) -> Iterator[int]:
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    context = _context_length(model, metadata)
     was_training = model.training
     model.eval()
     try:
@@ -240,8 +264,9 @@ def sample(
                 if generator is not None and generator.device != probs.device:
                     probs = probs.to(generator.device)
                 nxt = torch.multinomial(probs, 1, generator=generator).to(device)
+            if context is not None and idx.size(1) >= context:  # only the last `context` ids are read again
+                idx = idx[:, -(context - 1):] if context > 1 else idx[:, :0]
             idx = torch.cat([idx, nxt], dim=1)
+            yield int(nxt)
     finally:
         model.train(was_training)
-    out = idx[0].tolist()
-    return codec.decode(out if include_prompt and prompt else out[len(ids):])
