@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from .config import TrainConfig
 from .data import IGNORE_INDEX, LMDataset, TaskDataset, TextDataset, download_shakespeare, load_dataset
-from .sampling import Codec, codec_from_json, load_checkpoint, sample
+from .sampling import Codec, codec_from_json, load_checkpoint, sample, stream
 from .trainer import train
 
 __all__ = [
     "IGNORE_INDEX", "Codec", "LMDataset", "TaskDataset", "TextDataset", "TrainConfig", "codec_from_json",
-    "download_shakespeare", "load_checkpoint", "load_dataset", "sample", "train",
+    "download_shakespeare", "load_checkpoint", "load_dataset", "sample", "stream", "train",
 ]
