@@ -470,6 +470,25 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes_where_it_stopped(text_datase
     assert best[0]["best_step"] == best[1]["best_step"] and best[0]["step"] == best[1]["step"]
 
 
+def test_an_interrupted_run_draws_its_plot_to_the_step_it_stopped_at(text_dataset, tmp_path, monkeypatch):
+    """The plot is redrawn at most every 30 s: a Ctrl-C left it showing step 0 while the metrics went on."""
+    from energydsl.training import run_dir
+
+    plotted: list[int] = []
+    draw = run_dir._plot
+
+    def recording(metrics_path, png_path) -> None:
+        rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+        plotted.append(max(r["step"] for r in rows))
+        draw(metrics_path, png_path)
+
+    monkeypatch.setattr(run_dir, "_plot", recording)
+    with pytest.raises(TrainingInterrupted):
+        train(CtrlCAt(tiny_gpt(text_dataset.vocab_size), k=13), text_dataset, config(steps=20), tmp_path,
+              metadata=META, progress=False)
+    assert plotted[-1] == 13 and (tmp_path / "loss.png").exists()
+
+
 def test_sigterm_is_left_to_a_handler_already_installed(text_dataset, tmp_path):
     """A search worker handles SIGTERM itself (its trial is requeued): training does not take it over."""
     seen: list[int] = []

@@ -488,7 +488,7 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
             resume_state = {"step": step, "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                             "rng": _rng_states(generator, device)}
             run.save(("last", "best") if improved else ("last",), model, state, resume_state)
-            run.plot()
+            run.plot(force=interrupt.requested)  # the run stops here: the plot shows it to its last step
             bar.set_postfix(loss=f"{shown['loss']:.4f}", val=f"{losses['val']:.4f}", refresh=False)
             if progress and not show:  # no terminal (a log file, a batch job): one line per evaluation instead
                 print(f"step {step}/{config.steps}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
