@@ -67,7 +67,20 @@ def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(c
     assert code == 0 and "resuming" in err and "different model" not in err, err
     spec.write_text(spec.read_text().replace("normal(0, 0.02)", "normal(0, 0.05)", 1))
     code, _, err = energy(monkeypatch, capsys, *args, "--steps", "8")
-    assert code == 2 and "spec_source differs" in err, err
+    assert code == 2 and "spec_source differs from line " in err, err  # the edit, where it is
+    assert "~ normal(0, 0.02)     # W_Q\" there" in err and "~ normal(0, 0.05)     # W_Q\" now" in err, err
+
+
+def test_a_moved_spec_resumes_its_run_and_says_so(corpus, tmp_path, monkeypatch, capsys):
+    """The same spec at another path (a copied or re-cloned checkout) was "a different model" (spec_path)."""
+    spec, args = trained_copy_of_gpt(corpus, tmp_path, monkeypatch, capsys)
+    moved = tmp_path / "elsewhere" / "gpt.energy"
+    moved.parent.mkdir()
+    moved.write_text(spec.read_text())
+    args[1] = str(moved)
+    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6")
+    assert code == 0 and "resuming" in err and f'spec_path "{spec}" → "{moved}"' in err, err
+    assert json.loads((tmp_path / "run" / "last.json").read_text())["spec_path"] == str(moved)
 
 
 def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, monkeypatch, capsys):

@@ -69,11 +69,21 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -
         elif a is missing or b is missing:
             diffs.append(f"{name} is {'not set' if a is missing else _show(a)} there, "
                          f"{'not set' if b is missing else _show(b)} now")
-        elif isinstance(a, str) and isinstance(b, str) and (len(a) > 40 or len(b) > 40 or "\n" in a + b):
+        elif isinstance(a, str) and isinstance(b, str) and "\n" in a + b:  # a spec's text: its first edited line
+            diffs.append(f"{name} differs {_first_edit(a, b)}")
+        elif isinstance(a, str) and isinstance(b, str) and (len(a) > 40 or len(b) > 40):
             diffs.append(f"{name} differs")
         else:
             diffs.append(f"{name} is {_show(a)} there, {_show(b)} now")
     return diffs
+
+
+def _first_edit(a: str, b: str) -> str:
+    """Where two texts first differ: `from line 12: "d = 8" there, "d = 16" now`."""
+    old, new = a.splitlines(), b.splitlines()
+    n = next((i for i, (x, y) in enumerate(zip(old, new)) if x != y), min(len(old), len(new)))
+    shown = [_show(lines[n].strip(), 60) if n < len(lines) else "(the end)" for lines in (old, new)]
+    return f"from line {n + 1}: {shown[0]} there, {shown[1]} now"
 
 
 def _shape_differences(saved: dict[str, Tensor], now: dict[str, Tensor]) -> list[str]:
@@ -101,15 +111,17 @@ KEPT_ON_RESUME = {
 
 
 # Metadata a resumed run may change, announced with its changed settings rather than refused: the code backend
-# computes the same update with the same parameters (state dicts move between backends).
-SWITCHABLE_ON_RESUME = ("backend",)
+# computes the same update with the same parameters (state dicts move between backends); the spec's path, when
+# the spec moved or was copied, since its text (spec_source) and its derived equations (equation_hash, imports
+# included) are still compared.
+SWITCHABLE_ON_RESUME = ("backend", "spec_path")
 
 
 def _value(value: Any) -> str:
     """A setting as its flag is written: 0.001, or 0.9,0.95 for a pair (--betas)."""
     if isinstance(value, list | tuple) and value and all(isinstance(v, float) for v in value):
         return ",".join(f"{v:g}" for v in value)
-    return f"{value:g}" if isinstance(value, float) else _show(value)
+    return f"{value:g}" if isinstance(value, float) else _show(value, 400)  # a moved spec's path, whole
 
 
 def changed_settings(saved: dict[str, Any], now: dict[str, Any], where: Path, step: Any,
