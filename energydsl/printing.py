@@ -18,11 +18,36 @@ UPDATED = "⁺"  # the mark of a value after this step's assignment: `m_z⁺`
 GREEK = {"eta": "η", "beta": "β", "tau": "τ", "lambda": "λ", "gamma": "γ", "alpha": "α", "sigma": "σ"}
 
 
+
+
+def shown_function(name: str) -> str:
+    """How the text printer writes a registry function: a derivative as f' (`sqrt'`, `silu''`, not the registry's
+    `dsqrt`, `dsilu'`), an antiderivative as ∫f (`int_silu` -> `∫silu`); others by name."""
+    if name.startswith("int_"):
+        return "∫" + name.removeprefix("int_")
+    of = {f.derivative: f.name for f in list(REGISTRY.values()) if f.derivative and f.derivative != f.name}
+    primes = ""
+    while (base := of.get(name)) is not None and not base.startswith("int_") and base != "identity":
+        name, primes = base, primes + "'"  # f'' is the derivative of f': back to the function the spec wrote
+    return name + primes
+
+
+def readable(v: sp.Expr) -> sp.Expr:
+    """A spec's decimal as written: 0.8224670334241132 is kept exact as 822467033424113/10^15, which prints as
+    that fraction; a fraction whose denominator is over a million prints as a decimal (1/3 and 1/1000000 stay)."""
+    def decimal(r: sp.Rational) -> sp.Float:
+        shortest = repr(float(r))  # Python's shortest round-trip digits, as many as SymPy then prints
+        digits = len(re.sub(r"\D", "", shortest.split("e")[0]).lstrip("0")) or 1
+        return sp.Float(r, digits)
+
+    big = {r: decimal(r) for r in sp.sympify(v).atoms(sp.Rational) if r.q > 10**6}
+    return sp.sympify(v).xreplace(big) if big else v
+
 class Style:
     name = "text"
 
     def scalar(self, v: sp.Expr) -> str:
-        text = sp.sstr(v).replace("**", "^")  # powers as the language writes them
+        text = sp.sstr(readable(v)).replace("**", "^")  # powers as the language writes them
         return re.sub(r"\b(" + "|".join(GREEK) + r")\b", lambda m: GREEK[m[0]], text)  # not "beta" -> "bη"
 
     def name_(self, n: str, sub: list[str]) -> str:
@@ -75,7 +100,7 @@ class Style:
         return f"{a}ᵀ"
 
     def func(self, name: str, a: str) -> str:
-        return f"{name}({a})"
+        return f"{shown_function(name)}({a})"
 
     def power(self, a: str, e: str) -> str:
         # a symbolic exponent in parentheses: `x^p - 1` would read as (x^p) - 1, and `x^T` as a transpose
@@ -119,7 +144,7 @@ class LatexStyle(Style):
     name = "latex"
 
     def scalar(self, v: sp.Expr) -> str:
-        return sp.latex(v)
+        return sp.latex(readable(v))
 
     def plain_name(self, n: str, sub: list[str]) -> str:
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
@@ -220,7 +245,7 @@ class MathMLStyle(Style):
     def scalar(self, v):
         # SymPy writes HTML entities (&InvisibleTimes;, &ExponentialE; of exp(x), &ImaginaryI;) that XML does not
         # define: their code points parse
-        return _XML_UNDEFINED_ENTITY.sub(_code_points, sp.mathml(v, printer="presentation"))
+        return _XML_UNDEFINED_ENTITY.sub(_code_points, sp.mathml(readable(v), printer="presentation"))
 
     def plain_name(self, n, sub):
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E

@@ -230,6 +230,22 @@ def test_greek_hyper_parameters_print_as_whole_words() -> None:
         "sqrt(d)/heads^(3/2)"  # powers as the language writes them, not Python's **
 
 
+def test_functions_print_as_written_and_decimals_as_decimals() -> None:
+    """`dsqrt(z)`, `dsilu'(x)` and `int_silu(x)` were the registry's names; a spec's 0.8224670334241132 printed as
+    822467033424113/1000000000000000."""
+    spec = ("energy P(d = 2) {\n  state z[d]\n  param W[d, d]\n"
+            "  global F = sum(sqrt(z)) - sum(silu(W @ z)) + sum(integral(silu)(z)) - 0.8224670334241132 * sum(z)\n"
+            "  optimizer newton(taylor = 1)\n}")
+    text = load(spec).energy().equations("text")
+    assert "sqrt'(z)" in text and "silu'(W z)" in text and "silu''(W z)" in text and "∫silu(z)" in text, text
+    assert "0.822467033424113" in text and "/1000000000000000" not in text and "dsqrt" not in text, text
+    import sympy as sp
+
+    from energydsl.printing import Style
+
+    assert Style().scalar(sp.Rational(1, 3)) == "1/3" and Style().scalar(sp.Rational(1, 10**6)) == "1/1000000"
+
+
 def test_symbolic_exponents_print_in_parentheses() -> None:
     """`(Wᵀ z)^p - 1` would read as ((Wᵀ z)^p) - 1, and `z^T` as a transpose: the text printer brackets
     every exponent that is not a number."""
