@@ -81,11 +81,16 @@ class Derived:
         gradient = f"∇_{point} {spec.energy_name}"
         out.append(("gradient", gradient, prog.gradient))
         named.append((prog.gradient, gradient))
+        # the labels P and D, unless the spec has a name of its own such (a param `D`): then Π and Δ
+        taken = {x.name for x in ir.nodes(spec.energy) if isinstance(x, Var)} | {str(n) for n in spec.dims()} \
+            | set(prog.params) | {v.name for v in (spec.state, spec.context, spec.input) if v is not None}
+        label = {k: next(c for c in candidates if c not in taken) for k, candidates in
+                 (("P", ("P", "Π", "P_precondition")), ("D", ("D", "Δ", "D_direction")))}
         if prog.preconditioner is not None:
-            out.append(("preconditioner", "P", prog.preconditioner))
+            out.append(("preconditioner", label["P"], prog.preconditioner))
         direction = folded(unhoist(prog.tied_direction if spec.untie_rules else prog.direction))
-        out.append(("direction", "D", direction))
-        named.append((direction, "D"))
+        out.append(("direction", label["D"], direction))
+        named.append((direction, label["D"]))
         out += [("update", *row) for row in _updates(prog.tied_assigns, folded)]
         if spec.untie_rules:
             out += [("untied update", *row) for row in _updates(prog.assigns, folded)]

@@ -246,6 +246,19 @@ def test_functions_print_as_written_and_decimals_as_decimals() -> None:
     assert Style().scalar(sp.Rational(1, 3)) == "1/3" and Style().scalar(sp.Rational(1, 10**6)) == "1/1000000"
 
 
+def test_the_direction_and_preconditioner_labels_avoid_the_specs_names() -> None:
+    """A param named `D` printed `direction D = ...` and then `m_z⁺ = β m_z + D`: which D?"""
+    spec = ("energy PD(d = 4) {\n  state z[d]\n  param D[d, d]\n  param P[d, d]\n"
+            "  global F = 0.5 * (z . z) - sum(softplus(D @ z)) + sum(P @ z)\n"
+            "  optimizer momentum(beta = 0.5, eta = 0.5), precondition diag\n}")
+    rows = {label: lhs for label, lhs, _ in load(spec).energy().equation_list()}
+    assert rows["direction"] == "Δ" and rows["preconditioner"] == "Π"
+    assert "m_z⁺ = β m_z + Δ" in load(spec).energy().equations("text")
+    plain = {label: lhs for label, lhs, _ in load(spec.replace("D", "A").replace("P", "B").replace("PA", "PD"))
+             .energy().equation_list()}
+    assert plain["direction"] == "D" and plain["preconditioner"] == "P"
+
+
 def test_symbolic_exponents_print_in_parentheses() -> None:
     """`(Wᵀ z)^p - 1` would read as ((Wᵀ z)^p) - 1, and `z^T` as a transpose: the text printer brackets
     every exponent that is not a number."""
