@@ -120,7 +120,8 @@ def test_two_energies_that_would_be_one_class_are_refused(monkeypatch, capsys, t
     spec = tmp_path / "two.energy"
     spec.write_text(one.format("mlp") + one.format("Mlp"))
     code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "-o", str(tmp_path / "out.py"))
-    assert code == 2 and "energies `mlp` and `Mlp` would both be the class `Mlp`" in err, err
+    assert code == 2 and f"{spec}:6:8: error: energies `mlp` (at {spec}:1:8) and `Mlp` would both be the class " \
+        "`Mlp`" in err, err
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")

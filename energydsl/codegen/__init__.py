@@ -78,19 +78,20 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
     triton backend, the names of those no kernel family fuses (their forward is the torch path) are
     appended to `unfused`. `lowering=False` (torch backend only) writes the generic form: every context sum
     as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
-    from ..errors import UserError
+    from ..errors import SpecError, UserError
     from .torch_module import ModuleWriter, class_name, file_source
 
     check_backend(backend)
     if not lowering and backend != "torch":
         raise UserError("the generic form (lowering=False) is the torch backend's", hint="backend=\"torch\"")
     many = derived if isinstance(derived, list) else [derived]
-    classes: dict[str, str] = {}
+    classes: dict[str, Derived] = {}
     for d in many:
-        other = classes.setdefault(class_name(d.name), d.name)
-        if other != d.name:
-            raise UserError(f"energies `{other}` and `{d.name}` would both be the class `{class_name(d.name)}` of "
-                            "one generated file", hint="rename one of them, or compile them apart (`--name`)")
+        other = classes.setdefault(class_name(d.name), d)
+        if other.name != d.name:
+            raise SpecError(f"energies `{other.name}` (at {other.spec.span}) and `{d.name}` would both be the class "
+                            f"`{class_name(d.name)}` of one generated file", d.spec.span,
+                            "rename one of them, or compile them apart (`--name`)")
     writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations()) for d in many]
     text = file_source(writers)
     if backend == "triton" and unfused is not None:
