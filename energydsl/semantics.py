@@ -211,7 +211,16 @@ class _Lowering(ExpressionLowering, ParamLowering):
         for c in by_kind.get("expect", []):
             if c.name not in ast.EXPECT_NAMES:
                 raise SpecError(f"`expect {c.name}`: expected `update`, `gradient` or `direction`", c.span)
-            claim = self.expr(c.value)
+            try:
+                claim = self.expr(c.value)
+            except SpecError as e:  # `eta` of `gd(eta = 0.5 learn)`: a symbol of the optimizer, not of the spec
+                hyper = next((k for k in opt.hyper if e.message == f"undefined name `{k}`"), None)
+                if hyper is None:
+                    raise
+                learned = "learned " if opt.hyper[hyper].learn else ""
+                raise SpecError(f"an `expect` cannot name the optimizer's {learned}`{hyper}`: the claim is proven at "
+                                f"its {'initial ' if learned else ''}value", e.span,
+                                f"write its value, {plain_number(float(opt.hyper[hyper].value))}") from None
             if claim.free:  # a per-token vector: a context or head index must be reduced, as in the energy
                 idx = ", ".join(sorted(claim.free))
                 raise SpecError(f"index {idx} is used outside a reduction in `expect {c.name}`", c.value.span,

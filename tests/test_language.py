@@ -114,6 +114,9 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
         # a size written as a number: no dims to choose ("choose dims that divide evenly" was the hint)
         ("energy A(d = 2) {\n  state z[d]\n  param Q[0, d]\n  global F = z . (Q^T @ sum(Q))\n}",
          "this size is 0, not a positive whole number", 3, 11),
+        # an expect naming the optimizer's symbol: "undefined name `eta`" said nothing of why
+        ("energy A(d = 2) {\n  state z[d]\n  global F = 0.5 * (z . z)\n  optimizer gd(eta = 0.5 learn)\n"
+         "  expect update = z - eta * z\n}", "an `expect` cannot name the optimizer's learned `eta`", 5, 23),
         # settings outside their meaning: they derived and passed `energy check`
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
          "  global F = sum[j](huber(z . h[j], -1))\n}", "huber(r, delta) needs a threshold delta > 0, got -1", 4, 37),
