@@ -435,6 +435,15 @@ def test_a_position_bias_becomes_a_kernel_flag_only_when_proven(bias: str, kerne
     _compare_backends(derived, "Biased")  # T = 13: past the distance 7 where the look-alikes part
 
 
+def test_a_score_term_no_kernel_takes_is_named_in_the_note() -> None:
+    """`energy compile` said "no kernel family matches" of a softmax attention whose one bias term was refused."""
+    derived = load(_position_bias_energy("-m[k] * (abs(i - j) - relu(abs(i - j) - 7))")).energy()
+    unfused: list[str] = []
+    energy_source(derived, "triton", unfused)
+    assert unfused == ["Biased: the score term `-m_k (abs(i − j) − relu(abs(i − j) − 7))` is not one the kernels "
+                       "take: c |i - j|, c [i = j], a term without i, or c log(decay(r))"], unfused
+
+
 @pytest.mark.parametrize("bias, flags", [
     ("m[k] * relu(1 - abs(i - j))", []),  # the self bias: zero on every pair j < i, dropped
     ("-m[k] * (i - j) + 0.3 * relu(1 - abs(i - j))", ["alibi_slopes="]),  # (i - j) = |i - j| there

@@ -76,7 +76,8 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
                   lowering: bool = True) -> str:
     """The generated source for one derived energy, or one file with the modules of several. With the
     triton backend, the names of those no kernel family fuses (their forward is the torch path) are
-    appended to `unfused`. `lowering=False` (torch backend only) writes the generic form: every context sum
+    appended to `unfused`, each with the reason where a form nearly took a kernel. `lowering=False` (torch
+    backend only) writes the generic form: every context sum
     as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
     from ..errors import SpecError, UserError
     from .torch_module import ModuleWriter, class_name, file_source
@@ -94,8 +95,9 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
                             "rename one of them, or compile them apart (`--name`)")
     writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations()) for d in many]
     text = file_source(writers)
-    if backend == "triton" and unfused is not None:
-        unfused += [d.name for d, w in zip(many, writers) if not w.kernel_requests]
+    if backend == "triton" and unfused is not None:  # each name, with why a form nearly taken was not
+        unfused += [d.name + (f": {'; '.join(w.misses)}" if w.misses else "")
+                    for d, w in zip(many, writers) if not w.kernel_requests]
     return text
 
 

@@ -36,22 +36,30 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
             continue
         if POS not in token_axes(body, em.indices):
             if token_axes(body, em.indices) - {BATCH, j} - set(em.sizes):
-                return None
+                return _missed(em, t)
             kinds["key"].append(t)
             continue
         factors = _factors(body)
         positional = [f for f in factors if token_axes(f, em.indices) & {POS, j}]
         coef = [f for f in factors if f not in positional]
         if len(positional) != 1 or any(token_axes(f, em.indices) - set(em.sizes) for f in coef):
-            return None
+            return _missed(em, t)
         kind = _distance_kind(positional[0], j, strict)
         if kind is None:
-            return None
+            return _missed(em, t)
         if kind == "-alibi":  # m (j - i) is -m |i - j|: ALiBi's with the sign in the coefficient
             kind, coef = "alibi", [ir.scalar(-1), *coef]
         if kind != "zero":  # a term that vanishes on every admissible pair adds nothing to the scores
             kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
     return kinds
+
+
+def _missed(em: Emitter, term: Expr) -> None:
+    """Record why the scores took no kernel: this term is none of the kinds the kernels take."""
+    from ..printing import show
+
+    em.misses.append(f"the score term `{show(ir.bare(term))}` is not one the kernels take: c |i - j|, c [i = j], "
+                     "a term without i, or c log(decay(r))")
 
 
 def _log_gate(em: Emitter, e: Expr, j: str) -> tuple[Expr, ir.Decay] | None:

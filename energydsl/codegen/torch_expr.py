@@ -129,6 +129,7 @@ class Emitter:
         self.log_rate_prefixes: dict[ir.Decay, Val] = {}  # G of each decay(r), in the prologue (`gates.py`)
         self.used_ops: set[str] = set()
         self.kernel_requests: list[KernelRequest] = []  # triton: kernels to write into the generated file
+        self.misses: list[str] = []  # triton: why a form that nearly took a kernel did not (`energy compile` says)
         # triton, nag: (state, velocity), whose look-ahead state + c * velocity is the fused Nesterov op
         self.lookahead: tuple[ir.Var, ir.Var] | None = None
         self.letters = self._letters()

@@ -262,6 +262,7 @@ class ModuleWriter:
         lines = preamble + lines
         self.flops_per_token = em.flops["prologue"] + prog.steps * em.flops["body"]
         self.kernel_requests = em.kernel_requests
+        self.misses = list(dict.fromkeys(em.misses))
         return lines, em.used_ops
 
     # ------------------------------------------------------------------ the file
