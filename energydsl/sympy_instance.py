@@ -290,5 +290,5 @@ def gradient_at(prog: UpdateProgram, seed: int = 0, seq: int = 3) -> tuple[list[
             raise NotReal(f"sympy.diff's ∂F/∂{s} is {sp.N(v, 4)} at the sampled state, not a real number: a log, a "
                           "root or a non-integer power of a negative value (the energy is real only where that "
                           "value is positive)")
-    grads = [float(v) for v in partials]
+    grads = [float("inf") if v.has(sp.zoo) else float(v) for v in partials]  # 1/0 is zoo, which float() refuses
     return grads, {"point": point, "values": values, "scalars": scal, "position": position}

@@ -764,6 +764,15 @@ def test_a_power_complex_at_the_sampled_state_says_so(energy):
     assert "non-integer power of a negative value" in results["sympy"].detail
 
 
+def test_an_energy_infinite_at_the_own_token_fails_the_sympy_row_as_not_finite():
+    """1/(i - j) at j = i is SymPy's complex infinity: the row said "could not run: TypeError: Cannot convert complex
+    to float" instead of what is wrong."""
+    layer = load("energy P(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+                 "  global F = 0.5 * (z . z) - sum[j]((i - j)^(-1) * (z . h[j]))\n}\n").energy()
+    results = {r.name: r for r in layer.check()}
+    assert results["sympy"].status == "fail" and results["sympy"].detail.startswith("not finite"), results["sympy"]
+
+
 def test_the_sympy_row_is_skipped_past_its_size_saying_why():
     """MHA at d = 256 took 49 s in check(), all but 0.5 s in the sympy row (0.2 ms a number of its instance):
     `all(r.ok for r in layer.check())` in a notebook looked hung. Past SYMPY_MAX_NUMBERS the row is skipped."""
