@@ -209,10 +209,8 @@ def compile_(
         raise no_energy(file, spec)
     unfused: list[str] = []
     text = energy_source(derived, backend, unfused)
-    for energy in unfused:  # `Name` or `Name: why`
-        name, _, why = energy.partition(": ")
-        err.print(f"note: no kernel family matches {name}'s update" + (f": {why}" if why else "")
-                  + "; its forward is the torch backend's", markup=False)
+    for note in unfused:
+        err.print(f"note: {note}", markup=False)
     if output is None:
         print(text)
         return

@@ -440,8 +440,21 @@ def test_a_score_term_no_kernel_takes_is_named_in_the_note() -> None:
     derived = load(_position_bias_energy("-m[k] * (abs(i - j) - relu(abs(i - j) - 7))")).energy()
     unfused: list[str] = []
     energy_source(derived, "triton", unfused)
-    assert unfused == ["Biased: the score term `-m_k (abs(i − j) − relu(abs(i − j) − 7))` is not one the kernels "
-                       "take: c |i - j|, c [i = j], a term without i, or c log(decay(r))"], unfused
+    assert unfused == ["no kernel family matches Biased's update: the score term `-m_k (abs(i − j) − relu(abs(i − j) "
+                       "− 7))` is not one the kernels take: c |i - j|, c [i = j], a term without i, or "
+                       "c log(decay(r)); its forward is the torch backend's"], unfused
+
+
+def test_a_module_partly_on_t_by_t_torch_ops_says_so() -> None:
+    """A decayed sum of a value without the state (Σ_j a^(i-j) W h_j, here from a product of two state terms) is a
+    masked reduction over (B, T, T, d): the kernels ran the rest, and nothing said the memory was quadratic."""
+    derived = load("energy L(d = 8) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
+                   "  param c[d]\n  param a in (0, 1) = 0.8\n"
+                   "  global F = -sum[j](a^(i - j) * (z . (W @ h[j])) * (c . z))\n}\n").energy()
+    unfused: list[str] = []
+    assert "@triton.jit" in energy_source(derived, "triton", unfused)
+    assert unfused == ["L runs on the kernels, but not all of it: a context sum no kernel takes is computed with "
+                       "T x T tensors (masked_reduce)"], unfused
 
 
 @pytest.mark.parametrize("bias, flags", [

@@ -75,8 +75,9 @@ def check_backend(backend: object) -> None:
 def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfused: list[str] | None = None,
                   lowering: bool = True) -> str:
     """The generated source for one derived energy, or one file with the modules of several. With the
-    triton backend, the names of those no kernel family fuses (their forward is the torch path) are
-    appended to `unfused`, each with the reason where a form nearly took a kernel. `lowering=False` (torch
+    triton backend, a note for each module no kernel family fuses (its forward is the torch path) is appended to
+    `unfused`, with the reason where a form nearly took a kernel, and one for each that runs partly on torch ops
+    that build T x T tensors. `lowering=False` (torch
     backend only) writes the generic form: every context sum
     as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
     from ..errors import SpecError, UserError
@@ -95,9 +96,13 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
                             "rename one of them, or compile them apart (`--name`)")
     writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations()) for d in many]
     text = file_source(writers)
-    if backend == "triton" and unfused is not None:  # each name, with why a form nearly taken was not
-        unfused += [d.name + (f": {'; '.join(w.misses)}" if w.misses else "")
-                    for d, w in zip(many, writers) if not w.kernel_requests]
+    if backend == "triton" and unfused is not None:
+        for d, w in zip(many, writers):
+            why = f": {'; '.join(w.misses)}" if w.misses else ""
+            if not w.kernel_requests:
+                unfused.append(f"no kernel family matches {d.name}'s update{why}; its forward is the torch backend's")
+            elif w.misses:
+                unfused.append(f"{d.name} runs on the kernels, but not all of it{why}")
     return text
 
 

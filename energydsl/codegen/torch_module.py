@@ -262,6 +262,9 @@ class ModuleWriter:
         lines = preamble + lines
         self.flops_per_token = em.flops["prologue"] + prog.steps * em.flops["body"]
         self.kernel_requests = em.kernel_requests
+        quadratic = sorted(em.used_ops & {"masked_softmax", "masked_reduce", "prod_of_others"})
+        if self.backend == "triton" and quadratic:  # honest about memory: these hold (B, T, T, ...) tensors
+            em.misses.append(f"a context sum no kernel takes is computed with T x T tensors ({', '.join(quadratic)})")
         self.misses = list(dict.fromkeys(em.misses))
         return lines, em.used_ops
 
