@@ -77,8 +77,7 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
     """The generated source for one derived energy, or one file with the modules of several. With the
     triton backend, a note for each module no kernel family fuses (its forward is the torch path) is appended to
     `unfused`, with the reason where a form nearly took a kernel, and one for each that runs partly on torch ops
-    that build T x T tensors. `lowering=False` (torch
-    backend only) writes the generic form: every context sum
+    that build T x T tensors. `lowering=False` (torch backend only) writes the generic form: every context sum
     as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
     from ..errors import SpecError, UserError
     from .torch_module import ModuleWriter, class_name, file_source
