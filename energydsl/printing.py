@@ -27,7 +27,8 @@ def shown_function(name: str) -> str:
         return "∫" + name.removeprefix("int_")
     of = {f.derivative: f.name for f in list(REGISTRY.values()) if f.derivative and f.derivative != f.name}
     primes = ""
-    while (base := of.get(name)) is not None and not base.startswith("int_") and base != "identity":
+    # only the registry's own spellings of a derivative, `d` + f or f + `'` (cos, sin's derivative, stays cos)
+    while (base := of.get(name)) is not None and name in (f"d{base}", f"{base}'"):
         name, primes = base, primes + "'"  # f'' is the derivative of f': back to the function the spec wrote
     return name + primes
 
