@@ -6,6 +6,7 @@ Anything unexpected prints one line naming the spec and exits 70: never a traceb
 
 from __future__ import annotations
 
+import codecs
 import errno
 import glob
 import json
@@ -474,26 +475,21 @@ def sample(
     model, codec, meta = load_trained(checkpoint)
     codec, ids, new = stream(model, codec, prompt, tokens, temperature, top_k, torch.Generator().manual_seed(seed),
                              metadata=meta)
-    # printed as drawn, so that a long run shows its text and Ctrl-C keeps what came; a bytes model's bytes as
-    # they are (invalid UTF-8 included), every other codec's tokens decoded one by one
-    raw = codec.kind == "bytes"
+    # printed as drawn, so that a long run shows its text and Ctrl-C keeps what came: a bytes model's bytes through
+    # an incremental UTF-8 decoder (a character split over tokens prints whole; a byte that is not UTF-8 as U+FFFD,
+    # so the output stays text), every other codec's tokens decoded one by one
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if codec.kind == "bytes" else None
     separator = " " if codec.kind in ("words", "ints") else ""
-    written = bool(prompt)
-    if prompt:
-        _emit(bytes(ids) if raw else codec.decode(ids))
-    for token in new:
-        _emit(bytes([token]) if raw else (separator if written else "") + codec.decode([token]))
-        written = True
-    _emit(b"\n" if raw else "\n")
 
-
-def _emit(piece: str | bytes) -> None:
-    """One piece of `energy sample`'s output, flushed: text, or a bytes model's raw bytes."""
-    if isinstance(piece, bytes):
-        sys.stdout.buffer.write(piece)
-    else:
+    def emit(piece: str) -> None:
         sys.stdout.write(piece)
-    sys.stdout.flush()
+        sys.stdout.flush()
+
+    if prompt:
+        emit(utf8.decode(bytes(ids)) if utf8 else codec.decode(ids))
+    for n, token in enumerate(new):
+        emit(utf8.decode(bytes([token])) if utf8 else (separator if prompt or n else "") + codec.decode([token]))
+    emit((utf8.decode(b"", final=True) if utf8 else "") + "\n")
 
 
 from .cli_search import register as register_search  # noqa: E402  (search and report; optuna loads lazily)

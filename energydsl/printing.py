@@ -347,7 +347,16 @@ class MathMLStyle(Style):
         return f"<mrow>{lhs}<mo>←</mo>{rhs}</mrow>"
 
 
-STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "markdown": LatexStyle()}
+class RegistryStyle(Style):
+    """Text with the functions' registry names (`dgelu`, not `gelu'`): a label the generated code names a fused
+    activation by, as a single function's own name is."""
+
+    def func(self, name: str, a: str) -> str:
+        return f"{name}({a})"
+
+
+STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "markdown": LatexStyle(),
+          "registry": RegistryStyle()}
 
 
 NAME = "name"  # the role of a variable that stands for an earlier equation's right-hand side

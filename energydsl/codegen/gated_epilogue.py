@@ -50,7 +50,8 @@ def fused_gate(em: Emitter, e: ir.Mul) -> Val | None:
         p, value = em.emit(pre), None if rest_expr is None else em.emit(rest_expr)
         if p.scalar or (value is not None and (value.axes, value.rank) != (p.axes, p.rank)):
             continue
-        label = g.name if isinstance(g, ir.Func) else show(ir.substitute(g, {VAR: ir.Var("x", "param", ())}))
+        label = g.name if isinstance(g, ir.Func) else show(ir.substitute(g, {VAR: ir.Var("x", "param", ())}),
+                                                           "registry")
         ops = em.kernel_set(KernelRequest.gated(label, printed.pair, printed.torch, value=value is not None))
         gate = "None" if value is None else value.code
         return em.tmp(f"{ops}.gated_activation({p.code}, {gate}, {label!r})", p.axes, p.rank,
