@@ -22,7 +22,8 @@ Optuna parameter it is sampled as. A candidate is the file's text with every hol
 by the sampled value's text, the search-level overrides written into the model and energy declarations,
 imports inlined and `search` declarations dropped: a plain `.energy` file (`Candidate.source()`), which
 is what gets loaded, built, checked and trained. The holes and the filled text are `holes.py`'s, the
-search-level overrides `overrides.py`'s; `docs/search.md` is the user's guide.
+search-level overrides `overrides.py`'s, the refusals of holes that could not do what they say
+`space_checks.py`'s; `docs/search.md` is the user's guide.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from energydsl.search.settings import (
     fingerprint,
     possible_values,
 )
+from energydsl.search.space_checks import refuse_dead_holes, refuse_float_holes_needing_whole_numbers
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
@@ -84,19 +86,6 @@ class _AnyValues:
         return choices[0]
 
 
-class _Inside(_AnyValues):
-    """_AnyValues, but one float hole takes a value inside its range, not a whole number."""
-
-    def __init__(self, hole: _Hole):
-        self.hole = hole
-        fraction = 0.381966  # the golden section: not a whole number for any range a search writes
-        self.value = (hole.low * (hole.high / hole.low) ** fraction if hole.log else
-                      hole.low + (hole.high - hole.low) * fraction)
-
-    def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
-        return self.value if name == self.hole.name else low
-
-
 class DslSpace:
     """A `search` declaration: implements `energydsl.search.space.SearchSpace`."""
 
@@ -114,7 +103,7 @@ class DslSpace:
         self._search = search
         self._build(search, sets)
         self._check_data()
-        self._check_whole_floats()
+        refuse_float_holes_needing_whole_numbers(self)
         steps = self.settings.get("steps")
         top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
         self.budget: dict[str, Any] = {"trials": self.trials if self.trials is not None else 20, "steps": top_steps}
@@ -244,7 +233,7 @@ class DslSpace:
                         continue
                     placements.append(_Placement(f, s, e, [h], lambda fl, h=h: fl.value(h)))
         self.placements = placements
-        _refuse_dead_holes(placements, decls, self.model_name)
+        refuse_dead_holes(placements, decls, self.model_name)
         self._apply_sets(sets)
         self._unique_names()
 
@@ -261,35 +250,6 @@ class DslSpace:
             value = _given(given, lambda raw=raw, field_=field_: _convert(field_, str(raw), None))
             self.settings[field_] = _Value(fixed=value, given=given)
         check_settings(self.settings)
-
-    def _check_whole_floats(self) -> None:
-        """A `float` hole where a whole number is needed (a width, a head count, a layer count) makes nearly every
-        candidate invalid: refused at the hole before any trial, not as a study of invalid trials. Seen by moving
-        one float hole from its low bound (where a candidate builds) to a value inside its range."""
-        def refused(candidate: DslCandidate) -> SpecError | None:
-            try:
-                candidate.spec().stages(self.model_name)  # composition and each stage's dims; no SymPy
-            except SpecError as e:
-                return e
-            except UserError:
-                pass
-            return None
-
-        floats = [h for h in self.holes() if h.kind == "float" and h.high > h.low]
-        if not floats:
-            return
-        base = self.suggest(_AnyValues())
-        if refused(base) is not None:
-            return
-        for hole in floats:
-            inside = _Inside(hole)
-            candidate = self.suggest(inside)
-            e = None if candidate.source() == base.source() else refused(candidate)  # unchanged: not sampled there
-            if e is not None and "whole number" in e.message:
-                raise SpecError(f"the `float` hole `{hole.name}` stands where a whole number is needed: at "
-                                f"{_fmt_float(inside.value)} the candidate is refused ({e.message})", hole.span,
-                                f"sample whole numbers: `int {_fmt_float(math.ceil(hole.low))}.."
-                                f"{_fmt_float(math.floor(hole.high))}`, or a `choice{{...}}` of the values")
 
     def _check_data(self) -> None:
         """Every dataset the trials can train on fits the model: its tokens fit the vocab, and it serves the block
@@ -495,60 +455,6 @@ class DslSpace:
             "step_time": float(result["train_time_s"]) / trained, "tokens_per_s": float(result["tokens_per_s"]),
             "threads": float(torch.get_num_threads()),  # a bit-for-bit rerun on the CPU needs as many
         } | ({NOTES: notes} if notes else {})
-
-
-def _dims_given(decls: dict[str, tuple[_File, lark.Tree]], model: str) -> dict[str, set[str]]:
-    """For each energy the model's layer reaches: the header dims that every use of it gives, so that the energy's
-    own defaults for them never apply. Composition gives an energy each dim of the model's header (and of a block's
-    arguments) that it declares, and the arguments its use writes (`composition._stage_dims`)."""
-    given: dict[str, set[str]] = {}
-
-    def header(decl: lark.Tree) -> list[str]:
-        items = next((_kids(c) for c in _kids(decl)[1:] if c.data == "header"), [])
-        return [str(i.children[0]) for i in items]
-
-    def walk(pipeline: lark.Tree, env: set[str], seen: tuple[str, ...]) -> None:
-        for summed in _kids(pipeline):
-            for ref in _kids(summed):
-                name, args = str(ref.children[0]), _kids(ref)[1:]
-                named = {str(a.children[0]) for a in args if a.data == "named_arg"}
-                if name not in decls or name in seen:
-                    continue  # composition names what is missing, or the cycle
-                decl = decls[name][1]
-                if decl.data == "block_decl":
-                    walk(decl.children[1], env | named, (*seen, name))
-                elif decl.data == "energy_decl":
-                    dims = header(decl)
-                    positional = [a for a in args if a.data != "named_arg"]
-                    here = (env | named | set(dims[:len(positional)])) & set(dims)
-                    given[name] = given[name] & here if name in given else here
-    model_decl = decls[model][1]
-    layer = next((c for c in _kids(model_decl)[1:] if c.data == "layer"), None)
-    if layer is not None:
-        walk(layer.children[0], set(header(model_decl)), ())
-    return given
-
-
-def _refuse_dead_holes(placements: list[_Placement], decls: dict[str, tuple[_File, lark.Tree]], model: str) -> None:
-    """A hole in the default of an energy's header dim that the model always gives would be sampled and never
-    change the candidate: each trial would train the same model under another name."""
-    given = _dims_given(decls, model)
-    model_dims = {str(i.children[0]) for c in _kids(decls[model][1])[1:] if c.data == "header" for i in _kids(c)}
-    for energy, dims in given.items():
-        f, decl = decls[energy]
-        header = next((c for c in _kids(decl)[1:] if c.data == "header"), None)
-        for item in _kids(header) if header is not None else []:
-            dim = str(item.children[0])
-            s, e = _pos(item.children[1])
-            hole = next((p.holes[0] for p in placements if p.holes and p.file is f and s <= p.start and p.end <= e),
-                        None)
-            if dim not in dims or hole is None:
-                continue
-            where = (f"`model {model}({dim} = {hole.describe()})` in the search" if dim in model_dims else
-                     f"in the model's layer: `{energy}(..., {dim} = {hole.describe()})`")
-            raise SpecError(f"the hole `{hole.name}` never takes effect: model `{model}` gives `{energy}` its `{dim}` "
-                            f"wherever it uses it, so `{energy}`'s default for `{dim}` is never read", hole.span,
-                            f"put the hole where the model sets it ({where}), or write a number")
 
 
 def _refuse(message: str, span: Span | None, given: str | None, hint: str | None) -> None:

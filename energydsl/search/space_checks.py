@@ -1,0 +1,125 @@
+"""Checks of a search space before any trial: holes that could not do what they say.
+
+A hole the model always overrides (an energy's default for a dim the model gives it) would be sampled and change
+nothing; a `float` hole where a whole number is needed would make nearly every candidate invalid. Both are refused
+at the hole, when the space loads (`energydsl.search.dsl.DslSpace`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import lark
+
+from energydsl.errors import SpecError, UserError
+from energydsl.search.holes import _File, _fmt_float, _Hole, _kids, _Placement, _pos
+
+if TYPE_CHECKING:
+    from energydsl.search.candidate import DslCandidate
+    from energydsl.search.dsl import DslSpace
+
+
+def refuse_float_holes_needing_whole_numbers(space: DslSpace) -> None:
+    """A `float` hole where a whole number is needed (a width, a head count, a layer count) makes nearly every
+    candidate invalid: refused at the hole before any trial, not as a study of invalid trials. Seen by moving
+    one float hole from its low bound (where a candidate builds) to a value inside its range."""
+    def refused(candidate: DslCandidate) -> SpecError | None:
+        try:
+            candidate.spec().stages(space.model_name)  # composition and each stage's dims; no SymPy
+        except SpecError as e:
+            return e
+        except UserError:
+            pass
+        return None
+
+    floats = [h for h in space.holes() if h.kind == "float" and h.high > h.low]
+    if not floats:
+        return
+    base = space.suggest(_Inside(None))  # every hole at its low bound or first option
+    if refused(base) is not None:
+        return
+    for hole in floats:
+        inside = _Inside(hole)
+        candidate = space.suggest(inside)
+        e = None if candidate.source() == base.source() else refused(candidate)  # unchanged: not sampled there
+        if e is not None and "whole number" in e.message:
+            raise SpecError(f"the `float` hole `{hole.name}` stands where a whole number is needed: at "
+                            f"{_fmt_float(inside.value)} the candidate is refused ({e.message})", hole.span,
+                            f"sample whole numbers: `int {_fmt_float(math.ceil(hole.low))}.."
+                            f"{_fmt_float(math.floor(hole.high))}`, or a `choice{{...}}` of the values")
+
+
+class _Inside:
+    """A stand-in Optuna trial that takes each hole's low bound or first option, but `hole` (a float hole, if given)
+    a value inside its range, not a whole number."""
+
+    def __init__(self, hole: _Hole | None):
+        self.hole, self.value = hole, None
+        if hole is not None:
+            fraction = 0.381966  # the golden section: not a whole number for any range a search writes
+            self.value = (hole.low * (hole.high / hole.low) ** fraction if hole.log else
+                          hole.low + (hole.high - hole.low) * fraction)
+
+    def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
+        return self.value if self.hole is not None and name == self.hole.name else low
+
+    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
+        return low
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        return choices[0]
+
+
+def _dims_given(decls: dict[str, tuple[_File, lark.Tree]], model: str) -> dict[str, set[str]]:
+    """For each energy the model's layer reaches: the header dims that every use of it gives, so that the energy's
+    own defaults for them never apply. Composition gives an energy each dim of the model's header (and of a block's
+    arguments) that it declares, and the arguments its use writes (`composition._stage_dims`)."""
+    given: dict[str, set[str]] = {}
+
+    def header(decl: lark.Tree) -> list[str]:
+        items = next((_kids(c) for c in _kids(decl)[1:] if c.data == "header"), [])
+        return [str(i.children[0]) for i in items]
+
+    def walk(pipeline: lark.Tree, env: set[str], seen: tuple[str, ...]) -> None:
+        for summed in _kids(pipeline):
+            for ref in _kids(summed):
+                name, args = str(ref.children[0]), _kids(ref)[1:]
+                named = {str(a.children[0]) for a in args if a.data == "named_arg"}
+                if name not in decls or name in seen:
+                    continue  # composition names what is missing, or the cycle
+                decl = decls[name][1]
+                if decl.data == "block_decl":
+                    walk(decl.children[1], env | named, (*seen, name))
+                elif decl.data == "energy_decl":
+                    dims = header(decl)
+                    positional = [a for a in args if a.data != "named_arg"]
+                    here = (env | named | set(dims[:len(positional)])) & set(dims)
+                    given[name] = given[name] & here if name in given else here
+    model_decl = decls[model][1]
+    layer = next((c for c in _kids(model_decl)[1:] if c.data == "layer"), None)
+    if layer is not None:
+        walk(layer.children[0], set(header(model_decl)), ())
+    return given
+
+
+def refuse_dead_holes(placements: list[_Placement], decls: dict[str, tuple[_File, lark.Tree]], model: str) -> None:
+    """A hole in the default of an energy's header dim that the model always gives would be sampled and never
+    change the candidate: each trial would train the same model under another name."""
+    given = _dims_given(decls, model)
+    model_dims = {str(i.children[0]) for c in _kids(decls[model][1])[1:] if c.data == "header" for i in _kids(c)}
+    for energy, dims in given.items():
+        f, decl = decls[energy]
+        header = next((c for c in _kids(decl)[1:] if c.data == "header"), None)
+        for item in _kids(header) if header is not None else []:
+            dim = str(item.children[0])
+            s, e = _pos(item.children[1])
+            hole = next((p.holes[0] for p in placements if p.holes and p.file is f and s <= p.start and p.end <= e),
+                        None)
+            if dim not in dims or hole is None:
+                continue
+            where = (f"`model {model}({dim} = {hole.describe()})` in the search" if dim in model_dims else
+                     f"in the model's layer: `{energy}(..., {dim} = {hole.describe()})`")
+            raise SpecError(f"the hole `{hole.name}` never takes effect: model `{model}` gives `{energy}` its `{dim}` "
+                            f"wherever it uses it, so `{energy}`'s default for `{dim}` is never read", hole.span,
+                            f"put the hole where the model sets it ({where}), or write a number")
