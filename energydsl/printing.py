@@ -6,6 +6,7 @@ coefficients are SymPy expressions and go through SymPy's own printers.
 
 from __future__ import annotations
 
+import functools
 import html
 import re
 
@@ -20,12 +21,18 @@ GREEK = {"eta": "η", "beta": "β", "tau": "τ", "lambda": "λ", "gamma": "γ", 
 
 
 
+@functools.lru_cache(maxsize=4)
+def _antiderivatives(size: int) -> dict[str, str]:
+    """{f': f} over the function registry; `size` keys the cache, since derivatives are registered as first met."""
+    return {f.derivative: f.name for f in list(REGISTRY.values()) if f.derivative and f.derivative != f.name}
+
+
 def shown_function(name: str) -> str:
     """How the text printer writes a registry function: a derivative as f' (`sqrt'`, `silu''`, not the registry's
     `dsqrt`, `dsilu'`), an antiderivative as ∫f (`int_silu` -> `∫silu`); others by name."""
     if name.startswith("int_"):
         return "∫" + name.removeprefix("int_")
-    of = {f.derivative: f.name for f in list(REGISTRY.values()) if f.derivative and f.derivative != f.name}
+    of = _antiderivatives(len(REGISTRY))
     primes = ""
     # only the registry's own spellings of a derivative, `d` + f or f + `'` (cos, sin's derivative, stays cos)
     while (base := of.get(name)) is not None and name in (f"d{base}", f"{base}'"):
@@ -41,8 +48,9 @@ def readable(v: sp.Expr) -> sp.Expr:
         digits = len(re.sub(r"\D", "", shortest.split("e")[0]).lstrip("0")) or 1
         return sp.Float(r, digits)
 
-    big = {r: decimal(r) for r in sp.sympify(v).atoms(sp.Rational) if r.q > 10**6}
-    return sp.sympify(v).xreplace(big) if big else v
+    v = sp.sympify(v)
+    big = {r: decimal(r) for r in v.atoms(sp.Rational) if r.q > 10**6}
+    return v.xreplace(big) if big else v
 
 class Style:
     name = "text"

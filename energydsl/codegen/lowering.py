@@ -294,7 +294,7 @@ def key_bias_arg(em: Emitter, kinds: dict[str, list], heads: tuple[str, ...], j:
     for coef, gate in kinds["gate"]:
         parts.append(_scaled_val(em, em.emit(ir.neg(coef)), log_rate_prefix(em, gate)[1]))
     kb = _sum_vals(em, parts)
-    return _as_bhtd(em, kb if kb.rank else em.tmp(f"{kb.code}[..., None]", kb.axes, 1), heads, j) + "[..., 0]"
+    return _as_bhtd(em, _as_column(em, kb, named=True), heads, j) + "[..., 0]"
 
 
 def _scaled_val(em: Emitter, c: Val, v: Val) -> Val:
@@ -496,6 +496,15 @@ def _per_head(em: Emitter, coef: Val, heads: tuple[str, ...]) -> str:
                       (), 1).code
     full = em.expand(coef, canonical(set(heads)))
     return em.tmp(f"{full.code}.reshape({n}).contiguous()", (), 1).code
+
+
+def _as_column(em: Emitter, v: Val, named: bool = False) -> Val:
+    """A number per token or key (rank 0) as a one-feature column, `x[..., None]`, for `_as_bhtd`; a Python number
+    (a `- 1` in a score) becomes a tensor first. `named`: a line of its own rather than an expression."""
+    if v.rank:
+        return v
+    code = f"torch.as_tensor({v.code}, dtype=dt, device=dev)[..., None]" if v.scalar else f"{v.code}[..., None]"
+    return em.tmp(code, v.axes, 1) if named else Val(code, v.axes, 1)
 
 
 def _as_bhtd(em: Emitter, v: Val, heads: tuple[str, ...], pos: str) -> str:

@@ -33,6 +33,7 @@ from .gates import gate_query_part
 from .lowering import (
     _apply_maps,
     _as_bhtd,
+    _as_column,
     _emit_scores,
     _from_bhtd,
     _numel,
@@ -87,8 +88,7 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     else:
         maps, value = _peel_maps(em, value, j)
         v = em.emit(value)
-        if v.rank == 0:  # a number per key: a column
-            v = Val(f"{v.code}[..., None]", v.axes, 1)  # (an expression: laid out once, as `_as_bhtd` keys)
+        v = _as_column(em, v)  # a number per key: a column (an expression: laid out once, as `_as_bhtd` keys)
     if POS in v.axes or v.rank != 1:
         return None
     width = 1 if value is None else _numel(em, value.shape) + (query_term is not None)  # (the column of ones)
@@ -102,9 +102,7 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
         return None  # a head axis on the row bias that the scores do not have
     qc, kc, keywords = kernel_score_args(em, sc, plan.kinds, heads, j, strict)
     if row is not None:
-        scalar = f"torch.as_tensor({row.code}, dtype=dt, device=dev)" if row.scalar else row.code  # `- 1`: a number
-        column = row if row.rank else Val(f"{scalar}[..., None]", row.axes, 1)
-        keywords.append(f"row_bias={_as_bhtd(em, column, heads, POS)}[..., 0]")
+        keywords.append(f"row_bias={_as_bhtd(em, _as_column(em, row), heads, POS)}[..., 0]")
     vc = _as_bhtd(em, v, heads, j)
     ops = em.kernel_set(KernelRequest.pointwise(
         strict=strict, row_bias=row is not None, key_bias=bool(plan.kinds["key"] or plan.kinds["gate"]),

@@ -39,6 +39,7 @@ import lark
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.candidate import DslCandidate
 from energydsl.search.holes import (  # source files, holes and filling them
+    _AnyValues,
     _Collector,
     _convert,
     _File,
@@ -70,20 +71,6 @@ OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_e
 
 
 # ----------------------------------------------------------------------------- the space
-
-
-class _AnyValues:
-    """A stand-in Optuna trial that takes each hole's low bound or first option: a candidate for checks whose
-    outcome is the same in every candidate."""
-
-    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
-        return low
-
-    def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
-        return low
-
-    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
-        return choices[0]
 
 
 class DslSpace:

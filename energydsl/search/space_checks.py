@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import lark
 
 from energydsl.errors import SpecError, UserError
-from energydsl.search.holes import _File, _fmt_float, _Hole, _kids, _Placement, _pos
+from energydsl.search.holes import _AnyValues, _File, _fmt_float, _Hole, _kids, _Placement, _pos
 
 if TYPE_CHECKING:
     from energydsl.search.candidate import DslCandidate
@@ -36,13 +36,14 @@ def refuse_float_holes_needing_whole_numbers(space: DslSpace) -> None:
     floats = [h for h in space.holes() if h.kind == "float" and h.high > h.low]
     if not floats:
         return
-    base = space.suggest(_Inside(None))  # every hole at its low bound or first option
+    base = space.suggest(_AnyValues())
     if refused(base) is not None:
         return
+    base_text = base.source()
     for hole in floats:
         inside = _Inside(hole)
         candidate = space.suggest(inside)
-        e = None if candidate.source() == base.source() else refused(candidate)  # unchanged: not sampled there
+        e = None if candidate.source() == base_text else refused(candidate)  # unchanged: not sampled there
         if e is not None and "whole number" in e.message:
             raise SpecError(f"the `float` hole `{hole.name}` stands where a whole number is needed: at "
                             f"{_fmt_float(inside.value)} the candidate is refused ({e.message})", hole.span,
@@ -50,25 +51,17 @@ def refuse_float_holes_needing_whole_numbers(space: DslSpace) -> None:
                             f"{_fmt_float(math.floor(hole.high))}`, or a `choice{{...}}` of the values")
 
 
-class _Inside:
-    """A stand-in Optuna trial that takes each hole's low bound or first option, but `hole` (a float hole, if given)
-    a value inside its range, not a whole number."""
+class _Inside(_AnyValues):
+    """`_AnyValues`, but one float hole takes a value inside its range, not a whole number."""
 
-    def __init__(self, hole: _Hole | None):
-        self.hole, self.value = hole, None
-        if hole is not None:
-            fraction = 0.381966  # the golden section: not a whole number for any range a search writes
-            self.value = (hole.low * (hole.high / hole.low) ** fraction if hole.log else
-                          hole.low + (hole.high - hole.low) * fraction)
+    def __init__(self, hole: _Hole):
+        self.hole = hole
+        fraction = 0.381966  # the golden section: not a whole number for any range a search writes
+        self.value = (hole.low * (hole.high / hole.low) ** fraction if hole.log else
+                      hole.low + (hole.high - hole.low) * fraction)
 
     def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
-        return self.value if self.hole is not None and name == self.hole.name else low
-
-    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
-        return low
-
-    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
-        return choices[0]
+        return self.value if name == self.hole.name else low
 
 
 def _dims_given(decls: dict[str, tuple[_File, lark.Tree]], model: str) -> dict[str, set[str]]:
