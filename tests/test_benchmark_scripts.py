@@ -44,6 +44,14 @@ def test_modules_benchmark_interpret_smoke() -> None:
     assert "0 failed" in out.stdout
 
 
+def test_precision_script_prints_each_magnitude() -> None:
+    out = _run("benchmarks/precision.py", "--magnitudes", "1,30", "--shape", "1,1,9,8", interpret=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("max|s|")]
+    assert len(rows) == 2 and all(f" {name} " in rows[0] for name in ("out", "dq", "dk", "dv", "du"))
+    assert "no GPU" in _run("benchmarks/precision.py").stderr  # and not interpreted: says how
+
+
 def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> None:
     """The GPU profiling script's own code paths, on tiny interpreted shapes: a summary row and a trace for the
     kernel and the peer of each case."""

@@ -69,6 +69,7 @@ class Case:
     B: int = 2
     key_shift: float = 0.0  # added to every key bias: softmax-invariant, but exp of it overflows float32 past ~88
     layout: str = "head"  # of q, k, v, u: head (contiguous), token, sliced or packed (`lay`)
+    score_scale: float = 1.0  # times the usual 1/sqrt(Dk): large scores, a nearly one-hot softmax
 
     def has(self, bias: str) -> bool:
         return self.biases in (bias, "all")
@@ -118,7 +119,7 @@ def run(
     q, k, u = (lay(leaves[n], case.layout) for n in ("q", "k", "u"))
     v = k if case.tied else lay(leaves["v"], case.layout)
     kw = dict(
-        scale=case.Dk**-0.5,
+        scale=case.score_scale * case.Dk**-0.5,
         strict=case.strict,
         alibi_slopes=leaves.get("alibi_slopes"),
         self_bias=leaves.get("self_bias"),
@@ -298,6 +299,17 @@ def test_padded_rows_stay_inert_under_large_scores(wide: bool) -> None:
     overflows: a key bias of 100 makes exp(s) inf there, and inf * 0 would poison dK through the padded rows."""
     case = Case(T=45, H=1, Dk=16, Dv=24, strict=False, biases="key", B=1, key_shift=100.0)
     check(case, "with_lse", impl=WIDE if wide else None)
+
+
+@pytest.mark.parametrize("kind", ["with_lse", "second"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_second_moment_keeps_its_digits_under_large_scores(wide: bool, kind: str) -> None:
+    """Scores up to ~150: the second moment's p = exp(s - lse) carries lse's rounding as a factor per row
+    (~|lse| 2^-24), so its weights do not sum to 1. The forward divides r by that sum and the backward dr;
+    without the first, the backward's delta = dr . r disagreed with the weights it sums (dq, dk ~10x further
+    from float64 than the float32 reference); without the second, du and dv ~5x."""
+    case = Case(T=40, H=2, Dk=16, Dv=16, strict=False, B=1, score_scale=10.0)
+    check(case, kind, tol=1e-6, factor=3.0, impl=WIDE if wide else None)
 
 
 @pytest.mark.slow
@@ -662,7 +674,7 @@ def test_direct_op_calls_take_any_layout(ops: kernels.AttentionOps) -> None:
     fwd, second, bwd = (getattr(namespace, f"{ops.name}_{op}").default for op in ("fwd", "second_fwd", "bwd"))
     biases = (alibi, self_b, key_b)
     o, lse = fwd(q, k, v, 0.25, True, *biases)
-    r = second(q, k, v, lse, u, 0.25, True, *biases)
+    r, _ = second(q, k, v, lse, u, 0.25, True, *biases)  # and the row sums of its weights
     calls = [  # (op, its arguments laid out)
         (fwd, (q, k, v, 0.25, True, *biases)),
         (second, (q, k, v, lse, u, 0.25, True, *biases)),

@@ -232,7 +232,7 @@ class AttentionOps:
         u: Tensor | None,
         lse_in: Tensor | None,
         out: Tensor,
-        lse_out: Tensor | None,
+        row_out: Tensor,
         scale: float,
         strict: bool,
         alibi: Tensor | None,
@@ -251,7 +251,7 @@ class AttentionOps:
             u if second else dummy,
             lse_in if second else dummy,
             out,
-            dummy if second else lse_out,
+            row_out,
             dummy if alibi is None else alibi,
             dummy if self_b is None else self_b,
             dummy if key_b is None else key_b,
@@ -287,7 +287,7 @@ class AttentionOps:
 
         return energy_attention_fwd
 
-    def _op_second_fwd(self) -> Callable[..., Tensor]:
+    def _op_second_fwd(self) -> Callable[..., tuple[Tensor, Tensor]]:
         def weighted_second_moment_fwd(
             q: Tensor,
             k: Tensor,
@@ -299,13 +299,14 @@ class AttentionOps:
             alibi_slopes: Tensor | None,
             self_bias: Tensor | None,
             key_bias: Tensor | None,
-        ) -> Tensor:
+        ) -> tuple[Tensor, Tensor]:
             q, k, v = kernel_layouts(q, k, v)
             u = kernel_layout(u)
             lse, alibi_slopes, self_bias, key_bias = _contiguous(lse, alibi_slopes, self_bias, key_bias)
             r = empty_in_order(u, u.shape[-1], v.dtype)
-            self._launch_fwd(q, k, v, u, lse, r, None, scale, strict, alibi_slopes, self_bias, key_bias)
-            return r
+            rowsum = torch.empty_like(lse)  # sum_j exp(s_ij - lse_i): 1 but for lse's rounding (`_fwd_kernel`)
+            self._launch_fwd(q, k, v, u, lse, r, rowsum, scale, strict, alibi_slopes, self_bias, key_bias)
+            return r, rowsum
 
         return weighted_second_moment_fwd
 
@@ -416,9 +417,12 @@ class AttentionOps:
         )
         return (dq, dk, dv, None, None, *bias_grads(dkb, ddiag, ddist, alibi, self_b, key_b, need))
 
-    def _second_backward(self, ctx: Any, dr: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, lse, u, r, alibi, self_b, key_b = ctx.saved_tensors
+    def _second_backward(self, ctx: Any, dr: Tensor | None, _drowsum: None) -> tuple[Tensor | None, ...]:
+        q, k, v, lse, u, r, rowsum, alibi, self_b, key_b = ctx.saved_tensors
         need = (ctx.needs_input_grad[7], ctx.needs_input_grad[8], ctx.needs_input_grad[9])
+        # the kernels recompute p = exp(s - lse), which the forward divided by its row sum: every term of the
+        # backward is linear in p_ij dr_i, so dividing dr_i by the row sum divides each p_ij there
+        dr = torch.zeros_like(r) if dr is None else dr / torch.where(rowsum == 0, 1.0, rowsum)[..., None]
         dq, dk, dv, du, dkb, ddiag, ddist = self._bwd_op(
             dr, q, k, v, u, lse, r, None, ctx.scale, ctx.strict, alibi, self_b, key_b, *need
         )
@@ -571,9 +575,10 @@ class AttentionOps:
         elif tuple(lse.shape) != tuple(q.shape[:3]):
             raise ValueError(f"lse must have shape {tuple(q.shape[:3])}; got {tuple(lse.shape)}")
         lse = lse.detach().float().contiguous()  # saved for the backward as the kernels read it
-        return self._second_fwd_op(
+        r, _ = self._second_fwd_op(
             q, k, v, lse, kernel_layout(u), float(scale), bool(strict), alibi_slopes, self_bias, key_bias
         )
+        return r
 
 
 def _contiguous(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:

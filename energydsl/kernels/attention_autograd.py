@@ -20,9 +20,9 @@ def fake_attention_fwd(q: Tensor, k: Tensor, v: Tensor, *_: Any) -> tuple[Tensor
     return empty_in_order(kernel_layout(q), v.shape[-1], v.dtype), q.new_empty((B, H, T), dtype=torch.float32)
 
 
-def fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> Tensor:
+def fake_second_fwd(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, u: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
     u = kernel_layout(u)
-    return empty_in_order(u, u.shape[-1], v.dtype)
+    return empty_in_order(u, u.shape[-1], v.dtype), torch.empty_like(lse)
 
 
 def fake_bwd(
@@ -74,7 +74,10 @@ def attention_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Ten
     ctx.set_materialize_grads(False)
 
 
-def second_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+def second_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, lse, u, scale, strict, alibi, self_b, key_b = inputs
-    ctx.save_for_backward(q, k, v, lse, u, output, alibi, self_b, key_b)
+    r, rowsum = output
+    ctx.save_for_backward(q, k, v, lse, u, r, rowsum, alibi, self_b, key_b)
     ctx.scale, ctx.strict = scale, strict
+    ctx.mark_non_differentiable(rowsum)  # the row sums serve the backward only
+    ctx.set_materialize_grads(False)

@@ -175,7 +175,10 @@ def _fwd_kernel(
     """One (query block, batch*head) program.
 
     SECOND=False: online softmax over key blocks; writes o = acc / l and lse = m + log(l).
-    SECOND=True: p is known from LSE_IN, so no running statistics: r = sum_j (p_ij (u_i . v_j)) v_j.
+    SECOND=True: p is known from LSE_IN, so no running max: r = sum_j (p_ij (u_i . v_j)) v_j / l_i with
+    l_i = sum_j p_ij, written to LSE. The division makes r exact where lse's rounding scales a row's weights
+    (~|lse| 2^-24, large where the scores are); the backward divides its recomputed p by l_i too (through
+    dr), or its delta = dr . r would not match the weights it sums and dq and dk would lose digits.
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -239,7 +242,10 @@ def _fwd_kernel(
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             if SECOND:
-                p = tl.exp2(s - lse[:, None])  # exact softmax weights; masked entries are exp2(-inf) = 0
+                # softmax weights up to a factor per row, the rounding of lse (relative |lse| * 2^-23: large
+                # where the scores are); their sum l_i divides it out at the end. Masked entries: exp2(-inf) = 0
+                p = tl.exp2(s - lse[:, None])
+                l_i += tl.sum(p, 1)
                 w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)  # w_ij = u_i . v_j
                 acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
             else:
@@ -254,7 +260,10 @@ def _fwd_kernel(
                 m_i = m_new
 
     if SECOND:
-        out = acc
+        # the row sums go out too (LSE is their buffer here): the backward divides the weights it recomputes
+        # by them; 0 for a row with no admissible key, whose r stays 0
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(LSE + bh * T + offs_m, l_i, mask=row_ok)
     else:
         # rows with no admissible key (strict row 0): o = 0, lse = 0 (finite by convention); lse is stored in
         # natural units, (m + log2 l) ln 2

@@ -173,6 +173,7 @@ def _fwd_wide_kernel(
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             if SECOND:
                 p = tl.exp2(s - lse[:, None])
+                l_i += tl.sum(p, 1)  # see _fwd_kernel
                 w = _tile_dots(Uh, Vh, offs_m, offs_n, stride_ut, stride_vt,
                                row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
                 acc += tl.dot((p * w).to(v.dtype), v, input_precision=DOT_PREC)
@@ -186,7 +187,9 @@ def _fwd_wide_kernel(
                 m_i = m_new
 
     if SECOND:
-        out = acc
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # and l_i to LSE: see _fwd_kernel
+        if tile == 0:
+            tl.store(LSE + bh * T + offs_m, l_i, mask=row_ok)
     else:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
