@@ -7,7 +7,7 @@ reusing the row log-sum-exp of the first-order attention over the same scores. E
 compared with the generic masked T x T (x d) form in float64 (the displacement and the gradients with respect
 to x and every parameter), and the triton backend (under the Triton interpreter without CUDA) with the torch
 backend, as in `tests/test_triton_backend.py`. Sequence length 13 (odd: partial kernel tiles); 1 and 2 heads;
-a strict context (j < i), an untied value (x_j != y_j: the torch form in both backends), and Newton with two
+a strict context (j < i), an untied value (x_j != y_j: the kernels over (x_j, y_j) side by side), and Newton with two
 Taylor terms and a learned damping as spec variants.
 SoftmaxAttentionL2 (first order only, Σ_j p_ij (z_i - k_j) with l2 scores) is lowered by the same expansion.
 """
@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import largest_tensor_made
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
 import energydsl  # noqa: E402
-from energydsl.codegen import energy_source  # noqa: E402
+from energydsl.codegen import energy_source, module_class  # noqa: E402
 from energydsl.codegen.torch_module import module_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,10 +40,10 @@ CASES = [
     ("light-h1", LIGHT, {"heads": 1}, "kernel"),
     ("light-h2", LIGHT, {"heads": 2}, "kernel"),
     ("light-strict", LIGHT.replace("where j <= i", "where j < i"), {}, "kernel"),
-    ("light-untied", LIGHT.replace("  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "torch"),
+    ("light-untied", LIGHT.replace("  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "untied"),
     # the T x T form's own mask: `mask` for `mask_strict` there survived every other case
     ("light-untied-strict", LIGHT.replace("where j <= i", "where j < i").replace(
-        "  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "torch"),
+        "  optimizer gd", "  untie value W2[k] -> Wv[k]\n  optimizer gd"), {}, "untied"),
     ("newton-h1", NEWTON, {"heads": 1}, "kernel"),
     ("newton-h2", NEWTON, {"heads": 2}, "kernel"),
     ("newton-strict", NEWTON.replace("where j <= i", "where j < i"), {}, "kernel"),
@@ -118,13 +119,17 @@ def test_triton_backend_matches_torch_backend(case: str, text: str, dims: dict, 
     derived = energydsl.load(text).energy(**dims)
     src = energy_source(derived, "triton")
     assert ".energy_attention" in src and "masked_reduce" not in src
-    if second == "kernel":  # the fused kernel, on the log-sum-exp of the attention over the same scores
+    if second in ("kernel", "untied"):  # the fused kernel, on the log-sum-exp of the attention over the same scores
         lse = re.search(r"(\w+), (\w+) = \w+\.energy_attention_with_lse\(", src)
         call = re.search(r"attention_\w+\.weighted_second_moment\((\w+), (\w+), (\w+), (\w+), ", src)
         assert lse and call and call.group(4) == lse.group(2), "the second moment does not reuse the attention's lse"
-    else:  # x_j != y_j (the kernel's r_i = Σ_j p_ij (u_i·v_j) v_j does not apply), or no second moment at all
+        # x_j != y_j: the kernels' r_i = Σ_j p_ij (u_i·v_j) v_j over v_j = (x_j, y_j), its second half
+        side_by_side = re.search(rf"{call.group(3)} = torch\.cat\(", src)
+        assert bool(side_by_side) == (second == "untied")
+        assert "masked_softmax" not in src  # no T x T weights
+    else:  # no second moment at all
         assert "weighted_second_moment" not in src and "energy_attention_with_lse" not in src
-        assert ("second moment from the weights" in src) == (second == "torch")
+        assert "second moment from the weights" not in src
     _compare(case, src, energy_source(derived, "torch"), tmp_path)
 
 
@@ -204,3 +209,19 @@ def test_lowering_benchmark_times_a_single_energy_and_rejects_bad_dims() -> None
     for bad, said in ((["--set", "d"], "NAME=NUMBER"), (["--set", "nope=3"], "`nope` is not a dim")):
         proc = subprocess.run(script + bad, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["light-untied", "light-untied-strict"])
+def test_an_untied_second_moment_stays_linear_in_T(case: str) -> None:
+    """The untied covariance built its T x T weights in the triton backend too (the torch form); over (x_j, y_j)
+    side by side the kernels keep them in registers: doubling T doubles the largest tensor, forward and backward."""
+    pytest.importorskip("triton")
+    text = next(c[1] for c in CASES if c[0] == case)
+    module = module_class(energydsl.load(text).energy(), "triton")().to(DEVICE)
+
+    def run(T: int) -> None:
+        x = module.example_input(1, T).to(DEVICE).requires_grad_()
+        module(x).square().sum().backward()
+
+    small, large = (largest_tensor_made(lambda T=T: run(T)) for T in (24, 48))
+    assert large / small <= 2.0

@@ -3,7 +3,7 @@
 Second-order and covariance-preconditioned updates (seed 004's MHA2nd1st, LightMHA2nd1st) weight a context
 sum by the attention's own softmax and by a dot product of a query-side vector with the key side:
 
-    r_i = Σ_j p_ij (u_i · x_j) y_j        (x = y: `kernels.weighted_second_moment`)
+    r_i = Σ_j p_ij (u_i · x_j) y_j        (`kernels.weighted_second_moment`; x ≠ y over (x_j, y_j) side by side)
 
 A centred form (d_ij = k_j - k̄_i, scores -|q_i - k_j|²/2T) is a sum of such terms once multiplied out, so a
 summand that fits no primitive as written is expanded into monomials, each rewritten as a recognised sum:
@@ -90,7 +90,7 @@ def _own_softmaxes(e: Expr, j: str) -> list[ir.Softmax]:
 
 
 def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
-    """Σ_j p_ij (u_i·x_j) y_j: the fused kernel when x = y (triton), else (p ∘ (U Xᵀ)) Y from T x T weights."""
+    """Σ_j p_ij (u_i·x_j) y_j: the fused kernels (triton), else (p ∘ (U Xᵀ)) Y from T x T weights."""
     j = e.index
     qs, ks, both = _split(em, e.body, j)
     if len(both) != 2 or not ks or not e.shape:
@@ -116,9 +116,10 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     dx, dy = _numel(em, x.shape), _numel(em, value.shape)
     em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dx + dy))
     out = None
-    if em.backend == "triton" and x == value:
-        wide = max(sc.width, dx) > MAX_HEAD_DIM
-        out = _kernel_second_moment(em, sc, sm, uv, xv, heads, j, info.strict, wide)
+    if em.backend == "triton":
+        untied = yv if x != value else None
+        wide = max(sc.width, dx + (dy if untied else 0)) > MAX_HEAD_DIM
+        out = _kernel_second_moment(em, sc, sm, uv, xv, untied, heads, j, info.strict, wide)
     if out is None:
         out = _torch_second_moment(em, sc, sm, uv, xv, yv if x != value else None, heads, j, info.strict)
     out = _unflat(em, out, e.shape)
@@ -129,28 +130,42 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     return out
 
 
-def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, v: Val, heads: tuple[str, ...],
-                          j: str, strict: bool, wide: bool) -> Val | None:
+def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Val, y: Val | None,
+                          heads: tuple[str, ...], j: str, strict: bool, wide: bool) -> Val | None:
     """The second-moment pass of the attention kernels (written into the file), over the scores and lse of
-    the first-order attention when it was emitted, else over its own scores and a first pass for the lse."""
+    the first-order attention when it was emitted, else over its own scores and a first pass for the lse.
+
+    The kernels compute Σ_j p_ij (u_i·v_j) v_j. An untied y_j (y not None) runs them on v_j = (x_j, y_j) side
+    by side and u_i padded with zeros, (u_i, 0)·(x_j, y_j) = u_i·x_j: the second half of their r_i is
+    Σ_j p_ij (u_i·x_j) y_j (the first half, Σ_j p_ij (u_i·x_j) x_j, is computed and dropped), and autograd
+    splits the gradient of (x, y) in two. Linear in T, where the torch form builds the T x T weights."""
     kinds = bias_kinds(em, list(sc.bias_terms), j, strict)
     if kinds is None:
         return None
     terms = dict(strict=strict, alibi=bool(kinds["alibi"]), self_bias=bool(kinds["self"]),
                  key_bias=bool(kinds["key"] or kinds["gate"]), wide=wide)
     shared = _shared_lse(em, sm, strict, heads)
-    vc = _as_bhtd(em, v, heads, j)
+    xc = _as_bhtd(em, x, heads, j)
     if shared is not None:  # exactly the attention's score operands: its lse is these scores' lse
         qc, kc, keywords, lse = shared.args[0], shared.args[1], shared.args[3:], shared.lse
     else:
         qc, kc, keywords = kernel_score_args(em, sc, kinds, heads, j, strict)
         first = em.kernel_set(KernelRequest.attention(**terms))
-        lse = em.tmp(f"{first}.energy_attention_with_lse({qc}, {kc}, {vc}, {', '.join(keywords)})[1]", (), 0,
+        lse = em.tmp(f"{first}.energy_attention_with_lse({qc}, {kc}, {xc}, {', '.join(keywords)})[1]", (), 0,
                      "the row log-sum-exp of these scores (first pass)").code
     uc = _as_bhtd(em, u, heads, POS)
     ops = em.kernel_set(KernelRequest.attention(**terms, second=True))
-    code = f"{ops}.weighted_second_moment({qc}, {kc}, {vc}, {lse}, {uc}, {', '.join(keywords)})"
-    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.v_j) v_j: the Triton second-moment kernels above")
+    if y is None:
+        code = f"{ops}.weighted_second_moment({qc}, {kc}, {xc}, {lse}, {uc}, {', '.join(keywords)})"
+        return _from_bhtd(em, code, heads, 1,
+                          "sum over j of p_ij (u_i.v_j) v_j: the Triton second-moment kernels above")
+    yc = _as_bhtd(em, y, heads, j)
+    xy = em.tmp(f"torch.cat(({xc}, {yc}), dim=-1)", (), 4, "(x_j, y_j) side by side, as the kernels' v_j").code
+    u0 = em.tmp(f"torch.nn.functional.pad({uc}, (0, {yc}.shape[-1]))", (), 4,
+                "(u_i, 0): its dot with (x_j, y_j) is u_i.x_j").code
+    code = f"{ops}.weighted_second_moment({qc}, {kc}, {xy}, {lse}, {u0}, {', '.join(keywords)})[..., {xc}.shape[-1]:]"
+    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.x_j) y_j: the second half of the Triton "
+                      "second-moment kernels' r over (x_j, y_j)")
 
 
 def _torch_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Val, y: Val | None,
