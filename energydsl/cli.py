@@ -418,7 +418,8 @@ def train_(
                                   "out": str(run_dir)}))
             sys.exit(128 + e.signum)  # 130 (Ctrl-C), 143 (SIGTERM); SystemExit passes Typer and `main` as is
     except KeyboardInterrupt:  # a Ctrl-C before the training loop, or a second one, which stops at once
-        print(interrupted_at_once_note(run_dir, fresh), file=sys.stderr)
+        given = Path(out_dir) if out_dir else None  # a run there (--fresh or not) is as it was
+        print(interrupted_at_once_note(run_dir or given, fresh, started=run_dir is not None), file=sys.stderr)
         sys.exit(130)
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)

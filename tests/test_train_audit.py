@@ -393,6 +393,21 @@ def test_a_ctrl_c_before_training_says_nothing_was_written(corpus, tmp_path, mon
     assert code == 130 and err == "interrupted before training started: nothing was written\n"
 
 
+def test_a_ctrl_c_before_a_fresh_start_names_the_run_it_kept(run, corpus, monkeypatch):
+    """--fresh over a run, stopped while the model was built: the run is untouched and resumable, which the note
+    said nothing of ("nothing was written")."""
+    from energydsl import api
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "load", interrupted)
+    code, _, err = energy(*tiny(corpus, run, "--fresh"))
+    assert code == 130
+    assert err == (f"interrupted before training started: nothing was written; {run} keeps its last checkpoint, "
+                   "step 4: rerun without --fresh to resume from it\n"), err
+
+
 def test_the_interruption_notes_after_fresh_say_to_drop_it(run, corpus):
     """Rerunning the same command, --fresh included, would start over instead of resuming."""
     with forward_fails(3, KeyboardInterrupt()):

@@ -479,18 +479,21 @@ def resume_hint(fresh: bool) -> str:
     return "rerun without --fresh to resume" if fresh else "rerun the same command to resume"
 
 
-def interrupted_at_once_note(run_dir: Path | None, fresh: bool) -> str:
+def interrupted_at_once_note(run_dir: Path | None, fresh: bool, started: bool = True) -> str:
     """The note for a Ctrl-C that stopped `energy train` at once (before the training loop, or a second Ctrl-C):
-    nothing is saved then, so it says which checkpoint the run directory keeps."""
-    if run_dir is None:
-        return "interrupted before training started: nothing was written"
+    nothing is saved then, so it says which checkpoint the run directory keeps. `started` False: stopped while
+    the model was built, before the run directory was touched (`run_dir` the --out given, or None)."""
     step = None
     try:  # the committed last.json, as resuming reads it (a save the Ctrl-C cut short reads as the previous one)
-        sidecar = checkpoint_file(run_dir / "last.json")
+        sidecar = None if run_dir is None else checkpoint_file(run_dir / "last.json")
         if sidecar is not None:
             step = json.loads(sidecar.read_text())["training"]["step"]
     except Exception:  # noqa: BLE001 - a damaged run directory: say what is certain
         step = None
+    if not started or run_dir is None:
+        note = "interrupted before training started: nothing was written"
+        kept = f"; {run_dir} keeps its last checkpoint, step {step}: {resume_hint(fresh)} from it"
+        return note if step is None else note + kept
     if step is None:
         return f"interrupted at once, before a checkpoint was written: nothing was saved in {run_dir}"
     return (f"interrupted at once, without saving: kept the last checkpoint, step {step}: "
