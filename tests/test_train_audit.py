@@ -236,8 +236,9 @@ def test_resume_refuses_a_damaged_commit_record_and_a_metrics_file_that_is_a_fol
     (run / ".checkpoint.commit").unlink()
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").mkdir()
-    code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8", "--lr", "2e-3"))
     assert code == 2 and f"{run / 'metrics.jsonl'} is not a file: the run writes its metrics there" in err, err
+    assert "resuming" not in err, err  # refused first: it announced the resume with changed settings, then refused
 
 
 def test_a_metrics_row_the_disk_damaged_is_dropped_on_resume(run, corpus):

@@ -282,6 +282,9 @@ class RunDir:
             writable_dir(out_dir, "out_dir")  # from Python: a file there was pathlib's FileExistsError
             self.metrics = out_dir / "metrics.jsonl"
             self.diverged = out_dir / "diverged.json"
+            if self.metrics.exists() and not self.metrics.is_file():  # before a resume announces anything
+                raise UserError(f"{self.metrics} is not a file: the run writes its metrics there",
+                                hint="move it out of the way, or choose another --out directory")
             self._lock = _claim(out_dir)
 
     def close(self) -> None:
@@ -400,9 +403,6 @@ class RunDir:
         if self.out_dir is None:
             return
         keep: list[str] = []
-        if self.metrics.exists() and not self.metrics.is_file():
-            raise UserError(f"{self.metrics} is not a file: the run writes its metrics there",
-                            hint="move it out of the way, or choose another --out directory")
         if resumed_step is not None and self.metrics.exists():
             # a row the disk damaged (bytes that are not UTF-8 or JSON) is dropped, as a torn last row is
             for line in self.metrics.read_text(errors="replace").splitlines():
