@@ -78,9 +78,17 @@ def head_split(f: Expr) -> tuple[Expr, str, Expr] | None:
 
 
 def _not_a_head_sum(f: Expr) -> str | None:
-    """Why an energy written as a sum over heads is not one any more: a factor that does not depend on the head
-    is taken out of the sum (sum[k](G_k * H) is (sum[k] G_k) * H), so the heads' energies are not separate."""
-    if not isinstance(f, ir.Mul) or not any(isinstance(x, ir.Reduce) and x.op in ("sum", "mean") for x in f.factors):
+    """Why an energy is not a sum over heads: a term beside the sum (`mean[k](...) + c (z . z)`), or a factor
+    that does not depend on the head, taken out of the sum (sum[k](G_k * H) is (sum[k] G_k) * H)."""
+    def head_sum(e: Expr) -> bool:
+        parts = e.factors if isinstance(e, ir.Mul) else (e,)
+        return any(isinstance(x, ir.Reduce) and x.op in ("sum", "mean") for x in parts)
+
+    if isinstance(f, ir.Add) and any(head_sum(t) for t in f.terms):
+        return (f"this energy reads F = {show(f)}: `per head` splits one sum over heads into the heads' own "
+                "energies, and a term beside the sum belongs to no head; move it inside the sum "
+                "(sum[k](... + c / heads) or mean[k](... + c)), or drop `per head`")
+    if not isinstance(f, ir.Mul) or not head_sum(f):
         return None
     return (f"this energy reads F = {show(f)}: a factor that does not depend on the head is taken out of the "
             "sum over heads, which leaves a product, not a sum of the heads' own energies")

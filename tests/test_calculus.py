@@ -241,6 +241,16 @@ def test_per_head_on_a_product_with_the_heads_sum_says_what_the_energy_became():
     assert plain.value.hint is None
 
 
+def test_per_head_with_a_term_beside_the_heads_sum_says_to_move_it():
+    from energydsl.errors import SpecError
+
+    text = ("energy R(d = 4, heads = 2) { state z[d]  param W[heads, 2, d]\n"
+            "  global F = mean[k](sum(exp(W[k] @ z))) + 0.1 * (z . z)  optimizer gd(eta = 1) per head }")
+    with pytest.raises(SpecError, match="needs a global energy of the form") as info:
+        load(text).energy()
+    assert "a term beside the sum belongs to no head; move it inside the sum" in info.value.hint, info.value.hint
+
+
 PER_HEAD = ("energy R(d = 4, heads = 2) {{ dim dh = d / heads  state z[d]\n"
             "  context h[j, d] where j <= i  param W[heads, dh, d]  param K[heads, dh, d]\n"
             "  global F = {reduce}[k](-logsumexp[j](-0.5 * (W[k] @ z - K[k] @ h[j]) . (W[k] @ z - K[k] @ h[j])))\n"
