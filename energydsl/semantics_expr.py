@@ -239,7 +239,10 @@ class ExpressionLowering:
                 raise SpecError(f"unknown index `{i}` in {n.op}[{i}]", n.span,
                                 "an index comes from a context (`context h[j, d]`) or from indexing a param (`W[k]`)")
             if i not in body.free:
-                raise SpecError(f"{n.op}[{i}] over an expression that does not use `{i}`", n.span)
+                zero = ir.is_zero(body)  # `0 * E[k, j]`: simplified away with everything it used
+                raise SpecError(f"{n.op}[{i}] over an expression that does not use `{i}`", n.span,
+                                "the expression is 0 (a factor 0 removed every term), so it uses no index; drop "
+                                "the sum" if zero else None)
             if n.op == "softmax":
                 if body.shape:
                     raise SpecError("softmax[...] takes a scalar score", n.span)

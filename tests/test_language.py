@@ -716,6 +716,17 @@ def test_a_misused_construct_is_named_at_its_place(text: str, located: str) -> N
     assert err.value.render().splitlines()[0].startswith(f"<string>:{located}"), err.value.render()
 
 
+def test_a_sum_over_a_zero_says_the_zero_dropped_the_index() -> None:
+    """`sum[j](0 * ...)` said only that the body does not use `j`, which it visibly does."""
+    with pytest.raises(SpecError) as err:
+        load(_energy("sum[j](0 * (z . h[j])) + z . z")).energy()
+    assert err.value.render().splitlines()[0] == "<string>:4:14: error: sum[j] over an expression that does not use `j`"
+    assert err.value.hint.startswith("the expression is 0 (a factor 0 removed every term)"), err.value.hint
+    with pytest.raises(SpecError) as plain:
+        load(_energy("sum[j](z . z)")).energy()
+    assert plain.value.hint is None
+
+
 def test_orthogonal_initialises_each_matrix_of_a_stack() -> None:
     """`Q[heads, d, d] ~ orthogonal()` made one (heads·d, d) matrix orthogonal: no single head was."""
     import torch
