@@ -242,7 +242,7 @@ def _fwd_kernel(
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             if SECOND:
-                # softmax weights up to a factor per row, the rounding of lse (relative |lse| * 2^-23: large
+                # softmax weights up to a factor per row, the rounding of lse (about |lse| 2^-24: large
                 # where the scores are); their sum l_i divides it out at the end. Masked entries: exp2(-inf) = 0
                 p = tl.exp2(s - lse[:, None])
                 l_i += tl.sum(p, 1)
