@@ -14,6 +14,7 @@ import codecs
 import errno
 import functools
 import re
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +67,45 @@ MAX_TREE_DEPTH = 250  # levels of the parse tree: operators chained (`1 + 1 + ..
 
 @functools.lru_cache(maxsize=1)
 def _parser() -> Lark:
+    grammar = GRAMMAR_PATH.read_text(encoding="utf-8")
     return Lark(
-        GRAMMAR_PATH.read_text(encoding="utf-8"),
+        grammar,
         parser="lalr",
         propagate_positions=True,
         maybe_placeholders=True,
         cache=True,  # the built LALR tables, in the temp dir keyed by grammar and options: ~0.3 s per process
+        lexer_callbacks=dict.fromkeys(keyword_terminals(grammar), _stands_alone),
     )
+
+
+def keyword_terminals(grammar: str) -> set[str]:
+    """The lexer's names for the grammar's words: its quoted words (lark names such a terminal after its word,
+    upper-cased) and its named terminals, less those of names, numbers and strings."""
+    quoted = {word.upper() for word in re.findall(r'"([^\W\d]\w*)"', grammar)}
+    named = set(re.findall(r"^([A-Z][A-Z_]*)(?:\.\d+)?\s*:", grammar, re.MULTILINE))
+    return (quoted | named) - {"NAME", "NUMBER", "STRING", "COMMENT"}
+
+
+_SOURCE: ContextVar[str | None] = ContextVar("energydsl_source", default=None)  # the text `parse_text` parses
+_WORD = re.compile(r"\w")
+
+
+class _GluedKeyword(Exception):
+    """A keyword the lexer read off the front of a longer word; raised through lark, reported by `parse_text`."""
+
+    def __init__(self, token: lark.Token) -> None:
+        super().__init__(token.value)
+        self.token = token
+
+
+def _stands_alone(token: lark.Token) -> lark.Token:
+    """A keyword ends where its word does. Where the grammar takes no name, the lexer has only keywords to match
+    (lark's contextual lexer) and read `repeats layers` as `repeat s layers`, `statez[d]` as `state z[d]`."""
+    text, end = _SOURCE.get(), token.end_pos
+    if text is not None and end is not None and end < len(text) and _WORD.match(text[end]) \
+            and _WORD.match(token.value[-1:]):
+        raise _GluedKeyword(token)
+    return token
 
 
 def without_comments(text: str) -> str:
@@ -143,14 +176,21 @@ def parse_text(text: str, file: str = "<string>") -> list[Any]:
     """Parse one source text into a list of declarations and ("import", path, span) tuples."""
     text = _lines(text.removeprefix("\ufeff"))  # a byte-order mark some editors write: not part of the spec
     _check_text(text, file)
+    reading = _SOURCE.set(text)
     try:
         tree = _parser().parse(text)
+    except _GluedKeyword as e:
+        from .syntax_errors import glued_keyword
+
+        raise glued_keyword(e.token, text, file) from None
     except lark.exceptions.UnexpectedInput as e:
         from .syntax_errors import syntax_error  # the error path only: it reads the grammar's terminals
 
         raise syntax_error(e, text, file) from None
     except RecursionError:
         raise SpecError("expression too deeply nested", Span(file, 1, 1, text)) from None
+    finally:
+        _SOURCE.reset(reading)
     _check_depth(tree, text, file)
     try:
         return _ToAst(file, text).transform(tree)

@@ -282,6 +282,20 @@ def _unfinished_clause(tok: lark.Token, text: str, file: str) -> SpecError | Non
                      f"line {last_line} is unfinished: expected {_describe_expected(expected)} there")
 
 
+def glued_keyword(keyword: lark.Token, text: str, file: str) -> SpecError:
+    """A keyword the lexer read off the front of a longer word (`repeats`, `statez`), which is no keyword and
+    stood where no name may: an unfinished line before it if that is the mistake, else the word and its parts."""
+    word = re.match(r"\w+", text[keyword.start_pos:]).group(0)  # type: ignore[arg-type, union-attr]
+    as_name = lark.Token("NAME", word, keyword.start_pos, keyword.line, keyword.column)
+    unfinished = _unfinished_clause(as_name, text, file)
+    if unfinished is not None:
+        return unfinished
+    rest = word[len(keyword):]
+    return SpecError(f"unknown word `{word}`", Span(file, keyword.line, keyword.column, text,
+                                                   keyword.column + len(word)),
+                     f"write `{keyword} {rest}` with a space if you meant both words, or `{keyword}` alone")
+
+
 def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> SpecError:
     """A lark parse error as the user should read it."""
     expected = _expected_terminals(e)

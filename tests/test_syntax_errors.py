@@ -121,6 +121,43 @@ def test_a_misspelt_keyword_is_named(typo: str, word: str) -> None:
     assert_user_terms(err.hint)
 
 
+@pytest.mark.parametrize("text, word, split", [
+    (ENERGY.replace("state   z[d]", "statez[d]"), "statez", "state z"),
+    (MODEL.replace("repeat 2", "repeats"), "repeats", "repeat s"),
+    (MODEL.replace("embed tokens", "embedtokens"), "embedtokens", "embed tokens"),
+    (ENERGY + "blockB = A\n", "blockB", "block B"),
+])
+def test_a_keyword_glued_to_the_next_word_is_refused(text: str, word: str, split: str) -> None:
+    """Where the grammar takes no name, the lexer saw only keywords and read a keyword off the front of a longer
+    word: `statez[d]` was `state z[d]`, and `repeats` (a header dim `s`) repeated the layers s times."""
+    err = syntax_error(text)
+    assert err.message == f"unknown word `{word}`"
+    assert err.hint == f"write `{split}` with a space if you meant both words, or `{split.split()[0]}` alone"
+    assert err.span.end_column - err.span.column == len(word)
+
+
+def test_a_glued_keyword_after_an_unfinished_line_names_the_line() -> None:
+    """`layer = A ->` then `repeat layers`: `repeat` was taken as the missing stage and `layers` read as `layer s`;
+    the mistake is the line before, as for any other word there."""
+    err = syntax_error(MODEL.replace("layer = A", "layer = A ->").replace("repeat 2", "repeat layers"))
+    assert err.message == "unexpected `repeat`" and err.hint.startswith("line 4 is unfinished"), err.render()
+
+
+def test_keywords_stand_alone_where_names_may_follow_too() -> None:
+    """Names that begin with a keyword stay names (`stateful`, `layers`, `repeat2`), as before."""
+    assert parse_text(ENERGY.replace("z . z", "z . z + stateful").replace("d = 2", "d = 2, stateful = 1"))
+    model = MODEL.replace("head weird", "head tied").replace("M(d = 8)", "M(d = 8, layers = 2)")
+    assert parse_text(model.replace("repeat 2", "repeat layers"))
+
+
+def test_every_word_of_the_grammar_is_checked_to_stand_alone() -> None:
+    """The lexer callbacks are keyed by the names lark gives the grammar's words: a word the naming missed would
+    be read off the front of a longer one again."""
+    words = {t.name for t in syntax._parser().terminals if re.fullmatch(r"[^\W\d]\w*", t.pattern.value)
+             or t.name in ("DIRECTION", "HEAD_KIND")}  # alternatives of words: patterns of their own
+    assert words - {"NAME"} <= syntax.keyword_terminals(syntax.GRAMMAR_PATH.read_text())
+
+
 def test_a_reducer_by_another_name_is_named() -> None:
     err = syntax_error(ENERGY.replace("optimizer gd(eta = 1)", "global G = lse[j](z . h[j])"))
     assert err.message == "no reducer named `lse`" and err.hint.startswith("did you mean `logsumexp`?")
