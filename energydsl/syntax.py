@@ -56,7 +56,9 @@ __all__ = [  # the tree's types are re-exported: cli, api and composition name t
     "parse_module", "parse_text",
 ]
 
-GRAMMAR_PATH = Path(__file__).resolve().parent.parent / "grammars" / "energy.lark"
+# `grammars/energy.lark` at the top of the repository, through the package's `grammars` link to it (a wheel copies
+# the file in: an installed package has no repository around it)
+GRAMMAR_PATH = Path(__file__).resolve().parent / "grammars" / "energy.lark"
 MAX_SOURCE_BYTES = 4 * 1024 * 1024
 MAX_NESTING = 200  # brackets inside one another
 MAX_TREE_DEPTH = 250  # levels of the parse tree: operators chained (`1 + 1 + ...`, `---x`) count too

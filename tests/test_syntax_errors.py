@@ -323,3 +323,20 @@ def test_the_words_expressions_reserve_are_refused_as_names() -> None:
         with pytest.raises(SpecError) as info:
             load(f"energy A(d = 4) {{\n  state z[d]\n  param {word} = 2\n  global F = z . z\n}}\n").energy()
         assert str(info.value).startswith(f"<string>:3:3: error: `{word}` is a word of expressions")
+
+
+def test_the_grammar_ships_inside_the_package() -> None:
+    """A non-editable install (a wheel) has no repository around the package: the grammar was read from
+    `../grammars/`, which a wheel does not hold. The package reads it through its `grammars` link to that folder,
+    and its package data names the file, so a wheel copies it in (checked by building one, 2026-11-30)."""
+    import tomllib
+    from pathlib import Path
+
+    import energydsl
+
+    root = Path(__file__).resolve().parent.parent
+    package = Path(energydsl.__file__).resolve().parent
+    assert syntax.GRAMMAR_PATH.parent.parent == package
+    assert syntax.GRAMMAR_PATH.read_text() == (root / "grammars" / "energy.lark").read_text()
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["energydsl"]
+    assert any(syntax.GRAMMAR_PATH.relative_to(package).match(pattern) for pattern in data), data
