@@ -199,7 +199,7 @@ def compile_(
 ) -> None:
     """Generate readable PyTorch modules: one nn.Module per energy, its forward the derived update."""
     from .api import load
-    from .codegen import energy_source
+    from .codegen import class_names, energy_source
 
     if output is not None:
         check_output(output, "-o/--output", "layers.py")  # before the derivation, which may take a while
@@ -220,7 +220,7 @@ def compile_(
             f.write(text)
     except OSError as e:
         raise UserError(f"cannot write {output}: {e.strerror}") from None
-    err.print(f"wrote {output} ({', '.join(d.name for d in derived)}, backend {backend})")
+    err.print(f"wrote {output} ({', '.join(class_names(derived))}, backend {backend})")
 
 
 @app.command()

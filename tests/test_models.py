@@ -682,6 +682,26 @@ def test_derive_and_compile_take_a_model_its_layer_at_its_dims(tmp_path: Path) -
     assert r.returncode == 2 and "`e`" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_compile_of_a_model_with_one_energy_at_two_dims_writes_a_class_for_each(tmp_path: Path) -> None:
+    """`MLP(d) -> MLP(d, hidden = 2 * d)`: both were `class MLP` of one file, the second replacing the first, so the
+    model's layers at the first dims no longer loaded into the written class."""
+    spec = tmp_path / "two.energy"
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\n'
+                    "model M(vocab = 11, context = 8, d = 16, layers = 1, heads = 2) {\n  embed tokens\n"
+                    "  layer = MHA(d, heads) -> MLP(d) -> MLP(d, hidden = 2 * d)\n  repeat layers\n  head tied\n}\n")
+    out = tmp_path / "layers.py"
+    r = _run("compile", str(spec), "--name", "M", "-o", str(out))
+    assert r.returncode == 0 and "(MHA, MLP_hidden64, MLP_hidden32, backend torch)" in r.stderr, r.stderr
+    namespace: dict = {}
+    exec(compile(out.read_text(), str(out), "exec"), namespace)  # noqa: S102 - the generated module
+    model = energydsl.load(spec).model("M")
+    for index, cls in ((1, namespace["MLP_hidden64"]), (2, namespace["MLP_hidden32"])):
+        module = cls()
+        module.load_state_dict(model.layers[0][index].state_dict())
+        x = torch.randn(2, 5, 16)
+        torch.testing.assert_close(module(x), model.layers[0][index](x))
+
+
 def test_check_resolves_every_block_and_checks_its_sums(tmp_path: Path) -> None:
     """A block that no model used was never resolved: `energy check` said "declares no energy" of a file of
     blocks, and "ok" of one whose model used another block, whatever its unused block summed."""

@@ -80,20 +80,22 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
     that build T x T tensors. `lowering=False` (torch backend only) writes the generic form: every context sum
     as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
     from ..errors import SpecError, UserError
-    from .torch_module import ModuleWriter, class_name, file_source
+    from .torch_module import ModuleWriter, file_source
 
     check_backend(backend)
     if not lowering and backend != "torch":
         raise UserError("the generic form (lowering=False) is the torch backend's", hint="backend=\"torch\"")
     many = derived if isinstance(derived, list) else [derived]
+    names = class_names(many)
     classes: dict[str, Derived] = {}
-    for d in many:
-        other = classes.setdefault(class_name(d.name), d)
-        if other.name != d.name:
+    for d, cls in zip(many, names, strict=True):
+        other = classes.setdefault(cls, d)
+        if other is not d:
             raise SpecError(f"energies `{other.name}` (at {other.spec.span}) and `{d.name}` would both be the class "
-                            f"`{class_name(d.name)}` of one generated file", d.spec.span,
+                            f"`{cls}` of one generated file", d.spec.span,
                             "rename one of them, or compile them apart (`--name`)")
-    writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations()) for d in many]
+    writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations(), cls=cls)
+               for d, cls in zip(many, names, strict=True)]
     text = file_source(writers)
     if backend == "triton" and unfused is not None:
         for d, w in zip(many, writers):
@@ -103,6 +105,21 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
             elif w.misses:
                 unfused.append(f"{d.name} runs on the kernels, but not all of it{why}")
     return text
+
+
+def class_names(derived: list[Derived]) -> list[str]:
+    """The class of each derived energy in one file: its name's, and where a model uses one energy at several
+    dims (`MLP(d) -> MLP(d, hidden = 2 * d)`), the dims that tell them apart too: `MLP_hidden32`, `MLP_hidden64`
+    (one class name for both had the second definition replace the first)."""
+    from ..number_text import plain_number
+    from .torch_module import class_name
+
+    names = []
+    for d in derived:
+        same = [o.spec.dim_values for o in derived if o.name == d.name]
+        apart = [k for k in d.spec.dim_values if len({dims.get(k) for dims in same}) > 1]
+        names.append(class_name("_".join([d.name, *(f"{k}{plain_number(d.spec.dim_values[k])}" for k in apart)])))
+    return names
 
 
 def runnable_backend(backend: str) -> str:

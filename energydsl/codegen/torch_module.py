@@ -52,8 +52,9 @@ class ModuleWriter:
     """Writes one module's source: header, __init__ (parameters), reset_parameters, forward."""
 
     def __init__(self, prog: UpdateProgram, equation_hash: str, backend: str = "torch", lowering: bool = True,
-                 context_len: int = 1, equations: str | None = None):
+                 context_len: int = 1, equations: str | None = None, cls: str | None = None):
         self.prog = prog
+        self.cls = cls or class_name(prog.spec.name)  # another where one file holds the energy at several dims
         self.context_len = context_len  # T for FLOP counts
         self.flops_per_token = 0.0
         self.backend = backend
@@ -272,8 +273,7 @@ class ModuleWriter:
 
     def parts(self) -> tuple[list[str], list[str], list[KernelRequest], list[str]]:
         """(docstring, imports, kernels, class lines): `file_source` joins them for one or more modules."""
-        spec, prog = self.spec, self.prog
-        cls = class_name(spec.name)
+        spec, prog, cls = self.spec, self.prog, self.cls
         init, reset = self._param_lines()
         fwd, used = self.forward_lines()
         dims = ", ".join(f"{k}={plain_number(v)}" for k, v in spec.dim_values.items())
@@ -295,7 +295,8 @@ class ModuleWriter:
             imports.insert(3, "from energydsl.runtime.init import alibi_slopes")
         if "integral_quadrature" in "\n".join(fwd):
             imports.insert(3, "from energydsl.runtime.init import integral_quadrature")
-        doc = [f"energy {spec.name} ({dims}) from {spec.span.file}, backend {self.backend}. Its derivation, as",
+        named = "" if cls == class_name(spec.name) else f", class {cls}"  # one energy at several dims in one file
+        doc = [f"energy {spec.name} ({dims}){named} from {spec.span.file}, backend {self.backend}. Its derivation, as",
                "`energy derive` prints it (the untied update, when there is one, is what `forward` runs):",
                "",
                textwrap.indent(equations, "    ")]
@@ -314,10 +315,10 @@ class ModuleWriter:
                "        self.reset_parameters()",
                "",
                "    def reset_parameters(self) -> None:",
-               "        with torch.no_grad():",
-               *[f"            {ln}" for ln in reset or ["pass"]],
+               *(["        with torch.no_grad():", *[f"            {ln}" for ln in reset]] if reset
+                 else ['        """Nothing to initialise: this energy has no parameters."""']),
                "",
-               "    def extra_repr(self) -> str:  # print(module): MHA(d=8, heads=2, backend=torch)",
+               f"    def extra_repr(self) -> str:  # print(module): {cls}({dims}, backend={self.backend})",
                f"        return {f'{dims}, backend={self.backend}'!r}",
                "",
                "    def example_input(self, batch: int = 2, seq: int = 16) -> torch.Tensor:",
