@@ -14,7 +14,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from rich.text import Text
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, writable_dir
+
+if TYPE_CHECKING:
+    from .api import Spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="energydsl: sequence layers as optimizers running on energies.")
@@ -184,6 +187,18 @@ def check(
         raise typer.Exit(status)
 
 
+def not_a_source(output: str, spec: Spec, flag: str, example: str) -> None:
+    """Refuse an output path that is one of the spec's own files (the one given or one it imports): writing
+    there replaced the spec with the output, without a word."""
+    decls = (*spec.syntax.energies.values(), *spec.syntax.blocks.values(), *spec.syntax.models.values())
+    sources = {spec.syntax.path, *(d.span.file for d in decls if d.span is not None)}
+    target = Path(output).resolve()
+    for source in sorted(sources):
+        if Path(source).resolve() == target:
+            raise UserError(f"{flag} {output} is the spec {source}: writing there would replace it",
+                            hint=f"give another file, e.g. {example}")
+
+
 @app.command("compile")
 def compile_(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
@@ -204,6 +219,8 @@ def compile_(
     if output is not None:
         check_output(output, "-o/--output", "layers.py")  # before the derivation, which may take a while
     spec = load(file)
+    if output is not None:
+        not_a_source(output, spec, "-o/--output", "layers.py")
     dims = parse_sets(sets)
     derived = spec.derivations(name, **dims)
     if not derived:
@@ -265,7 +282,10 @@ def graph(
 
     if dot is not None:
         check_output(dot, "--dot", "model.dot")  # before the composition is printed, not after
-    plan = load(file).plan(name, **parse_sets(sets))
+    spec = load(file)
+    if dot is not None:
+        not_a_source(dot, spec, "--dot", "model.dot")
+    plan = spec.plan(name, **parse_sets(sets))
     for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs,
         spec = lower_energy(stage.decl, stage.dims)  # and its state fits the stream, as training needs
         check_stage_state(plan, stage, spec)

@@ -227,3 +227,21 @@ def test_per_head_over_the_context_is_a_spec_error(monkeypatch, capsys, tmp_path
     code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "-o", str(tmp_path / "out.py"))
     assert code == 2 and f"{spec}:6:3: error: `per head` needs a sum over heads" in err, err
 
+
+
+def test_an_output_that_is_the_spec_or_an_import_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    """`energy compile x.energy -o x.energy` replaced the spec with Python, exit 0; so did `--dot` of `graph`."""
+    root = Path(__file__).resolve().parent.parent
+    spec = tmp_path / "m.energy"
+    spec.write_text(f'import "{root}/examples/models/gpt.energy"\n'
+                    "model M(vocab = 11, context = 8, d = 16, heads = 2) {\n  embed tokens\n"
+                    "  layer = MHA(d, heads) -> MLP(d)\n  head tied\n}\n")
+    text = spec.read_text()
+    for args, flag in ((["compile", str(spec), "-o"], "-o/--output"), (["graph", str(spec), "--dot"], "--dot")):
+        code, _, err = run_main(monkeypatch, capsys, *args, str(spec))
+        assert code == 2 and f"error: {flag} {spec} is the spec {spec}: writing there would replace it" in err, err
+    imported = tmp_path / "gpt.energy"  # the import, reached by another path
+    imported.symlink_to(root / "examples/models/gpt.energy")
+    code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "--name", "M", "-o", str(imported))
+    assert code == 2 and "is the spec" in err and "gpt.energy: writing there would replace it" in err, err
+    assert spec.read_text() == text
