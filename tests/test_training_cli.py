@@ -71,6 +71,16 @@ def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(c
     assert "~ normal(0, 0.02)     # W_Q\" there" in err and "~ normal(0, 0.05)     # W_Q\" now" in err, err
 
 
+def test_the_first_edited_line_skips_comments_and_spacing() -> None:
+    """A comment added above the real edit was named as the edit (`from line 1: "# a comment" there …`)."""
+    from energydsl.training.run_dir import _first_edit
+
+    saved = "model M(d = 8) {\n  layer = A\n  repeat 4\n}\n"
+    now = "# a comment\n\nmodel M(d = 8) {  # and here\n  layer =   A\n  repeat 2\n}\n"
+    assert _first_edit(saved, now) == 'from line 5: "repeat 4" there, "repeat 2" now'
+    assert _first_edit(saved, now.replace("  repeat 2\n", "")) == 'from line 5: "repeat 4" there, "}" now'
+
+
 def test_a_moved_spec_resumes_its_run_and_says_so(corpus, tmp_path, monkeypatch, capsys):
     """The same spec at another path (a copied or re-cloned checkout) was "a different model" (spec_path)."""
     spec, args = trained_copy_of_gpt(corpus, tmp_path, monkeypatch, capsys)

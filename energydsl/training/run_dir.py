@@ -79,11 +79,21 @@ def _differences(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -
 
 
 def _first_edit(a: str, b: str) -> str:
-    """Where two texts first differ: `from line 12: "d = 8" there, "d = 16" now`."""
-    old, new = a.splitlines(), b.splitlines()
-    n = next((i for i, (x, y) in enumerate(zip(old, new)) if x != y), min(len(old), len(new)))
-    shown = [_show(lines[n].strip(), 60) if n < len(lines) else "(the end)" for lines in (old, new)]
-    return f"from line {n + 1}: {shown[0]} there, {shown[1]} now"
+    """Where two spec texts first differ: `from line 12: "d = 8" there, "d = 16" now` (line numbers of the text
+    now). Comments, blank lines and spacing are no edit (a spec edited only there is the same spec): an added
+    comment line was named as the edit, above the one that was."""
+    from ..syntax import without_comments
+
+    def code_lines(text: str) -> list[tuple[int, str, str]]:  # (line number, as written, its words)
+        raw = text.splitlines()
+        return [(i + 1, raw[i].strip(), " ".join(line.split()))
+                for i, line in enumerate(without_comments(text).splitlines()) if line.strip()]
+
+    old, new = code_lines(a), code_lines(b)
+    n = next((i for i, (x, y) in enumerate(zip(old, new)) if x[2] != y[2]), min(len(old), len(new)))
+    shown = [_show(lines[n][1], 60) if n < len(lines) else "(the end)" for lines in (old, new)]
+    line = new[n][0] if n < len(new) else len(b.splitlines()) + 1
+    return f"from line {line}: {shown[0]} there, {shown[1]} now"
 
 
 def _shape_differences(saved: dict[str, Tensor], now: dict[str, Tensor]) -> list[str]:
