@@ -219,8 +219,10 @@ class ModuleWriter:
         text = "\n".join(em.prologue + steps_body)
         if re.search(r"\bpos\b", text):
             lines.append("pos = torch.arange(T, device=dev, dtype=dt)")
-        if re.search(r"\bmask(_strict)?\b", text):
-            lines.append("mask, mask_strict = causal_masks(T, dev)")
+        masks = [m for m in ("mask", "mask_strict") if re.search(rf"\b{m}\b", text)]  # the ones the forward reads
+        if masks:
+            unpacked = ", ".join(m if m in masks else "_" for m in ("mask", "mask_strict"))
+            lines.append(f"{unpacked} = causal_masks(T, dev)")
             em.used_ops.add("causal_masks")
         if re.search(r"\bcount\b", text):
             lines.append("count = torch.arange(1, T + 1, device=dev, dtype=dt)")
@@ -236,8 +238,8 @@ class ModuleWriter:
         taken = set(re.findall(r"\w+", "\n".join(lines + em.prologue + steps_body)))
         vectors = {_local(p.name) for p in prog.params.values() if len(p.shape) == 1}  # biases F.linear can take
 
+        plain = prog.steps == 1 and not prog.aux and len(steps_body) >= 2 and delta_code is not None
         if prog.steps == 1:
-            plain = not prog.aux and len(steps_body) >= 2 and delta_code is not None
             head, tail = (steps_body[:-2], steps_body[-2:]) if plain else (steps_body, [])
             lines += fuse_biases(fuse_projections(em.prologue + start + head, {**roots, x: "x"}, taken), vectors)
             if plain:  # one plain step x + Δ: the displacement is available before the final add
@@ -253,7 +255,8 @@ class ModuleWriter:
             lines += ["    " + ln for ln in fuse_biases(fuse_projections(steps_body, {}, taken), vectors)]
         if "projections(" in "\n".join(lines):
             em.used_ops.add("projections")
-        lines.append(f"return {x} - x if delta else {x}")
+        # a plain step returned its displacement above: no `delta` is left to ask about here
+        lines.append(f"return {x}" if plain else f"return {x} - x if delta else {x}")
         used = "\n".join(ln.split("  # ", 1)[0] for ln in lines)  # the code, not its comments
         preamble = ["check_inputs(self, x, context, input, delta)  # shapes, length, dtype: a clear ValueError"]
         for names_, values in ((("B", "T"), ("x.shape[0]", "x.shape[1]")), (("dev", "dt"), ("x.device", "x.dtype"))):
