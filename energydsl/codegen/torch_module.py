@@ -221,8 +221,8 @@ class ModuleWriter:
             lines.append("pos = torch.arange(T, device=dev, dtype=dt)")
         masks = [m for m in ("mask", "mask_strict") if re.search(rf"\b{m}\b", text)]  # the ones the forward reads
         if masks:
-            unpacked = ", ".join(m if m in masks else "_" for m in ("mask", "mask_strict"))
-            lines.append(f"{unpacked} = causal_masks(T, dev)")
+            which = "" if len(masks) == 2 else "[0]" if masks == ["mask"] else "[1]"
+            lines.append(f"{', '.join(masks)} = causal_masks(T, dev){which}")
             em.used_ops.add("causal_masks")
         if re.search(r"\bcount\b", text):
             lines.append("count = torch.arange(1, T + 1, device=dev, dtype=dt)")
