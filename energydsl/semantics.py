@@ -280,8 +280,11 @@ class _Lowering(ExpressionLowering, ParamLowering):
             if sp.sympify(e).is_number:  # written as a number: no dims to choose
                 raise SpecError(f"{what} is {plain_number(v)}, not a positive whole number", span,
                                 "a size is a whole number of at least 1")
-            raise SpecError(f"{what} = {e} = {plain_number(v)} is not a positive whole number (with {given})", span,
-                            "choose dims that divide evenly")
+            named = f"{what} {e}" if isinstance(e, sp.Symbol) else f"{what} = {e}"  # `this size d`, not `= d`
+            fractional = math.isfinite(v) and abs(v - round(v)) > 1e-9
+            raise SpecError(f"{named} = {plain_number(v)} is not a positive whole number (with {given})", span,
+                            "choose dims that divide evenly" if fractional
+                            else "a size is a whole number of at least 1: choose dims that make it one")
         if round(v) > MAX_SIZE:
             raise SpecError(f"{what} = {e} = {plain_number(v)} is too large (with {given})", span, SIZE_LIMIT_HINT)
 

@@ -90,6 +90,9 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "not a positive whole number", 2, 12),
         ("energy A(d = 3, heads = 0) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
          "d/heads is not a size with d=3, heads=0: it divides by zero", 2, 12),
+        # a dim of 0: nothing divides, so "choose dims that divide evenly" was the wrong hint (below, the hint)
+        ("energy A(d = 0) {\n  state z[d]\n  global F = z . z\n}",
+         "this size d = 0 is not a positive whole number (with d=0)", 2, 11),
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n  optimizer adam(eta = 1)\n}",
          "unknown optimizer", 4, 13),
         # a name given twice was the last value silently winning (the header's dims, a call's keywords)
@@ -714,6 +717,15 @@ def test_a_misused_construct_is_named_at_its_place(text: str, located: str) -> N
     with pytest.raises(SpecError) as err:
         load(text).energy()
     assert err.value.render().splitlines()[0].startswith(f"<string>:{located}"), err.value.render()
+
+
+def test_a_size_below_one_is_not_told_to_divide_evenly() -> None:
+    with pytest.raises(SpecError) as err:
+        load("energy A(d = 0) {\n  state z[d]\n  global F = z . z\n}").energy()
+    assert err.value.hint == "a size is a whole number of at least 1: choose dims that make it one"
+    with pytest.raises(SpecError) as err:
+        load("energy A(d = 3, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}").energy()
+    assert err.value.hint == "choose dims that divide evenly"
 
 
 def test_a_sum_over_a_zero_says_the_zero_dropped_the_index() -> None:
