@@ -130,8 +130,24 @@ def test_a_missing_gpu_is_named_as_the_flag(tmp_path, monkeypatch, capsys) -> No
     monkeypatch.chdir(tmp_path)
     space = str(Path(__file__).resolve().parents[1] / "search/quickstart.energy")
     refused(energy(monkeypatch, capsys, "search", space, "--storage", str(journal), "--device", "cuda:0"),
-            "CUDA is not available", "hint: use --device cpu")
+            "device 'cuda:0' requested but CUDA is not available", "hint: use --device cpu")
     assert not journal.exists()
+
+
+def test_a_device_index_past_the_machines_gpus_is_refused(monkeypatch) -> None:
+    """`cuda:7` on a machine with two GPUs reached torch as a CUDA error mid-run; `cuda:0` without CUDA said
+    `device 'cuda' requested`."""
+    import torch
+
+    from energydsl.errors import UserError
+    from energydsl.training.config import device_of
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(UserError) as err:
+        device_of("cuda:7", "--device")
+    assert err.value.message == "device 'cuda:7' requested but this machine has 2 CUDA devices"
+    assert err.value.hint == "use cuda:0 to cuda:1, or cuda"
 
 
 def test_an_empty_address_is_refused_before_ray_starts(tmp_path, monkeypatch, capsys) -> None:

@@ -154,7 +154,11 @@ def device_of(name: str, setting: str = "device") -> torch.device:
         raise UserError(f"unknown device {name!r}", hint="use cpu, cuda, cuda:N or auto") from e
     if device.type == "cuda" and not torch.cuda.is_available():
         cpu = f"{setting} cpu" if setting.startswith("--") else f'{setting}="cpu"'
-        raise UserError("device 'cuda' requested but CUDA is not available", hint=f"use {cpu}")
+        raise UserError(f"device {name!r} requested but CUDA is not available", hint=f"use {cpu}")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise UserError(f"device {name!r} requested but this machine has {count} CUDA device{'s' * (count != 1)}",
+                        hint=f"use cuda:0 to cuda:{count - 1}, or cuda")
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"unsupported device {name!r}", hint="use cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and device.index is None:
