@@ -369,10 +369,12 @@ class Spec:
 
     def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:
         """A model's own checks (`energydsl.model_checks`): causality of the composed model and parameters that
-        never get a gradient, in float64 on the torch backend."""
-        from .model_checks import check_model
+        never get a gradient, in float64 on the torch backend; and header dims that nothing reads."""
+        from .composition import unread_dims
+        from .model_checks import check_model, dims_row
 
-        return check_model(self.model(name, **dims))
+        model = self.model(name, **dims)
+        return [*check_model(model), dims_row(model.plan.name, unread_dims(self.syntax, model.plan.name))]
 
     def _split_dims(self, dims: dict[str, float]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         """`--set` dims for the file's energies, and for each of its models; one neither declares is refused."""

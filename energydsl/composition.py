@@ -12,6 +12,7 @@ The residual stream is a vector [d] unless the model declares `stream [dk, dv]` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -349,6 +350,43 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
         _check_entries((rows, rank, stream[-1]) if rank else (rows, math.prod(stream)), what, decl.span)
     return ModelPlan(name, env, vocab, context, math.prod(stream), positions, stages, layers, shared, across, norm,
                      final, tied, decl.span, stream=stream, embed_rank=embed_rank, head_rank=head_rank)
+
+
+def unread_dims(module: ast.Module, name: str) -> list[str]:
+    """The header dims of model `name` that nothing reads: no clause, no other dim's default, no stage's energy
+    (which takes a model dim of its own dim's name) and no block. `layers = 8` without `repeat layers` built one
+    layer, and said nothing."""
+    decl = module.models[name]
+    clauses = {c.kind for c in decl.clauses}
+    read = {"vocab", "context"} | (set() if "stream" in clauses else {"d"}) | _names_in(decl.clauses)
+    read |= _names_in([node for _, node in decl.header])
+    layer = next((c.value for c in decl.clauses if c.kind == "layer"), [])
+    refs, seen = [ref for summed in layer for ref in summed], set()
+    while refs:
+        ref = refs.pop()
+        if ref.name in seen:
+            continue
+        seen.add(ref.name)
+        if ref.name in module.energies:
+            read |= {n for n, _ in module.energies[ref.name].header}
+        elif ref.name in module.blocks:
+            pipeline = module.blocks[ref.name].pipeline
+            read |= _names_in(pipeline)
+            refs += [r for summed in pipeline for r in summed]
+    return [k for k, _ in decl.header if k not in read]
+
+
+def _names_in(tree: object) -> set[str]:
+    """Every name a piece of syntax reads (`Name` nodes, in stage arguments, clause values, expressions)."""
+    if isinstance(tree, ast.Name):
+        return {tree.name}
+    if isinstance(tree, list | tuple):
+        return set().union(*map(_names_in, tree)) if tree else set()
+    if isinstance(tree, dict):
+        return _names_in(list(tree.values()))
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return _names_in([getattr(tree, f.name) for f in dataclasses.fields(tree) if f.name != "span"])
+    return set()
 
 
 def _stream(c: ast.Clause | None, env: dict[str, float], span: Span | None) -> tuple[int, ...]:

@@ -5,6 +5,8 @@
               embeddings, norms, streams and across-layer momentum that wire them.
   params      every parameter gets a nonzero gradient from the loss within the first steps of plain gradient
               descent. One that gets none never trains (a masked self-token bias, factors that all start at 0).
+  dims        every header dim is read (by a clause, another dim's default, a stage or a block): `layers = 8`
+              without `repeat layers` builds one layer; a warning, as a dim may be kept for later on purpose.
 
 Both run on the torch backend in float64, at the model's dims: a model's defaults are small enough to check.
 """
@@ -34,6 +36,18 @@ def check_model(model: torch.nn.Module, seed: int = 0) -> list[CheckResult]:
         vocab, T = model.plan.dims["vocab"], min(model.block_size, MAX_CHECK_TOKENS)
         idx = torch.randint(int(vocab), (2, T), generator=generator)
         return [_causality(model, idx, generator), _params(model, idx, generator)]
+
+
+def dims_row(model: str, unread: list[str]) -> CheckResult:
+    """The `dims` row: a warning naming the header dims that nothing of `model` reads (they change nothing)."""
+    if not unread:
+        return CheckResult("dims", "ok", "every header dim is read by a clause, a stage or another dim")
+    names = first_few([f"`{n}`" for n in unread])
+    hint = " (no `repeat layers`)" if "layers" in unread else ""
+    one = len(unread) == 1
+    return CheckResult("dims", "warn", f"{names} {'is' if one else 'are'} read by nothing in model `{model}`{hint}: "
+                       f"no clause, stage or other dim uses {'it' if one else 'them'}, so setting "
+                       f"{'it' if one else 'them'} changes nothing")
 
 
 def _causality(model: torch.nn.Module, idx: torch.Tensor, generator: torch.Generator) -> CheckResult:

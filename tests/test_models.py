@@ -625,6 +625,20 @@ def test_every_example_model_passes_its_model_checks(path: str) -> None:
         results = {r.name: r for r in spec.check_model(name)}
         assert results["causality"].status == "ok" and results["causality"].max_error == 0.0, results["causality"]
         assert results["params"].status == "ok", results["params"].detail
+        assert results["dims"].status == "ok", results["dims"].detail
+
+
+def test_a_model_check_warns_of_header_dims_nothing_reads(tmp_path: Path) -> None:
+    """`layers = 8` without `repeat layers` built one layer, and `energy info --set layers=8` said nothing of it.
+    A dim a stage's energy takes by its name (`heads` of MHA), or another dim's default reads, is read."""
+    spec = tmp_path / "m.energy"
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\n'
+                    "model M(vocab = 11, context = 8, d = 8, layers = 3, heads = 2, dropout = 3, m = 2,\n"
+                    "        hidden = m * d) {\n  embed tokens\n  layer = MHA -> MLP(d, hidden)\n  head tied\n}\n")
+    results = {r.name: r for r in energydsl.load(spec).check_model("M")}
+    assert results["dims"].status == "warn"
+    assert results["dims"].detail == ("`layers`, `dropout` are read by nothing in model `M` (no `repeat layers`): no "
+                                      "clause, stage or other dim uses them, so setting them changes nothing")
 
 
 def test_the_model_causality_check_sees_a_leak() -> None:
