@@ -25,7 +25,7 @@ from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
-from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show
+from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show, shown_function
 from .semantics import EnergyIR, lower_energy
 
 
@@ -130,17 +130,18 @@ class Derived:
                 _, hits = untie_fn(unhoist(direction), [(cand, Var("__probe", "param", cand.shape))])
                 if hits:
                     on_path.setdefault(base.name, set()).add(show(cand))
-        scores: set[str] = set()
+        inside: dict[str, str] = {}  # a param's name: where it shapes the weights (scores first, else a function)
         from .ir import Func, Softmax
 
         for node in nodes(unhoist(direction)):
             if isinstance(node, (Softmax, Func)):
+                where = "the scores" if isinstance(node, Softmax) else f"{shown_function(node.name)}(…)"
                 for inner in nodes(node):
-                    if isinstance(inner, Var) and inner.name in params:
-                        scores.add(inner.name)
-        return [f"{name} is used in the scores and, as {' / '.join(sorted(forms))}, on the value path "
+                    if isinstance(inner, Var) and inner.name in params and inside.get(inner.name) != "the scores":
+                        inside[inner.name] = where
+        return [f"{name} is used in {inside[name]} and, as {' / '.join(sorted(forms))}, on the value path "
                 "(the energy ties them; `untie` frees the value path)"
-                for name, forms in sorted(on_path.items()) if name in scores]
+                for name, forms in sorted(on_path.items()) if name in inside]
 
     def equations(self, fmt: str = "text") -> str:
         if fmt not in ("text", "latex", "markdown", "mathml"):

@@ -680,6 +680,13 @@ def test_a_param_with_an_underscore_in_its_name_keeps_its_tying_line() -> None:
     assert any(line.startswith("W_k is used in the scores") for line in tying)
 
 
+def test_a_tying_line_names_the_function_a_param_is_inside() -> None:
+    """An MLP has no scores: `W1 is used in the scores` misread its gelu(W1 z)."""
+    tying = load("examples/models/gpt.energy").energy("MLP").tying()
+    assert tying == ["W1 is used in gelu(…) and, as W1 / W1ᵀ, on the value path (the energy ties them; `untie` frees "
+                     "the value path)"], tying
+
+
 def test_latex_keeps_a_names_digits_apart_from_its_indices() -> None:
     """`W1_k` is W1's k-th head; `W_{1,k}` would read as an entry of W."""
     latex = load("examples/intrinsic-optimizers/mha.energy").energy().equations("latex")
