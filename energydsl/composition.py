@@ -200,12 +200,16 @@ def _stage_dims(decl: ast.EnergyDecl, ref: ast.StageRef, env: dict[str, float]) 
     return dims
 
 
+Part = tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]  # an energy of a stage, its dims, where it is named
+
+
 def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[str, float],
-            seen: tuple[str, ...] = ()) -> list[list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]]:
-    """A pipeline with blocks inlined: a list of stages, each a list of (energy, dims, ref) to sum."""
-    out = []
+            seen: tuple[str, ...] = ()) -> list[tuple[list[Part], str | None]]:
+    """A pipeline with blocks inlined: a list of stages, each the parts to sum and, for a sum that is a whole
+    block (`block NRGPTBlock = A + B`), the block's name, which names the summed energy (else `A_B`)."""
+    out: list[tuple[list[Part], str | None]] = []
     for summed in pipeline:
-        parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]] = []
+        parts: list[Part] = []
         for ref in summed:
             if ref.name in module.energies:
                 decl = module.energies[ref.name]
@@ -226,9 +230,9 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
                     if len(inner) != 1:
                         raise SpecError(f"block `{ref.name}` is a pipeline; only single stages can be summed",
                                         ref.span)
-                    parts += inner[0]
+                    parts += inner[0][0]
                 else:
-                    out += inner
+                    out += _named(inner, ref.name)
                     parts = []
                     continue
             else:
@@ -236,28 +240,37 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
                 raise SpecError(f"no energy or block named `{ref.name}`", ref.span,
                                 f"declared: {', '.join(known) or 'none'}")
         if parts:
-            out.append(parts)
+            out.append((parts, None))
     return out
+
+
+def _named(stages: list[tuple[list[Part], str | None]], block: str) -> list[tuple[list[Part], str | None]]:
+    """A block's stages: one sum of energies, not named by an inner block already, takes the block's name."""
+    if len(stages) == 1 and len(stages[0][0]) > 1 and stages[0][1] is None:
+        return [(stages[0][0], block)]
+    return stages
 
 
 def expand_block(module: ast.Module, name: str, dims: dict[str, float]) -> list[StagePlan]:
     """A block outside any model: its stages, with `dims` as the block's named arguments."""
     env = {k: dim_override(k, v, f"block `{name}`", None) for k, v in dims.items()}
-    stages = _expand(module, module.blocks[name].pipeline, env)
-    known = {n for parts in stages for decl, _, _ in parts for n, _ in decl.header}
+    stages = _named(_expand(module, module.blocks[name].pipeline, env), name)
+    known = {n for parts, _ in stages for decl, _, _ in parts for n, _ in decl.header}
     unknown = sorted(set(env) - known)
     if unknown:
         raise SpecError(f"`{unknown[0]}` is not a dim of any energy in block `{name}`", module.blocks[name].span)
-    return [_stage(parts) for parts in stages]
+    return [_stage(*stage) for stage in stages]
 
 
-def _stage(parts: list[tuple[ast.EnergyDecl, dict[str, float], ast.StageRef]]) -> StagePlan:
+def _stage(parts: list[Part], block: str | None = None) -> StagePlan:
     if len(parts) == 1:
         decl, dims, ref = parts[0]
         return StagePlan(decl.name, [(decl.name, dims)], decl, dims, ref.span)
     from .merge import merge_energies
 
     decl, dims = merge_energies([(d, dims) for d, dims, _ in parts], [ref.span for _, _, ref in parts])
+    if block is not None:
+        decl = dataclasses.replace(decl, name=block)
     return StagePlan("+".join(d.name for d, _, _ in parts), [(d.name, dm) for d, dm, _ in parts], decl, dims,
                      parts[0][2].span)
 
@@ -295,7 +308,7 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
             raise SpecError(f"model `{name}` needs a `{need}` dim in its header", decl.span)
     if "layer" not in one:
         raise SpecError(f"model `{name}` has no `layer = ...`", decl.span)
-    stages = [_stage(p) for p in _expand(module, one["layer"].value, env)]
+    stages = [_stage(*stage) for stage in _expand(module, one["layer"].value, env)]
     stream = _stream(one.get("stream"), env, decl.span)
     positions = False
     embed_rank = head_rank = None

@@ -413,7 +413,7 @@ def test_a_block_derives_as_its_summed_energy() -> None:
     text = block.equations("text")
     assert "D = P_M ∇_g F_sum" in text and "x⁺ = x − η D" in text
     assert all(r.ok for r in block.check())
-    assert [d.name for d in spec.block("NRGPTBlock")] == ["NRGPTAttention_NRGPTFF2W"]
+    assert [d.name for d in spec.block("NRGPTBlock")] == ["NRGPTBlock"]  # the sum, named by its block (was A_B)
     res = run_cli("derive", "examples/models/nrgpt.energy", "--name", "NRGPTBlock")
     assert res.returncode == 0 and "∇_g F_sum" in res.stdout
     res = run_cli("derive", "examples/models/nrgpt.energy", "--name", "NRGPTBlock", "--set", "zz=3")

@@ -691,7 +691,7 @@ def test_derive_and_compile_take_a_model_its_layer_at_its_dims(tmp_path: Path) -
         x = torch.randn(2, 5, 64)
         torch.testing.assert_close(module(x), layer(x))
     r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT")
-    assert r.returncode == 0 and "NRGPTAttention_NRGPTFF2W" in r.stdout and "d=128, heads=1" in r.stdout, r.stderr
+    assert r.returncode == 0 and "NRGPTBlock  ·" in r.stdout and "d=128, heads=1" in r.stdout, r.stderr
     r = _run("derive", "examples/models/nrgpt.energy", "--name", "NRGPT", "--set", "e=3")
     assert r.returncode == 2 and "`e`" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
