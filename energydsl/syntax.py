@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import errno
 import functools
+import os
 import re
 from contextvars import ContextVar
 from pathlib import Path
@@ -287,8 +288,9 @@ def _load(text: str, file: str, base: Path, module: Module, stack: list[str], se
             if str(target) in seen:
                 continue
             seen.add(str(target))
-            sub = _read(target, span, str(base / rel))
-            _load(sub, str(base / rel), target.parent, module, stack + [str(target)], seen, top=False)
+            shown = os.path.normpath(base / rel)  # `examples/models/gpt.energy`, not `bad/../examples/...`
+            sub = _read(target, span, shown)
+            _load(sub, shown, target.parent, module, stack + [str(target)], seen, top=False)
             continue
         table = {EnergyDecl: module.energies, BlockDecl: module.blocks, ModelDecl: module.models,
                  SearchDecl: module.searches}[type(item)]
