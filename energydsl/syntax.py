@@ -183,10 +183,12 @@ def parse_text(text: str, file: str = "<string>") -> list[Any]:
     try:
         tree = _parser().parse(text)
     except _GluedKeyword as e:
+        _SOURCE.set(None)  # the error path parses parts of the text again: as they are, no check
         from .syntax_errors import glued_keyword
 
         raise glued_keyword(e.token, text, file) from None
     except lark.exceptions.UnexpectedInput as e:
+        _SOURCE.set(None)
         from .syntax_errors import syntax_error  # the error path only: it reads the grammar's terminals
 
         raise syntax_error(e, text, file) from None
