@@ -93,6 +93,7 @@ def search(
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
     from energydsl.files import check_output
     from energydsl.search import export_best, hole_rows, run_search, write_report
+    from energydsl.search.report import check_export
     from energydsl.search.space import SpaceRef, resolve_space
     from energydsl.search.storage import study_outputs
 
@@ -100,6 +101,8 @@ def search(
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
         if path is not None and not holes:
             check_output(path, flag, example)  # before any trial runs, not after
+    if export is not None and not holes:
+        check_export(ref.spec, export)  # the space it searches
     if holes:
         resolved = resolve_space(ref)
         rows = hole_rows(resolved)
@@ -160,6 +163,7 @@ def report(
     from energydsl.files import check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
+    from energydsl.search.report import check_export
     from energydsl.search.storage import default_storage_path, study_outputs
 
     store, study_name = _locate(study, storage, name, default_storage_path)
@@ -168,6 +172,7 @@ def report(
     check_output(path, "-o/--output" if out else "report")
     if export:
         check_output(export, "--export", "best.energy")
+        check_export(str(loaded.user_attrs.get("space") or ""), export)
     write_report(store, study_name, path, study=loaded)
     if as_json:
         from energydsl.search.report import trial_rows

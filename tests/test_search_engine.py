@@ -324,6 +324,18 @@ def test_multi_objective_report_and_export(tmp_path: Path) -> None:
     assert (tmp_path / "best.energy").read_text() == best.user_attrs["source"]
 
 
+def test_an_export_over_the_search_space_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`energy report S --export search/s.energy` replaced the space with one of its candidates."""
+    from energydsl.errors import UserError
+    from energydsl.search.report import check_export
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="is the search space: writing there would replace it"):
+        check_export("search/s.energy", tmp_path / "search" / "s.energy")  # the space as a study records it
+    check_export("search/s.energy", tmp_path / "best.energy")
+    check_export("pkg.spaces:toy", tmp_path / "pkg.spaces:toy")  # a Python space: no file to replace
+
+
 def test_single_objective_report(tmp_path: Path) -> None:
     search(tmp_path, toy(tmp_path), trials=6, pruner="none", seed=0)
     page = write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").read_text()

@@ -488,6 +488,14 @@ def _strict(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def check_export(space: str, path: str | os.PathLike[str]) -> None:
+    """Refuse an export path that is the search space `space` itself (a study records it as `space`):
+    `--export search/quickstart.energy` replaced the space with one of its candidates."""
+    if space.endswith(".energy") and Path(space).resolve() == Path(path).resolve():
+        raise UserError(f"--export {path} is the search space: writing there would replace it",
+                        hint="give another file, e.g. best.energy")
+
+
 def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
                 trial: int | None = None, *, study: optuna.Study | None = None) -> int:
     """Write the best trial's composition (or trial number `trial`'s) as a plain .energy file.
@@ -508,6 +516,7 @@ def export_best(storage: str | BaseStorage, study_name: str, path: str | os.Path
     source = chosen.user_attrs.get(SOURCE)
     if not source:
         raise UserError(f"trial #{chosen.number} recorded no source")
+    check_export(str(study.user_attrs.get("space") or ""), path)
     text = str(source)  # as-is: the comment syntax of .energy is the DSL's business, not the engine's
     _write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
     return chosen.number
