@@ -738,3 +738,13 @@ def test_derivations_and_plans_print_in_a_line_or_two() -> None:
     shown = repr(spec.derivations())
     assert shown.startswith("[<Derived NRGPTAttention(d=4, heads=2), 1 × gd, equations ") and len(shown) < 300
     assert "NRGPTAttention+NRGPTFF2W" in repr(spec.plan()) and len(repr(spec.plan())) < 1000
+
+
+def test_print_of_a_model_says_how_many_layers_run() -> None:
+    """`repeat layers shared` keeps one set of weights: `print(model)` listed one layer and no count."""
+    text = (ROOT / "examples/models/gpt.energy").read_text().replace("repeat layers", "repeat layers shared")
+    dims = dict(d=8, heads=2, vocab=11, context=8)
+    shared = energydsl.load(text, base=ROOT / "examples/models").model(layers=4, **dims)
+    assert str(shared).splitlines()[1] == "  GPT: 4 layers, one set of weights shared, context 8"
+    one = energydsl.load(ROOT / "examples/models/gpt.energy").model(layers=1, **dims)
+    assert str(one).splitlines()[1] == "  GPT: 1 layer, context 8"

@@ -166,6 +166,12 @@ class LanguageModel(nn.Module):
             if table is not None and not isinstance(table, FactorisedTable):
                 nn.init.normal_(table.weight, 0.0, 0.02)
 
+    def extra_repr(self) -> str:
+        """`print(model)`'s first line: how many layers run, as `layers` lists one set of weights when shared."""
+        n = self.plan.layers
+        weights = ", one set of weights shared" if self.plan.shared and n > 1 else ""
+        return f"{self.plan.name}: {n} layer{'s' * (n != 1)}{weights}, context {self.block_size}"
+
     def forward(self, idx: Tensor) -> Tensor:
         """Logits (batch, seq, vocab) for token ids idx (batch, seq), 1 <= seq <= the context."""
         if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
