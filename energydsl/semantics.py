@@ -380,8 +380,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
         given = {k.name: k for k in call.kwargs}
         for name, default in sorted(OPTIMIZER.takes[call.name].items()):
             kw = given.get(name)
-            # a default as the same number written out would be (`beta = 0.9` is 9/10): one equation hash for both
-            value = sp.nsimplify(default if kw is None else self._constant(kw.value, f"`{name}`"))
+            value = sp.sympify(default) if kw is None else sp.nsimplify(self._constant(kw.value, f"`{name}`"))
             learn = kw is not None and kw.flag == "learn"
             spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
         damping = spec.hyper.get("damping")

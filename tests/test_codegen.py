@@ -312,18 +312,6 @@ def test_equation_hash_tells_apart_what_the_equations_do_not_show(tmp_path, chan
     assert energydsl.load(same).energy("E").equation_hash() == da.equation_hash()
 
 
-@pytest.mark.parametrize("optimizer", ["momentum", "nag"])
-def test_a_default_hyperparameter_is_the_number_written_out(optimizer: str) -> None:
-    """`momentum()` printed `β = 0.900000000000000` and hashed apart from `momentum(beta = 0.9)`, the same layer:
-    a search trained both. The default is the number as a spec would write it, 9/10."""
-    text = _HASH_BASE.replace("gd(eta = 1)", f"{optimizer}() steps 2")
-    default = energydsl.load(text).energy("E")
-    assert "β = 9/10" in default.equations("text")
-    for written in ("beta = 0.9", "beta = 9/10"):
-        same = energydsl.load(text.replace(f"{optimizer}()", f"{optimizer}({written})")).energy("E")
-        assert same.equation_hash() == default.equation_hash(), written
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
     """Keys and values that the steps do not change (CEM's W_K h, tied: keys are the values) are laid out for
