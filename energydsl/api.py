@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sympy as sp
+
 from . import ir, syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError, UserError
@@ -186,7 +188,9 @@ class Derived:
         """`2 × momentum (β = 9/10, learned as opt_beta; η = 1/2, learned as opt_eta)`: the optimizer's
         values, which the equations show only as symbols."""
         optimizer = self.spec.optimizer
-        values = [f"{show(Var(str(h.symbol), 'leaf', ()))} = {h.value}"
+        # a default is a float (`momentum()`'s 0.9: its equation hash, which checkpoints hold, stays as it was);
+        # shown as a written value is, 9/10
+        values = [f"{show(Var(str(h.symbol), 'leaf', ()))} = {sp.nsimplify(h.value)}"
                   + (f", learned as opt_{name}" if h.learn else "")
                   for name, h in sorted(optimizer.hyper.items(), key=lambda kv: str(kv[1].symbol))]
         return f"{optimizer.steps} × {optimizer.kind}" + (f" ({'; '.join(values)})" if values else "")

@@ -312,6 +312,16 @@ def test_equation_hash_tells_apart_what_the_equations_do_not_show(tmp_path, chan
     assert energydsl.load(same).energy("E").equation_hash() == da.equation_hash()
 
 
+@pytest.mark.parametrize("optimizer", ["momentum", "nag"])
+def test_a_default_hyperparameter_prints_as_a_written_one(optimizer: str) -> None:
+    """`momentum()` printed `β = 0.900000000000000`. The default stays the float it was (the equation hash that
+    checkpoints hold is unchanged); it prints as `beta = 0.9` does."""
+    text = _HASH_BASE.replace("gd(eta = 1)", f"{optimizer}() steps 2")
+    assert "β = 9/10; η = 1" in energydsl.load(text).energy("E").equations("text")
+    written = energydsl.load(text.replace(f"{optimizer}()", f"{optimizer}(beta = 0.9)")).energy("E")
+    assert "β = 9/10; η = 1" in written.equations("text")
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_steps_loop_lays_out_its_context_once(backend: str) -> None:
     """Keys and values that the steps do not change (CEM's W_K h, tied: keys are the values) are laid out for
