@@ -190,13 +190,11 @@ def check(
 def not_a_source(output: str, spec: Spec, flag: str, example: str) -> None:
     """Refuse an output path that is one of the spec's own files (the one given or one it imports): writing
     there replaced the spec with the output, without a word."""
-    decls = (*spec.syntax.energies.values(), *spec.syntax.blocks.values(), *spec.syntax.models.values())
-    sources = {spec.syntax.path, *(d.span.file for d in decls if d.span is not None)}
     target = Path(output).resolve()
-    for source in sorted(sources):
-        if Path(source).resolve() == target:
-            raise UserError(f"{flag} {output} is the spec {source}: writing there would replace it",
-                            hint=f"give another file, e.g. {example}")
+    if str(target) in spec.syntax.files:  # every file read: the spec and each import, resolved
+        which = "the spec" if str(target) == spec.syntax.files[0] else "a file the spec imports"
+        raise UserError(f"{flag} {output} is {which}: writing there would replace it",
+                        hint=f"give another file, e.g. {example}")
 
 
 @app.command("compile")

@@ -270,7 +270,7 @@ def parse_module(source: str | Path, *, name: str | None = None, base: Path | No
     if isinstance(source, Path):
         path = source.expanduser()
         text = _read(path, None)
-        module = Module(str(path), text=text, base=str(path.parent))
+        module = Module(str(path), text=text, base=str(path.parent), files=[str(path.resolve())])
         _load(text, str(path), path.parent, module, stack=[str(path.resolve())], seen=set(), top=True)
     else:
         module = Module(name or "<string>", text=str(source), base=str(base or Path.cwd()))
@@ -290,7 +290,10 @@ def _load(text: str, file: str, base: Path, module: Module, stack: list[str], se
             if str(target) in seen:
                 continue
             seen.add(str(target))
-            shown = os.path.normpath(base / rel)  # `examples/models/gpt.energy`, not `bad/../examples/...`
+            module.files.append(str(target))
+            shown = os.path.normpath(base / rel)  # `examples/models/gpt.energy`, not `bad/../examples/...`,
+            if Path(shown).resolve() != target:  # unless a linked folder before a `..` made that another file
+                shown = str(base / rel)
             sub = _read(target, span, shown)
             _load(sub, shown, target.parent, module, stack + [str(target)], seen, top=False)
             continue

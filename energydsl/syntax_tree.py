@@ -170,6 +170,7 @@ class Module:
     order: list[str] = field(default_factory=list)  # declaration names in source order (this file only)
     text: str = ""  # this file's own text, as read
     base: str = "."  # the folder its imports resolve against
+    files: list[str] = field(default_factory=list)  # every file read (this one, its imports), resolved
 
     def names(self) -> list[str]:
         return list(self.order)

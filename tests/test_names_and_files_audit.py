@@ -239,9 +239,20 @@ def test_an_output_that_is_the_spec_or_an_import_is_refused(monkeypatch, capsys,
     text = spec.read_text()
     for args, flag in ((["compile", str(spec), "-o"], "-o/--output"), (["graph", str(spec), "--dot"], "--dot")):
         code, _, err = run_main(monkeypatch, capsys, *args, str(spec))
-        assert code == 2 and f"error: {flag} {spec} is the spec {spec}: writing there would replace it" in err, err
+        assert code == 2 and f"error: {flag} {spec} is the spec: writing there would replace it" in err, err
     imported = tmp_path / "gpt.energy"  # the import, reached by another path
     imported.symlink_to(root / "examples/models/gpt.energy")
     code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "--name", "M", "-o", str(imported))
-    assert code == 2 and "is the spec" in err and "gpt.energy: writing there would replace it" in err, err
+    assert code == 2 and f"{imported} is a file the spec imports: writing there would replace it" in err, err
     assert spec.read_text() == text
+    # a file that only imports (no declaration of its own), reached through a linked folder and `..`
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "real" / "lib.energy").write_text(f'import "{spec}"\n')
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    top = tmp_path / "top.energy"
+    top.write_text('import "link/../lib.energy"\n')
+    code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o",
+                            str(tmp_path / "real" / "lib.energy"))
+    assert code == 2 and "is a file the spec imports" in err, err
+    code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o", str(tmp_path / "lib.energy"))
+    assert code == 0, err  # not read: `link/..` is real/, not this folder
