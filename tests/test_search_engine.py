@@ -330,6 +330,11 @@ def test_an_export_over_the_search_space_is_refused(tmp_path: Path, monkeypatch:
     from energydsl.search.report import check_export
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "s.energy").write_text("search S {}\n")
+    (tmp_path / "s.spec").write_text("search S {}\n")
+    with pytest.raises(UserError, match="is the search space: writing there would replace it"):
+        check_export("s.spec", tmp_path / "s.spec")  # a space file of any name
     with pytest.raises(UserError, match="is the search space: writing there would replace it"):
         check_export("search/s.energy", tmp_path / "search" / "s.energy")  # the space as a study records it
     check_export("search/s.energy", tmp_path / "best.energy")

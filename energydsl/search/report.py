@@ -491,7 +491,7 @@ def _strict(value: Any) -> Any:
 def check_export(space: str, path: str | os.PathLike[str]) -> None:
     """Refuse an export path that is the search space `space` itself (a study records it as `space`):
     `--export search/quickstart.energy` replaced the space with one of its candidates."""
-    if space.endswith(".energy") and Path(space).resolve() == Path(path).resolve():
+    if space and Path(space).is_file() and Path(space).resolve() == Path(path).resolve():
         raise UserError(f"--export {path} is the search space: writing there would replace it",
                         hint="give another file, e.g. best.energy")
 
