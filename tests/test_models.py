@@ -716,6 +716,16 @@ def test_compile_of_a_model_with_one_energy_at_two_dims_writes_a_class_for_each(
         torch.testing.assert_close(module(x), model.layers[0][index](x))
 
 
+def test_class_names_keep_every_digit_of_the_dims_that_differ() -> None:
+    """Six significant digits (`eta0_123457`) made two stages one class again, refused as a clash."""
+    from energydsl.codegen import class_names
+
+    spec = energydsl.load("energy E(d = 8, eta = 0.5) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = eta)\n}"
+                          "\nmodel F(vocab = 11, context = 8, d = 8) {\n  embed tokens\n"
+                          "  layer = E(d, eta = 0.1234567) -> E(d, eta = 0.1234568) -> E(d)\n  head tied\n}\n")
+    assert class_names(spec.stages("F")) == ["E_eta0_1234567", "E_eta0_1234568", "E_eta0_5"]
+
+
 def test_check_resolves_every_block_and_checks_its_sums(tmp_path: Path) -> None:
     """A block that no model used was never resolved: `energy check` said "declares no energy" of a file of
     blocks, and "ok" of one whose model used another block, whatever its unused block summed."""

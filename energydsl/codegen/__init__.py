@@ -118,7 +118,9 @@ def class_names(derived: list[Derived]) -> list[str]:
     for d in derived:
         same = [o.spec.dim_values for o in derived if o.name == d.name]
         apart = [k for k in d.spec.dim_values if len({dims.get(k) for dims in same}) > 1]
-        names.append(class_name("_".join([d.name, *(f"{k}{plain_number(d.spec.dim_values[k])}" for k in apart)])))
+        values = (d.spec.dim_values[k] for k in apart)  # every digit: `eta0_1234567` and `eta0_1234568` stay apart
+        names.append(class_name("_".join([d.name, *(f"{k}{plain_number(v) if float(v).is_integer() else repr(v)}"
+                                                    for k, v in zip(apart, values, strict=True))])))
     return names
 
 
