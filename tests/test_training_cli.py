@@ -79,6 +79,13 @@ def test_the_first_edited_line_skips_comments_and_spacing() -> None:
     now = "# a comment\n\nmodel M(d = 8) {  # and here\n  layer =   A\n  repeat 2\n}\n"
     assert _first_edit(saved, now) == 'from line 5: "repeat 4" there, "repeat 2" now'
     assert _first_edit(saved, now.replace("  repeat 2\n", "")) == 'from line 5: "repeat 4" there, "}" now'
+    # spacing inside a line, lone \r line ends (as the parser reads them) and a comment holding a line separator
+    assert _first_edit("param W[d,d]\nlet a = 1\n", "param W[d, d]\nlet a = 2\n") == \
+        'from line 2: "let a = 1" there, "let a = 2" now'
+    assert _first_edit("state z[d]  # c\rlet a = 1\r", "state z[d]  # c\rlet a = 2\r") == \
+        'from line 2: "let a = 1" there, "let a = 2" now'
+    assert _first_edit("# x\u2028y\nlet a = 1\n", "# x\u2028y\nlet a = 2\n") == \
+        'from line 2: "let a = 1" there, "let a = 2" now'
 
 
 def test_a_moved_spec_resumes_its_run_and_says_so(corpus, tmp_path, monkeypatch, capsys):

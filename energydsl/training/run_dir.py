@@ -82,12 +82,13 @@ def _first_edit(a: str, b: str) -> str:
     """Where two spec texts first differ: `from line 12: "d = 8" there, "d = 16" now` (line numbers of the text
     now). Comments, blank lines and spacing are no edit (a spec edited only there is the same spec): an added
     comment line was named as the edit, above the one that was."""
-    from ..syntax import without_comments
+    from ..syntax import _lines, tokens, without_comments
 
-    def code_lines(text: str) -> list[tuple[int, str, str]]:  # (line number, as written, its words)
-        raw = text.splitlines()
-        return [(i + 1, raw[i].strip(), " ".join(line.split()))
-                for i, line in enumerate(without_comments(text).splitlines()) if line.strip()]
+    def code_lines(text: str) -> list[tuple[int, str, str]]:  # (line number, as written, its tokens)
+        text = _lines(text)  # lines as the parser counts them: at \n (a lone \r is one), not at \f or \u2028
+        raw = text.split("\n")
+        return [(i + 1, raw[i].strip(), tokens(line))
+                for i, line in enumerate(without_comments(text).split("\n")) if line.strip()]
 
     old, new = code_lines(a), code_lines(b)
     n = next((i for i, (x, y) in enumerate(zip(old, new)) if x[2] != y[2]), min(len(old), len(new)))
