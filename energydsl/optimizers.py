@@ -84,6 +84,9 @@ def _not_a_head_sum(f: Expr) -> str | None:
         parts = e.factors if isinstance(e, ir.Mul) else (e,)
         return any(isinstance(x, ir.Reduce) and x.op in ("sum", "mean") for x in parts)
 
+    if isinstance(f, ir.Add) and all(head_sum(t) for t in f.terms):
+        return (f"this energy reads F = {show(f)}: `per head` splits one sum over heads into the heads' own "
+                "energies; write these sums as one, sum[k](A_k + B_k) (a mean[k] is sum[k] / heads)")
     if isinstance(f, ir.Add) and any(head_sum(t) for t in f.terms):
         return (f"this energy reads F = {show(f)}: `per head` splits one sum over heads into the heads' own "
                 "energies, and a term beside the sum belongs to no head; move it inside the sum "

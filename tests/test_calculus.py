@@ -249,6 +249,10 @@ def test_per_head_with_a_term_beside_the_heads_sum_says_to_move_it():
     with pytest.raises(SpecError, match="needs a global energy of the form") as info:
         load(text).energy()
     assert "a term beside the sum belongs to no head; move it inside the sum" in info.value.hint, info.value.hint
+    with pytest.raises(SpecError) as two:  # two sums over heads: no term belongs to no head
+        load(text.replace("0.1 * (z . z)", "sum[k](sum(W[k] @ z))")).energy()
+    assert two.value.hint.endswith("write these sums as one, sum[k](A_k + B_k) (a mean[k] is sum[k] / heads)"), \
+        two.value.hint
 
 
 PER_HEAD = ("energy R(d = 4, heads = 2) {{ dim dh = d / heads  state z[d]\n"
