@@ -791,6 +791,27 @@ def test_package_imports_and_falls_back_without_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+def test_calls_on_the_cpu_without_the_interpreter_say_once_that_they_run_the_references() -> None:
+    """A generated triton file used on the CPU ran the T x T references without a word (`.module()` says so
+    itself, as it falls back to the torch backend before any call)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        import energydsl.kernels as K
+        q = torch.randn(1, 2, 5, 16)
+        for _ in range(2):
+            K.energy_attention(q, q, q, scale=0.25)
+        K.energy_attention(q.double(), q.double(), q.double(), scale=0.25)  # float64: the references by design
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("energydsl: the inputs are on cpu, not CUDA, and TRITON_INTERPRET is off: the "
+                             "fused kernels run as their plain PyTorch references (T x T memory)") == 1
+    assert proc.stderr.count("energydsl:") == 1, proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU: long sequences, float32 and bfloat16, autotuned tiles
 # ----------------------------------------------------------------------------------------------------------

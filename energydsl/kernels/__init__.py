@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -96,9 +97,28 @@ def kernels_take(t: Tensor) -> bool:
     `use_triton(t.device)`, ordered so that a CUDA tensor, every call on a GPU, reads no environment."""
     import torch
 
-    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not triton_available():
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return t.is_cuda or interpret_requested()
+    if triton_available() and (t.is_cuda or interpret_requested()):
+        return True
+    _reference_notice(t)
+    return False
+
+
+_REFERENCE_NOTED = False  # a plain global, as _TRITON_FOUND
+
+
+def _reference_notice(t: Tensor) -> None:
+    """Say once per process that the kernels' calls run their PyTorch references: a generated triton file used
+    on the CPU (or without triton) computed with T x T tensors and said nothing (`.module()` falls back to the
+    torch backend with a notice of its own, before any call reaches here)."""
+    global _REFERENCE_NOTED
+    if not _REFERENCE_NOTED:
+        _REFERENCE_NOTED = True
+        why = "triton is not installed" if not triton_available() else \
+            f"the inputs are on {t.device.type}, not CUDA, and TRITON_INTERPRET is off"
+        print(f"energydsl: {why}: the fused kernels run as their plain PyTorch references (T x T memory)",
+              file=sys.stderr)
 
 
 def use_triton(device: torch.device | str | None = None) -> bool:
