@@ -371,21 +371,26 @@ def unread_dims(module: ast.Module, name: str) -> list[str]:
     layer, and said nothing."""
     decl = module.models[name]
     clauses = {c.kind for c in decl.clauses}
-    read = {"vocab", "context"} | (set() if "stream" in clauses else {"d"}) | _names_in(decl.clauses)
-    read |= _names_in([node for _, node in decl.header])
     layer = next((c.value for c in decl.clauses if c.kind == "layer"), [])
-    refs, seen = [ref for summed in layer for ref in summed], set()
+    others = [c for c in decl.clauses if c.kind != "layer"]
+    read = {"vocab", "context"} | (set() if "stream" in clauses else {"d"}) | _names_in(others)
+    read |= _names_in([node for _, node in decl.header])
+    # each stage reference, with the names an enclosing block's arguments set in its place (shadowed)
+    refs: list[tuple[ast.StageRef, frozenset[str]]] = [(ref, frozenset()) for summed in layer for ref in summed]
+    seen: set[tuple[str, frozenset[str]]] = set()
     while refs:
-        ref = refs.pop()
-        if ref.name in seen:
+        ref, shadowed = refs.pop()
+        read |= _names_in([node for _, node in ref.args]) - shadowed  # its arguments' expressions
+        if (ref.name, shadowed) in seen:
             continue
-        seen.add(ref.name)
-        if ref.name in module.energies:
-            read |= {n for n, _ in module.energies[ref.name].header}
+        seen.add((ref.name, shadowed))
+        if ref.name in module.energies:  # a header dim it is not given takes the model's of that name
+            names = [n for n, _ in module.energies[ref.name].header]
+            given = set(names[:sum(key is None for key, _ in ref.args)]) | {k for k, _ in ref.args if k}
+            read |= set(names) - given - shadowed
         elif ref.name in module.blocks:
-            pipeline = module.blocks[ref.name].pipeline
-            read |= _names_in(pipeline)
-            refs += [r for summed in pipeline for r in summed]
+            inner = shadowed | {k for k, _ in ref.args if k}
+            refs += [(r, inner) for summed in module.blocks[ref.name].pipeline for r in summed]
     return [k for k, _ in decl.header if k not in read]
 
 

@@ -639,6 +639,13 @@ def test_a_model_check_warns_of_header_dims_nothing_reads(tmp_path: Path) -> Non
     assert results["dims"].status == "warn"
     assert results["dims"].detail == ("`layers`, `dropout` are read by nothing in model `M` (no `repeat layers`): no "
                                       "clause, stage or other dim uses them, so setting them changes nothing")
+    from energydsl.composition import unread_dims
+
+    # a dim every stage is given in its place (by argument, or by an enclosing block's argument) is read by none
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\nblock B = MLP(d)\n'
+                    "model M(vocab = 11, context = 8, d = 8, heads = 2, hidden = 99, h2 = 16) {\n  embed tokens\n"
+                    "  layer = MHA -> MLP(d, hidden = 32) -> B(hidden = h2)\n  head tied\n}\n")
+    assert unread_dims(energydsl.load(spec).syntax, "M") == ["hidden"]
 
 
 def test_the_model_causality_check_sees_a_leak() -> None:
