@@ -93,7 +93,7 @@ def search(
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
     from energydsl.files import check_output
     from energydsl.search import export_best, hole_rows, run_search, write_report
-    from energydsl.search.report import check_export
+    from energydsl.search.report import not_an_input
     from energydsl.search.space import SpaceRef, resolve_space
     from energydsl.search.storage import study_outputs
 
@@ -101,8 +101,9 @@ def search(
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
         if path is not None and not holes:
             check_output(path, flag, example)  # before any trial runs, not after
-    if export is not None and not holes:
-        check_export(ref.spec, export)  # the space it searches
+    for flag, path in (("--report", report), ("--export", export)):
+        if path is not None and not holes:  # the storage given and the space it searches (the default storage
+            not_an_input(path, flag, storage, ref.spec)  # is checked below, when it is known)
     if holes:
         resolved = resolve_space(ref)
         rows = hole_rows(resolved)
@@ -121,6 +122,9 @@ def search(
                          address=address, gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial,
                          seed=seed)
     default_report, default_best = study_outputs(summary["storage"], summary["study"])
+    for flag, path in (("--report", report), ("--export", export)):
+        if path is not None:
+            not_an_input(path, flag, summary["storage"], ref.spec)
     report_path = Path(report) if report else default_report
     write_report(summary["storage"], summary["study"], report_path)
     summary["report"] = str(report_path)
@@ -163,16 +167,18 @@ def report(
     from energydsl.files import check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.report import check_export
+    from energydsl.search.report import not_an_input
     from energydsl.search.storage import default_storage_path, study_outputs
 
     store, study_name = _locate(study, storage, name, default_storage_path)
     loaded = load_study(store, study_name)  # a missing study is refused (naming those there) before any folder is made
     path = Path(out) if out else study_outputs(store, study_name)[0]
     check_output(path, "-o/--output" if out else "report")
+    space = str(loaded.user_attrs.get("space") or "")
+    not_an_input(path, "-o/--output" if out else "report", store, space)
     if export:
         check_output(export, "--export", "best.energy")
-        check_export(str(loaded.user_attrs.get("space") or ""), export)
+        not_an_input(export, "--export", store, space)
     write_report(store, study_name, path, study=loaded)
     if as_json:
         from energydsl.search.report import trial_rows

@@ -324,21 +324,36 @@ def test_multi_objective_report_and_export(tmp_path: Path) -> None:
     assert (tmp_path / "best.energy").read_text() == best.user_attrs["source"]
 
 
-def test_an_export_over_the_search_space_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`energy report S --export search/s.energy` replaced the space with one of its candidates."""
+def test_an_output_over_the_storage_or_the_space_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`energy report S -o runs/S/optuna.journal` replaced the study with HTML (then exit 70), and `--export`
+    over the journal or the space file (`search/quickstart.energy`) replaced them with a candidate's source."""
+    import subprocess
+    import sys
+
     from energydsl.errors import UserError
-    from energydsl.search.report import check_export
+    from energydsl.search.report import not_an_input
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "search").mkdir()
     (tmp_path / "search" / "s.energy").write_text("search S {}\n")
     (tmp_path / "s.spec").write_text("search S {}\n")
-    with pytest.raises(UserError, match="is the search space: writing there would replace it"):
-        check_export("s.spec", tmp_path / "s.spec")  # a space file of any name
-    with pytest.raises(UserError, match="is the search space: writing there would replace it"):
-        check_export("search/s.energy", tmp_path / "search" / "s.energy")  # the space as a study records it
-    check_export("search/s.energy", tmp_path / "best.energy")
-    check_export("pkg.spaces:toy", tmp_path / "pkg.spaces:toy")  # a Python space: no file to replace
+    with pytest.raises(UserError, match="--export s.spec is the search space: writing there would replace it"):
+        not_an_input("s.spec", "--export", None, "s.spec")  # a space file of any name
+    with pytest.raises(UserError, match="is the search space"):
+        not_an_input(tmp_path / "search" / "s.energy", "--export", None, "search/s.energy")  # as a study records it
+    not_an_input(tmp_path / "best.energy", "--export", None, "search/s.energy")
+    not_an_input(tmp_path / "pkg.spaces:toy", "--export", None, "pkg.spaces:toy")  # a Python space: no file
+    search(tmp_path, toy(tmp_path), trials=2, pruner="none")
+    journal = tmp_path / "study.journal"
+    with pytest.raises(UserError, match="is the study's storage: writing there would replace it"):
+        not_an_input(journal, "-o/--output", f"sqlite:///{journal}", None)  # a storage URL names it too
+    before = journal.read_bytes()
+    for flags in (["-o", str(journal)], ["-o", str(tmp_path / "r.html"), "--export", str(journal)]):
+        proc = subprocess.run([sys.executable, "-m", "energydsl", "report", str(journal), *flags],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "is the study's storage: writing there would replace it" in proc.stderr, \
+            proc.stderr
+    assert journal.read_bytes() == before
 
 
 def test_single_objective_report(tmp_path: Path) -> None:

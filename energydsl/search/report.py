@@ -488,12 +488,19 @@ def _strict(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def check_export(space: str, path: str | os.PathLike[str]) -> None:
-    """Refuse an export path that is the search space `space` itself (a study records it as `space`):
-    `--export search/quickstart.energy` replaced the space with one of its candidates."""
-    if space and Path(space).is_file() and Path(space).resolve() == Path(path).resolve():
-        raise UserError(f"--export {path} is the search space: writing there would replace it",
-                        hint="give another file, e.g. best.energy")
+def not_an_input(path: str | os.PathLike[str], flag: str, storage: str | None, space: str | None) -> None:
+    """Refuse an output path (a report, an exported candidate) that is the study's storage file or its search
+    space (a study records it as `space`): `-o runs/S/optuna.journal` replaced the study with HTML, and
+    `--export search/quickstart.energy` the space with one of its candidates."""
+    from .storage import local_file
+
+    target = Path(path).resolve()
+    inputs = (("the study's storage", local_file(storage) if storage else None),
+              ("the search space", Path(space) if space else None))
+    for what, source in inputs:
+        if source is not None and source.is_file() and source.resolve() == target:
+            raise UserError(f"{flag} {path} is {what}: writing there would replace it",
+                            hint="give another file")
 
 
 def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
@@ -516,7 +523,7 @@ def export_best(storage: str | BaseStorage, study_name: str, path: str | os.Path
     source = chosen.user_attrs.get(SOURCE)
     if not source:
         raise UserError(f"trial #{chosen.number} recorded no source")
-    check_export(str(study.user_attrs.get("space") or ""), path)
+    not_an_input(path, "the export", None, str(study.user_attrs.get("space") or ""))
     text = str(source)  # as-is: the comment syntax of .energy is the DSL's business, not the engine's
     _write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
     return chosen.number
