@@ -222,6 +222,9 @@ def _locate(study: str, storage: str | None, name: str | None, default: Any) -> 
             if Path(study).is_dir():
                 raise UserError(f"{study} is a directory without a study journal (optuna.journal) in it",
                                 hint="give a study name, a run directory, a journal file or a storage URL")
+            if "/" in study or study.endswith(".journal"):  # a path (`runs/x`, `/tmp/s.journal`), not a name
+                raise UserError(f"no study journal at {study}: no such file or run directory",
+                                hint="give an existing journal file, run directory or storage URL, or a study name")
             raise UserError(f"no study {study!r} under runs/ (looked for {storage})",
                             hint="give the storage with --storage, or the journal file itself")
         return str(Path(storage).resolve()), name or study

@@ -777,6 +777,8 @@ def test_cli_errors_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and "expected KEY=VALUE" in r.stderr
     r = energy("report", "NoSuchStudy", cwd=tmp_path)
     assert r.returncode == 2 and "no study 'NoSuchStudy'" in r.stderr
+    r = energy("report", "runs/gone", cwd=tmp_path)  # a path: it said "looked for runs/runs_gone/optuna.journal"
+    assert r.returncode == 2 and "no study journal at runs/gone: no such file or run directory" in r.stderr, r.stderr
     r = energy("search", "os:path", cwd=tmp_path)  # an importable object that is not a search space
     assert r.returncode == 2 and "is not a search space: it has no name, objectives, budget" in r.stderr, r.stderr
 
