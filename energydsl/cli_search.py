@@ -99,11 +99,9 @@ def search(
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
-        if path is not None and not holes:
-            check_output(path, flag, example)  # before any trial runs, not after
-    for flag, path in (("--report", report), ("--export", export)):
-        if path is not None and not holes:  # the storage given and the space it searches (the default storage
-            not_an_input(path, flag, storage, ref.spec)  # is checked below, when it is known)
+        if path is not None and not holes:  # before any trial runs, not after: writable, and neither the storage
+            check_output(path, flag, example)  # given nor the space searched (a default storage: below, once known)
+            not_an_input(path, flag, storage, ref.spec)
     if holes:
         resolved = resolve_space(ref)
         rows = hole_rows(resolved)
