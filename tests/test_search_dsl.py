@@ -245,6 +245,10 @@ def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
     assert "F = 9/2 (" in ff.equations()  # -(-1.5)^2 * (-2); the unparenthesised text would give -9/2
     with pytest.raises(SpecError, match="need whole numbers, low <= high"):
         load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int -1..-3") + SEARCH))
+    # accepted, and then every trial was invalid (`got 1.12441e+19`)
+    with pytest.raises(SpecError, match="a bound is larger than 2\\^53") as err:
+        load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int 1..100000000000000000000") + SEARCH))
+    assert err.value.span is not None
 
 
 def test_search_level_overrides_are_written_into_the_declarations(tmp_path: Path) -> None:

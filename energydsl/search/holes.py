@@ -199,6 +199,9 @@ class _Collector:
             lo, hi = _bound(node.children[0]), _bound(node.children[1])
             if not (lo.is_integer() and hi.is_integer()) or lo > hi:
                 raise SpecError(f"`{f.slice(node)}`: need whole numbers, low <= high", span)
+            if max(abs(lo), abs(hi)) > 2**53:  # past it a float bound is no exact whole number: every trial failed
+                raise SpecError(f"`{f.slice(node)}`: a bound is larger than 2^53 (9,007,199,254,740,992), past which "
+                                "it is not an exact whole number", span, "give bounds of a size a trial can take")
             return _Hole(name, "int", f, s, e, span, lo, hi)
         if node.data == "float_hole":
             lo, hi, log = _bound(node.children[0]), _bound(node.children[1]), node.children[2] is not None
