@@ -23,7 +23,7 @@ from rich.text import Text
 
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
-from .files import PATH_LIMITS, check_output, writable_dir
+from .files import PATH_LIMITS, check_output, not_an_input, writable_dir
 
 if TYPE_CHECKING:
     from .api import Spec
@@ -190,11 +190,9 @@ def check(
 def not_a_source(output: str, spec: Spec, flag: str, example: str) -> None:
     """Refuse an output path that is one of the spec's own files (the one given or one it imports): writing
     there replaced the spec with the output, without a word."""
-    target = Path(output).resolve()
-    if str(target) in spec.syntax.files:  # every file read: the spec and each import, resolved
-        which = "the spec" if str(target) == spec.syntax.files[0] else "a file the spec imports"
-        raise UserError(f"{flag} {output} is {which}: writing there would replace it",
-                        hint=f"give another file, e.g. {example}")
+    first, *imported = spec.syntax.files  # every file read: the spec and each import, resolved
+    not_an_input(output, flag, [("the spec", Path(first)), *(("a file the spec imports", Path(f)) for f in imported)],
+                 example)
 
 
 @app.command("compile")

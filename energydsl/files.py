@@ -88,6 +88,17 @@ def cache_setting(env: str, default_subdir: str) -> Path | None:
     return cache_dir() / default_subdir
 
 
+def not_an_input(path: str | os.PathLike[str], what: str, inputs: list[tuple[str, Path | None]],
+                 example: str | None = None) -> None:
+    """Refuse an output path that is one of the command's inputs, given as (description, path) pairs: writing
+    there replaced the input (a spec, its import, a study's storage, a search space) without a word."""
+    target = Path(path).resolve()
+    for description, source in inputs:
+        if source is not None and source.is_file() and source.resolve() == target:
+            raise UserError(f"{what} {path} is {description}: writing there would replace it",
+                            hint=f"give another file, e.g. {example}" if example else "give another file")
+
+
 def check_output(path: str | os.PathLike[str], what: str = "output", example: str = "report.html") -> Path:
     """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
     or its folder cannot be created or written. Call it before the work whose result goes there."""

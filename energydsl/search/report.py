@@ -492,15 +492,11 @@ def not_an_input(path: str | os.PathLike[str], flag: str, storage: str | None, s
     """Refuse an output path (a report, an exported candidate) that is the study's storage file or its search
     space (a study records it as `space`): `-o runs/S/optuna.journal` replaced the study with HTML, and
     `--export search/quickstart.energy` the space with one of its candidates."""
+    from ..files import not_an_input as refuse
     from .storage import local_file
 
-    target = Path(path).resolve()
-    inputs = (("the study's storage", local_file(storage) if storage else None),
-              ("the search space", Path(space) if space else None))
-    for what, source in inputs:
-        if source is not None and source.is_file() and source.resolve() == target:
-            raise UserError(f"{flag} {path} is {what}: writing there would replace it",
-                            hint="give another file")
+    refuse(path, flag, [("the study's storage", local_file(storage) if storage else None),
+                        ("the search space", Path(space) if space else None)])
 
 
 def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
