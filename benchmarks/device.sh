@@ -6,11 +6,12 @@
 #   bash benchmarks/device.sh run kernels [--quick]  #   benchmarks/kernels.py, JSON and log to $OUT
 #   bash benchmarks/device.sh run modules [--seq 2048,8192]
 #   bash benchmarks/device.sh run profile [--families attention,layers]   # profile_kernels.py, traces to $OUT
+#   bash benchmarks/device.sh run precision         # precision.py: errors against float64, GPU-compiled
 #   bash benchmarks/device.sh run all               # one call for a short lease: each step under a time cap
 #
 # Such a machine (an image with torch, triton, sympy, numpy, einops and pytest, Python 3.12) lacks lark, which
-# the compiler needs, and flash-linear-attention's kernels (fla-core), the linear family's peer. `wheels`
-# fetches both as Python 3.12 wheels; `run` installs them under /tmp/site without touching the machine's
+# the compiler needs, flash-linear-attention's kernels (fla-core), the linear family's peer, rich (modules.py's
+# table) and pytest-xdist. `wheels` fetches them as Python 3.12 wheels; `run` installs them under /tmp/site without touching the machine's
 # environment, then runs one step, writing its log (and the benchmark's JSON, with device, versions, commit
 # and date) to $OUT (default runs/device). Set ENERGYDSL_COMMIT to the commit sent: the copy's .git, if it has
 # one, may be an older checkout's. Only the GPU-relevant test files are collected: the others import
@@ -18,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS=(lark==1.3.1 fla-core==0.6.0)
+WHEELS=(lark==1.3.1 fla-core==0.6.0 pytest-xdist==3.8.0 execnet==2.1.1 rich==15.0.0 markdown-it-py==4.0.0 mdurl==0.1.2)
 GPU_TESTS=(tests/test_kernels_attention.py tests/test_kernels_linear.py tests/test_kernels_pointwise.py
            tests/test_kernels_epilogue.py tests/test_kernels_launch.py tests/test_triton_backend.py
            tests/test_triton_source.py tests/test_scalar_functions.py)
@@ -31,7 +32,8 @@ case "${1:-}" in
     ;;
   run)
     step="${2:-}"
-    case "$step" in tests|kernels|modules|profile|all) ;; *) echo "usage: $0 run tests|kernels|modules|profile|all [args...]" >&2; exit 2 ;; esac
+    case "$step" in tests|kernels|modules|profile|precision|all) ;;
+      *) echo "usage: $0 run tests|kernels|modules|profile|precision|all [args...]" >&2; exit 2 ;; esac
     shift 2
     out="${OUT:-runs/device}"
     mkdir -p "$out"
@@ -41,6 +43,10 @@ case "${1:-}" in
     fi
     export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET
+    precision() {  # the second moment and first-order attention at the interpreter's shape, then a longer one
+      python3 benchmarks/precision.py "$@" && python3 benchmarks/precision.py --op attention "$@" &&
+        python3 benchmarks/precision.py --shape 2,4,1024,64 "$@"
+    }
     python3 -c "import sys, torch; sys.exit(print(torch.cuda.get_device_name()) if torch.cuda.is_available()
                 else 'no CUDA device: this step is for the GPU machine')"
     case "$step" in
@@ -52,11 +58,14 @@ case "${1:-}" in
       kernels) python3 benchmarks/kernels.py --json "$out/kernels.json" "$@" 2>&1 | tee "$out/kernels.log" ;;
       modules) python3 benchmarks/modules.py --json "$out/modules.json" "$@" 2>&1 | tee "$out/modules.log" ;;
       profile) python3 benchmarks/profile_kernels.py --trace "$out/traces" "$@" 2>&1 | tee "$out/profile.log" ;;
+      precision) precision "$@" 2>&1 | tee "$out/precision.log" ;;
       all)
-        # every step in one call, each stopped at its cap (seconds; ALL_CAPS="tests kernels modules model"
-        # overrides), the next one run whatever the last did: 540 s in all, under a 600 s call. A stopped
-        # step's log (and a benchmark's rows printed so far) stays in $OUT.
-        read -r cap_tests cap_kernels cap_modules cap_model <<< "${ALL_CAPS:-200 150 130 60}"
+        # every step in one call, each stopped at its cap (seconds; ALL_CAPS="kernels modules precision tests"
+        # overrides), the next one run whatever the last did: 555 s in all, under a 600 s call. The benchmarks
+        # run first, alone on the GPU; then the gpu-marked tests beside the CPU-sized tests of the paths
+        # changed since the last GPU run (large scores, per-sample gradients, TorchScript, pointwise, ALiBi).
+        # A stopped step's log (and a benchmark's rows printed so far) stays in $OUT.
+        read -r cap_kernels cap_modules cap_precision cap_tests <<< "${ALL_CAPS:-185 130 40 200}"
         capped() {  # capped SECONDS LOG COMMAND...: run, log, and say how it ended
           local seconds=$1 log=$2 rc=0
           shift 2
@@ -64,10 +73,16 @@ case "${1:-}" in
           tail -n 25 "$out/$log"
           echo "== $log: exit $rc$( [ "$rc" = 124 ] && echo " (stopped at its cap, ${seconds} s)")" | tee -a "$out/all.log"
         }
-        capped "$cap_tests" tests-gpu.log python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" "$@"
-        capped "$cap_kernels" kernels.log python3 benchmarks/kernels.py --quick --json "$out/kernels.json"
+        capped "$cap_kernels" kernels.log python3 benchmarks/kernels.py --targets --json "$out/kernels.json"
         capped "$cap_modules" modules.log python3 benchmarks/modules.py --seq 2048,8192 --json "$out/modules.json"
-        capped "$cap_model" model.log python3 benchmarks/model_vs_reference.py --compile --device cuda
+        capped "$cap_precision" precision.log precision
+        workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
+        capped "$cap_tests" tests-selected.log python3 -m pytest -q -p no:cacheprovider "${workers[@]}" \
+          -m "not slow and not gpu" -k "large_scores or per_sample or torchscript or row_bias or alibi or pointwise" \
+          "${GPU_TESTS[@]}" &
+        capped "$cap_tests" tests-gpu.log python3 -m pytest -q -p no:cacheprovider "${workers[@]}" -m gpu \
+          "${GPU_TESTS[@]}" "$@"
+        wait
         ;;
     esac
     ;;

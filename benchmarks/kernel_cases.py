@@ -53,6 +53,15 @@ QUICK = {
     "pointwise": [(8, 8, 1024, 64, "bf16")],
     "epilogue": [((8, 1024, 4096), "bf16")],
 }
+# the shapes issue 4's targets name, for a short GPU lease: softmax fwd+bwd at T = 2k and 8k, linear at 8k,
+# the variants at 2k (pointwise also at 8k), each head dim the grid has
+TARGETS = {
+    "attention": [(4, 16, 2048, 64, "bf16"), (4, 16, 8192, 64, "bf16"), (4, 8, 8192, 128, "bf16")],
+    "attention-wide": [(4, 12, 2048, 832, 64, "bf16")],
+    "linear": [(4, 16, 8192, 64, "bf16"), (4, 8, 8192, 128, "bf16")],
+    "pointwise": [(4, 16, 2048, 64, "bf16"), (4, 16, 8192, 64, "bf16")],
+    "epilogue": [((8, 2048, 4096), "bf16")],
+}
 FULL = {"attention": ATTENTION_SHAPES, "attention-wide": WIDE_SHAPES, "linear": LINEAR_SHAPES,
         "pointwise": POINTWISE_SHAPES, "epilogue": EPILOGUE_SHAPES}
 # tiny shapes for the interpreter: T not a multiple of the 16-wide tiles, n not one of the 256-element blocks

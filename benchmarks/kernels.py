@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py                                  # every family, several shapes (CUDA GPU)
     python benchmarks/kernels.py --quick --families attention     # one small shape per family
+    python benchmarks/kernels.py --targets                        # the shapes issue 4's targets name
     python benchmarks/kernels.py --json runs/kernels.json         # also write the raw numbers
     TRITON_INTERPRET=1 python benchmarks/kernels.py --interpret-smoke   # CPU: every case checked, no timing
 
@@ -62,7 +63,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kernel_cases import FAMILIES, FULL, QUICK, SMOKE, Case, Impl, build_cases, generator, torch_dtype
+from kernel_cases import FAMILIES, FULL, QUICK, SMOKE, TARGETS, Case, Impl, build_cases, generator, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -526,8 +527,8 @@ def benchmark(families: list[str], args: Any) -> int:
     results: list[dict[str, Any]] = []
     summary: list[list[str]] = []
     notes: dict[str, str] = {}
-    shapes = QUICK if args.quick else FULL
-    mode = "quick" if args.quick else "full"
+    mode = "quick" if args.quick else "targets" if args.targets else "full"
+    shapes = {"quick": QUICK, "targets": TARGETS, "full": FULL}[mode]
     meta["do_bench"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "quantiles": [0.5, 0.2, 0.8]}
     for fam in families:
         cases, note = build_cases(fam, shapes[fam], cuda=True)
@@ -578,6 +579,7 @@ def benchmark(families: list[str], args: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small shape per family")
+    ap.add_argument("--targets", action="store_true", help="only the shapes issue 4's targets name (T = 2k, 8k)")
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
     ap.add_argument("--json", metavar="PATH", help="write the raw numbers (and device, versions, commit, date)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")
