@@ -43,29 +43,31 @@ case "${1:-}" in
     fi
     export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET
-    precision() {  # the second moment and first-order attention at the interpreter's shape, then a longer one
-      python3 benchmarks/precision.py "$@" && python3 benchmarks/precision.py --op attention "$@" &&
-        python3 benchmarks/precision.py --shape 2,4,1024,64 "$@"
-    }
+    # precision.py: the second moment and first-order attention at the interpreter's shape, then a longer one
+    precision='python3 benchmarks/precision.py && python3 benchmarks/precision.py --op attention &&
+               python3 benchmarks/precision.py --shape 2,4,1024,64'
     python3 -c "import sys, torch; sys.exit(print(torch.cuda.get_device_name()) if torch.cuda.is_available()
                 else 'no CUDA device: this step is for the GPU machine')"
     case "$step" in
       tests)
         # the gpu-marked tests, then the same files' CPU-sized tests compiled for this GPU
-        python3 -m pytest -q -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests-gpu.log"
-        python3 -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests.log"
+        python3 -m pytest -v -p no:cacheprovider -m gpu "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests-gpu.log"
+        python3 -m pytest -v -p no:cacheprovider -m "not slow and not gpu" "${GPU_TESTS[@]}" "$@" 2>&1 | tee "$out/tests.log"
         ;;
       kernels) python3 benchmarks/kernels.py --json "$out/kernels.json" "$@" 2>&1 | tee "$out/kernels.log" ;;
       modules) python3 benchmarks/modules.py --json "$out/modules.json" "$@" 2>&1 | tee "$out/modules.log" ;;
       profile) python3 benchmarks/profile_kernels.py --trace "$out/traces" "$@" 2>&1 | tee "$out/profile.log" ;;
-      precision) precision "$@" 2>&1 | tee "$out/precision.log" ;;
+      precision) bash -c "$precision" 2>&1 | tee "$out/precision.log" ;;
       all)
         # every step in one call, each stopped at its cap (seconds; ALL_CAPS="kernels modules precision tests"
-        # overrides), the next one run whatever the last did: 555 s in all, under a 600 s call. The benchmarks
-        # run first, alone on the GPU; then the gpu-marked tests beside the CPU-sized tests of the paths
-        # changed since the last GPU run (large scores, per-sample gradients, TorchScript, pointwise, ALiBi).
-        # A stopped step's log (and a benchmark's rows printed so far) stays in $OUT.
-        read -r cap_kernels cap_modules cap_precision cap_tests <<< "${ALL_CAPS:-185 130 40 200}"
+        # overrides), the next one run whatever the last did: 530 s in all, under a 600 s call. The benchmarks
+        # run first, alone on the GPU, the families no GPU has timed yet first (the H200 run of 2026-11-30
+        # timed 6 attention cases in 180 s, autotuning included, and 3 layers in 125 s); then the gpu-marked
+        # tests beside the CPU-sized tests of the paths changed since the last GPU run (large scores,
+        # per-sample gradients, TorchScript, pointwise, ALiBi). Tests print one line each (-v), so a log cut
+        # at its cap still names every result. A stopped step's log (and a benchmark's rows so far) stays in
+        # $OUT.
+        read -r cap_kernels cap_modules cap_precision cap_tests <<< "${ALL_CAPS:-210 110 35 175}"
         capped() {  # capped SECONDS LOG COMMAND...: run, log, and say how it ended
           local seconds=$1 log=$2 rc=0
           shift 2
@@ -73,21 +75,22 @@ case "${1:-}" in
           tail -n 25 "$out/$log"
           echo "== $log: exit $rc$( [ "$rc" = 124 ] && echo " (stopped at its cap, ${seconds} s)")" | tee -a "$out/all.log"
         }
-        capped "$cap_kernels" kernels.log python3 benchmarks/kernels.py --targets --json "$out/kernels.json"
+        capped "$cap_kernels" kernels.log python3 benchmarks/kernels.py --targets --json "$out/kernels.json" \
+          --families linear,pointwise,attention-wide,attention,epilogue
         capped "$cap_modules" modules.log python3 benchmarks/modules.py --seq 2048,8192 --json "$out/modules.json"
-        capped "$cap_precision" precision.log precision
+        capped "$cap_precision" precision.log bash -c "$precision"
         workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
-        capped "$cap_tests" tests-selected.log python3 -m pytest -q -p no:cacheprovider "${workers[@]}" \
+        capped "$cap_tests" tests-selected.log python3 -m pytest -v -p no:cacheprovider "${workers[@]}" \
           -m "not slow and not gpu" -k "large_scores or per_sample or torchscript or row_bias or alibi or pointwise" \
           "${GPU_TESTS[@]}" &
-        capped "$cap_tests" tests-gpu.log python3 -m pytest -q -p no:cacheprovider "${workers[@]}" -m gpu \
+        capped "$cap_tests" tests-gpu.log python3 -m pytest -v -p no:cacheprovider "${workers[@]}" -m gpu \
           "${GPU_TESTS[@]}" "$@"
         wait
         ;;
     esac
     ;;
   *)
-    echo "usage: $0 wheels | run tests|kernels|modules|profile|all [args...]" >&2
+    echo "usage: $0 wheels | run tests|kernels|modules|profile|precision|all [args...]" >&2
     exit 2
     ;;
 esac

@@ -207,16 +207,13 @@ _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 def _distinct(args: tuple[Any, ...]) -> tuple[Any, ...]:
     """args with each repeated tensor (tied values: v is k) replaced by a view of it, which costs no copy:
-    Dynamo refuses to trace an autograd.Function given one tensor as two inputs."""
-    seen: set[int] = set()
-    out = []
-    for arg in args:
-        if isinstance(arg, Tensor):
-            if id(arg) in seen:
-                arg = arg.view_as(arg)
-            seen.add(id(arg))
-        out.append(arg)
-    return tuple(out)
+    Dynamo refuses to trace an autograd.Function given one tensor as two inputs. Compared with `is`, not by
+    `id()`: Dynamo before torch 2.13 breaks the graph at `id()` of a tensor, and the frames it then compiles
+    guard on each input's identity, so every call with new tensors compiled them again (seen on an H200)."""
+    return tuple(
+        arg.view_as(arg) if isinstance(arg, Tensor) and any(arg is earlier for earlier in args[:i]) else arg
+        for i, arg in enumerate(args)
+    )
 
 
 def refuse_unbaked(name: str, baked: dict[str, Any], call: dict[str, Any]) -> None:
@@ -287,11 +284,16 @@ def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     if not torch.is_autocast_enabled(kind):
         return tensors
     dtype = torch.get_autocast_dtype(kind)
-    cast: dict[int, Tensor] = {}
-    for t in tensors:
-        if t is not None and id(t) not in cast:
-            cast[id(t)] = t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
-    return tuple(None if t is None else cast[id(t)] for t in tensors)
+    out: list[Tensor | None] = []
+    for i, t in enumerate(tensors):  # `is`, not `id()`: as in `_distinct`
+        tied = next((j for j in range(i) if t is not None and tensors[j] is t), None)
+        if tied is not None:
+            out.append(out[tied])
+        elif t is not None and t.is_floating_point() and t.dtype != torch.float64:
+            out.append(t.to(dtype))
+        else:
+            out.append(t)
+    return tuple(out)
 
 
 def no_autocast(like: Tensor) -> AbstractContextManager[None]:
