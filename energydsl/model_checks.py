@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .checks import CheckResult, _one_thread
 from .errors import first_few
+from .number_text import plain_number
 
 # A leak makes a difference of the logits' own size; float64 arithmetic on the same inputs makes none, or one
 # near 1e-16 relative where a kernel's blocking follows the sequence length.
@@ -35,7 +36,28 @@ def check_model(model: torch.nn.Module, seed: int = 0) -> list[CheckResult]:
         generator = torch.Generator().manual_seed(seed)
         vocab, T = model.plan.dims["vocab"], min(model.block_size, MAX_CHECK_TOKENS)
         idx = torch.randint(int(vocab), (2, T), generator=generator)
-        return [_causality(model, idx, generator), _params(model, idx, generator)]
+        rows = [_causality(model, idx, generator), _params(model, idx, generator)]
+        return rows + [row for row in (_across_layers(model.plan),) if row is not None]
+
+
+def _across_layers(plan) -> CheckResult | None:
+    """The `across` row: β of the momentum across layers outside [0, 1). The energy's own momentum check fails
+    β ≥ 1 (its steps grow without bound); across a finite stack of layers the first layer's force is only
+    weighted β^(L-1) in the last, so it is a warning, naming that weight. A learned β starts there."""
+    if plan.across is None:
+        return None
+    kind, hyper = plan.across
+    beta, learned = hyper["beta"]
+    start = " starts at" if learned else " ="
+    if beta >= 1:
+        weight = f"{beta ** (plan.layers - 1):.3g}" if beta ** (plan.layers - 1) < 1e15 else "more than 1e15"
+        return CheckResult("across", "warn", f"`across layers {kind}`: β{start} {plain_number(beta)} ≥ 1, so the "
+                           f"momentum never decays: over the {plan.layers} layers the first layer's update enters "
+                           f"the last one's step with weight {weight}; β is usually in [0, 1)")
+    if beta < 0:
+        return CheckResult("across", "warn", f"`across layers {kind}`: β{start} {plain_number(beta)} < 0, so each "
+                           "layer reverses part of the last (negative momentum); β is usually in [0, 1)")
+    return CheckResult("across", "ok", f"`across layers {kind}`: β{start} {plain_number(beta)}, in [0, 1)")
 
 
 def dims_row(model: str, unread: list[str]) -> CheckResult:

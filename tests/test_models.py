@@ -648,6 +648,30 @@ def test_a_model_check_warns_of_header_dims_nothing_reads(tmp_path: Path) -> Non
     assert unread_dims(energydsl.load(spec).syntax, "M") == ["hidden"]
 
 
+@pytest.mark.parametrize(("clause", "status", "detail"), [
+    ("nag(beta = 0.9 learn, eta = 1 learn)", "ok", "`across layers nag`: β starts at 0.9, in [0, 1)"),
+    ("momentum(beta = 1.5)", "warn", "`across layers momentum`: β = 1.5 ≥ 1, so the momentum never decays: over "
+     "the 4 layers the first layer's update enters the last one's step with weight 3.38; β is usually in [0, 1)"),
+    ("nag(beta = -0.5 learn)", "warn", "`across layers nag`: β starts at -0.5 < 0, so each layer reverses part of "
+     "the last (negative momentum); β is usually in [0, 1)"),
+])
+def test_a_model_check_weighs_the_momentum_across_layers(tmp_path: Path, clause: str, status: str,
+                                                          detail: str) -> None:
+    """`across layers momentum(beta = 1.5)` built and trained without a word; the energy's own momentum check
+    fails β ≥ 1, and a model check now names it."""
+    text = (ROOT / "examples/models/nag-gpt.energy").read_text()
+    assert "across layers nag(beta = 0.9 learn, eta = 1 learn)" in text
+    spec = tmp_path / "m.energy"
+    spec.write_text(text.replace("nag(beta = 0.9 learn, eta = 1 learn)", clause))
+    results = {r.name: r for r in energydsl.load(spec).check_model("NagGPT")}
+    assert (results["across"].status, results["across"].detail) == (status, detail)
+
+
+def test_a_model_without_momentum_across_layers_has_no_across_row() -> None:
+    results = energydsl.load(ROOT / "examples/models/gpt.energy").check_model("GPT")
+    assert "across" not in {r.name for r in results}
+
+
 def test_the_model_causality_check_sees_a_leak() -> None:
     """The composed model is built by generated code: a bug that lets position t read token t + 1 must fail. Here
     the leak is planted by shifting the tokens the model reads, so each position sees the next token too."""
