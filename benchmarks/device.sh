@@ -59,15 +59,15 @@ case "${1:-}" in
       profile) python3 benchmarks/profile_kernels.py --trace "$out/traces" "$@" 2>&1 | tee "$out/profile.log" ;;
       precision) bash -c "$precision" 2>&1 | tee "$out/precision.log" ;;
       all)
-        # every step in one call, each stopped at its cap (seconds; ALL_CAPS="kernels modules precision tests"
-        # overrides), the next one run whatever the last did: 530 s in all, under a 600 s call. The benchmarks
+        # every step in one call, each stopped at its cap (seconds; ALL_CAPS="kernels modules profile precision
+        # tests" overrides), the next one run whatever the last did: 530 s in all, under a 600 s call. The benchmarks
         # run first, alone on the GPU, the families no GPU has timed yet first (the H200 run of 2026-11-30
         # timed 6 attention cases in 180 s, autotuning included, and 3 layers in 125 s); then the gpu-marked
         # tests beside the CPU-sized tests of the paths changed since the last GPU run (large scores,
         # per-sample gradients, TorchScript, pointwise, ALiBi). Tests print one line each (-v), so a log cut
         # at its cap still names every result. A stopped step's log (and a benchmark's rows so far) stays in
         # $OUT.
-        read -r cap_kernels cap_modules cap_precision cap_tests <<< "${ALL_CAPS:-210 110 35 175}"
+        read -r cap_kernels cap_modules cap_profile cap_precision cap_tests <<< "${ALL_CAPS:-200 100 45 25 160}"
         capped() {  # capped SECONDS LOG COMMAND...: run, log, and say how it ended
           local seconds=$1 log=$2 rc=0
           shift 2
@@ -77,7 +77,10 @@ case "${1:-}" in
         }
         capped "$cap_kernels" kernels.log python3 benchmarks/kernels.py --targets --json "$out/kernels.json" \
           --families linear,pointwise,attention-wide,attention,epilogue
-        capped "$cap_modules" modules.log python3 benchmarks/modules.py --seq 2048,8192 --json "$out/modules.json"
+        # (modules.py prints each row as JSON in its log: no modules.json, as $OUT brings back 8 files at most)
+        capped "$cap_modules" modules.log python3 benchmarks/modules.py --seq 2048,8192
+        # the softmax fwd+bwd at T = 1k and 8k split into wall, GPU and host time: the fixed cost at short T
+        capped "$cap_profile" profile.log python3 benchmarks/profile_kernels.py --families attention
         capped "$cap_precision" precision.log bash -c "$precision"
         workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8)
         capped "$cap_tests" tests-selected.log python3 -m pytest -v -p no:cacheprovider "${workers[@]}" \
