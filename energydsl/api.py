@@ -335,7 +335,7 @@ class Spec:
         for stage in plan.stages:
             key = (stage.label, tuple(sorted(stage.dims.items())))
             if key not in seen:
-                seen[key] = derive(stage.decl, stage.dims)
+                seen[key] = derive_stage(stage, plan.name)
                 check_stage_state(plan, stage, seen[key].spec)  # it fits the stream, as training needs
         return list(seen.values())
 
@@ -547,6 +547,19 @@ def derive(decl: syntax.EnergyDecl, dims: dict[str, float] | None = None) -> Der
     return derived
 
 
+def derive_stage(stage: Any, model: str) -> Derived:
+    """`derive` of a model's stage (`composition.StagePlan`). An error in the energy (the heads do not divide
+    d, say) points into the energy's declaration, often in an imported file: it also names the stage that
+    built it there, and where."""
+    try:
+        return derive(stage.decl, stage.dims)
+    except UserError as e:
+        if stage.span is not None:
+            note = f"model `{model}` builds `{stage.label}` at {stage.span}"
+            e.hint = f"{e.hint}; {note}" if e.hint else note
+        raise
+
+
 def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, float]:
     """`--set` applies to every energy that has that dim."""
     names = {n for n, _ in decl.header}
@@ -577,7 +590,7 @@ def model_of_plan(plan: Any, backend: str = "torch"):
 
     classes, infos = [], []
     for stage in plan.stages:
-        derived = derive(stage.decl, stage.dims)
+        derived = derive_stage(stage, plan.name)
         classes.append(module_class(derived, backend))
         infos.append(StageInfo(stage.label, derived, derived.flops_per_token(plan.context)))
     fused = backend == "triton" and use_triton()  # as module_class: no kernels here means plain torch

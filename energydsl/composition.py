@@ -164,6 +164,15 @@ def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
     raise SpecError(f"{what} must be a number built from dims", node.span)
 
 
+def _dim_place(decl: ast.ModelDecl, key: str, overrides: dict[str, Any]) -> tuple[str, Span | None]:
+    """How a message names header dim `key`, and where it points: at its default, unless a caller set it (then
+    at the declaration, saying so)."""
+    node = dict(decl.header).get(key)
+    if key in overrides or node is None or node.span is None:
+        return f"`{key}` (as set for model `{decl.name}`)" if key in overrides else f"`{key}`", decl.span
+    return f"`{key}`", node.span
+
+
 def _whole(v: float, what: str, span: Span | None, low: int = 1) -> int:
     if not math.isfinite(v) or abs(v - round(v)) > 1e-9 or round(v) < low:
         raise SpecError(f"{what} must be a whole number ≥ {low}, got {v:g}", span)
@@ -309,7 +318,7 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
     if "layer" not in one:
         raise SpecError(f"model `{name}` has no `layer = ...`", decl.span)
     stages = [_stage(*stage) for stage in _expand(module, one["layer"].value, env)]
-    stream = _stream(one.get("stream"), env, decl.span)
+    stream = _stream(one.get("stream"), env, *_dim_place(decl, "d", overrides))
     positions = False
     embed_rank = head_rank = None
     if "embed" in one:
@@ -351,8 +360,8 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
                             "write `head tied` (rank as the embedding's) or `head untied rank R`")
     if tied:
         head_rank = embed_rank
-    vocab = _whole(env["vocab"], "`vocab`", decl.span)
-    context = _whole(env["context"], "`context`", decl.span)
+    vocab = _whole(env["vocab"], *_dim_place(decl, "vocab", overrides))
+    context = _whole(env["context"], *_dim_place(decl, "context", overrides))
     _check_entries(stream, "the stream of a token", decl.span)
     tables = [("the token embedding", vocab, embed_rank)]
     if positions:
@@ -407,10 +416,10 @@ def _names_in(tree: object) -> set[str]:
     return set()
 
 
-def _stream(c: ast.Clause | None, env: dict[str, float], span: Span | None) -> tuple[int, ...]:
-    """The stream's shape per token: `stream [dk, dv]`, else the vector [d]."""
+def _stream(c: ast.Clause | None, env: dict[str, float], what: str, span: Span | None) -> tuple[int, ...]:
+    """The stream's shape per token: `stream [dk, dv]`, else the vector [d] (`what` and `span`: d's)."""
     if c is None:
-        return (_whole(env["d"], "`d`", span),)
+        return (_whole(env["d"], what, span),)
     return tuple(_whole(evaluate_number(n, env, "the stream's shape"), "a stream axis", n.span or c.span)
                  for n in c.value)
 

@@ -615,6 +615,40 @@ def test_a_model_name_given_twice_or_out_of_order_is_a_located_error(old: str, n
     assert e.value.span is not None and e.value.span.line == line
 
 
+@pytest.mark.parametrize(("dim", "value"), [("d", "-3"), ("vocab", "0"), ("context", "2.5")])
+def test_a_bad_header_value_points_at_itself(tmp_path: Path, dim: str, value: str) -> None:
+    """The caret sat on the model's name for every bad header value; it is under the value now. A value set by
+    a caller (`--set`, keywords) has no place in the text: the message says it was set."""
+    spec = tmp_path / "m.energy"
+    header = {"vocab": "11", "context": "8", "d": "8", "layers": "2", "heads": "2", dim: value}
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\n'
+                    f"model M({', '.join(f'{k} = {v}' for k, v in header.items())}) {{\n"
+                    "  embed tokens\n  layer = MHA -> MLP(d)\n  repeat layers\n  head tied\n}\n")
+    with pytest.raises(energydsl.SpecError) as e:
+        energydsl.load(spec).plan("M")
+    assert e.value.message.startswith(f"`{dim}` must be a whole number"), e.value.message
+    column = spec.read_text().splitlines()[1].index(f"{dim} = {value}") + len(f"{dim} = ") + 1
+    assert (e.value.span.line, e.value.span.column) == (2, column)
+    with pytest.raises(energydsl.SpecError) as e:
+        energydsl.load(spec).plan("M", **{dim: -1})
+    assert e.value.message.startswith(f"`{dim}` (as set for model `M`) must be"), e.value.message
+    assert (e.value.span.line, e.value.span.column) == (2, 7)
+
+
+def test_an_error_in_an_imported_energy_names_the_stage_that_built_it(tmp_path: Path) -> None:
+    """Heads that do not divide d point into the imported file, where nothing says which model asked: the hint
+    names the model and its stage, with the stage's place."""
+    spec = tmp_path / "m.energy"
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\n'
+                    "model M(vocab = 11, context = 8, d = 10, layers = 2, heads = 4) {\n"
+                    "  embed tokens\n  layer = MHA -> MLP(d)\n  repeat layers\n  head tied\n}\n")
+    for build in (lambda s: s.model("M"), lambda s: s.stages("M")):
+        with pytest.raises(energydsl.SpecError) as e:
+            build(energydsl.load(spec))
+        assert e.value.span.file.endswith("gpt.energy")
+        assert e.value.hint == f"choose dims that divide evenly; model `M` builds `MHA` at {spec}:4:11"
+
+
 # ----------------------------------------------------------------------------- `energy check` of a model
 
 
