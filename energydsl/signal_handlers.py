@@ -31,3 +31,15 @@ def handlers_restored(*signums: int) -> Iterator[dict[int, Handler] | None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def interruptions_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored for a short bookkeeping step that must not be cut halfway, such as handing an
+    interrupted trial back (a second Ctrl-C there left it RUNNING, to be found lost on the next run). Only the
+    main thread can hold them; elsewhere this does nothing."""
+    with handlers_restored(signal.SIGINT, signal.SIGTERM) as previous:
+        if previous is not None:
+            for s in previous:
+                signal.signal(s, signal.SIG_IGN)
+        yield

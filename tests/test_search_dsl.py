@@ -563,6 +563,31 @@ def test_a_rerun_with_other_training_settings_is_refused(tmp_path: Path) -> None
         open_study(journal, "T", load_search(path, steps="3"))
 
 
+def test_a_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Path, capsys, recwarn) -> None:
+    """A lost trial is put back with its parameters; after the range was narrowed the retry trained outside it,
+    and Optuna printed its raw UserWarning. It keeps the parameters the edited space can still sample."""
+    from energydsl.search import open_study
+    from energydsl.search.report import RETRY_OF
+
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    study = open_study(journal, "T", load_search(path))
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING, system_attrs={
+        RETRY_OF: 3, "fixed_params": {"train.lr": 8e-3, "Tiny.d": 16, "Mix.optimizer": "gd"}}))
+    open_study(journal, "T", load_search(path))  # nothing edited: the retry is left as it was
+    assert capsys.readouterr().err == ""
+    write(tmp_path, TINY + SEARCH.replace("1e-3..1e-2", "1e-3..5e-3"))
+    space = load_search(path)
+    study = open_study(journal, "T", space)
+    assert capsys.readouterr().err == ("note: the retry of trial #3 keeps its other parameters, but `train.lr` = 0.008 "
+                                       "(now float 0.001..0.005 log) is outside the edited space: sampled afresh\n")
+    (waiting,) = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert waiting.system_attrs["fixed_params"] == {"Tiny.d": 16, "Mix.optimizer": "gd"}
+    trial = study.ask()
+    space.suggest(trial)
+    assert trial.params["Tiny.d"] == 16 and 1e-3 <= trial.params["train.lr"] <= 5e-3
+    assert not [w for w in recwarn if "out of range" in str(w.message)]
+
+
 def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Path) -> None:
     """`momentum(beta = 0.5, eta = 1)` edited to `beta = 0.9`: Optuna records the option as `momentum` either way,
     and the text hash leaves the whole choice out, so trials of two optimizers were ranked as one. A study

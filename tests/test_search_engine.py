@@ -728,3 +728,37 @@ def test_a_study_with_no_reason_to_show_does_not_point_above(tmp_path: Path) -> 
     print_leaderboard(study, console=console)
     text = console.export_text()
     assert "no trial has completed: none finished" in text and "reasons are above" not in text, text
+
+
+def test_a_second_ctrl_c_does_not_cut_the_hand_back_of_an_interrupted_trial(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C hands a running trial back (failed as interrupted, its slot queued again). A second Ctrl-C while
+    that was written left the trial RUNNING, found lost on the next run (held against its retries). Here the
+    second one arrives as the hand-back starts."""
+    import os
+    import signal
+
+    from energydsl.search import local, open_study
+
+    space = resolve_space(toy(tmp_path, mixers="ssm"))
+    journal = str(tmp_path / "study.journal")
+    study = open_study(journal, "t", space)
+    storage = local.open_storage(journal)
+    local.ensure_slots(study, 1)
+    trial_id = local.claim(study, storage, 1)
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    real_abandon = local.abandon
+
+    def second_ctrl_c(*args: object, **kwargs: object) -> bool:
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once: in the main thread, before the next bytecode
+        return real_abandon(*args, **kwargs)
+
+    monkeypatch.setattr(space, "evaluate", interrupted)
+    monkeypatch.setattr(local, "abandon", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        local.run_trial(study, storage, trial_id, space, "cpu", prune=False)
+    states = [(t.state.name, t.user_attrs.get("kind")) for t in load_study(journal, "t").get_trials()]
+    assert states == [("FAIL", "interrupted"), ("WAITING", None)], states
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back

@@ -12,6 +12,7 @@ import contextlib
 import math
 import numbers
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from energydsl.search.local import (
     quiet_optuna,
     run_local,
 )
-from energydsl.search.report import export_best, summarize, write_report
+from energydsl.search.report import RETRY_OF, export_best, summarize, write_report
 from energydsl.search.settings import DECLARATIONS, HOLE, OPTIONS, edited_declarations
 from energydsl.search.space import (
     Candidate,
@@ -87,6 +88,8 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
     with study_lock(storage, study_name):  # two commands starting at once: one records, the other compares
         trials = study.get_trials(deepcopy=False)  # once: on an RDB storage a listing is a full query
         check_distributions(study, trials, space, storage)
+        for note in refit_retries(study, trials, space):
+            print(f"note: {note}", file=sys.stderr)
         wanted: dict[str, Any] = {"objectives": names}
         settings = check_settings_unchanged(study, trials, space, storage)
         if settings is not None:
@@ -197,6 +200,37 @@ def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: S
                 f"as {_show(old)}, and a study cannot change that", where,
                 hint=f"to search the edited space, start a new study (another --study name or --storage); "
                      f"to continue this one, write the hole as {_show(old)} again") from None
+
+
+def refit_retries(study: optuna.Study, trials: list[FrozenTrial], space: SearchSpace) -> list[str]:
+    """A waiting retry (a lost or interrupted trial put back with its parameters) keeps the parameters the edited
+    space can still sample; one outside a hole's narrowed range is sampled afresh. Optuna would train it
+    outside the range, with a raw UserWarning. Returns a note for each retry changed."""
+    listed = getattr(space, "distributions", None)
+    if not callable(listed):
+        return []
+    holes = {name: dist for name, (dist, _) in listed().items()}
+    notes = []
+    for t in trials:
+        fixed = t.system_attrs.get("fixed_params")
+        if t.state != TrialState.WAITING or not fixed:
+            continue
+        outside = [name for name, value in fixed.items() if name in holes and not _samples(holes[name], value)]
+        if outside:
+            study._storage.set_trial_system_attr(
+                t._trial_id, "fixed_params", {k: v for k, v in fixed.items() if k not in outside})
+            shown = ", ".join(f"`{name}` = {fixed[name]!r} (now {_show(holes[name])})" for name in outside)
+            notes.append(f"the retry of trial #{t.system_attrs.get(RETRY_OF, '?')} keeps its other parameters, but "
+                         f"{shown} {'is' if len(outside) == 1 else 'are'} outside the edited space: sampled afresh")
+    return notes
+
+
+def _samples(dist: optuna.distributions.BaseDistribution, value: Any) -> bool:
+    """Whether `dist` can sample `value` (in its range, on its step, among its choices)."""
+    try:
+        return bool(dist._contains(dist.to_internal_repr(value)))
+    except (ValueError, TypeError):
+        return False
 
 
 def _check_types(**options: Any) -> None:

@@ -53,7 +53,7 @@ from energydsl.search.report import (
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_as
 from energydsl.search.storage import open_storage, study_lock
-from energydsl.signal_handlers import handlers_restored
+from energydsl.signal_handlers import handlers_restored, interruptions_held
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
 SAMPLERS = ("auto", "tpe", "nsga2", "random", "cmaes", "qmc")
@@ -357,7 +357,7 @@ def run_trial(study: optuna.Study, storage: BaseStorage, trial_id: int, space: S
         return finish(TrialState.COMPLETE, values, kind="complete", metrics=clean)
     except BaseException as e:  # interrupted (Ctrl-C, SIGTERM): the trial goes back to the queue
         if not isinstance(e, Exception):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), interruptions_held():  # a second Ctrl-C: not halfway
                 abandon(study, storage, storage.get_trial(trial_id), f"interrupted ({type(e).__name__})",
                         interrupted=True)
         raise
