@@ -31,13 +31,16 @@ def energy(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("args,says", [
-    (["info", GPT, "--set", "d=1e30"], "`d` must be a whole number from 1 to 2**60 - 1, got 1e+30"),
-    (["info", GPT, "--set", "vocab=1e30"], "`vocab` must be a whole number from 1 to 2**60 - 1"),
+    (["info", GPT, "--set", "d=1e30"],
+     "`d` (as set for model `GPT`) must be a whole number from 1 to 2**60 - 1, got 1e+30"),
+    (["info", GPT, "--set", "vocab=1e30"],
+     "`vocab` (as set for model `GPT`) must be a whole number from 1 to 2**60 - 1"),
     (["info", GPT, "--set", "context=1e17"], "the position embedding [100000000000000000, 128] has 1.28e+19 entries"),
     (["info", GPT, "--set", "d=4e9"], "a param of shape [heads, d/heads, d] has 1.6e+19 entries (with d=4000000000"),
     (["check", MHA, "--set", "d=1e30"], "dim `dh` = d/heads = 5e+29 is too large (with d=1e+30"),
     (["derive", MHA, "--set", "d=4e9"], "has 1.6e+19 entries"),
-    (["train", GPT, "--data", "shakespeare_char", "--set", "context=1e30"], "`context` must be a whole number"),
+    (["train", GPT, "--data", "shakespeare_char", "--set", "context=1e30"],
+     "`context` (as set for model `GPT`) must be a whole number"),
 ])
 def test_a_size_too_large_for_a_tensor_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args, says) -> None:
     if args[0] == "train":
