@@ -71,6 +71,9 @@ class EnergyIR:
     expects: dict[str, tuple[Expr, Span]] = field(default_factory=dict)
     scalar_params: dict[str, sp.Symbol] = field(default_factory=dict)
     source: str = ""
+    # the names the spec gives values: a `let` without indices and the `via` variable (its N(x)), by the lowered
+    # expression; generated code calls these values by them where it can (`codegen.torch_module`)
+    user_names: dict[Expr, str] = field(default_factory=dict, compare=False, repr=False)
 
     def dims(self) -> dict[str, float]:
         """All dim values (header and derived)."""
@@ -237,7 +240,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
             optimizer=opt, untie_rules=untie,
             untie_span=by_kind["untie"][0].span if by_kind.get("untie") else None, energy_span=gclause.span,
             expects=expects,
-            scalar_params=self.scalar_params, source=d.source_text,
+            scalar_params=self.scalar_params, source=d.source_text, user_names=self._user_names(by_kind),
         )
 
     # ------------------------------------------------------------------ clauses
@@ -352,6 +355,18 @@ class _Lowering(ExpressionLowering, ParamLowering):
         self.context = Var(c.name, "context", shape, idx)
         self.indices[idx] = IndexInfo(idx, context=c.name, strict=x["relation"] == "<")
         self.scope.vars.setdefault(c.name, self.context)
+
+    def _user_names(self, by_kind: dict[str, list[ast.Clause]]) -> dict[Expr, str]:
+        """The expression of each `let` without indices, and the `via` variable's N(x), by name: the first name
+        of an expression given two."""
+        named = [(c.name, self.scope.lets[c.name][1]) for c in by_kind.get("let", [])
+                 if c.name in self.scope.lets and not self.scope.lets[c.name][0]]
+        if self.via is not None:
+            named.append((self.via[0].name, self.via[1]))
+        out: dict[Expr, str] = {}
+        for name, body in named:
+            out.setdefault(body, name)
+        return out
 
     def _let(self, c: ast.Clause) -> None:
         self.scope.declare(c.name, c.span)

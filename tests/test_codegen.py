@@ -873,7 +873,7 @@ def test_a_bias_added_to_a_product_goes_into_the_gemm(lines: list[str], want: li
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("path,fused,added", [
-    ("examples/nrgpt/ff1.energy", r"F\.linear\(t\d+, W, b\)", None),  # z = W g + b
+    ("examples/nrgpt/ff1.energy", r"F\.linear\(g, W, b\)", None),  # z = W g + b (g: the `via` name)
     # z = W1 g + b1 shares one GEMM with the gradient's W2ᵀ g, so b1 stays an addition; W2 gelu(z) + b2 fuses
     ("examples/nrgpt/ff2w.energy", r"F\.linear\(t\d+, W2, b2\)", r"= t\d+ \+ b1\[None, None\]"),
 ])
@@ -1255,3 +1255,35 @@ def test_a_term_whose_coefficient_is_zero_at_the_fixed_values_is_not_computed(ba
     derived = energydsl.load("tests/data/data-dependent-decay.energy").energy("NewtonGate")
     text = energy_source(derived, backend)
     assert not re.search(r"\b-?0\.0 \*|\* -?0\.0\b", text), text
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_generated_code_calls_values_by_the_specs_names(backend: str) -> None:
+    """`let gamma = W @ h` and `via u = rmsnorm(x)` were printed as `c0` and `t2`: the forward now uses the
+    spec's names, where a value is printed once and its name is free."""
+    derived = energydsl.load("examples/cem/mlp.energy").energy()
+    forward = energy_source(derived, backend).split("def forward", 1)[1]
+    assert re.search(r"^\s+gamma = F\.linear\(h, W\)$", forward, re.M), forward
+    assert re.search(r"^\s+u = F\.rms_norm\(x_, ", forward, re.M), forward
+    assert not re.search(r"\bc0\b", forward), forward
+    _matches_interpreter(derived, 5, backend=backend)
+
+
+@pytest.mark.parametrize("name", ["T", "F", "torch", "x_", "delta", "context", "check_inputs"])
+def test_a_specs_name_the_forward_gives_a_meaning_stays_a_temporary(name: str) -> None:
+    """A `let` called as the forward's own locals or the file's imports would shadow or rebind them: its value
+    keeps its temporary's name, and the module still computes the update."""
+    param = "W"
+    text = f"""
+energy E(d = 4) {{
+  state   x[d]
+  param   {param}[d, d] ~ normal(0, 0.5)
+  let     {name} = tanh({param} @ x)
+  global  G = ({name} . {name}) / 2
+  optimizer gd(eta = 1)
+}}
+"""
+    derived = energydsl.load(text).energy("E")
+    forward = energy_source(derived, "torch").split("def forward", 1)[1]
+    assert not re.search(rf"^\s+{re.escape(name)} = tanh|^\s+{re.escape(name)} = torch\.tanh", forward, re.M), forward
+    _matches_interpreter(derived, 5)

@@ -174,7 +174,7 @@ def test_gated_activation_kernels_are_written_for_the_energys_activation(path: s
     names |= {a.arg for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) for a in n.args.args}
     assert not names & {"ACT", "HAS_VALUE"}
     ops = next(line.split(" = ")[0] for line in src.splitlines() if "= gated_activation_ops(" in line)
-    value = "c0" if act == "silu" else "None"  # FF1's product is a function of one tensor: no value
+    value = "gamma" if act == "silu" else "None"  # W @ h, its `let` name; FF1's product has no value
     assert f"{ops}.gated_activation(" in src and f", {value}, {act!r})" in src
     assert "from energydsl import kernels" not in src  # no call left to the package's generic ops
 

@@ -133,6 +133,8 @@ class Emitter:
         # triton, nag: (state, velocity), whose look-ahead state + c * velocity is the fused Nesterov op
         self.lookahead: tuple[ir.Var, ir.Var] | None = None
         self.letters = self._letters()
+        self.user_names: dict[Expr, str] = {}  # the spec's names of values (`EnergyIR.user_names`)
+        self.named: dict[str, set[str]] = {}  # user name -> the locals its value was printed as
         self.flops = {"prologue": 0.0, "body": 0.0}  # matmul FLOPs per token (context at full length)
         self.context_len = 1  # T for FLOP counts (the model's context)
 
@@ -263,6 +265,8 @@ class Emitter:
             return hit
         out = self._emit(e)
         self.memo[e] = out
+        if e in self.user_names and not out.scalar:
+            self.named.setdefault(self.user_names[e], set()).add(out.code)
         return out
 
     def emit_let(self, e: ir.Let) -> Val:
@@ -272,6 +276,7 @@ class Emitter:
         saved, saved_memo = self.lines, self.memo
         self.lines, self.memo = self.prologue, self.prologue_memo  # shared by every let: computed once
         v = self.emit(e.body)
+        temp = v.code
         if not v.scalar:
             last = self.lines[-1] if self.lines else ""
             named = Val(e.name, v.axes, v.rank)
@@ -285,6 +290,10 @@ class Emitter:
             v = named
         self.lines, self.memo = saved, saved_memo
         self.lets[e.name] = v
+        if e.body in self.user_names and not v.scalar:  # the value now goes by the let's name, not the temp's
+            codes = self.named.setdefault(self.user_names[e.body], set())
+            codes.discard(temp)
+            codes.add(v.code)
         return v
 
     def _emit(self, e: Expr) -> Val:

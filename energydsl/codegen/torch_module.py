@@ -170,6 +170,7 @@ class ModuleWriter:
         names = self._token_names()
         em = Emitter(spec.indices, self._scalars(), sizes, names, lowering=self.lowering, backend=self.backend)
         em.context_len = self.context_len
+        em.user_names = spec.user_names
         if self.backend == "triton" and spec.optimizer.kind == "nag" and prog.aux:
             em.lookahead = (spec.state, prog.aux[0])  # x + c m, where the force is evaluated: one kernel
         steps_body: list[str] = []
@@ -257,6 +258,7 @@ class ModuleWriter:
             em.used_ops.add("projections")
         # a plain step returned its displacement above: no `delta` is left to ask about here
         lines.append(f"return {x}" if plain else f"return {x} - x if delta else {x}")
+        lines = _user_named(lines, em.named)
         used = "\n".join(ln.split("  # ", 1)[0] for ln in lines)  # the code, not its comments
         preamble = ["check_inputs(self, x, context, input, delta)  # shapes, length, dtype: a clear ValueError"]
         for names_, values in ((("B", "T"), ("x.shape[0]", "x.shape[1]")), (("dev", "dt"), ("x.device", "x.dtype"))):
@@ -335,6 +337,28 @@ class ModuleWriter:
                '        """',
                *[f"        {ln}" for ln in fwd]]
         return doc, imports, self.kernel_requests, out
+
+
+# names the forward's preamble, its masks and positions, and the file's imports give values: never a user's
+_FORWARD_NAMES = frozenset({"B", "T", "dev", "dt", "x", "context", "input", "delta", "self", "pos", "mask",
+                            "mask_strict", "count", "count_strict", "F", "torch", "math", "nn", "check_inputs"})
+
+
+def _user_named(lines: list[str], named: dict[str, set[str]]) -> list[str]:
+    """The forward with a temporary (`t7`, `c0`) renamed to the spec's name of its value (a `let`, the `via`
+    variable), where that value was printed once and the name is free: used nowhere else in the forward, and
+    not one the forward's preamble or the file gives a meaning."""
+    text = "\n".join(lines)
+    words = set(re.findall(r"\w+", text)) | _FORWARD_NAMES
+    for name, codes in sorted(named.items()):
+        if len(codes) != 1 or name in words:
+            continue
+        (code,) = codes
+        if not re.fullmatch(r"[ct]\d+", code) or len(re.findall(rf"^\s*{code} = ", text, re.M)) != 1:
+            continue
+        text = re.sub(rf"\b{code}\b", name, text)
+        words.add(name)
+    return text.split("\n")
 
 
 def file_source(writers: list[ModuleWriter]) -> str:
