@@ -54,12 +54,14 @@ def generator_version() -> str:
 
 def cache_key(derived: Derived, backend: str, lowering: bool = True) -> str:
     """The generated file's key. Besides the update (`equation_hash`), what its docstring's derivation shows:
-    the energy, its norm and gradient and the tied direction, as IR keys (no printing before a cache hit)."""
+    the energy, its norm and gradient and the tied direction, as IR keys (no printing before a cache hit), and
+    the spec's names of values, which its code uses."""
     prog, spec = derived.program, derived.spec
     shown = repr([ir.stable_text(e) for e in (spec.energy, spec.via[1] if spec.via else None, prog.gradient,
                                               prog.tied_direction) if e is not None])
     form = backend if lowering else f"{backend}|generic"
-    text = f"{derived.equation_hash()}|{spec.name}|{form}|{generator_version()}|{shown}"
+    named = sorted((name, ir.stable_text(e)) for e, name in spec.user_names.items())  # the names its code uses
+    text = f"{derived.equation_hash()}|{spec.name}|{form}|{generator_version()}|{shown}|{named}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
