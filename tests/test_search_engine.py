@@ -343,6 +343,15 @@ def test_an_output_over_the_storage_or_the_space_is_refused(tmp_path: Path, monk
         not_an_input(tmp_path / "search" / "s.energy", "--export", None, "search/s.energy")  # as a study records it
     not_an_input(tmp_path / "best.energy", "--export", None, "search/s.energy")
     not_an_input(tmp_path / "pkg.spaces:toy", "--export", None, "pkg.spaces:toy")  # a Python space: no file
+    # a file the space imports (an energy it searches), however the import spells its path
+    (tmp_path / "search" / "lib").mkdir()
+    (tmp_path / "search" / "lib" / "e.energy").write_text("energy E(d = 2) {\n  state z[d]\n  global F = z . z\n"
+                                                          "  optimizer gd\n}\n")
+    (tmp_path / "search" / "i.energy").write_text('import "./lib/../lib/e.energy"\nsearch S {}\n')
+    with pytest.raises(UserError, match="--export search/lib/e.energy is a file the search space imports"):
+        not_an_input("search/lib/e.energy", "--export", None, "search/i.energy")
+    (tmp_path / "search" / "broken.energy").write_text('import "nowhere.energy"\nsearch S {\n')
+    not_an_input(tmp_path / "best.energy", "--export", None, "search/broken.energy")  # the search says why
     search(tmp_path, toy(tmp_path), trials=2, pruner="none")
     journal = tmp_path / "study.journal"
     with pytest.raises(UserError, match="is the study's storage: writing there would replace it"):

@@ -489,14 +489,22 @@ def _strict(value: Any) -> Any:
 
 
 def not_an_input(path: str | os.PathLike[str], flag: str, storage: str | None, space: str | None) -> None:
-    """Refuse an output path (a report, an exported candidate) that is the study's storage file or its search
-    space (a study records it as `space`): `-o runs/S/optuna.journal` replaced the study with HTML, and
-    `--export search/quickstart.energy` the space with one of its candidates."""
+    """Refuse an output path (a report, an exported candidate) that is the study's storage file, its search
+    space (a study records it as `space`) or a file the space imports: `-o runs/S/optuna.journal` replaced the
+    study with HTML, and `--export search/quickstart.energy` the space with one of its candidates."""
+    from ..errors import UserError as SpaceUnread
     from ..files import not_an_input as refuse
+    from ..syntax import parse_module
     from .storage import local_file
 
-    refuse(path, flag, [("the study's storage", local_file(storage) if storage else None),
-                        ("the search space", Path(space) if space else None)])
+    inputs = [("the study's storage", local_file(storage) if storage else None),
+              ("the search space", Path(space) if space else None)]
+    if space and space.endswith(".energy") and Path(space).is_file():
+        try:  # and what it imports: `--export` over one replaced an energy the space searches
+            inputs += [("a file the search space imports", Path(f)) for f in parse_module(Path(space)).files[1:]]
+        except SpaceUnread:
+            pass  # a space that does not parse: the search says why
+    refuse(path, flag, inputs)
 
 
 def export_best(storage: str | BaseStorage, study_name: str, path: str | os.PathLike[str],
