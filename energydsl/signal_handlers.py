@@ -35,11 +35,20 @@ def handlers_restored(*signums: int) -> Iterator[dict[int, Handler] | None]:
 
 @contextlib.contextmanager
 def interruptions_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM ignored for a short bookkeeping step that must not be cut halfway, such as handing an
-    interrupted trial back (a second Ctrl-C there left it RUNNING, to be found lost on the next run). Only the
-    main thread can hold them; elsewhere this does nothing."""
+    """A short bookkeeping step that a quick second Ctrl-C must not cut halfway, such as handing an interrupted
+    trial back (a second Ctrl-C there left it RUNNING, to be found lost on the next run). Inside, one Ctrl-C is
+    absorbed and the next stops it after all (the step may hang on a storage), and SIGTERM is ignored. Only
+    the main thread can hold them; elsewhere this does nothing."""
+    absorbed = 0
+
+    def absorb_one(signum: int, frame: Any) -> None:
+        nonlocal absorbed
+        absorbed += 1
+        if absorbed > 1:
+            raise KeyboardInterrupt
+
     with handlers_restored(signal.SIGINT, signal.SIGTERM) as previous:
         if previous is not None:
-            for s in previous:
-                signal.signal(s, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, absorb_one)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         yield

@@ -771,3 +771,19 @@ def test_a_second_ctrl_c_does_not_cut_the_hand_back_of_an_interrupted_trial(tmp_
     states = [(t.state.name, t.user_attrs.get("kind")) for t in load_study(journal, "t").get_trials()]
     assert states == [("FAIL", "interrupted"), ("WAITING", None)], states
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+
+def test_a_held_hand_back_absorbs_one_ctrl_c_and_yields_to_the_next() -> None:
+    """Holding off a second Ctrl-C must not trap the user if the hand-back hangs (a storage that does not
+    answer): the third Ctrl-C (the second inside) stops it."""
+    import os
+    import signal
+
+    from energydsl.signal_handlers import interruptions_held
+
+    with pytest.raises(KeyboardInterrupt), interruptions_held():
+        os.kill(os.getpid(), signal.SIGINT)  # absorbed
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored
+        os.kill(os.getpid(), signal.SIGINT)  # stops it
+        pytest.fail("the second Ctrl-C inside did not stop the held step")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
