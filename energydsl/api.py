@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import html
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -548,11 +549,17 @@ def derive(decl: syntax.EnergyDecl, dims: dict[str, float] | None = None) -> Der
 
 
 def derive_stage(stage: Any, model: str) -> Derived:
-    """`derive` of a model's stage (`composition.StagePlan`). An error in the energy (the heads do not divide
-    d, say) points into the energy's declaration, often in an imported file: it also names the stage that
-    built it there, and where."""
-    try:
+    """`derive` of a model's stage (`composition.StagePlan`), its errors naming the stage (`stage_named`)."""
+    with stage_named(stage, model):
         return derive(stage.decl, stage.dims)
+
+
+@contextlib.contextmanager
+def stage_named(stage: Any, model: str) -> Iterator[None]:
+    """An error in a stage's energy (the heads do not divide d, say) points into the energy's declaration,
+    often in an imported file: its hint also names the stage that built it there, and where."""
+    try:
+        yield
     except UserError as e:
         if stage.span is not None:
             note = f"model `{model}` builds `{stage.label}` at {stage.span}"

@@ -272,7 +272,7 @@ def graph(
     labelled `layer × N`."""
     import networkx as nx
 
-    from .api import load
+    from .api import load, stage_named
     from .composition import check_stage_state, describe
     from .semantics import lower_energy
 
@@ -283,7 +283,8 @@ def graph(
         not_a_source(dot, spec, "--dot", "model.dot")
     plan = spec.plan(name, **parse_sets(sets))
     for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs,
-        spec = lower_energy(stage.decl, stage.dims)  # and its state fits the stream, as training needs
+        with stage_named(stage, plan.name):  # and its state fits the stream, as training needs
+            spec = lower_energy(stage.decl, stage.dims)
         check_stage_state(plan, stage, spec)
     print(describe(plan))
     if dot is not None:

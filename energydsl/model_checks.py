@@ -50,10 +50,12 @@ def _across_layers(plan) -> CheckResult | None:
     beta, learned = hyper["beta"]
     start = " starts at" if learned else " ="
     if beta >= 1:
-        weight = f"{beta ** (plan.layers - 1):.3g}" if beta ** (plan.layers - 1) < 1e15 else "more than 1e15"
+        exponent = (plan.layers - 1) * math.log10(beta)  # β^(L-1) in logs: a float power overflows past 1e308
+        weight = f"{10 ** exponent:.3g}" if exponent < 15 else "more than 1e15"
+        layers = "the 1 layer" if plan.layers == 1 else f"the {plan.layers} layers"
         return CheckResult("across", "warn", f"`across layers {kind}`: β{start} {plain_number(beta)} ≥ 1, so the "
-                           f"momentum never decays: over the {plan.layers} layers the first layer's update enters "
-                           f"the last one's step with weight {weight}; β is usually in [0, 1)")
+                           f"momentum never decays: over {layers} the first layer's update enters the last one's "
+                           f"step with weight {weight}; β is usually in [0, 1)")
     if beta < 0:
         return CheckResult("across", "warn", f"`across layers {kind}`: β{start} {plain_number(beta)} < 0, so each "
                            "layer reverses part of the last (negative momentum); β is usually in [0, 1)")

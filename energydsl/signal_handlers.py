@@ -39,16 +39,19 @@ def interruptions_held() -> Iterator[None]:
     trial back (a second Ctrl-C there left it RUNNING, to be found lost on the next run). Inside, one Ctrl-C is
     absorbed and the next stops it after all (the step may hang on a storage), and SIGTERM is ignored. Only
     the main thread can hold them; elsewhere this does nothing."""
-    absorbed = 0
+    absorbed, holding = 0, True
 
     def absorb_one(signum: int, frame: Any) -> None:
         nonlocal absorbed
         absorbed += 1
-        if absorbed > 1:
+        if absorbed > 1 and holding:  # not while the handlers are being given back: both must be
             raise KeyboardInterrupt
 
     with handlers_restored(signal.SIGINT, signal.SIGTERM) as previous:
         if previous is not None:
             signal.signal(signal.SIGINT, absorb_one)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        yield
+        try:
+            yield
+        finally:
+            holding = False

@@ -1267,6 +1267,17 @@ def test_generated_code_calls_values_by_the_specs_names(backend: str) -> None:
     assert re.search(r"^\s+u = F\.rms_norm\(x_, ", forward, re.M), forward
     assert not re.search(r"\bc0\b", forward), forward
     _matches_interpreter(derived, 5, backend=backend)
+    # a parameter called like a temporary: its attribute `self.t1` is not the temporary t1
+    clash = energydsl.load("""
+energy E(d = 4) {
+  state   x[d] via u = rmsnorm(x)
+  param   t1[d, d] ~ normal(0, 0.5)
+  global  G = -sum(tanh(t1 @ u))
+  optimizer gd(eta = 1)
+}
+""").energy("E")
+    assert "t1_ = self.t1" in energy_source(clash, backend)
+    _matches_interpreter(clash, 5, backend=backend)
 
 
 @pytest.mark.parametrize("name", ["T", "F", "torch", "x_", "delta", "context", "check_inputs"])

@@ -647,6 +647,8 @@ def test_an_error_in_an_imported_energy_names_the_stage_that_built_it(tmp_path: 
             build(energydsl.load(spec))
         assert e.value.span.file.endswith("gpt.energy")
         assert e.value.hint == f"choose dims that divide evenly; model `M` builds `MHA` at {spec}:4:11"
+    r = subprocess.run([sys.executable, "-m", "energydsl", "graph", str(spec)], capture_output=True, text=True)
+    assert r.returncode == 2 and f"model `M` builds `MHA` at {spec}:4:11" in r.stderr, r.stderr
 
 
 # ----------------------------------------------------------------------------- `energy check` of a model
@@ -688,6 +690,9 @@ def test_a_model_check_warns_of_header_dims_nothing_reads(tmp_path: Path) -> Non
      "the 4 layers the first layer's update enters the last one's step with weight 3.38; β is usually in [0, 1)"),
     ("nag(beta = -0.5 learn)", "warn", "`across layers nag`: β starts at -0.5 < 0, so each layer reverses part of "
      "the last (negative momentum); β is usually in [0, 1)"),
+    ("momentum(beta = 1e200)", "warn", "`across layers momentum`: β = 1e+200 ≥ 1, so the momentum never decays: "
+     "over the 4 layers the first layer's update enters the last one's step with weight more than 1e15; β is "
+     "usually in [0, 1)"),  # β^3 = 1e600 overflowed a float power
 ])
 def test_a_model_check_weighs_the_momentum_across_layers(tmp_path: Path, clause: str, status: str,
                                                           detail: str) -> None:

@@ -586,6 +586,15 @@ def test_a_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Pat
     space.suggest(trial)
     assert trial.params["Tiny.d"] == 16 and 1e-3 <= trial.params["train.lr"] <= 5e-3
     assert not [w for w in recwarn if "out of range" in str(w.message)]
+    # a waiting trial that is no retry, all of whose values are out: named by its number; one whose fixed
+    # parameters are not a mapping (another writer's) is left alone
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING,
+                                              system_attrs={"fixed_params": {"train.lr": 0.5}}))
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.WAITING,
+                                              system_attrs={"fixed_params": [1, 2]}))
+    open_study(journal, "T", space)
+    assert capsys.readouterr().err == ("note: waiting trial #1 is sampled afresh: `train.lr` = 0.5 (now float "
+                                       "0.001..0.005 log) is outside the edited space\n")
 
 
 def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Path) -> None:

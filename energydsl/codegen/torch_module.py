@@ -339,24 +339,20 @@ class ModuleWriter:
         return doc, imports, self.kernel_requests, out
 
 
-# names the forward's preamble, its masks and positions, and the file's imports give values: never a user's
-_FORWARD_NAMES = frozenset({"B", "T", "dev", "dt", "x", "context", "input", "delta", "self", "pos", "mask",
-                            "mask_strict", "count", "count_strict", "F", "torch", "math", "nn", "check_inputs"})
-
-
 def _user_named(lines: list[str], named: dict[str, set[str]]) -> list[str]:
     """The forward with a temporary (`t7`, `c0`) renamed to the spec's name of its value (a `let`, the `via`
     variable), where that value was printed once and the name is free: used nowhere else in the forward, and
-    not one the forward's preamble or the file gives a meaning."""
+    not one the forward's preamble or the file gives a meaning (`RESERVED`). An attribute (`self.t1`, a
+    parameter called `t1`) is not the temporary."""
     text = "\n".join(lines)
-    words = set(re.findall(r"\w+", text)) | _FORWARD_NAMES
+    words = set(re.findall(r"\w+", text)) | RESERVED
     for name, codes in sorted(named.items()):
         if len(codes) != 1 or name in words:
             continue
         (code,) = codes
         if not re.fullmatch(r"[ct]\d+", code) or len(re.findall(rf"^\s*{code} = ", text, re.M)) != 1:
             continue
-        text = re.sub(rf"\b{code}\b", name, text)
+        text = re.sub(rf"(?<![.\w]){code}\b", name, text)
         words.add(name)
     return text.split("\n")
 

@@ -213,15 +213,22 @@ def refit_retries(study: optuna.Study, trials: list[FrozenTrial], space: SearchS
     notes = []
     for t in trials:
         fixed = t.system_attrs.get("fixed_params")
-        if t.state != TrialState.WAITING or not fixed:
+        if t.state != TrialState.WAITING or not isinstance(fixed, dict) or not fixed:
             continue
         outside = [name for name, value in fixed.items() if name in holes and not _samples(holes[name], value)]
-        if outside:
+        if not outside:
+            continue
+        try:  # another command may have taken the trial meanwhile: it then trains as it was queued
             study._storage.set_trial_system_attr(
                 t._trial_id, "fixed_params", {k: v for k, v in fixed.items() if k not in outside})
-            shown = ", ".join(f"`{name}` = {fixed[name]!r} (now {_show(holes[name])})" for name in outside)
-            notes.append(f"the retry of trial #{t.system_attrs.get(RETRY_OF, '?')} keeps its other parameters, but "
-                         f"{shown} {'is' if len(outside) == 1 else 'are'} outside the edited space: sampled afresh")
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
+        what = f"the retry of trial #{t.system_attrs[RETRY_OF]}" if RETRY_OF in t.system_attrs else \
+            f"waiting trial #{t.number}"
+        kept = "keeps its other parameters, but" if len(outside) < len(fixed) else "is sampled afresh:"
+        shown = ", ".join(f"`{name}` = {fixed[name]!r} (now {_show(holes[name])})" for name in outside)
+        notes.append(f"{what} {kept} {shown} {'is' if len(outside) == 1 else 'are'} outside the edited space"
+                     + (": sampled afresh" if len(outside) < len(fixed) else ""))
     return notes
 
 
