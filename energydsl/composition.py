@@ -170,6 +170,10 @@ def _dim_place(decl: ast.ModelDecl, key: str, overrides: dict[str, Any]) -> tupl
     node = dict(decl.header).get(key)
     if key in overrides or node is None or node.span is None:
         return f"`{key}` (as set for model `{decl.name}`)" if key in overrides else f"`{key}`", decl.span
+    set_here = sorted(_names_in(node) & set(overrides))  # a default computed from dims a caller set
+    if set_here:
+        given = ", ".join(f"{n}={overrides[n]:g}" for n in set_here)
+        return f"`{key}` (from {given} as set for model `{decl.name}`)", node.span
     return f"`{key}`", node.span
 
 

@@ -635,6 +635,18 @@ def test_a_bad_header_value_points_at_itself(tmp_path: Path, dim: str, value: st
     assert (e.value.span.line, e.value.span.column) == (2, 7)
 
 
+def test_a_bad_default_computed_from_a_set_dim_says_which(tmp_path: Path) -> None:
+    """`d = 4 * k` with `--set k=-3`: the caret under `4 * k`, where the text shows k = 2, said nothing of k."""
+    spec = tmp_path / "m.energy"
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\n'
+                    "model M(vocab = 11, context = 8, k = 2, d = 4 * k, layers = 2, heads = 2) {\n"
+                    "  embed tokens\n  layer = MHA -> MLP(d)\n  repeat layers\n  head tied\n}\n")
+    with pytest.raises(energydsl.SpecError) as e:
+        energydsl.load(spec).plan("M", k=-3)
+    assert e.value.message == "`d` (from k=-3 as set for model `M`) must be a whole number ≥ 1, got -12"
+    assert (e.value.span.line, e.value.span.column) == (2, 45)
+
+
 def test_an_error_in_an_imported_energy_names_the_stage_that_built_it(tmp_path: Path) -> None:
     """Heads that do not divide d point into the imported file, where nothing says which model asked: the hint
     names the model and its stage, with the stage's place."""
