@@ -8,14 +8,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import html
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -550,21 +549,10 @@ def derive(decl: syntax.EnergyDecl, dims: dict[str, float] | None = None) -> Der
 
 def derive_stage(stage: Any, model: str) -> Derived:
     """`derive` of a model's stage (`composition.StagePlan`), its errors naming the stage (`stage_named`)."""
+    from .composition import stage_named
+
     with stage_named(stage, model):
         return derive(stage.decl, stage.dims)
-
-
-@contextlib.contextmanager
-def stage_named(stage: Any, model: str) -> Iterator[None]:
-    """An error in a stage's energy (the heads do not divide d, say) points into the energy's declaration,
-    often in an imported file: its hint also names the stage that built it there, and where."""
-    try:
-        yield
-    except UserError as e:
-        if stage.span is not None:
-            note = f"model `{model}` builds `{stage.label}` at {stage.span}"
-            e.hint = f"{e.hint}; {note}" if e.hint else note
-        raise
 
 
 def _dims_for(decl: syntax.EnergyDecl, dims: dict[str, float]) -> dict[str, float]:

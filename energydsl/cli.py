@@ -272,8 +272,8 @@ def graph(
     labelled `layer × N`."""
     import networkx as nx
 
-    from .api import load, stage_named
-    from .composition import check_stage_state, describe
+    from .api import load
+    from .composition import check_stage_state, describe, stage_named
     from .semantics import lower_energy
 
     if dot is not None:

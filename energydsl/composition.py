@@ -12,16 +12,18 @@ The residual stream is a vector [d] unless the model declares `stream [dk, dv]` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import syntax as ast
 from .clause_calls import ACROSS_LAYERS
-from .errors import Span, SpecError
+from .errors import Span, SpecError, UserError
 from .number_text import is_count
 
 if TYPE_CHECKING:
@@ -286,6 +288,19 @@ def _stage(parts: list[Part], block: str | None = None) -> StagePlan:
         decl = dataclasses.replace(decl, name=block)
     return StagePlan("+".join(d.name for d, _, _ in parts), [(d.name, dm) for d, dm, _ in parts], decl, dims,
                      parts[0][2].span)
+
+
+@contextlib.contextmanager
+def stage_named(stage: StagePlan, model: str) -> Iterator[None]:
+    """An error in a stage's energy (the heads do not divide d, say) points into the energy's declaration,
+    often in an imported file: its hint also names the stage that built it there, and where."""
+    try:
+        yield
+    except UserError as e:
+        if stage.span is not None:
+            note = f"model `{model}` builds `{stage.label}` at {stage.span}"
+            e.hint = f"{e.hint}; {note}" if e.hint else note
+        raise
 
 
 def dim_override(key: str, value: object, owner: str, span: Span | None) -> float:
