@@ -7,12 +7,16 @@ Anything unexpected prints one line naming the spec and exits 70: never a traceb
 from __future__ import annotations
 
 import codecs
+import contextlib
 import errno
 import glob
 import json
 import math
+import signal
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -394,33 +398,34 @@ def train_(
     train_on = config.resolve_device(TRAIN_FLAGS)
     run_dir: Path | None = None
     try:
-        # --seed fixes the initial weights too: a fresh run is reproducible
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            spec, model = load_model(file, name, parse_sets(sets), backend, train_on=train_on,
-                                     block_size=block_size, dtype=dtype)
-        run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
-        writable_dir(run_dir, "--out")
-        config.block_size = block_size or model.block_size
-        if config.block_size > model.block_size:
-            raise UserError(f"--block-size {config.block_size} is longer than the model's context "
-                            f"{model.block_size}", hint=f"add --set context={config.block_size}, or give a "
-                            f"--block-size of at most {model.block_size}")
-        dataset = load_dataset(data)
-        example = getattr(dataset, "seq_len", None)  # a task's examples are whole rows of this many tokens
-        problems, fixes = [], []  # both the block and the vocab, in one message: not one rerun for each
-        if example is not None and config.block_size < example:
-            fixes += ([f"--set context={example}"] if example > model.block_size else []) + \
-                ([f"--block-size {example}"] if block_size else [])
-            problems.append(f"{dataset.name} examples are {example} tokens long but the block size is "
-                            f"{config.block_size}" + ("" if block_size else " (the model's context)"))
-        if dataset.vocab_size > model.vocab_size:
-            problems.append(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
-                            f"{model.vocab_size}")
-            fixes.append(f"--set vocab={dataset.vocab_size}")
-        if problems:
-            raise UserError("; and ".join(problems), hint=f"add {' '.join(fixes)}")
-        dataset.check_block_size(config.block_size)
+        with _terminate_as_interrupt():  # SIGTERM before the loop (which handles its own) says what it kept
+            # --seed fixes the initial weights too: a fresh run is reproducible
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                spec, model = load_model(file, name, parse_sets(sets), backend, train_on=train_on,
+                                         block_size=block_size, dtype=dtype)
+            run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
+            writable_dir(run_dir, "--out")
+            config.block_size = block_size or model.block_size
+            if config.block_size > model.block_size:
+                raise UserError(f"--block-size {config.block_size} is longer than the model's context "
+                                f"{model.block_size}", hint=f"add --set context={config.block_size}, or give a "
+                                f"--block-size of at most {model.block_size}")
+            dataset = load_dataset(data)
+            example = getattr(dataset, "seq_len", None)  # a task's examples are whole rows of this many tokens
+            problems, fixes = [], []  # both the block and the vocab, in one message: not one rerun for each
+            if example is not None and config.block_size < example:
+                fixes += ([f"--set context={example}"] if example > model.block_size else []) + \
+                    ([f"--block-size {example}"] if block_size else [])
+                problems.append(f"{dataset.name} examples are {example} tokens long but the block size is "
+                                f"{config.block_size}" + ("" if block_size else " (the model's context)"))
+            if dataset.vocab_size > model.vocab_size:
+                problems.append(f"dataset {data} has {dataset.vocab_size} tokens but the model's vocab is "
+                                f"{model.vocab_size}")
+                fixes.append(f"--set vocab={dataset.vocab_size}")
+            if problems:
+                raise UserError("; and ".join(problems), hint=f"add {' '.join(fixes)}")
+            dataset.check_block_size(config.block_size)
         try:
             result = train(model, dataset, config, run_dir, metadata=model.run_metadata, resume=not fresh,
                            progress=not as_json, names={**TRAIN_FLAGS, "backend": "--backend"},
@@ -434,16 +439,36 @@ def train_(
                 print(json.dumps({"interrupted": True, "step": e.step, "checkpoint": e.checkpoint,
                                   "out": str(run_dir)}))
             sys.exit(128 + e.signum)  # 130 (Ctrl-C), 143 (SIGTERM); SystemExit passes Typer and `main` as is
-    except KeyboardInterrupt:  # a Ctrl-C before the training loop, or a second one, which stops at once
+    except KeyboardInterrupt as e:  # a Ctrl-C (or SIGTERM) before the training loop, or a second one: at once
         given = Path(out_dir) if out_dir else None  # a run there (--fresh or not) is as it was
         print(interrupted_at_once_note(run_dir or given, fresh, started=run_dir is not None), file=sys.stderr)
-        sys.exit(130)
+        sys.exit(143 if isinstance(e, _Terminated) else 130)
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
     if as_json:
         print(json.dumps(result, default=str))
     else:
         out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while `energy train` loads, before its loop takes the signal over."""
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises `_Terminated` inside, where nothing else handles it: killed silently (exit 143 and no
+    word) while the model was built, where a Ctrl-C said what the run directory keeps."""
+    from .signal_handlers import handlers_restored
+
+    with handlers_restored(signal.SIGTERM) as previous:
+        if previous is not None and previous[signal.SIGTERM] is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+        yield
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> None:
@@ -519,8 +544,35 @@ register_search(app)
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
+_PACKAGE = str(Path(__file__).resolve().parent)
+_SHOWN: set[str] = set()
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """energydsl's own warnings as one `warning: ...` line, each once (Python's format quotes our source line);
+    other libraries' as Python shows them."""
+    if not str(filename).startswith(_PACKAGE):
+        return _SHOW_WARNING(message, category, filename, lineno, file, line)
+    text = f"warning: {message}"
+    if text not in _SHOWN:
+        _SHOWN.add(text)
+        _to_stderr(text)
+
+
+_SHOW_WARNING = warnings.showwarning
+
+
 def main() -> None:
-    """Entry point: user errors exit 2 with a located message; internal errors exit 70 in one line."""
+    """Entry point: user errors exit 2 with a located message; internal errors exit 70 in one line; energydsl's
+    warnings one line each."""
+    previous, warnings.showwarning = warnings.showwarning, _warning_line
+    try:
+        _main()
+    finally:
+        warnings.showwarning = previous
+
+
+def _main() -> None:
     argv = sys.argv[1:]
     spec_name = next((a for a in argv if a.endswith(".energy")), "the command")
     try:

@@ -394,6 +394,26 @@ def test_a_ctrl_c_before_training_says_nothing_was_written(corpus, tmp_path, mon
     assert code == 130 and err == "interrupted before training started: nothing was written\n"
 
 
+def test_a_sigterm_before_training_says_so_too(corpus, tmp_path, monkeypatch):
+    """SIGTERM (a scheduler's stop, `timeout`) while the model was built killed the command with exit 143 and
+    no word, where a Ctrl-C said what the run directory keeps. A real signal, sent from inside the build."""
+    import os
+    import signal
+
+    from energydsl import api
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:  # a runner's own handler: the command keeps it
+        pytest.skip("this process handles SIGTERM itself")
+
+    def terminated(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(api, "load", terminated)
+    code, _, err = energy(*tiny(corpus, tmp_path / "run"))
+    assert code == 143 and err == "interrupted before training started: nothing was written\n", (code, err)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
 def test_a_ctrl_c_before_a_fresh_start_names_the_run_it_kept(run, corpus, monkeypatch):
     """--fresh over a run, stopped while the model was built: the run is untouched and resumable, which the note
     said nothing of ("nothing was written")."""
@@ -534,3 +554,27 @@ def test_a_gradient_that_is_not_finite_at_step_0_names_the_parameters_not_the_lr
         code, _, err = energy(*tiny(corpus, run, "--fresh"))
     assert code == 1 and "training diverged at step 0: the gradient at step 0 is not finite in wte.weight" in err, err
     assert "no optimizer setting changes them" in err and "--lr" not in err, err
+
+
+def test_a_plot_that_cannot_be_drawn_is_one_warning_line(corpus, tmp_path):
+    """`loss.png` taken by a folder: training goes on, and the CLI says so in one `warning:` line (Python's
+    format printed the library's own source line under it, and twice)."""
+    run = tmp_path / "run"
+    (run / "loss.png").mkdir(parents=True)
+    code, _, err = energy(*tiny(corpus, run))
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if "could not draw" in line]
+    assert len(warned) == 1 and warned[0].startswith(f"warning: could not draw {run / 'loss.png'}: "), err
+    assert "UserWarning" not in err and "run.plot(" not in err, err
+    assert (run / "last.safetensors").is_file()
+
+
+def test_a_folder_where_a_checkpoint_is_staged_is_named(corpus, tmp_path):
+    """`.next.last.json` taken by a folder: an internal error (IsADirectoryError, exit 70); now exit 2 naming it.
+    The folder is someone's: left where it is."""
+    run = tmp_path / "run"
+    (run / ".next.last.json").mkdir(parents=True)
+    code, _, err = energy(*tiny(corpus, run))
+    assert code == 2, err
+    assert f"error: {run / '.next.last.json'} is a folder, where a checkpoint is staged before it is committed" in err
+    assert (run / ".next.last.json").is_dir()

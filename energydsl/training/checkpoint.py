@@ -91,7 +91,8 @@ def _read_commit(out_dir: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:  # written by an atomic rename: damaged only by hand
-        raise DataError(f"cannot read the checkpoint commit record {out_dir / COMMIT}: {e}") from e
+        raise DataError(f"cannot read the checkpoint commit record {out_dir / COMMIT}: {e}",
+                        hint="remove it if the checkpoint files beside it are whole") from e
     names = [record.get(k, []) for k in ("files", "drop")] if isinstance(record, dict) else [None]
     if not all(isinstance(n, list) and all(isinstance(x, str) for x in n) for n in names):
         raise DataError(f"the checkpoint commit record {out_dir / COMMIT} is damaged: it is not the lists of file "
@@ -150,6 +151,9 @@ def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dic
     out_dir.mkdir(parents=True, exist_ok=True)
     _finish(out_dir)  # an earlier save that was killed after its commit
     for debris in out_dir.glob(".next.*"):
+        if debris.is_dir() and not debris.is_symlink():  # not a staged file: someone's folder, left alone
+            raise DataError(f"{debris} is a folder, where a checkpoint is staged before it is committed",
+                            hint="move it out of the run directory")
         debris.unlink(missing_ok=True)
     tensors, aliases = _weights_for_saving(model)
     files: list[str] = []
