@@ -347,6 +347,8 @@ def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpu
     parts.write_text(parts.read_text().replace("integral(gelu)", "integral(silu)"))  # same shapes, another model
     code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3")
     assert code == 2 and "is not the one trained, its equations changed" in err, err
+    code, _, err = energy(monkeypatch, capsys, *args)  # resuming it: the spec's text is the same, an import not
+    assert code == 2 and "(the spec's text is the same: a file it imports was edited" in err, err
     # a checkpoint without an equation hash (written by hand, or by an older version): weights that no longer
     # fit the model its spec builds are exit 2, not an internal error
     parts.write_text(parts.read_text().replace("integral(silu)", "integral(gelu)")

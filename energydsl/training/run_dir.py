@@ -386,7 +386,11 @@ class RunDir:
                 self.switched[key] = (old, new)
             if key in self.metadata:
                 sidecar[key] = self.metadata[key]
-        diffs += _differences(sidecar, self.metadata)
+        spec_diffs = _differences(sidecar, self.metadata)
+        if sidecar.get("spec_source") == self.metadata.get("spec_source"):  # the text alike, the equations not
+            spec_diffs = [d + " (the spec's text is the same: a file it imports was edited, or this energydsl "
+                          "derives it otherwise)" if d.startswith("equation_hash ") else d for d in spec_diffs]
+        diffs += spec_diffs
         diffs += _shape_differences(state, model.state_dict())
         if diffs:  # most likely a typo in a flag: never overwrite a run unasked
             shown = first_few(diffs, sep="; ")
