@@ -18,6 +18,13 @@ def first_few(names: list[str], shown: int = 4, sep: str = ", ") -> str:
     return sep.join(names[:shown]) + tail
 
 
+def _visible(text: str) -> str:
+    """`text` with its control characters (ESC, backspace, bell: a binary file read as a spec) shown as their
+    Unicode pictures (␛), one column each, so that quoting a line cannot drive the terminal; tabs kept."""
+    return "".join(chr(0x2400 + ord(c)) if ord(c) < 0x20 and c != "\t" else "\u2421" if c == "\x7f" else c
+                   for c in text)
+
+
 def _blank(text: str) -> str:
     """Blanks as wide on a terminal as `text`: its tabs kept (so that the caret line meets the same tab
     stops as the source line above it), two spaces for a wide character, none for a zero-width one."""
@@ -76,7 +83,7 @@ class UserError(Exception):
                 if self.span.end_column and self.span.end_column > self.span.column:
                     width = min(self.span.end_column - self.span.column, max(1, len(src) - col + 1))
                 under = _blank(src[col - 1 : col - 1 + width]).replace("\t", " ")
-                lines.append(f"  {src}")
+                lines.append(f"  {_visible(src)}")
                 lines.append("  " + _blank(src[: col - 1]) + "^" * max(1, len(under)))
         if self.hint:
             lines.append(f"hint: {self.hint}")

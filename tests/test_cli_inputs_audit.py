@@ -149,6 +149,16 @@ def test_a_nul_byte_is_reported_where_it_is(tmp_path: Path) -> None:
     assert e.render().splitlines()[1:3] == ["    global F = z . z\u2400", "                    ^"]
 
 
+def test_control_characters_are_quoted_as_their_pictures(tmp_path: Path) -> None:
+    """A binary file read as a spec echoed ESC and the like to the terminal, which acts on them."""
+    path = tmp_path / "esc.energy"
+    path.write_bytes(UNDEFINED.replace("q\n", "z\x1b[31m\x07\n").encode())
+    e = spec_error(path)
+    assert str(e.span) == f"{path}:4:19" and "U+001B" in e.message
+    assert e.render().splitlines()[1:3] == ["    global F = z . z\u241b[31m\u2407", "                    ^"]
+    assert "\x1b" not in e.render() and "\x07" not in e.render()
+
+
 def test_a_byte_that_is_not_utf8_is_reported_at_its_line_and_column(tmp_path: Path) -> None:
     path = tmp_path / "latin1.energy"
     path.write_bytes(UNDEFINED.replace("a comment", "café").encode("latin-1"))
