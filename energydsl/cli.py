@@ -7,16 +7,13 @@ Anything unexpected prints one line naming the spec and exits 70: never a traceb
 from __future__ import annotations
 
 import codecs
-import contextlib
 import errno
 import glob
 import json
 import math
-import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,9 +22,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .cli_output import broken_pipe, to_stderr, usage_error, warning_line
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, not_an_input, writable_dir
+from .signal_handlers import Terminated, sigterm_interrupts
 
 if TYPE_CHECKING:
     from .api import Spec
@@ -162,7 +161,7 @@ def check(
             if as_json:
                 print(json.dumps({"file": path, "ok": False, "error": error, "energies": [], "models": []}))
             else:
-                _to_stderr(error)
+                to_stderr(error)
                 out.print(f"[red]{path}: FAILED[/] (not checked)\n")
             all_ok, status = False, max(status, 70 if internal else 2)
             continue
@@ -398,7 +397,7 @@ def train_(
     train_on = config.resolve_device(TRAIN_FLAGS)
     run_dir: Path | None = None
     try:
-        with _terminate_as_interrupt():  # SIGTERM before the loop (which handles its own) says what it kept
+        with sigterm_interrupts():  # SIGTERM before the loop (which handles its own) says what it kept
             # --seed fixes the initial weights too: a fresh run is reproducible
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -442,33 +441,13 @@ def train_(
     except KeyboardInterrupt as e:  # a Ctrl-C (or SIGTERM) before the training loop, or a second one: at once
         given = Path(out_dir) if out_dir else None  # a run there (--fresh or not) is as it was
         print(interrupted_at_once_note(run_dir or given, fresh, started=run_dir is not None), file=sys.stderr)
-        sys.exit(143 if isinstance(e, _Terminated) else 130)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
     result.setdefault("params", model.num_params())
     result["out"] = str(run_dir)
     if as_json:
         print(json.dumps(result, default=str))
     else:
         out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM while `energy train` loads, before its loop takes the signal over."""
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises `_Terminated` inside, where nothing else handles it: killed silently (exit 143 and no
-    word) while the model was built, where a Ctrl-C said what the run directory keeps."""
-    from .signal_handlers import handlers_restored
-
-    with handlers_restored(signal.SIGTERM) as previous:
-        if previous is not None and previous[signal.SIGTERM] is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _raise_terminated)
-        yield
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> None:
@@ -544,28 +523,10 @@ register_search(app)
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
-_PACKAGE = str(Path(__file__).resolve().parent)
-_SHOWN: set[str] = set()
-
-
-def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
-    """energydsl's own warnings as one `warning: ...` line, each once (Python's format quotes our source line);
-    other libraries' as Python shows them."""
-    if not str(filename).startswith(_PACKAGE):
-        return _SHOW_WARNING(message, category, filename, lineno, file, line)
-    text = f"warning: {message}"
-    if text not in _SHOWN:
-        _SHOWN.add(text)
-        _to_stderr(text)
-
-
-_SHOW_WARNING = warnings.showwarning
-
-
 def main() -> None:
     """Entry point: user errors exit 2 with a located message; internal errors exit 70 in one line; energydsl's
     warnings one line each."""
-    previous, warnings.showwarning = warnings.showwarning, _warning_line
+    previous, warnings.showwarning = warnings.showwarning, warning_line
     try:
         _main()
     finally:
@@ -585,12 +546,12 @@ def _main() -> None:
     except SystemExit as e:  # click answers a broken pipe with exit status 1, which is an outcome's here
         context = e.__context__
         if isinstance(context, OSError) and context.errno == errno.EPIPE:
-            _broken_pipe()
+            broken_pipe()
         raise
     except BrokenPipeError:
-        _broken_pipe()
+        broken_pipe()
     except UserError as e:
-        _to_stderr(e.render())  # plain print: never wrap a file:line:col location
+        to_stderr(e.render())  # plain print: never wrap a file:line:col location
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -600,69 +561,27 @@ def _main() -> None:
     except Exception as e:
         if isinstance(e, OSError) and e.errno in _FULL:  # the machine's state, not a bug: what was saved is kept
             where = f" {e.filename}" if e.filename else ""
-            _to_stderr(f"error: cannot write{where}: {e.strerror}\n"
+            to_stderr(f"error: cannot write{where}: {e.strerror}\n"
                        "hint: what was saved is kept: make room (or a writable place) and rerun the same command")
             sys.exit(2)
         if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # pathlib's exists() and is_dir() raise it
-            _to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\nhint: {PATH_LIMITS}")
+            to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\nhint: {PATH_LIMITS}")
             sys.exit(2)
         # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
         kinds = {c.__name__ for c in type(e).__mro__}
         if "UsageError" in kinds:  # as every other flag error reads: `error: ...` and a hint, not click's block
-            _to_stderr(_usage_error(e))
+            to_stderr(usage_error(e))
             sys.exit(2)
         if "ClickException" in kinds:
             try:
                 e.show()  # type: ignore[attr-defined]
             except BrokenPipeError:
-                _to_stderr("")
+                to_stderr("")
             sys.exit(e.exit_code)  # type: ignore[attr-defined]
         first = (str(e).strip().splitlines() or [""])[0]  # one line: torch appends pages of C++ frames
-        _to_stderr(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
+        to_stderr(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
                    "(please report this with the spec)")
         sys.exit(70)
-
-
-def _usage_error(e: Exception) -> str:
-    """A flag or argument click refused (unknown, missing, not a number) as `error: ...` with a hint naming the
-    command's --help."""
-    message = e.format_message()  # type: ignore[attr-defined]
-    ctx = getattr(e, "ctx", None)
-    command = ctx.command_path if ctx is not None else "energy"
-    lists = "the commands" if ctx is None or ctx.parent is None else "its options and arguments"
-    message = message[:1].lower() + message[1:].rstrip(".")
-    return f"error: {message}\nhint: `{command} --help` lists {lists}"
-
-
-BROKEN_PIPE = 128 + 13  # 141: as a shell reports a command that SIGPIPE stopped (`energy derive x | head`)
-
-
-def _to_stderr(text: str) -> None:
-    """Print a message to stderr; if its reader went away (`energy check x 2>&1 | true`), drop it and let the
-    command's own exit status stand, instead of a traceback that exits 1."""
-    import os
-
-    try:
-        if text:
-            print(text, file=sys.stderr)
-        sys.stderr.flush()
-    except BrokenPipeError:
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-        except (OSError, ValueError):
-            pass
-
-
-def _broken_pipe() -> None:
-    """The reader of stdout went away: exit quietly with BROKEN_PIPE. What is still buffered for stdout goes
-    to /dev/null (Python's flush at exit would meet the broken pipe again and print a warning)."""
-    import os
-
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is no file (a test's capture, or already closed)
-        pass
-    sys.exit(BROKEN_PIPE)
 
 
 if __name__ == "__main__":

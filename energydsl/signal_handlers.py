@@ -55,3 +55,22 @@ def interruptions_held() -> Iterator[None]:
             yield
         finally:
             holding = False
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM handled as Ctrl-C is: a search's driver hands its running trials back as interrupted (a retry not
+    held against them), and `energy train` stopped before its loop says what its run directory keeps."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """Inside, SIGTERM raises `Terminated` (main thread only; Python delivers signals there, and elsewhere the
+    handler cannot be set). The previous handler comes back afterwards."""
+    with handlers_restored(signal.SIGTERM) as previous:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, _terminated)
+        yield

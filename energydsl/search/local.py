@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import optuna
@@ -53,7 +53,12 @@ from energydsl.search.report import (
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_as
 from energydsl.search.storage import open_storage, study_lock
-from energydsl.signal_handlers import handlers_restored, interruptions_held
+from energydsl.signal_handlers import (  # noqa: F401  (Terminated: the search modules import it here)
+    Terminated,
+    handlers_restored,
+    interruptions_held,
+    sigterm_interrupts,
+)
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
 SAMPLERS = ("auto", "tpe", "nsga2", "random", "cmaes", "qmc")
@@ -417,25 +422,6 @@ def _sigterm(signum: int, frame: Any) -> None:
 
 
 USER_ERROR = 2  # a worker's exit status for a UserError (its message printed to stderr)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM in the driver, handled as Ctrl-C is: a batch scheduler's stop hands the running trials back
-    as interrupted (a retry not held against them) instead of leaving them to be found lost."""
-
-
-def _terminated(signum: int, frame: Any) -> None:
-    raise Terminated(signum)
-
-
-@contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """While the local backend runs: SIGTERM raises `Terminated` (main thread only; Python delivers signals
-    there, and elsewhere the handler cannot be set). The previous handler comes back afterwards."""
-    with handlers_restored(signal.SIGTERM) as previous:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, _terminated)
-        yield
 
 
 def _worker_entry(kwargs: dict[str, Any]) -> None:
