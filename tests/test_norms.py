@@ -174,7 +174,7 @@ def test_a_norm_inside_a_gated_product_is_the_gates_value(tmp_path) -> None:
     spec.write_text(NORM_GATE)
     derived = energydsl.load(spec).energy()
     forward = energy_source(derived, "triton").split("def forward", 1)[1]
-    normed = re.findall(r"(t\d+) = F\.rms_norm\(x_", forward)
+    normed = re.findall(r"(u) = F\.rms_norm\(x_", forward)  # the value by its `via` name
     assert len(normed) == 1, forward
     assert re.search(rf"gated_activation\(t\d+, {normed[0]}, 'sigmoid'\)", forward), forward
     _matches_interpreter(derived)
