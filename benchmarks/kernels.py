@@ -578,8 +578,9 @@ def benchmark(families: list[str], args: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one small shape per family")
-    ap.add_argument("--targets", action="store_true", help="only the shapes issue 4's targets name (T = 2k, 8k)")
+    grid = ap.add_mutually_exclusive_group()
+    grid.add_argument("--quick", action="store_true", help="one small shape per family")
+    grid.add_argument("--targets", action="store_true", help="only the shapes issue 4's targets name (T = 2k, 8k)")
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated subset of {FAMILIES}")
     ap.add_argument("--json", metavar="PATH", help="write the raw numbers (and device, versions, commit, date)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms (default 25)")

@@ -14,6 +14,7 @@ Both run on the torch backend in float64, at the model's dims: a model's default
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ import torch.nn.functional as F
 from .checks import CheckResult, _one_thread
 from .errors import first_few
 from .number_text import plain_number
+
+if TYPE_CHECKING:
+    from .composition import ModelPlan
 
 # A leak makes a difference of the logits' own size; float64 arithmetic on the same inputs makes none, or one
 # near 1e-16 relative where a kernel's blocking follows the sequence length.
@@ -40,7 +44,7 @@ def check_model(model: torch.nn.Module, seed: int = 0) -> list[CheckResult]:
         return rows + [row for row in (_across_layers(model.plan),) if row is not None]
 
 
-def _across_layers(plan) -> CheckResult | None:
+def _across_layers(plan: ModelPlan) -> CheckResult | None:
     """The `across` row: β of the momentum across layers outside [0, 1). The energy's own momentum check fails
     β ≥ 1 (its steps grow without bound); across a finite stack of layers the first layer's force is only
     weighted β^(L-1) in the last, so it is a warning, naming that weight. A learned β starts there."""
