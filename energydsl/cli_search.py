@@ -121,8 +121,8 @@ def search(
                          seed=seed)
     default_report, default_best = study_outputs(summary["storage"], summary["study"])
     for flag, path in (("--report", report), ("--export", export)):
-        if path is not None:
-            not_an_input(path, flag, summary["storage"], ref.spec)
+        if path is not None:  # the default storage, known now (the space and its imports: checked above)
+            not_an_input(path, flag, summary["storage"], None)
     report_path = Path(report) if report else default_report
     write_report(summary["storage"], summary["study"], report_path)
     summary["report"] = str(report_path)

@@ -87,8 +87,10 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
             hint="pick another --study name or --storage for a different search")
     with study_lock(storage, study_name):  # two commands starting at once: one records, the other compares
         trials = study.get_trials(deepcopy=False)  # once: on an RDB storage a listing is a full query
-        check_distributions(study, trials, space, storage)
-        for note in refit_retries(study, trials, space):
+        listed = getattr(space, "distributions", None)  # name -> (distribution, where), if the space lists them
+        holes = listed() if callable(listed) else None
+        check_distributions(study, trials, holes, storage)
+        for note in refit_retries(study, trials, holes):
             print(f"note: {note}", file=sys.stderr)
         wanted: dict[str, Any] = {"objectives": names}
         settings = check_settings_unchanged(study, trials, space, storage)
@@ -176,19 +178,21 @@ def hole_rows(space: SearchSpace) -> list[tuple[str, str, str]] | None:
     return [(name, _show(dist), str(where) if where else space.name) for name, (dist, where) in listed().items()]
 
 
-def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: SearchSpace, storage: str) -> None:
+Holes = dict[str, tuple[optuna.distributions.BaseDistribution, Any]]  # a space's `distributions()`
+
+
+def check_distributions(study: optuna.Study, trials: list[FrozenTrial], holes: Holes | None, storage: str) -> None:
     """Before a rerun samples anything: every hole must still be sampled as the study recorded it (Optuna
     refuses to change a choice's options, or a hole's kind or log scale, within a study; every trial
-    would fail). A space that lists its holes' distributions (`distributions()`: name -> (distribution,
-    where)) is checked; another is not."""
-    listed = getattr(space, "distributions", None)
-    if not callable(listed):
+    would fail). `holes`: the space's `distributions()` (name -> (distribution, where)); None for a space that
+    lists none, which is not checked."""
+    if holes is None:
         return
     recorded: dict[str, optuna.distributions.BaseDistribution] = {}
     for t in trials:
         for name, dist in t.distributions.items():
             recorded.setdefault(name, dist)
-    for name, (dist, where) in listed().items():
+    for name, (dist, where) in holes.items():
         old = recorded.get(name)
         if old is None:
             continue
@@ -202,14 +206,14 @@ def check_distributions(study: optuna.Study, trials: list[FrozenTrial], space: S
                      f"to continue this one, write the hole as {_show(old)} again") from None
 
 
-def refit_retries(study: optuna.Study, trials: list[FrozenTrial], space: SearchSpace) -> list[str]:
+def refit_retries(study: optuna.Study, trials: list[FrozenTrial], listed: Holes | None) -> list[str]:
     """A waiting retry (a lost or interrupted trial put back with its parameters) keeps the parameters the edited
     space can still sample; one outside a hole's narrowed range is sampled afresh. Optuna would train it
-    outside the range, with a raw UserWarning. Returns a note for each retry changed."""
-    listed = getattr(space, "distributions", None)
-    if not callable(listed):
+    outside the range, with a raw UserWarning. `listed`: as for `check_distributions`. Returns a note for each
+    retry changed."""
+    if listed is None:
         return []
-    holes = {name: dist for name, (dist, _) in listed().items()}
+    holes = {name: dist for name, (dist, _) in listed.items()}
     notes = []
     for t in trials:
         fixed = t.system_attrs.get("fixed_params")
