@@ -123,6 +123,37 @@ def test_parallel_workers_train_a_candidate_once(tmp_path: Path) -> None:
     assert s["completed"] == 4 and s["duplicates"] == 3
 
 
+def test_a_later_trial_waits_for_an_earlier_one_still_deriving_its_equations(tmp_path: Path) -> None:
+    """The race behind a candidate trained twice: the earlier trial had not yet recorded its equation hash when
+    the later one (same equations, derived faster) looked for a running twin, so neither waited for the other."""
+    import threading
+
+    from energydsl.search.local import same_when_done
+    from energydsl.search.report import HASH, owner_info
+
+    storage = open_storage(str(tmp_path / "study.journal"))
+    study = optuna.create_study(storage=storage, study_name="t")
+    for _ in range(2):
+        study.add_trial(optuna.trial.create_trial(state=TrialState.WAITING))
+    earlier, later = (t._trial_id for t in study.get_trials())
+    for tid in (earlier, later):
+        storage.set_trial_state_values(tid, TrialState.RUNNING)
+        storage.set_trial_system_attr(tid, OWNER, owner_info())
+    storage.set_trial_user_attr(later, HASH, "h")
+
+    def earlier_derives_then_trains() -> None:
+        time.sleep(0.3)
+        storage.set_trial_user_attr(earlier, HASH, "h")
+        time.sleep(0.3)
+        study.tell(0, [1.0])
+
+    worker = threading.Thread(target=earlier_derives_then_trains)
+    worker.start()
+    same = same_when_done(study, storage, "h", 1, poll=0.05)
+    worker.join()
+    assert same is not None and same.number == 0 and same.values == [1.0]
+
+
 def test_pruned_duplicates_are_counted_as_duplicates(tmp_path: Path) -> None:
     """A duplicate of a pruned trial is pruned too, and counted among the pruned trials' duplicates."""
     study = optuna.create_study(storage=open_storage(str(tmp_path / "study.journal")), study_name="t")

@@ -264,9 +264,11 @@ def same_when_done(study: optuna.Study, storage: BaseStorage, equation_hash: str
                    poll: float = 0.5) -> FrozenTrial | None:
     """`find_same`, once no earlier trial with these equations is still running: with several workers, the
     sampler can draw a candidate that another worker is training, which then trained twice at once. An earlier
-    trial whose worker is gone is recovered while waiting (and then this one trains); a later one is never
-    waited for, so two workers never wait for each other."""
-    while any(t.number < number and t.user_attrs.get(HASH) == equation_hash
+    running trial that has not yet recorded its equations (it is still deriving them) is waited for too: it may
+    be the same candidate, and it would not wait for this later one. An earlier trial whose worker is gone is
+    recovered while waiting (and then this one trains); a later one is never waited for, so two workers never
+    wait for each other."""
+    while any(t.number < number and t.user_attrs.get(HASH, equation_hash) == equation_hash
               for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))):
         recover_stale(study, storage)
         time.sleep(poll)
