@@ -19,13 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import sympy as sp
-
 from . import ir, syntax
 from .checks import CheckResult, run_checks
 from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
-from .number_text import is_count, plain_number
+from .number_text import is_count, number_shown, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
 from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show, shown_function
 from .semantics import EnergyIR, lower_energy
@@ -190,7 +188,7 @@ class Derived:
         optimizer = self.spec.optimizer
         # a default is a float (`momentum()`'s 0.9: its equation hash, which checkpoints hold, stays as it was);
         # shown as a written value is, 9/10
-        values = [f"{show(Var(str(h.symbol), 'leaf', ()))} = {sp.nsimplify(h.value)}"
+        values = [f"{show(Var(str(h.symbol), 'leaf', ()))} = {number_shown(h.value)}"
                   + (f", learned as opt_{name}" if h.learn else "")
                   for name, h in sorted(optimizer.hyper.items(), key=lambda kv: str(kv[1].symbol))]
         return f"{optimizer.steps} × {optimizer.kind}" + (f" ({'; '.join(values)})" if values else "")

@@ -157,8 +157,15 @@ def mul(*factors: Expr) -> Expr:
     if shapes and not any(u.shape for u in flat):
         flat.append(Ones(shapes[0]))  # the shape stays: x[d] / x[d], or ones times a scalar, is a vector of ones
     if coef != 1 or not flat:
-        flat.insert(0, Scalar(sp.nsimplify(coef) if coef.is_Float else coef))
+        flat.insert(0, Scalar(_exact_if_simple(coef) if coef.is_Float else coef))
     return flat[0] if len(flat) == 1 else Mul(tuple(flat))
+
+
+def _exact_if_simple(coef: sp.Float) -> sp.Expr:
+    """A folded float coefficient as the simple number it is (0.5 * 0.2: 1/10), or kept as a float where no
+    simple number equals it (`sympy.nsimplify` alone turned 0.999999999999 into 1)."""
+    simple = sp.nsimplify(coef)
+    return simple if float(simple) == float(coef) else coef
 
 
 def _cancel_reciprocals(flat: list[Expr]) -> list[Expr]:

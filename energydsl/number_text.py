@@ -23,3 +23,35 @@ def is_whole(value: object) -> bool:
 def is_count(value: object, least: int = 1) -> bool:
     """A whole number of at least `least`: layers, tokens, a batch."""
     return is_whole(value) and value >= least
+
+
+def exact_number(value: float) -> object:
+    """The SymPy number a user wrote, exactly (`0.1` is 1/10, `1e-100` is 10⁻¹⁰⁰): `sympy.nsimplify` alone
+    rounds to a nearby simple number (0.999999999999 became 1, a momentum that never decays; 1e-100 became 0).
+    A float that is a short closed form exactly (`sqrt(2)`, from a constant expression a spec wrote) keeps it."""
+    import sympy as sp
+
+    if is_whole(value):
+        return sp.Integer(value)
+    if isinstance(value, sp.Basic) and not value.is_Float:
+        return value  # already exact
+    decimal = sp.Rational(repr(float(value)))
+    if decimal.q <= 10**6:
+        return decimal
+    simple = sp.nsimplify(value)
+    if simple != 0 and float(simple) == float(value) and sp.count_ops(simple) <= 4:
+        return simple
+    return decimal
+
+
+def number_shown(value: object) -> str:
+    """A SymPy number as an equation's reader wants it: `9/10`, `sqrt(2)`, and `0.999999999999` (not its
+    fraction over 10¹²)."""
+    import sympy as sp
+
+    v = sp.sympify(value)
+    if v.is_Float:
+        v = exact_number(v)
+    if v.is_Rational and v.q > 1000:
+        return repr(float(v))
+    return str(v)

@@ -20,7 +20,7 @@ from .clause_calls import OPTIMIZER, PRECONDITIONER
 from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
 from .errors import Span, SpecError
 from .ir_nodes import Expr, IndexInfo, Var
-from .number_text import plain_number
+from .number_text import exact_number, plain_number
 from .python_names import name_problem
 from .semantics_expr import ExpressionLowering
 from .semantics_params import ParamLowering, ParamSpec
@@ -395,7 +395,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
         given = {k.name: k for k in call.kwargs}
         for name, default in sorted(OPTIMIZER.takes[call.name].items()):
             kw = given.get(name)
-            value = sp.sympify(default) if kw is None else sp.nsimplify(self._constant(kw.value, f"`{name}`"))
+            value = sp.sympify(default) if kw is None else exact_number(self._constant(kw.value, f"`{name}`"))
             learn = kw is not None and kw.flag == "learn"
             spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
         damping = spec.hyper.get("damping")

@@ -19,7 +19,7 @@ from . import syntax_tree as ast
 from .errors import SpecError
 from .functions import antiderivative
 from .ir_nodes import Expr, IndexInfo, ShapeError, Var
-from .number_text import plain_number
+from .number_text import exact_number, plain_number
 
 if TYPE_CHECKING:
     from .semantics import _Scope
@@ -71,7 +71,8 @@ class ExpressionLowering:
     def _expr(self, n: ast.Node) -> Expr:
         match n:
             case ast.Num():
-                return ir.Scalar(sp.nsimplify(n.value) if n.value == int(n.value) or len(str(n.value)) < 8
+                # a short literal exactly as written (0.1 is 1/10; 1e-100 is not 0), a long one as a Float
+                return ir.Scalar(exact_number(n.value) if n.value == int(n.value) or len(str(n.value)) < 8
                                  else sp.Float(n.value))
             case ast.Name():
                 return self._name(n)
@@ -353,7 +354,7 @@ class ExpressionLowering:
         base = self._number(vals[2].value) if len(vals) == 3 and isinstance(vals[2], ir.Scalar) else None
         if len(vals) == 3 and (base is None or not base > 0):
             raise SpecError("rope's base must be a positive constant (10000 in RoFormer and Llama)", span)
-        return ir.Rope(v, pos, sp.nsimplify(base) if base is not None else sp.Integer(10000), sign)
+        return ir.Rope(v, pos, exact_number(base) if base is not None else sp.Integer(10000), sign)
 
     def _number(self, e: sp.Expr) -> float | None:
         """e's value with the dims filled in, or None if it is not a number (a learned scalar in it)."""

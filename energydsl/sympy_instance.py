@@ -15,6 +15,7 @@ import sympy as sp
 
 from . import ir
 from .functions import REGISTRY, X
+from .number_text import exact_number
 from .optimizers import UpdateProgram
 
 
@@ -30,7 +31,7 @@ def _in_constraint(rng: random.Random, constraint: tuple | None) -> sp.Rational 
     t = sp.Rational(rng.randint(2, 8), 10)
     if constraint[0] == "positive":
         return t
-    lo, hi = (sp.nsimplify(b) for b in constraint[1:])
+    lo, hi = (exact_number(b) for b in constraint[1:])
     return lo + (hi - lo) * t
 
 
@@ -90,7 +91,7 @@ def build(prog: UpdateProgram, seed: int, seq: int, position: int,
     spec = prog.spec
     rng = random.Random(seed)
     values: dict[str, object] = {}
-    scal: dict[sp.Symbol, sp.Expr] = {spec.dim_symbols[k]: sp.nsimplify(v) for k, v in spec.dim_values.items()}
+    scal: dict[sp.Symbol, sp.Expr] = {spec.dim_symbols[k]: exact_number(v) for k, v in spec.dim_values.items()}
     scal.update({s: v for s, v in prog.hyper_values.items()})
     for name, p in prog.params.items():
         if not p.shape:

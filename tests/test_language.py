@@ -405,6 +405,23 @@ def test_steps_line_gives_the_optimizers_values() -> None:
     assert "- **steps**: 2 × momentum (β = 9/10, learned as opt_beta; η = 1/2, learned as opt_eta)" in momentum
 
 
+@pytest.mark.parametrize(("written", "shown"), [("0.999999999999", "0.999999999999"), ("1e-100", "1e-100"),
+                                              ("0.1234567891234", "0.1234567891234"), ("0.9", "9/10")])
+def test_numbers_are_kept_as_written_not_rounded_to_a_nearby_simple_one(written: str, shown: str) -> None:
+    """SymPy's nsimplify made β = 0.999999999999 exactly 1 (a momentum that never decays: `descent` failed)
+    and η = 1e-100 exactly 0, both in the derived update."""
+    spec = ("energy E(d = 2) {{ state z[d]  input h[d]  global F = {coef} * (z - h) . (z - h)\n"
+            "  optimizer momentum(eta = {eta}, beta = {beta}) steps 2 }}\n")
+    energy = load(spec.format(coef=0.5, eta=0.5, beta=written)).energy()
+    assert f"(β = {shown}; η = 1/2)" in energy.equations("text")
+    assert all(r.ok for r in energy.check()), [r for r in energy.check() if not r.ok]
+    eta = load(spec.format(coef=0.5, eta=written, beta=0.5)).energy()
+    assert f"η = {shown})" in eta.equations("text") and all(r.ok for r in eta.check())
+    # a literal in the energy: its coefficient, and the gradient's, are not rounded either
+    coef = load(spec.format(coef=written, eta=0.5, beta=0.5)).energy().equations("text").splitlines()[1]
+    assert "F = ⟨z − h, z − h⟩" not in coef and "F = 0 " not in coef, coef
+
+
 def test_a_block_derives_as_its_summed_energy() -> None:
     """`block NRGPTBlock = NRGPTAttention + NRGPTFF2W`: the energies summed under the first one's
     optimizer (P_M), as the model runs them; its checks pass against autograd."""
