@@ -6,8 +6,8 @@ Checks, per energy:
   hessian     (newton, taylor >= 1) derived Hessian-vector products equal autograd's double backward
   update      the whole update program equals the optimizer replayed on autograd (gradient, Hessian, per head)
   causality   the update of token i ignores context tokens outside its relation
-  own token   the energy and the update are finite where the state is its own context token or input
-  descent     a small step along the update lowers F; concave energies are reported
+  own token   the energy and the update are finite where the state is its own context token, input, or both
+  descent     a small step along the update lowers F; concave energies and steps that overshoot are reported
   definite    preconditioners claimed positive-definite are; dplr may be indefinite
   tying       the untied update equals the tied one with the new params at the (scaled) tied values
   params      every learned param gets a gradient through the update (one that gets none never trains)
@@ -243,26 +243,31 @@ def check_own_token(prog: UpdateProgram) -> CheckResult | None:
     `norm(z - h)`, not squared) is NaN there, and random points never meet it: evaluate there."""
     spec = prog.spec
     inst = random_instance(prog, seed=0)
-    starts = []
-    if spec.context is not None and tuple(spec.state.shape) == tuple(spec.context.shape):
-        starts.append(("its own context token", inst.context))
-    if spec.input is not None and tuple(spec.state.shape) == tuple(spec.input.shape) \
-            and inst.input is not inst.context:
-        starts.append(("its own input", inst.input))
+    starts: list[tuple[str, torch.Tensor, Instance]] = []
+    shape = tuple(spec.state.shape)
+    own_context = spec.context is not None and shape == tuple(spec.context.shape)
+    own_input = spec.input is not None and shape == tuple(spec.input.shape) and inst.input is not inst.context
+    if own_context:
+        starts.append(("its own context token", inst.context, inst))
+    if own_input:
+        starts.append(("its own input", inst.input, inst))
+    if own_context and own_input:  # a model's first layer: state, input and context are all the token's stream
+        same = Instance(inst.params, inst.scalars, inst.x, inst.context, inst.context, inst.seq_len)
+        starts.append(("its own input and context token at once", inst.context, same))
     if not starts:
         return None
     first_step = "(as at a model layer's first step)"
-    for what, x in starts:
+    for what, x, at in starts:
         where = f"where the state is {what} {first_step}"
-        bad = _non_finite(eval_tokens(spec, energy_of_state(prog), inst, {spec.state.name: x}))
+        bad = _non_finite(eval_tokens(spec, energy_of_state(prog), at, {spec.state.name: x}))
         if bad is not None:
             return CheckResult("own token", "fail", f"the energy is {bad} {where}")
         for label, tied in [("update", True)] + ([("untied update", False)] if spec.untie_rules else []):
-            bad = _non_finite(run_program(prog, inst, x0=x, tied=tied))
+            bad = _non_finite(run_program(prog, at, x0=x, tied=tied))
             if bad is not None:
                 return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
                                    "differentiable there (a norm of a difference that is not squared?)")
-    places = " and ".join(what for what, _ in starts)
+    places = " and ".join(what for what, _, _ in starts[:2])
     return CheckResult("own token", "ok", f"energy and update finite where the state is {places} {first_step}")
 
 
@@ -306,13 +311,19 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
     at = point_value(prog, inst, inst.x)
     d = eval_tokens(spec, prog.tied_direction, inst, {spec.state.name: inst.x})
     f0 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x})
-    eps = 1e-6
-    f1 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x - eps * d})
-    for what, t in (("the update direction", d), ("F", f0), ("F after a small step", f1)):
+    where = _non_finite(d)
+    if where is not None:
+        return CheckResult("descent", "fail", f"not finite: the update direction is {where}")
+    # a step of a millionth of the state's size, whatever the sizes of F and D (a fixed 1e-6 · D overshot a
+    # minimum where D was large and moved F by less than its rounding error where F was small)
+    size, along = _token_norms(inst.x).clamp_min(1.0), _token_norms(d)
+    eps = torch.where(along > 0, 1e-6 * size / along.clamp_min(1e-300), 0.0)
+    f1 = eval_tokens(spec, energy, inst, {spec.state.name: inst.x - eps.view(*eps.shape, *[1] * (d.dim() - 2)) * d})
+    for what, t in (("F", f0), ("F after a small step", f1)):
         where = _non_finite(t)
         if where is not None:
             return CheckResult("descent", "fail", f"not finite: {what} is {where}")
-    decreased = bool(((f1 - f0) <= 1e-14).all())
+    decreased = bool(((f1 - f0) <= 1e-12 * torch.maximum(f0.abs(), f1.abs())).all())
     # curvature along random directions: all negative = concave, unbounded below
     curv = []
     for s in range(4):
@@ -326,6 +337,11 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         (hv,) = torch.autograd.grad((gr * v).sum(), p, allow_unused=True)
         curv.append(0.0 if hv is None else float((hv * v).sum()))
     opt = spec.optimizer
+    if not decreased and opt.kind == "newton" and opt.precondition is None and all(c > 0 for c in curv):
+        return CheckResult("descent", "fail", "a small step raised F for some token, though F is convex here along "
+                           "every probed direction: the truncated Newton step is not a descent direction, so its "
+                           "Neumann series does not converge (it needs every eigenvalue of H + λI inside (0, 2); "
+                           "a smaller λ, or an even `taylor`, may fix it)")
     if not decreased and (opt.precondition in ("dplr", "full", "covariance") or opt.kind == "newton"):
         if opt.precondition in ("dplr", "full"):
             why = f"the {opt.precondition} preconditioner is not positive-definite by construction"
@@ -347,12 +363,34 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
                            "(the preconditioner or optimizer is not a descent direction here)")
     if momentum is not None:
         return momentum
+    overshoot = _overshoot(prog, inst, energy, f0)
+    if overshoot is not None:
+        return overshoot
     if all(c < 0 for c in curv):
         return CheckResult("descent", "warn", "small steps descend, but F is concave here along every probed "
                            "direction: no minimum near this point, and none at all where F stays concave (as "
                            "-logsumexp does; a term like ½ z·z can bound it); each step is one descent step, not a "
                            "solve")
     return CheckResult("descent", "ok", "a small step along the update lowers F for every token")
+
+
+def _overshoot(prog: UpdateProgram, inst: Instance, energy: ir.Expr, f0: torch.Tensor) -> CheckResult | None:
+    """Small steps descend, but does the update as taken (η, every step)? Where it raises F for every token,
+    η overshoots (`gd(eta = 1000)` on ½|z − h|² multiplies z − h by −999 each step). Where only some tokens
+    rise it says nothing: a non-convex F (attention, an MLP) rises at some points under any fixed step."""
+    spec, opt = prog.spec, prog.spec.optimizer
+    f1 = eval_tokens(spec, energy, inst, {spec.state.name: run_program(prog, inst, tied=True)})
+    rose = ~(f1 <= f0 + 1e-12 * f0.abs())  # a non-finite F counts as a rise
+    if not bool(rose.all()):
+        return None
+    return CheckResult("descent", "warn", f"small steps descend, but the update as taken ({opt.steps} × "
+                       f"{opt.kind}, η = {plain_number(float(opt.hyper['eta'].value))}) raises F for every token "
+                       "here: the step overshoots (a smaller η descends)")
+
+
+def _token_norms(t: torch.Tensor) -> torch.Tensor:
+    """The size of each token's value of a (B, T, *shape) tensor: (B, T)."""
+    return t.flatten(2).norm(dim=-1) if t.dim() > 2 else t.abs()
 
 
 def _momentum_range(opt) -> CheckResult | None:
@@ -402,8 +440,9 @@ def check_definite(prog: UpdateProgram) -> CheckResult | None:
         worst_min = min(worst_min, float(eig.min()))
     if kind in ("dplr", "full"):
         if worst_min < 0:
+            form = "diag(softplus(d)) + UVᵀ + VUᵀ" if kind == "dplr" else "the learned matrix M"
             return CheckResult("definite", "warn", f"{kind} is possibly indefinite: found an eigenvalue "
-                               f"{worst_min:.3g} < 0 (diag(softplus(d)) + UVᵀ + VUᵀ is not PD by construction)")
+                               f"{worst_min:.3g} < 0 ({form} is not PD by construction)")
         return CheckResult("definite", "warn", f"{kind} is not positive-definite by construction")
     ok = worst_min > 0
     return CheckResult("definite", "ok" if ok else "fail",

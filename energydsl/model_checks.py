@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .checks import CheckResult, _one_thread
+from .checks import CheckResult, _non_finite, _one_thread
 from .errors import first_few
 from .number_text import plain_number
 
@@ -82,15 +82,23 @@ def _causality(model: torch.nn.Module, idx: torch.Tensor, generator: torch.Gener
     vocab, T = int(model.plan.dims["vocab"]), idx.shape[1]
     if vocab < 2 or T < 2:
         return CheckResult("causality", "skip", f"nothing to move: vocab {vocab}, context {model.block_size}")
+    not_finite = ("the logits are {} {}: the model's output is not finite, so whether it sees the future cannot be "
+                  "told (the layers' `own token` rows, or `energy check` of the model's energies, may say why)")
     with torch.no_grad():
         base = model(idx)
+        if (bad := _non_finite(base)) is not None:
+            return CheckResult("causality", "fail", not_finite.format(bad, "on random tokens"))
         scale = float(base.abs().max()) or 1.0
         worst, first = 0.0, None  # the largest leak, and the first position whose future leaks
         for cut in range(1, T):
             moved = idx.clone()  # every later token replaced by another one
             shift = torch.randint(1, vocab, moved[:, cut:].shape, generator=generator)
             moved[:, cut:] = (moved[:, cut:] + shift) % vocab
-            leak = float((model(moved)[:, :cut] - base[:, :cut]).abs().max()) / scale
+            out = model(moved)
+            if (bad := _non_finite(out)) is not None:
+                return CheckResult("causality", "fail", not_finite.format(bad, f"once the tokens from {cut} on "
+                                                                               "changed"))
+            leak = float((out[:, :cut] - base[:, :cut]).abs().max()) / scale
             if not leak <= LEAK_TOL and first is None:  # NaN leaks too
                 first = cut
             if math.isnan(leak) or leak > worst:  # a NaN stays the worst

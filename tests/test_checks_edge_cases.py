@@ -924,3 +924,79 @@ def test_momentum_outside_zero_one_is_reported(opt: str, status: str, says: str)
 }""".replace("OPT", opt)
     r = checks_of(text)["descent"]
     assert r.status == status and r.detail.startswith(says), r.detail
+
+
+# ----------------------------------------------------------------------------- descent at any scale
+
+
+QUAD = "energy E(d = 4) {{ state z[d]  input h[d]  global F = {energy}\n  optimizer {opt} }}\n"
+
+
+@pytest.mark.parametrize("scale", ["1e-3", "1e-5", "1e-9"])
+def test_a_stopgrad_ascent_fails_descent_whatever_the_size_of_F(scale):
+    """The step's change in F was compared with a fixed 1e-14, so a small F (here 1e-5 ·) climbed unseen."""
+    row = checks_of(QUAD.format(energy=f"{scale} * ((z - h) . (z - h) - stopgrad(3 * (z - h) . (z - h)))",
+                                opt="gd(eta = 0.1)"))["descent"]
+    assert row.status == "fail" and "raises F" in row.detail
+
+
+def test_a_large_F_with_a_small_step_size_descends():
+    """A fixed probe step 1e-6 · D overshot the minimum where D was large (2e7 (z − h)): a false failure."""
+    row = checks_of(QUAD.format(energy="1e7 * (z - h) . (z - h)", opt="gd(eta = 1e-9)"))["descent"]
+    assert row.status == "ok", row.detail
+
+
+@pytest.mark.parametrize(("eta", "status"), [("1000", "warn"), ("0.5", "ok"), ("1.5", "ok")])
+def test_an_update_that_overshoots_at_every_token_warns(eta, status):
+    """Small steps descend, but η = 1000 multiplies z − h by −999 each step: F grows by 1e48 over 8 steps.
+    (η = 1.5 overshoots the minimum yet lowers F: z − h times −0.5.)"""
+    row = checks_of(QUAD.format(energy="0.5 * (z - h) . (z - h)", opt=f"gd(eta = {eta}) steps 8"))["descent"]
+    assert row.status == status and (("overshoots" in row.detail) is (status == "warn")), row.detail
+
+
+@pytest.mark.parametrize(("taylor", "damping", "status"), [(1, 3, "fail"), (2, 3, "warn"), (1, 0, "ok")])
+def test_a_newton_step_that_climbs_a_convex_F_fails(taylor, damping, status):
+    """With H + λI = 4I the one-term Neumann series I + (I − 4I) is −2I: the step climbs a convex F (a warning
+    before, as for a non-convex F, where a truncated Newton step may rise). With two terms it is 7I: it descends,
+    and η = 0.5 overshoots (z − h times −2.5)."""
+    row = checks_of(QUAD.format(energy="0.5 * (z - h) . (z - h)",
+                                opt=f"newton(eta = 0.5, taylor = {taylor}, damping = {damping})"))["descent"]
+    assert row.status == status, row.detail
+    assert ("Neumann series does not converge" in row.detail) is (status == "fail")
+
+
+def test_a_full_preconditioner_is_described_as_its_matrix():
+    row = checks_of(QUAD.format(energy="0.5 * (z - h) . (z - h)", opt="gd(eta = 0.5) precondition full"))
+    assert "dplr" not in row["definite"].detail and "softplus" not in row["definite"].detail
+
+
+KINK_OF_ALL_THREE = """
+energy K3(d = 4) {
+  state z[d]
+  input x[d]
+  context h[j, d] where j <= i
+  global F = -logsumexp[j](-norm(z + x - 2 * h[j])) + 0.5 * (z . z)
+  optimizer gd(eta = 0.5)
+}
+
+model K3GPT(vocab = 11, context = 8, d = 4, layers = 1) {
+  embed tokens, positions
+  layer = K3(d)
+  repeat layers
+  final norm layernorm
+  head tied
+}
+"""
+
+
+def test_a_kink_where_state_input_and_context_token_all_meet_fails_the_own_token_check():
+    """`norm(z + x − 2 h_j)` is finite where z is h_i (x random) and where z is x (h random), and NaN at a model
+    layer's first step, where all three are the token's stream: the model's logits were NaN."""
+    row = checks_of(KINK_OF_ALL_THREE)["own token"]
+    assert row.status == "fail" and "its own input and context token at once" in row.detail, row.detail
+
+
+def test_a_model_whose_logits_are_not_finite_is_not_said_to_see_the_future():
+    causality = next(r for r in load(KINK_OF_ALL_THREE).check_model() if r.name == "causality")
+    assert causality.status == "fail" and "not finite" in causality.detail and "future" not in causality.detail.split(
+        ":")[0], causality.detail
