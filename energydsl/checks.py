@@ -632,9 +632,17 @@ def run_checks(prog: UpdateProgram) -> list[CheckResult]:
                 r = CheckResult(fn.__name__.removeprefix("check_"), "fail",
                                 f"could not run: {type(e).__name__}: {e}")
             if r is not None:
-                results.append(r)
+                results.append(_located(r, prog))
         results.extend(check_expect(prog))
     return results
+
+
+def _located(r: CheckResult, prog: UpdateProgram) -> CheckResult:
+    """A descent or definite failure names the `optimizer` clause it blames, as a refuted `expect` names its own."""
+    span = prog.spec.optimizer.span
+    if r.status != "fail" or r.name not in ("descent", "definite") or span is None:
+        return r
+    return CheckResult(r.name, r.status, f"{r.detail} (`optimizer` at {span})", r.max_error)
 
 
 def as_json(results: list[CheckResult]) -> list[dict]:

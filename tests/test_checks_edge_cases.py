@@ -963,6 +963,7 @@ def test_a_newton_step_that_climbs_a_convex_F_fails(taylor, damping, status):
                                 opt=f"newton(eta = 0.5, taylor = {taylor}, damping = {damping})"))["descent"]
     assert row.status == status, row.detail
     assert ("Neumann series does not converge" in row.detail) is (status == "fail")
+    assert ("(`optimizer` at " in row.detail and row.detail.endswith(":2:3)")) is (status == "fail")  # located
 
 
 def test_a_full_preconditioner_is_described_as_its_matrix():
