@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .cli_output import broken_pipe, to_stderr, usage_error, warning_line
+from .cli_output import broken_pipe, closed_streams_to_devnull, to_stderr, usage_error, warning_line
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, not_an_input, writable_dir
@@ -526,6 +526,7 @@ _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 def main() -> None:
     """Entry point: user errors exit 2 with a located message; internal errors exit 70 in one line; energydsl's
     warnings one line each."""
+    closed_streams_to_devnull()
     previous, warnings.showwarning = warnings.showwarning, warning_line
     try:
         _main()

@@ -39,6 +39,16 @@ def usage_error(e: Exception) -> str:
 BROKEN_PIPE = 128 + 13  # 141: as a shell reports a command that SIGPIPE stopped (`energy derive x | head`)
 
 
+def closed_streams_to_devnull() -> None:
+    """With stderr or stdout closed (`energy check x 2>&-`) Python sets it to None, and `print(file=None)` writes
+    to stdout instead: messages go where they are dropped, and the command's own exit status stands."""
+    import os
+
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 -- open for the life of the process
+
+
 def to_stderr(text: str) -> None:
     """Print a message to stderr; if its reader went away (`energy check x 2>&1 | true`), drop it and let the
     command's own exit status stand, instead of a traceback that exits 1."""

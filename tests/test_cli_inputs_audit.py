@@ -208,6 +208,20 @@ def test_a_broken_stderr_pipe_keeps_the_commands_status(tmp_path, argv, status) 
     assert proc.returncode == status
 
 
+@pytest.mark.parametrize(("command", "status"), [
+    ("check missing.energy", 2), ("check --bogus", 2), ("derive {mha} --set zz=1", 2),
+    ("train {gpt} --data chars:{corpus} --steps 2 --batch-size 2 --block-size 8 --eval-iters 1 --out run", 0)])
+def test_a_closed_stderr_keeps_the_commands_status_and_stdout_clean(tmp_path, command, status) -> None:
+    """`2>&-`: Python's sys.stderr is None, and print(file=None) wrote the error to stdout; then flushing None
+    raised, exit 1 (training crashed on None.isatty())."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 40)
+    line = command.format(mha=MHA, gpt=ROOT / "examples/models/gpt.energy", corpus=corpus)
+    proc = subprocess.run(f"{sys.executable} -m energydsl.cli {line} 2>&-", shell=True, stdout=subprocess.PIPE,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == status and "error" not in proc.stdout, proc.stdout
+
+
 class _Gone:
     """A stdout whose reader went away: at the first write, or only when the buffer is flushed."""
 
