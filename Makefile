@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# A CPU torch pinned first, unless one is importable: nothing pulls several GB of CUDA packages.
+	# torch 2.13.0 pinned first, unless one is importable (the CPU build where the index serves it, as on CI; see README).
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)

@@ -49,7 +49,9 @@ def test_precision_script_prints_each_magnitude() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("max|s|")]
     assert len(rows) == 2 and all(f" {name} " in rows[0] for name in ("out", "dq", "dk", "dv", "du"))
-    assert "no GPU" in _run("benchmarks/precision.py").stderr  # and not interpreted: says how
+    if not torch.cuda.is_available():  # and not interpreted: says how, and exits 0 as the other GPU scripts do
+        skipped = _run("benchmarks/precision.py")
+        assert skipped.returncode == 0 and "no GPU" in skipped.stdout and "TRITON_INTERPRET=1" in skipped.stdout
 
 
 def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> None:

@@ -369,6 +369,17 @@ def test_mistakes_in_a_search_are_located(tmp_path: Path, bad: str, message: str
     assert e.value.span is not None and e.value.span.line == TINY.count("\n") + 2
 
 
+@pytest.mark.parametrize(("clause", "written"), [("objective minimize val_loss", "objective"),
+                                                ("across layers none", "across layers"), ("trials 3", "trials")])
+def test_a_clause_given_twice_is_named_as_the_spec_writes_it(tmp_path: Path, clause: str, written: str) -> None:
+    """`objective` and `across layers` were named by their grammar rules: `objectives`, `across`."""
+    path = write(tmp_path, TINY + f"search T {{\n  {clause}\n  {clause}\n}}\n")
+    with pytest.raises(SpecError) as e:
+        load_search(path)
+    assert e.value.message.startswith(f"`{written}` is given twice in search `T`"), e.value.message
+    assert e.value.span.line == TINY.count("\n") + 3
+
+
 def test_which_search_and_settings(tmp_path: Path) -> None:
     path = write(tmp_path, TINY + SEARCH + SEARCH.replace("search T", "search U"))
     with pytest.raises(UserError, match="declares 2 searches"):

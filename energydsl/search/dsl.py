@@ -70,6 +70,9 @@ OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_e
               "step_time", "tokens_per_s")
 
 
+_CLAUSE_WORDS = {"objectives": "objective", "across": "across layers"}  # rule names that differ from the keywords
+
+
 # ----------------------------------------------------------------------------- the space
 
 
@@ -134,7 +137,8 @@ class DslSpace:
             elif kind == "search_energy":
                 key = f"energy {clause.children[0].children[0]}"
             if key in seen:
-                raise SpecError(f"`{key.removeprefix('search_')}` is given twice in search `{self.name}` (first at "
+                written = _CLAUSE_WORDS.get(key, key.removeprefix("search_"))  # as the spec writes the clause
+                raise SpecError(f"`{written}` is given twice in search `{self.name}` (first at "
                                 f"{seen[key]})", span)
             seen[key] = span
             if kind == "search_model":
