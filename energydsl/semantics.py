@@ -159,7 +159,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
             if name in self.overrides:
                 self.dim_values[name] = dim_override(name, self.overrides[name], f"energy `{d.name}`", d.span)
             else:
-                self.dim_values[name] = self._constant(node, f"the default of `{name}`")
+                self.dim_values[name] = self._header_default(name, node, header)
             self.dim_symbols[name] = _sym(name)
             self.scope.dims[name] = self.dim_symbols[name]
         by_kind: dict[str, list[ast.Clause]] = {}
@@ -260,6 +260,21 @@ class _Lowering(ExpressionLowering, ParamLowering):
             raise SpecError(f"{what} is a number too large for a float", node.span)  # (not printed: 2^20000)
         return out
 
+    def _header_default(self, name: str, node: ast.Node, header: list[str]) -> float:
+        """A header dim's default, from the dims before it: one that reads a later dim says so (`did you mean
+        `i`?` was the hint for `E(hidden = 4 * d, d = 8)`)."""
+        try:
+            return self._constant(node, f"the default of `{name}`")
+        except SpecError as e:
+            later = header[header.index(name) + 1:] + [c.name for c in self.decl.clauses if c.kind == "dim"]
+            used = next((n for n in later if e.message == f"undefined name `{n}`"), None)
+            if used is None:
+                raise
+            where, fix = (("later in the header", f"move `{used}` before `{name}`") if used in header else
+                          ("in the body (`dim`)", f"declare `{used}` in the header, before `{name}`"))
+            raise SpecError(e.message, e.span, f"`{used}` is declared {where}: a default may use only the header "
+                            f"dims before it ({fix})") from None
+
     def _dim(self, c: ast.Clause) -> None:
         self.scope.declare(c.name, c.span)
         e = self.expr(c.value)
@@ -285,9 +300,10 @@ class _Lowering(ExpressionLowering, ParamLowering):
                                 "a size is a whole number of at least 1")
             named = f"{what} {e}" if isinstance(e, sp.Symbol) else f"{what} = {e}"  # `this size d`, not `= d`
             fractional = math.isfinite(v) and abs(v - round(v)) > 1e-9
-            raise SpecError(f"{named} = {plain_number(v)} is not a positive whole number (with {given})", span,
-                            "choose dims that divide evenly" if fractional
-                            else "a size is a whole number of at least 1: choose dims that make it one")
+            hint = (f"`{e}` is used as a size here: give it a whole number of at least 1" if isinstance(e, sp.Symbol)
+                    else "choose dims that divide evenly" if fractional
+                    else "a size is a whole number of at least 1: choose dims that make it one")
+            raise SpecError(f"{named} = {plain_number(v)} is not a positive whole number (with {given})", span, hint)
         if round(v) > MAX_SIZE:
             raise SpecError(f"{what} = {e} = {plain_number(v)} is too large (with {given})", span, SIZE_LIMIT_HINT)
 

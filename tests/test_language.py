@@ -156,6 +156,18 @@ def test_located_errors(text, message, line, col):
     assert f":{line}:{col}: error:" in rendered and "^" in rendered
 
 
+@pytest.mark.parametrize(("header", "body", "hint"), [
+    ("hidden = 4 * d, d = 8", "", "`d` is declared later in the header: a default may use only the header dims "
+                                  "before it (move `d` before `hidden`)"),
+    ("hidden = 4 * dh, d = 8", "dim dh = d / 2  ", "`dh` is declared in the body (`dim`)"),
+])
+def test_a_default_reading_a_later_dim_says_so(header: str, body: str, hint: str) -> None:
+    """The hint was `did you mean `i`?` (the only known name close to `d`)."""
+    err = error_of(f"energy E({header}) {{ {body}state z[d]  param W[hidden, d]  global F = z . z }}\n")
+    assert err.message.startswith("undefined name `d") and err.hint.startswith(hint), err.hint
+    assert (err.span.line, err.span.column) == (1, 23)
+
+
 def test_max_is_not_differentiable():
     text = ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
             "  global F = max[j](z . h[j])\n}")
@@ -745,8 +757,12 @@ def test_a_misused_construct_is_named_at_its_place(text: str, located: str) -> N
 
 def test_a_size_below_one_is_not_told_to_divide_evenly() -> None:
     with pytest.raises(SpecError) as err:
-        load("energy A(d = 0) {\n  state z[d]\n  global F = z . z\n}").energy()
+        load("energy A(d = 0, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}").energy()
     assert err.value.hint == "a size is a whole number of at least 1: choose dims that make it one"
+    for value in (0, 2.5):  # a dim used as a size as it is: nothing divides (`--set d=2.5`)
+        with pytest.raises(SpecError) as err:
+            load("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n}").energy(d=value)
+        assert err.value.hint == "`d` is used as a size here: give it a whole number of at least 1"
     with pytest.raises(SpecError) as err:
         load("energy A(d = 3, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}").energy()
     assert err.value.hint == "choose dims that divide evenly"
