@@ -165,7 +165,7 @@ def _exact_if_simple(coef: sp.Float) -> sp.Expr:
     """A folded float coefficient as the simple number it is (0.5 * 0.2: 1/10), or kept as a float where no
     simple number equals it (`sympy.nsimplify` alone turned 0.999999999999 into 1)."""
     simple = sp.nsimplify(coef)
-    return simple if float(simple) == float(coef) else coef
+    return simple if float(simple) == float(coef) and sp.count_ops(simple) <= 4 else coef
 
 
 def _cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
