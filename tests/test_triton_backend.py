@@ -799,3 +799,19 @@ def test_torchscript_traces_the_kernel_ops_with_its_own_checks(path):
     grads = [torch.autograd.grad(m(x).square().sum(), list(module.parameters())) for m in (traced, module)]
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("path,name", [("intrinsic-optimizers/mha.energy", "MHA"),
+                                       ("intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention"),
+                                       ("cem/mlp.energy", "CEMMLP")])
+def test_meta_modules_answer_meta_inputs_and_refuse_inputs_elsewhere(path: str, name: str, backend: str) -> None:
+    """The triton backend asked autocast about `meta` (which raised deep in the launcher), and an x on the CPU
+    with meta parameters came back as garbage from both backends (torch multiplies them without a word)."""
+    module = load(ROOT / "examples" / path).energy(name).module(backend=backend).to("meta")
+    x = torch.randn(2, 9, *module.state_shape, device="meta", requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert y.is_meta and y.shape == x.shape and x.grad.is_meta
+    with pytest.raises(ValueError, match=r"x is on cpu but the parameters are on meta; move one"):
+        module(torch.randn(2, 9, *module.state_shape))

@@ -281,7 +281,7 @@ def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     q, k and v can come from ops autocast treats differently (a projection in bfloat16, a norm or a
     concatenation in float32), and the kernels take one dtype. Tied inputs (v is k) stay tied."""
     kind = next(t for t in tensors if t is not None).device.type
-    if not torch.is_autocast_enabled(kind):
+    if not autocast_on(kind):
         return tensors
     dtype = torch.get_autocast_dtype(kind)
     out: list[Tensor | None] = []
@@ -296,9 +296,16 @@ def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     return tuple(out)
 
 
+def autocast_on(kind: str) -> bool:
+    """Is autocast on for this device type? False for one autocast does not know (`meta`: asking raised)."""
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
 def no_autocast(like: Tensor) -> AbstractContextManager[None]:
     """Autocast off on `like`'s device: for an op that calls itself again on inputs it has cast (the
     interpreter's float32 stand-in for bfloat16), which `autocast_inputs` would otherwise cast back."""
+    if not torch.amp.is_autocast_available(like.device.type):
+        return nullcontext()
     return torch.autocast(like.device.type, enabled=False)
 
 

@@ -40,10 +40,23 @@ def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Te
         _check_given(module, "input", input, x, module.input_shape)
     elif module.input_shape is not None and module.input_shape != module.state_shape:
         _no_default(module, "input")
-    if x.dtype != _parameter_dtype(module, x.dtype) and not torch.is_autocast_enabled(x.device.type):
+    weight = _first_parameter(module)
+    if weight is not None and weight.device != x.device:  # torch multiplies a CPU x by meta weights into garbage
+        raise ValueError(f"{type(module).__name__}: x is on {x.device} but the parameters are on {weight.device}; "
+                         "move one (module.to(x.device))")
+    if x.dtype != _parameter_dtype(module, x.dtype) and not (torch.amp.is_autocast_available(x.device.type)
+                                                             and torch.is_autocast_enabled(x.device.type)):
         raise ValueError(f"{type(module).__name__}: x is {x.dtype} but the parameters are "
                          f"{_parameter_dtype(module, x.dtype)}; convert one (module.to(x.dtype)) or run under "
                          "torch.autocast")
+
+
+def _first_parameter(module: nn.Module) -> Tensor | None:
+    """A generated layer's first own parameter (its first anywhere when it has none of its own), or None."""
+    for p in module._parameters.values():  # no recursion on the hot path
+        if p is not None:
+            return p
+    return next(module.parameters(), None)
 
 
 def _parameter_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
