@@ -220,8 +220,15 @@ def edit_json(path: Path, edit) -> None:
     # reported as `<string>:1:1: error: unexpected 'garbage'`, as if the user's own spec were wrong
     (lambda run: edit_json(run / "best.json", lambda d: d.update(spec_source="garbage {{")),
      "the metadata of {run} is damaged: the spec it holds (spec_source) does not load: unexpected `garbage`"),
+    # the tokens a model reads when sampling: int("x"), int([1]) and a context of -5 were exit 70
+    *[(lambda run, bad=bad: edit_json(run / "best.json", lambda d: d.update(context=bad)),
+       "the metadata of {run} is damaged: its context is not what `energy train` writes")
+      for bad in ("x", [1], -5, 2.5)],
+    (lambda run: edit_json(run / "best.json", lambda d: d["training"].update(config=[])),
+     "the metadata of {run} is damaged: its training.config is not what `energy train` writes"),
 ], ids=["no-dims", "training-a-number", "commit-record-not-names", "codec-a-string", "dataset-a-list",
-        "codec-without-chars", "spec-source-a-number", "spec-path-a-number", "spec-source-garbage"])
+        "codec-without-chars", "spec-source-a-number", "spec-path-a-number", "spec-source-garbage", "context-text",
+        "context-a-list", "context-negative", "context-fractional", "config-a-list"])
 def test_sample_names_damaged_metadata(run, damage, message):
     """Each was exit 70 (KeyError, AttributeError, TypeError), but the last, which blamed the spec."""
     damage(run)
@@ -260,6 +267,10 @@ def test_sample_names_lost_metadata_and_the_other_checkpoint(run):
     assert f"`energy sample {run / 'last.safetensors'}` if that checkpoint is whole" in err
     code, out, err = energy("sample", str(run / "last.safetensors"), "--tokens", "5", "--prompt", "the")
     assert code == 0 and out.startswith("the"), err
+    for name in ("best.safetensors", "last.json"):  # the other checkpoint is not suggested where it is not
+        (run / name).unlink()
+    code, out, err = energy("sample", str(run / "last.safetensors"), "--tokens", "5")
+    assert code == 2 and "has no metadata beside it (last.json is missing)" in err and "best" not in err, err
 
 
 def test_resume_refuses_an_optimizer_state_with_nan(run, corpus):

@@ -44,6 +44,9 @@ def tiny(**settings) -> TrainConfig:
     ({"betas": 0.9}, "betas must be two numbers in [0, 1), got 0.9"),  # object of type 'float' has no len()
     ({"steps": True}, "steps must be a whole number, got True (bool)"),
     ({"compile": 1}, "compile must be True or False, got 1"),
+    # AdamW's first step, lr / (1 - beta1), passed to torch as a float: an internal error (exit 70) at step 1
+    ({"lr": 1e38}, "lr 1e+38 is too large: AdamW's first step size, lr / (1 - beta1) = 1e+39, overflows a float32 "
+                   "(at most 3.4e+38)"),
 ])
 def test_a_setting_of_the_wrong_type_is_named(settings: dict, message: str) -> None:
     with pytest.raises(UserError) as err:

@@ -17,6 +17,7 @@ from energydsl.errors import UserError
 __all__ = ["DTYPES", "TRAIN_FLAGS", "TrainConfig", "check_dtype", "device_of"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 #: TrainConfig fields -> the `energy train` flags that set them: for messages, and the command a search
@@ -90,6 +91,11 @@ class TrainConfig:
                             f"{name('lr')} {self.lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise UserError(f"{name('betas')} must be two numbers in [0, 1), got {self.betas}")
+        first_step = self.lr / (1 - self.betas[0])  # AdamW's step size at step 1, which it passes to torch as a float
+        if first_step > FLOAT32_MAX:
+            raise UserError(f"{name('lr')} {self.lr:g} is too large: AdamW's first step size, lr / (1 - beta1) = "
+                            f"{first_step:.3g}, overflows a float32 (at most {FLOAT32_MAX:.3g})",
+                            hint="a learning rate is usually below 1")
         if self.dtype not in DTYPES:
             raise UserError(f"unknown {name('dtype')} {self.dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
         if not self.diverge_factor > 1:

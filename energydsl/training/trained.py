@@ -11,6 +11,7 @@ from typing import Any
 
 from energydsl.errors import SpecError, UserError
 from energydsl.files import read_text
+from energydsl.number_text import is_count
 
 from .checkpoint import checkpoint_file, checkpoint_paths, load_checkpoint
 from .sampling import Codec, codec_from_json
@@ -29,9 +30,10 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
         weights, sidecar = checkpoint_paths(checkpoint, "best")
         if checkpoint_file(sidecar) is None:  # a run's weights whose .json was lost, or weights from elsewhere
             other = weights.with_name({"best": "last", "last": "best"}.get(weights.stem, "last") + ".safetensors")
+            instead = f"`energy sample {other}` if that checkpoint is whole, or " if other.is_file() else ""
             raise UserError(f"{weights} has no metadata beside it ({sidecar.name} is missing), so the model it "
                             "holds is unknown", hint=f"a run written by `energy train` has both files: "
-                            f"`energy sample {other}` if that checkpoint is whole, or train again")
+                            f"{instead}train again")
         raise UserError(f"{checkpoint} was not written by `energy train` (no model in its metadata)")
     if not isinstance(meta["model"], str) or not isinstance(meta.get("dims"), dict):
         raise UserError(f"the metadata of {checkpoint} is damaged: it lacks the model's name or dims that "
@@ -39,7 +41,10 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
     path, source = meta.get("spec_path", ""), meta.get("spec_source")
     training = meta.get("training", {})
     dataset = training.get("dataset", {}) if isinstance(training, dict) else None
+    context, config = meta.get("context", 1), training.get("config", {}) if isinstance(training, dict) else {}
     wrong = ("spec_path" if not isinstance(path, str) else "spec_source" if not isinstance(source, str | None)
+             else "context" if not is_count(context)  # the tokens the model reads when sampling
+             else "training.config" if not isinstance(config, dict) or not is_count(config.get("block_size", 1))
              else "training.dataset" if not isinstance(dataset, dict)
              else "training.dataset.codec" if not isinstance(dataset.get("codec", {}), dict) else None)
     if wrong:
