@@ -495,3 +495,26 @@ def test_without_a_terminal_each_evaluation_prints_one_line(corpus, tmp_path, mo
     assert re.fullmatch(r"step 0/4: train loss \d+\.\d{4}, val loss \d+\.\d{4} \(best\)", lines[0]), lines[0]
     code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "json", "--steps", "4", "--json"))
     assert code == 0 and err == "", err
+
+
+def test_the_same_data_spelled_otherwise_resumes_and_other_dims_are_not_blamed_on_imports(corpus, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """`chars:./a.txt` after `chars:a.txt` (or from another folder) was "a different dataset", so a run could not be
+    resumed from elsewhere; other dims were explained as "a file it imports was edited"."""
+    (tmp_path / "a.txt").write_bytes(corpus.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    args = tiny_cli_run(Path("a.txt"), Path("run"))
+    code, _, err = energy(monkeypatch, capsys, *args)
+    assert code == 0, err
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    monkeypatch.chdir(sub)
+    again = tiny_cli_run(Path("../a.txt"), Path("../run"), "--steps", "6")
+    code, _, err = energy(monkeypatch, capsys, *again)
+    assert code == 0 and "resuming" in err and "different" not in err, err
+    (tmp_path / "b.txt").write_text(corpus.read_text()[::-1])  # the same characters, other text: other data
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(Path("../b.txt"), Path("../run"), "--steps", "8"))
+    assert code == 2 and 'the dataset is "chars:../a.txt" there, "chars:../b.txt" now' in err, err
+    wider = [a if a != "d=16" else "d=32" for a in again]
+    code, _, err = energy(monkeypatch, capsys, *wider[:-2], "--steps", "8")
+    assert code == 2 and "equation_hash" in err and "a file it imports was edited" not in err, err

@@ -370,7 +370,11 @@ class RunDir:
                             hint=START_OVER_HINT)
         data = training["dataset"]
         diffs = []
-        if data.get("name") != self.dataset_info["name"]:
+        # the same file spelled another way (`chars:./a.txt`, an absolute path, from another folder) is the same
+        # data: its vocabulary and its splits' tokens tell, where the checkpoint records them
+        same_tokens = "digest" in data and all(data.get(k) == self.dataset_info[k] for k in ("vocab_size", "codec",
+                                                                                            "digest"))
+        if data.get("name") != self.dataset_info["name"] and not same_tokens:
             diffs.append(f"the dataset is {_show(data.get('name'))} there, {_show(self.dataset_info['name'])} now")
         elif any(data.get(k) != self.dataset_info[k] for k in ("vocab_size", "codec")):
             diffs.append(f"the dataset {_show(data.get('name'))} has another vocabulary there")
@@ -387,7 +391,8 @@ class RunDir:
             if key in self.metadata:
                 sidecar[key] = self.metadata[key]
         spec_diffs = _differences(sidecar, self.metadata)
-        if sidecar.get("spec_source") == self.metadata.get("spec_source"):  # the text alike, the equations not
+        if sidecar.get("spec_source") == self.metadata.get("spec_source") and sidecar.get("dims") == \
+                self.metadata.get("dims"):  # the text and the dims alike, the equations not
             spec_diffs = [d + " (the spec's text is the same: a file it imports was edited, or this energydsl "
                           "derives it otherwise)" if d.startswith("equation_hash ") else d for d in spec_diffs]
         diffs += spec_diffs
