@@ -132,6 +132,20 @@ def test_a_divergence_from_weight_decay_names_weight_decay_not_lr(corpus, tmp_pa
     assert code == 0 and "--weight-decay 5000 → 0.1" in err, err  # the advice taken: the run resumes and trains
 
 
+@pytest.mark.parametrize(("lr", "weight_decay", "remedy"), [
+    (1e-3, 5000, "a lower wd (lr x wd = 5, so each step's decay alone scales the weights by -4)"),
+    # lowering the decay alone, as the advice said, diverged again: an lr this large is the cause
+    (1e6, 0.1, "a lower lr (below 1, and below 1 / wd: lr x wd = 1e+05, so each step's decay alone scales the "
+               "weights by -1e+05)"),
+    (5, 0.1, "a lower lr"), (1e-3, 0.1, "a lower lr")])
+def test_the_divergence_advice_names_the_setting_at_fault(lr: float, weight_decay: float, remedy: str) -> None:
+    from energydsl.training.config import TrainConfig
+    from energydsl.training.trainer import divergence_remedy
+
+    config = TrainConfig(lr=lr, weight_decay=weight_decay)
+    assert divergence_remedy(config, {"lr": "lr", "weight_decay": "wd"}) == remedy
+
+
 @pytest.mark.parametrize("betas,says", [("0.9", "--betas takes two numbers B1,B2, got '0.9'"),
                                          ("0.9,x", "--betas takes two numbers B1,B2, got '0.9,x'"),
                                          ("1.5,0.9", "--betas must be two numbers in [0, 1), got (1.5, 0.9)")])

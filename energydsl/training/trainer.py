@@ -229,14 +229,18 @@ def train(
 def divergence_remedy(config: TrainConfig, names: dict[str, str] | None = None) -> str:
     """The setting a diverged run should change, spelled as `names` does: a lower lr, unless AdamW's decoupled
     decay alone overshoots zero (lr x weight decay > 1 scales the weights by 1 - lr wd < 0 each step, and by more
-    than 1 in size past 2), which no lower lr short of lr wd <= 1 cures."""
+    than 1 in size past 2), which no lower lr short of lr wd <= 1 cures. An lr of 1 or more is the cause itself
+    (AdamW's steps are about lr in size whatever the decay: lr 1e6 with no decay diverges too)."""
     def name(field: str) -> str:
         return (names or {}).get(field, field)
 
     shrink = config.lr * config.weight_decay
+    decay = (f"{name('lr')} x {name('weight_decay')} = {shrink:.4g}, so each step's decay alone scales the weights "
+             f"by {1 - shrink:.4g}")
+    if shrink > 1 and config.lr < 1:
+        return f"a lower {name('weight_decay')} ({decay})"
     if shrink > 1:
-        return (f"a lower {name('weight_decay')} ({name('lr')} x {name('weight_decay')} = {shrink:.4g}, so each "
-                f"step's decay alone scales the weights by {1 - shrink:.4g})")
+        return f"a lower {name('lr')} (below 1, and below 1 / {name('weight_decay')}: {decay})"
     return f"a lower {name('lr')}"
 
 
