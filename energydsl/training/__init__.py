@@ -1,8 +1,12 @@
 """Training and data, independent of the DSL: datasets, the training loop, checkpoints and sampling.
 
+    import torch
+    from energydsl import load
     from energydsl.training import TrainConfig, load_dataset, train
+    torch.manual_seed(1337)  # the initial weights (TrainConfig.seed fixes the batches), as `energy train` does
+    model = load("examples/models/gpt.energy").model("GPT")
     data = load_dataset("shakespeare_char")
-    summary = train(model, data, TrainConfig(steps=2000), "runs/x", metadata={"context": 256})
+    summary = train(model, data, TrainConfig(steps=2000, block_size=64), "runs/x")  # `energy sample runs/x` reads it
 """
 
 from __future__ import annotations
