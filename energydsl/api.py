@@ -21,6 +21,7 @@ from typing import Any
 
 from . import ir, syntax
 from .checks import CheckResult, run_checks
+from .cli_sizing import allocation_named
 from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, number_shown, plain_number
@@ -215,7 +216,8 @@ class Derived:
         from .codegen import check_backend, module_class
 
         check_backend(backend)
-        return _placed(module_class(self, backend)(), device, dtype)
+        with allocation_named(f"the layer of `{self.name}`"):
+            return _placed(module_class(self, backend)(), device, dtype)
 
     def check(self) -> list[CheckResult]:
         if self._checks is None:
@@ -402,7 +404,9 @@ class Spec:
         from .codegen import check_backend
 
         check_backend(backend)
-        model = model_of_plan(self.plan(name, **dims), backend)
+        plan = self.plan(name, **dims)
+        with allocation_named(f"model `{plan.name}`"):
+            model = model_of_plan(plan, backend)
         model.run_metadata = self._run_metadata(model, backend)
         return _placed(model, device, dtype)
 

@@ -8,6 +8,9 @@ the weights are shared). Kept apart from `cli.py`, which parses flags and prints
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .errors import UserError
@@ -127,3 +130,24 @@ def available_memory() -> int | None:
         return int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def allocation_named(what: str) -> Iterator[None]:
+    """Building `what` from Python (`load(path).model(context=1e13)`): an allocation this machine refuses is a
+    UserError naming the size asked for, not torch's allocator message from deep inside a layer. (The CLI
+    sizes a model before building it: an overcommitted allocation can succeed and be killed later.)"""
+    import torch
+
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        text = str(e)
+        if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "can't allocate memory" not in text:
+            raise
+        asked = re.search(r"allocate (\d+) bytes|Tried to allocate ([\d.]+ \w+)", text)
+        size = "" if asked is None else (f" ({int(asked[1]):,} bytes in one tensor)" if asked[1] else
+                                         f" ({asked[2]} in one tensor)")
+        raise UserError(f"{what} does not fit in memory here{size}",
+                        hint="check the dims; building under `with torch.device(\"meta\"):` (or `energy info`) "
+                             "sizes a model without allocating its weights") from None

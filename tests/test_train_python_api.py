@@ -334,3 +334,24 @@ def test_a_run_trained_from_python_samples_and_resumes_like_a_cli_run(data, tmp_
     with pytest.warns(UserWarning, match="steps 2 → 4"):  # the same metadata: it resumes
         train(model, data, tiny(steps=4), tmp_path / "run", progress=False)
     assert load_checkpoint(tmp_path / "run")[1]["training"]["step"] == 4
+
+
+def _overcommit_mode() -> str:
+    try:
+        return Path("/proc/sys/vm/overcommit_memory").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+# with overcommit mode 1 (always) a 640 TB allocation succeeds and the kernel kills the process at first touch
+@pytest.mark.skipif(_overcommit_mode() not in ("0", "2"), reason="the kernel may grant any allocation here")
+@pytest.mark.parametrize(("build", "what"), [
+    (lambda: energydsl.load(ROOT / "examples/models/gpt.energy").model("GPT", context=1e13, d=16), "model `GPT`"),
+    (lambda: energydsl.load(ROOT / "examples/intrinsic-optimizers/mha.energy").module("MHA", d=4e6),
+     "the layer of `MHA`")])
+def test_dims_too_large_to_allocate_are_named_from_python(build, what: str) -> None:
+    """The CLI sizes a model first; from Python torch's allocator message came from deep inside a layer."""
+    with pytest.raises(UserError) as err:
+        build()
+    assert err.value.message.startswith(f"{what} does not fit in memory here (") and "bytes in one tensor" in \
+        err.value.message and "torch.device" in err.value.hint
