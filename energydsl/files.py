@@ -88,13 +88,21 @@ def cache_setting(env: str, default_subdir: str) -> Path | None:
     return cache_dir() / default_subdir
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """One file under two names: a hard link (`ln spec.energy out.py`) resolves to another path."""
+    try:
+        return b.is_file() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def not_an_input(path: str | os.PathLike[str], what: str, inputs: list[tuple[str, Path | None]],
                  example: str | None = None) -> None:
     """Refuse an output path that is one of the command's inputs, given as (description, path) pairs: writing
     there replaced the input (a spec, its import, a study's storage, a search space) without a word."""
     target = Path(path).resolve()
     for description, source in inputs:
-        if source is not None and source.is_file() and source.resolve() == target:
+        if source is not None and source.is_file() and (source.resolve() == target or _same_file(source, target)):
             raise UserError(f"{what} {path} is {description}: writing there would replace it",
                             hint=f"give another file, e.g. {example}" if example else "give another file")
 

@@ -256,3 +256,9 @@ def test_an_output_that_is_the_spec_or_an_import_is_refused(monkeypatch, capsys,
     assert code == 2 and "is a file the spec imports" in err, err
     code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o", str(tmp_path / "lib.energy"))
     assert code == 0, err  # not read: `link/..` is real/, not this folder
+    # a hard link: another path, the same file (the spec was replaced by the generated Python, exit 0)
+    for link, of in ((tmp_path / "hard.py", spec), (tmp_path / "hard-import.py", tmp_path / "real" / "lib.energy")):
+        link.hardlink_to(of)
+        code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o", str(link))
+        assert code == 2 and f"{link} is " in err and "writing there would replace it" in err, err
+    assert spec.read_text() == text
