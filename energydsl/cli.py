@@ -201,7 +201,7 @@ def not_a_source(output: str, spec: Spec, flag: str, example: str) -> None:
 @app.command("compile")
 def compile_(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file.")],
-    output: Annotated[str | None, typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
+    output: Annotated[str | None, typer.Option("-o", "--output", help="Write here (default, or -: stdout).")] = None,
     name: Annotated[str | None, typer.Option("--name", help=NAME_HELP)] = None,
     backend: Annotated[
         str,
@@ -215,6 +215,7 @@ def compile_(
     from .api import load
     from .codegen import class_names, energy_source
 
+    output = None if output == "-" else output  # as most tools read `-o -`: it wrote a file named `-`
     if output is not None:
         check_output(output, "-o/--output", "layers.py")  # before the derivation, which may take a while
     spec = load(file)

@@ -144,3 +144,9 @@ def test_a_file_without_an_energy_of_its_own_names_what_it_has(tmp_path: Path) -
                    " repeat layers\n head tied\n}\n")
     proc = energy_cli("graph", str(two))
     assert proc.returncode == 2 and "name one" in proc.stderr and "`--name A`" in proc.stderr, proc.stderr
+
+
+def test_compile_to_dash_writes_stdout_not_a_file_named_dash(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "compile", str(ROOT / "examples/cem/mlp.energy"),
+                           "-o", "-"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and "class CEMMLP(" in proc.stdout and not (tmp_path / "-").exists(), proc.stderr
