@@ -226,9 +226,12 @@ def edit_json(path: Path, edit) -> None:
       for bad in ("x", [1], -5, 2.5)],
     (lambda run: edit_json(run / "best.json", lambda d: d["training"].update(config=[])),
      "the metadata of {run} is damaged: its training.config is not what `energy train` writes"),
+    # a table edited by hand sampled from the first 2 of 30 logits without a word
+    (lambda run: edit_json(run / "best.json", lambda d: d["training"]["dataset"]["codec"].update(chars="ab")),
+     "(its table has 2 tokens, its vocab_size says 30)"),
 ], ids=["no-dims", "training-a-number", "commit-record-not-names", "codec-a-string", "dataset-a-list",
         "codec-without-chars", "spec-source-a-number", "spec-path-a-number", "spec-source-garbage", "context-text",
-        "context-a-list", "context-negative", "context-fractional", "config-a-list"])
+        "context-a-list", "context-negative", "context-fractional", "config-a-list", "codec-table-edited"])
 def test_sample_names_damaged_metadata(run, damage, message):
     """Each was exit 70 (KeyError, AttributeError, TypeError), but the last, which blamed the spec."""
     damage(run)

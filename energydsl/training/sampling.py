@@ -141,7 +141,11 @@ def codec_from_json(spec: dict[str, Any]) -> Codec:
             table = spec["chars" if kind == "chars" else "tokens"]
             if not isinstance(table, str if kind == "chars" else list):
                 raise DataError(f"{damaged} (its table is not a string or list)")
-            return CharCodec(table) if kind == "chars" else WordCodec(table)
+            codec = CharCodec(table) if kind == "chars" else WordCodec(table)
+            if "vocab_size" in spec and codec.vocab_size != spec["vocab_size"]:  # a table edited by hand
+                raise DataError(f"{damaged} (its table has {codec.vocab_size} tokens, its vocab_size says "
+                                f"{spec['vocab_size']!r})")
+            return codec
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{damaged} ({type(e).__name__}: {e})") from None
     raise DataError(f"unknown codec kind {kind!r} in checkpoint metadata")
