@@ -581,6 +581,7 @@ def test_a_plot_that_cannot_be_drawn_is_one_warning_line(corpus, tmp_path):
     assert len(warned) == 1 and warned[0].startswith(f"warning: could not draw {run / 'loss.png'}: "), err
     assert "UserWarning" not in err and "run.plot(" not in err, err
     assert (run / "last.safetensors").is_file()
+    assert not (run / ".loss.png.tmp.png").exists()  # the drawing that could not take its place is not left
 
 
 def test_a_folder_where_a_checkpoint_is_staged_is_named(corpus, tmp_path):

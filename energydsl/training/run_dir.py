@@ -185,8 +185,11 @@ def _plot(metrics_path: Path, png_path: Path) -> None:
         ax.legend()
     fig.tight_layout()
     tmp = png_path.with_name(f".{png_path.name}.tmp.png")
-    fig.savefig(tmp)
-    tmp.replace(png_path)
+    try:
+        fig.savefig(tmp)
+        tmp.replace(png_path)
+    finally:  # a loss.png that cannot be replaced (a folder there) left the drawing beside it
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
