@@ -54,6 +54,15 @@ def test_a_setting_of_the_wrong_type_is_named(settings: dict, message: str) -> N
     assert err.value.message == message
 
 
+def test_a_torch_dtype_is_taken_as_its_name() -> None:
+    """`.model(dtype=torch.bfloat16)` takes a torch dtype; `TrainConfig(dtype=torch.bfloat16)` was "unknown"."""
+    config = tiny(dtype=torch.bfloat16)
+    config.validate()
+    assert config.dtype == "bfloat16"
+    with pytest.raises(UserError, match="unknown dtype 'torch.float64'"):
+        tiny(dtype=torch.float64).validate()
+
+
 def test_whole_numbers_of_other_types_are_taken_as_ints(gpt, data) -> None:
     """8 / 2 is 4.0 and numpy's ints are not ints: both were refused or failed inside torch; the seed's message
     said `must be a whole number in [0, 2**64), got 1`."""

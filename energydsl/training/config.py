@@ -57,6 +57,8 @@ class TrainConfig:
         def name(field: str) -> str:
             return (names or {}).get(field, field)
 
+        if isinstance(self.dtype, torch.dtype):  # as `.model(dtype=torch.bfloat16)` takes it
+            self.dtype = next((k for k, v in DTYPES.items() if v == self.dtype), str(self.dtype))
         self._normalize_types(name)
         # `not x >= 0` rather than `x < 0`: NaN fails every comparison and must not slip through
         for field in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval"):
