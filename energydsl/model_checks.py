@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .checks import CheckResult, _non_finite, _one_thread
+from .check_results import CheckResult, _non_finite, _one_thread
 from .errors import first_few
 from .number_text import plain_number
 
