@@ -76,6 +76,13 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
                            f"`{name}` and applied to `{spec.state.name}`, which descends only where d{name}/d"
                            f"{spec.state.name} is positive semi-definite, and here it is not (a per-channel gain "
                            f"breaks it; rmsnorm and layernorm alone keep it)")
+    if not decreased and prog.point is not spec.state and opt.precondition not in (None, "scalar"):
+        # F changes by -η ∇_uᵀ J P ∇_u with J = du/dx: J and P each positive semi-definite, their product need not be
+        name = prog.point.name
+        return CheckResult("descent", "warn", f"a small step raised F for some token here: the step is taken in "
+                           f"`{name}`, preconditioned by {opt.precondition}, and applied to `{spec.state.name}`: "
+                           f"d{name}/d{spec.state.name} times the preconditioner need not be positive semi-definite, "
+                           "even where each is")
     if not decreased:
         return CheckResult("descent", "fail", "a small step along the update raises F for some token "
                            "(the preconditioner or optimizer is not a descent direction here)")

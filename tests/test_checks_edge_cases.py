@@ -1001,3 +1001,20 @@ def test_a_model_whose_logits_are_not_finite_is_not_said_to_see_the_future():
     causality = next(r for r in load(KINK_OF_ALL_THREE).check_model() if r.name == "causality")
     assert causality.status == "fail" and "not finite" in causality.detail and "future" not in causality.detail.split(
         ":")[0], causality.detail
+
+
+def test_a_preconditioned_step_in_a_via_variable_may_rise_and_warns():
+    """F changes by -η ∇_uᵀ J P ∇_u (J = du/dx): a PSD J and a PD diagonal P need not make a PSD product, so a
+    rise is the maths' and not a wrong derivation (it failed, exit 1, though the update matched autograd)."""
+    rows = checks_of("""
+energy C4(d = 4) {
+  state x[d] via u = layernorm(x)
+  context h[j, d] where j <= i
+  param W[d, d] ~ normal(0, 0.3)
+  param g[d] ~ ones() positive
+  global F = -logsumexp[j]((g * u) . (W @ h[j])) + 0.25 * sum(u^4)
+  optimizer gd(eta = 0.3) wrt u, precondition diag
+}
+""")
+    assert rows["update"].status == "ok" and rows["descent"].status == "warn", rows["descent"].detail
+    assert "preconditioned by diag" in rows["descent"].detail

@@ -815,3 +815,53 @@ def test_meta_modules_answer_meta_inputs_and_refuse_inputs_elsewhere(path: str, 
     assert y.is_meta and y.shape == x.shape and x.grad.is_meta
     with pytest.raises(ValueError, match=r"x is on cpu but the parameters are on meta; move one"):
         module(torch.randn(2, 9, *module.state_shape))
+
+
+# score terms an audit found that crashed the code generator (exit 70): a key position alone in a score (`j`,
+# which the generated code computes per pair), and a slope, key bias or gate per head over a q and k the heads
+# share (the attention's heads were read off q, k and v only)
+SCORE_EDGES = """
+energy KeyPosition(d = 6) {
+  state z[d]  context h[j, d] where j <= i  param Wk[d, d] ~ normal(0, 0.3)
+  global F = -logsumexp[j](z . (Wk @ h[j]) + 0.3 * j)
+}
+energy SigmoidSlope(d = 6) {
+  state z[d]  context h[j, d] where j <= i  param Wk[d, d] ~ normal(0, 0.3)  param m = 0.4 learn
+  global F = -sum[j](integral(sigmoid)(z . (Wk @ h[j]) + m * (j - i)))
+}
+energy SharedAlibi(d = 6, heads = 3) {
+  state z[d]  context h[j, d] where j <= i  param W[d, d] ~ normal(0, 0.3)
+  param m[heads] = alibi_slopes(heads) fixed
+  global F = -sum[k](logsumexp[j](z . (W @ h[j]) - m[k] * abs(i - j)))
+}
+energy SharedKeyBias(d = 6, heads = 3) {
+  state z[d]  context h[j, d] where j <= i  param W[d, d] ~ normal(0, 0.3)  param u[heads, d] ~ normal(0, 0.5)
+  global F = -sum[k](logsumexp[j](z . (W @ h[j]) + u[k] . h[j]))
+}
+energy SharedForgetGate(d = 6, heads = 3) {
+  state z[d]  context h[j, d] where j <= i  param W[d, d] ~ normal(0, 0.3)  param wf[heads, d] ~ normal(0, 0.5)
+  global F = -sum[k](logsumexp[j](z . (W @ h[j]) + log(decay(sigmoid(wf[k] . h[j] + 1)))))
+}
+energy SharedSigmoidAlibi(d = 6, heads = 3) {
+  state z[d]  context h[j, d] where j <= i  param W[d, d] ~ normal(0, 0.3)
+  param m[heads] = alibi_slopes(heads) fixed
+  global F = -sum[k](sum[j](integral(sigmoid)(z . (W @ h[j]) - m[k] * abs(i - j))))
+}
+energy SharedAlibiCovariance(d = 6, heads = 3) {
+  state z[d]  context h[j, d] where j <= i  param W[d, d] ~ normal(0, 0.3)
+  param m[heads] = alibi_slopes(heads) fixed
+  global F = -sum[k](logsumexp[j](z . (W @ h[j]) - m[k] * abs(i - j)))
+  optimizer gd(eta = 0.5) precondition covariance(tau = 0.1)
+}
+"""
+
+
+@pytest.mark.parametrize("name", re.findall(r"energy (\w+)\(", SCORE_EDGES))
+def test_score_terms_beyond_the_dot_products_compile_on_both_backends(name: str) -> None:
+    derived = load(SCORE_EDGES).energy(name)
+    _compare_backends(derived, name, T=9)
+    module = module_class(derived, "torch")().double()  # and the torch backend against the interpreter
+    x = module.example_input(2, 7).double()
+    raw = {**dict(module.named_buffers()), **dict(module.named_parameters())}  # a fixed `m` is a buffer
+    torch.testing.assert_close(module(x), run_program(derived.program, instance_from_params(derived.program, raw, x)),
+                               rtol=1e-10, atol=1e-10)

@@ -34,7 +34,7 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
         if gate is not None:
             kinds["gate"].append(gate)
             continue
-        if POS not in token_axes(body, em.indices):
+        if POS not in token_axes(body, em.indices) and not _key_position(body, j):
             if token_axes(body, em.indices) - {BATCH, j} - set(em.sizes):
                 return _missed(em, t)
             kinds["key"].append(t)
@@ -52,6 +52,14 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
         if kind != "zero":  # a term that vanishes on every admissible pair adds nothing to the scores
             kinds[kind].append(ir.mul(*coef) if coef else ir.scalar(1))
     return kinds
+
+
+def _key_position(e: Expr, j: str) -> bool:
+    """Does e read the key's position j as a number (`0.3 * j`)? The generated code computes it per pair (a masked
+    j reads as the last kept position), so such a term is no per-key bias; a rotation by j (rope) is per key."""
+    if isinstance(e, ir.Pos):
+        return e.index == j
+    return not isinstance(e, ir.Rope) and any(_key_position(c, j) for c in e.children)
 
 
 def _missed(em: Emitter, term: Expr) -> None:

@@ -148,7 +148,8 @@ def _emit_scores(em: Emitter, oriented: list[tuple[sp.Expr, ir.Dot]], bias_terms
     """The scores' q and k (several dots: one dot of concatenated features), and the head axes of q, k and
     `also` (the value the attention will carry)."""
     parts = [(c, _flat(em, em.emit(d.a)), _flat(em, em.emit(d.b))) for c, d in oriented]
-    heads = _heads(*also, *(p for _, a, b in parts for p in (a, b)), j=j)
+    heads = canonical(set(_heads(*also, *(p for _, a, b in parts for p in (a, b)), j=j))
+                      | set(bias_heads(em, bias_terms, j)))
     width = sum(_numel(em, d.a.shape) for _, d in oriented)
     if len(parts) == 1:
         scale, q, k = parts[0]
@@ -434,6 +435,12 @@ def _split(em: Emitter, body: Expr, j: str) -> tuple[list[Expr], list[Expr], lis
 
 def _state_dependent(e: Expr) -> bool:
     return any(isinstance(n, ir.Var) and n.role in TOKEN_ROLES for n in ir.nodes(e))
+
+
+def bias_heads(em: Emitter, terms: list[Expr], j: str) -> tuple[str, ...]:
+    """The head axes of score terms besides the dot products: a slope or gate per head over a q and k the heads
+    share (`- m[k] |i - j|` with one W): the attention runs per head, its q and k broadcast over them."""
+    return canonical({a for t in terms for a in token_axes(t, em.indices)} - {BATCH, POS, j})
 
 
 def _heads(*vals: Val, j: str | None = None) -> tuple[str, ...]:

@@ -42,6 +42,7 @@ from .lowering import (
     _state_dependent,
     _sum_vals,
     _unflat,
+    bias_heads,
     kernel_score_args,
     oriented_couplings,
 )
@@ -94,6 +95,9 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     width = 1 if value is None else _numel(em, value.shape) + (query_term is not None)  # (the column of ones)
     wide = max(sum(_numel(em, d.a.shape) for _, d in plan.couplings), width) > MAX_HEAD_DIM  # feature-tiled kernels
     sc, heads = _emit_scores(em, plan.couplings, [], j, also=(v,))
+    kinds = plan.kinds  # their head axes too: a slope per head over a q and k the heads share
+    heads = canonical(set(heads) | set(bias_heads(em, [*kinds["key"], *kinds["alibi"], *kinds["self"],
+                                                       *(c for c, _ in kinds["gate"]), *plan.row_terms], j)))
     rows = [em.emit(ir.add(*plan.row_terms))] if plan.row_terms else []
     # a decay gate c log γ_ij = c (G_i - G_j) in the score: -c G_j goes in the key bias, c G_i here
     rows += [_scaled_val(em, em.emit(coef), gate_query_part(em, gate)) for coef, gate in plan.kinds["gate"]]

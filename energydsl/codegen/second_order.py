@@ -43,6 +43,7 @@ from .lowering import (  # the first-order forms this builds on, and their shape
     _split,
     _state_dependent,
     _unflat,
+    bias_heads,
     kernel_score_args,
     score_bias,
     score_operands,
@@ -75,18 +76,27 @@ def _shared_lse(em: Emitter, sm: ir.Softmax, strict: bool, heads: tuple[str, ...
 
 def second_order_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     """A softmax-weighted sum no first-order primitive took: a second moment, Σ_j p_ij, or expanded terms."""
-    if not _own_softmaxes(e.body, e.index):
+    if not _has_own_softmax(e.body, e.index):
         return None
     return _second_moment(em, e, info) or _softmax_mass(em, e, info) or _expanded_sum(em, e, info)
 
 
-def _own_softmaxes(e: Expr, j: str) -> list[ir.Softmax]:
-    """The softmaxes over j in e, not counting those of nested sums over j (which shadow it)."""
-    if isinstance(e, ir.Softmax) and e.index == j:
-        return [e]
-    if isinstance(e, ir.Reduce) and e.index == j:
-        return []
-    return [s for c in e.children for s in _own_softmaxes(c, j)]
+def _has_own_softmax(e: Expr, j: str) -> bool:
+    """Is there a softmax over j in e, not counting those of nested sums over j (which shadow it)? Each shared
+    part is visited once: a truncated Newton step through a norm shares parts so deeply that walking it as a
+    tree took minutes (taylor = 3 through layernorm)."""
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, ir.Softmax) and node.index == j:
+            return True
+        if not (isinstance(node, ir.Reduce) and node.index == j):
+            stack.extend(node.children)
+    return False
 
 
 def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
@@ -110,7 +120,7 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     sc = score_operands(em, sm, j)
     if sc is None:
         return None
-    heads = _heads(sc.q, sc.k, uv, xv, yv, j=j)
+    heads = canonical(set(_heads(sc.q, sc.k, uv, xv, yv, j=j)) | set(bias_heads(em, list(sc.bias_terms), j)))
     if any(h not in em.sizes for h in heads):
         return None
     dx, dy = _numel(em, x.shape), _numel(em, value.shape)
@@ -402,7 +412,7 @@ def _is_mass(e: ir.Reduce) -> bool:
 def _is_context_sum(em: Emitter, e: ir.Reduce) -> bool:
     """A sum over a context index of a summand with its own softmax over it."""
     info = em.indices.get(e.index)
-    return e.op == "sum" and info is not None and info.context is not None and bool(_own_softmaxes(e.body, e.index))
+    return e.op == "sum" and info is not None and info.context is not None and _has_own_softmax(e.body, e.index)
 
 
 def _context_indices(em: Emitter, e: Expr) -> set[str]:
