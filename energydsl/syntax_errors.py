@@ -320,6 +320,11 @@ def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> Sp
         if close:  # a misspelt keyword: `globl`, `setps`, `precondtion`
             hint = f"did you mean `{close[0]}`? ({hint})"
         before = text.split("\n")[line - 1][:col - 1]
+        shapeless = re.search(r"\b(state|input)\s+(\w+)\s*$", text[:tok.start_pos or 0])
+        if shapeless:  # `state s`: the grammar wants its shape next
+            kind, name = shapeless[1], shapeless[2]
+            hint = (f"a{'n' if kind == 'input' else ''} `{kind}` declares its shape: `{kind} {name}[1]` for one "
+                    f"number, `{kind} {name}[d]` for a vector")
         if re.fullmatch(r"\s*expect\s+\w+\s*", before) and before.split()[1] not in EXPECT_NAMES:
             hint = f"an `expect` clause names what it states first: `expect update = {before.split()[1]} …` " \
                    "(or gradient, direction)"

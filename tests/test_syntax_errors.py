@@ -99,9 +99,12 @@ def test_lark_coarse_expected_set_is_described_briefly():
          "expected `)` or `,`; the `(` at line 5, column 15 is still open"),
         (ENERGY + "}\n", "unexpected `}`", "no `{` is open here for this `}` to close; expected `block`, "
          "`energy`, `import`, `model`, `search` or end of file"),
+        # a state without a shape (a scalar state is written `[1]`): the hint was `expected `[``
+        (ENERGY.replace("z[d]", "z"), "unexpected `context`",
+         "a `state` declares its shape: `state z[1]` for one number, `state z[d]` for a vector"),
     ],
     ids=["head-kind", "objective-direction", "arrow-in-expression", "missing-operand", "relation-rhs",
-         "bad-relation", "unclosed-paren", "extra-brace"],
+         "bad-relation", "unclosed-paren", "extra-brace", "shapeless-state"],
 )
 def test_expected_lists_in_user_terms(text, message, hint):
     err = syntax_error(text)
