@@ -856,9 +856,18 @@ energy SharedAlibiCovariance(d = 6, heads = 3) {
 """
 
 
+# the kernel each takes (KeyPosition stays on the torch op: its `j` is computed per pair)
+SCORE_EDGE_KERNELS = {"KeyPosition": None, "SigmoidSlope": "pointwise_attention(", "SharedAlibi": "energy_attention(",
+                      "SharedKeyBias": "energy_attention(", "SharedForgetGate": "energy_attention(",
+                      "SharedSigmoidAlibi": "pointwise_attention(", "SharedAlibiCovariance": "energy_attention"}
+
+
 @pytest.mark.parametrize("name", re.findall(r"energy (\w+)\(", SCORE_EDGES))
 def test_score_terms_beyond_the_dot_products_compile_on_both_backends(name: str) -> None:
     derived = load(SCORE_EDGES).energy(name)
+    forward = energy_source(derived, "triton").split("def forward", 1)[1]
+    kernel = SCORE_EDGE_KERNELS[name]  # `m (j - i)` in a sigmoid was split into `m j - m i`, which no kernel took
+    assert (kernel in forward) if kernel else ("_attention(" not in forward or "softmax_attention(" in forward)
     _compare_backends(derived, name, T=9)
     module = module_class(derived, "torch")().double()  # and the torch backend against the interpreter
     x = module.example_input(2, 7).double()

@@ -48,7 +48,7 @@ from .lowering import (
 )
 from .scalar_functions import VAR as SCORE
 from .scalar_functions import ScalarFunction, scalar_function
-from .torch_expr import BATCH, POS, Val, canonical, token_axes
+from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
 if TYPE_CHECKING:
@@ -126,6 +126,11 @@ def kernel_weighted_sum(em: Emitter, e: ir.Reduce, weight: Expr, value: Expr | N
     return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 
+def _positions_only(e: Expr) -> bool:
+    """Does e read token positions but no token's values (state, input or context)?"""
+    return not any(isinstance(n, ir.Var) and n.role in (*TOKEN_ROLES, "context") for n in ir.nodes(e))
+
+
 def split_weight(em: Emitter, w: Expr, j: str, strict: bool) -> WeightPlan | None:
     """w as G(score), trying the largest token-dependent sum, dot or product first (so that `σ(q·k + b)` takes
     `q·k + b` as its score, and G = σ has no learned scalar in it); None if no subexpression fits: one whose
@@ -169,13 +174,14 @@ def _score_terms(em: Emitter, score: Expr, j: str, tokens: Callable[[Expr], bool
 
 
 def _terms(e: Expr, tokens: Callable[[Expr], bool]) -> list[Expr]:
-    """e as a flat list of terms, a token-free factor in front of a sum distributed over it."""
+    """e as a flat list of terms, a token-free factor in front of a sum distributed over it; a sum of positions
+    alone is kept whole (`m (j - i)` is ALiBi's -m |i - j|, where `m j` alone would be no kind the kernels take)."""
     body = ir.bare(e)
     if isinstance(body, ir.Add):
         return [t for term in body.terms for t in _terms(term, tokens)]
     if isinstance(body, ir.Mul):
         sums = [f for f in body.factors if tokens(f)]
-        if len(sums) == 1 and isinstance(ir.bare(sums[0]), ir.Add):
+        if len(sums) == 1 and isinstance(ir.bare(sums[0]), ir.Add) and not _positions_only(sums[0]):
             coef = [f for f in body.factors if f is not sums[0]]
             return [ir.mul(*coef, t) for t in _terms(sums[0], tokens)]
     return [e]
