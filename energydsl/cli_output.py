@@ -3,6 +3,7 @@ and stderr or stdout whose reader went away (`energy derive x | head`)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -42,8 +43,6 @@ BROKEN_PIPE = 128 + 13  # 141: as a shell reports a command that SIGPIPE stopped
 def closed_streams_to_devnull() -> None:
     """With stderr or stdout closed (`energy check x 2>&-`) Python sets it to None, and `print(file=None)` writes
     to stdout instead: messages go where they are dropped, and the command's own exit status stands."""
-    import os
-
     for name in ("stdout", "stderr"):
         if getattr(sys, name) is None:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 -- open for the life of the process
@@ -52,8 +51,6 @@ def closed_streams_to_devnull() -> None:
 def to_stderr(text: str) -> None:
     """Print a message to stderr; if its reader went away (`energy check x 2>&1 | true`), drop it and let the
     command's own exit status stand, instead of a traceback that exits 1."""
-    import os
-
     try:
         if text:
             print(text, file=sys.stderr)
@@ -68,8 +65,6 @@ def to_stderr(text: str) -> None:
 def broken_pipe() -> None:
     """The reader of stdout went away: exit quietly with BROKEN_PIPE. What is still buffered for stdout goes
     to /dev/null (Python's flush at exit would meet the broken pipe again and print a warning)."""
-    import os
-
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError):  # stdout is no file (a test's capture, or already closed)

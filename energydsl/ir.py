@@ -49,6 +49,7 @@ from .ir_nodes import (
     Transpose,
     Var,
 )
+from .number_text import short_closed_form
 
 __all__ = [  # the node types are re-exported: codegen, api and the tests name them `ir.X`
     "Add", "Count", "Decay", "Diag", "Dot", "Expr", "Func", "Identity", "Index", "IndexInfo", "Inverse", "Let",
@@ -157,15 +158,10 @@ def mul(*factors: Expr) -> Expr:
     if shapes and not any(u.shape for u in flat):
         flat.append(Ones(shapes[0]))  # the shape stays: x[d] / x[d], or ones times a scalar, is a vector of ones
     if coef != 1 or not flat:
-        flat.insert(0, Scalar(_exact_if_simple(coef) if coef.is_Float else coef))
+        # a folded float as the short number it is (0.5 * 0.2: 1/10), else kept a float (not rounded to one)
+        simple = short_closed_form(coef) if coef.is_Float else None
+        flat.insert(0, Scalar(coef if simple is None else simple))
     return flat[0] if len(flat) == 1 else Mul(tuple(flat))
-
-
-def _exact_if_simple(coef: sp.Float) -> sp.Expr:
-    """A folded float coefficient as the simple number it is (0.5 * 0.2: 1/10), or kept as a float where no
-    simple number equals it (`sympy.nsimplify` alone turned 0.999999999999 into 1)."""
-    simple = sp.nsimplify(coef)
-    return simple if float(simple) == float(coef) and sp.count_ops(simple) <= 4 else coef
 
 
 def _cancel_reciprocals(flat: list[Expr]) -> list[Expr]:

@@ -38,10 +38,17 @@ def exact_number(value: float) -> object:
     decimal = sp.Rational(repr(float(value)))
     if decimal.q <= 10**6:
         return decimal
+    simple = short_closed_form(value)
+    return decimal if simple is None else simple
+
+
+def short_closed_form(value: object) -> object | None:
+    """The short closed form (`1/3`, `sqrt(2)/2`) that equals the float `value` exactly, or None: nsimplify's
+    guess only where it is not a rounding (0.999999999999 is not 1) nor a long product of powers."""
+    import sympy as sp
+
     simple = sp.nsimplify(value)
-    if simple != 0 and float(simple) == float(value) and sp.count_ops(simple) <= 4:
-        return simple
-    return decimal
+    return simple if float(simple) == float(value) and sp.count_ops(simple) <= 4 else None
 
 
 def number_shown(value: object) -> str:

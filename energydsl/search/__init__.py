@@ -27,7 +27,6 @@ from energydsl.search.local import (
     PRUNERS,
     SAMPLERS,
     WORKERS_PER_CPU,
-    Terminated,
     make_sampler,
     max_local_workers,
     pruning_plan,
@@ -54,6 +53,7 @@ from energydsl.search.storage import (
     storage_lock,
     study_lock,
 )
+from energydsl.signal_handlers import Terminated
 
 __all__ = [
     "Candidate", "SearchSpace", "SpaceRef", "register_space", "registered_spaces", "resolve_space",

@@ -53,12 +53,7 @@ from energydsl.search.report import (
 )
 from energydsl.search.space import SearchSpace, SpaceRef, candidate_info, check_metrics, resolve_as
 from energydsl.search.storage import open_storage, study_lock
-from energydsl.signal_handlers import (  # noqa: F401  (Terminated: the search modules import it here)
-    Terminated,
-    handlers_restored,
-    interruptions_held,
-    sigterm_interrupts,
-)
+from energydsl.signal_handlers import Terminated, interruptions_held, sigterm_interrupts
 
 MAX_RETRIES = 2  # a slot whose worker died this often is failed, not retried (it may be what kills it)
 SAMPLERS = ("auto", "tpe", "nsga2", "random", "cmaes", "qmc")

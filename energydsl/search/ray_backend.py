@@ -32,7 +32,6 @@ from energydsl.errors import UserError
 from energydsl.search.local import (
     MAX_RETRIES,
     Heartbeat,
-    Terminated,
     find_same,
     free_memory,
     make_pruner,
@@ -66,7 +65,7 @@ from energydsl.search.space import (
     space_fingerprint,
 )
 from energydsl.search.storage import open_storage, safe_name, study_dir, study_lock
-from energydsl.signal_handlers import handlers_restored
+from energydsl.signal_handlers import Terminated, handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
     from ray.tune import Callback
