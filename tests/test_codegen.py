@@ -122,6 +122,8 @@ def _matches_interpreter(derived, T: int = 7, backend: str = "torch", atol: floa
                                   "examples/nrgpt/attention.energy", "examples/cem/alibi.energy",
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecay",  # exp(-lam[k] (i - j))
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict",  # (j - i)
+                                  "tests/data/exp-decay-linear-attention.energy:ExpDecayAbs",  # abs(j - i)
+                                  "tests/data/data-dependent-decay.energy:SquaredGate",  # decay(r)^2
                                   "tests/data/alibi-second-order.energy:CovPerHeadAlibi",  # -(… + m |i - j|)
                                   "tests/data/weighted-context-sums.energy:SigmoidAttention",  # weights @ values
                                   "tests/data/weighted-context-sums.energy:ReluSquaredStrict",

@@ -29,10 +29,10 @@ GATED_SIGMOID = """energy GatedSigmoidWeights(d = 6) {
   optimizer gd(eta = 0.5)
 }
 """
-ENERGIES = ["DataGate", "HeadGatesStrict", "SharedQKHeadGates", "MambaRate", "ForgettingAttention", "NewtonGate",
-            "MomentumForget", "TokenStep", "ForgetWithDecay", "SigmoidForget", "GatedSigmoidWeights"]
+ENERGIES = ["DataGate", "HeadGatesStrict", "SharedQKHeadGates", "MambaRate", "SquaredGate", "ForgettingAttention",
+            "NewtonGate", "MomentumForget", "TokenStep", "ForgetWithDecay", "SigmoidForget", "GatedSigmoidWeights"]
 SOFTMAX_GATES = ["ForgettingAttention", "MomentumForget", "ForgetWithDecay"]
-LINEAR = ENERGIES[:4]  # the gate times (q . k_j) v_j: chunked linear attention with per-token log decays
+LINEAR = ENERGIES[:5]  # the gate times (q . k_j) v_j: chunked linear attention with per-token log decays
 
 
 def _derived(name: str):

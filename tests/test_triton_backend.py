@@ -287,9 +287,10 @@ def test_pointwise_kernels_make_no_t_by_t_tensor(name: str) -> None:
     assert sizes["triton"] < 2 * 64 * 64 <= sizes["torch"], sizes
 
 
-@pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict"])
+@pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict", "ExpDecayAbs"])
 def test_a_decay_written_as_exp_of_the_distance_takes_the_linear_kernels(name: str) -> None:
-    """exp(-lam[k] (i - j)) and exp(lam[k] (j - i)): the decay lam[k]'s log per head, as a[k]^(i - j) is."""
+    """exp(-lam[k] (i - j)), exp(lam[k] (j - i)) and exp(-lam[k] |j - i|): the decay lam[k]'s log per head, as
+    a[k]^(i - j) is."""
     derived = load(ROOT / "tests/data/exp-decay-linear-attention.energy").energy(name)
     assert ".linear_attention(" in energy_source(derived, "triton")
     _compare_backends(derived, name)

@@ -44,7 +44,7 @@ def bias_kinds(em: Emitter, terms: list[Expr], j: str, strict: bool) -> dict[str
         coef = [f for f in factors if f not in positional]
         if len(positional) != 1 or any(token_axes(f, em.indices) - set(em.sizes) for f in coef):
             return _missed(em, t)
-        kind = _distance_kind(positional[0], j, strict)
+        kind = distance_kind(positional[0], j, strict)
         if kind is None:
             return _missed(em, t)
         if kind == "-alibi":  # m (j - i) is -m |i - j|: ALiBi's with the sign in the coefficient
@@ -96,7 +96,7 @@ _I, _J = sp.symbols("_i _j", integer=True, nonnegative=True)
 _N, _M = sp.symbols("_n _m", integer=True, nonnegative=True)
 
 
-def _distance_kind(e: Expr, j: str, strict: bool) -> str | None:
+def distance_kind(e: Expr, j: str, strict: bool) -> str | None:
     """"alibi" if e = |i - j| ("-alibi" if e = -|i - j|, `j - i`), "self" if e = [i = j], "zero" if e = 0 (the
     self bias under a strict context), for every admissible pair (i, j): proven by SymPy with i = j + n, n >= 0
     (n >= 1 when strict). A small grid of pairs rejects most other forms quickly; what passes the grid but

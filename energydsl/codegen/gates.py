@@ -72,12 +72,13 @@ def gate_weights(em: Emitter, e: ir.Decay) -> Val:
     return em.tmp(f"torch.exp({log.code})", log.axes, 0, "decay: the product of those rates")
 
 
-def token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[str, ...]) -> str:
-    """The linear-attention ops' per-token `log_decay` (B, H, T) for γ_ij = decay(r) (times exp(c (i - j))): log r
-    of every token, laid out once before the optimizer's steps, since the rates read only the context."""
+def token_log_decay(em: Emitter, gate: ir.Decay, c: Expr | None, heads: tuple[str, ...], power: object = 1) -> str:
+    """The linear-attention ops' per-token `log_decay` (B, H, T) for γ_ij = decay(r)^p (times exp(c (i - j))):
+    p log r of every token, laid out once before the optimizer's steps, since the rates read only the context."""
     j = gate.index
     n_heads = " * ".join(em.size(h) for h in heads) or "1"
-    rate = ir.log_rate(gate.body) if c is None else ir.add(ir.log_rate(gate.body), c)
+    rate = ir.mul(ir.scalar(power), ir.log_rate(gate.body))
+    rate = rate if c is None else ir.add(rate, c)
     with em.in_prologue():
         v = em.emit(rate)
         key = ("log_decay", v.code, heads, j)

@@ -1,18 +1,22 @@
 """Product-weighted context sums lowered to chunked linear attention.
 
 `sum[j](γ_ij (a(x_i) . b(h_j)) v_j)`, where γ is 1, a decay a^(i - j) (a number or one per head: RetNet's
-multi-scale retention, or exp(-lam[k] (i - j)) written out), a data-dependent gate `decay(r)` (GLA, Mamba-2;
-`gates.py`), or a gate times a decay: `linear_attention` of `energydsl.runtime.ops` (torch backend) or the
-chunkwise Triton kernels (triton backend), O(T·C·d + T·d²) with no T x T matrix. The decay goes in as one log
-decay per head, a gate as per-token log decays (B, H, T).
+multi-scale retention, or exp(-lam[k] (i - j)) written out, the distance in any form SymPy proves equal to
+i - j on the causal context, such as abs(i - j)), a data-dependent gate `decay(r)` or a positive power of one
+(GLA, Mamba-2; `gates.py`), or a gate times a decay: `linear_attention` of `energydsl.runtime.ops` (torch
+backend) or the chunkwise Triton kernels (triton backend), O(T·C·d + T·d²) with no T x T matrix. The decay goes
+in as one log decay per head, a gate as per-token log decays (B, H, T).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import sympy as sp
+
 from .. import ir
 from ..ir import Expr, IndexInfo
+from .bias_kinds import distance_kind
 from .gates import token_log_decay
 from .lowering import _as_bhtd, _from_bhtd, _heads, _n_heads, _split, _state_dependent
 from .torch_expr import BATCH, POS, Val, canonical, token_axes
@@ -28,14 +32,15 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     qs, ks, both = _split(em, e.body, j)
     decay = None  # c of a^(i - j) = exp(c (i - j))
     gate = None  # decay(r): per-token rates
+    power = None  # p of decay(r)^p
     coupling = None
     for f in both:
         g = ir.bare(f)
-        d = _constant_decay(em, g, j)
+        d = _constant_decay(em, g, j, info.strict)
         if d is not None and decay is None:
             decay = d
-        elif isinstance(g, ir.Decay) and g.index == j and gate is None:
-            gate = g
+        elif gate is None and (found := _gate_power(g, j)) is not None:
+            gate, power = found
         elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
             coupling = g
         else:
@@ -62,7 +67,7 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     dv = em.shape_size(e.shape[0]) if e.shape else 1
     em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
     qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
-    ld = _log_decay(em, decay, heads) if gate is None else token_log_decay(em, gate, decay, heads)
+    ld = _log_decay(em, decay, heads) if gate is None else token_log_decay(em, gate, decay, heads, power)
     # the ops' gate for pair (i, j) takes the rates of j < s <= i; a strict context's stops at i - 1 (no rate of
     # token i itself), which is the ops' causal sum for the query one token later, shifted back (and a constant
     # decay's a^(i - j) one factor a short: the early queries carry it)
@@ -92,16 +97,24 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     return out
 
 
-def _constant_decay(em: Emitter, e: Expr, j: str) -> Expr | None:
+def _gate_power(e: Expr, j: str) -> tuple[ir.Decay, sp.Expr] | None:
+    """(the gate, p) for decay(r) (p = 1) or decay(r)^p with p a positive number: the gate of the rates r^p."""
+    power = sp.Integer(1)
+    if isinstance(e, ir.Pow) and e.exponent.is_number and e.exponent.is_positive:
+        e, power = ir.bare(e.base), e.exponent
+    return (e, power) if isinstance(e, ir.Decay) and e.index == j else None
+
+
+def _constant_decay(em: Emitter, e: Expr, j: str, strict: bool) -> Expr | None:
     """exp(c * (i - j)) -> c, the log of the per-step decay of gamma_ij = a^(i - j): a number (ir.Scalar), or a
     value per head (a[k]^(i - j), RetNet's multi-scale retention; exp(-lam[k] * (i - j)) written out) that
-    depends on no token and not on the state. The distance may be written j - i (c changes sign)."""
+    depends on no token and not on the state. The distance is any factor SymPy proves equal to i - j (or j - i:
+    c changes sign) on every pair of the causal context, so abs(i - j) is one too."""
     if not (isinstance(e, ir.Func) and e.name == "exp" and isinstance(e.arg, ir.Mul)):
         return None
     factors = list(e.arg.factors)
-    forward = ir.add(ir.Pos(None), ir.neg(ir.Pos(j)))
     for n, f in enumerate(factors):
-        sign = 1 if f == forward else -1 if f == ir.add(ir.Pos(j), ir.neg(ir.Pos(None))) else 0
+        sign = {"alibi": 1, "-alibi": -1}.get(distance_kind(f, j, strict), 0)  # ALiBi's |i - j|, i - j here
         if sign:
             c = ir.mul(ir.scalar(sign), *factors[:n], *factors[n + 1:])
             break
