@@ -25,7 +25,7 @@ from rich.text import Text
 from .cli_output import broken_pipe, closed_streams_to_devnull, to_stderr, usage_error, warning_line
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
-from .files import PATH_LIMITS, check_output, not_an_input, writable_dir
+from .files import PATH_LIMITS, check_output, not_an_input, writable_dir, write_atomic
 from .signal_handlers import Terminated, sigterm_interrupts
 
 if TYPE_CHECKING:
@@ -232,11 +232,7 @@ def compile_(
     if output is None:
         print(text)
         return
-    try:
-        with open(output, "w") as f:
-            f.write(text)
-    except OSError as e:
-        raise UserError(f"cannot write {output}: {e.strerror}") from None
+    write_atomic(Path(output), text)
     err.print(f"wrote {output} ({', '.join(class_names(derived))}, backend {backend})")
 
 
@@ -310,11 +306,7 @@ def graph(
         for a, b in g.edges():
             lines.append(f'  "{a}" -> "{b}";')
         lines.append("}")
-        try:
-            with open(dot, "w", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
-        except OSError as e:
-            raise UserError(f"cannot write {dot}: {e.strerror}") from None
+        write_atomic(Path(dot), "\n".join(lines) + "\n")
         drawn = f": {plan.layers:,} identical layers drawn once, as `layer × {plan.layers:,}`" if repeated else ""
         err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes{drawn})")
 

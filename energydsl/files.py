@@ -109,7 +109,8 @@ def not_an_input(path: str | os.PathLike[str], what: str, inputs: list[tuple[str
 
 def check_output(path: str | os.PathLike[str], what: str = "output", example: str = "report.html") -> Path:
     """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
-    or its folder cannot be created or written. Call it before the work whose result goes there."""
+    or its folder cannot be created or written. Call it before the work whose result goes there; the folders it
+    made to find out are removed again (`write_atomic` makes them)."""
     p = Path(path)
     if str(path) == "":
         raise UserError(f"{what} is empty", hint=f"give a file name, e.g. {example}")
@@ -119,6 +120,7 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     if p.exists() and not p.is_file():  # writing to a pipe blocks until someone reads it
         raise UserError(f"{what} {path} is not a regular file (a device, pipe or socket)",
                         hint="give the path of a file to write")
+    made = [a for a in (p.parent.absolute(), *p.parent.absolute().parents) if not a.exists()]  # deepest first
     try:
         make_dirs(p.parent)
         fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
@@ -130,7 +132,32 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
             reason = f"the folder {p.parent} takes no new files"
         raise UserError(f"{what} {path}: cannot write a file there ({reason})",
                         hint="give a path in a directory you can write to") from None
+    finally:
+        for folder in made:  # the work may still fail: leave no empty folders behind (the writer makes them)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return p
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a user's output file whole or not at all (renamed into place over any old one), making its folders;
+    a failure is a UserError naming the path."""
+    try:
+        make_dirs(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        os.fchmod(fd, new_file_mode())  # mkstemp makes 0600: give the file the mode open() would
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+        raise
 
 
 def writable_dir(path: Path, flag: str) -> None:

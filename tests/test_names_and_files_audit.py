@@ -262,3 +262,21 @@ def test_an_output_that_is_the_spec_or_an_import_is_refused(monkeypatch, capsys,
         code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o", str(link))
         assert code == 2 and f"{link} is " in err and "writing there would replace it" in err, err
     assert spec.read_text() == text
+
+
+def test_a_failed_command_leaves_no_folders_and_a_good_one_makes_them(monkeypatch, capsys, tmp_path) -> None:
+    """`-o new/deep/out.py` of a spec that does not derive left `new/deep/` behind, empty; a good one writes there
+    (the folders made then), and `graph --dot` as well."""
+    bad = tmp_path / "bad.energy"
+    bad.write_text("energy Bad(d = 4) {\n  state z[d]\n  global F = z . q\n}\n"
+                   "model M(vocab = 11, context = 8, d = 4) {\n  embed tokens\n  layer = Nope(d)\n  head tied\n}\n")
+    for args, says in ((["compile", str(bad), "--name", "Bad", "-o", str(tmp_path / "new/deep/out.py")],
+                        "undefined name `q`"),
+                       (["graph", str(bad), "--dot", str(tmp_path / "new/deep/m.dot")], "Nope")):
+        code, _, err = run_main(monkeypatch, capsys, *args)
+        assert code == 2 and says in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.energy"]
+    code, _, err = run_main(monkeypatch, capsys, "compile", GPT, "--name", "MLP", "-o", str(tmp_path / "a/b/out.py"))
+    assert code == 0 and "class MLP(" in (tmp_path / "a/b/out.py").read_text(), err
+    code, _, err = run_main(monkeypatch, capsys, "graph", GPT, "--dot", str(tmp_path / "c/m.dot"))
+    assert code == 0 and (tmp_path / "c/m.dot").read_text().startswith("digraph"), err

@@ -11,7 +11,6 @@ import html
 import math
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
-from energydsl.files import make_dirs, new_file_mode
+from energydsl.files import write_atomic
 from energydsl.search.storage import load_study
 
 # --- user attrs (what a person reads in the report) ---
@@ -435,32 +434,13 @@ def render_report(study: optuna.Study) -> str:
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    try:
-        make_dirs(path.parent)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-    try:
-        os.fchmod(fd, new_file_mode())  # mkstemp makes 0600: give the report the mode open() would
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise UserError(f"cannot write {path}: {e.strerror or e}") from None
-        raise
-
-
 def write_report(storage: str | BaseStorage, study_name: str, out_html: str | os.PathLike[str], *,
                  study: optuna.Study | None = None) -> Path:
     """Write one self-contained HTML file (no CDN, no network) describing the whole study (`study`, when the
     caller has loaded it already: a large journal is replayed once, not once per output)."""
     study = study or load_study(storage, study_name)
     out = Path(out_html)
-    _write_atomic(out, render_report(study))
+    write_atomic(out, render_report(study))
     return out
 
 
@@ -529,7 +509,7 @@ def export_best(storage: str | BaseStorage, study_name: str, path: str | os.Path
         raise UserError(f"trial #{chosen.number} recorded no source")
     not_an_input(path, "the export", None, str(study.user_attrs.get("space") or ""))
     text = str(source)  # as-is: the comment syntax of .energy is the DSL's business, not the engine's
-    _write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
+    write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
     return chosen.number
 
 
