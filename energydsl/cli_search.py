@@ -38,6 +38,9 @@ def space_spec(space: str) -> str:
 
     if space in registered_spaces() or is_import_path(space):
         return space
+    if not space.strip():
+        raise UserError("SPACE is empty", hint="give a .energy file with a `search` declaration (e.g. search/"
+                        f"quickstart.energy), or the name of a registered space ({', '.join(registered_spaces())})")
     p = Path(space)
     if not p.exists():
         import difflib
@@ -124,6 +127,10 @@ def search(
         if path is not None:  # the default storage, known now (the space and its imports: checked above)
             not_an_input(path, flag, summary["storage"], None)
     report_path = Path(report) if report else default_report
+    older = default_report.with_name("report.html")
+    if not report and default_report != older and older.exists():  # left from when the storage held one study
+        print(f"note: this storage now holds several studies, each with its own report-STUDY.html and "
+              f"best-STUDY.energy; {older} and best.energy beside it are older, written before", file=sys.stderr)
     write_report(summary["storage"], summary["study"], report_path)
     summary["report"] = str(report_path)
     summary["best_source"] = None

@@ -625,6 +625,10 @@ def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Pat
         with pytest.raises(UserError, match="what a choice's options fix was edited") as e:
             open_study(journal, "T", load_search(path))
         assert "restore the space file" in (e.value.hint or ""), edit
+        # the choice is named, and the error points at it (it had no place: which of a space's choices?)
+        assert "(the options of `Mix.optimizer`)" in e.value.message, e.value.message
+        line = next(n for n, text in enumerate(Path(path).read_text().splitlines(), 1) if "optimizer Mix:" in text)
+        assert e.value.span is not None and (e.value.span.file, e.value.span.line) == (path, line), e.value.span
     legacy = dict(load_study(journal, "T").user_attrs["settings"])
     del legacy["options"]
     load_study(journal, "T").set_user_attr("settings", legacy)
@@ -664,9 +668,37 @@ search Bad {
     assert why and "needs each head's energy to see the state only through one linear map" in why
     why = fill(space, **{**base, "Tiny.d": 6}).invalid_reason()  # 6 / heads(2) = 3, FF hidden 12: fine ...
     assert why is None
-    space6 = load_search(write(tmp_path, TINY + "search S { model Tiny(d = 6, heads = 4) }", "shape.energy"))
-    why = fill(space6).invalid_reason()
+    space6 = load_search(write(tmp_path, TINY + "search S { model Tiny(d = choice{6, 12}, heads = 4) }",
+                               "shape.energy"))
+    why = fill(space6, **{"Tiny.d": 6}).invalid_reason()
     assert why and "positive whole number" in why  # ... 6 / 4 heads is not
+    # the reason points at the space file's line (line 3 of the dedented text: `dim dh = d / heads`), and at the
+    # model's layer line that builds the energy, not at lines of the filled candidate (`<string>:41:11`)
+    assert "shape.energy:3:" in why and "shape.energy:23:" in why and "<string>" not in why, why
+
+
+def test_an_error_in_text_no_hole_changes_is_refused_at_its_line_before_any_trial(tmp_path: Path) -> None:
+    """A typo in an energy every candidate uses made every trial invalid and the search exit 0; the mended text
+    was then refused as an edit of the study. Now the space does not load: the error at its line, with a caret.
+    An error of some candidates only (a hole's value) is left to the trials."""
+    typo = TINY.replace("global  F = -sum(integral(relu)(W1 @ z))", "global  F = -sum(integral(relu)(W1 @ q))")
+    with pytest.raises(SpecError, match="undefined name `q`") as e:
+        load_search(write(tmp_path, typo + SEARCH))
+    assert (e.value.span.file, e.value.span.line) == (str(tmp_path / "space.energy"), 17), e.value.span
+    assert "no hole changes this line" in e.value.hint
+    (tmp_path / "lib.energy").write_text(textwrap.dedent(typo))  # in an imported file: located there
+    with pytest.raises(SpecError, match="undefined name `q`") as e:
+        load_search(write(tmp_path, 'import "lib.energy"\n' + SEARCH, "imports.energy"))
+    assert (e.value.span.file, e.value.span.line) == (str(tmp_path / "lib.energy"), 17), e.value.span
+    r = energy("search", str(tmp_path / "space.energy"), "--trials", "1", cwd=tmp_path)
+    assert r.returncode == 2 and "space.energy:17:" in r.stderr and "^" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+    # d = 6 or 12 over 4 heads: 6 fails (6 / 4), 12 builds; with a middle value that builds, the same
+    some = "search S { model Tiny(d = choice{6, 12}, heads = 4) }"
+    load_search(write(tmp_path, TINY + some, "some.energy"))
+    load_search(write(tmp_path, TINY + "search S { model Tiny(d = choice{6, 12, 10}, heads = 4) }", "mid.energy"))
+    # every value fails, each with its own numbers: a hole's business still, left to the trials
+    load_search(write(tmp_path, TINY + "search S { model Tiny(d = choice{6, 10, 14}, heads = 4) }", "all.energy"))
 
 
 def test_invalid_and_duplicate_candidates_cost_no_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

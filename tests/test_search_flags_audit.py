@@ -410,3 +410,46 @@ def test_report_refuses_two_different_study_names(tmp_path, monkeypatch, capsys)
             "STUDY 'toy' and --study 'Q' name two studies")
     code, err = energy(monkeypatch, capsys, "report", "Q", "--storage", str(journal), "--study", "Q")
     assert code == 0, err
+
+
+def test_an_empty_space_is_named_as_empty(monkeypatch, capsys) -> None:
+    """`energy search ""` said ` is a directory, not a .energy file`."""
+    refused(energy(monkeypatch, capsys, "search", "", "--json"), "SPACE is empty", "quickstart.energy")
+
+
+def test_a_database_storage_error_is_the_databases_not_sqlalchemys(tmp_path, monkeypatch, capsys) -> None:
+    """A sqlite URL to a text file printed SQLAlchemy's SQL statement and its web link; a URL whose driver is
+    missing said `Please install appropriate one`, naming none."""
+    (tmp_path / "notes.txt").write_text("not a database\n")
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", f"sqlite:///{tmp_path}/notes.txt"))
+    refused((code, err), "file is not a database")
+    assert "sqlalche.me" not in err and "[SQL:" not in err, err
+    import importlib.util
+
+    if importlib.util.find_spec("MySQLdb") is None:
+        refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "mysql://nohost/db")),
+                "the Python module `MySQLdb`, is not installed", "pip install mysqlclient")
+
+
+def test_a_study_that_already_holds_its_trials_says_none_ran(tmp_path, monkeypatch, capsys) -> None:
+    """`--trials 1` on a study of 2 finished trials showed `2/1 trials` and nothing said why none ran."""
+    journal = str(tmp_path / "s.journal")
+    run_search(toy(tmp_path), storage=journal, study_name="t", trials=2, progress=False, json=True)
+    summary = run_search(toy(tmp_path), storage=journal, study_name="t", trials=1, progress=False, json=True)
+    assert summary["finished"] == 2 and any("already holds 2 finished trials" in n and "--trials 3" in n
+                                            for n in summary["notes"]), summary
+    fresh = run_search(toy(tmp_path), storage=journal, study_name="t", trials=3, progress=False, json=True)
+    assert fresh["finished"] == 3 and not any("already holds" in n for n in fresh["notes"]), fresh
+
+
+def test_a_second_study_in_a_storage_says_the_first_ones_report_is_older(tmp_path, monkeypatch, capsys) -> None:
+    """With a second study in one database the outputs become report-STUDY.html; report.html and best.energy of
+    the first run stayed beside them, saying nothing of being older. Paths in the summary are absolute, as a
+    journal's were (a sqlite URL's were relative to the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    url = "sqlite:///sq/s.db"
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", url, "--study", "A"))
+    assert code == 0 and (tmp_path / "sq/report.html").exists() and "older" not in err, err
+    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", url, "--study", "B"))
+    assert code == 0 and (tmp_path / "sq/report-B.html").exists(), err
+    assert f"{tmp_path / 'sq/report.html'} and best.energy beside it are older" in err, err

@@ -33,8 +33,15 @@ from energydsl.search.local import (
     quiet_optuna,
     run_local,
 )
-from energydsl.search.report import RETRY_OF, export_best, summarize, write_report
-from energydsl.search.settings import DECLARATIONS, HOLE, OPTIONS, edited_declarations
+from energydsl.search.report import RETRY_OF, export_best, ledger, summarize, write_report
+from energydsl.search.settings import (
+    DECLARATIONS,
+    HOLE,
+    OPTION_HOLES,
+    OPTIONS,
+    edited_declarations,
+    edited_option_holes,
+)
 from energydsl.search.space import (
     Candidate,
     SearchSpace,
@@ -133,7 +140,7 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     # options: not compared with a study recorded before they were hashed; declarations: they only name what an
     # edit of `text` touched
     changed = [k for k in dict.fromkeys([*old, *now]) if _compared(old.get(k)) != _compared(now.get(k))
-               and (k in old or k != OPTIONS) and k != DECLARATIONS]
+               and (k in old or k != OPTIONS) and k not in (DECLARATIONS, OPTION_HOLES)]
     if not changed:
         return now
     texts = ("text", OPTIONS)
@@ -142,15 +149,21 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     hints = []
     if "text" in changed:
         diffs.append(f"the space's text outside its holes was edited{edited_declarations(old, now)}")
+    where = None
     if OPTIONS in changed:
-        diffs.append("what a choice's options fix was edited (an optimizer's or preconditioner's arguments, say)")
+        holes = edited_option_holes(old, now)
+        named = f" (the options of {', '.join(f'`{h}`' for h in holes)})" if holes else ""
+        diffs.append("what a choice's options fix was edited (an optimizer's or preconditioner's arguments, say)"
+                     + named)
+        spans = space.distributions() if holes and callable(getattr(space, "distributions", None)) else {}
+        where = spans[holes[0]][1] if holes and holes[0] in spans else None
     if "text" in changed or OPTIONS in changed:
         hints.append("restore the space file as the study searched it")
     if back:
         hints.append(f"give the study's settings again ({back})")
     raise UserError(
         f"study {study.study_name!r} in {storage} was searched with other settings: {'; '.join(diffs)}; "
-        "its trials would not be comparable with these",
+        "its trials would not be comparable with these", where,
         hint="to search with these settings, start a new study (another --study name or --storage); to "
              f"continue this one, {' and '.join(hints)}")
 
@@ -381,6 +394,13 @@ def run_search(
     make_sampler(sampler, len(objectives), seed)  # unknown/unusable sampler: fail before any work
     _, note = pruning_plan(objectives, pruner)
     study = open_study(storage_spec, name, space, ref)
+    notes = [note] if note else []
+    held = ledger(study.get_trials(deepcopy=False)).finished
+    if held >= target:  # the panel would show `6/3 trials` and nothing would say why none ran
+        notes.append(f"the study already holds {held} finished trials, at least the {target} asked for: no trial ran "
+                     f"(--trials {held + target} runs {target} more)")
+        if progress and not json:
+            print(f"note: {notes[-1]}", file=sys.stderr)
     started = time.time()
     deadline = started + float(timeout) if timeout else None
     show = progress and not json
@@ -404,7 +424,7 @@ def run_search(
         interrupted = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
     elapsed = round(time.time() - started, 3)
     summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=elapsed,
-                        interrupted=interrupted is not None, notes=[note] if note else [], **extra)
+                        interrupted=interrupted is not None, notes=notes, **extra)
     if interrupted:
         summary["interrupted_by"] = interrupted
     if show:

@@ -7,36 +7,88 @@ builds, checks, deduplicates (`equation_hash`) and trains them through the `Cand
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
+import re
 import shlex
 from typing import Any
 
-from energydsl.errors import UserError
+from energydsl.errors import Span, UserError
 from energydsl.search.holes import _fmt_float, _norm
 from energydsl.search.stagecheck import stage_check
 
+_CANDIDATE_PLACE = re.compile(r"<string>:(\d+):(\d+)")  # a place in a candidate's text, as composition cites it
 
-def _reason(e: BaseException) -> str:
-    """One line: the message, the candidate's source line it points at, the hint."""
+
+def space_location(text: str, line: int, column: int, sources: list[tuple[str, str]]) -> Span | None:
+    """Where line `line` of a candidate's `text` stands in the space's files ((path, text) each), when no hole
+    changed it: the file line equal to it whose neighbours agree best with the candidate's (a `state z[d]` line
+    is in every energy); None for a line a hole changed, or where two places agree as well."""
+    lines = text.split("\n")
+    if not 1 <= line <= len(lines) or not lines[line - 1].strip():
+        return None
+    found: list[tuple[int, str, int, str]] = []  # (neighbours that agree, path, line, file text)
+    for path, source in sources:
+        file_lines = source.split("\n")
+        for n, same in enumerate(file_lines):
+            if same != lines[line - 1]:
+                continue
+            agree = sum(1 for k in range(-6, 7) if k and 0 <= line - 1 + k < len(lines)
+                        and 0 <= n + k < len(file_lines) and lines[line - 1 + k] == file_lines[n + k])
+            found.append((agree, path, n + 1, source))
+    found.sort(key=lambda f: -f[0])
+    if not found or (len(found) > 1 and found[1][0] == found[0][0]):
+        return None
+    _, path, number, source = found[0]
+    return Span(path, number, column, source)
+
+
+def in_space(e: UserError, sources: list[tuple[str, str]]) -> UserError:
+    """`e`, raised by a candidate (its places `<string>:L:C`, lines of the filled text, which the search file
+    does not have and which move from candidate to candidate), with each place moved into the space's files
+    where no hole changed its line, so that the error points at the line to edit."""
+    def moved(m: re.Match) -> str:
+        at = space_location(text, int(m.group(1)), int(m.group(2)), sources) if text else None
+        return str(at) if at is not None else m.group(0)
+
+    text = e.span.source if e.span is not None and e.span.source else ""
+    out = copy.copy(e)
+    out.message = _CANDIDATE_PLACE.sub(moved, e.message)
+    out.args = (out.message,)
+    out.hint = _CANDIDATE_PLACE.sub(moved, e.hint) if e.hint else e.hint
+    if e.span is not None and text:
+        out.span = space_location(text, e.span.line, e.span.column, sources) or e.span
+    return out
+
+
+def _reason(e: BaseException, sources: list[tuple[str, str]]) -> str:
+    """One line: the message, where it points (the space file's line, or the candidate's source line where a
+    hole changed it), the hint."""
     if not isinstance(e, UserError):
         return f"{type(e).__name__}: {e}"
+    located = in_space(e, sources)
     where = ""
-    if e.span is not None and e.span.source:
+    if located.span is not None and located.span is not e.span:
+        where = f" (at {located.span})"
+    elif e.span is not None and e.span.source:
         lines = e.span.source.splitlines()
         if 1 <= e.span.line <= len(lines) and lines[e.span.line - 1].strip():
             where = f" (at `{_norm(lines[e.span.line - 1])[:120]}`)"
-    return f"{e.message}{where}" + (f"; hint: {e.hint}" if e.hint else "")
+    hint = located.hint
+    return f"{located.message}{where}" + (f"; hint: {hint}" if hint else "")
 
 
 class DslCandidate:
     """One filled-in spec: implements `energydsl.search.space.Candidate`."""
 
-    def __init__(self, model_name: str, params: dict[str, Any], text: str, settings: dict[str, Any]):
+    def __init__(self, model_name: str, params: dict[str, Any], text: str, settings: dict[str, Any],
+                 sources: list[tuple[str, str]] | None = None):
         self.model_name = model_name  # the model the search trains
         self.params = params
         self.text = text
         self.settings = settings
+        self.sources = sources or []  # the space's files, (path, text): where a reason's lines are
         self._spec: Any = None
         self._model: Any = None
         self._hash: str | None = None
@@ -89,7 +141,7 @@ class DslCandidate:
         try:
             model = self.model()
         except (UserError, NotImplementedError) as e:
-            return _reason(e)
+            return _reason(e, self.sources)
         plan = getattr(model, "plan", None)
         stages = [(s.label, s.decl, s.dims) for s in plan.stages] if plan is not None else []
         try:
@@ -98,7 +150,7 @@ class DslCandidate:
                 if why:
                     return f"{label}: {why}"
         except (UserError, NotImplementedError) as e:
-            return _reason(e)
+            return _reason(e, self.sources)
         return None
 
     def equation_hash(self) -> str:

@@ -64,7 +64,11 @@ from energydsl.search.settings import (
     fingerprint,
     possible_values,
 )
-from energydsl.search.space_checks import refuse_dead_holes, refuse_float_holes_needing_whole_numbers
+from energydsl.search.space_checks import (
+    refuse_dead_holes,
+    refuse_errors_no_hole_changes,
+    refuse_float_holes_needing_whole_numbers,
+)
 
 OBJECTIVES = ("val_loss", "train_loss", "best_val_loss", "params", "params_non_embedding", "flops_per_token",
               "step_time", "tokens_per_s")
@@ -94,6 +98,7 @@ class DslSpace:
         self._build(search, sets)
         self._check_data()
         refuse_float_holes_needing_whole_numbers(self)
+        refuse_errors_no_hole_changes(self)
         steps = self.settings.get("steps")
         top_steps = int(steps.fixed) if steps and steps.file is None else self._max_steps()
         self.budget: dict[str, Any] = {"trials": self.trials if self.trials is not None else 20, "steps": top_steps}
@@ -369,7 +374,7 @@ class DslSpace:
             settings[key] = _convert(key, v.text(filler), None) if v.file is not None else v.fixed
         settings = self._complete(settings)
         return DslCandidate(self.model_name, dict(filler.params), self._assemble(texts, filler.params, settings),
-                            settings)
+                            settings, [(f.path, f.text) for f in self.files])
 
     def _complete(self, s: dict[str, Any]) -> dict[str, Any]:
         out = {**DEFAULTS, **s}

@@ -229,7 +229,7 @@ def stale_reason(t: FrozenTrial, now: float | None = None) -> str | None:
         claimer = t.system_attrs.get(CLAIMER) or {}
         if claimer.get("host") == HOST and (claimer.get("boot") != BOOT or not pid_alive(
                 int(claimer["pid"]), claimer.get("start"))):
-            return f"worker process {claimer['pid']} on {HOST} died as it took this trial"
+            return f"the process running it (pid {claimer['pid']} on {HOST}) died as it took this trial"
         started = t.datetime_start.timestamp() if t.datetime_start else None
         if started is not None and now - started > OWNERLESS_AFTER_S:
             return f"no worker took ownership in {now - started:.0f}s"
@@ -238,7 +238,7 @@ def stale_reason(t: FrozenTrial, now: float | None = None) -> str | None:
         if owner.get("boot") != BOOT:
             return f"host {HOST} restarted while the trial ran"
         if not pid_alive(int(owner["pid"]), owner.get("start")):
-            return f"worker process {owner['pid']} on {HOST} died while running this trial"
+            return f"the process running it (pid {owner['pid']} on {HOST}) died while running this trial"
         return None
     last = t.system_attrs.get(HEARTBEAT) or (t.datetime_start.timestamp() if t.datetime_start else None)
     if last is not None and now - float(last) > STALE_AFTER_S:

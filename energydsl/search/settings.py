@@ -114,6 +114,7 @@ def check_setting(key: str, value: Any) -> None:
 HOLE = "hole: "  # how a fingerprint marks a setting that is a hole
 OPTIONS = "options"  # the fingerprint's hash of the choices' options (a key studies recorded only later)
 DECLARATIONS = "declarations"  # each declaration's hash: names what an edit of `text` touched (not compared)
+OPTION_HOLES = "option_holes"  # each choice's hash of its options: names the hole an edit of `options` touched
 
 # the search's clauses its fingerprint's text hash leaves out: settings (compared one by one), objectives
 # (compared by open_study), the budget (may change between runs)
@@ -150,8 +151,17 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
                              f"{hashlib.sha256(text.encode()).hexdigest()[:8]}")
     out["text"] = digest.hexdigest()[:16]
     out[DECLARATIONS] = ";".join(parts)
-    out[OPTIONS] = _options_digest(holes)
+    out[OPTIONS], out[OPTION_HOLES] = _options_digest(holes)
     return out
+
+
+def edited_option_holes(old: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The choices whose options differ between two fingerprints, by hole name ([] when either fingerprint
+    has no per-hole hashes: a study recorded before they were)."""
+    if OPTION_HOLES not in old or OPTION_HOLES not in now:
+        return []
+    before, after = (dict(p.split("=") for p in f[OPTION_HOLES].split(";") if p) for f in (old, now))
+    return [n for n in dict.fromkeys([*before, *after]) if before.get(n) != after.get(n)]
 
 
 def edited_declarations(old: dict[str, str], now: dict[str, str]) -> str:
@@ -177,22 +187,28 @@ def _outside(text: str, cuts: list[tuple[int, int]], start: int, end: int) -> st
     return " ".join(without_comments("".join(parts)).split())
 
 
-def _options_digest(holes: Sequence[_Hole]) -> str:
+def _options_digest(holes: Sequence[_Hole]) -> tuple[str, str]:
     """A hash of every choice's options as written, their own holes cut out: the text hash above leaves a
     whole `choice{...}` out, and an optimizer option is recorded by its name alone, so without this
-    `momentum(beta = 0.9)` edited to `momentum(beta = 0.1)` would mix two optimizers under one name."""
+    `momentum(beta = 0.9)` edited to `momentum(beta = 0.1)` would mix two optimizers under one name. And each
+    choice's own hash (`name=hash;...`), to name the one edited."""
     digest = hashlib.sha256()
+    each = []
     seen: set[int] = set()
     for top in holes:
         for h in top.walk():
             if id(h) in seen or not h.options:
                 continue
             seen.add(id(h))
+            own = hashlib.sha256()
             for o in h.options:
                 parts, pos = [], o.start
                 for start, end in sorted((n.start, n.end) for n in o.holes):
                     parts.append(tokens(h.file.text[pos:start]))
                     pos = end
                 parts.append(tokens(h.file.text[pos:o.end]))
-                digest.update(f"{h.name}: {' ? '.join(parts)}".encode() + b"\0")
-    return digest.hexdigest()[:16]
+                text = f"{h.name}: {' ? '.join(parts)}".encode() + b"\0"
+                digest.update(text)
+                own.update(text)
+            each.append(f"{h.name}={own.hexdigest()[:8]}")
+    return digest.hexdigest()[:16], ";".join(each)

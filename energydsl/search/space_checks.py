@@ -51,6 +51,64 @@ def refuse_float_holes_needing_whole_numbers(space: DslSpace) -> None:
                             f"{_fmt_float(math.floor(hole.high))}`, or a `choice{{...}}` of the values")
 
 
+def refuse_errors_no_hole_changes(space: DslSpace) -> None:
+    """An error in text no hole changes (a typo in an energy every candidate uses) makes every candidate
+    invalid: a study of invalid trials, exit 0, and a study that then refuses the mended text. Refused at its
+    line in the space's files before any trial, when the candidates with every hole at its first, its middle
+    and its last value fail alike: one message at one line that stands unchanged in the space's files. Only the
+    composition and each stage's semantics run (no SymPy); an error of one candidate alone is a hole's, left
+    to the trials."""
+    from energydsl.composition import stage_named
+    from energydsl.search.candidate import in_space
+    from energydsl.semantics import lower_energy
+
+    found: list[UserError] = []
+    for values in (_AnyValues(), _Middle(), _Last()):
+        candidate = space.suggest(values)
+        try:
+            plan = candidate.spec().plan(space.model_name)
+            for stage in plan.stages:
+                with stage_named(stage, plan.name):
+                    lower_energy(stage.decl, stage.dims)
+        except SpecError as e:
+            found.append(in_space(e, candidate.sources))
+            continue
+        except UserError:
+            return
+        return  # a candidate builds
+    first = found[0]
+    if first.span is None or first.span.file == "<string>":  # no place in the space's files: a hole's line
+        return
+    if any((e.message, str(e.span)) != (first.message, str(first.span)) for e in found[1:]):
+        return
+    why = "no hole changes this line: every candidate would be invalid"
+    raise SpecError(first.message, first.span, f"{first.hint}; {why}" if first.hint else why)
+
+
+class _Middle(_AnyValues):
+    """Each hole's middle option, or the middle of its whole numbers (a float hole's low bound: a float where a
+    whole number is needed is `refuse_float_holes_needing_whole_numbers`'s)."""
+
+    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
+        return (low + high) // 2
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        return choices[len(choices) // 2]
+
+
+class _Last(_AnyValues):
+    """Each hole's high bound or last option."""
+
+    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
+        return high
+
+    def suggest_float(self, name: str, low: float, high: float, **kw: Any) -> float:
+        return high
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        return choices[-1]
+
+
 class _Inside(_AnyValues):
     """`_AnyValues`, but one float hole takes a value inside its range, not a whole number."""
 

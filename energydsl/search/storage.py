@@ -62,7 +62,7 @@ def study_outputs(spec: str, study_name: str) -> tuple[Path, Path]:
     studies of one database do not overwrite each other's."""
     import optuna
 
-    where = study_dir(spec, study_name)
+    where = study_dir(spec, study_name).absolute()  # as a journal's: a sqlite URL's folder was relative
     shared = len(optuna.get_all_study_names(storage=open_storage(spec))) > 1
     tag = f"-{safe_name(study_name)}" if shared else ""
     return where / f"report{tag}.html", where / f"best{tag}.energy"
@@ -256,7 +256,7 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
         try:
             return optuna.storages.RDBStorage(spec, **kwargs)
         except Exception as e:  # bad URL, missing driver, unreachable server
-            raise UserError(f"cannot open storage {spec!r}: {e}") from e
+            raise _storage_error(spec, e) from e
     path = Path(spec)
     _check_journal(path)
     try:
@@ -278,6 +278,26 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
         raise UserError(f"storage {path} is not a readable Optuna journal ({where})",
                         hint="a journal is only ever appended to; if a line was damaged, the records after it "
                              "cannot be read in order: restore a copy, or start another study (--storage)") from None
+
+
+# the DB-API modules SQLAlchemy imports for a URL's dialect, and the PyPI package that provides each
+_DRIVERS = {"MySQLdb": "mysqlclient", "pymysql": "PyMySQL", "psycopg2": "psycopg2-binary", "psycopg": "psycopg",
+            "pg8000": "pg8000", "mysql": "mysql-connector-python"}
+
+
+def _storage_error(spec: str, e: Exception) -> UserError:
+    """What went wrong opening a database storage, in the database's words: the driver module that is missing
+    (and its package), or the DB-API error SQLAlchemy wraps (`file is not a database`), without the SQL
+    statement and link SQLAlchemy appends."""
+    missing = e.__cause__ or e.__context__
+    if isinstance(e, ImportError) and isinstance(missing, ModuleNotFoundError) and missing.name:
+        module = missing.name.split(".")[0]
+        package = _DRIVERS.get(module, module)
+        return UserError(f"cannot open storage {spec!r}: its database driver, the Python module `{module}`, is not "
+                         "installed", hint=f"pip install {package}; or use a journal file (--storage PATH)")
+    said = str(getattr(e, "orig", None) or e).split("\n")[0]
+    return UserError(f"cannot open storage {spec!r}: {said}",
+                     hint="check the URL, that the database server is up, and that a sqlite file is a database")
 
 
 def _first_line_not_json(path: Path) -> int | None:
