@@ -375,9 +375,20 @@ class Spec:
     def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:
         """A model's own checks (`energydsl.model_checks`): causality of the composed model and parameters that
         never get a gradient, in float64 on the torch backend; and header dims that nothing reads."""
+        from .cli_sizing import sized_model
         from .composition import unread_dims
+        from .instance import MAX_INSTANCE_BYTES
         from .model_checks import check_model, dims_row
 
+        sized, layers = sized_model(self, name, "torch", dims)  # on the meta device: sized before it is built
+        needed = sized.num_params(layers=layers) * 8  # float64
+        if needed > MAX_INSTANCE_BYTES:  # `layer = MLP(d, hidden = 1e8)`: minutes of float64, then the checks
+            biggest, p = max(sized.named_parameters(), key=lambda item: item[1].numel())
+            raise SpecError(f"model `{sized.plan.name}` is too large to check at its dims: its weights take "
+                            f"{needed / 2**30:,.3g} GiB in float64 (`{biggest}` [{', '.join(map(str, p.shape))}] "
+                            f"alone has {p.numel():,} entries), more than {MAX_INSTANCE_BYTES / 2**30:g} GiB",
+                            sized.plan.span, "check it at smaller dims (--set): the checks prove the composition "
+                            "and the derivations, which do not depend on the sizes")
         model = self.model(name, **dims)
         return [*check_model(model), dims_row(model.plan.name, unread_dims(self.syntax, model.plan.name))]
 

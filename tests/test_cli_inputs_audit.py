@@ -445,3 +445,21 @@ def test_a_literal_too_large_is_named_without_all_its_digits(tmp_path: Path) -> 
     path.write_text(UNDEFINED.replace("z . q", "z . z * " + "9" * 5000))
     e = spec_error(path)
     assert e.message == "number too large: 999999999999…999999999999 (5000 characters)", e.message[:300]
+
+
+def test_a_model_too_large_to_check_is_refused_at_once(monkeypatch, capsys, tmp_path) -> None:
+    """`layer = MLP(d, hidden = 1e8)`: the model checks built 6 GiB of float64 weights and ran for minutes (the
+    energy's own checks refuse an instance over 4 GiB). Sized on the meta device first, it is refused at the
+    model, naming its largest weight; at smaller dims it checks."""
+    spec = tmp_path / "big.energy"
+    spec.write_text("energy MLP(d = 8, hidden = 16) {\n  state z[d]\n  param W1[hidden, d] ~ normal(0, 0.02)\n"
+                    "  global F = -sum(integral(gelu)(W1 @ z))\n}\n"
+                    "model M(vocab = 65, context = 8, d = 8, hidden = 100000000) {\n  embed tokens, positions\n"
+                    "  layer = MLP(d, hidden = hidden)\n  head tied\n}\n")
+    started = time.monotonic()
+    code, _, err = run_main(monkeypatch, capsys, "check", str(spec))
+    assert code == 2 and "big.energy:6:7: error: model `M` is too large to check at its dims" in err, err
+    assert "[100000000, 8] alone has 800,000,000 entries" in err and "^" in err, err
+    assert time.monotonic() - started < 30
+    code, _, err = run_main(monkeypatch, capsys, "check", str(spec), "--set", "hidden=32")
+    assert code == 0, err
