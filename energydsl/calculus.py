@@ -8,6 +8,7 @@ SymPy to differentiate a matrix-trace expression (its open bugs return 0 there).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 import sympy as sp
@@ -274,32 +275,35 @@ def substitute_var(e: Expr, name: str, role: str, value: Expr, memo: dict[int, E
 # ----------------------------------------------------------------------------- value path (untie)
 
 
-def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, int]:
+def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, list[int]]:
     """Replace pattern occurrences on the *value path* of an update direction.
 
     The value path is reached from the root through sums, matrix products, transposes and the
     tensor side of scalar×tensor products; it never enters a function argument, a softmax or a
-    scalar weight. Returns the rewritten expression and the number of replacements made (one per
-    path to an occurrence, as written out). Each shared node is visited once per side of the path:
+    scalar weight. Returns the rewritten expression and the number of replacements each rule made (one
+    per path to an occurrence, as written out). Each shared node is visited once per side of the path:
     a Newton direction written out as a tree has millions of nodes (`energy derive` spent 48 s here).
     """
-    memo: dict[tuple[int, bool], tuple[Expr, int, Expr]] = {}  # the node kept alive: its id stays its own
+    memo: dict[tuple[int, bool], tuple[Expr, Counter, Expr]] = {}  # the node kept alive: its id stays its own
 
-    def visit(x: Expr, on_path: bool) -> tuple[Expr, int]:
+    def visit(x: Expr, on_path: bool) -> tuple[Expr, Counter]:
         hit = memo.get((id(x), on_path))
         if hit is None:
             hit = memo[(id(x), on_path)] = (*rewrite(x, on_path), x)
         return hit[0], hit[1]
 
-    def rewrite(x: Expr, on_path: bool) -> tuple[Expr, int]:
+    def total(counts) -> Counter:
+        return sum(counts, Counter())
+
+    def rewrite(x: Expr, on_path: bool) -> tuple[Expr, Counter]:
         if on_path:
-            for pattern, replacement in rules:
+            for n, (pattern, replacement) in enumerate(rules):
                 if x == pattern:
-                    return replacement, 1
+                    return replacement, Counter({n: 1})
         match x:
             case Add():
                 parts = [visit(t, on_path) for t in x.terms]
-                return add(*(p for p, _ in parts)), sum(n for _, n in parts)
+                return add(*(p for p, _ in parts)), total(n for _, n in parts)
             case MatMul() | Outer():  # an RMT write, (C_jᵀ rk_k) rq_kᵀ: linear in both sides
                 (a, na), (b, nb) = visit(x.a, on_path), visit(x.b, on_path)
                 return (matmul(a, b) if isinstance(x, MatMul) else outer(a, b)), na + nb
@@ -314,10 +318,11 @@ def untie(e: Expr, rules: list[tuple[Expr, Expr]]) -> tuple[Expr, int]:
                 return reduce(x.op, x.index, body), n
             case Mul() if any(f.shape != () for f in x.factors):
                 parts = [visit(f, on_path and f.shape != ()) for f in x.factors]
-                return mul(*(p for p, _ in parts)), sum(n for _, n in parts)
-        return x, 0
+                return mul(*(p for p, _ in parts)), total(n for _, n in parts)
+        return x, Counter()
 
-    return visit(e, True)
+    untied, counts = visit(e, True)
+    return untied, [counts[n] for n in range(len(rules))]
 
 
 def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:

@@ -154,11 +154,19 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
     hits = 0
     untie_scales: dict[str, sp.Expr] = {}
     if spec.untie_rules:
-        untied, hits = untie(direction, spec.untie_rules)
+        untied, counts = untie(direction, spec.untie_rules)
+        hits = sum(counts)
         if hits == 0:
             raise SpecError("untie: no pattern occurs on the value path of the derived update",
                             spec.untie_span or opt.span or spec.span,
                             "the left side must appear in the update exactly as written, e.g. `W1[k]^T`")
+        for n, count in enumerate(counts):
+            if count == 0:  # its new parameter would never be read, nor ever train
+                at = spec.untie_rule_spans[n] if n < len(spec.untie_rule_spans) else None
+                raise SpecError("untie: this pattern does not occur on the value path of the derived update (the "
+                                "other rules do)", at or spec.untie_span or spec.span,
+                                "the left side must appear in the update exactly as written (`energy derive` shows "
+                                "the tied update); or drop the rule")
         learned = [sym for name, sym in spec.scalar_params.items() if name in params and params[name].learn]
         learned += [h.symbol for h in opt.hyper.values() if h.learn]
         direction, untie_scales = absorb_constants(untied, [_base_name(new) for _, new in spec.untie_rules], learned)

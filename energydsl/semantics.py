@@ -67,6 +67,7 @@ class EnergyIR:
     optimizer: OptimizerSpec
     untie_rules: list[tuple[Expr, Expr]] = field(default_factory=list)
     untie_span: Span | None = None  # the first `untie` clause, where errors about untying point
+    untie_rule_spans: list[Span | None] = field(default_factory=list)  # each rule's pattern, as written
     energy_span: Span | None = None  # the clause defining the global energy, where derivative errors point
     expects: dict[str, tuple[Expr, Span]] = field(default_factory=dict)
     scalar_params: dict[str, sp.Symbol] = field(default_factory=dict)
@@ -238,7 +239,8 @@ class _Lowering(ExpressionLowering, ParamLowering):
             derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,
             indices=self.indices, params=self.scope.params, energy=energy, energy_name=ename,
             optimizer=opt, untie_rules=untie,
-            untie_span=by_kind["untie"][0].span if by_kind.get("untie") else None, energy_span=gclause.span,
+            untie_span=by_kind["untie"][0].span if by_kind.get("untie") else None,
+            untie_rule_spans=[span for _, span in self.untied], energy_span=gclause.span,
             expects=expects,
             scalar_params=self.scalar_params, source=d.source_text, user_names=self._user_names(by_kind),
         )

@@ -146,6 +146,18 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
         ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
          "  global F = -logsumexp[j](z . (W @ h[j]))\n  untie value W^T -> V, W -> V\n}",
          "`V` is already the new parameter of an untie rule", 6, 30),
+        # a rule that matches nothing beside one that does: dropped silently, its new parameter never trained (and
+        # `W2[h]`, an index named like the context, broke the tying check with `tuple.index(x): x not in tuple`)
+        ("energy A(d = 8, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+         "  param W1[heads, dh, d]\n  param W2[heads, dh, d]\n"
+         "  global F = -sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))\n"
+         "  untie W1[k]^T -> Wo[k], W2[h] -> Wv[k]\n}",
+         "untie: this pattern does not occur on the value path of the derived update (the other rules do)", 8, 27),
+        ("energy A(d = 8, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+         "  param W1[heads, dh, d]\n  param W2[heads, dh, d]\n"
+         "  global F = -sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))\n"
+         "  untie W1[k]^T -> Wo[k], W2[k]^T -> Wv[k]\n}",
+         "untie: this pattern does not occur", 8, 27),
     ],
 )
 def test_located_errors(text, message, line, col):
