@@ -229,6 +229,13 @@ class _Lowering(ExpressionLowering, ParamLowering):
                 idx = ", ".join(sorted(claim.free))
                 raise SpecError(f"index {idx} is used outside a reduction in `expect {c.name}`", c.value.span,
                                 f"wrap it in sum[{idx}](...) or mean[{idx}](...)")
+            wrt_via = self.via is not None and opt.wrt == self.via[0].name
+            want = self.via[0].shape if c.name == "gradient" and wrt_via else self.state.shape
+            if claim.shape and not ir.same_shape(claim.shape, want):  # a scalar stands for every entry
+                raise SpecError(f"`expect {c.name}` has shape {ir.fmt_shape(claim.shape)}, but the {c.name} has "
+                                f"shape {ir.fmt_shape(want)}", c.value.span,
+                                f"the claim is the whole {c.name}, one entry per entry of "
+                                f"`{self.via[0].name if c.name == 'gradient' and wrt_via else self.state.name}`")
             if c.name in expects:  # the last one would silently win: a false first claim never checked
                 raise SpecError(f"a second `expect {c.name}`: an energy states each kind once", c.span,
                                 f"the first is at {expects[c.name][1]}; keep the one you mean")

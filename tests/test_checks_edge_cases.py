@@ -482,22 +482,24 @@ def test_untie_follows_an_outer_product_of_vector_keys():
     assert all(r.ok for r in layer.check())
 
 
-def test_an_expect_of_the_wrong_shape_fails_its_check_with_both_shapes(tmp_path):
-    """`expect gradient = W @ z` with W[m, d]: the check says so (it crashed with exit 70); a scalar expect
+def test_an_expect_of_the_wrong_shape_is_refused_where_it_is_written(tmp_path):
+    """`expect gradient = W @ z` with W[m, d]: a located spec error with both shapes, for every command (it crashed
+    with exit 70, then failed only `energy check`, exit 1, while derive and compile accepted it); a scalar expect
     stands for every entry. The shapes reach the terminal as written (`[m]` is not rich markup)."""
     path = tmp_path / "shape.energy"
     path.write_text("energy G(d = 4, m = 3) {\n  state z[d]\n  param W[m, d]\n"
-                    "  global F = 0.5 * (W @ z) . (W @ z)\n  optimizer gd(eta = 1)\n  expect gradient = W @ z\n}\n"
-                    "energy U(d = 4) {\n  state z[d]\n  global F = 0.5 * z . z\n  optimizer gd(eta = 1)\n"
-                    "  expect update = 0\n}\n")
-    spec = load(str(path))
-    wrong = [r for r in spec.energy("G").check() if r.name == "expect"][0]
-    assert wrong.status == "fail" and "has shape [m], the gradient [d]" in wrong.detail
-    assert [r.status for r in spec.energy("U").check() if r.name == "expect"] == ["ok"]  # z - z = 0 everywhere
-    res = subprocess.run([sys.executable, "-m", "energydsl", "check", str(path)], capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
-    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
-    assert "has shape [m], the gradient [d]" in res.stdout
+                    "  global F = 0.5 * (W @ z) . (W @ z)\n  optimizer gd(eta = 1)\n  expect gradient = W @ z\n}\n")
+    with pytest.raises(SpecError, match=r"`expect gradient` has shape \[m\], but the gradient has shape \[d\]") as e:
+        load(str(path)).energy("G")
+    assert (e.value.span.line, e.value.span.column) == (6, 21)
+    scalar = load("energy U(d = 4) {\n  state z[d]\n  global F = 0.5 * z . z\n  optimizer gd(eta = 1)\n"
+                  "  expect update = 0\n}\n").energy()
+    assert [r.status for r in scalar.check() if r.name == "expect"] == ["ok"]  # z - z = 0 everywhere
+    for command in ("check", "derive", "compile"):
+        res = subprocess.run([sys.executable, "-m", "energydsl", command, str(path)], capture_output=True, text=True,
+                             env={**os.environ, "COLUMNS": "200"})
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "shape.energy:6:21: error: `expect gradient` has shape [m], but the gradient has shape [d]" in res.stderr
 
 
 def test_ones_on_a_psd_param_sets_its_factor():
