@@ -364,3 +364,20 @@ def test_dims_too_large_to_allocate_are_named_from_python(build, what: str) -> N
         build()
     assert err.value.message.startswith(f"{what} does not fit in memory here (") and "bytes in one tensor" in \
         err.value.message and "torch.device" in err.value.hint
+
+
+def test_the_default_block_size_is_the_models_context(gpt, data, tmp_path) -> None:
+    """`TrainConfig()` took nanoGPT's 256 tokens, longer than every example model's context (64), so the documented
+    `train(model, dataset, TrainConfig(...), out_dir)` failed unless block_size was given; it is now the model's
+    context, as `energy train --block-size` defaults it. Given, it is checked as before."""
+    config = TrainConfig(steps=2, batch_size=2, eval_interval=2, eval_iters=1)
+    assert config.block_size is None
+    config.validate()  # None is the model's, known to `train`
+    summary = train(gpt, data, config, tmp_path / "run", progress=False)
+    assert summary["steps"] == 2
+    recorded = load_checkpoint(tmp_path / "run")[1]["training"]["config"]
+    assert recorded["block_size"] == 8 == gpt.block_size
+    with pytest.raises(UserError, match="block_size 16 is longer than the model's context 8"):
+        train(gpt, data, tiny(block_size=16), tmp_path / "other", progress=False)
+    with pytest.raises(UserError, match="block_size must be at least 1, got 0"):
+        tiny(block_size=0).validate()

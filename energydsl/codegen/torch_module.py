@@ -196,9 +196,10 @@ class ModuleWriter:
                                     "  # m = beta m + f, x = x + eta m: one fused pass")
                     em.forget()
                     break  # the state's assignment, the second and last, is done too
-            if (isinstance(value, ir.Add) and len(value.terms) == 2 and value.terms[0] == a.target
-                    and a.target == spec.state):
-                step = em.emit(value.terms[1])
+            terms = value.terms if isinstance(value, ir.Add) else ()
+            rest = [t for t in terms if t != a.target]
+            if a.target == spec.state and len(rest) == len(terms) - 1 >= 1:  # x + Δ, Δ one term or several
+                step = em.emit(ir.add(*rest))  # Δ itself: with delta=True, not (x + Δ) − x, which rounds Δ away
                 if not step.scalar and step.axes == ("@b", "@i"):
                     delta_code = step.code
             v = em.emit(value)

@@ -31,11 +31,13 @@ TRAIN_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "block_size": "
 
 @dataclass
 class TrainConfig:
-    """Hyper-parameters of a run; the defaults are nanoGPT's shakespeare_char recipe."""
+    """Hyper-parameters of a run; the defaults are nanoGPT's shakespeare_char recipe, except `block_size`, which is
+    the model's context unless given (as `energy train --block-size`): nanoGPT's 256 is longer than the context of
+    every example model."""
 
     steps: int = 5000
     batch_size: int = 64
-    block_size: int = 256
+    block_size: int | None = None  # None: the model's context (`train` fills it in), 256 for a model with none
     lr: float = 1e-3
     min_lr: float | None = None  # the cosine schedule's end; None: lr / 10 (as `energy train --min-lr`)
     warmup_steps: int = 100
@@ -61,16 +63,17 @@ class TrainConfig:
             self.dtype = next((k for k, v in DTYPES.items() if v == self.dtype), str(self.dtype))
         self._normalize_types(name)
         # `not x >= 0` rather than `x < 0`: NaN fails every comparison and must not slip through
+        block = self.block_size if self.block_size is not None else 1  # None: the model's, known to `train`
         for field in ("batch_size", "block_size", "eval_interval", "eval_iters", "log_interval"):
-            if not getattr(self, field) >= 1:
-                raise UserError(f"{name(field)} must be at least 1, got {getattr(self, field)}")
+            value = block if field == "block_size" else getattr(self, field)
+            if not value >= 1:
+                raise UserError(f"{name(field)} must be at least 1, got {value}")
         # a batch is a (batch_size, block_size) tensor of token ids: its entries must fit torch's 64-bit index
         # (refused here rather than as an overflow deep in torch, exit 70)
-        for field in ("batch_size", "block_size"):
-            if getattr(self, field) > MAX_SIZE:
-                raise UserError(f"{name(field)} must be at most 2**60 - 1, got {getattr(self, field)}",
-                                hint=SIZE_LIMIT_HINT)
-        if self.batch_size * self.block_size > MAX_SIZE:
+        for field, value in (("batch_size", self.batch_size), ("block_size", block)):
+            if value > MAX_SIZE:
+                raise UserError(f"{name(field)} must be at most 2**60 - 1, got {value}", hint=SIZE_LIMIT_HINT)
+        if self.batch_size * block > MAX_SIZE:
             raise UserError(f"{name('batch_size')} x {name('block_size')} = {self.batch_size * self.block_size} "
                             "token ids in a batch is more than 2**60 - 1", hint=SIZE_LIMIT_HINT)
         for field in ("steps", "warmup_steps", "weight_decay", "grad_clip"):
@@ -109,7 +112,7 @@ class TrainConfig:
         torch.randint after the run had started, and steps = 2.5 trained 3 steps."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int":
+            if f.type == "int" or (f.type == "int | None" and value is not None):
                 whole = _whole(value)
                 if whole is None:
                     raise UserError(f"{name(f.name)} must be a whole number, got {value!r} ({type(value).__name__})")

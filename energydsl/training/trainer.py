@@ -26,6 +26,7 @@ files whole. Running out of memory on a batch is a `UserError` naming the sizes 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import signal
@@ -163,6 +164,9 @@ def train(
         metadata = dict(getattr(model, "run_metadata", None) or {})
     check_arguments(model, dataset, config, metadata, out_dir=out_dir, resume=resume, progress=progress,
                     on_eval=on_eval, notify=notify, names=names)
+    if config.block_size is None:  # the model's context, as `energy train` defaults it
+        context = getattr(model, "block_size", None)
+        config = dataclasses.replace(config, block_size=context if isinstance(context, int) else 256)
     config.validate(names)
     device = config.resolve_device(names)
     dataset.check_block_size(config.block_size)
