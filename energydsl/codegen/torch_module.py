@@ -202,7 +202,10 @@ class ModuleWriter:
                 step = em.emit(ir.add(*rest))  # Δ itself: with delta=True, not (x + Δ) − x, which rounds Δ away
                 if not step.scalar and step.axes == ("@b", "@i"):
                     delta_code = step.code
-            v = em.emit(value)
+            if delta_code is not None and len(rest) > 1:  # x + Δ from the Δ just summed, not its terms again
+                v = em.tmp(f"{em.emit(a.target).code} + {delta_code}", step.axes, step.rank)
+            else:
+                v = em.emit(value)
             target = names[a.target.name]
             shape = self._sizes(a.target)
             if v.scalar or v.axes != ("@b", "@i"):
