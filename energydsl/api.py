@@ -358,8 +358,8 @@ class Spec:
         return [self.energy(n, **_dims_for(self.syntax.energies[n], dims)) for n in self.energy_names]
 
     def check(self, **dims: float) -> dict[str, list[CheckResult]]:
-        """The checks of every energy, block and model declared in the file itself, by name (a pipeline block's
-        stages as `B stage 2 (MLP)`). A dim goes to each energy and model that declares it (`energy check
+        """The checks of every energy, block, model and search declared in the file itself, by name (a pipeline
+        block's stages as `B stage 2 (MLP)`). A dim goes to each energy and model that declares it (`energy check
         --set`)."""
         energy_dims, model_dims = self._split_dims(dims)
         results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
@@ -370,7 +370,22 @@ class Spec:
             for n, stage in enumerate(stages):
                 label = name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})"
                 results[label] = derive(stage.decl, stage.dims).check()
-        return results | {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
+        models = {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
+        return results | models | {name: self.check_search(name) for name in self.search_names}
+
+    @property
+    def search_names(self) -> list[str]:
+        return [n for n in self.syntax.names() if n in self.syntax.searches]
+
+    def check_search(self, name: str) -> list[CheckResult]:
+        """A `search` declaration loads as `energy search` loads it: the model and energies it names, its holes
+        and settings, its data against the model, and the text no hole changes (a located `SpecError` if not).
+        The candidates' own checks are left to the search, which runs them on each before it trains."""
+        space = load_search(self.path, search=name)
+        holes = space.holes()
+        return [CheckResult("space", "ok", f"model {space.model_name}, {len(holes)} hole"
+                            f"{'' if len(holes) == 1 else 's'} ({', '.join(h.name for h in holes) or 'none'}); "
+                            "the names, settings and data load as `energy search` loads them")]
 
     def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:
         """A model's own checks (`energydsl.model_checks`): causality of the composed model and parameters that

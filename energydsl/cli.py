@@ -147,9 +147,10 @@ def check(
         t0 = time.perf_counter()
         try:
             spec = load(path)
-            if not spec.energy_names and not spec.model_names and not spec.block_names:
+            if not spec.energy_names and not spec.model_names and not spec.block_names and not spec.search_names:
                 raise no_energy(path, spec)
-            report = [("model" if name in spec.model_names else "energy", name, results, all(r.ok for r in results))
+            kinds = dict.fromkeys(spec.model_names, "model") | dict.fromkeys(spec.search_names, "search")
+            report = [(kinds.get(name, "energy"), name, results, all(r.ok for r in results))
                       for name, results in spec.check(**dims).items()]
         except Exception as e:  # one bad file of several: said, and the files after it still run
             if not as_json and len(paths) == 1:
@@ -159,7 +160,8 @@ def check(
             error = f"internal error: {type(e).__name__}: {first} (please report this with the spec)" if internal \
                 else e.render()
             if as_json:
-                print(json.dumps({"file": path, "ok": False, "error": error, "energies": [], "models": []}))
+                print(json.dumps({"file": path, "ok": False, "error": error, "energies": [], "models": [],
+                                  "searches": []}))
             else:
                 to_stderr(error)
                 out.print(f"[red]{path}: FAILED[/] (not checked)\n")
@@ -169,14 +171,14 @@ def check(
         all_ok &= file_ok
         seconds = time.perf_counter() - t0
         if as_json:
-            rows: dict[str, list[dict]] = {"energies": [], "models": []}
+            rows: dict[str, list[dict]] = {"energies": [], "models": [], "searches": []}
             for kind, name, results, ok in report:
-                rows["models" if kind == "model" else "energies"].append(
+                rows[{"model": "models", "search": "searches"}.get(kind, "energies")].append(
                     {"name": name, "ok": ok, "checks": results_json(results)})
             print(json.dumps({"file": path, "ok": file_ok, "seconds": round(seconds, 3), **rows}))
             continue
         for kind, name, results, _ok in report:
-            title = f"{path} · {'model ' if kind == 'model' else ''}{name}"
+            title = f"{path} · {'' if kind == 'energy' else kind + ' '}{name}"
             table = Table(title=title, title_justify="left", show_edge=False)
             table.add_column("check")
             table.add_column("")

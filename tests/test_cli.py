@@ -65,6 +65,29 @@ def test_check_json_reports_every_file_and_exits_2_on_a_bad_one(tmp_path: Path) 
     assert "Traceback" not in proc.stderr
 
 
+def test_check_loads_a_files_search_as_energy_search_does(tmp_path: Path) -> None:
+    """A search naming a model the file lacks was passed by `energy check` (which said nothing of searches);
+    only `energy search` refused it. It is now the file's error, at the name, and a good search gets a row."""
+    space = tmp_path / "space.energy"
+    text = f'import "{GPT}"\nsearch S {{\n  model Nope(d = choice{{32, 64}})\n  data mqar, steps 4\n}}\n'
+    space.write_text(text)
+    proc = energy_cli("check", str(space))
+    assert proc.returncode == 2 and f"{space}:3:9: error: no model named `Nope`" in proc.stderr, proc.stderr
+    assert "hint: models: GPT" in proc.stderr and "Traceback" not in proc.stderr
+    space.write_text(text.replace("Nope", "GPT"))  # the data against the model, as energy search checks it
+    proc = energy_cli("check", str(space))
+    assert proc.returncode == 2 and "dataset mqar has 8192 tokens, more than model `GPT`'s vocab 65" in proc.stderr
+    space.write_text(text.replace("Nope", "GPT").replace("64})", "64}, vocab = 8192)"))
+    proc = energy_cli("check", "--json", str(space))
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    assert row["energies"] == [] and row["models"] == []  # imported: checked where they are declared
+    (search,) = row["searches"]
+    assert search["name"] == "S" and search["ok"], search
+    assert [c["name"] for c in search["checks"]] == ["space"] and "model GPT, 1 hole (GPT.d)" in \
+        search["checks"][0]["detail"]
+
+
 def energy_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
