@@ -477,8 +477,9 @@ def substitute(e: Expr, mapping: dict[Expr, Expr]) -> Expr:
                 hit = mapping[x]
             elif not x.children:
                 hit = x
-            else:
-                hit = rebuild(x, [visit(c) for c in x.children])
+            else:  # an unchanged subtree stays the same object (its cached hash, size and equalities kept)
+                kids = [visit(c) for c in x.children]
+                hit = x if all(k is c for k, c in zip(kids, x.children)) else rebuild(x, kids)
             memo[id(x)] = hit
         return hit
 
