@@ -70,6 +70,9 @@ class Case:
     key_shift: float = 0.0  # added to every key bias: softmax-invariant, but exp of it overflows float32 past ~88
     layout: str = "head"  # of q, k, v, u: head (contiguous), token, sliced or packed (`lay`)
     score_scale: float = 1.0  # times the usual 1/sqrt(Dk): large scores, a nearly one-hot softmax
+    q_scale: float = 1.0  # of the queries
+    u_along_q: float = 0.0  # nonzero: the second moment's u is q times it (a Newton step's direction at a large
+    #                          state), so that u_i . v_j follows the score
 
     def has(self, bias: str) -> bool:
         return self.biases in (bias, "all")
@@ -91,7 +94,9 @@ def make_leaves(case: Case, dtype: torch.dtype, seed: int = 0) -> dict[str, torc
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
-    leaves = {"q": randn(B, H, T, case.Dk), "k": randn(B, H, T, case.Dk), "u": randn(B, H, T, case.Dv)}
+    leaves = {"q": randn(B, H, T, case.Dk) * case.q_scale, "k": randn(B, H, T, case.Dk), "u": randn(B, H, T, case.Dv)}
+    if case.u_along_q:
+        leaves["u"] = leaves["q"] * case.u_along_q
     if not case.tied:
         leaves["v"] = randn(B, H, T, case.Dv)
     if case.has("alibi"):
@@ -312,6 +317,17 @@ def test_second_moment_keeps_its_digits_under_large_scores(wide: bool, kind: str
     check(case, kind, tol=1e-6, factor=3.0, impl=WIDE if wide else None)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_second_moment_keeps_its_digits_where_u_follows_large_queries(wide: bool, strict: bool) -> None:
+    """Queries of 1000 and u along them, as in a Newton step from a large state (u the gradient, q the
+    state's projection): delta = dr . r, its value in exact arithmetic, carried r's rounding into every dS_ij,
+    and dq, dk came out 1e16 off (a taylor-3 Newton energy's gradients 8e-2). The backward now sums
+    delta_i = sum_j p_ij dP_ij over the weights it recomputes, so that dS sums to 0 over j."""
+    case = Case(T=17, H=1, Dk=16, Dv=16, strict=strict, biases="key", B=1, q_scale=2000.0, u_along_q=1000.0)
+    check(case, "second", tol=1e-6, factor=10.0, impl=WIDE if wide else None)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="on CUDA the autotuner picks the tiles")
 @pytest.mark.parametrize(
@@ -426,7 +442,8 @@ def test_every_launch_passes_the_sequence_length_bucket(monkeypatch: pytest.Monk
 
 
 def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int | None]]:
-    """(kernel name, T, T_TUNE or None for an untuned kernel) of every kernel launch from here on, in order."""
+    """(kernel name, T, T_TUNE or None for an untuned kernel) of every kernel launch from here on, in order;
+    the dQ kernel's pass for the second moment's row term is `_bwd_dq_kernel (delta pass)`."""
     launched = []
     wrap = kernels.wrap_triton
 
@@ -436,7 +453,8 @@ def record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int
                 def launch(*args, **kw):
                     names = list(kernel.arg_names)
                     bucket = args[names.index("T_TUNE")] if "T_TUNE" in names else None
-                    launched.append((kernel.__name__, args[names.index("T")], bucket))
+                    name = kernel.__name__ + (" (delta pass)" if kw.get("DELTA_PASS") else "")
+                    launched.append((name, args[names.index("T")], bucket))
                     return wrap(kernel)[grid](*args, **kw)
                 return launch
         return Launcher()
@@ -463,7 +481,7 @@ FUSED_CASES = {
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_fused_backward_matches_reference(monkeypatch, name: str, kind: str) -> None:
     """The narrow backward with dQ (and dU) added by the dK/dV kernel's atomics: every output and gradient.
-    No dQ kernel runs."""
+    No dQ kernel runs, but for the second moment's row term (its delta pass)."""
     case, tiles = FUSED_CASES[name]
     monkeypatch.setattr(kernels, "INTERPRET_DQ_ATOMIC", True)
     if tiles:
@@ -472,6 +490,8 @@ def test_fused_backward_matches_reference(monkeypatch, name: str, kind: str) -> 
     check(case, kind)
     kernel_names = {kernel for kernel, _, _ in launched}
     assert "_bwd_dkdv_kernel" in kernel_names and "_bwd_dq_kernel" not in kernel_names, kernel_names
+    row_term = "_bwd_dq_kernel (delta pass)" if kind != "attention" else "_bwd_delta_kernel"
+    assert row_term in kernel_names, kernel_names
 
 
 def _timed_backwards(monkeypatch: pytest.MonkeyPatch) -> tuple:
@@ -965,6 +985,13 @@ for (kernel, tiles), (dt, prec), second, strict in itertools.product(
     flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=second, DOT_PREC=prec,
                  NEED_KB=True, NEED_SELF=True, NEED_ALIBI=True, BLOCK_M=64, BLOCK_N=64) | tiles
     compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2, dims=("D",))  # D: the row term's width
+# the second moment's row term: the dQ kernels' delta pass
+for (kernel, tiles), (dt, prec), strict in itertools.product(
+    [(N._bwd_dq_kernel, NARROW), (W._bwd_dq_wide_kernel, WIDE)], [("bf16", "tf32"), ("fp32", "ieee")], [False, True]
+):
+    flags = dict(STRICT=strict, HAS_ALIBI=True, HAS_SELF=True, HAS_KB=True, SECOND=True, DOT_PREC=prec,
+                 BLOCK_M=64, BLOCK_N=64, DELTA_PASS=True) | tiles
+    compile_for_sm90(kernel, flags, dt, num_warps=4, num_stages=2)
 print("compiled")
 """
 

@@ -342,14 +342,6 @@ class AttentionOps:
             B, H, T, Dqk = q.shape
             Dv = v.shape[-1]
             second = u is not None
-            # FlashAttention-2's preprocessing: delta_i = sum_j p_ij dP_ij = dO_i . o_i (dr_i . r_i for the
-            # second moment); a gradient on lse_i adds p_ij dlse_i to dS_ij, i.e. subtracts dlse_i from delta_i
-            delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
-            wrap_triton(_bwd_delta_kernel)[(cdiv(T, _DELTA_ROWS), B * H)](
-                out, do, q if dlse is None else dlse, delta, *out.stride()[:3], *do.stride()[:3], T, H, Dv,
-                HAS_DLSE=dlse is not None,
-                BLOCK_M=_DELTA_ROWS, BLOCK_D=min(_pad(Dv), _DELTA_FEATURES),
-            )
             # the wide kernels write fp32 (a FEATURE_LOOP config adds into them), cast below
             out_dtype = torch.float32 if self.wide else None
             dk, dv = empty_grad(k, out_dtype), empty_grad(v, out_dtype)
@@ -362,12 +354,25 @@ class AttentionOps:
             flags = dict(SECOND=second, **_flags(q, strict, alibi_slopes, self_bias, key_bias),
                          **self._widths(Dqk, Dv))
             needs = dict(NEED_KB=need_key_bias, NEED_SELF=need_self, NEED_ALIBI=need_alibi)
+            delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
             head = (q, k, v, u if second else dummy, do, lse, delta)
             biases = (dummy if alibi_slopes is None else alibi_slopes, dummy if self_bias is None else self_bias,
                       dummy if key_bias is None else key_bias)
             bucket = tune_bucket(T)
             sizes = (*_strides(q, k, v, u, do), *grad_strides(q, k, v, q if u is None else u), scale, T, H, Dqk,
                      Dv, bucket)
+            # the row term delta_i = sum_j p_ij dP_ij, which every dS_ij subtracts
+            if second:  # a pass over the keys: dr_i . r_i (exact arithmetic's value) loses the digits dS needs
+                wrap_triton(self._dq)[self._grid(T, B * H, "BLOCK_M", 1)](  # where u is large (_bwd_dq_kernel)
+                    *head, dummy, dummy, *biases, *sizes,
+                    **_unbaked(flags, self.baked), **_blocks(), **self._loop(), DELTA_PASS=True,
+                )
+            else:  # FlashAttention-2's preprocessing: dO_i . o_i; a gradient on lse_i adds p_ij dlse_i to dS_ij
+                wrap_triton(_bwd_delta_kernel)[(cdiv(T, _DELTA_ROWS), B * H)](
+                    out, do, q if dlse is None else dlse, delta, *out.stride()[:3], *do.stride()[:3], T, H, Dv,
+                    HAS_DLSE=dlse is not None,
+                    BLOCK_M=_DELTA_ROWS, BLOCK_D=min(_pad(Dv), _DELTA_FEATURES),
+                )
 
             def dkdv_kernel(kernel: Any, *dq_sums: Tensor, **mode: bool) -> None:
                 """dK, dV and the bias columns; narrow kernels also take the fp32 dQ (and dU) sums of DQ_ATOMIC"""

@@ -76,7 +76,9 @@ AUTOTUNE_CONFIGS = {
 # tuned once per head-dim pair (padded for the narrow kernels), variant (dtypes are added to the key by triton)
 # and sequence-length bucket (`tune_bucket`): the best tiles depend on T (how many programs fill the GPU, how
 # long each runs), but tuning at every length would retune at every step of generation
-TUNE_KEYS = {False: ["BLOCK_DK", "BLOCK_DV", "SECOND", "T_TUNE"], True: ["D_QK", "D_V", "SECOND", "T_TUNE"]}
+# DELTA_PASS: the dQ kernel's pass for the second moment's row term, tuned apart from its dQ
+TUNE_KEYS = {False: ["BLOCK_DK", "BLOCK_DV", "SECOND", "DELTA_PASS", "T_TUNE"],
+             True: ["D_QK", "D_V", "SECOND", "DELTA_PASS", "T_TUNE"]}
 _SHORTEST_BUCKET = 1024
 
 

@@ -14,11 +14,13 @@ the per-row log-sum-exp; the backward recomputes p_ij = exp(s_ij - lse_i) block 
 passes share one formula, dS_ij = p_ij (dP_ij - delta_i), with
 
     attention:      dP_ij = dO_i . v_j                 delta_i = dO_i . o_i - dlse_i
-    second moment:  dP_ij = (u_i . v_j)(dr_i . v_j)    delta_i = dr_i . r_i
+    second moment:  dP_ij = (u_i . v_j)(dr_i . v_j)    delta_i = dr_i . r_i  (summed over j: see below)
 
-(delta_i = sum_j p_ij dP_ij in both cases, which is why the backward only needs the outputs, not p.)
-`_bwd_delta_kernel` computes delta in one pass before the backward proper; it has no flags to bake, so every
-op set launches this one and generated files do not copy it.
+(delta_i = sum_j p_ij dP_ij in both cases, which is why the first-order backward only needs the outputs.)
+`_bwd_delta_kernel` computes the first-order delta in one pass before the backward proper; it has no flags to
+bake, so every op set launches this one and generated files do not copy it. The second moment's delta is
+summed as sum_j p_ij dP_ij instead, by the dQ kernel's DELTA_PASS over the keys: dr_i . r_i carries the
+rounding of r's features, which cancel where u is large, and dS_ij, a small difference, inherits it.
 The backward runs split (a dK/dV kernel over key blocks and a dQ kernel over query blocks, each recomputing p
 and dP) or fused (the dK/dV kernel with DQ_ATOMIC adds dQ too, by atomics); `attention.py` times both.
 
@@ -545,10 +547,14 @@ def _bwd_dq_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DELTA_PASS: tl.constexpr = False,
 ):
     """One (query block, batch*head) program: dQ_i = scale sum_j dS_ij k_j.
 
-    SECOND=True also gives dU_i = sum_j p_ij (dr_i . v_j) v_j.
+    SECOND=True also gives dU_i = sum_j p_ij (dr_i . v_j) v_j. DELTA_PASS=True (with SECOND) computes the
+    second moment's delta instead, written to DELTA: sum_j p_ij dP_ij / sum_j p_ij over the weights this very
+    backward recomputes, so that dS_ij sums to 0 over j. dr_i . r_i, its value in exact arithmetic, loses the
+    digits dS needs where u is large: r's features cancel, and their rounding is far larger than dS.
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -577,7 +583,11 @@ def _bwd_dq_kernel(
     )
     # log2 units, as in _fwd_kernel; padded rows get lse = inf, hence p = 0
     lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    if DELTA_PASS:
+        delta = tl.zeros([BLOCK_M], tl.float32)  # sum_j p_ij dP_ij
+        weights = tl.zeros([BLOCK_M], tl.float32)  # sum_j p_ij
+    else:
+        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634
     slope = 0.0
@@ -621,24 +631,32 @@ def _bwd_dq_kernel(
                 w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)
                 g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
                 dp = w * g
-                du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
+                if DELTA_PASS:
+                    delta += tl.sum(p * dp, 1)
+                    weights += tl.sum(p, 1)
+                else:
+                    du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
             else:
                 dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+            if not DELTA_PASS:
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
-    dq = dq * scale
-    tl.store(
-        DQh + offs_m[:, None] * stride_dqt + offs_dk[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
-    )
-    if SECOND:
+    if DELTA_PASS:
+        tl.store(DELTA + bh * T + offs_m, delta / tl.where(weights == 0.0, 1.0, weights), mask=row_ok)
+    else:
+        dq = dq * scale
         tl.store(
-            DUh + offs_m[:, None] * stride_dut + offs_dv[None, :],
-            du.to(DU.dtype.element_ty),
-            mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            DQh + offs_m[:, None] * stride_dqt + offs_dk[None, :],
+            dq.to(DQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
         )
+        if SECOND:
+            tl.store(
+                DUh + offs_m[:, None] * stride_dut + offs_dv[None, :],
+                du.to(DU.dtype.element_ty),
+                mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+            )
 
 
 @triton.jit

@@ -440,10 +440,12 @@ def _bwd_dq_wide_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FEATURE_LOOP: tl.constexpr = False,
+    DELTA_PASS: tl.constexpr = False,
 ):
     """One (query block, batch*head, feature tile) program: `_bwd_dq_kernel` for query tile (and, SECOND,
     dU's value tile) `program_id(2)`; with FEATURE_LOOP one program per query block, adding to every tile
-    of the fp32 DQ (and DU), as in `_bwd_dkdv_wide_kernel`."""
+    of the fp32 DQ (and DU), as in `_bwd_dkdv_wide_kernel`. DELTA_PASS (one feature tile, SECOND): the second
+    moment's delta, written to DELTA, as in `_bwd_dq_kernel`."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
@@ -458,7 +460,11 @@ def _bwd_dq_wide_kernel(
     dk_ok = offs_d < D_QK
     dv_ok = offs_d < D_V
     lse = tl.load(LSE + bh * T + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
+    if DELTA_PASS:
+        delta = tl.zeros([BLOCK_M], tl.float32)  # sum_j p_ij dP_ij
+        weights = tl.zeros([BLOCK_M], tl.float32)  # sum_j p_ij
+    else:
+        delta = tl.load(DELTA + bh * T + offs_m, mask=row_ok, other=0.0)
     scale = tl.cast(scale, tl.float32)  # torch.compile (Inductor) passes a Python float as fp64
     qk_scale = scale * 1.4426950408889634  # log2 units, as in _fwd_kernel
     slope = 0.0
@@ -468,7 +474,7 @@ def _bwd_dq_wide_kernel(
     if HAS_SELF:
         self_b = tl.load(SELF_B + h).to(tl.float32) * 1.4426950408889634
     DQh, DUh = DQ + b * stride_dqb + h * stride_dqh, DU + b * stride_dub + h * stride_duh
-    if FEATURE_LOOP:
+    if FEATURE_LOOP and not DELTA_PASS:
         _zero_rows(DQh, offs_m, stride_dqt, row_ok, D_QK, BLOCK_D)
         if SECOND:
             _zero_rows(DUh, offs_m, stride_dut, row_ok, D_V, BLOCK_D)
@@ -497,8 +503,11 @@ def _bwd_dq_wide_kernel(
                 dp = w * g
             else:
                 dp = g
-            ds = p * (dp - delta[:, None])
-            if FEATURE_LOOP:
+            if DELTA_PASS:
+                delta += tl.sum(p * dp, 1)
+                weights += tl.sum(p, 1)
+            elif FEATURE_LOOP:
+                ds = p * (dp - delta[:, None])
                 _add_products(DQh, offs_m, stride_dqt, row_ok, ds * scale, Kh, offs_n, stride_kt,
                               col_ok, D_QK, BLOCK_D, DOT_PREC)
                 if SECOND:
@@ -506,6 +515,7 @@ def _bwd_dq_wide_kernel(
                                   col_ok, D_V, BLOCK_D, DOT_PREC)
                 tl.debug_barrier()  # as in _bwd_dkdv_wide_kernel
             else:
+                ds = p * (dp - delta[:, None])
                 k = tl.load(Kh + offs_n[:, None] * stride_kt + offs_d[None, :],
                             mask=col_ok[:, None] & dk_ok[None, :], other=0.0)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
@@ -514,7 +524,9 @@ def _bwd_dq_wide_kernel(
                                 mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
                     du += tl.dot((p * g).to(v.dtype), v, input_precision=DOT_PREC)
 
-    if not FEATURE_LOOP:
+    if DELTA_PASS:
+        tl.store(DELTA + bh * T + offs_m, delta / tl.where(weights == 0.0, 1.0, weights), mask=row_ok)
+    elif not FEATURE_LOOP:
         tl.store(DQh + offs_m[:, None] * stride_dqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
                  mask=row_ok[:, None] & dk_ok[None, :])
         if SECOND:
