@@ -445,6 +445,20 @@ def train_(
         out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
 
 
+def _better_best(run_dir: Path, val: float | None) -> str:
+    """A note on the best checkpoint where it is better than the last good one: a training that climbs for a
+    while before it diverges leaves a "good" last checkpoint (under 4x the initial loss) far worse."""
+    try:
+        best = json.loads((run_dir / "best.json").read_text())["training"]
+        step, loss = int(best["step"]), float(best["val_loss"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    if val is None or not loss < val:
+        return ""
+    return (f" (the best so far, step {step} with val loss {loss:.4f}, is {run_dir / 'best.safetensors'}, which "
+            "`energy sample` reads; training resumes from the last)")
+
+
 def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> None:
     """A diverged training is an outcome, not a bug: one line on stderr (and a JSON object with --json)."""
     import math
@@ -454,7 +468,7 @@ def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> Non
     if e.checkpoint:
         loss_text = f" (val loss {val:.4f})" if val is not None else ""
         kept = (f"kept the last good checkpoint, step {step}{loss_text}: {e.checkpoint}; "
-                f"rerun with {e.remedy} to resume from it, or with --fresh to start over")
+                f"rerun with {e.remedy} to resume from it, or with --fresh to start over{_better_best(run_dir, val)}")
     else:
         kept = f"no good checkpoint was written; rerun with {e.remedy}"
     print(f"training diverged at step {e.step}: {reason}; {kept}", file=sys.stderr)
@@ -559,6 +573,12 @@ def _main() -> None:
             where = f" {e.filename}" if e.filename else ""
             to_stderr(f"error: cannot write{where}: {e.strerror}\n"
                        "hint: what was saved is kept: make room (or a writable place) and rerun the same command")
+            sys.exit(2)
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):  # a folder made read-only mid-run
+            where = f" {e.filename}" if e.filename else ""
+            to_stderr(f"error: cannot access{where}: {e.strerror}\n"
+                       "hint: what was saved is kept: restore the permissions (or choose another place) and rerun "
+                       "the same command")
             sys.exit(2)
         if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # pathlib's exists() and is_dir() raise it
             to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\nhint: {PATH_LIMITS}")

@@ -118,6 +118,20 @@ def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, mo
     assert code == 2 and "same settings" in err and "Traceback" not in err
 
 
+def test_a_divergence_names_a_best_checkpoint_better_than_the_last_good_one(tmp_path):
+    """A training that climbs before it diverges keeps a "good" last checkpoint (under 4x the initial loss) far
+    worse than its best (an audit: last good at val loss 6.94, best 3.38): the message now names the best."""
+    from energydsl.cli import _better_best
+
+    assert _better_best(tmp_path, 6.9426) == ""  # no best.json
+    (tmp_path / "best.json").write_text(json.dumps({"training": {"step": 40, "val_loss": 3.3781}}))
+    note = _better_best(tmp_path, 6.9426)
+    assert f"the best so far, step 40 with val loss 3.3781, is {tmp_path / 'best.safetensors'}" in note, note
+    assert _better_best(tmp_path, 3.0) == "" and _better_best(tmp_path, None) == ""  # the last is the best
+    (tmp_path / "best.json").write_text("{")  # damaged: the divergence line is still said, without the note
+    assert _better_best(tmp_path, 6.9426) == ""
+
+
 def test_a_divergence_from_weight_decay_names_weight_decay_not_lr(corpus, tmp_path, monkeypatch, capsys):
     """lr x weight decay > 1: AdamW's decay alone flips and grows the weights; the advice was always a lower --lr."""
     args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "0", "--weight-decay", "5000",
@@ -393,6 +407,40 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
     assert code == 2 and f"\nerror: cannot write {tmp_path}/" in err and ".safetensors: No space left on device" in err
     assert "hint: what was saved is kept" in err and "internal error" not in err, err
+    assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
+
+
+@pytest.mark.parametrize("failure", ["full disk in the optimizer state", "read-only run folder"])
+def test_a_failed_save_is_exit_2_and_leaves_no_staged_files(failure, corpus, tmp_path, monkeypatch, capsys):
+    """torch.save on a full disk raises RuntimeError ("unexpected pos"), with the OSError only as its context, and
+    a folder made read-only mid-run a PermissionError: both were internal errors (exit 70), and the half-written
+    `.next.*` files of the save stayed behind, taking the room a rerun needs."""
+    import errno
+    import os
+
+    from energydsl.training import checkpoint
+
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    if failure == "read-only run folder":
+        def denied(*args, **kwargs):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(tmp_path / ".next.last.safetensors"))
+
+        monkeypatch.setattr(checkpoint, "save_file", denied)
+        expected = f"error: cannot access {tmp_path}/.next.last.safetensors: Operation not permitted"
+    else:
+        def full(obj, f):  # as torch.save fails on a full disk: part written, the OSError as the context
+            f.write(b"partial")
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+
+        monkeypatch.setattr(checkpoint.torch, "save", full)
+        expected = f"error: cannot write {tmp_path}/.next.last.optim.pt: No space left on device"
+    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    assert code == 2 and expected in err and "hint: what was saved is kept" in err, err
+    assert not list(tmp_path.glob(".next.*")), list(tmp_path.glob(".next.*"))
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 

@@ -78,7 +78,13 @@ def _write_weights(path: Path, tensors: dict[str, Tensor], header: dict[str, str
 
 
 def _write_resume_state(path: Path, state: Mapping[str, Any]) -> None:
-    torch.save(dict(state), path)
+    try:
+        with open(path, "wb") as f:  # through a Python file, whose write error torch keeps as the context
+            torch.save(dict(state), f)
+    except RuntimeError as e:  # "[enforce fail at inline_container.cc] unexpected pos": a full disk, say
+        if not isinstance(e.__context__, OSError) or e.__context__.errno is None:
+            raise
+        raise OSError(e.__context__.errno, os.strerror(e.__context__.errno), str(path)) from None
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -158,6 +164,26 @@ def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dic
     tensors, aliases = _weights_for_saving(model)
     files: list[str] = []
     drop: list[str] = []
+    tmp = out_dir / f"{COMMIT}.tmp"
+    try:
+        _stage(out_dir, tensors, aliases, sidecars, resume_state, files, drop)
+        _write_text(tmp, json.dumps({"files": files, "drop": drop}))
+        _fsync(tmp)
+    except BaseException:  # a full disk, say: nothing is committed yet, and the staged files take its room
+        for debris in [*out_dir.glob(".next.*"), tmp]:
+            if not debris.is_dir():
+                debris.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out_dir / COMMIT)  # the commit: from here on, readers see the new files
+    _fsync(out_dir)
+    _finish(out_dir)
+
+
+def _stage(out_dir: Path, tensors: dict[str, Tensor], aliases: dict[str, str],
+           sidecars: Mapping[str, dict[str, Any]], resume_state: Mapping[str, Any] | None,
+           files: list[str], drop: list[str]) -> None:
+    """Write every file of the save under its staging name, flushed to disk; `files` and `drop` get the names
+    the commit record will list."""
     first: str | None = None
     for stem, sidecar in sidecars.items():
         step = str(sidecar.get("training", {}).get("step", ""))
@@ -178,12 +204,6 @@ def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dic
     for name in files:
         _fsync(_staged(out_dir / name))
     _fsync(out_dir)
-    tmp = out_dir / f"{COMMIT}.tmp"
-    _write_text(tmp, json.dumps({"files": files, "drop": drop}))
-    _fsync(tmp)
-    os.replace(tmp, out_dir / COMMIT)  # the commit: from here on, readers see the new files
-    _fsync(out_dir)
-    _finish(out_dir)
 
 
 def save_checkpoint(out_dir: Path, stem: str, model: nn.Module, sidecar: dict[str, Any],
