@@ -67,7 +67,7 @@ def _missed(em: Emitter, term: Expr) -> None:
     from ..printing import show
 
     em.misses.append(f"the score term `{show(ir.bare(term))}` is not one the kernels take: c |i - j|, c [i = j], "
-                     "a term without i, or c log(decay(r))")
+                     "a term of the key without i or j as a number, or c log(decay(r))")
 
 
 def _log_gate(em: Emitter, e: Expr, j: str) -> tuple[Expr, ir.Decay] | None:
