@@ -442,8 +442,8 @@ def test_a_score_term_no_kernel_takes_is_named_in_the_note() -> None:
     unfused: list[str] = []
     energy_source(derived, "triton", unfused)
     assert unfused == ["no kernel family matches Biased's update: the score term `-m_k (abs(i − j) − relu(abs(i − j) "
-                       "− 7))` is not one the kernels take: c |i - j|, c [i = j], a term without i, or "
-                       "c log(decay(r)); its forward is the torch backend's"], unfused
+                       "− 7))` is not one the kernels take: c |i - j|, c [i = j], a term of the key without i or j "
+                       "as a number, or c log(decay(r)); its forward is the torch backend's"], unfused
 
 
 def test_a_module_partly_on_t_by_t_torch_ops_says_so() -> None:
