@@ -334,3 +334,14 @@ def test_a_search_checks_a_tasks_block_with_the_length_its_examples_have(name: s
     check(seq_len)
     with pytest.raises(DataError, match=f"{name} examples are {seq_len} tokens long but block_size is {seq_len - 1}"):
         check(seq_len - 1)
+
+
+def test_a_symbolic_link_loop_or_a_dangling_link_is_named_as_such(tmp_path: Path) -> None:
+    """Both read "text file not found" (an audit), where the file a user sees in `ls` is there: a link."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(DataError, match="text file is a loop of symbolic links: .*/a\n"):
+        data_mod.load_dataset(f"chars:{tmp_path / 'a'}")
+    with pytest.raises(DataError, match=f"text file is a symbolic link to nothing: .*dangling -> {tmp_path}/gone.txt"):
+        data_mod.load_dataset(f"chars:{tmp_path / 'dangling'}")

@@ -15,6 +15,7 @@ examples, right-padded to `block_size`, and by default only count the answer tok
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import math
@@ -195,6 +196,16 @@ def _check_task_block(name: str, seq_len: int, block_size: int) -> None:
 def _check_readable(path: Path, what: str) -> None:
     """What can be said of a data file without reading it: it is there, not a directory, readable."""
     if not path.exists():
+        if path.is_symlink():  # exists() follows links: a dangling one, or a loop of them
+            try:
+                path.resolve(strict=True)
+            except RuntimeError:  # pathlib's "Symlink loop" before Python 3.13
+                raise DataError(f"{what} is a loop of symbolic links: {path}", hint="check the path") from None
+            except OSError as e:  # ELOOP, or the dangling link's target
+                if e.errno == errno.ELOOP:
+                    raise DataError(f"{what} is a loop of symbolic links: {path}", hint="check the path") from None
+            raise DataError(f"{what} is a symbolic link to nothing: {path} -> {os.readlink(path)}",
+                            hint="check the path")
         raise DataError(f"{what} not found: {path}", hint="check the path")
     if path.is_dir():
         raise DataError(f"{what} is a directory, not a file: {path}")
