@@ -148,8 +148,10 @@ def test_resume_continues_from_saved_step_and_matches_uninterrupted_run(text_dat
     assert json.loads((tmp_path / "b" / "last.json").read_text())["training"]["step"] == 10
 
     second = tiny_gpt(text_dataset.vocab_size, seed=99)  # weights come from the checkpoint
-    resumed = train(second, text_dataset, cfg, tmp_path / "b", metadata=META, progress=False)
+    notices: list[str] = []  # the same command again said nothing of resuming (only of changed settings)
+    resumed = train(second, text_dataset, cfg, tmp_path / "b", metadata=META, progress=False, notify=notices.append)
     assert resumed["resumed_from"] == 10 and resumed["steps"] == 20
+    assert notices == [f"resuming {tmp_path / 'b'} at step 10"], notices
     for (name, a), b in zip(straight.state_dict().items(), second.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     evals = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]

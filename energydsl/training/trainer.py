@@ -298,6 +298,8 @@ def _resume(found: tuple[dict[str, Tensor], dict[str, Any], dict[str, Any]], run
     elif changes:
         (notify or _warn)(f"resuming {out_dir} at step {state.step} with changed settings: "
                           f"{describe_changes(changes, names)}")
+    elif notify is not None and state.step < config.steps:  # the same command again: say where it starts
+        notify(f"resuming {out_dir} at step {state.step}")
     return state, changes
 
 
