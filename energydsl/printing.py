@@ -153,7 +153,12 @@ class LatexStyle(Style):
     name = "latex"
 
     def scalar(self, v: sp.Expr) -> str:
-        return sp.latex(readable(v))
+        """A number or a scalar expression of dims and scalar params, whose longer names are upright as every
+        other name is (SymPy writes `heads` as h·e·a·d·s and `s_ff` as s with subscript ff)."""
+        v = readable(v)
+        names = {s: self.plain_name(s.name, []) for s in v.free_symbols  # Greek names stay SymPy's (alpha)
+                 if isinstance(s, sp.Symbol) and len(s.name) > 1 and not sp.latex(s).startswith("\\")}
+        return sp.latex(v, symbol_names=names)
 
     def plain_name(self, n: str, sub: list[str]) -> str:
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E

@@ -734,6 +734,16 @@ def test_latex_keeps_a_names_digits_apart_from_its_indices() -> None:
     assert "\\mathrm{W1}_{k}" in latex and "W_{1,k}" not in latex
 
 
+def test_latex_writes_longer_names_in_scalar_factors_upright() -> None:
+    """Dims and scalar params inside a number's factor went through SymPy's printer: `\\sqrt{heads}` (h·e·a·d·s),
+    `b_{self}` (b with subscript self) and bare `bg`, where every other longer name is `\\mathrm{...}`."""
+    latex = load("examples/cem/alibi.energy").energy().equations("latex")
+    assert "\\sqrt{\\mathrm{heads}}" in latex and "\\mathrm{b\\_self}" in latex, latex
+    assert "\\sqrt{heads}" not in latex and "b_{self}" not in latex, latex
+    gated = load("examples/intrinsic-optimizers/data-gated-linear-attention.energy").energy().equations("latex")
+    assert "+ \\mathrm{bg}" in gated and "+ bg" not in gated, gated
+
+
 def _energy(body: str, head: str = "d = 4", extra: str = "") -> str:
     return f"energy E({head}) {{\n  state z[d]\n  context h[j, d] where j <= i\n{extra}  global F = {body}\n}}\n"
 
