@@ -840,3 +840,17 @@ def test_print_of_a_model_says_how_many_layers_run() -> None:
     assert str(shared).splitlines()[1] == "  GPT: 4 layers, one set of weights shared, context 8"
     one = energydsl.load(ROOT / "examples/models/gpt.energy").model(layers=1, **dims)
     assert str(one).splitlines()[1] == "  GPT: 1 layer, context 8"
+
+
+def test_cem_flops_leave_out_the_products_of_weights_alone() -> None:
+    """DPLR's weight-only products (P_V^T V^T, run once per call) were counted per token: `energy info` gave the
+    CEM model 52.5M FLOPs per token, 14.6x what torch's FlopCounterMode counts in its matmuls (an audit). The
+    count (every contraction at full context, matmuls only) now lands within 0.8-1.25x of it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = energydsl.load(str(ROOT / "examples/models/cem.energy")).model()
+    T = int(model.plan.context)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, int(model.plan.vocab), (1, T)))
+    ratio = model.info()["flops_per_token"] / (counter.get_total_flops() / T)
+    assert 0.8 <= ratio <= 1.25, ratio

@@ -224,7 +224,11 @@ class Emitter:
             return "T"
         return self.size(a)
 
-    def count_flops(self, flops: float) -> None:
+    def count_flops(self, flops: float, axes: set[str] | None = None) -> None:
+        """Add an op's FLOPs per token; one over weights alone (`axes` without a batch, position or context
+        axis: DPLR's P_V^T V^T) runs once per call, whatever the number of tokens, and is left out."""
+        if axes is not None and not any(a in (BATCH, POS) or self.indices[a].context is not None for a in axes):
+            return
         self.flops["prologue" if self.lines is self.prologue else "body"] += flops
 
     def _axes_flops(self, axes: set[str]) -> float:
@@ -246,7 +250,7 @@ class Emitter:
             n = self._axes_flops(named)
             for size in shape_sizes.values():
                 n *= size
-            self.count_flops(2 * n)
+            self.count_flops(2 * n, named)
         specs, codes = [], []
         for v, shape_letters in operands:
             specs.append("".join(self.letters[a] for a in v.axes) + shape_letters)
@@ -515,7 +519,7 @@ class Emitter:
             out = self._linear(a, b, axes, drop)
             if out is not None:
                 n = self._axes_flops(set(a.axes) | set(b.axes)) * sizes["M"] * sizes["N"]
-                self.count_flops(2 * n)
+                self.count_flops(2 * n, set(a.axes) | set(b.axes))
                 return out
         return self.einsum([(a, sa), (b, sb)], axes, so, shape_sizes=sizes)
 
@@ -611,7 +615,7 @@ class Emitter:
             n = self._axes_flops(set(axes))
             for size in e.body.shape:
                 n *= self.shape_size(size)
-            self.count_flops(2 * n)
+            self.count_flops(2 * n, set(axes))
         self.used_ops.add("masked_reduce")
         return self.tmp(f"masked_reduce({full.code}, {mask}, dim={axis}, op={e.op!r})", rest, body.rank,
                         f"{e.op} over the causal context")
