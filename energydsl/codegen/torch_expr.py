@@ -227,7 +227,8 @@ class Emitter:
     def count_flops(self, flops: float, axes: set[str] | None = None) -> None:
         """Add an op's FLOPs per token; one over weights alone (`axes` without a batch, position or context
         axis: DPLR's P_V^T V^T) runs once per call, whatever the number of tokens, and is left out."""
-        if axes is not None and not any(a in (BATCH, POS) or self.indices[a].context is not None for a in axes):
+        if axes is not None and not any(a in (BATCH, POS) or a not in self.indices or self.indices[a].context
+                                        is not None for a in axes):
             return
         self.flops["prologue" if self.lines is self.prologue else "body"] += flops
 
