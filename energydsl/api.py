@@ -477,7 +477,10 @@ class Spec:
         one, many = what
         if name is None:
             if not names:
-                raise SpecError(f"{self.path} declares no {one}", None)
+                imported = [n for n in every if n not in self.syntax.order]  # the imports' own
+                raise SpecError(f"{self.path} declares no {one}", None, f"it imports {', '.join(imported)}: "
+                                f"`--name {imported[0]}` (in Python, .{method or one}(\"{imported[0]}\")) takes one"
+                                if imported else None)
             if len(names) != 1:
                 raise SpecError(f"{self.path} declares {len(names)} {many} ({', '.join(names)}); name one", None,
                                 f"`--name {names[0]}` on the command line; in Python, .{method or one}(\"{names[0]}\")")

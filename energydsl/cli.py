@@ -586,7 +586,7 @@ def _main() -> None:
         # click's usage errors (a missing or bad option); typer >= 0.20 vendors its own click, so match by name
         kinds = {c.__name__ for c in type(e).__mro__}
         if "UsageError" in kinds:  # as every other flag error reads: `error: ...` and a hint, not click's block
-            to_stderr(usage_error(e))
+            to_stderr(usage_error(e, argv))
             sys.exit(2)
         if "ClickException" in kinds:
             try:

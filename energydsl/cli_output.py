@@ -26,13 +26,17 @@ def warning_line(message, category, filename, lineno, file=None, line=None) -> N
 _SHOW_WARNING = warnings.showwarning
 
 
-def usage_error(e: Exception) -> str:
+def usage_error(e: Exception, argv: list[str] | None = None) -> str:
     """A flag or argument click refused (unknown, missing, not a number) as `error: ...` with a hint naming the
-    command's --help."""
+    command's --help. An option missing its value comes without a context (click's parser raises it): the
+    command is then the first word of `argv`."""
     message = e.format_message()  # type: ignore[attr-defined]
     ctx = getattr(e, "ctx", None)
-    command = ctx.command_path if ctx is not None else "energy"
-    lists = "the commands" if ctx is None or ctx.parent is None else "its options and arguments"
+    if ctx is None and argv and argv[0].isidentifier():
+        command, lists = f"energy {argv[0]}", "its options and arguments"
+    else:
+        command = ctx.command_path if ctx is not None else "energy"
+        lists = "the commands" if ctx is None or ctx.parent is None else "its options and arguments"
     message = message[:1].lower() + message[1:].rstrip(".")
     return f"error: {message}\nhint: `{command} --help` lists {lists}"
 

@@ -173,3 +173,22 @@ def test_compile_to_dash_writes_stdout_not_a_file_named_dash(tmp_path: Path) -> 
     proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "compile", str(ROOT / "examples/cem/mlp.energy"),
                            "-o", "-"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0 and "class CEMMLP(" in proc.stdout and not (tmp_path / "-").exists(), proc.stderr
+
+
+@pytest.mark.parametrize("args", [["derive", GPT, "--format"], ["train", GPT, "--steps"],
+                                  ["search", "space.energy", "--trials"]])
+def test_an_option_missing_its_value_hints_at_its_commands_help(args: list[str]) -> None:
+    """click raises it without a context, and the hint named `energy --help` (the list of commands)."""
+    proc = energy_cli(*args)
+    assert proc.returncode == 2 and f"error: option '{args[-1]}' requires an argument" in proc.stderr, proc.stderr
+    assert f"hint: `energy {args[0]} --help` lists its options and arguments" in proc.stderr, proc.stderr
+
+
+def test_a_file_that_only_imports_its_model_names_it_for_graph_and_info(tmp_path: Path) -> None:
+    """`energy graph` of such a file said "declares no model" with no hint, where `--name GPT` works."""
+    imports = tmp_path / "imports.energy"
+    imports.write_text(f'import "{GPT}"\n')
+    for command in ("graph", "info"):
+        proc = energy_cli(command, str(imports))
+        assert proc.returncode == 2 and f"error: {imports} declares no model" in proc.stderr, proc.stderr
+        assert "hint: it imports GPT: `--name GPT`" in proc.stderr, proc.stderr
