@@ -448,10 +448,12 @@ def train_(
 def _better_best(run_dir: Path, val: float | None) -> str:
     """A note on the best checkpoint where it is better than the last good one: a training that climbs for a
     while before it diverges leaves a "good" last checkpoint (under 4x the initial loss) far worse."""
+    from .training.run_dir import committed_training
+
+    best = committed_training(run_dir, "best") or {}
     try:
-        best = json.loads((run_dir / "best.json").read_text())["training"]
         step, loss = int(best["step"]), float(best["val_loss"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return ""
     if val is None or not loss < val:
         return ""

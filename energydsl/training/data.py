@@ -199,10 +199,8 @@ def _check_readable(path: Path, what: str) -> None:
         if path.is_symlink():  # exists() follows links: a dangling one, or a loop of them
             try:
                 path.resolve(strict=True)
-            except RuntimeError:  # pathlib's "Symlink loop" before Python 3.13
-                raise DataError(f"{what} is a loop of symbolic links: {path}", hint="check the path") from None
-            except OSError as e:  # ELOOP, or the dangling link's target
-                if e.errno == errno.ELOOP:
+            except (RuntimeError, OSError) as e:  # a loop: RuntimeError before Python 3.13, then ELOOP
+                if not isinstance(e, OSError) or e.errno == errno.ELOOP:
                     raise DataError(f"{what} is a loop of symbolic links: {path}", hint="check the path") from None
             raise DataError(f"{what} is a symbolic link to nothing: {path} -> {os.readlink(path)}",
                             hint="check the path")

@@ -502,17 +502,23 @@ def resume_hint(fresh: bool) -> str:
     return "rerun without --fresh to resume" if fresh else "rerun the same command to resume"
 
 
+def committed_training(run_dir: Path, stem: str) -> dict[str, Any] | None:
+    """The `training` record of checkpoint `stem`'s committed sidecar, as resuming reads it (a save cut short
+    reads as the previous one); None where there is none or it is damaged."""
+    try:
+        sidecar = checkpoint_file(run_dir / f"{stem}.json")
+        record = None if sidecar is None else json.loads(sidecar.read_text())["training"]
+    except Exception:  # noqa: BLE001 - a damaged run directory: nothing certain to say
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def interrupted_at_once_note(run_dir: Path | None, fresh: bool, started: bool = True) -> str:
     """The note for a Ctrl-C that stopped `energy train` at once (before the training loop, or a second Ctrl-C):
     nothing is saved then, so it says which checkpoint the run directory keeps. `started` False: stopped while
     the model was built, before the run directory was touched (`run_dir` the --out given, or None)."""
-    step = None
-    try:  # the committed last.json, as resuming reads it (a save the Ctrl-C cut short reads as the previous one)
-        sidecar = None if run_dir is None else checkpoint_file(run_dir / "last.json")
-        if sidecar is not None:
-            step = json.loads(sidecar.read_text())["training"]["step"]
-    except Exception:  # noqa: BLE001 - a damaged run directory: say what is certain
-        step = None
+    last = None if run_dir is None else committed_training(run_dir, "last")
+    step = None if last is None else last.get("step")
     if not started or run_dir is None:
         note = "interrupted before training started: nothing was written"
         kept = f"; {run_dir} keeps its last checkpoint, step {step}: {resume_hint(fresh)} from it"
