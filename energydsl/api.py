@@ -25,6 +25,7 @@ from .cli_sizing import allocation_named
 from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, number_shown, plain_number
+from .calculus import substitute_var
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
 from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show, shown_function
 from .semantics import EnergyIR, lower_energy
@@ -91,6 +92,8 @@ class Derived:
             out.append(("preconditioner", label["P"], prog.preconditioner))
         direction = folded(unhoist(prog.tied_direction if spec.untie_rules else prog.direction))
         out.append(("direction", label["D"], direction))
+        if spec.optimizer.kind == "nag":  # its step takes D at the look-ahead point: `m⁺ = β m + D(z − β m)`
+            named.append(_look_ahead(spec, prog, label["D"]))
         named.append((direction, label["D"]))
         out += [("update", *row) for row in _updates(prog.tied_assigns, folded)]
         if spec.untie_rules:
@@ -263,6 +266,15 @@ def _lhs(lhs: str | Expr, fmt: str) -> str:
     if fmt == "text":
         return lhs
     return STYLES[fmt].name_(lhs, [])  # as the printer writes the name where a later equation uses it
+
+
+def _look_ahead(spec: EnergyIR, prog: UpdateProgram, name: str) -> tuple[Expr, Expr]:
+    """NAG's direction at its look-ahead point, as the optimizer builds it, and the call `D(z − β m_z)` that
+    shows for it."""
+    x, m = spec.state, prog.aux[0]
+    point = ir.add(x, ir.neg(ir.mul(ir.Scalar(spec.optimizer.hyper["beta"].symbol), m)))
+    body = substitute_var(unhoist(prog.tied_direction or prog.direction), x.name, x.role, point)
+    return body, ir.Func(name, point)
 
 
 def _updates(assigns: list[Assign], folded: Callable[[Expr], Expr]) -> list[tuple[str, Expr]]:

@@ -375,7 +375,7 @@ STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "mark
 NAME = "name"  # the role of a variable that stands for an earlier equation's right-hand side
 
 
-def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Var) -> ir.Expr:
+def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Expr) -> ir.Expr:
     """`e` with every occurrence of `body` replaced by a variable called `name` (or by the variable `name`:
     a norm's own, which the gradient is written in), for reading only.
 
@@ -383,7 +383,7 @@ def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Var) -> ir.Expr:
     not D written out again). A sum (product) folds where its terms (factors) are among a larger one's."""
     if isinstance(body, ir.Index) or (not body.children and getattr(body, "role", "") != NAME):
         return e  # `∇ = z`: renaming every z would mislead (a name for a name, `D = ∇_z F`, folds)
-    named = name if isinstance(name, ir.Var) else ir.Var(name, NAME, body.shape)
+    named = ir.Var(name, NAME, body.shape) if isinstance(name, str) else name
     negated = ir.neg(body)  # the constructors pull signs out: P (−g) is built as −(P g)
     parts = body.children if isinstance(body, (ir.Add, ir.Mul)) else None
     memo: dict[int, ir.Expr] = {}

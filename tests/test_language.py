@@ -369,6 +369,10 @@ def test_later_equations_show_earlier_ones_by_name() -> None:
     momentum = load("examples/intrinsic-optimizers/momen-mha.energy").energy().equations("text")
     assert "D = ∇_z F" in momentum and "m_z⁺ = β m_z + D" in momentum
     assert "z⁺ = z − η m_z⁺" in momentum  # the position steps with the new momentum, as the program does
+    nag = load("examples/intrinsic-optimizers/nag-mha.energy").energy().equations("text")
+    assert "m_z⁺ = β m_z + D(z − β m_z)" in nag  # NAG takes D at its look-ahead point, not at z
+    assert "\\operatorname{D}\\left(z - \\beta" in load("examples/intrinsic-optimizers/nag-mha.energy").energy(
+    ).equations("latex")
     for path in ("examples/cem/mlp.energy", "examples/models/cem.energy",
                  "examples/hopfield/energy-transformer.energy"):
         for derived in load(path).derive():
