@@ -132,7 +132,7 @@ class Derived:
                 base = base.a if isinstance(base, Transpose) else base.base
             if isinstance(base, Var) and base.name in params:
                 _, hits = untie_fn(unhoist(direction), [(cand, Var("__probe", "param", cand.shape))])
-                if hits:
+                if hits[0]:  # replacements made: a list of one count, truthy even at [0]
                     on_path.setdefault(base.name, set()).add(show(cand))
         inside: dict[str, str] = {}  # a param's name: where it shapes the weights (scores first, else a function)
         from .ir import Func, Softmax

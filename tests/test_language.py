@@ -732,6 +732,21 @@ def test_a_tying_line_names_the_function_a_param_is_inside() -> None:
                      "the value path)"], tying
 
 
+@pytest.mark.parametrize("path, name", [("examples/cem/alibi.energy", "m"), ("examples/cem/dplr.energy", "P_d"),
+                                        ("examples/intrinsic-optimizers/data-gated-linear-attention.energy", "wg")])
+def test_a_tying_line_names_only_params_on_the_value_path(path: str, name: str) -> None:
+    """A param only inside the scores or a function is not tied, and `untie` refuses it: derive must not offer it
+    (the probe's count of replacements, [0], had read as a hit)."""
+    from energydsl import ir
+    from energydsl.optimizers import unhoist
+
+    derived = load(path).energy()
+    used = {x.name for x in ir.nodes(unhoist(derived.program.direction)) if isinstance(x, ir.Var)}
+    assert name in used  # it is in the update, only not on its value path
+    tying = derived.tying()
+    assert tying and not any(line.startswith(f"{name} is used") for line in tying), tying
+
+
 def test_latex_keeps_a_names_digits_apart_from_its_indices() -> None:
     """`W1_k` is W1's k-th head; `W_{1,k}` would read as an entry of W."""
     latex = load("examples/intrinsic-optimizers/mha.energy").energy().equations("latex")
