@@ -135,12 +135,18 @@ class Derived:
                 if hits[0]:  # replacements made: a list of one count, truthy even at [0]
                     on_path.setdefault(base.name, set()).add(show(cand))
         inside: dict[str, str] = {}  # a param's name: where it shapes the weights (scores first, else a function)
-        from .ir import Func, Softmax
+        from .ir import Func, Mul, Softmax
 
         for node in nodes(unhoist(direction)):
-            if isinstance(node, (Softmax, Func)):
-                where = "the scores" if isinstance(node, Softmax) else f"{shown_function(node.name)}(…)"
-                for inner in nodes(node):
+            if isinstance(node, Mul) and any(f.shape != () for f in node.factors):
+                # a scalar weight of a tensor (linear attention's ⟨W1_k z, W2_k h_j⟩ W2_k h_j) is a score
+                shaping = [(f, "the scores") for f in node.factors if f.shape == ()]
+            elif isinstance(node, (Softmax, Func)):
+                shaping = [(node, "the scores" if isinstance(node, Softmax) else f"{shown_function(node.name)}(…)")]
+            else:
+                continue
+            for part, where in shaping:
+                for inner in nodes(part):
                     if isinstance(inner, Var) and inner.name in params and inside.get(inner.name) != "the scores":
                         inside[inner.name] = where
         return [f"{name} is used in {inside[name]} and, as {' / '.join(sorted(forms))}, on the value path "

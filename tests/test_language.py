@@ -747,6 +747,13 @@ def test_a_tying_line_names_only_params_on_the_value_path(path: str, name: str) 
     assert tying and not any(line.startswith(f"{name} is used") for line in tying), tying
 
 
+def test_a_tying_line_counts_a_scalar_weight_as_a_score() -> None:
+    """Linear attention weighs W2_k h_j by ⟨W1_k z, W2_k h_j⟩: no softmax or function, but W1 and W2 are tied."""
+    tying = load("examples/intrinsic-optimizers/multi-head-linear-attention.energy").energy().tying()
+    assert [line.split(" on the value path")[0] for line in tying] == [
+        "W1 is used in the scores and, as W1_k / W1_kᵀ,", "W2 is used in the scores and, as W2_k,"], tying
+
+
 def test_latex_keeps_a_names_digits_apart_from_its_indices() -> None:
     """`W1_k` is W1's k-th head; `W_{1,k}` would read as an entry of W."""
     latex = load("examples/intrinsic-optimizers/mha.energy").energy().equations("latex")
