@@ -413,7 +413,9 @@ _STATE_ROLES = ("state", "leaf", "aux")
 def _worth_hoisting(e: Expr) -> bool:
     return isinstance(e, (ir.MatMul, ir.Dot, ir.Func, ir.Outer, ir.SumAll, ir.Reduce, ir.Softmax, ir.ProdOthers,
                           ir.Decay, ir.Rope, ir.Inverse, ir.Mul, ir.Add, ir.Pow)) and e.free != frozenset() \
-        or isinstance(e, (ir.MatMul, ir.Inverse))
+        or isinstance(e, (ir.MatMul, ir.Inverse)) \
+        or isinstance(e, ir.Reduce) and any(  # a context sum without the state: per token (its body alone is T x T)
+            isinstance(x, ir.Var) and x.role == "context" for x in ir.nodes(e))
 
 
 def _hoist(e: Expr, hoisted: list[Let]) -> Expr:

@@ -123,6 +123,8 @@ def _matches_interpreter(derived, T: int = 7, backend: str = "torch", atol: floa
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecay",  # exp(-lam[k] (i - j))
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecayStrict",  # (j - i)
                                   "tests/data/exp-decay-linear-attention.energy:ExpDecayAbs",  # abs(j - i)
+                                  "tests/data/exp-decay-linear-attention.energy:TwoDecays",  # 0.9^(i-j) e^(-lam (i-j))
+                                  "tests/data/decayed-sums.energy:HeadMovingAverages",  # Σ_j γ_ij v_j: q = k = 1
                                   "tests/data/data-dependent-decay.energy:SquaredGate",  # decay(r)^2
                                   "tests/data/alibi-second-order.energy:CovPerHeadAlibi",  # -(… + m |i - j|)
                                   "tests/data/weighted-context-sums.energy:SigmoidAttention",  # weights @ values

@@ -287,10 +287,10 @@ def test_pointwise_kernels_make_no_t_by_t_tensor(name: str) -> None:
     assert sizes["triton"] < 2 * 64 * 64 <= sizes["torch"], sizes
 
 
-@pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict", "ExpDecayAbs"])
+@pytest.mark.parametrize("name", ["ExpDecay", "ExpDecayStrict", "ExpDecayAbs", "TwoDecays"])
 def test_a_decay_written_as_exp_of_the_distance_takes_the_linear_kernels(name: str) -> None:
     """exp(-lam[k] (i - j)), exp(lam[k] (j - i)) and exp(-lam[k] |j - i|): the decay lam[k]'s log per head, as
-    a[k]^(i - j) is."""
+    a[k]^(i - j) is; a product of two decays, the sum of their logs."""
     derived = load(ROOT / "tests/data/exp-decay-linear-attention.energy").energy(name)
     assert ".linear_attention(" in energy_source(derived, "triton")
     _compare_backends(derived, name)
@@ -447,11 +447,11 @@ def test_a_score_term_no_kernel_takes_is_named_in_the_note() -> None:
 
 
 def test_a_module_partly_on_t_by_t_torch_ops_says_so() -> None:
-    """A decayed sum of a value without the state (Σ_j a^(i-j) W h_j, here from a product of two state terms) is a
+    """A context sum of a vector per pair (Σ_j relu(W h_j + cos(0.1 (i - j))), beside a softmax attention) is a
     masked reduction over (B, T, T, d): the kernels ran the rest, and nothing said the memory was quadratic."""
     derived = load("energy L(d = 8) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
-                   "  param c[d]\n  param a in (0, 1) = 0.8\n"
-                   "  global F = -sum[j](a^(i - j) * (z . (W @ h[j])) * (c . z))\n}\n").energy()
+                   "  param Q[d, d]\n  param K[d, d]\n  global F = -logsumexp[j]((Q @ z) . (K @ h[j]))"
+                   " - sum[j](z . relu(W @ h[j] + cos(0.1 * (i - j))))\n}\n").energy()
     unfused: list[str] = []
     assert "@triton.jit" in energy_source(derived, "triton", unfused)
     assert unfused == ["L runs on the kernels, but not all of it: a context sum no kernel takes is computed with "

@@ -5,7 +5,8 @@ multi-scale retention, or exp(-lam[k] (i - j)) written out, the distance in any 
 i - j on the causal context, such as abs(i - j)), a data-dependent gate `decay(r)` or a positive power of one
 (GLA, Mamba-2; `gates.py`), or a gate times a decay: `linear_attention` of `energydsl.runtime.ops` (torch
 backend) or the chunkwise Triton kernels (triton backend), O(T·C·d + T·d²) with no T x T matrix. The decay goes
-in as one log decay per head, a gate as per-token log decays (B, H, T).
+in as one log decay per head, a gate as per-token log decays (B, H, T). A decayed sum without the coupling,
+`sum[j](γ_ij v_j)` (a moving average of the values), runs as the same ops with q = k = 1.
 """
 
 from __future__ import annotations
@@ -37,21 +38,26 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     for f in both:
         g = ir.bare(f)
         d = _constant_decay(em, g, j, info.strict)
-        if d is not None and decay is None:
-            decay = d
+        if d is not None:  # a^(i - j) b^(i - j) = exp((log a + log b)(i - j))
+            decay = d if decay is None else ir.add(decay, d)
         elif gate is None and (found := _gate_power(g, j)) is not None:
             gate, power = found
         elif isinstance(g, ir.Dot) and coupling is None and len(g.a.shape) == 1:
             coupling = g
         else:
             return None
-    if coupling is None or len(e.shape) > 1:
-        return None
-    a_ax = token_axes(coupling.a, em.indices)
-    qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
-    if j in token_axes(qe, em.indices) or POS in token_axes(ke, em.indices):
-        return None
-    q, k = em.emit(qe), em.emit(ke)
+    if len(e.shape) > 1 or (coupling is None and decay is None and gate is None):
+        return None  # (a plain sum of values is a prefix sum)
+    if coupling is None:  # Σ_j γ_ij v_j, a decayed running sum: the ops with q = k = 1 (width 1)
+        q = k = em.tmp("torch.ones(1, device=dev, dtype=dt)", (), 1)
+        width = 1
+    else:
+        a_ax = token_axes(coupling.a, em.indices)
+        qe, ke = (coupling.a, coupling.b) if j not in a_ax else (coupling.b, coupling.a)
+        if j in token_axes(qe, em.indices) or POS in token_axes(ke, em.indices):
+            return None
+        q, k = em.emit(qe), em.emit(ke)
+        width = em.shape_size(qe.shape[0])
     v = em.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
     if v.scalar:
         v = em.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
@@ -65,8 +71,9 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     if rank == 0:
         v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     dv = em.shape_size(e.shape[0]) if e.shape else 1
-    em.count_flops(4 * em._axes_flops(set(heads)) * em.shape_size(qe.shape[0]) * dv)
-    qc, kc, vc = (_as_bhtd(em, t, heads, p) for t, p in ((q, POS), (k, j), (v, j)))
+    em.count_flops(4 * em._axes_flops(set(heads)) * width * dv)
+    qc, vc = _as_bhtd(em, q, heads, POS), _as_bhtd(em, v, heads, j)
+    kc = qc if coupling is None else _as_bhtd(em, k, heads, j)  # ones: the same layout
     ld = _log_decay(em, decay, heads) if gate is None else token_log_decay(em, gate, decay, heads, power)
     # the ops' gate for pair (i, j) takes the rates of j < s <= i; a strict context's stops at i - 1 (no rate of
     # token i itself), which is the ops' causal sum for the query one token later, shifted back (and a constant
@@ -78,14 +85,15 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
         if decay is not None:
             code += f" * torch.exp({_log_decay(em, decay, heads)})[:, None, None]"
         qc = em.tmp(code, (), 4, "each query one token early").code
+    summed = "sum over j of (q.k_j) v_j" if coupling is not None else "decayed sum over j of v_j (q = k = 1)"
     if em.backend == "triton":
         ops = em.kernel_set(KernelRequest.linear(strict=strict, decay=ld != "None"))
         code = f"{ops}.linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
-        comment = "sum over j of (q.k_j) v_j: the chunked Triton linear-attention kernels above"
+        comment = f"{summed}: the chunked Triton linear-attention kernels above"
     else:
         em.used_ops.add("linear_attention")
         code = f"linear_attention({qc}, {kc}, {vc}, log_decay={ld}, strict={strict})"
-        comment = "sum over j of (q.k_j) v_j: chunked linear attention"
+        comment = f"{summed}: chunked linear attention"
     if early:
         code = f"F.pad({code}[:, :, :-1], (0, 0, 1, 0))"
         comment += ", with j < i: one token later"
