@@ -381,13 +381,21 @@ class Spec:
         --set`)."""
         energy_dims, model_dims = self._split_dims(dims)
         results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
-        from .composition import expand_block
+        from .composition import expand_block, models_running, plan_model
 
         for name in self.block_names:  # each stage of a block, as a model's layer runs it (a sum: one energy)
-            stages = expand_block(self.syntax, name, energy_dims)
+            try:
+                stages, where = expand_block(self.syntax, name, energy_dims), ""
+            except SpecError:  # it reads a model's dims (`MLP(d, hidden = 8)`): checked at the dims of one
+                users = models_running(self.syntax, name)
+                if not users:
+                    raise
+                model = plan_model(self.syntax, users[0], model_dims.get(users[0], {}))
+                stages = expand_block(self.syntax, name, energy_dims, outer=model.dims)
+                where = f" at model {users[0]}'s dims"
             for n, stage in enumerate(stages):
                 label = name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})"
-                results[label] = derive(stage.decl, stage.dims).check()
+                results[label + where] = derive(stage.decl, stage.dims).check()
         models = {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
         return results | models | {name: self.check_search(name) for name in self.search_names}
 

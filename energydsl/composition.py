@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import numbers
 import operator
@@ -93,10 +94,12 @@ class ModelPlan:
         g.add_node("embed", kind="embed", label=self.embed_label())
         g.add_edge("tokens", "embed")
         prev = "embed"
+        labels = [stage.label for stage in self.stages]
         for layer in ["*"] if collapsed else range(self.layers):
             repeat = {"repeat": self.layers} if collapsed else {}
             for s, stage in enumerate(self.stages):
-                node = f"L{layer}.{stage.label}"
+                # a stage its layer runs twice (`MLP -> MLP`) is a node per position, as the norms are
+                node = f"L{layer}.{stage.label}" if labels.count(stage.label) == 1 else f"L{layer}.{s}.{stage.label}"
                 weights = "shared" if self.shared else "per layer" if collapsed else f"layer {layer}"
                 if self.norm and (self.norm[1] == "stage" or s == 0):
                     norm = f"L{layer}.{s}.{self.norm[0]}"
@@ -237,6 +240,8 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
                 if any(k is None for k, _ in ref.args):
                     raise SpecError(f"arguments of block `{ref.name}` must be named (they go to every energy with "
                                     "that dim)", ref.span)
+                _check_block_args(module, ref.name, [(key, getattr(node, "span", None) or ref.span)
+                                                     for key, node in ref.args])
                 inner_env = dict(env)
                 for key, node in ref.args:
                     inner_env[key] = evaluate_number(node, env, f"`{key}` of block `{ref.name}`")
@@ -266,15 +271,50 @@ def _named(stages: list[tuple[list[Part], str | None]], block: str) -> list[tupl
     return stages
 
 
-def expand_block(module: ast.Module, name: str, dims: dict[str, float]) -> list[StagePlan]:
-    """A block outside any model: its stages, with `dims` as the block's named arguments."""
+def _block_takes(module: ast.Module, name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+    """The names a block's argument can set: a dim of an energy in it, or a name its stages' arguments read (in
+    it or in a block within it)."""
+    takes = _names_in(module.blocks[name].pipeline)
+    for ref in (r for summed in module.blocks[name].pipeline for r in summed):
+        if ref.name in module.energies:
+            takes |= {n for n, _ in module.energies[ref.name].header}
+        elif ref.name in module.blocks and ref.name not in seen:
+            takes |= _block_takes(module, ref.name, seen | {name})
+    return takes
+
+
+def _check_block_args(module: ast.Module, name: str, args: list[tuple[str, Span | None]]) -> None:
+    """A block's argument that nothing in it reads (`Pair(haeds = 4)`) had been dropped without a word."""
+    takes = _block_takes(module, name)
+    for key, span in args:
+        if key not in takes:
+            close = difflib.get_close_matches(key, sorted(takes), n=1)
+            raise SpecError(f"`{key}` is not a dim of any energy in block `{name}`", span,
+                            f"did you mean `{close[0]}`?" if close else f"its energies' dims: "
+                            f"{', '.join(sorted(takes)) or 'none'}")
+
+
+def expand_block(module: ast.Module, name: str, dims: dict[str, float],
+                 outer: dict[str, float] | None = None) -> list[StagePlan]:
+    """A block outside any model: its stages, with `dims` as the block's named arguments; `outer`, a model's dims,
+    gives the names the block reads from the model that runs it (`block Inner = MLP(d, hidden = 8)`)."""
     env = {k: dim_override(k, v, f"block `{name}`", None) for k, v in dims.items()}
-    stages = _named(_expand(module, module.blocks[name].pipeline, env), name)
-    known = {n for parts, _ in stages for decl, _, _ in parts for n, _ in decl.header}
-    unknown = sorted(set(env) - known)
-    if unknown:
-        raise SpecError(f"`{unknown[0]}` is not a dim of any energy in block `{name}`", module.blocks[name].span)
+    _check_block_args(module, name, [(key, module.blocks[name].span) for key in env])
+    stages = _named(_expand(module, module.blocks[name].pipeline, (outer or {}) | env), name)
     return [_stage(*stage) for stage in stages]
+
+
+def models_running(module: ast.Module, block: str) -> list[str]:
+    """The models whose layer runs `block`, itself or within another block."""
+    def reaches(pipeline: list[list[ast.StageRef]], seen: frozenset[str]) -> bool:
+        for ref in (r for summed in pipeline for r in summed):
+            if ref.name == block or (ref.name in module.blocks and ref.name not in seen
+                                     and reaches(module.blocks[ref.name].pipeline, seen | {ref.name})):
+                return True
+        return False
+
+    return [m for m, decl in module.models.items()
+            if reaches(next((c.value for c in decl.clauses if c.kind == "layer"), []), frozenset())]
 
 
 def _stage(parts: list[Part], block: str | None = None) -> StagePlan:
@@ -357,7 +397,7 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
         shared = bool(c.extra.get("shared"))
     across = None
     if "across" in one:
-        across = _across(one["across"])
+        across = _across(one["across"], env)
     norm = None
     if "norm" in one:
         c = one["norm"]
@@ -455,7 +495,7 @@ def _rank(c: ast.Clause, env: dict[str, float], stream: tuple[int, ...]) -> int 
     return _whole(evaluate_number(node, env, "the rank"), "the rank", node.span or c.span)
 
 
-def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
+def _across(c: ast.Clause, env: dict[str, float]) -> tuple[str, dict[str, tuple[float, bool]]] | None:
     call = c.value
     if isinstance(call, ast.OptHole):
         raise SpecError("`choice{...}` across layers belongs in a `search`", call.span)
@@ -464,7 +504,7 @@ def _across(c: ast.Clause) -> tuple[str, dict[str, tuple[float, bool]]] | None:
     ACROSS_LAYERS.check(call.name, call.span, [(kw.name, kw.span) for kw in call.kwargs])
     hyper = {k: (float(v), False) for k, v in ACROSS_LAYERS.takes[call.name].items()}
     for kw in call.kwargs:
-        hyper[kw.name] = (evaluate_number(kw.value, {}, f"`{kw.name}`"), kw.flag == "learn")
+        hyper[kw.name] = (evaluate_number(kw.value, env, f"`{kw.name}`"), kw.flag == "learn")  # model dims too
     return call.name, hyper
 
 

@@ -371,6 +371,21 @@ def test_graph_prints_and_writes_dot(tmp_path: Path) -> None:
     assert "MHA -> MLP" in r.stdout and "digraph" in (tmp_path / "g.dot").read_text()
 
 
+def test_a_stage_run_twice_in_a_layer_is_two_nodes() -> None:
+    """`MLP -> MLP`: the nodes had been named by label alone, so the two merged into one with a self-loop."""
+    import networkx as nx
+
+    from energydsl import load
+
+    source = Path("examples/models/gpt.energy").read_text().replace("layer = MHA(d, heads) -> MLP(d, hidden = 4 * d)",
+                                                                    "layer = MHA(d, heads) -> MLP(d) -> MLP(d)")
+    assert "-> MLP(d) -> MLP(d)" in source
+    g = load(source, base="examples/models").plan("GPT", layers=2).graph()
+    stages = [n for n, kind in g.nodes(data="kind") if kind == "stage"]
+    assert stages == ["L0.MHA", "L0.1.MLP", "L0.2.MLP", "L1.MHA", "L1.1.MLP", "L1.2.MLP"], stages
+    assert nx.is_directed_acyclic_graph(g) and nx.is_simple_path(g, list(nx.topological_sort(g)))
+
+
 CLASHING_SUM = """energy A(d = 4) {
   state z[d]
   param W2[d, d] ~ normal(0, 0.02)
@@ -854,3 +869,49 @@ def test_cem_flops_leave_out_the_products_of_weights_alone() -> None:
         model(torch.randint(0, int(model.plan.vocab), (1, T)))
     ratio = model.info()["flops_per_token"] / (counter.get_total_flops() / T)
     assert 0.8 <= ratio <= 1.25, ratio
+
+
+GPT_ENERGIES = f'import "{Path("examples/models/gpt.energy").resolve()}"\n'
+
+
+def test_a_block_that_reads_a_models_dims_is_checked_at_them(tmp_path: Path) -> None:
+    """`block Inner = MLP(d, hidden = 8)` reads the model's d: checked alone, `d` was unknown, and `energy check`
+    refused the file that `info`, `graph` and `train` took."""
+    from energydsl import load
+
+    path = tmp_path / "blocks.energy"
+    path.write_text(GPT_ENERGIES + "block Inner = MLP(d, hidden = 8)\n"
+                    "model M(vocab = 11, context = 8, d = 16) {\n  layer = Inner\n}\n")
+    results = load(path).check()
+    assert "Inner at model M's dims" in results and "M" in results
+    assert all(r.status != "fail" for rows in results.values() for r in rows)
+    r = _run("check", str(path), "--set", "d=12")  # the model's --set reaches the block's check too
+    assert r.returncode == 0 and "Inner at model M's dims" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("call, message", [("Pair(haeds = 4)", "did you mean `heads`?"),
+                                           ("Pair(foo = 4)", "its energies' dims: d, heads, hidden")])
+def test_a_block_argument_nothing_reads_is_an_error(tmp_path: Path, call: str, message: str) -> None:
+    """A misspelt block argument in a model's layer had been dropped: heads stayed 2, and every command passed."""
+    path = tmp_path / "typo.energy"
+    path.write_text(GPT_ENERGIES + "block Pair = MHA -> MLP\n"
+                    f"model M(vocab = 11, context = 8, d = 16, heads = 2) {{\n  layer = {call}\n}}\n")
+    for command in ("info", "check", "graph"):
+        r = _run(command, str(path))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"typo.energy:4:{len('  layer = ') + call.index('4') + 1}:" in r.stderr  # at its value
+        assert "is not a dim of any energy in block `Pair`" in r.stderr and message in r.stderr, r.stderr
+
+
+def test_across_layer_values_read_the_models_dims() -> None:
+    """`momentum(beta = b, eta = 2 / layers)`: the values had been evaluated with no names at all."""
+    from energydsl import load
+
+    source = Path("examples/models/momentum-gpt.energy").read_text()
+    source = source.replace("across layers momentum(beta = 0.9 learn, eta = 1 learn)",
+                            "across layers momentum(beta = b learn, eta = 2 / layers)")
+    source = source.replace("model MomentumGPT(", "model MomentumGPT(b = 0.8, ")
+    assert "beta = b learn" in source and "(b = 0.8, " in source
+    spec = load(source, base="examples/models")
+    assert spec.plan("MomentumGPT").across == ("momentum", {"beta": (0.8, True), "eta": (0.5, False)})
+    assert spec.plan("MomentumGPT", b=0.5, layers=8).across[1] == {"beta": (0.5, True), "eta": (0.25, False)}
