@@ -255,10 +255,14 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
                     out += _named(inner, ref.name)
                     parts = []
                     continue
+            elif ref.name in module.models:
+                raise SpecError(f"`{ref.name}` is a model; a layer's stages are energies or blocks", ref.span,
+                                "declare its layer as a block (`block B = ...`) and use `B` in both models")
             else:
                 known = sorted(module.energies) + sorted(module.blocks)
+                close = difflib.get_close_matches(ref.name, known, n=1)
                 raise SpecError(f"no energy or block named `{ref.name}`", ref.span,
-                                f"declared: {', '.join(known) or 'none'}")
+                                f"did you mean `{close[0]}`?" if close else f"declared: {', '.join(known) or 'none'}")
         if parts:
             out.append((parts, None))
     return out

@@ -61,6 +61,11 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
     globals_: list[ast.Clause] = []
     optimizer: ast.Clause | None = None
     owners: dict[str, tuple[str, bool]] = {}  # each dim's first energy, and whether it was set there
+    for n, (decl, _) in enumerate(parts):
+        if any(other is decl for other, _ in parts[:n]):  # its params and untie rules would all clash with its own
+            raise SpecError(f"`{decl.name}` is summed with itself", refs[n] if refs else decl.span,
+                            "a sum's energies share their params by name: declare a copy under another name, "
+                            "with params of its own names")
     for n, (decl, values) in enumerate(parts):
         for name, value in _header_values(decl, values).items():
             if name in dims and dims[name] != value:

@@ -416,6 +416,14 @@ def test_graph_refuses_a_stage_that_derive_would(tmp_path: Path) -> None:
     assert f"{path}:12:23" in r.stderr and "`W2` already exists (declared at " in r.stderr and ":3:3)" in r.stderr
 
 
+def test_an_energy_summed_with_itself_is_named_at_the_sum(tmp_path: Path) -> None:
+    """`MHA + MHA` said "this pattern is untied twice (first at X)", X the very place of the error."""
+    path = tmp_path / "twice.energy"
+    path.write_text(GPT_ENERGIES + "model M(vocab = 11, context = 8, d = 16, heads = 2) {\n  layer = MHA + MHA\n}\n")
+    r = _run("info", str(path))
+    assert r.returncode == 2 and f"{path}:3:17: error: `MHA` is summed with itself" in r.stderr, r.stderr
+
+
 def test_train_cli_runs_and_resumes(tmp_path: Path) -> None:
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question. " * 200)
@@ -550,6 +558,16 @@ def test_unknown_stage_is_located(tmp_path: Path) -> None:
     spec.write_text((ROOT / "examples/models/gpt.energy").read_text().replace("-> MLP(", "-> MLPX("))
     r = _run("info", str(spec))
     assert r.returncode == 2 and "m.energy:49:28: error: no energy or block named `MLPX`" in r.stderr
+    assert "hint: did you mean `MLP`?" in r.stderr
+
+
+def test_a_model_as_a_stage_is_named_a_model(tmp_path: Path) -> None:
+    """`layer = GPT` said "no energy or block named `GPT`" in a file that declares it."""
+    spec = tmp_path / "m.energy"
+    spec.write_text((ROOT / "examples/models/gpt.energy").read_text()
+                    + "model Deep(vocab = 65, context = 64, d = 128) {\n  layer = GPT\n}\n")
+    r = _run("info", str(spec), "--name", "Deep")
+    assert r.returncode == 2 and "`GPT` is a model; a layer's stages are energies or blocks" in r.stderr, r.stderr
 
 
 def test_asking_for_a_model_or_block_as_an_energy_says_what_it_is() -> None:
