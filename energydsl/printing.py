@@ -376,8 +376,8 @@ NAME = "name"  # the role of a variable that stands for an earlier equation's ri
 
 
 def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Expr) -> ir.Expr:
-    """`e` with every occurrence of `body` replaced by a variable called `name` (or by the variable `name`:
-    a norm's own, which the gradient is written in), for reading only.
+    """`e` with every occurrence of `body` replaced by a variable called `name` (or by the expression `name`: a
+    norm's own variable, which the gradient is written in, or NAG's call `D(z − β m_z)`), for reading only.
 
     An earlier equation's right-hand side shows as its left-hand side in later ones (`x⁺ = x − η D`,
     not D written out again). A sum (product) folds where its terms (factors) are among a larger one's."""
