@@ -91,19 +91,22 @@ def expand_files(files: list[str]) -> list[str]:
     return paths
 
 
-def no_energy(path: str, spec) -> UserError:
-    """A file with no energy of its own; the hint names what it has (blocks, imported energies, models)."""
+def no_energy(path: str, spec, command: str = "derive") -> UserError:
+    """A file with no energy of its own; the hint names what it has (blocks, imported energies, models), and how
+    `command` (derive, compile) takes one."""
     syntax = spec.syntax
     imported = [n for n in syntax.energies if n not in spec.energy_names]
+    does = {"derive": "derives", "compile": "compiles"}.get(command, "takes")
     if syntax.blocks:
-        hint = f"it has blocks ({', '.join(syntax.blocks)}): `energy derive {path} --name " \
-               f"{next(iter(syntax.blocks))}` derives one"
-    elif imported:
-        hint = f"it imports energies ({', '.join(imported)}): `energy derive {path} --name {imported[0]}` " \
-               "derives one"
+        hint = f"it has blocks ({', '.join(syntax.blocks)}): `energy {command} {path} --name " \
+               f"{next(iter(syntax.blocks))}` {does} one"
     elif syntax.models:
-        hint = f"it declares models: `energy derive {path} --name {next(iter(syntax.models))}` derives a model's " \
-               "layer; `energy graph`, `info` and `train` take them"
+        model = (spec.model_names or list(syntax.models))[0]  # its own first
+        hint = f"it declares models: `energy {command} {path} --name {model}` {does} a " \
+               "model's layer; `energy graph`, `info` and `train` take them"
+    elif imported:
+        hint = f"it imports energies ({', '.join(imported)}): `energy {command} {path} --name {imported[0]}` " \
+               f"{does} one"
     else:
         hint = "an energy is `energy Name(d = 8) { state z[d] ... }` (docs/language.md)"
     return UserError(f"{path} declares no energy", hint=hint)
@@ -226,7 +229,7 @@ def compile_(
     dims = parse_sets(sets)
     derived = spec.derivations(name, **dims)
     if not derived:
-        raise no_energy(file, spec)
+        raise no_energy(file, spec, "compile")
     unfused: list[str] = []
     text = energy_source(derived, backend, unfused)
     for note in unfused:

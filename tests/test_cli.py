@@ -161,6 +161,11 @@ def test_a_file_without_an_energy_of_its_own_names_what_it_has(tmp_path: Path) -
     imports.write_text(f'import "{ROOT / "examples/intrinsic-optimizers/mha.energy"}"\n')
     proc = energy_cli("derive", str(imports))
     assert proc.returncode == 2 and "it imports energies (MHA)" in proc.stderr, proc.stderr
+    model = tmp_path / "model.energy"  # its own model first (not the imported GPT), in the command's own words
+    model.write_text(f'import "{ROOT / "examples/models/gpt.energy"}"\nmodel M(vocab = 11, context = 8, d = 16) '
+                     '{\n  layer = MLP\n}\n')
+    proc = energy_cli("compile", str(model))
+    assert proc.returncode == 2 and f"`energy compile {model} --name M` compiles a model's layer" in proc.stderr
     two = tmp_path / "two.energy"
     two.write_text((ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8").replace("model GPT(", "model A(")
                    + "\nmodel B(vocab = 65, context = 8, d = 8, layers = 1) {\n embed tokens\n layer = MLP\n"
