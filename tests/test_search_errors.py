@@ -159,6 +159,8 @@ def test_a_ray_address_that_cannot_be_joined_exits_2(tmp_path: Path, address: st
     r = energy("search", "toy", "--backend", "ray", "--address", address, "--trials", "1",
                "--storage", str(tmp_path / "s.journal"), cwd=tmp_path)
     clean_exit_2(r, message, "hint: start it with `ray start --head`")
+    if address == "127.0.0.1:1":  # said before the study is created: no empty study, lock or Ray log behind
+        assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
 def test_more_gpus_per_trial_than_a_local_ray_runtime_has_exits_2(tmp_path: Path) -> None:
@@ -170,6 +172,7 @@ def test_more_gpus_per_trial_than_a_local_ray_runtime_has_exits_2(tmp_path: Path
     r = energy("search", "toy", "--backend", "ray", "--gpus-per-trial", str(gpus), "--trials", "1",
                "--storage", str(tmp_path / "s.journal"), cwd=tmp_path)
     clean_exit_2(r, f"--gpus-per-trial {gpus}: this machine has", "no trial could start")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no empty study left
 
 
 def test_a_rerun_with_other_settings_exits_2_naming_them(tmp_path: Path) -> None:

@@ -338,6 +338,13 @@ def check_options(*, backend: str, trials: int | None, timeout: float | None, wo
     if backend == "ray" and device.startswith("cuda") and not gpus_per_trial:
         raise UserError(f"--device {device} on the ray backend needs GPUs reserved per trial",
                         hint="give --gpus-per-trial, e.g. 0.5 (two trials per GPU)")
+    if backend == "ray":  # what needs this machine or the cluster: still before the study is created
+        from .ray_backend import check_local_gpus, check_reachable
+
+        if address is None:
+            check_local_gpus(gpus_per_trial or 0.0)
+        else:
+            check_reachable(address)
 
 
 def run_search(

@@ -439,8 +439,6 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
         from ray import tune
     except ImportError as e:
         raise UserError("the ray backend needs Ray Tune: pip install 'ray[tune]'") from e
-    if not address:
-        _check_local_gpus(gpus_per_trial)
     storage = open_storage(storage_spec)
     with study_lock(storage_spec, study.study_name):
         recovered = recover_stale(study, storage)
@@ -531,14 +529,6 @@ def _init_ray(ray: Any, address: str | None, workers: int, cpus_per_trial: float
         ray.init(address="local", num_cpus=max(1, math.ceil(workers * cpus_per_trial)), include_dashboard=False,
                  log_to_driver=False, logging_level=logging.WARNING)
         return
-    host, sep, port = address.rpartition(":")
-    if sep and host and "://" not in address and port.isdigit():
-        try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-        except OSError as e:
-            raise UserError(f"cannot reach the Ray cluster at --address {address}: {e}",
-                            hint="start it with `ray start --head` there, or give the head's address and port "
-                                 "(default 6379); `--address auto` finds a cluster started on this machine") from None
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
@@ -549,7 +539,20 @@ def _init_ray(ray: Any, address: str | None, workers: int, cpus_per_trial: float
             from None
 
 
-def _check_local_gpus(gpus_per_trial: float) -> None:
+def check_reachable(address: str) -> None:
+    """A cluster's HOST:PORT that does not answer is the user's to fix, said before a storage opens or Ray starts
+    (Ray's own retries last many minutes); `auto` and `ray://` addresses are left to `ray.init`."""
+    host, sep, port = address.rpartition(":")
+    if sep and host and "://" not in address and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as e:
+            raise UserError(f"cannot reach the Ray cluster at --address {address}: {e}",
+                            hint="start it with `ray start --head` there, or give the head's address and port "
+                                 "(default 6379); `--address auto` finds a cluster started on this machine") from None
+
+
+def check_local_gpus(gpus_per_trial: float) -> None:
     """A local runtime has this machine's GPUs: a trial that asks for more could never start (Tune would wait)."""
     if gpus_per_trial <= 0:
         return
