@@ -497,7 +497,7 @@ def sample(
     import torch
 
     from .training.sampling import stream
-    from .training.trained import load_trained
+    from .training.trained import divergence_note, load_trained
 
     if tokens < 0:
         raise UserError(f"--tokens must be at least 0, got {tokens}", hint="how many tokens to generate")
@@ -509,6 +509,8 @@ def sample(
     if not 0 <= seed < 2**64:  # torch's generator takes 64 bits
         raise UserError(f"--seed must be in [0, 2**64), got {seed}")
     model, codec, meta = load_trained(checkpoint)
+    if (note := divergence_note(checkpoint, meta)) is not None:
+        err.print(f"note: {note}", markup=False, highlight=False)
     codec, ids, new = stream(model, codec, prompt, tokens, temperature, top_k, torch.Generator().manual_seed(seed),
                              metadata=meta)
     # printed as drawn, so that a long run shows its text and Ctrl-C keeps what came: a bytes model's bytes through

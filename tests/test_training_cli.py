@@ -116,6 +116,10 @@ def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, mo
         strict_json(line)
     code, out, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused, not replayed
     assert code == 2 and "same settings" in err and "Traceback" not in err
+    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path), "--tokens", "3")
+    step = strict_json((tmp_path / "diverged.json").read_text())["step"]
+    assert code == 0 and err.startswith(f"note: this run diverged at step {step} (") and " holds the weights from " \
+        "step " in err, err  # its weights are from before the divergence: said, not silently sampled
 
 
 def test_a_divergence_names_a_best_checkpoint_better_than_the_last_good_one(tmp_path):

@@ -79,3 +79,23 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
         return model, codec_from_json(dataset["codec"]), meta
     except UserError as e:
         raise UserError(f"the metadata of {checkpoint} is damaged: its {e.message}", hint=_OTHER) from None
+
+
+def divergence_note(checkpoint: str, meta: dict[str, Any]) -> str | None:
+    """A line for a run whose last attempt diverged (its `diverged.json`, which a good resume removes): the
+    weights sampled are then from before the divergence, maybe from its very start."""
+    import json
+
+    weights, _ = checkpoint_paths(checkpoint, "best")
+    try:
+        record = json.loads((weights.parent / "diverged.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    at = f" at step {record['step']}" if isinstance(record.get("step"), int) else ""
+    why = f" ({record['reason']})" if isinstance(record.get("reason"), str) else ""
+    training = meta.get("training")
+    step = training.get("step") if isinstance(training, dict) else None
+    held = f"from step {step}" if isinstance(step, int) and step >= 0 else "from before it"
+    return f"this run diverged{at}{why}; {weights.name} holds the weights {held}"
