@@ -116,6 +116,23 @@ def test_sample_refuses_weights_with_nan_naming_the_file(run):
     assert "internal error" not in err and out == ""
     code, out, err = energy("sample", str(run / "best.safetensors"), "--tokens", "5", "--prompt", "the")
     assert code == 0 and out.startswith("the"), err  # the intact checkpoint still samples
+    (run / "best.safetensors").unlink()  # the other checkpoint is not offered where it is not
+    code, out, err = energy("sample", str(weights), "--tokens", "5")
+    assert code == 2 and "hint: use another checkpoint, or train again" in err, err
+
+
+def test_sample_of_a_file_that_is_no_checkpoint_says_so(run, tmp_path):
+    """A spec, an optimizer state or a text gave safetensors' own "header too large"."""
+    spec = tmp_path / "best.energy"
+    spec.write_text("energy E(d = 4) {\n}\n")
+    for path, hint in ((spec, f"hint: train it first: `energy train {spec}`"),
+                       (run / "last.optim.pt", "hint: give a run directory of `energy train`")):
+        code, out, err = energy("sample", str(path), "--tokens", "5")
+        assert code == 2 and err.startswith(f"error: {path} is not a safetensors checkpoint") and hint in err, err
+    cut = tmp_path / "cut.safetensors"  # a checkpoint cut short is a damaged checkpoint, not another kind of file
+    cut.write_bytes((run / "best.safetensors").read_bytes()[:200])
+    code, out, err = energy("sample", str(cut), "--tokens", "5")
+    assert code == 2 and err.startswith(f"error: cannot read checkpoint {cut}: "), err
 
 
 def test_resume_refuses_weights_with_nan_as_a_damaged_checkpoint(run, corpus):

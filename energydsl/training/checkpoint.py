@@ -260,6 +260,17 @@ def _read_weights(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
+def _safetensors_header(path: Path) -> bool:
+    """Does the file open as safetensors does: an 8-byte little-endian length of a JSON header (safetensors caps it
+    at 100 MB), then `{`? A damaged or cut checkpoint does; a spec, an optimizer state or a text does not."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return True  # then its read error is the message
+    return len(head) == 9 and int.from_bytes(head[:8], "little") <= 100_000_000 and head[8:9] == b"{"
+
+
 def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
                     ) -> tuple[dict[str, Tensor], dict[str, Any], dict[str, str]]:
     """`load_checkpoint`, plus the weights' header (its `step` says which save the weights are from)."""
@@ -269,13 +280,18 @@ def read_checkpoint(path_or_dir: str | Path, *, which: str = "best"
     except OSError as e:
         raise DataError(f"cannot read checkpoint {weights}: {e.strerror}") from None
     except Exception as e:  # safetensors raises its own error types for corrupt files
+        if not _safetensors_header(weights):  # a spec, an optimizer state, a text: another kind of file
+            hint = f"train it first: `energy train {weights}`" if weights.suffix == ".energy" else \
+                "give a run directory of `energy train` or its best.safetensors / last.safetensors"
+            raise DataError(f"{weights} is not a safetensors checkpoint", hint=hint) from None
         raise DataError(f"cannot read checkpoint {weights}: {e}") from e
     damaged = _nonfinite(state)
     if damaged:  # saves never hold a diverged state: NaN or inf in the weights means damaged bytes
         shown = first_few(damaged, 3)
-        other = {"last": "best", "best": "last"}.get(weights.stem)
-        hint = (f"use the run's other checkpoint, {weights.with_name(f'{other}.safetensors')}, if it is intact, or "
-                "train again" if other else "use another checkpoint, or train again")
+        other = weights.with_name(f"{ {'last': 'best', 'best': 'last'}.get(weights.stem)}.safetensors")
+        hint = (f"use the run's other checkpoint, {other}, if it is intact, or train again"
+                if weights.stem in ("best", "last") and checkpoint_file(other) is not None
+                else "use another checkpoint, or train again")
         raise DataError(f"checkpoint {weights} is damaged: its weights hold NaN or infinite values ({shown})",
                         hint=hint)
     try:
