@@ -129,6 +129,14 @@ def test_sample_of_a_file_that_is_no_checkpoint_says_so(run, tmp_path):
                        (run / "last.optim.pt", "hint: give a run directory of `energy train`")):
         code, out, err = energy("sample", str(path), "--tokens", "5")
         assert code == 2 and err.startswith(f"error: {path} is not a safetensors checkpoint") and hint in err, err
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "other.safetensors"))  # another model's weights, this sidecar
+    shutil.copy(run / "best.json", tmp_path / "other.json")
+    code, out, err = energy("sample", str(tmp_path / "other.safetensors"), "--tokens", "5")
+    assert code == 2 and "hint: its weights and its metadata are from different saves" in err, err
+    code, out, err = energy("sample", str(tmp_path), "--tokens", "5")  # a search's folder: its best.energy
+    assert code == 2 and f"hint: a search keeps no weights: `energy train {spec}`" in err, err
     cut = tmp_path / "cut.safetensors"  # a checkpoint cut short is a damaged checkpoint, not another kind of file
     cut.write_bytes((run / "best.safetensors").read_bytes()[:200])
     code, out, err = energy("sample", str(cut), "--tokens", "5")

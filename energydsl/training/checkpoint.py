@@ -228,8 +228,10 @@ def checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
         if checkpoint_file(weights) is None and which == "best":
             weights = path / "last.safetensors"
         if checkpoint_file(weights) is None:
+            best = path / "best.energy"  # a search's folder: it keeps the best candidate's spec, not weights
             raise DataError(f"no checkpoint in {path} (expected {which}.safetensors)",
-                            hint="point at a training output directory or a .safetensors file")
+                            hint=f"a search keeps no weights: `energy train {best}` trains its best candidate"
+                            if best.is_file() else "point at a training output directory or a .safetensors file")
     elif path.suffix == ".json":
         weights = path.with_suffix(".safetensors")
     else:

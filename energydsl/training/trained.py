@@ -71,8 +71,12 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
+        # the model is the one trained (its equations, and the spec file too): the weights are from elsewhere
+        same = trained is not None and unchanged
         raise UserError(f"{checkpoint}: its weights do not fit the model its spec builds now: "
-                        f"{str(e).strip().splitlines()[-1].strip()[:200]}", hint=_RESTORE) from None
+                        f"{str(e).strip().splitlines()[-1].strip()[:200]}",
+                        hint="its weights and its metadata are from different saves: use a checkpoint's own pair "
+                             "(X.safetensors with X.json), or train again" if same else _RESTORE) from None
     if "codec" not in dataset:
         return model, load_dataset(dataset.get("name", "")), meta
     try:
