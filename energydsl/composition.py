@@ -495,7 +495,8 @@ def _rank(c: ast.Clause, env: dict[str, float], stream: tuple[int, ...]) -> int 
     if len(stream) != 2:
         raise SpecError(f"`{c.kind} ... rank` factorises over a matrix stream, but the stream is "
                         f"[{', '.join(map(str, stream))}]", node.span or c.span,
-                        "declare the stream's shape: `stream [dk, dv]`")
+                        "declare a matrix stream, `stream [dk, dv]`, or leave `rank` out" if len(stream) > 2
+                        else "declare the stream's shape: `stream [dk, dv]`")
     return _whole(evaluate_number(node, env, "the rank"), "the rank", node.span or c.span)
 
 

@@ -539,6 +539,7 @@ def test_rmt_trains_from_the_cli(tmp_path: Path) -> None:
      "stage `RMTAttention` has the state [16, 16] (256 entries) but the model's stream is [16, 32] (512)"),
     ([("  stream  [dk, dv]", "")], "model `RMT` needs a `d` dim"),
     ([("  stream  [dk, dv]", ""), ("RMT(vocab", "RMT(d = 256, vocab")], "factorises over a matrix stream"),
+    ([("stream  [dk, dv]", "stream  [dk, dv, 1]")], "hint: declare a matrix stream, `stream [dk, dv]`, or leave"),
     ([("head    untied rank heads", "head    tied rank heads")], "a tied head reads with the embedding's own keys"),
     ([("positions rank heads", "positions rank 0")], "the rank must be a whole number ≥ 1"),
 ])
