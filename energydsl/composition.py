@@ -245,7 +245,13 @@ def _expand(module: ast.Module, pipeline: list[list[ast.StageRef]], env: dict[st
                 inner_env = dict(env)
                 for key, node in ref.args:
                     inner_env[key] = evaluate_number(node, env, f"`{key}` of block `{ref.name}`")
-                inner = _expand(module, module.blocks[ref.name].pipeline, inner_env, seen + (ref.name,))
+                try:
+                    inner = _expand(module, module.blocks[ref.name].pipeline, inner_env, seen + (ref.name,))
+                except UserError as e:  # located in the block's declaration, often in an imported file
+                    if ref.span is not None:
+                        note = f"block `{ref.name}` is run at {ref.span}"
+                        e.hint = f"{e.hint}; {note}" if e.hint else note
+                    raise
                 if len(summed) > 1:
                     if len(inner) != 1:
                         raise SpecError(f"block `{ref.name}` is a pipeline; only single stages can be summed",

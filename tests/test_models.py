@@ -562,6 +562,18 @@ def test_unknown_stage_is_located(tmp_path: Path) -> None:
     assert "hint: did you mean `MLP`?" in r.stderr
 
 
+def test_an_error_inside_a_block_names_where_the_model_runs_it(tmp_path: Path) -> None:
+    """A block that reads a dim the model lacks is an error in the block's file: it now says which reference ran it."""
+    blocks = tmp_path / "blocks.energy"
+    blocks.write_text(GPT_ENERGIES + "block Wide = MLP(d, hidden = 2 * d)\n")
+    spec = tmp_path / "m.energy"
+    spec.write_text('import "blocks.energy"\nmodel M(vocab = 11, context = 8, dk = 4, dv = 4) {\n'
+                    "  stream [dk, dv]\n  layer = Wide\n}\n")
+    r = _run("info", str(spec))
+    assert r.returncode == 2 and f"{blocks}:2:18: error: unknown name `d`" in r.stderr, r.stderr
+    assert f"; block `Wide` is run at {spec}:4:11" in r.stderr, r.stderr
+
+
 def test_a_model_as_a_stage_is_named_a_model(tmp_path: Path) -> None:
     """`layer = GPT` said "no energy or block named `GPT`" in a file that declares it."""
     spec = tmp_path / "m.energy"
