@@ -28,7 +28,7 @@ from . import ir, sympy_instance
 from .calculus import directional
 from .check_results import SEEDS, TOL, CheckResult, _abs, _non_finite, _one_thread, _Worst
 from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
-from .optimizer_checks import check_definite, check_descent
+from .optimizer_checks import check_definite, check_descent, check_head_maps
 from .optimizers import UpdateProgram
 from .replay import (
     autograd_gradient,
@@ -345,7 +345,7 @@ def run_checks(prog: UpdateProgram) -> list[CheckResult]:
     with _one_thread():
         results = [check_gradient(prog)]
         for fn in (check_sympy, check_hessian, check_update, check_causality, check_own_token, check_descent,
-                   check_definite, check_tying, check_params):
+                   check_definite, check_head_maps, check_tying, check_params):
             try:
                 r = fn(prog)
             except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on

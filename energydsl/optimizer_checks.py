@@ -193,3 +193,24 @@ def _covariance_definite(prog: UpdateProgram) -> CheckResult:
         return CheckResult("definite", "fail", f"I + τ·Cov_p(v) is not positive-definite {found}: τ must be ≥ 0")
     caveat = "; a learned τ < 0 may break it" if learned else ""
     return CheckResult("definite", "ok", f"I + τ·Cov_p(v) positive-definite {found}{caveat}")
+
+
+def check_head_maps(prog: UpdateProgram) -> CheckResult | None:
+    """A per-head Newton step inverts A_k A_kᵀ for each head's map A_k. A map the spec starts at zeros, ones or one
+    value has rank below the head's width (above 1): the module's first forward fails. The other checks draw
+    every weight at random, so only its initialiser shows it."""
+    inverted = [n for n in ir.nodes(prog.direction) if isinstance(n, ir.Inverse)]
+    if not inverted:
+        return None
+    names = {v.name for n in inverted for v in ir.nodes(n) if isinstance(v, ir.Var) and v.role == "param"}
+    for name in sorted(names):
+        param = prog.spec.params.get(name)
+        kind = param.init[0] if param is not None and param.init else None
+        width = prog.spec.size(inverted[0].shape[0]) if inverted[0].shape else 1
+        if kind == "zeros" or (kind in ("ones", "value") and width > 1):
+            start = {"zeros": "zeros()", "ones": "ones()"}.get(kind, "one value")
+            return CheckResult("head map", "fail", f"`{name}` starts at {start}, so a per-head Newton step's "
+                               f"A_k A_kᵀ ({width} x {width}) is singular at the start: the module's first forward "
+                               f"fails; initialise `{name}` at random (`~ normal(0, 0.02)`)")
+    return CheckResult("head map", "ok", f"each head's map ({', '.join(sorted(names))}) starts at random: "
+                       "A_k A_kᵀ is invertible almost surely")

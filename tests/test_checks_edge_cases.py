@@ -1020,3 +1020,39 @@ energy C4(d = 4) {
 """)
     assert rows["update"].status == "ok" and rows["descent"].status == "warn", rows["descent"].detail
     assert "preconditioned by diag" in rows["descent"].detail
+
+
+PER_HEAD_NEWTON = """
+energy NH(d = 4, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j <= i
+  param   W1[heads, dh, d] INIT
+  param   W2[heads, dh, d] ~ normal(0, 0.3)
+  local   E[k, j] = 0.5 * (W1[k] @ z - W2[k] @ h[j]) . (W1[k] @ z - W2[k] @ h[j])
+  global  F = mean[k](-logsumexp[j](-E[k, j]))
+  optimizer newton(eta = 0.5, taylor = 1) per head
+}
+"""
+
+
+@pytest.mark.parametrize("init, status", [("~ zeros()", "fail"), ("~ ones()", "fail"), ("= 0.5", "fail"),
+                                          ("~ normal(0, 0.3)", "ok")])
+def test_a_per_head_newton_map_that_starts_singular_fails_the_head_map_row(init: str, status: str) -> None:
+    """A head map started at zeros or ones made A_k A_kᵀ singular: `energy check` said ok (it draws every weight at
+    random), and the module's first forward raised torch's LinAlgError."""
+    text = PER_HEAD_NEWTON.replace("INIT", init)
+    row = checks_of(text)["head map"]
+    assert row.status == status, row.detail
+    module = load(text).energy().module()
+    x = module.example_input(1, 3)
+    if status == "ok":
+        assert torch.isfinite(module(x)).all()
+    elif init != "= 0.5":
+        assert "`W1` starts at" in row.detail and "singular" in row.detail
+        with pytest.raises(ValueError, match=r"a per-head Newton step's A_k A_kᵀ is singular"):
+            module(x)
+
+
+def test_energies_without_a_per_head_newton_step_have_no_head_map_row() -> None:
+    assert "head map" not in checks_of(PER_HEAD_NEWTON.replace("INIT", "~ normal(0, 0.3)").replace(" per head", ""))

@@ -23,10 +23,19 @@ def causal_masks(T: int, device: torch.device) -> tuple[Tensor, Tensor]:
 
 def inverse(a: Tensor) -> Tensor:
     """A batch of matrix inverses; half-precision matrices are inverted in float32 (LAPACK and cuSOLVER
-    have no bfloat16 or float16 inverse), as autocast does, and the result cast back."""
-    if a.dtype in (torch.float16, torch.bfloat16):
-        return torch.linalg.inv(a.float()).to(a.dtype)
-    return torch.linalg.inv(a)
+    have no bfloat16 or float16 inverse), as autocast does, and the result cast back.
+
+    The one inverse a derived update takes is a per-head Newton step's (A_k A_kᵀ)⁻¹, which maps the head's
+    step back through the pseudo-inverse of its map A_k: a singular one is said in those terms."""
+    half = a.dtype in (torch.float16, torch.bfloat16)
+    if torch.compiler.is_compiling():  # (a compiled graph cannot raise on a value)
+        return torch.linalg.inv(a.float()).to(a.dtype) if half else torch.linalg.inv(a)
+    try:
+        return torch.linalg.inv(a.float()).to(a.dtype) if half else torch.linalg.inv(a)
+    except torch.linalg.LinAlgError as e:
+        raise ValueError(f"a per-head Newton step's A_k A_kᵀ is singular ({str(e).splitlines()[0]}): each head's "
+                         "map A_k must have full row rank, which a weight initialised to zeros or ones (or "
+                         "trained to rank below the head width) has not; initialise it at random") from None
 
 
 def projections(*pairs: Tensor) -> tuple[Tensor, ...]:
