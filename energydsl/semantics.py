@@ -434,12 +434,13 @@ class _Lowering(ExpressionLowering, ParamLowering):
                 raise SpecError("`taylor` cannot be learned: it is the number of Neumann-series terms, which fixes "
                                 "the shape of the derived update", where, "drop `learn` from `taylor`")
             if not (t.is_integer and 0 <= int(t) <= 4):
-                raise SpecError("`taylor` is the number of Neumann-series terms: a whole number 0..4", where)
+                raise SpecError(f"`taylor` is the number of Neumann-series terms: a whole number 0..4, got "
+                                f"{plain_number(float(t))}", where)
         mods = c.extra
         if "steps" in mods:
             steps = self._constant(mods["steps"], "`steps`")
             if steps < 1 or steps != int(steps) or steps > 64:
-                raise SpecError("`steps` must be a whole number from 1 to 64", c.span)
+                raise SpecError(f"`steps` must be a whole number from 1 to 64, got {plain_number(steps)}", c.span)
             spec.steps = int(steps)
         spec.per_head = bool(mods.get("per_head"))
         spec.wrt = mods.get("wrt")
@@ -451,6 +452,9 @@ class _Lowering(ExpressionLowering, ParamLowering):
             spec.precondition = pre.name
             for kw in pre.kwargs:
                 value = self._constant(kw.value, f"`{kw.name}`")
+                if kw.name == "rank" and kw.flag is not None:  # only a value (covariance's tau) is learned
+                    raise SpecError(f"`rank` cannot be {'learned' if kw.flag == 'learn' else 'fixed'}: it is the "
+                                    "width of the low-rank factor, a shape", kw.span, f"drop `{kw.flag}` from `rank`")
                 if kw.name == "rank" and (value < 1 or value != int(value)):
                     raise SpecError(f"`rank` must be a positive whole number, not {plain_number(value)}", kw.value.span,
                                     "the number of columns of the low-rank factor: 1, 2, ...")

@@ -251,6 +251,12 @@ BASE = "energy A(d = 4) {{\n  state   z[d]\n  input   h[d]\n  global  F = 0.5 * 
     ("optimizer newton(taylor = 1) precondition covariance(tau = 0.1)",
      "`precondition covariance` needs a first-order optimizer", 45, "^" * 21),
     ("optimizer gd(eta = 1) wrt q", "`wrt q`: no variable of that name; `wrt` must name the state `z`", 25, "^^^^^"),
+    # a rank is a shape: a flag on it had been dropped without a word
+    ("optimizer gd precondition dplr(rank = 2 learn)", "`rank` cannot be learned: it is the width", 34, "^" * 14),
+    ("optimizer gd precondition psd(rank = 1 fixed)", "`rank` cannot be fixed", 33, "^" * 14),
+    ("optimizer gd(eta = 1) steps 20 * d", "`steps` must be a whole number from 1 to 64, got 80", 3, "^" * 34),
+    ("optimizer newton(taylor = 2 * d)", "`taylor` is the number of Neumann-series terms: a whole number 0..4, got 8",
+     20, "^" * 14),
 ])
 def test_optimizer_messages_are_located(tmp_path, extra, message, col, caret):
     path = tmp_path / "bad.energy"
