@@ -9,6 +9,7 @@ consistency here but are only used when something is evaluated.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,8 +256,26 @@ class _Lowering(ExpressionLowering, ParamLowering):
     # ------------------------------------------------------------------ clauses
     def _constant(self, node: ast.Node, what: str, hint: str | None = None) -> float:
         """A number built from numbers and dims, at this instance's dims."""
-        e = self.expr(node)
+        try:
+            e = self.expr(node)
+        except SpecError as err:  # a name declared here but not a constant: said so, not "did you mean `d`"
+            kinds = {c.name: c.kind for c in self.decl.clauses if getattr(c, "name", None)}
+            name = next((n for n in kinds if err.message == f"undefined name `{n}`"), None)
+            if name is None:
+                raise
+            kind = {"let": "a `let`", "local": "a `local`", "state": "the state", "input": "the input",
+                    "context": "the context", "global": "the energy"}.get(kinds[name], f"a `{kinds[name]}`")
+            raise SpecError(f"{what} must be a constant, of numbers and dims; `{name}` is {kind}", err.span,
+                            "write the number, or declare it as a dim (`dim c = ...` of numbers and dims)"
+                            if kinds[name] == "let" else hint) from None
         if not isinstance(e, ir.Scalar) or e.value.free_symbols - set(self.dim_symbols.values()):
+            names = [x.name for x in ir.nodes(e) if isinstance(x, Var)] if not isinstance(e, ir.Scalar) else \
+                sorted(str(v) for v in e.value.free_symbols - set(self.dim_symbols.values()))
+            kind = next(((n, k) for n in names if (k := self._kind_of(n))), None)
+            if kind is not None:
+                raise SpecError(f"{what} must be a constant, of numbers and dims; `{kind[0]}` is {kind[1]}",
+                                node.span, f"a learned value is written {what[:-1]} = 0.5 learn`"
+                                if kind[1] == "a param" and re.fullmatch(r"`\w+`", what) else hint)
             raise SpecError(f"{what} must be a number", node.span, hint)
         v = e.value.subs({self.dim_symbols[k]: val for k, val in self.dim_values.items()})
         try:

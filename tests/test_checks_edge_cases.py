@@ -257,6 +257,9 @@ BASE = "energy A(d = 4) {{\n  state   z[d]\n  input   h[d]\n  global  F = 0.5 * 
     ("optimizer gd(eta = 1) steps 20 * d", "`steps` must be a whole number from 1 to 64, got 80", 3, "^" * 34),
     ("optimizer newton(taylor = 2 * d)", "`taylor` is the number of Neumann-series terms: a whole number 0..4, got 8",
      20, "^" * 14),
+    # a name that is no constant: said what it is (a state's had read "undefined name `z`, did you mean `d`?")
+    ("optimizer gd(eta = z)", "`eta` must be a constant, of numbers and dims; `z` is the state", 22, "^"),
+    ("optimizer gd(eta = h)", "`eta` must be a constant, of numbers and dims; `h` is the input", 22, "^"),
 ])
 def test_optimizer_messages_are_located(tmp_path, extra, message, col, caret):
     path = tmp_path / "bad.energy"
@@ -1062,3 +1065,15 @@ def test_a_per_head_newton_map_that_starts_singular_fails_the_head_map_row(init:
 
 def test_energies_without_a_per_head_newton_step_have_no_head_map_row() -> None:
     assert "head map" not in checks_of(PER_HEAD_NEWTON.replace("INIT", "~ normal(0, 0.3)").replace(" per head", ""))
+
+
+@pytest.mark.parametrize("value, message, hint", [
+    ("c", "`eta` must be a constant, of numbers and dims; `c` is a `let`", "declare it as a dim"),
+    ("2 * s", "`eta` must be a constant, of numbers and dims; `s` is a param", "written `eta = 0.5 learn`"),
+])
+def test_a_step_size_that_is_no_constant_says_what_it_is(value: str, message: str, hint: str) -> None:
+    text = ("energy L(d = 4) {\n  state z[d]\n  param s = 0.5\n  let c = 0.5 * sqrt(d)\n"
+            f"  global F = 0.5 * s * z . z\n  optimizer gd(eta = {value})\n}}\n")
+    with pytest.raises(SpecError) as info:
+        load(text).energy()
+    assert info.value.message == message and hint in info.value.hint, (info.value.message, info.value.hint)
