@@ -201,7 +201,14 @@ class Derived:
         values = [f"{show(Var(str(h.symbol), 'leaf', ()))} = {number_shown(h.value)}"
                   + (f", learned as opt_{name}" if h.learn else "")
                   for name, h in sorted(optimizer.hyper.items(), key=lambda kv: str(kv[1].symbol))]
-        return f"{optimizer.steps} × {optimizer.kind}" + (f" ({'; '.join(values)})" if values else "")
+        steps = f"{optimizer.steps} × {optimizer.kind}" + (f" ({'; '.join(values)})" if values else "")
+        if optimizer.precondition is None:
+            return steps
+        # covariance's τ is P_tau, learned unless `fixed`; a rank is a shape
+        options = [f"{'τ' if name == 'tau' else name} = {number_shown(value)}"
+                   + (", learned as P_tau" if learn and name == "tau" else "")
+                   for name, (value, learn) in sorted(optimizer.precondition_options.items())]
+        return f"{steps}, precondition {optimizer.precondition}" + (f"({'; '.join(options)})" if options else "")
 
     def _header(self) -> str:
         spec = self.spec

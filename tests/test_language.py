@@ -429,6 +429,10 @@ def test_steps_line_gives_the_optimizers_values() -> None:
     """λ, η and taylor appear in the equations as symbols; the steps line says what they are."""
     newton = load("examples/intrinsic-optimizers/mha2nd1st.energy").energy().equations("text")
     assert newton.splitlines()[-1].strip() == "steps  1 × newton (η = 1/2; λ = 0; taylor = 1)"
+    for path, steps in (("examples/cem/dplr.energy", "1 × gd (η = 1), precondition dplr(rank = 2)"),
+                        ("examples/intrinsic-optimizers/light-mha2nd1st.energy",
+                         "1 × gd (η = 1/2), precondition covariance(τ = 1/100, learned as P_tau)")):
+        assert load(path).energy().equations("text").splitlines()[-1].strip() == f"steps  {steps}"  # τ: nowhere
     momentum = load("examples/intrinsic-optimizers/momen-mha.energy").energy().equations("markdown")
     assert "- **steps**: 2 × momentum (β = 9/10, learned as opt_beta; η = 1/2, learned as opt_eta)" in momentum
 
