@@ -293,7 +293,7 @@ def glued_keyword(keyword: lark.Token, text: str, file: str) -> SpecError:
     rest = word[len(keyword):]
     return SpecError(f"unknown word `{word}`", Span(file, keyword.line, keyword.column, text,
                                                    keyword.column + len(word)),
-                     f"write `{keyword} {rest}` with a space if you meant both words, or `{keyword}` alone")
+                     f"did you mean `{keyword}` alone, or `{keyword} {rest}` as two words?")
 
 
 def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> SpecError:

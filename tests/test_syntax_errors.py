@@ -130,13 +130,14 @@ def test_a_misspelt_keyword_is_named(typo: str, word: str) -> None:
     (MODEL.replace("repeat 2", "repeats"), "repeats", "repeat s"),
     (MODEL.replace("embed tokens", "embedtokens"), "embedtokens", "embed tokens"),
     (ENERGY + "blockB = A\n", "blockB", "block B"),
+    (ENERGY.replace("optimizer gd(eta = 1)", "optimizer gd(eta = 1) per heads"), "heads", "head s"),  # `head` alone
 ])
 def test_a_keyword_glued_to_the_next_word_is_refused(text: str, word: str, split: str) -> None:
     """Where the grammar takes no name, the lexer saw only keywords and read a keyword off the front of a longer
     word: `statez[d]` was `state z[d]`, and `repeats` (a header dim `s`) repeated the layers s times."""
     err = syntax_error(text)
     assert err.message == f"unknown word `{word}`"
-    assert err.hint == f"write `{split}` with a space if you meant both words, or `{split.split()[0]}` alone"
+    assert err.hint == f"did you mean `{split.split()[0]}` alone, or `{split}` as two words?"
     assert err.span.end_column - err.span.column == len(word)
 
 
