@@ -203,10 +203,10 @@ def check_head_maps(prog: UpdateProgram) -> CheckResult | None:
     if not inverted:
         return None
     names = {v.name for n in inverted for v in ir.nodes(n) if isinstance(v, ir.Var) and v.role == "param"}
+    width = prog.spec.size(inverted[0].shape[0]) if inverted[0].shape else 1  # the head's
     for name in sorted(names):
         param = prog.spec.params.get(name)
         kind = param.init[0] if param is not None and param.init else None
-        width = prog.spec.size(inverted[0].shape[0]) if inverted[0].shape else 1
         if kind == "zeros" or (kind in ("ones", "value") and width > 1):
             start = {"zeros": "zeros()", "ones": "ones()"}.get(kind, "one value")
             return CheckResult("head map", "fail", f"`{name}` starts at {start}, so a per-head Newton step's "

@@ -266,7 +266,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
             kind = {"let": "a `let`", "local": "a `local`", "state": "the state", "input": "the input",
                     "context": "the context", "global": "the energy"}.get(kinds[name], f"a `{kinds[name]}`")
             raise SpecError(f"{what} must be a constant, of numbers and dims; `{name}` is {kind}", err.span,
-                            "write the number, or declare it as a dim (`dim c = ...` of numbers and dims)"
+                            f"write the number, or declare it as a dim (`dim {name} = ...` of numbers and dims)"
                             if kinds[name] == "let" else hint) from None
         if not isinstance(e, ir.Scalar) or e.value.free_symbols - set(self.dim_symbols.values()):
             names = [x.name for x in ir.nodes(e) if isinstance(x, Var)] if not isinstance(e, ir.Scalar) else \
