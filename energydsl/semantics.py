@@ -261,7 +261,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
         except SpecError as err:  # a name declared here but not a constant: said so, not "did you mean `d`"
             kinds = {c.name: c.kind for c in self.decl.clauses if getattr(c, "name", None)}
             name = next((n for n in kinds if err.message == f"undefined name `{n}`"), None)
-            if name is None:
+            if name is None or kinds[name] == "dim":  # a body dim read too early: the caller says where it is
                 raise
             kind = {"let": "a `let`", "local": "a `local`", "state": "the state", "input": "the input",
                     "context": "the context", "global": "the energy"}.get(kinds[name], f"a `{kinds[name]}`")

@@ -368,7 +368,7 @@ def test_a_params_initial_value_may_use_dims():
     assert all(r.ok for r in checks_of(text).values())
     module = load(text).module(d=36, heads=1)
     assert float(module.T.detach()) == 6.0 and float(torch.sigmoid(module.a.detach())) == pytest.approx(1 / 36)  # raw a
-    with pytest.raises(SpecError, match="initial value must be a number") as e:
+    with pytest.raises(SpecError, match="initial value must be a constant, of numbers and dims; `W1` is a param") as e:
         load(text.replace("= sqrt(dh) learn", "= sqrt(dh) + W1 learn")).energy()
     assert e.value.span is not None and e.value.span.line == 7
 

@@ -269,6 +269,7 @@ def test_without_the_resource_flags_local_runs_and_ray_reserves_its_defaults(tmp
     reserved: list[tuple[float, float]] = []
     monkeypatch.setattr(ray_backend, "run_ray", lambda *a, **kw: reserved.append(
         (kw["gpus_per_trial"], kw["cpus_per_trial"])) or {})  # no Ray started: what it would have been given
+    monkeypatch.setattr(ray_backend, "check_local_gpus", lambda gpus: None)  # as on a machine with a GPU
     for flags in ([], ["--gpus-per-trial", "0.5", "--cpus-per-trial", "2"]):
         code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "r.journal", "--backend", "ray",
                                                             *flags))
