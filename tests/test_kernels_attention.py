@@ -147,17 +147,31 @@ def run(
     }
 
 
+def lse_floor(case: Case, leaves: dict[str, torch.Tensor]) -> float:
+    """The error a recomputed softmax cannot go under in float32: p = exp(s - lse) carries the rounding of
+    s and lse, about max|s| 2^-24, as a factor per row (FlashAttention's own floor). Below it, a kernel
+    matches a float32 reference only where its products round exactly as the forward's: numpy's BLAS on
+    Intel gives q k^T and (k q^T)^T bit for bit, on AMD (OpenBLAS's Zen kernels) it does not."""
+    q, k = leaves["q"].detach().double(), leaves["k"].detach().double()
+    s = (q @ k.transpose(-1, -2)).abs().amax() * case.score_scale * case.Dk**-0.5
+    if case.has("key"):
+        s = s + leaves["key_bias"].detach().double().abs().amax()
+    return 2.0 * float(s) * 2.0**-24
+
+
 def check(
     case: Case, kind: str, dtype: torch.dtype = torch.float32, tol: float = TOL, factor: float = 2.0,
-    impl: dict | None = None,
+    impl: dict | None = None, floor: bool = False,
 ) -> None:
     """Kernel in `dtype` vs the float64 reference: every output and gradient finite and within
     max(tol, factor * error of the PyTorch reference run in `dtype`) relative error.
 
     The adaptive part matters only for ill-conditioned quantities: e.g. d self_bias = sum_i dS_ii can be a
-    1e-4 remainder of O(1) terms, which no float32 implementation gets to 1e-4 relative accuracy.
+    1e-4 remainder of O(1) terms, which no float32 implementation gets to 1e-4 relative accuracy. `floor`
+    adds `lse_floor` for large scores.
     """
     leaves = make_leaves(case, dtype)  # all three runs see the same (rounded) inputs and cotangents
+    tol = max(tol, lse_floor(case, leaves)) if floor else tol
 
     def fresh(dt: torch.dtype) -> dict[str, torch.Tensor]:
         return {n: t.detach().to(dt).requires_grad_() for n, t in leaves.items()}
@@ -221,8 +235,9 @@ MODES = {"narrow-split": (False, False), "narrow-fused": (False, True), "wide-ti
 
 
 @pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("layout", ["token", "sliced", "packed"])
+@pytest.mark.parametrize("layout, mode", [  # the second mode of each width on the token layout alone in CI
+    pytest.param(layout, mode, marks=pytest.mark.slow if layout != "token" and mode.endswith(("fused", "loop")) else ())
+    for layout in ("token", "sliced", "packed") for mode in MODES])
 def test_layouts_match_reference(monkeypatch, layout: str, mode: str, kind: str) -> None:
     """q, k, v and u token-major, sliced or packed (read in place through their strides; gradients through
     strides of their own): every output and gradient, in each backward mode of the narrow and the wide
@@ -314,7 +329,7 @@ def test_second_moment_keeps_its_digits_under_large_scores(wide: bool, kind: str
     without the first, the backward's delta = dr . r disagreed with the weights it sums (dq, dk ~10x further
     from float64 than the float32 reference); without the second, du and dv ~5x."""
     case = Case(T=40, H=2, Dk=16, Dv=16, strict=False, B=1, score_scale=10.0)
-    check(case, kind, tol=1e-6, factor=3.0, impl=WIDE if wide else None)
+    check(case, kind, tol=1e-6, factor=3.0, impl=WIDE if wide else None, floor=True)
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])
@@ -325,7 +340,7 @@ def test_second_moment_keeps_its_digits_where_u_follows_large_queries(wide: bool
     and dq, dk came out 1e16 off (a taylor-3 Newton energy's gradients 8e-2). The backward now sums
     delta_i = sum_j p_ij dP_ij over the weights it recomputes, so that dS sums to 0 over j."""
     case = Case(T=17, H=1, Dk=16, Dv=16, strict=strict, biases="key", B=1, q_scale=2000.0, u_along_q=1000.0)
-    check(case, "second", tol=1e-6, factor=10.0, impl=WIDE if wide else None)
+    check(case, "second", tol=1e-6, factor=10.0, impl=WIDE if wide else None, floor=True)
 
 
 @pytest.mark.slow
@@ -354,7 +369,7 @@ def test_gpu_sized_tiles_interpreted(
 WIDE_WIDTHS = {"dk40-dv24": (40, 24, False), "dk16-dv36": (16, 36, False), "tied-d40": (40, 40, True)}
 
 
-@pytest.mark.parametrize("loop", [False, True], ids=["tiled", "loop"])
+@pytest.mark.parametrize("loop", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["tiled", "loop"])
 @pytest.mark.parametrize("kind", ["attention", "with_lse", "second"])
 @pytest.mark.parametrize("widths", list(WIDE_WIDTHS))
 @pytest.mark.parametrize("strict", [False, True], ids=["causal", "strict"])

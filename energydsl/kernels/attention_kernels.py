@@ -555,6 +555,9 @@ def _bwd_dq_kernel(
     second moment's delta instead, written to DELTA: sum_j p_ij dP_ij / sum_j p_ij over the weights this very
     backward recomputes, so that dS_ij sums to 0 over j. dr_i . r_i, its value in exact arithmetic, loses the
     digits dS needs where u is large: r's features cancel, and their rounding is far larger than dS.
+    With SECOND, the scores and products are taken keys x queries and transposed, as the dK/dV kernel takes
+    them: dS sums to 0 only if delta and dS see the same dP bit for bit, and q k^T need not round as
+    (k q^T)^T does (numpy's BLAS under the interpreter on AMD: dk came out 1e16 off).
     """
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
@@ -623,13 +626,16 @@ def _bwd_dq_kernel(
             kb = 0.0
             if HAS_KB:
                 kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            if SECOND:  # products taken keys x queries, as the dK/dV kernel takes them (see the docstring)
+                qk = tl.trans(tl.dot(k, tl.trans(q), input_precision=DOT_PREC))
+            else:
+                qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             p = tl.exp2(s - lse[:, None])
             if SECOND:
-                w = tl.dot(u, tl.trans(v), input_precision=DOT_PREC)
-                g = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+                w = tl.trans(tl.dot(v, tl.trans(u), input_precision=DOT_PREC))
+                g = tl.trans(tl.dot(v, tl.trans(do), input_precision=DOT_PREC))
                 dp = w * g
                 if DELTA_PASS:
                     delta += tl.sum(p * dp, 1)

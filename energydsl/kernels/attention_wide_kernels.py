@@ -490,16 +490,22 @@ def _bwd_dq_wide_kernel(
             kb = 0.0
             if HAS_KB:
                 kb = tl.load(KEY_B + bh * T + offs_n, mask=col_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-            qk = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt,
-                            row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+            if SECOND:  # keys x queries, as _bwd_dkdv_wide_kernel takes them (see _bwd_dq_kernel)
+                qk = tl.trans(_tile_dots(Kh, Qh, offs_n, offs_m, stride_kt, stride_qt,
+                                         col_ok, row_ok, D_QK, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC))
+                g = tl.trans(_tile_dots(Vh, DOh, offs_n, offs_m, stride_vt, stride_dot,
+                                        col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC))
+            else:
+                qk = _tile_dots(Qh, Kh, offs_m, offs_n, stride_qt, stride_kt,
+                                row_ok, col_ok, D_QK, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                g = _tile_dots(DOh, Vh, offs_m, offs_n, stride_dot, stride_vt,
+                               row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             s = _scores(qk, offs_m, offs_n, T, qk_scale, slope, self_b, kb,
                         STRICT, HAS_ALIBI, HAS_SELF, HAS_KB, masked)
             p = tl.exp2(s - lse[:, None])
-            g = _tile_dots(DOh, Vh, offs_m, offs_n, stride_dot, stride_vt,
-                           row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
             if SECOND:
-                w = _tile_dots(Uh, Vh, offs_m, offs_n, stride_ut, stride_vt,
-                               row_ok, col_ok, D_V, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PREC)
+                w = tl.trans(_tile_dots(Vh, Uh, offs_n, offs_m, stride_vt, stride_ut,
+                                        col_ok, row_ok, D_V, BLOCK_N, BLOCK_M, BLOCK_D, DOT_PREC))
                 dp = w * g
             else:
                 dp = g
