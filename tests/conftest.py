@@ -1,4 +1,5 @@
 import contextlib
+import io
 import json
 import os
 import re
@@ -11,6 +12,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def energy_in_process(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`energy ARGS` run in this process, as `subprocess.run` of `python -m energydsl.cli` reports it (exit
+    status, stdout, stderr). A subprocess first imports torch and SymPy, about 5 s on a CI core: hundreds of
+    command tests paid it. Tests of signals, closed streams, stdin or the environment keep a subprocess."""
+    from energydsl import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, code = sys.argv, 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd or os.getcwd()):
+        sys.argv = ["energy", *map(str, args)]
+        try:
+            cli.main()
+        except SystemExit as e:
+            if isinstance(e.code, str):  # as Python does at exit: the message on stderr, status 1
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:
+            sys.argv = argv
+    return subprocess.CompletedProcess(["energy", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def compile_for_gpu(script: str) -> None:

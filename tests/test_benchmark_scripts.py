@@ -54,6 +54,7 @@ def test_precision_script_prints_each_magnitude() -> None:
         assert skipped.returncode == 0 and "no GPU" in skipped.stdout and "TRITON_INTERPRET=1" in skipped.stdout
 
 
+@pytest.mark.slow
 def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> None:
     """The GPU profiling script's own code paths, on tiny interpreted shapes: a summary row and a trace for the
     kernel and the peer of each case."""
@@ -70,6 +71,7 @@ def test_profile_script_profiles_every_kernel_and_peer_interpreted(tmp_path) -> 
     assert "profiled 22 implementations" in out.stdout and "MomenMHA" in out.stdout
 
 
+@pytest.mark.slow
 def test_host_overhead_script_times_every_op_and_layer_with_launches_stubbed() -> None:
     """The CPU host-time script: 13 op cases (its own TRITON_INTERPRET=1) and the 11 generated layers."""
     out = _run("benchmarks/host_overhead.py", "--min-run-time", "0.01")
@@ -85,6 +87,7 @@ def test_without_a_gpu_the_benchmarks_say_so_and_exit_0(script: str) -> None:
     assert "no CUDA device" in out.stdout
 
 
+@pytest.mark.slow
 def test_kernel_resources_wide_second_moment_has_a_spill_free_config() -> None:
     """ptxas' allocation for sm_90 (no GPU needed): the tightest variant, the wide kernels' second moment, has
     a config for each kernel, and each backward mode, that fits in registers (the whole table: `-m slow`).
@@ -95,6 +98,7 @@ def test_kernel_resources_wide_second_moment_has_a_spill_free_config() -> None:
     assert "every kernel variant has a spill-free config (27 compilations)" in out.stdout
 
 
+@pytest.mark.slow
 def test_kernel_resources_linear_kernels_have_a_spill_free_config() -> None:
     """The four linear-attention kernels (chunk states, outputs, dq/dk, dv) with a decay gate at head dim 128:
     each has a config that fits in registers. 24 = 4 kernels x 6 configs (linear._CONFIGS)."""
@@ -103,6 +107,7 @@ def test_kernel_resources_linear_kernels_have_a_spill_free_config() -> None:
     assert "every kernel variant has a spill-free config (24 compilations)" in out.stdout
 
 
+@pytest.mark.slow
 def test_kernel_resources_pointwise_kernels_have_a_spill_free_config() -> None:
     """The pointwise kernels at head dim 128 with ALiBi slopes and their gradient, the tightest: each of the three
     has a config that fits in registers. 19 = 5 + 8 + 6 configs (the softmax family's split lists). With the
@@ -126,6 +131,7 @@ def _compiled_rows(condition: str) -> list[dict]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
     """Each narrow kernel visits the blocks wholly off the diagonal in a loop of its own, without the mask and
     the self-bias term: compiled for sm_90 (CEM's score terms, 64 x 32 tiles), it has two block loops, and
@@ -137,6 +143,7 @@ def test_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
         assert unmasked < 0.9 * diagonal, r
 
 
+@pytest.mark.slow
 def test_pointwise_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
     """The pointwise kernels visit the blocks wholly off the diagonal without the mask (and the self term):
     compiled for sm_90 (sigmoid, row bias, 64 x 64 tiles), the unmasked loop, which runs all but one or two
@@ -149,6 +156,7 @@ def test_pointwise_blocks_off_the_diagonal_cost_fewer_instructions() -> None:
         assert len(masked) == (2 if r["role"] == "dkdv" else 1) and unmasked < 0.9 * min(masked), r
 
 
+@pytest.mark.slow
 def test_dkdv_blocks_stage_nothing_through_shared_memory() -> None:
     """The dK/dV kernel holds its score tiles keys x queries, so p and dS enter the dV and dK matmuls as
     they are: compiled for sm_90 with 64 keys per program or more (Hopper wgmma), its block loops store
@@ -161,6 +169,7 @@ def test_dkdv_blocks_stage_nothing_through_shared_memory() -> None:
         assert len(r["loop_shared_stores"]) == 2 and not any(r["loop_shared_stores"]), r
 
 
+@pytest.mark.slow
 def test_fused_dkdv_adds_dq_by_vector_reductions() -> None:
     """The fused backward's dK/dV kernel adds each block's dQ with relaxed atomics whose results it never reads:
     compiled for sm_90, reductions of 4 floats each (REDG, 2 per thread per block at 32 x 128, d64, 8 warps) and
@@ -205,6 +214,7 @@ def test_lowering_benchmark_times_a_named_energy_of_a_file_with_several() -> Non
     assert out.returncode == 2 and "declares 6 energies" in out.stderr and "--name" in out.stderr
 
 
+@pytest.mark.slow
 def test_model_vs_reference_times_both_models_eager_and_compiled() -> None:
     """`--compile` adds the compiled pair (Inductor, C++ on the CPU) to the same run and prints its ratios."""
     out = _run("benchmarks/model_vs_reference.py", "--compile", "--batch", "1", "--context", "8", "--d", "16",
@@ -216,6 +226,7 @@ def test_model_vs_reference_times_both_models_eager_and_compiled() -> None:
         assert line in out.stdout, line
 
 
+@pytest.mark.slow
 def test_op_counts_counts_each_layer_and_compares_with_another_run(tmp_path) -> None:
     """Counts for every energy of the specs given, written as JSON; a --compare run prints the rows that differ.
     A doctored count in the other run's file shows up as one differing row. The triton backend counts its

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import energy_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples/models/gpt.energy")
@@ -89,8 +90,7 @@ def test_check_loads_a_files_search_as_energy_search_does(tmp_path: Path) -> Non
 
 
 def energy_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    return energy_in_process(*args, cwd=ROOT)
 
 
 def test_info_sizes_a_model_without_building_its_weights_and_train_refuses_one_too_large(tmp_path: Path) -> None:

@@ -2,11 +2,10 @@
 
 import glob
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import energy_in_process
 
 import energydsl
 
@@ -32,8 +31,7 @@ def test_every_family_has_examples(family):
 
 def test_cli_json_reports_ok():
     path = str(ROOT / "examples/intrinsic-optimizers/mha.energy")
-    res = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", path, "--json"],
-                         capture_output=True, text=True)
+    res = energy_in_process("check", path, "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout.splitlines()[0])
     assert report["ok"] is True and report["energies"][0]["checks"]
@@ -41,8 +39,7 @@ def test_cli_json_reports_ok():
 
 def test_multihead_latex_shows_softmax_before_and_after_untying():
     path = str(ROOT / "examples/intrinsic-optimizers/mha.energy")
-    res = subprocess.run([sys.executable, "-m", "energydsl.cli", "derive", path, "--format", "latex"],
-                         capture_output=True, text=True)
+    res = energy_in_process("derive", path, "--format", "latex")
     assert res.returncode == 0, res.stderr
     text = res.stdout.replace("\\mathrm{Wo}", "Wo")
     assert "softmax" in text and "untied update" in text and "Wo" in text

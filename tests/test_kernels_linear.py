@@ -437,6 +437,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # ~45 s interpreted; the attention kernels' twin of it runs in CI
 def test_kernels_take_an_fp64_scale_in_fp32() -> None:
     """Under torch.compile, Inductor launches the kernels with `scale` typed fp64 (a Python float). On an
     H100 the backward then failed to build: `dO * scale` was fp64 and `tl.dot` refuses fp64 with fp32."""

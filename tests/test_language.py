@@ -1,11 +1,10 @@
 """Parser, semantics and error messages: every bad spec gets a located message, never a traceback."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import energy_in_process
 
 from energydsl import load
 from energydsl.errors import SpecError
@@ -201,8 +200,8 @@ def test_import_brings_declarations(tmp_path):
     assert "MHA" in spec.syntax.energies and "B" in spec.syntax.blocks
 
 
-def run_cli(*args, input_file=None):
-    return subprocess.run([sys.executable, "-m", "energydsl.cli", *args], capture_output=True, text=True)
+def run_cli(*args):
+    return energy_in_process(*args)
 
 
 @pytest.mark.parametrize(

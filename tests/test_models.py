@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import STRICT_SELF_BIAS, multi_head_linear_attention
+from conftest import STRICT_SELF_BIAS, energy_in_process, multi_head_linear_attention
 
 import energydsl
 from benchmarks.reference_gpt import GPT
@@ -351,7 +351,7 @@ def test_a_norm_before_each_layer_of_one_stage_is_a_norm_before_each_stage(acros
 
 
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(ENERGY + list(args), capture_output=True, text=True, cwd=cwd)
+    return energy_in_process(*args, cwd=cwd)
 
 
 def test_compile_writes_an_importable_module(tmp_path: Path) -> None:

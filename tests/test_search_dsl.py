@@ -9,12 +9,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import optuna
 import pytest
+from conftest import energy_in_process
 
 import energydsl
 from energydsl.errors import SpecError, UserError
@@ -837,13 +837,10 @@ def test_attention_zoo_space() -> None:
 
 # ----------------------------------------------------------------------------- command line
 
-CLI = "import sys\nfrom energydsl import cli\nsys.argv[0] = 'energy'\ncli.main()\n"
 
 
 def energy(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return energy_in_process(*args, cwd=cwd)
 
 
 def test_cli_errors_exit_2(tmp_path: Path) -> None:

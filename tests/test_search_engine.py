@@ -450,6 +450,7 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     assert write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").exists()
 
 
+@pytest.mark.slow
 def test_ray_trains_a_candidate_once_while_its_twin_runs(tmp_path: Path) -> None:
     """As on the local backend: a candidate drawn while another Ray trial trains the same equations waits for it
     and takes its result (it trained a second time)."""
@@ -473,6 +474,7 @@ def test_a_candidate_whose_twin_failed_trains_itself(tmp_path: Path, backend: st
     assert len(calls(tmp_path)) == 3  # each trained: a failure is not a result to share
 
 
+@pytest.mark.slow
 def test_ray_folders_go_beside_an_sqlite_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tune's trial folders and log sit with the study's other files, as for a journal; they went under
     runs/STUDY in whatever directory the search was started from."""
@@ -487,6 +489,7 @@ def test_ray_folders_go_beside_an_sqlite_storage(tmp_path: Path, monkeypatch: py
     assert (tmp_path / "db" / "ray" / "tune-output.log").exists() and list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_ray_records_a_lost_attempt_as_the_local_backend_does(tmp_path: Path,
                                                                capfd: pytest.CaptureFixture[str]) -> None:
     """Tune retries a trial whose worker died inside one Optuna trial; the attempts left no trace (the local
@@ -505,6 +508,7 @@ def test_ray_records_a_lost_attempt_as_the_local_backend_does(tmp_path: Path,
     assert "given up after 3 lost attempts" in failed.user_attrs["reason"]
 
 
+@pytest.mark.slow
 def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
     """A trial the pruner stops has the step it was stopped on as its last intermediate value and as its value,
     a timing and its Ray record; a trial that trained every step is complete, not stopped at its final
@@ -528,6 +532,7 @@ def test_ray_pruned_trials_are_recorded_as_local_ones(tmp_path: Path) -> None:
             assert t.user_attrs["curve"][-1][0] == 10 and "timing" in t.user_attrs
 
 
+@pytest.mark.slow
 def test_ray_prunes_against_the_study_history_a_local_run_left(tmp_path: Path) -> None:
     """The study's own pruner judges Ray's trials: continued on Ray, hopeless trials (lr 1e-4, far worse than
     the local run's lr 1e-2) are pruned at once. Tune's ASHA, built empty per run, let them all train."""
@@ -591,6 +596,7 @@ def test_ray_two_node_cluster(tmp_path: Path, ray_started_here) -> None:
     assert len(nodes) == 2  # 1 CPU per node and 2 concurrent trials: both nodes trained
 
 
+@pytest.mark.slow
 def test_ray_local_search_starts_its_own_runtime_beside_a_running_cluster(tmp_path: Path, ray_started_here) -> None:
     """Without --address the search must not attach to another cluster on the machine (two Ray tests in
     parallel pytest workers once collided this way: "When connecting to an existing cluster, num_cpus ...")."""

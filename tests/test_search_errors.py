@@ -227,7 +227,7 @@ def signal_search(tmp_path: Path, args: list[str], sig: signal.Signals, running:
     return proc.returncode, err
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path, backend: str) -> None:
     """Ctrl-C hands the running trial back (interrupted), writes the report and exits 130, on Ray too, whose
     Tune handler took SIGINT for itself (`fit` returned as if the search were done: status 0)."""
@@ -249,7 +249,8 @@ def test_ctrl_c_exits_130_and_the_rerun_continues(tmp_path: Path, backend: str) 
     assert (s["finished"], s["completed"], s["lost"]) == (1, 1, 1)  # the interrupted trial ran again, once
 
 
-@pytest.mark.parametrize("backend, workers", [("local", 1), ("local", 2), ("ray", 1)])
+@pytest.mark.parametrize("backend, workers", [("local", 1), ("local", 2),
+                                              pytest.param("ray", 1, marks=pytest.mark.slow)])
 def test_sigterm_hands_the_trials_back_writes_the_report_and_exits_143(tmp_path: Path, backend: str,
                                                                        workers: int) -> None:
     """A batch scheduler's SIGTERM (to the driver only) acts as Ctrl-C: the running trials are `interrupted`

@@ -239,7 +239,7 @@ def test_a_number_in_a_pointwise_score_is_the_kernels_row_bias(term: str, contex
     _compare_backends(derived, "SigmoidPositions")
 
 
-@pytest.mark.parametrize("loop", [False, True])
+@pytest.mark.parametrize("loop", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name,dims", [("SigmoidAttention", dict(d=264, heads=1)),  # row bias, 264-wide heads
                                        ("GaussianKernel", dict(d=264))])  # row and key biases, values [1, k_j]
 def test_heads_wider_than_the_pointwise_tiles_take_the_wide_kernels(name: str, dims: dict, loop: bool,
@@ -634,7 +634,8 @@ ENERGIES = [(str(p.relative_to(ROOT)), n) for p in [*sorted((ROOT / "examples").
             for n in load(p).energy_names]
 
 
-@pytest.mark.parametrize("path,name", ENERGIES)
+@pytest.mark.parametrize("path,name", [  # the test specs' energies: slow (CI checks the examples')
+    pytest.param(path, name, marks=pytest.mark.slow if path.startswith("tests") else ()) for path, name in ENERGIES])
 def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
     """Issue 4's memory target, as far as a CPU sees it: doubling T doubles the largest tensor a triton-backend
     layer makes, forward and backward (a T x T one would quadruple it; the kernels keep theirs in registers)."""
@@ -653,8 +654,9 @@ def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
 SWEEP_COMPILER = "aot_eager"
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.parametrize("path,name", ENERGIES)
+@pytest.mark.parametrize("path,name,backend", [  # the test specs' energies on the torch backend: slow
+    pytest.param(path, name, backend, marks=pytest.mark.slow if path.startswith("tests") and backend == "torch" else ())
+    for path, name in ENERGIES for backend in ("triton", "torch")])
 def test_layer_runs_under_torch_compile(path: str, name: str, backend: str) -> None:
     """Every energy's generated layer under torch.compile, in one graph (the kernels are registered ops with fake
     functions), gives eager's displacement and the same gradients for the input and every parameter."""
