@@ -124,6 +124,7 @@ def test_two_energies_that_would_be_one_class_are_refused(monkeypatch, capsys, t
         "`Mlp`" in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
 def test_special_files_are_refused_not_read_forever(tmp_path: Path) -> None:
     """/dev/zero was read until memory ran out and a named pipe blocked, as a spec, an import, -o or data."""

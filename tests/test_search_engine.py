@@ -417,6 +417,7 @@ def test_parallel_coordinates_keep_a_conditional_hole_numeric() -> None:
     assert names["values"] == [1, 0, 1] and names["ticktext"] == ["gd", "nag"]
 
 
+@pytest.mark.slow
 def test_one_worker_and_one_seed_draw_the_same_candidates_on_both_backends(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     drawn = {}
@@ -547,6 +548,7 @@ def test_ray_prunes_against_the_study_history_a_local_run_left(tmp_path: Path) -
     assert trained and all(t.user_attrs["curve"][-1][0] < 10 for t in trained)
 
 
+@pytest.mark.slow
 def test_ray_running_trials_finish_after_the_timeout(tmp_path: Path, ray_started_here) -> None:
     """--timeout stops new trials, as on the local backend; Tune's own time budget killed the running ones,
     and a trial longer than the timeout could never finish."""

@@ -516,6 +516,7 @@ def _has_cxx() -> bool:
     return any(shutil.which(c) for c in ("g++", "clang++", "c++"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_cxx(), reason="Inductor compiles C++ on the CPU")
 def test_cli_compile_trains_as_eager_and_resumes_without_it(corpus, tmp_path, monkeypatch, capsys):
     """`--compile` runs the step and the evaluations through torch.compile (Inductor, real C++ on the CPU): the

@@ -654,8 +654,8 @@ def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
 SWEEP_COMPILER = "aot_eager"
 
 
-@pytest.mark.parametrize("path,name,backend", [  # the test specs' energies on the torch backend: slow
-    pytest.param(path, name, backend, marks=pytest.mark.slow if path.startswith("tests") and backend == "torch" else ())
+@pytest.mark.parametrize("path,name,backend", [  # CI: the examples' energies on the triton backend
+    pytest.param(path, name, backend, marks=pytest.mark.slow if path.startswith("tests") or backend == "torch" else ())
     for path, name in ENERGIES for backend in ("triton", "torch")])
 def test_layer_runs_under_torch_compile(path: str, name: str, backend: str) -> None:
     """Every energy's generated layer under torch.compile, in one graph (the kernels are registered ops with fake
@@ -690,7 +690,7 @@ def test_model_memory_grows_linearly_in_T(path: str, name: str, backend: str) ->
     assert (_doubling(run) > 2.5) == quadratic
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("torch", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("path,name", MODELS)
 def test_model_trains_under_torch_compile(path: str, name: str, backend: str) -> None:
     """A whole example model under torch.compile (one graph: the kernels are registered ops with fake functions)
