@@ -131,20 +131,10 @@ def lay(t, layout: str):
     return t
 
 
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+def run_main(*args: str) -> tuple[int, str, str]:
     """`energy ARGS` in this process: (exit status, stdout, stderr)."""
-    import sys
-
-    from energydsl import cli
-
-    monkeypatch.setattr(sys, "argv", ["energy", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    result = energy_in_process(*args)
+    return result.returncode, result.stdout, result.stderr
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ def energy(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedPr
 def test_a_size_too_large_for_a_tensor_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args, says) -> None:
     if args[0] == "train":
         args = [*args, "--out", str(tmp_path / "run")]
-    code, _, err = run_main(monkeypatch, capsys, *args)
+    code, _, err = run_main(*args)
     assert code == 2, err
     assert says in err and "2**60 - 1" in err and "internal error" not in err and "frame #" not in err, err
     assert err.splitlines()[0].count(":") >= 3  # file:line:col: error: ...
@@ -57,14 +57,14 @@ def test_a_size_too_large_for_a_tensor_is_exit_2_naming_it(monkeypatch, capsys, 
 ])
 def test_a_batch_too_large_for_a_tensor_is_exit_2_naming_the_flags(monkeypatch, capsys, tmp_path, flags, says):
     """A batch is a (batch size, block size) tensor of token ids: past torch's 64-bit index it was exit 70."""
-    code, _, err = run_main(monkeypatch, capsys, "train", GPT, "--data", "shakespeare_char", *flags,
+    code, _, err = run_main("train", GPT, "--data", "shakespeare_char", *flags,
                             "--out", str(tmp_path / "run"))
     assert code == 2, err
     assert says in err and "internal error" not in err, err
 
 
 def test_check_refuses_an_instance_too_large_to_draw(monkeypatch, capsys) -> None:
-    code, _, err = run_main(monkeypatch, capsys, "check", MHA, "--set", "d=1e9")
+    code, _, err = run_main("check", MHA, "--set", "d=1e9")
     assert code == 2, err
     assert "mha.energy:9:8: error: a random instance of `MHA` at d=1e+09, heads=2, eta=0.5 is too large" in err, err
     assert "`W1` [2, 500000000, 1000000000] alone has 1,000,000,000,000,000,000 entries" in err
@@ -72,7 +72,7 @@ def test_check_refuses_an_instance_too_large_to_draw(monkeypatch, capsys) -> Non
 
 def test_check_json_reports_an_instance_too_large_to_draw_as_its_files_row(monkeypatch, capsys) -> None:
     """--json: one object per file, also when the refusal comes from drawing the check instance."""
-    code, out, err = run_main(monkeypatch, capsys, "check", "--json", MHA, "--set", "d=1e9")
+    code, out, err = run_main("check", "--json", MHA, "--set", "d=1e9")
     assert code == 2, err
     row = json.loads(out.strip().splitlines()[-1])
     assert row["ok"] is False and "is too large" in row["error"], row
@@ -83,7 +83,7 @@ def test_an_internal_error_is_one_line(monkeypatch, capsys) -> None:
         raise RuntimeError("something broke\nException raised from f at x.cpp:1\nframe #0: 0x1234")
 
     monkeypatch.setattr(cli, "sized_model", crash)  # what `energy info` calls first
-    code, _, err = run_main(monkeypatch, capsys, "info", GPT)
+    code, _, err = run_main("info", GPT)
     assert code == 70
     assert err.strip() == (f"internal error while processing {GPT}: RuntimeError: something broke (please report "
                            "this with the spec)")
@@ -254,7 +254,7 @@ def test_a_ctrl_c_in_any_command_says_interrupted(monkeypatch, capsys) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(api, "load", interrupted)
-    code, _, err = run_main(monkeypatch, capsys, "derive", MHA)
+    code, _, err = run_main("derive", MHA)
     assert code == 130
     assert err.strip().splitlines()[-1] == "interrupted", err
 
@@ -268,7 +268,7 @@ def test_an_unknown_backend_flag_names_the_flag_and_its_values(monkeypatch, caps
     """The message was the Python API's (`sizes are keywords, for example .module("MHA", d=16)`)."""
     if command[-1] == "--out":
         command = [*command, str(tmp_path / "r")]
-    code, out, err = run_main(monkeypatch, capsys, *command, "--backend", "bogus")
+    code, out, err = run_main(*command, "--backend", "bogus")
     assert code == 2, err
     assert err.splitlines() == [
         "error: unknown backend `bogus` given to --backend",
@@ -287,7 +287,7 @@ def test_the_python_api_keeps_its_own_backend_message() -> None:
 
 def test_compile_help_lists_the_backends(monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLUMNS", "100")
-    code, out, _ = run_main(monkeypatch, capsys, "compile", "--help")
+    code, out, _ = run_main("compile", "--help")
     assert code == 0 and "<torch|triton>" in out
 
 
@@ -296,7 +296,7 @@ def test_compile_help_lists_the_backends(monkeypatch, capsys) -> None:
 
 def dot_of(monkeypatch, capsys, tmp_path: Path, *sets: str) -> tuple[str, str]:
     path = tmp_path / "g.dot"
-    code, _, err = run_main(monkeypatch, capsys, "graph", GPT, "--dot", str(path), *sets)
+    code, _, err = run_main("graph", GPT, "--dot", str(path), *sets)
     assert code == 0, err
     return path.read_text(encoding="utf-8"), err
 
@@ -340,7 +340,7 @@ def test_train_refuses_a_billion_shared_layers_for_their_activations(monkeypatch
 
     monkeypatch.setattr(energydsl.training, "train", started)
     args = ["train", NRGPT, "--data", "shakespeare_char", "--set", "layers=1e9", "--out", str(tmp_path / "r")]
-    code, _, err = run_main(monkeypatch, capsys, *args)
+    code, _, err = run_main(*args)
     assert code == 2, err
     assert (
         "error: the model does not fit in host memory here: training even one sequence of 64 tokens (--batch-size 1) "
@@ -349,7 +349,7 @@ def test_train_refuses_a_billion_shared_layers_for_their_activations(monkeypatch
     ) in err, err
     assert "hint: lower --set layers (every layer keeps its own activations, shared weights or not)" in err
     assert not (tmp_path / "r").exists()
-    code, out, err = run_main(monkeypatch, capsys, "info", NRGPT, "--json", "--set", "layers=1e9")
+    code, out, err = run_main("info", NRGPT, "--json", "--set", "layers=1e9")
     assert code == 0, err
     info = json.loads(out)
     assert info["layers"] == 10**9 and info["params"] == 189570 and info["shared"] is True
@@ -390,7 +390,7 @@ def test_a_preconditioner_too_large_for_a_tensor_is_exit_2_at_the_optimizer(monk
     spec = tmp_path / "pull.energy"
     spec.write_text(PRECONDITIONED.replace("PRE", pre))
     out = ["-o", str(tmp_path / "pull.py")] if command == "compile" else []
-    code, _, err = run_main(monkeypatch, capsys, command, str(spec), *dims, *out)
+    code, _, err = run_main(command, str(spec), *dims, *out)
     assert code == 2, err
     assert says in err and "2**60 - 1" in err and f"{spec}:5:3: error:" in err, err
     assert not (tmp_path / "pull.py").exists()
@@ -416,7 +416,7 @@ LONG = "a" * 300  # over a file name's 255 bytes: pathlib's exists() and is_dir(
 def test_a_path_too_long_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args) -> None:
     """Every command said `internal error ... OSError: [Errno 36] File name too long` (exit 70)."""
     long = str(tmp_path / LONG)
-    code, _, err = run_main(monkeypatch, capsys, *(a.format(long=long, tmp=tmp_path) for a in args))
+    code, _, err = run_main(*(a.format(long=long, tmp=tmp_path) for a in args))
     assert code == 2, err
     assert err.startswith(f"error: a path is too long: {long}") and "internal error" not in err, err
     assert "hint: a file or folder name holds at most 255 bytes" in err
@@ -424,7 +424,7 @@ def test_a_path_too_long_is_exit_2_naming_it(monkeypatch, capsys, tmp_path, args
 
 def test_a_set_given_twice_takes_the_last_value(monkeypatch, capsys) -> None:
     """Flags are overrides (a script adds its own `--set` after a shared base command): documented, tested."""
-    code, out, err = run_main(monkeypatch, capsys, "derive", MHA, "--set", "d=8", "--set", "d=16")
+    code, out, err = run_main("derive", MHA, "--set", "d=8", "--set", "d=16")
     assert code == 0 and "d=16," in out, err
 
 
@@ -436,7 +436,7 @@ def test_a_set_given_twice_takes_the_last_value(monkeypatch, capsys) -> None:
     (["sample", ""], "error: the checkpoint path is empty"),  # "no checkpoint in ." (the working directory)
 ])
 def test_an_empty_path_is_refused_as_empty(monkeypatch, capsys, argv, says) -> None:
-    code, out, err = run_main(monkeypatch, capsys, *argv)
+    code, out, err = run_main(*argv)
     assert code == 2 and err.startswith(says) and out == "", (code, err)
 
 
@@ -457,9 +457,9 @@ def test_a_model_too_large_to_check_is_refused_at_once(monkeypatch, capsys, tmp_
                     "model M(vocab = 65, context = 8, d = 8, hidden = 100000000) {\n  embed tokens, positions\n"
                     "  layer = MLP(d, hidden = hidden)\n  head tied\n}\n")
     started = time.monotonic()
-    code, _, err = run_main(monkeypatch, capsys, "check", str(spec))
+    code, _, err = run_main("check", str(spec))
     assert code == 2 and "big.energy:6:7: error: model `M` is too large to check at its dims" in err, err
     assert "[100000000, 8] alone has 800,000,000 entries" in err and "^" in err, err
     assert time.monotonic() - started < 30
-    code, _, err = run_main(monkeypatch, capsys, "check", str(spec), "--set", "hidden=32")
+    code, _, err = run_main("check", str(spec), "--set", "hidden=32")
     assert code == 0, err

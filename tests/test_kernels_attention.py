@@ -237,9 +237,9 @@ MODES = {"narrow-split": (False, False), "narrow-fused": (False, True), "wide-ti
 def _layout_case(layout: str, mode: str, kind: str) -> object:
     """CI: every kind token-major in the base modes, and `with_lse` (o, lse and the second moment fed that
     lse: both ops, every operand) in every mode and, in the base modes, every layout. The rest is `slow`."""
-    second_mode = mode.endswith(("fused", "loop"))
-    full = kind == "with_lse" and (layout == "token" or not second_mode) or (layout == "token" and not second_mode)
-    return pytest.param(layout, mode, kind, marks=() if full else pytest.mark.slow)
+    base_mode = not mode.endswith(("fused", "loop"))
+    in_ci = (base_mode or layout == "token") if kind == "with_lse" else (base_mode and layout == "token")
+    return pytest.param(layout, mode, kind, marks=() if in_ci else pytest.mark.slow)
 
 
 @pytest.mark.parametrize("layout, mode, kind", [_layout_case(layout, mode, kind)

@@ -41,7 +41,7 @@ def test_an_energy_that_does_not_depend_on_the_state_is_refused_where_it_is_writ
     """`check` crashed (exit 70, autograd of a constant) where `derive` printed `z⁺ = z`."""
     spec = tmp_path / "flat.energy"
     spec.write_text(f"energy A(d = 4) {{\n  state z[d]\n  global F = {global_}\n  optimizer gd(eta = 1)\n}}\n")
-    code, _, err = run_main(monkeypatch, capsys, command, str(spec))
+    code, _, err = run_main(command, str(spec))
     assert code == 2 and f"{spec}:3:3: error: the energy does not depend on the state `z`" in err, err
     assert "^^^" in err and "Traceback" not in err
 
@@ -63,8 +63,8 @@ def test_a_param_name_the_generated_module_cannot_take_is_refused_at_its_clause(
     where the input was (Python reads identifiers in NFKC)."""
     spec = tmp_path / "name.energy"
     spec.write_text(SPEC.format(name=name))
-    code, _, err = run_main(monkeypatch, capsys, command, str(spec), "-o", str(tmp_path / "out.py")) \
-        if command == "compile" else run_main(monkeypatch, capsys, command, str(spec))
+    code, _, err = run_main(command, str(spec), "-o", str(tmp_path / "out.py")) \
+        if command == "compile" else run_main(command, str(spec))
     assert code == 2 and f"{spec}:3:3: error: {says}" in err, err
     assert "hint: " in err and not (tmp_path / "out.py").exists()
 
@@ -84,7 +84,7 @@ def test_other_names_python_cannot_take_are_refused(monkeypatch, capsys, tmp_pat
                                                      says: str) -> None:
     spec = tmp_path / "name.energy"
     spec.write_text(text)
-    code, _, err = run_main(monkeypatch, capsys, "derive", str(spec))
+    code, _, err = run_main("derive", str(spec))
     assert code == 2 and f"{spec}{at}" in err and says in err, err
 
 
@@ -119,7 +119,7 @@ def test_two_energies_that_would_be_one_class_are_refused(monkeypatch, capsys, t
     one = "energy {}(d = 4) {{\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}}\n"
     spec = tmp_path / "two.energy"
     spec.write_text(one.format("mlp") + one.format("Mlp"))
-    code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "-o", str(tmp_path / "out.py"))
+    code, _, err = run_main("compile", str(spec), "-o", str(tmp_path / "out.py"))
     assert code == 2 and f"{spec}:6:8: error: energies `mlp` (at {spec}:1:8) and `Mlp` would both be the class " \
         "`Mlp`" in err, err
 
@@ -151,7 +151,7 @@ def test_special_files_are_refused_not_read_forever(tmp_path: Path) -> None:
 ])
 def test_a_search_factory_that_fails_is_named(monkeypatch, capsys, target: str, says: str) -> None:
     """`package.module:attr` is called to build the space: its failure was exit 70 (or, for exit(), 0)."""
-    code, _, err = run_main(monkeypatch, capsys, "search", target, "--holes")
+    code, _, err = run_main("search", target, "--holes")
     assert code == 2 and says in err and "Traceback" not in err, err
 
 
@@ -161,7 +161,7 @@ def test_graph_refuses_a_stage_whose_state_does_not_fit_the_stream(monkeypatch, 
     spec.write_text("energy A(d = 4) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}\n"
                     "model M(vocab = 16, context = 8, d = 8, layers = 1) {\n  layer = A(d = 4)\n}\n")
     for command in ("graph", "info"):
-        code, _, err = run_main(monkeypatch, capsys, command, str(spec))
+        code, _, err = run_main(command, str(spec))
         assert code == 2 and f"{spec}:7:11: error: stage `A` has the state [4]" in err, (command, err)
 
 
@@ -184,7 +184,7 @@ def test_an_input_and_context_of_their_own_shapes(monkeypatch, capsys, tmp_path)
 
     spec = tmp_path / "other.energy"
     spec.write_text(OTHER_SHAPES)
-    code, out, err = run_main(monkeypatch, capsys, "check", str(spec))
+    code, out, err = run_main("check", str(spec))
     assert code == 0 and "sympy.diff of an explicit instance agrees" in out, out + err
     layer = energydsl.load(spec).module("InOther")
     assert layer(torch.randn(2, 3, 4), context=torch.randn(2, 3, 5), input=torch.randn(2, 3, 3)).shape == (2, 3, 4)
@@ -198,7 +198,7 @@ def test_an_input_and_context_of_their_own_shapes(monkeypatch, capsys, tmp_path)
                             "W[d, d]" if "context" in clause else "U[d, d]")
         spec.write_text(text + "model M(vocab = 11, context = 8, d = 4, layers = 1) {\n  layer = InOther(d)\n}\n")
         for command in ("check", "info", "graph", "derive", "compile"):
-            code, _, err = run_main(monkeypatch, capsys, command, str(spec), *(
+            code, _, err = run_main(command, str(spec), *(
                 ["--name", "M"] if command in ("derive", "compile") else []), *(
                 ["-o", str(tmp_path / "x.py")] if command == "compile" else []))
             assert code == 2 and f"{spec}:11:11: error: stage `InOther` has the {what} per token but the state [4]" \
@@ -210,11 +210,11 @@ def test_misleading_messages_now_say_what_is_wrong(monkeypatch, capsys, tmp_path
     spec.write_text("energy A(d = 8) {\n  state z[d]\n  global F = z . z\n  optimizer gd(eta = 0.5)\n}\n"
                     "block B = C\nblock C = B\nmodel M(vocab = 16, context = 8, d = 8, layers = 1) {\n"
                     "  layer = B\n}\n")
-    code, _, err = run_main(monkeypatch, capsys, "info", str(spec))
+    code, _, err = run_main("info", str(spec))
     assert code == 2 and "block `B` is part of a cycle of blocks: `B` -> `C` -> `B`" in err, err
-    code, _, err = run_main(monkeypatch, capsys, "compile", GPT, "-o", "")
+    code, _, err = run_main("compile", GPT, "-o", "")
     assert code == 2 and "-o/--output is empty" in err, err
-    code, _, err = run_main(monkeypatch, capsys, "train", GPT, "--data", "shakespeare_char", "--weight-decay", "nan",
+    code, _, err = run_main("train", GPT, "--data", "shakespeare_char", "--weight-decay", "nan",
                             "--out", str(tmp_path / "run"))
     assert code == 2 and "--weight-decay must be a number, got nan" in err, err
 
@@ -225,7 +225,7 @@ def test_per_head_over_the_context_is_a_spec_error(monkeypatch, capsys, tmp_path
     spec.write_text("energy A(d = 4) {\n  state z[d]\n  context h[j, d] where j <= i\n"
                     "  param W[d, d] ~ normal(0, 0.02)\n  global F = -sum[j]((z . (W @ h[j]))^2)\n"
                     "  optimizer gd(eta = 1) per head, precondition diag\n}\n")
-    code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "-o", str(tmp_path / "out.py"))
+    code, _, err = run_main("compile", str(spec), "-o", str(tmp_path / "out.py"))
     assert code == 2 and f"{spec}:6:3: error: `per head` needs a sum over heads" in err, err
 
 
@@ -239,11 +239,11 @@ def test_an_output_that_is_the_spec_or_an_import_is_refused(monkeypatch, capsys,
                     "  layer = MHA(d, heads) -> MLP(d)\n  head tied\n}\n")
     text = spec.read_text()
     for args, flag in ((["compile", str(spec), "-o"], "-o/--output"), (["graph", str(spec), "--dot"], "--dot")):
-        code, _, err = run_main(monkeypatch, capsys, *args, str(spec))
+        code, _, err = run_main(*args, str(spec))
         assert code == 2 and f"error: {flag} {spec} is the spec: writing there would replace it" in err, err
     imported = tmp_path / "gpt.energy"  # the import, reached by another path
     imported.symlink_to(root / "examples/models/gpt.energy")
-    code, _, err = run_main(monkeypatch, capsys, "compile", str(spec), "--name", "M", "-o", str(imported))
+    code, _, err = run_main("compile", str(spec), "--name", "M", "-o", str(imported))
     assert code == 2 and f"{imported} is a file the spec imports: writing there would replace it" in err, err
     assert spec.read_text() == text
     # a file that only imports (no declaration of its own), reached through a linked folder and `..`
@@ -252,15 +252,15 @@ def test_an_output_that_is_the_spec_or_an_import_is_refused(monkeypatch, capsys,
     (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
     top = tmp_path / "top.energy"
     top.write_text('import "link/../lib.energy"\n')
-    code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o",
+    code, _, err = run_main("compile", str(top), "--name", "M", "-o",
                             str(tmp_path / "real" / "lib.energy"))
     assert code == 2 and "is a file the spec imports" in err, err
-    code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o", str(tmp_path / "lib.energy"))
+    code, _, err = run_main("compile", str(top), "--name", "M", "-o", str(tmp_path / "lib.energy"))
     assert code == 0, err  # not read: `link/..` is real/, not this folder
     # a hard link: another path, the same file (the spec was replaced by the generated Python, exit 0)
     for link, of in ((tmp_path / "hard.py", spec), (tmp_path / "hard-import.py", tmp_path / "real" / "lib.energy")):
         link.hardlink_to(of)
-        code, _, err = run_main(monkeypatch, capsys, "compile", str(top), "--name", "M", "-o", str(link))
+        code, _, err = run_main("compile", str(top), "--name", "M", "-o", str(link))
         assert code == 2 and f"{link} is " in err and "writing there would replace it" in err, err
     assert spec.read_text() == text
 
@@ -274,10 +274,10 @@ def test_a_failed_command_leaves_no_folders_and_a_good_one_makes_them(monkeypatc
     for args, says in ((["compile", str(bad), "--name", "Bad", "-o", str(tmp_path / "new/deep/out.py")],
                         "undefined name `q`"),
                        (["graph", str(bad), "--dot", str(tmp_path / "new/deep/m.dot")], "Nope")):
-        code, _, err = run_main(monkeypatch, capsys, *args)
+        code, _, err = run_main(*args)
         assert code == 2 and says in err, err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.energy"]
-    code, _, err = run_main(monkeypatch, capsys, "compile", GPT, "--name", "MLP", "-o", str(tmp_path / "a/b/out.py"))
+    code, _, err = run_main("compile", GPT, "--name", "MLP", "-o", str(tmp_path / "a/b/out.py"))
     assert code == 0 and "class MLP(" in (tmp_path / "a/b/out.py").read_text(), err
-    code, _, err = run_main(monkeypatch, capsys, "graph", GPT, "--dot", str(tmp_path / "c/m.dot"))
+    code, _, err = run_main("graph", GPT, "--dot", str(tmp_path / "c/m.dot"))
     assert code == 0 and (tmp_path / "c/m.dot").read_text().startswith("digraph"), err

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from conftest import energy_in_process
 
 from energydsl.errors import UserError
 from energydsl.search import SpaceRef, load_study, open_storage, run_search
@@ -24,17 +25,10 @@ def toy(tmp_path: Path) -> SpaceRef:
                                                         "mixers": "ssm,attn"})
 
 
-def energy(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+def energy(*args: str) -> tuple[int, str]:
     """`energy ARGS` in this process: (exit status, stderr)."""
-    from energydsl import cli
-
-    monkeypatch.setattr(sys, "argv", ["energy", *args])
-    code: object = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    return int(code or 0), capsys.readouterr().err
+    result = energy_in_process(*args)
+    return result.returncode, result.stderr
 
 
 def refused(result: tuple[int, str], *words: str) -> None:
@@ -56,12 +50,12 @@ def toy_search(tmp_path: Path, *flags: str) -> list[str]:
 def test_a_storage_url_without_its_slashes_is_refused_with_the_right_form(tmp_path, monkeypatch, capsys) -> None:
     """`sqlite:/x.db` used to make a folder `sqlite:` holding a journal `x.db`, and search there."""
     monkeypatch.chdir(tmp_path)
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "sqlite:/x.db")),
+    refused(energy(*toy_search(tmp_path, "--storage", "sqlite:/x.db")),
             "error: storage 'sqlite:/x.db'", "without the `//`", "hint:", "sqlite:///x.db", "sqlite:////x.db")
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "postgresql:host/db")),
+    refused(energy(*toy_search(tmp_path, "--storage", "postgresql:host/db")),
             "postgresql://USER:PASSWORD@HOST/DATABASE")
-    refused(energy(monkeypatch, capsys, "report", "sqlite:/x.db"), "sqlite:///x.db")
-    refused(energy(monkeypatch, capsys, "report", "Q", "--storage", "sqlite:/x.db"), "sqlite:///x.db")
+    refused(energy("report", "sqlite:/x.db"), "sqlite:///x.db")
+    refused(energy("report", "Q", "--storage", "sqlite:/x.db"), "sqlite:///x.db")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no `sqlite:` folder, no trial, no runs/
     for spec in ("sqlite:x.db", "mysql+pymysql:/db", "anything:/x.journal"):
         with pytest.raises(UserError, match="without the `//`"):
@@ -73,8 +67,8 @@ def test_an_in_memory_sqlite_storage_is_refused(tmp_path, monkeypatch, capsys) -
     KeyError 'Record does not exist') after its trials ran."""
     monkeypatch.chdir(tmp_path)
     for url in ("sqlite://", "sqlite:///:memory:", "sqlite+pysqlite://"):
-        refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", url)), "in-memory SQLite", url)
-    refused(energy(monkeypatch, capsys, "report", "Q", "--storage", "sqlite://"), "in-memory SQLite")
+        refused(energy(*toy_search(tmp_path, "--storage", url)), "in-memory SQLite", url)
+    refused(energy("report", "Q", "--storage", "sqlite://"), "in-memory SQLite")
     assert not (tmp_path / "calls.txt").exists() and not (tmp_path / "runs").exists()
 
 
@@ -120,7 +114,7 @@ def test_the_legal_storage_forms_still_work(tmp_path, monkeypatch) -> None:
 def test_out_of_range_search_flags_exit_2_naming_the_flag(tmp_path, monkeypatch, capsys, flags, words) -> None:
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), *flags)), *words)
+    refused(energy(*toy_search(tmp_path, "--storage", str(journal), *flags)), *words)
     assert not journal.exists() and not (tmp_path / "calls.txt").exists()  # no study opened, no trial ran
 
 
@@ -129,7 +123,7 @@ def test_a_missing_gpu_is_named_as_the_flag(tmp_path, monkeypatch, capsys) -> No
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
     space = str(Path(__file__).resolve().parents[1] / "search/quickstart.energy")
-    refused(energy(monkeypatch, capsys, "search", space, "--storage", str(journal), "--device", "cuda:0"),
+    refused(energy("search", space, "--storage", str(journal), "--device", "cuda:0"),
             "device 'cuda:0' requested but CUDA is not available", "hint: use --device cpu")
     assert not journal.exists()
 
@@ -154,7 +148,7 @@ def test_an_empty_address_is_refused_before_ray_starts(tmp_path, monkeypatch, ca
     """`--address ''` used to start a local Ray runtime, as no --address does."""
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--backend", "ray",
+    refused(energy(*toy_search(tmp_path, "--storage", str(journal), "--backend", "ray",
                                                     "--address", "")), "--address is empty", "HEAD_IP:6379")
     assert not journal.exists() and not (tmp_path / "calls.txt").exists()
 
@@ -179,12 +173,12 @@ def test_report_on_a_storage_without_studies_says_so_and_where(tmp_path, monkeyp
     optuna.storages.RDBStorage(f"sqlite:///{db}")  # a database with its tables and no study
     for args in (["report", "empty.journal"], ["report", f"sqlite:///{db}"],
                  ["report", "q", "--storage", "empty.journal", "--study", "q"]):
-        code, err = energy(monkeypatch, capsys, *args)
+        code, err = energy(*args)
         refused((code, err), "holds no studies")
         assert "pick one with --study" not in err and "studies there: []" not in err, err
-    refused(energy(monkeypatch, capsys, "report", "empty.journal"), str(tmp_path / "empty.journal"))
-    refused(energy(monkeypatch, capsys, "report", f"sqlite:///{db}"), f"sqlite:///{db}")
-    refused(energy(monkeypatch, capsys, "report", "x", "--storage", "empty.journal", "--study", ""), "--study is empty")
+    refused(energy("report", "empty.journal"), str(tmp_path / "empty.journal"))
+    refused(energy("report", f"sqlite:///{db}"), f"sqlite:///{db}")
+    refused(energy("report", "x", "--storage", "empty.journal", "--study", ""), "--study is empty")
     assert not (tmp_path / "report.html").exists()
 
 
@@ -193,7 +187,7 @@ def test_report_on_a_storage_without_studies_says_so_and_where(tmp_path, monkeyp
 
 def test_an_unknown_backend_names_the_flag_and_the_cli_values(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--backend", "bogus"))
+    code, err = energy(*toy_search(tmp_path, "--backend", "bogus"))
     refused((code, err), "unknown --backend 'bogus'; choose one of local, ray")
     assert "run_search" not in err and "backend=" not in err
     assert not (tmp_path / "runs").exists()
@@ -217,7 +211,7 @@ def test_more_workers_than_this_machine_runs_are_refused_before_anything_starts(
     for flags, cluster in ((["--workers", "100000"], "--backend ray --address HEAD_IP:6379"),
                            (["--workers", "9"], "--backend ray --address HEAD_IP:6379"),
                            (["--backend", "ray", "--workers", "9"], "(--address HEAD_IP:6379)")):
-        refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), *flags)),
+        refused(energy(*toy_search(tmp_path, "--storage", str(journal), *flags)),
                 f"error: --workers {flags[-1]} is more than this machine runs at once: at most 8 (4 per CPU, 2 CPUs "
                 "here)", "hint: these trials all run on this machine: give --workers 8 or fewer", cluster)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no study opened, no trial ran, no runs/
@@ -247,7 +241,7 @@ def test_ray_resource_flags_without_backend_ray_are_refused(tmp_path, monkeypatc
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
     flag, value = flags[-2:]
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), *flags)),
+    refused(energy(*toy_search(tmp_path, "--storage", str(journal), *flags)),
             f"error: {flag} {value} reserves resources for each Ray trial, and the local backend does not use it",
             "hint: add --backend ray", f"or leave {flag} out")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -260,7 +254,7 @@ def test_ray_resource_flags_without_backend_ray_are_refused(tmp_path, monkeypatc
 def test_without_the_resource_flags_local_runs_and_ray_reserves_its_defaults(tmp_path, monkeypatch, capsys) -> None:
     """Not giving them is not giving them: the local backend runs, and a Ray trial still reserves 0 GPUs, 1 CPU."""
     monkeypatch.chdir(tmp_path)
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "s.journal"))
+    code, err = energy(*toy_search(tmp_path, "--storage", "s.journal"))
     assert code == 0, err[-2000:]
     assert len(load_study("s.journal", "toy").trials) == 1
     pytest.importorskip("ray")
@@ -271,7 +265,7 @@ def test_without_the_resource_flags_local_runs_and_ray_reserves_its_defaults(tmp
         (kw["gpus_per_trial"], kw["cpus_per_trial"])) or {})  # no Ray started: what it would have been given
     monkeypatch.setattr(ray_backend, "check_local_gpus", lambda gpus: None)  # as on a machine with a GPU
     for flags in ([], ["--gpus-per-trial", "0.5", "--cpus-per-trial", "2"]):
-        code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "r.journal", "--backend", "ray",
+        code, err = energy(*toy_search(tmp_path, "--storage", "r.journal", "--backend", "ray",
                                                             *flags))
         assert code == 0, err[-2000:]
     assert reserved == [(0.0, 1.0), (0.5, 2.0)]
@@ -297,7 +291,7 @@ def test_a_report_of_a_study_the_storage_does_not_hold_leaves_no_trace(tmp_path,
          ["studies there: ['t']"]),
         (["report", "Nope", "--storage", str(db.parent / "empty.journal"), "-o", "out/new/r.html"],
          ["holds no studies"])):
-        refused(energy(monkeypatch, capsys, *args), "error: no study 'Nope' in", "hint:", *words)
+        refused(energy(*args), "error: no study 'Nope' in", "hint:", *words)
         assert sorted(tmp_path.rglob("*")) == before, args  # no runs/Nope, out/new or ex folder
 
 
@@ -312,7 +306,7 @@ def test_a_report_reads_the_storage_once(tmp_path, monkeypatch, capsys) -> None:
     for module in (search_pkg, report_mod):
         real = module.load_study
         monkeypatch.setattr(module, "load_study", lambda *a, real=real, **k: loads.append(a) or real(*a, **k))
-    code, err = energy(monkeypatch, capsys, "report", "t", "--storage", str(journal), "-o",
+    code, err = energy("report", "t", "--storage", str(journal), "-o",
                        str(tmp_path / "r.html"), "--export", str(tmp_path / "best.energy"))
     assert code == 0, err
     assert (tmp_path / "r.html").exists() and (tmp_path / "best.energy").exists()
@@ -343,13 +337,13 @@ def test_studies_sharing_a_storage_keep_their_own_report_and_best(tmp_path, monk
     journal = tmp_path / "zoo.journal"
     monkeypatch.chdir(tmp_path)
     for study in ("A", "B"):
-        code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--study", study,
+        code, err = energy(*toy_search(tmp_path, "--storage", str(journal), "--study", study,
                                                             "--trials", "4", "--seed", "3", "--pruner", "none"))
         assert code == 0, err
     assert (tmp_path / "report.html").exists() and (tmp_path / "best.energy").exists()  # A's, alone then
     assert (tmp_path / "report-B.html").exists() and (tmp_path / "best-B.energy").exists()
     a_best = (tmp_path / "best.energy").read_text()
-    code, err = energy(monkeypatch, capsys, "report", str(journal), "--study", "A")
+    code, err = energy("report", str(journal), "--study", "A")
     assert code == 0 and (tmp_path / "report-A.html").exists(), err
     assert (tmp_path / "best.energy").read_text() == a_best
 
@@ -360,7 +354,7 @@ def test_report_json_lists_every_trial_as_strict_json(tmp_path, monkeypatch, cap
 
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--trials", "4",
+    code, err = energy(*toy_search(tmp_path, "--storage", str(journal), "--trials", "4",
                                                         "--seed", "3", "--pruner", "none"))
     assert code == 0, err
     monkeypatch.setattr(sys, "argv", ["energy", "report", str(journal), "--json"])
@@ -383,7 +377,7 @@ def test_more_cpus_per_trial_than_this_machine_has_is_refused_for_a_local_runtim
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
     many = str((os.cpu_count() or 1) + 1)
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--backend", "ray",
+    refused(energy(*toy_search(tmp_path, "--storage", str(journal), "--backend", "ray",
                                                     "--cpus-per-trial", many)),
             f"--cpus-per-trial {many}: this machine has", "a local Ray runtime")
     assert not journal.exists() and not (tmp_path / "calls.txt").exists()
@@ -396,7 +390,7 @@ def test_a_sampler_whose_package_is_missing_names_the_extra(tmp_path, monkeypatc
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else find_spec(name, *a))
     monkeypatch.chdir(tmp_path)
-    refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(tmp_path / "s.journal"),
+    refused(energy(*toy_search(tmp_path, "--storage", str(tmp_path / "s.journal"),
                                                     "--sampler", sampler)),
             f"needs {'the `cmaes` package' if package == 'cmaes' else 'scipy'}", ".[samplers]")
 
@@ -405,30 +399,30 @@ def test_report_refuses_two_different_study_names(tmp_path, monkeypatch, capsys)
     """`energy report toy --storage S --study Q` reported Q and dropped `toy` without a word."""
     journal = tmp_path / "s.journal"
     monkeypatch.chdir(tmp_path)
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", str(journal), "--study", "Q"))
+    code, err = energy(*toy_search(tmp_path, "--storage", str(journal), "--study", "Q"))
     assert code == 0, err
-    refused(energy(monkeypatch, capsys, "report", "toy", "--storage", str(journal), "--study", "Q"),
+    refused(energy("report", "toy", "--storage", str(journal), "--study", "Q"),
             "STUDY 'toy' and --study 'Q' name two studies")
-    code, err = energy(monkeypatch, capsys, "report", "Q", "--storage", str(journal), "--study", "Q")
+    code, err = energy("report", "Q", "--storage", str(journal), "--study", "Q")
     assert code == 0, err
 
 
 def test_an_empty_space_is_named_as_empty(monkeypatch, capsys) -> None:
     """`energy search ""` said ` is a directory, not a .energy file`."""
-    refused(energy(monkeypatch, capsys, "search", "", "--json"), "SPACE is empty", "quickstart.energy")
+    refused(energy("search", "", "--json"), "SPACE is empty", "quickstart.energy")
 
 
 def test_a_database_storage_error_is_the_databases_not_sqlalchemys(tmp_path, monkeypatch, capsys) -> None:
     """A sqlite URL to a text file printed SQLAlchemy's SQL statement and its web link; a URL whose driver is
     missing said `Please install appropriate one`, naming none."""
     (tmp_path / "notes.txt").write_text("not a database\n")
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", f"sqlite:///{tmp_path}/notes.txt"))
+    code, err = energy(*toy_search(tmp_path, "--storage", f"sqlite:///{tmp_path}/notes.txt"))
     refused((code, err), "file is not a database")
     assert "sqlalche.me" not in err and "[SQL:" not in err, err
     import importlib.util
 
     if importlib.util.find_spec("MySQLdb") is None:
-        refused(energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", "mysql://nohost/db")),
+        refused(energy(*toy_search(tmp_path, "--storage", "mysql://nohost/db")),
                 "the Python module `MySQLdb`, is not installed", "pip install mysqlclient")
 
 
@@ -449,8 +443,8 @@ def test_a_second_study_in_a_storage_says_the_first_ones_report_is_older(tmp_pat
     journal's were (a sqlite URL's were relative to the working directory)."""
     monkeypatch.chdir(tmp_path)
     url = "sqlite:///sq/s.db"
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", url, "--study", "A"))
+    code, err = energy(*toy_search(tmp_path, "--storage", url, "--study", "A"))
     assert code == 0 and (tmp_path / "sq/report.html").exists() and "older" not in err, err
-    code, err = energy(monkeypatch, capsys, *toy_search(tmp_path, "--storage", url, "--study", "B"))
+    code, err = energy(*toy_search(tmp_path, "--storage", url, "--study", "B"))
     assert code == 0 and (tmp_path / "sq/report-B.html").exists(), err
     assert f"{tmp_path / 'sq/report.html'} and best.energy beside it are older" in err, err

@@ -4,7 +4,6 @@ modes: exit 2 with a message (never 70), and a failing run never destroys what a
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import without_progress
+from conftest import energy_in_process, without_progress
 
 from energydsl.errors import DataError
 
@@ -26,17 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def energy(*args: str) -> tuple[int, str, str]:
     """Run the `energy` CLI in this process: exit status, stdout, stderr."""
-    from energydsl import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        mp.setattr(sys, "argv", ["energy", *args])
-        try:
-            cli.main()
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), without_progress(err.getvalue())  # the lines of each evaluation left out
+    result = energy_in_process(*args)
+    return result.returncode, result.stdout, without_progress(result.stderr)  # the lines of each evaluation left out
 
 
 def tiny(corpus: Path, out: Path, *more: str) -> list[str]:

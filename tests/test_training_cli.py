@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import strict_json, without_progress
+from conftest import energy_in_process, strict_json, without_progress
 
 from energydsl.training import load_checkpoint
 
@@ -23,19 +23,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ------------------------------------------------------------------------------------ command line
 
 
-def energy(monkeypatch, capsys, *args: str, progress: bool = False) -> tuple[int, str, str]:
-    """Run the `energy` CLI in this process (much faster than a subprocess): exit status, stdout, stderr (without
-    the progress lines of each evaluation unless `progress`)."""
-    from energydsl import cli
-
-    monkeypatch.setattr(sys, "argv", ["energy", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as e:
-        code = e.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err if progress else without_progress(captured.err)
+def energy(*args: str, progress: bool = False) -> tuple[int, str, str]:
+    """Run the `energy` CLI in this process: exit status, stdout, stderr (without the progress lines of each
+    evaluation unless `progress`)."""
+    result = energy_in_process(*args)
+    return result.returncode, result.stdout, result.stderr if progress else without_progress(result.stderr)
 
 
 def tiny_cli_run(corpus: Path, out: Path, *more: str) -> list[str]:
@@ -50,7 +42,7 @@ def trained_copy_of_gpt(corpus: Path, tmp_path: Path, monkeypatch, capsys) -> tu
     spec.write_text((ROOT / "examples/models/gpt.energy").read_text())
     args = tiny_cli_run(corpus, tmp_path / "run")
     args[1] = str(spec)
-    code, _, err = energy(monkeypatch, capsys, *args)
+    code, _, err = energy(*args)
     assert code == 0, err
     return spec, args
 
@@ -63,10 +55,10 @@ def test_a_comment_edited_in_the_spec_still_resumes_and_a_real_edit_is_refused(c
     edited = spec.read_text().replace("\n  state", "\n\n  # a note, and some spacing\n  state    ", 1)
     edited = edited.replace("W1[k] @ z", "W1[k]@z", 1)
     spec.write_text(edited + "\n# the end\n")
-    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6")  # the later --steps wins
+    code, _, err = energy(*args, "--steps", "6")  # the later --steps wins
     assert code == 0 and "resuming" in err and "different model" not in err, err
     spec.write_text(spec.read_text().replace("normal(0, 0.02)", "normal(0, 0.05)", 1))
-    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "8")
+    code, _, err = energy(*args, "--steps", "8")
     assert code == 2 and "spec_source differs from line " in err, err  # the edit, where it is
     assert "~ normal(0, 0.02)     # W_Q\" there" in err and "~ normal(0, 0.05)     # W_Q\" now" in err, err
 
@@ -95,28 +87,28 @@ def test_a_moved_spec_resumes_its_run_and_says_so(corpus, tmp_path, monkeypatch,
     moved.parent.mkdir()
     moved.write_text(spec.read_text())
     args[1] = str(moved)
-    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6")
+    code, _, err = energy(*args, "--steps", "6")
     assert code == 0 and "resuming" in err and f'spec_path "{spec}" → "{moved}"' in err, err
     assert json.loads((tmp_path / "run" / "last.json").read_text())["spec_path"] == str(moved)
 
 
 def test_cli_divergence_is_an_outcome_not_an_internal_error(corpus, tmp_path, monkeypatch, capsys):
     args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "40", "--lr", "30", "--eval-interval", "5")
-    code, out, err = energy(monkeypatch, capsys, *args)
+    code, out, err = energy(*args)
     assert code == 1, err
     assert err.startswith("training diverged at step ") and err.count("\n") == 1
     assert "internal error" not in err and "report" not in err and "Traceback" not in err
     assert f"{tmp_path / 'last.safetensors'}" in err and "--lr" in err
-    code, out, err = energy(monkeypatch, capsys, *args, "--json", "--fresh")
+    code, out, err = energy(*args, "--json", "--fresh")
     assert code == 1
     summary = strict_json(out)
     assert summary["diverged"] is True and summary["checkpoint"] == str(tmp_path / "last.safetensors")
     assert summary["checkpoint_step"] < summary["step"] and summary["out"] == str(tmp_path)
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
         strict_json(line)
-    code, out, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused, not replayed
+    code, out, err = energy(*args)  # the same settings again: refused, not replayed
     assert code == 2 and "same settings" in err and "Traceback" not in err
-    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path), "--tokens", "3")
+    code, out, err = energy("sample", str(tmp_path), "--tokens", "3")
     step = strict_json((tmp_path / "diverged.json").read_text())["step"]
     assert code == 0 and err.startswith(f"note: this run diverged at step {step} (") and " holds the weights from " \
         "step " in err, err  # its weights are from before the divergence: said, not silently sampled
@@ -140,13 +132,13 @@ def test_a_divergence_from_weight_decay_names_weight_decay_not_lr(corpus, tmp_pa
     """lr x weight decay > 1: AdamW's decay alone flips and grows the weights; the advice was always a lower --lr."""
     args = tiny_cli_run(corpus, tmp_path, "--steps", "40", "--warmup", "0", "--weight-decay", "5000",
                         "--eval-interval", "5")
-    code, _, err = energy(monkeypatch, capsys, *args)
+    code, _, err = energy(*args)
     remedy = ("a lower --weight-decay (--lr x --weight-decay = 5, so each step's decay alone scales the weights "
               "by -4)")
     assert code == 1 and err.startswith("training diverged at step ") and f"rerun with {remedy} to resume" in err, err
-    code, _, err = energy(monkeypatch, capsys, *args)  # the same settings again: refused with the same advice
+    code, _, err = energy(*args)  # the same settings again: refused with the same advice
     assert code == 2 and f"hint: rerun with {remedy}, or other changed settings, to resume" in err, err
-    code, _, err = energy(monkeypatch, capsys, *args[:-4], "--weight-decay", "0.1", "--eval-interval", "5")
+    code, _, err = energy(*args[:-4], "--weight-decay", "0.1", "--eval-interval", "5")
     assert code == 0 and "--weight-decay 5000 → 0.1" in err, err  # the advice taken: the run resumes and trains
 
 
@@ -168,7 +160,7 @@ def test_the_divergence_advice_names_the_setting_at_fault(lr: float, weight_deca
                                          ("0.9,x", "--betas takes two numbers B1,B2, got '0.9,x'"),
                                          ("1.5,0.9", "--betas must be two numbers in [0, 1), got (1.5, 0.9)")])
 def test_bad_betas_are_refused_before_any_work(corpus, tmp_path, monkeypatch, capsys, betas: str, says: str):
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run"), "--betas", betas)
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path / "run"), "--betas", betas)
     assert code == 2 and err.startswith(f"error: {says}"), err
     assert not (tmp_path / "run").exists()
 
@@ -176,10 +168,10 @@ def test_bad_betas_are_refused_before_any_work(corpus, tmp_path, monkeypatch, ca
 def test_betas_train_and_a_change_on_resume_is_announced_and_applied(corpus, tmp_path, monkeypatch, capsys):
     """docs/models.md named --betas among the settings a resumed run applies; the flag did not exist."""
     args = tiny_cli_run(corpus, tmp_path, "--betas", "0.8,0.95")
-    code, _, err = energy(monkeypatch, capsys, *args)
+    code, _, err = energy(*args)
     assert code == 0, err
     assert json.loads((tmp_path / "last.json").read_text())["training"]["config"]["betas"] == [0.8, 0.95]
-    code, _, err = energy(monkeypatch, capsys, *args[:-2], "--betas", "0.7,0.9", "--steps", "6")
+    code, _, err = energy(*args[:-2], "--betas", "0.7,0.9", "--steps", "6")
     assert code == 0 and "with changed settings: --steps 4 → 6, --betas 0.8,0.95 → 0.7,0.9" in err, err
     assert json.loads((tmp_path / "last.json").read_text())["training"]["config"]["betas"] == [0.7, 0.9]
     _, meta = load_checkpoint(str(tmp_path / "last.safetensors"))
@@ -191,11 +183,11 @@ def test_the_backend_is_recorded_and_a_switch_on_resume_is_announced(corpus, tmp
     from energydsl import codegen
 
     args = tiny_cli_run(corpus, tmp_path)
-    code, _, err = energy(monkeypatch, capsys, *args)
+    code, _, err = energy(*args)
     assert code == 0 and json.loads((tmp_path / "last.json").read_text())["backend"] == "torch", err
     # the triton backend's module, as where its kernels run (on CPU tensors they take the torch references)
     monkeypatch.setattr(codegen, "_triton_runs", lambda: True)
-    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "6", "--backend", "triton")
+    code, _, err = energy(*args, "--steps", "6", "--backend", "triton")
     monkeypatch.undo()
     assert code == 0 and 'with changed settings: --steps 4 → 6, --backend "torch" → "triton"' in err, err
     assert json.loads((tmp_path / "last.json").read_text())["backend"] == "triton"
@@ -204,7 +196,7 @@ def test_the_backend_is_recorded_and_a_switch_on_resume_is_announced(corpus, tmp
     sidecar = json.loads((tmp_path / "last.json").read_text())
     del sidecar["backend"]  # a checkpoint from before the backend was recorded: resumed, nothing announced
     (tmp_path / "last.json").write_text(json.dumps(sidecar))
-    code, _, err = energy(monkeypatch, capsys, *args, "--steps", "8")
+    code, _, err = energy(*args, "--steps", "8")
     assert code == 0 and "--steps 6 → 8" in err and "--backend" not in err, err
 
 
@@ -251,16 +243,16 @@ def test_cli_ctrl_c_saves_the_run_and_exits_130(corpus, tmp_path, signum, status
     (("--out", ""), "--out is empty"),  # it fell back to runs/<model> silently
 ])
 def test_cli_training_flags_are_named_in_errors(flags, message, corpus, tmp_path, monkeypatch, capsys):
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "run", *flags))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path / "run", *flags))
     assert code == 2 and err.strip().splitlines()[0] == f"error: {message}"  # a hint may follow
     assert not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
 def test_cli_resuming_with_changed_settings(corpus, tmp_path, monkeypatch, capsys):
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--seed", "5",
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6", "--seed", "5",
                                                                "--batch-size", "8", "--lr", "0.01"))
     assert code == 2 and "Traceback" not in err
     assert err.startswith(f"error: cannot resume the run in {tmp_path} (step 4) with --batch-size 8, --seed 5: it "
@@ -269,7 +261,7 @@ def test_cli_resuming_with_changed_settings(corpus, tmp_path, monkeypatch, capsy
                           "continues its saved random state, so a new seed would be ignored)\n")
     assert "hint: pass --batch-size 4, --seed 1337 to resume it, or --fresh" in err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
     # --warmup stays 30 (the default): the schedule clamps it to the steps, the report names only what was passed
     assert code == 0 and err == (f"resuming {tmp_path} at step 4 with changed settings: --steps 4 → 6, "
                                  "--lr 0.001 → 0.01, --min-lr 0.0001 → 0.001\n")
@@ -282,42 +274,42 @@ def test_a_triton_run_that_fell_back_records_the_torch_backend_it_ran(corpus, tm
 
     monkeypatch.setattr(kernels, "use_triton", lambda device=None: False)  # as on a machine without CUDA
     monkeypatch.setattr(codegen, "_NOTICE_SHOWN", False)
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--backend", "triton"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--backend", "triton"))
     assert code == 0 and err.count("the triton backend falls back to torch") == 1, err  # said once
     assert json.loads((tmp_path / "last.json").read_text())["backend"] == "torch"
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6"))
     assert code == 0 and err == f"resuming {tmp_path} at step 4 with changed settings: --steps 4 → 6\n", err
 
 
 def test_steps_the_run_has_already_reached_train_nothing_and_say_so(corpus, tmp_path, monkeypatch, capsys):
     """--steps at or below the checkpoint's step trains nothing: it was announced as changed settings (`--steps
     6 → 4`), as if the run went on with them. Exit 0 and the run's summary, as rerunning a finished run gives."""
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6"))
     assert code == 0, err
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--json"))  # --steps 4
+    code, out, err = energy(*tiny_cli_run(corpus, tmp_path, "--json"))  # --steps 4
     assert code == 0 and err == (f"the run in {tmp_path} is already at step 6, past --steps 4: nothing to train; "
                                  "pass a --steps above 6 to train it further\n"), err
     summary = strict_json(out)
     assert summary["steps"] == 6 and summary["resumed_from"] == 6
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6", "--lr", "0.01"))
     assert code == 0 and err == (f"the run in {tmp_path} is already at step 6, the --steps 6 asked for: nothing to "
                                  "train (not applied: --lr 0.001 → 0.01, --min-lr 0.0001 → 0.001); pass a --steps "
                                  "above 6 to train it further\n"), err
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6"))
     assert code == 0 and err == "", err  # the same command again: nothing changed, nothing to say
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypatch, capsys):
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8"))
+    code, out, err = energy(*tiny_cli_run(corpus, tmp_path, "--set", "d=8"))
     assert code == 2 and "Traceback" not in err
     assert str(tmp_path) in err and "dims.d is 16 there, 8 now" in err and "--fresh" in err and "--out" in err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--set", "d=8", "--fresh"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--set", "d=8", "--fresh"))
     assert code == 0, err
     dims = load_checkpoint(tmp_path)[1]["dims"]
     assert dims["d"] == 8 and all(type(v) is int for v in dims.values()), dims  # as written: 8, not 8.0
@@ -325,7 +317,7 @@ def test_cli_refuses_to_overwrite_another_models_run(corpus, tmp_path, monkeypat
 
 def test_cli_seed_fixes_the_initial_weights(corpus, tmp_path, monkeypatch, capsys):
     def metrics(name: str, seed: str) -> str:
-        code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / name, "--seed", seed))
+        code, _, err = energy(*tiny_cli_run(corpus, tmp_path / name, "--seed", seed))
         assert code == 0, err
         return (tmp_path / name / "metrics.jsonl").read_text()
 
@@ -342,18 +334,18 @@ def test_sample_uses_the_spec_the_run_was_trained_with(corpus, tmp_path, monkeyp
     text = spec.read_text()
     assert "4 * d" in text
     spec.write_text(text.replace("4 * d", "2 * d"))
-    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "5", "--prompt", "the")
+    code, out, err = energy("sample", str(tmp_path / "run"), "--tokens", "5", "--prompt", "the")
     assert code == 0, err
     assert out.startswith("the") and len(out.rstrip("\n")) == 8
     # a tiny temperature is greedy in the limit, not NaN probabilities (exit 70); a seed torch cannot take is exit 2
     run = str(tmp_path / "run")
-    code, out, err = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature",
+    code, out, err = energy("sample", run, "--tokens", "5", "--prompt", "the", "--temperature",
                             "1e-300")
-    greedy = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "1e-6")
+    greedy = energy("sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "1e-6")
     assert code == 0 and out == greedy[1], err
-    zero = energy(monkeypatch, capsys, "sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "0")
+    zero = energy("sample", run, "--tokens", "5", "--prompt", "the", "--temperature", "0")
     assert zero[0] == 0 and zero[1] == out, zero[2]  # 0 is greedy, as sample(temperature=0) in Python
-    code, _, err = energy(monkeypatch, capsys, "sample", run, "--seed", str(2**64))
+    code, _, err = energy("sample", run, "--seed", str(2**64))
     assert code == 2 and "--seed must be in [0, 2**64)" in err
 
 
@@ -367,19 +359,19 @@ def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpu
     main.write_text('import "parts.energy"\n' + text[split:])
     args = tiny_cli_run(corpus, tmp_path / "run")
     args[1] = str(main)
-    code, _, err = energy(monkeypatch, capsys, *args)
+    code, _, err = energy(*args)
     assert code == 0, err
     main.write_text(main.read_text() + "# edited after training\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3", "--prompt", "a")
+    code, out, err = energy("sample", str(tmp_path / "run"), "--tokens", "3", "--prompt", "a")
     assert code == 0 and out.startswith("a"), err
     parts = tmp_path / "parts.energy"
     parts.write_text(parts.read_text().replace("integral(gelu)", "integral(silu)"))  # same shapes, another model
-    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3")
+    code, out, err = energy("sample", str(tmp_path / "run"), "--tokens", "3")
     assert code == 2 and "is not the one trained, its equations changed" in err, err
-    code, _, err = energy(monkeypatch, capsys, *args)  # resuming it: the spec's text is the same, an import not
+    code, _, err = energy(*args)  # resuming it: the spec's text is the same, an import not
     assert code == 2 and "(the spec's text is the same: a file it imports was edited" in err, err
     # a checkpoint without an equation hash (written by hand, or by an older version): weights that no longer
     # fit the model its spec builds are exit 2, not an internal error
@@ -389,7 +381,7 @@ def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpu
         record = json.loads(sidecar.read_text())
         record.pop("equation_hash", None)
         sidecar.write_text(json.dumps(record))
-    code, out, err = energy(monkeypatch, capsys, "sample", str(tmp_path / "run"), "--tokens", "3")
+    code, out, err = energy("sample", str(tmp_path / "run"), "--tokens", "3")
     assert code == 2 and "its weights do not fit the model its spec builds now" in err, err
 
 
@@ -399,7 +391,7 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
 
     from energydsl.training import checkpoint
 
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
 
     from safetensors import SafetensorError
@@ -408,7 +400,7 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
         raise SafetensorError(f"Error while serializing: I/O error: No space left on device (os error {errno.ENOSPC})")
 
     monkeypatch.setattr(checkpoint, "save_file", full)
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "8"))
     assert code == 2 and f"\nerror: cannot write {tmp_path}/" in err and ".safetensors: No space left on device" in err
     assert "hint: what was saved is kept" in err and "internal error" not in err, err
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
@@ -424,7 +416,7 @@ def test_a_failed_save_is_exit_2_and_leaves_no_staged_files(failure, corpus, tmp
 
     from energydsl.training import checkpoint
 
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
     if failure == "read-only run folder":
         def denied(*args, **kwargs):
@@ -442,7 +434,7 @@ def test_a_failed_save_is_exit_2_and_leaves_no_staged_files(failure, corpus, tmp
 
         monkeypatch.setattr(checkpoint.torch, "save", full)
         expected = f"error: cannot write {tmp_path}/.next.last.optim.pt: No space left on device"
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "8"))
     assert code == 2 and expected in err and "hint: what was saved is kept" in err, err
     assert not list(tmp_path.glob(".next.*")), list(tmp_path.glob(".next.*"))
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
@@ -457,7 +449,7 @@ def test_a_failed_save_is_exit_2_and_leaves_no_staged_files(failure, corpus, tmp
 ])
 def test_sample_flags_are_checked(flag, message, monkeypatch, capsys, tmp_path):
     """One message named every sampling flag, whichever was wrong."""
-    code, _, err = energy(monkeypatch, capsys, "sample", str(tmp_path), *flag)
+    code, _, err = energy("sample", str(tmp_path), *flag)
     assert code == 2 and f"error: {message}\nhint: " in err, err
 
 
@@ -473,7 +465,7 @@ def test_sample_streams_and_a_bytes_model_takes_a_prompt_that_is_not_utf8(corpus
     data.write_bytes(Path(corpus).read_bytes() + b"\xff\xfe" * 50)
     args = tiny_cli_run(corpus, tmp_path / "run")
     args[args.index("--data") + 1] = f"bytes:{data}"
-    code, _, err = energy(monkeypatch, capsys, *args, "--set", "vocab=256")
+    code, _, err = energy(*args, "--set", "vocab=256")
     assert code == 0, err
     proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "sample", str(tmp_path / "run"), "--prompt",
                            b"ab\xff", "--tokens", "7"], capture_output=True, timeout=300, cwd=ROOT)
@@ -490,7 +482,7 @@ def test_sample_streams_and_a_bytes_model_takes_a_prompt_that_is_not_utf8(corpus
 @pytest.mark.parametrize("damage", ["truncated weights", "steps disagree", "sidecar missing", "last missing"])
 def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_path, monkeypatch, capsys):
     """Starting afresh over a run whose `last` cannot be resumed would overwrite its `best`: refuse instead."""
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
     best = (tmp_path / "best.safetensors").read_bytes()
     if damage == "truncated weights":
@@ -505,7 +497,7 @@ def test_a_damaged_last_checkpoint_is_refused_and_best_kept(damage, corpus, tmp_
         sidecar = json.loads((tmp_path / "last.json").read_text())
         sidecar["training"]["step"] -= 2
         (tmp_path / "last.json").write_text(json.dumps(sidecar))
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "8"))
     assert code == 2 and "cannot resume" in err and "--fresh" in err, err
     assert (tmp_path / "best.safetensors").read_bytes() == best
 
@@ -525,14 +517,14 @@ def test_cli_compile_trains_as_eager_and_resumes_without_it(corpus, tmp_path, mo
     torch._dynamo.reset()
     runs = {}
     for name, more in (("eager", ()), ("compiled", ("--compile",))):
-        code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / name, "--json", *more))
+        code, out, err = energy(*tiny_cli_run(corpus, tmp_path / name, "--json", *more))
         assert code == 0, err
         runs[name] = json.loads(out)
     assert runs["compiled"]["best_val_loss"] == pytest.approx(runs["eager"]["best_val_loss"], rel=1e-4)
     eager, compiled = (load_checkpoint(tmp_path / name)[0] for name in ("eager", "compiled"))
     assert compiled.keys() == eager.keys()
     assert all(torch.allclose(compiled[k], eager[k], rtol=1e-3, atol=1e-5) for k in eager)
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "compiled", "--steps", "6"))
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path / "compiled", "--steps", "6"))
     assert code == 0 and err == (f"resuming {tmp_path / 'compiled'} at step 4 with changed settings: --steps 4 → 6, "
                                  "--compile true → false\n")
 
@@ -555,12 +547,12 @@ def test_cli_compile_failure_is_exit_2_and_names_the_flag(corpus, tmp_path):
 def test_without_a_terminal_each_evaluation_prints_one_line(corpus, tmp_path, monkeypatch, capsys):
     """The progress bar shows only on a terminal; a log file got nothing until the summary. Now one line per
     evaluation; `--json` still prints only the summary."""
-    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path, "--steps", "4"), progress=True)
+    code, out, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "4"), progress=True)
     assert code == 0, err
     lines = err.splitlines()
     assert [line.split(":")[0] for line in lines] == ["step 0/4", "step 2/4", "step 4/4"], err
     assert re.fullmatch(r"step 0/4: train loss \d+\.\d{4}, val loss \d+\.\d{4} \(best\)", lines[0]), lines[0]
-    code, out, err = energy(monkeypatch, capsys, *tiny_cli_run(corpus, tmp_path / "json", "--steps", "4", "--json"))
+    code, out, err = energy(*tiny_cli_run(corpus, tmp_path / "json", "--steps", "4", "--json"))
     assert code == 0 and err == "", err
 
 
@@ -571,17 +563,17 @@ def test_the_same_data_spelled_otherwise_resumes_and_other_dims_are_not_blamed_o
     (tmp_path / "a.txt").write_bytes(corpus.read_bytes())
     monkeypatch.chdir(tmp_path)
     args = tiny_cli_run(Path("a.txt"), Path("run"))
-    code, _, err = energy(monkeypatch, capsys, *args)
+    code, _, err = energy(*args)
     assert code == 0, err
     sub = tmp_path / "sub"
     sub.mkdir()
     monkeypatch.chdir(sub)
     again = tiny_cli_run(Path("../a.txt"), Path("../run"), "--steps", "6")
-    code, _, err = energy(monkeypatch, capsys, *again)
+    code, _, err = energy(*again)
     assert code == 0 and "resuming" in err and "different" not in err, err
     (tmp_path / "b.txt").write_text(corpus.read_text()[::-1])  # the same characters, other text: other data
-    code, _, err = energy(monkeypatch, capsys, *tiny_cli_run(Path("../b.txt"), Path("../run"), "--steps", "8"))
+    code, _, err = energy(*tiny_cli_run(Path("../b.txt"), Path("../run"), "--steps", "8"))
     assert code == 2 and 'the dataset is "chars:../a.txt" there, "chars:../b.txt" now' in err, err
     wider = [a if a != "d=16" else "d=32" for a in again]
-    code, _, err = energy(monkeypatch, capsys, *wider[:-2], "--steps", "8")
+    code, _, err = energy(*wider[:-2], "--steps", "8")
     assert code == 2 and "equation_hash" in err and "a file it imports was edited" not in err, err
