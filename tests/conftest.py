@@ -3,9 +3,11 @@ import io
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,19 +22,30 @@ def energy_in_process(*args: object, cwd: Path | None = None) -> subprocess.Comp
     command tests paid it. Tests of signals, closed streams, stdin or the environment keep a subprocess."""
     from energydsl import cli
 
+    return _main_in_process(cli.main, ["energy", *map(str, args)], cwd)
+
+
+def script_in_process(script: str, *args: object) -> subprocess.CompletedProcess[str]:
+    """`python SCRIPT ARGS` (a path under the repository) run in this process, as `energy_in_process` does: for
+    scripts that read neither TRITON_INTERPRET nor the environment at import."""
+    path = str(ROOT / script)
+    return _main_in_process(lambda: runpy.run_path(path, run_name="__main__"), [path, *map(str, args)], ROOT)
+
+
+def _main_in_process(main: Callable[[], object], argv: list[str], cwd: Path | None) -> subprocess.CompletedProcess[str]:
     out, err = io.StringIO(), io.StringIO()
-    argv, code = sys.argv, 0
+    saved, code = sys.argv, 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd or os.getcwd()):
-        sys.argv = ["energy", *map(str, args)]
+        sys.argv = argv
         try:
-            cli.main()
+            main()
         except SystemExit as e:
             if isinstance(e.code, str):  # as Python does at exit: the message on stderr, status 1
                 print(e.code, file=sys.stderr)
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
         finally:
-            sys.argv = argv
-    return subprocess.CompletedProcess(["energy", *map(str, args)], code, out.getvalue(), err.getvalue())
+            sys.argv = saved
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def compile_for_gpu(script: str) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import script_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 # not imported here: triton read in this process before TRITON_INTERPRET=1 breaks the interpreted kernel tests
@@ -29,6 +30,15 @@ def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _run_here(script: str, *args: str) -> subprocess.CompletedProcess:
+    """A script that runs on the torch backend, in this process (no 3 s of imports); it must not import triton
+    (see above), which would break the interpreted tests that run later in this worker."""
+    had_triton = "triton" in sys.modules
+    out = script_in_process(script, *args)
+    assert had_triton or "triton" not in sys.modules, f"{script} imported triton"
+    return out
 
 
 def test_kernels_benchmark_interpret_smoke() -> None:
@@ -194,7 +204,7 @@ def test_kernel_resources_names_an_unknown_variant() -> None:
 def test_lowering_benchmark_compares_a_model_with_its_generic_twin_in_float64() -> None:
     """A file with a model: the timing and the logits of both float32 models against the generic one in
     float64."""
-    out = _run("benchmarks/lowering.py", "--spec", "examples/models/rmt.energy", "--context", "32", "--repeats",
+    out = _run_here("benchmarks/lowering.py", "--spec", "examples/models/rmt.energy", "--context", "32", "--repeats",
                "1", "--set", "layers=1", "dk=8", "dv=8", "heads=2")
     assert out.returncode == 0, out.stderr[-3000:]
     found = re.search(r"against the generic model in float64: lowered (\S+), generic (\S+)", out.stdout)
@@ -206,11 +216,11 @@ def test_lowering_benchmark_times_a_named_energy_of_a_file_with_several() -> Non
     """`--name` picks the energy (or model) of a file that declares several; without it the script says so."""
     args = ("benchmarks/lowering.py", "--spec", "tests/data/weighted-context-sums.energy", "--context", "16",
             "--repeats", "1", "--set", "d=8", "heads=2")
-    out = _run(*args, "--name", "SigmoidAttention")
+    out = _run_here(*args, "--name", "SigmoidAttention")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SigmoidAttention(d=8, heads=2" in out.stdout and "ratio lowered / generic" in out.stdout
     assert "against the generic layer in float64: lowered" in out.stdout
-    out = _run(*args)
+    out = _run_here(*args)
     assert out.returncode == 2 and "declares 6 energies" in out.stderr and "--name" in out.stderr
 
 

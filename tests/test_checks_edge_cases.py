@@ -6,14 +6,12 @@ checkable, random check instances must satisfy every declared constraint, a bare
 located message with exit status 2.
 """
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import energy_in_process
 
 from energydsl import load
 from energydsl.checks import _Worst, run_checks
@@ -287,8 +285,7 @@ def test_an_expect_with_an_unreduced_index_is_located(claim, index):
 def test_wrt_naming_the_input_exits_2(tmp_path):
     path = tmp_path / "bad.energy"
     path.write_text(BASE.format(extra="optimizer gd(eta = 1) wrt h"))
-    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", str(path)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
+    proc = energy_in_process("check", path, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"{path}:5:25: error: `wrt h`: `h` is the input"), proc.stderr
 
@@ -505,8 +502,7 @@ def test_an_expect_of_the_wrong_shape_is_refused_where_it_is_written(tmp_path):
                   "  expect update = 0\n}\n").energy()
     assert [r.status for r in scalar.check() if r.name == "expect"] == ["ok"]  # z - z = 0 everywhere
     for command in ("check", "derive", "compile"):
-        res = subprocess.run([sys.executable, "-m", "energydsl", command, str(path)], capture_output=True, text=True,
-                             env={**os.environ, "COLUMNS": "200"})
+        res = energy_in_process(command, path)
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert "shape.energy:6:21: error: `expect gradient` has shape [m], but the gradient has shape [d]" in res.stderr
 

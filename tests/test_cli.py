@@ -42,8 +42,7 @@ def test_report_on_a_missing_sqlite_file_creates_nothing(tmp_path: Path) -> None
 def test_train_out_naming_a_file_is_refused_before_any_work(tmp_path: Path) -> None:
     target = tmp_path / "notes.txt"
     target.write_text("keep me")
-    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "train", GPT, "--data", "shakespeare_char",
-                           "--steps", "1", "--out", str(target)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = energy_in_process("train", GPT, "--data", "shakespeare_char", "--steps", "1", "--out", target, cwd=ROOT)
     assert proc.returncode == 2 and "is a file, not a directory" in proc.stderr, proc.stderr
     assert target.read_text() == "keep me"
 
@@ -52,15 +51,13 @@ def test_check_json_reports_every_file_and_exits_2_on_a_bad_one(tmp_path: Path) 
     empty = tmp_path / "empty.energy"
     empty.write_text("")
     good = ROOT / "examples/intrinsic-optimizers/softmax-attention.energy"
-    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", "--json", str(tmp_path / "missing.energy"),
-                           str(empty), str(good)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = energy_in_process("check", "--json", tmp_path / "missing.energy", empty, good, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["ok"] for r in rows] == [False, False, True]
     assert "no such file" in rows[0]["error"] and "declares no energy" in rows[1]["error"]
     # as text too: each bad file is said, and the good one after them is checked (the first stopped the run)
-    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "check", str(tmp_path / "missing.energy"),
-                           str(empty), str(good)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    proc = energy_in_process("check", tmp_path / "missing.energy", empty, good, cwd=ROOT)
     assert proc.returncode == 2 and "no such file" in proc.stderr and "declares no energy" in proc.stderr, proc.stderr
     assert f"{empty}: FAILED (not checked)" in proc.stdout and f"{good}: ok" in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stderr
@@ -175,8 +172,7 @@ def test_a_file_without_an_energy_of_its_own_names_what_it_has(tmp_path: Path) -
 
 
 def test_compile_to_dash_writes_stdout_not_a_file_named_dash(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "compile", str(ROOT / "examples/cem/mlp.energy"),
-                           "-o", "-"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = energy_in_process("compile", ROOT / "examples/cem/mlp.energy", "-o", "-", cwd=tmp_path)
     assert proc.returncode == 0 and "class CEMMLP(" in proc.stdout and not (tmp_path / "-").exists(), proc.stderr
 
 

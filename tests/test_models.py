@@ -66,9 +66,9 @@ def test_gpt2_small_sizes_evaluate() -> None:
 
 
 def test_info_cli_reports_the_86m_llama() -> None:
-    r = subprocess.run(ENERGY + ["info", "examples/models/llama.energy", "--set", "vocab=32000", "--set", "d=672",
-                                 "--set", "layers=8", "--set", "heads=8", "--set", "mlp=1792", "--set",
-                                 "context=2048", "--json"], capture_output=True, text=True, cwd=ROOT)
+    dims = dict(vocab=32000, d=672, layers=8, heads=8, mlp=1792, context=2048)
+    sets = [arg for k, v in dims.items() for arg in ("--set", f"{k}={v}")]
+    r = energy_in_process("info", "examples/models/llama.energy", *sets, "--json", cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["params"] == 86_371_488
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import largest_tensor_made
+from conftest import largest_tensor_made, script_in_process
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -195,19 +195,14 @@ def test_kernel_second_moment_without_a_shared_lse(case: str, tmp_path: Path, mo
 def test_lowering_benchmark_times_a_single_energy_and_rejects_bad_dims() -> None:
     """`benchmarks/lowering.py` on a file without a model times its layer (lowered vs generic, same weights:
     the outputs agree); a malformed or unknown `--set` is a message and exit 2."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    script = [sys.executable, str(root / "benchmarks/lowering.py"),
-              "--spec", str(root / "examples/intrinsic-optimizers/light-mha2nd1st.energy"),
-              "--context", "12", "--batch", "1", "--repeats", "1"]
-    ok = subprocess.run(script, capture_output=True, text=True, timeout=300)
+    script = ("benchmarks/lowering.py", "--spec", "examples/intrinsic-optimizers/light-mha2nd1st.energy",
+              "--context", "12", "--batch", "1", "--repeats", "1")
+    ok = script_in_process(*script)
     assert ok.returncode == 0, ok.stderr
     diff = float(re.search(r"max relative difference (\S+)", ok.stdout).group(1))
     assert diff < 1e-4
     for bad, said in ((["--set", "d"], "NAME=NUMBER"), (["--set", "nope=3"], "`nope` is not a dim")):
-        proc = subprocess.run(script + bad, capture_output=True, text=True, timeout=300)
+        proc = script_in_process(*script, *bad)
         assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -2,10 +2,9 @@
 terminal's name), mistyped reducers named, carets under the right character, byte-order marks ignored."""
 
 import re
-import subprocess
-import sys
 
 import pytest
+from conftest import energy_in_process
 
 from energydsl import syntax, syntax_errors
 from energydsl.errors import Span, SpecError
@@ -290,7 +289,7 @@ def test_moderate_operator_chain_parses():
 def test_cli_prints_located_message_with_hint(tmp_path):
     path = tmp_path / "m.energy"
     path.write_text(MODEL)
-    res = subprocess.run([sys.executable, "-m", "energydsl.cli", "derive", str(path)], capture_output=True, text=True)
+    res = energy_in_process("derive", path)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr
     lines = res.stderr.strip().split("\n")

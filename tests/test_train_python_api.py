@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import STRICT_SELF_BIAS
+from conftest import STRICT_SELF_BIAS, energy_in_process
 
 import energydsl
 from energydsl.errors import SpecError, TrainingDiverged, UserError
@@ -324,9 +324,6 @@ def test_a_run_trained_from_python_samples_and_resumes_like_a_cli_run(data, tmp_
     """train() without metadata records what `energy train` does for a model from load(...).model(...): `energy
     sample` refused such a run ("not written by `energy train`"), and nothing said which metadata it needs. A
     spec given as text travels as text."""
-    import subprocess
-    import sys
-
     from energydsl.training.trained import load_trained
 
     path = ROOT / "examples/models/gpt.energy"
@@ -337,8 +334,7 @@ def test_a_run_trained_from_python_samples_and_resumes_like_a_cli_run(data, tmp_
     assert meta["model"] == "GPT" and meta["dims"]["d"] == 8 and meta["spec_source"] == path.read_text()
     for got, want in zip(rebuilt.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(got, want.cpu())
-    r = subprocess.run([sys.executable, "-m", "energydsl", "sample", str(tmp_path / "run"), "--prompt", "a",
-                        "--tokens", "5"], capture_output=True, text=True, timeout=300)
+    r = energy_in_process("sample", tmp_path / "run", "--prompt", "a", "--tokens", "5")
     assert r.returncode == 0 and r.stdout.startswith("a"), r.stderr
     with pytest.warns(UserWarning, match="steps 2 → 4"):  # the same metadata: it resumes
         train(model, data, tiny(steps=4), tmp_path / "run", progress=False)

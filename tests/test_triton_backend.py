@@ -246,7 +246,8 @@ def test_heads_wider_than_the_pointwise_tiles_take_the_wide_kernels(name: str, d
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The pointwise kernels hold a head's features in one tile (at most 256): wider heads (or values with the
     RBF's column of ones) take the feature-tiled kernels, not the einsum, and agree with the torch backend, the
-    generated copies' backward run in both modes (a program per feature tile, one looping over them)."""
+    generated copies' backward run in both modes (a program per feature tile, one looping over them). One batch:
+    tests/test_kernels_pointwise.py checks the wide kernels' batch strides."""
     from energydsl.kernels import pointwise
 
     monkeypatch.setattr(pointwise, "INTERPRET_FEATURE_LOOP", loop)
@@ -255,7 +256,7 @@ def test_heads_wider_than_the_pointwise_tiles_take_the_wide_kernels(name: str, d
     forward = source.split("def forward")[1]
     assert "= pointwise_wide_ops(" in source and ".pointwise_attention(" in forward
     assert "torch.einsum('btj" not in forward
-    _compare_backends(derived, name)
+    _compare_backends(derived, name, batch=1)  # 17 feature tiles under the interpreter: batch strides are the ops'
 
 
 def test_a_weight_with_a_capped_distance_keeps_the_einsum() -> None:
@@ -306,7 +307,8 @@ def test_second_order_updates_with_alibi_take_the_kernels(name: str) -> None:
     _compare_backends(derived, name)
 
 
-def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13) -> None:
+def _compare_backends(derived: object, name: str, weights_std: float | None = None, T: int = 13, batch: int = 2
+                      ) -> None:
     """The triton module against the torch backend in float64: displacement and every gradient; with
     `weights_std`, the weights (not the optimizer's scalars) redrawn from normal(0, weights_std).
 
@@ -325,7 +327,7 @@ def _compare_backends(derived: object, name: str, weights_std: float | None = No
     assert {k: v.shape for k, v in tri.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
     tri.load_state_dict(ref.state_dict())
     base.load_state_dict(ref.state_dict())
-    x = ref.example_input(2, T).to(DEVICE)
+    x = ref.example_input(batch, T).to(DEVICE)
     w = torch.randn(x.shape, device=DEVICE)
     want = _run(ref.double(), x.double(), w)
     got = _run(tri.float(), x.float(), w)
@@ -654,8 +656,41 @@ def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
 SWEEP_COMPILER = "aot_eager"
 
 
-@pytest.mark.parametrize("path,name,backend", [  # CI: the examples' energies on the triton backend
-    pytest.param(path, name, backend, marks=pytest.mark.slow if path.startswith("tests") or backend == "torch" else ())
+# CI's share of the sweep below: one example energy per distinct set of kernel calls in its generated forward
+# (op, keyword arguments, mask), and for the plain-attention calls, which most examples share, the energies whose
+# torch code around the kernel differs most (Taylor steps, the exact diagonal, DPLR's preconditioner, RoPE).
+# `-m slow` runs every energy, of the test specs too, on both backends.
+COMPILE_SWEEP_IN_CI = {
+    ("examples/cem/alibi.energy", "CEMAlibiAttention"),  # ALiBi slopes and the self bias
+    ("examples/cem/steps2.energy", "CEMAttentionSteps2"),
+    ("examples/cem/kq-diagonal-exact.energy", "CEMKQDiagonalExact"),
+    ("examples/cem/dplr.energy", "CEMAttentionDPLR"),
+    ("examples/models/rope-llama.energy", "RopeMHA"),
+    ("examples/cem/mlp.energy", "CEMMLP"),  # the gated-activation epilogue
+    ("examples/nrgpt/ff2w.energy", "NRGPTFF2W"),  # value * GELU'(a)
+    ("examples/nrgpt/attention.energy", "NRGPTAttention"),  # the strict mask
+    ("examples/intrinsic-optimizers/softmax-attention.energy", "SoftmaxAttention"),  # one head, no head split
+    ("examples/intrinsic-optimizers/softmax-attention-l2.energy", "SoftmaxAttentionL2"),  # a key bias
+    ("examples/intrinsic-optimizers/light-mha2nd1st.energy", "LightMHA2nd1st"),  # lse and the second moment
+    ("examples/intrinsic-optimizers/mha2nd1st.energy", "MHA2nd1st"),  # the same with a key bias
+    ("examples/intrinsic-optimizers/momen-mha.energy", "MomenMHA"),  # the momentum epilogue
+    ("examples/intrinsic-optimizers/nag-mha.energy", "NagMHA"),  # Nesterov's look-ahead too
+    ("examples/intrinsic-optimizers/data-gated-linear-attention.energy", "DataGatedLinearAttention"),
+    ("examples/intrinsic-optimizers/gated-linear-attention.energy", "GatedLinearAttention"),  # a broadcast decay
+    ("examples/intrinsic-optimizers/multi-head-linear-attention.energy", "MultiHeadLinearAttention"),
+    ("examples/hopfield/classical.energy", "ClassicalHopfield"),  # linear attention without a decay
+    ("examples/models/gpt.energy", "MLP"),  # no kernel: the torch code alone
+}
+
+
+def test_the_compile_sweeps_ci_share_names_example_energies() -> None:
+    """A renamed example would silently leave CI's share of the sweep."""
+    assert COMPILE_SWEEP_IN_CI <= set(ENERGIES), COMPILE_SWEEP_IN_CI - set(ENERGIES)
+
+
+@pytest.mark.parametrize("path,name,backend", [
+    pytest.param(path, name, backend,
+                 marks=() if (path, name) in COMPILE_SWEEP_IN_CI and backend == "triton" else pytest.mark.slow)
     for path, name in ENERGIES for backend in ("triton", "torch")])
 def test_layer_runs_under_torch_compile(path: str, name: str, backend: str) -> None:
     """Every energy's generated layer under torch.compile, in one graph (the kernels are registered ops with fake
@@ -691,7 +726,8 @@ def test_model_memory_grows_linearly_in_T(path: str, name: str, backend: str) ->
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("torch", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("path,name", MODELS)
+@pytest.mark.parametrize("path,name", [  # CI: GPT's and Llama's layers are their momentum and RoPE variants' too
+    pytest.param(path, name, marks=pytest.mark.slow if name in ("GPT", "Llama") else ()) for path, name in MODELS])
 def test_model_trains_under_torch_compile(path: str, name: str, backend: str) -> None:
     """A whole example model under torch.compile (one graph: the kernels are registered ops with fake functions)
     gives eager's logits and parameter gradients. aot_eager traces the backward with fake tensors as

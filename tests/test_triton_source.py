@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compile_for_gpu
+from conftest import compile_for_gpu, energy_in_process
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -76,8 +76,7 @@ def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name:
                                                  lacks: list[str]) -> None:
     """The written file holds forward and backward kernels with this energy's score terms and no others."""
     out = tmp_path / "out.py"
-    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "compile", str(ROOT / "examples" / path),
-                           "--backend", "triton", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    proc = energy_in_process("compile", ROOT / "examples" / path, "--backend", "triton", "-o", out)
     assert proc.returncode == 0, proc.stderr
     src = out.read_text()
     kernels = _kernels(src)

@@ -170,6 +170,7 @@ def _plot(metrics_path: Path, png_path: Path) -> None:
     train = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
     evals = [r for r in rows if r.get("kind") == "eval" and None not in (r.get("train_loss"), r.get("val_loss"))]
     fig = Figure(figsize=(7, 4.2), dpi=110)
+    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.12, top=0.97)  # tight_layout's margins, without its 30 ms
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     if train:
@@ -183,7 +184,6 @@ def _plot(metrics_path: Path, png_path: Path) -> None:
     ax.grid(alpha=0.3)
     if train or evals:
         ax.legend()
-    fig.tight_layout()
     tmp = png_path.with_name(f".{png_path.name}.tmp.png")
     try:
         fig.savefig(tmp)
