@@ -190,8 +190,10 @@ def report(
 
         print(json.dumps({"study": study_name, "storage": store, "report": str(path), "trials": trial_rows(loaded)},
                          default=_plain))
-    elif leaderboard:
-        print_leaderboard(loaded)
+    elif leaderboard:  # the command's answer: on stdout, so that `energy report S > board.txt` keeps it
+        from rich.console import Console
+
+        print_leaderboard(loaded, console=Console())
     print(f"report: {path}", file=sys.stderr)
     if export:
         number = export_best(store, study_name, export, study=loaded)
