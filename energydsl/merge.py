@@ -2,12 +2,13 @@
 
 The merged energy is an ordinary `energy` declaration, so everything downstream (derivation, checks,
 code generation) treats it like any other. Clauses declared in both must be the same; the optimizer is
-the first energy's (NRGPT's shared learned η: one step on the sum).
+the first energy's (NRGPT's shared learned η: one step on the sum), with a warning where a later one differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from . import syntax_tree as ast
 from .errors import Span, SpecError
@@ -60,6 +61,7 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
     clauses: list[ast.Clause] = []
     globals_: list[ast.Clause] = []
     optimizer: ast.Clause | None = None
+    owner = first.name  # the energy whose optimizer the sum takes
     owners: dict[str, tuple[str, bool]] = {}  # each dim's first energy, and whether it was set there
     for n, (decl, _) in enumerate(parts):
         if any(other is decl for other, _ in parts[:n]):  # its params and untie rules would all clash with its own
@@ -84,7 +86,13 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
             if c.kind == "global":
                 globals_.append(c)
             elif c.kind == "optimizer":
-                optimizer = optimizer or c
+                if optimizer is None:
+                    optimizer, owner = c, decl.name
+                elif not _same(optimizer, c):  # one step on the sum: this one is not taken, and it says so
+                    warnings.warn(f"`{decl.name}`'s optimizer (at {c.span}) is not used in `{first.name} + "
+                                  f"{decl.name}`: a sum takes one step, with `{owner}`'s optimizer (at "
+                                  f"{optimizer.span}); declare the same optimizer in both to silence this",
+                                  stacklevel=3)
             elif c.kind == "expect":
                 continue  # an expectation about one energy alone says nothing about the sum
             elif c.kind in SHARED_KINDS:

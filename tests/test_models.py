@@ -424,6 +424,36 @@ def test_an_energy_summed_with_itself_is_named_at_the_sum(tmp_path: Path) -> Non
     assert r.returncode == 2 and f"{path}:3:17: error: `MHA` is summed with itself" in r.stderr, r.stderr
 
 
+SUMMED = """energy A(d = 4) {
+  state z[d]
+  param W[d, d] ~ normal(0, 0.1)
+  global F = 0.5 * z . (W @ z)
+  optimizer gd(eta = 1)
+}
+energy B(d = 4) {
+  state z[d]
+  param V[d, d] ~ normal(0, 0.1)
+  global G = 0.5 * z . (V @ z)
+  OPTIMIZER
+}
+block AB = A + B
+"""
+
+
+@pytest.mark.parametrize("optimizer,warned", [("optimizer gd(eta = 0.5)", True), ("optimizer  gd(eta=1)", False)])
+def test_a_sum_whose_energies_differ_in_optimizer_warns_which_it_takes(tmp_path: Path, optimizer: str,
+                                                                       warned: bool) -> None:
+    """A + B takes one step, with A's optimizer: B's, where it differs, was dropped without a word."""
+    path = tmp_path / "sum.energy"
+    path.write_text(SUMMED.replace("OPTIMIZER", optimizer))
+    r = _run("derive", str(path), "--name", "AB")
+    assert r.returncode == 0, r.stderr
+    warning = (f"warning: `B`'s optimizer (at {path}:11:3) is not used in `A + B`: a sum takes one step, with `A`'s "
+               f"optimizer (at {path}:5:3); declare the same optimizer in both to silence this\n")
+    assert r.stderr == (warning if warned else ""), r.stderr
+    assert "steps  1 × gd (η = 1)\n" in r.stdout, r.stdout  # A's, not B's η = 1/2
+
+
 def test_train_cli_runs_and_resumes(tmp_path: Path) -> None:
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question. " * 200)
