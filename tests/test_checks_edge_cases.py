@@ -1073,3 +1073,20 @@ def test_a_step_size_that_is_no_constant_says_what_it_is(value: str, message: st
     with pytest.raises(SpecError) as info:
         load(text).energy()
     assert info.value.message == message and hint in info.value.hint, (info.value.message, info.value.hint)
+
+
+@pytest.mark.parametrize("damping,warned", [("damping = 0.1", True), ("damping = 0.1 learn", True),
+                                            ("damping = 0", False), ("eta = 1", False)])
+def test_a_damping_at_taylor_zero_is_said_to_do_nothing(damping: str, warned: bool) -> None:
+    """newton(taylor = 0) is a gradient step: a damping there was taken without a word (and printed in the
+    steps line as if it acted)."""
+    import warnings
+
+    text = ("energy N(d = 4) {\n  state z[d]\n  param W[d, d] ~ normal(0, 0.1)\n  global F = 0.5 * z . (W @ z)\n"
+            f"  optimizer newton(taylor = 0, {damping})\n}}\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load(text).energy()
+    said = [str(w.message) for w in caught if "damping" in str(w.message)]
+    assert said == ([f"`damping` (at <string>:5:32) has no effect with `taylor = 0`: the series is ∇F alone, a "
+                     "gradient step; drop it, or take `taylor` of 1 or more"] if warned else []), said
