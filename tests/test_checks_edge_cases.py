@@ -1088,5 +1088,5 @@ def test_a_damping_at_taylor_zero_is_said_to_do_nothing(damping: str, warned: bo
         warnings.simplefilter("always")
         load(text).energy()
     said = [str(w.message) for w in caught if "damping" in str(w.message)]
-    assert said == ([f"`damping` (at <string>:5:32) has no effect with `taylor = 0`: the series is ∇F alone, a "
+    assert said == (["`damping` (at <string>:5:32) has no effect with `taylor = 0`: the series is ∇F alone, a "
                      "gradient step; drop it, or take `taylor` of 1 or more"] if warned else []), said

@@ -95,7 +95,7 @@ def test_compile_writes_the_energys_own_kernels(tmp_path: Path, path: str, name:
     # every switch the energy fixes is gone from the kernels' code; runtime ones (dot precision, tiles) remain
     names = {n.id for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Name)}
     names |= {a.arg for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) for a in n.args.args}
-    assert not names & {"STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "NEED_KB", "HAS_DECAY"}
+    assert not names & {"STRICT", "HAS_ALIBI", "HAS_SELF", "HAS_KB", "SECOND", "DELTA_PASS", "NEED_KB", "HAS_DECAY"}
     assert "DOT_PREC" in names
 
 

@@ -52,8 +52,10 @@ class KernelRequest:
         `second` the weighted second moment over a given lse; `wide`: the feature-tiled kernels (widths
         above 256)."""
         baked = dict(STRICT=strict, HAS_ALIBI=alibi, HAS_SELF=self_bias, HAS_KB=key_bias, SECOND=second)
-        # a term that is absent has no gradient either
+        # a term that is absent has no gradient either; the dQ kernel's delta pass is the second moment's only
         baked.update({need: False for has, need in _NEEDS.items() if not baked[has]})
+        if not second:
+            baked["DELTA_PASS"] = False
         return KernelRequest("attention_wide" if wide else "attention", tuple(baked.items()))
 
     @staticmethod
