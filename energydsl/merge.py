@@ -62,6 +62,7 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
     globals_: list[ast.Clause] = []
     optimizer: ast.Clause | None = None
     owner = first.name  # the energy whose optimizer the sum takes
+    summed = " + ".join(d.name for d, _ in parts)
     owners: dict[str, tuple[str, bool]] = {}  # each dim's first energy, and whether it was set there
     for n, (decl, _) in enumerate(parts):
         if any(other is decl for other, _ in parts[:n]):  # its params and untie rules would all clash with its own
@@ -89,10 +90,9 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
                 if optimizer is None:
                     optimizer, owner = c, decl.name
                 elif not _same(optimizer, c):  # one step on the sum: this one is not taken, and it says so
-                    warnings.warn(f"`{decl.name}`'s optimizer (at {c.span}) is not used in `{first.name} + "
-                                  f"{decl.name}`: a sum takes one step, with `{owner}`'s optimizer (at "
-                                  f"{optimizer.span}); declare the same optimizer in both to silence this",
-                                  stacklevel=3)
+                    warnings.warn(f"`{decl.name}`'s optimizer (at {c.span}) is not used in `{summed}`: a sum takes "
+                                  f"one step, with `{owner}`'s optimizer (at {optimizer.span}); declare the same "
+                                  "optimizer in both to silence this", stacklevel=3)
             elif c.kind == "expect":
                 continue  # an expectation about one energy alone says nothing about the sum
             elif c.kind in SHARED_KINDS:
@@ -112,7 +112,7 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
             else:
                 clauses.append(c)
     if len(globals_) != len(parts):
-        raise SpecError(f"every energy in `{' + '.join(d.name for d, _ in parts)}` needs a `global` energy",
+        raise SpecError(f"every energy in `{summed}` needs a `global` energy",
                         first.span)
     total: ast.Node = globals_[0].value
     for g in globals_[1:]:

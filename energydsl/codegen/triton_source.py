@@ -189,7 +189,8 @@ def kernel_source(requests: list[KernelRequest]) -> list[str]:
         templates = _templates(req.family)
         names = {name: f"{name}_{req.tag}" for name in templates}
         baked = dict(req.baked)
-        flags = ", ".join(f"{k}={v}" for k, v in req.baked if not k.startswith("NEED_"))
+        flags = ", ".join(f"{k}={v}" for k, v in req.baked  # not those the others imply
+                          if not k.startswith("NEED_") and k != "DELTA_PASS")
         where = ", ".join(f"energydsl/kernels/{m}.py" for m in fam.templates)
         header = f"{req.family} kernels" + (f" for {flags}" if flags else "")
         lines += [f"# --- {header}:", f"#     {where}" + (", specialised" if flags else ""), ""]
