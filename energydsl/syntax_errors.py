@@ -296,6 +296,27 @@ def glued_keyword(keyword: lark.Token, text: str, file: str) -> SpecError:
                      f"did you mean `{keyword}` alone, or `{keyword} {rest}` as two words?")
 
 
+def _call_hint(before: str, tok: lark.Token) -> str | None:
+    """Slips in an optimizer clause or a header that the grammar's "expected ..." explains badly: the optimizer
+    left out (`optimizer precondition diag`), an option by position (`dplr(2)`), a comma with nothing after it."""
+    from .clause_calls import OPTIMIZER, PRECONDITIONER
+
+    modifier = re.search(r"\boptimizer\s+(precondition|per|steps|wrt)\s*\Z", before)
+    if modifier:
+        return (f"`optimizer` names its optimizer first ({', '.join(OPTIMIZER.takes)}): "
+                f"`optimizer gd(eta = 1), {modifier[1]} …`")
+    call = re.search(r"(?<!\w)(\w+)\s*\(\s*(?:\w+\s*=\s*[^,()]*,\s*)*\Z", before)
+    takes = (OPTIMIZER.takes.get(call[1]) or PRECONDITIONER.takes.get(call[1])) if call else None
+    if tok.type == "NUMBER" and call and takes:
+        given = re.findall(r"(\w+)\s*=", before[call.end(1):])
+        free = [k for k in takes if k not in given]
+        example = f": `{free[0]} = {tok}`" if free else ""
+        return f"`{call[1]}` takes its options by name ({', '.join(takes)}){example}"
+    if str(tok) in (")", "]") and re.search(r",\s*\Z", before):
+        return f"nothing follows the comma before this `{tok}`: remove the comma"
+    return None
+
+
 def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> SpecError:
     """A lark parse error as the user should read it."""
     expected = _expected_terminals(e)
@@ -328,6 +349,7 @@ def syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> Sp
         if re.fullmatch(r"\s*expect\s+\w+\s*", before) and before.split()[1] not in EXPECT_NAMES:
             hint = f"an `expect` clause names what it states first: `expect update = {before.split()[1]} …` " \
                    "(or gradient, direction)"
+        hint = _call_hint(text[: tok.start_pos or 0], tok) or hint
         stack = _open_brackets(text, tok.start_pos) if tok.start_pos is not None else []
         inner = stack[-1] if stack else None
         still_open = f"the `{inner[0]}` at line {inner[1]}, column {inner[2]} is still open" if inner else ""

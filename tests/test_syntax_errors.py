@@ -344,3 +344,29 @@ def test_the_grammar_ships_inside_the_package() -> None:
     assert syntax.GRAMMAR_PATH.read_text() == (root / "grammars" / "energy.lark").read_text()
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["energydsl"]
     assert any(syntax.GRAMMAR_PATH.relative_to(package).match(pattern) for pattern in data), data
+
+
+OPTIMIZED = "energy E(d = 4) {\n  state z[d]\n  global F = 0.5 * z . z\n  LINE\n}\n"
+
+
+@pytest.mark.parametrize("line,at,hint", [
+    # the grammar's hint listed `precondition` among what may follow `optimizer precondition`
+    ("optimizer precondition diag", (4, 26), "`optimizer` names its optimizer first (gd, momentum, nag, newton): "
+                                             "`optimizer gd(eta = 1), precondition …`"),
+    ("optimizer per head", (4, 17), "`optimizer gd(eta = 1), per …`"),
+    # "expected a name or `)`" for an option given by position
+    ("optimizer gd(eta = 1), precondition dplr(2)", (4, 44), "`dplr` takes its options by name (rank): `rank = 2`"),
+    ("optimizer newton(eta = 0.5, 2)", (4, 31), "`newton` takes its options by name (eta, taylor, damping): "
+                                                "`taylor = 2`"),
+    ("optimizer gd(eta = 1, 2)", (4, 25), "`gd` takes its options by name (eta)"),
+])
+def test_an_optimizer_clause_slip_is_named(line: str, at: tuple[int, int], hint: str) -> None:
+    e = syntax_error(OPTIMIZED.replace("LINE", line))
+    assert (e.span.line, e.span.column) == at and hint in e.hint, (e.span, e.hint)
+
+
+def test_a_trailing_comma_is_named() -> None:
+    """`E(d = 4,)` said only "expected a name"."""
+    e = syntax_error("energy E(d = 4,) {\n  state z[d]\n  global F = z . z\n}\n")
+    assert (e.span.line, e.span.column) == (1, 16)
+    assert e.hint == "nothing follows the comma before this `)`: remove the comma"
