@@ -464,7 +464,7 @@ for req in requests:
 
             values = dict(DOT_PREC="ieee", BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_D=64,
                           NEED_KB=True, NEED_SELF=False, NEED_ALIBI=False, C=64, BK=64, BV=64, BLOCK=1024,
-                          REVERSE=True, FEATURE_LOOP=True, DQ_ATOMIC=True)
+                          REVERSE=True, FEATURE_LOOP=True, DQ_ATOMIC=True, DELTA_PASS=True)
             consts = {p.name: values[p.name] for p in copy.params if p.is_constexpr}
             ints = {"T", "H", "D_QK", "D_V", "N", "T_TUNE"} | ({"K", "V"} if req.family == "linear" else set())
             sig = {p.name: "constexpr" if p.is_constexpr else "i32" if p.name in ints or p.name.startswith("stride_")
