@@ -204,8 +204,8 @@ def test_kernel_resources_names_an_unknown_variant() -> None:
 def test_lowering_benchmark_compares_a_model_with_its_generic_twin_in_float64() -> None:
     """A file with a model: the timing and the logits of both float32 models against the generic one in
     float64."""
-    out = _run_here("benchmarks/lowering.py", "--spec", "examples/models/rmt.energy", "--context", "32", "--repeats",
-               "1", "--set", "layers=1", "dk=8", "dv=8", "heads=2")
+    out = _run_here("benchmarks/lowering.py", "--spec", "examples/models/rmt.energy", "--context", "32",
+                    "--repeats", "1", "--set", "layers=1", "dk=8", "dv=8", "heads=2")
     assert out.returncode == 0, out.stderr[-3000:]
     found = re.search(r"against the generic model in float64: lowered (\S+), generic (\S+)", out.stdout)
     assert found and "ratio lowered / generic" in out.stdout, out.stdout
