@@ -456,7 +456,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
             if not (t.is_integer and 0 <= int(t) <= 4):
                 raise SpecError(f"`taylor` is the number of Neumann-series terms: a whole number 0..4, got "
                                 f"{plain_number(float(t))}", where)
-            if t == 0 and "damping" in given and (spec.hyper["damping"].learn or spec.hyper["damping"].value != 0):
+            if t == 0 and damping is not None and "damping" in given and (damping.learn or damping.value != 0):
                 warnings.warn(f"`damping` (at {given['damping'].span}) has no effect with `taylor = 0`: the series is "
                               "∇F alone, a gradient step; drop it, or take `taylor` of 1 or more", stacklevel=2)
         mods = c.extra
