@@ -656,9 +656,10 @@ def test_layer_memory_grows_linearly_in_T(path: str, name: str) -> None:
 SWEEP_COMPILER = "aot_eager"
 
 
-# CI's share of the sweep below: one example energy per distinct set of kernel calls in its generated forward
-# (op, keyword arguments, mask), and for the plain-attention calls, which most examples share, the energies whose
-# torch code around the kernel differs most (Taylor steps, the exact diagonal, DPLR's preconditioner, RoPE).
+# CI's share of the sweep below: one example energy per distinct set of kernel specialisations and calls in its
+# generated source (op, keyword arguments, baked flags: `_kernel_calls`, which the next test checks the list
+# against), and for the plain-attention calls, which most examples share, the energies whose torch code around
+# the kernel differs most (Taylor steps, the exact diagonal, DPLR's preconditioner, RoPE).
 # `-m slow` runs every energy, of the test specs too, on both backends.
 COMPILE_SWEEP_IN_CI = {
     ("examples/cem/alibi.energy", "CEMAlibiAttention"),  # ALiBi slopes and the self bias
@@ -668,6 +669,7 @@ COMPILE_SWEEP_IN_CI = {
     ("examples/models/rope-llama.energy", "RopeMHA"),
     ("examples/cem/mlp.energy", "CEMMLP"),  # the gated-activation epilogue
     ("examples/nrgpt/ff2w.energy", "NRGPTFF2W"),  # value * GELU'(a)
+    ("examples/nrgpt/ff1.energy", "NRGPTFF1"),  # GELU(a) GELU'(a), no value
     ("examples/nrgpt/attention.energy", "NRGPTAttention"),  # the strict mask
     ("examples/intrinsic-optimizers/softmax-attention.energy", "SoftmaxAttention"),  # one head, no head split
     ("examples/intrinsic-optimizers/softmax-attention-l2.energy", "SoftmaxAttentionL2"),  # a key bias
@@ -683,9 +685,31 @@ COMPILE_SWEEP_IN_CI = {
 }
 
 
-def test_the_compile_sweeps_ci_share_names_example_energies() -> None:
-    """A renamed example would silently leave CI's share of the sweep."""
+def _kernel_calls(path: str, name: str) -> frozenset[str]:
+    """What the generated triton-backend source of an energy asks of the kernels: each specialisation's header
+    (family and baked flags: `# --- attention kernels for STRICT=False, ...`) and each call of an op set (its
+    function and keyword arguments, the equation hash left out)."""
+    source = energy_source(load(ROOT / path).energy(name), "triton")
+    headers = re.findall(r"^# --- (.*?):?$", source, re.M)
+    calls = []
+    for fn, args in re.findall(r"\b[a-z]+_[0-9a-f]{8}\.(\w+)\((.*)$", source, re.M):
+        keywords = sorted(set(re.findall(r"(\w+)=", args)))
+        calls.append(f"{fn}({', '.join(keywords)})")
+    return frozenset([*headers, *calls])
+
+
+def test_the_compile_sweeps_ci_share_covers_every_kernel_call_of_the_examples() -> None:
+    """CI's share names example energies (a renamed one would silently leave it), and among them one of each
+    set of kernel specialisations and calls the examples make: an example added with a new one is named here."""
     assert COMPILE_SWEEP_IN_CI <= set(ENERGIES), COMPILE_SWEEP_IN_CI - set(ENERGIES)
+    calls_of = {(path, name): _kernel_calls(path, name) for path, name in ENERGIES if path.startswith("examples")}
+    covered = {calls_of[energy] for energy in COMPILE_SWEEP_IN_CI}
+    missing: dict[frozenset[str], tuple[str, str]] = {}
+    for energy, calls in calls_of.items():
+        if calls not in covered:
+            missing.setdefault(calls, energy)
+    assert not missing, "add to COMPILE_SWEEP_IN_CI: " + "; ".join(
+        f"{energy} ({', '.join(sorted(calls)) or 'no kernel'})" for calls, energy in missing.items())
 
 
 @pytest.mark.parametrize("path,name,backend", [
