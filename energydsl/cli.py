@@ -487,10 +487,12 @@ def _report_divergence(e: TrainingDiverged, run_dir: Path, as_json: bool) -> Non
 def sample(
     checkpoint: Annotated[str, typer.Argument(metavar="RUN", help="A run directory (its best checkpoint, else its "
                                               "last) or a .safetensors checkpoint.")],
-    prompt: Annotated[str, typer.Option("--prompt")] = "",
+    prompt: Annotated[str, typer.Option(
+        "--prompt", help="Text to continue. Default: a newline (chars: and bytes: data), else token 0.")] = "",
     tokens: Annotated[int, typer.Option("--tokens", help="How many tokens to generate.")] = 200,
     temperature: Annotated[float, typer.Option("--temperature", help="0: greedy (the likeliest token).")] = 0.8,
-    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    top_k: Annotated[int | None, typer.Option(
+        "--top-k", help="Sample among the K likeliest tokens only. Default: all of them.")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
 ) -> None:
     """Generate text from a trained checkpoint (its spec and dims travel with it)."""
