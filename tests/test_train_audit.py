@@ -254,7 +254,7 @@ def test_sample_names_damaged_metadata(run, damage, message):
     assert code == 2 and out == "" and message.format(run=run) in err, err
 
 
-def test_resume_refuses_a_damaged_commit_record_and_a_metrics_file_that_is_a_folder(run, corpus):
+def test_resume_refuses_a_damaged_commit_record_and_run_files_that_are_folders(run, corpus):
     (run / ".checkpoint.commit").write_text('{"files": 5}')
     code, _, err = energy(*tiny(corpus, run, "--steps", "8"))
     assert code == 2 and f"the checkpoint commit record {run / '.checkpoint.commit'} is damaged" in err, err
@@ -264,12 +264,18 @@ def test_resume_refuses_a_damaged_commit_record_and_a_metrics_file_that_is_a_fol
     code, _, err = energy(*tiny(corpus, run, "--steps", "8", "--lr", "2e-3"))
     assert code == 2 and f"{run / 'metrics.jsonl'} is not a file: the run writes its metrics there" in err, err
     assert "resuming" not in err, err  # refused first: it announced the resume with changed settings, then refused
+    (run / "metrics.jsonl").rmdir()
+    (run / "diverged.json").mkdir()  # was IsADirectoryError (exit 70) where the resume removes the record
+    code, _, err = energy(*tiny(corpus, run, "--steps", "8", "--lr", "2e-3"))
+    assert code == 2 and f"{run / 'diverged.json'} is not a file: the run writes a divergence's record there" in err
 
 
 def test_a_metrics_row_the_disk_damaged_is_dropped_on_resume(run, corpus):
-    """Bytes that are not UTF-8 in metrics.jsonl were a UnicodeDecodeError (exit 70)."""
+    """Bytes that are not UTF-8 in metrics.jsonl were a UnicodeDecodeError (exit 70), a step that is no number
+    (null, text) a TypeError (exit 70)."""
     with (run / "metrics.jsonl").open("ab") as f:
         f.write(b'{"kind": "train", "step": 1, "loss": \xff}\n')
+        f.write(b'{"kind": "eval", "step": null}\n{"kind": "train", "step": "3"}\n')
     code, _, err = energy(*tiny(corpus, run, "--steps", "6"))
     assert code == 0, err
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -569,6 +575,42 @@ def test_an_unreadable_checkpoint_says_permission_denied() -> None:
         shutil.rmtree(folder)
     assert res.returncode == 0, res.stderr
     assert f"cannot read checkpoint {weights}: Permission denied" in res.stdout and "No such file" not in res.stdout
+
+
+@pytest.mark.parametrize("locked", ["folder", "record"])
+def test_an_unreadable_run_directory_says_so(locked: str) -> None:
+    """A run directory its user may not enter was blamed on a commit record that was not there ("cannot read the
+    checkpoint commit record ...: Permission denied", hint: remove it); root gives up root as above."""
+    import subprocess
+    import tempfile
+
+    parent = Path(tempfile.mkdtemp(prefix="energydsl-unreadable-"))
+    parent.chmod(0o755)
+    run = parent / "run"
+    run.mkdir()
+    (run / ".checkpoint.commit").write_text('{"files": []}')
+    (run if locked == "folder" else run / ".checkpoint.commit").chmod(0)
+    code = ("import os\n"
+            "from pathlib import Path\n"
+            "from energydsl.training.checkpoint import checkpoint_file\n"
+            "from energydsl.errors import DataError\n"
+            "if os.geteuid() == 0:\n"
+            "    os.setuid(65534)\n"
+            "try:\n"
+            f"    checkpoint_file(Path({str(run / 'best.safetensors')!r}))\n"
+            "except DataError as e:\n"
+            "    print(e, '|', e.hint)\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    finally:
+        run.chmod(0o755)
+        shutil.rmtree(parent)
+    assert res.returncode == 0, res.stderr
+    if locked == "folder":
+        assert f"cannot read the run directory {run}: permission denied" in res.stdout, res.stdout
+    else:
+        assert f"cannot read the checkpoint commit record {run / '.checkpoint.commit'}" in res.stdout, res.stdout
+    assert "remove it" not in res.stdout, res.stdout
 
 
 def test_a_gradient_that_is_not_finite_at_step_0_names_the_parameters_not_the_lr(run, corpus):

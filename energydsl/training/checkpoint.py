@@ -96,6 +96,12 @@ def _read_commit(out_dir: Path) -> dict[str, Any] | None:
         record = json.loads((out_dir / COMMIT).read_text())
     except FileNotFoundError:
         return None
+    except PermissionError as e:
+        if not os.access(out_dir, os.R_OK | os.X_OK):  # the folder itself, not the record (which may not exist)
+            raise DataError(f"cannot read the run directory {out_dir}: permission denied",
+                            hint=f"its permissions must let you read it (`ls -ld {out_dir}`)") from e
+        raise DataError(f"cannot read the checkpoint commit record {out_dir / COMMIT}: {e}",
+                        hint="its permissions must let you read it") from e
     except (OSError, ValueError) as e:  # written by an atomic rename: damaged only by hand
         raise DataError(f"cannot read the checkpoint commit record {out_dir / COMMIT}: {e}",
                         hint="remove it if the checkpoint files beside it are whole") from e

@@ -296,9 +296,10 @@ class RunDir:
             writable_dir(out_dir, "out_dir")  # from Python: a file there was pathlib's FileExistsError
             self.metrics = out_dir / "metrics.jsonl"
             self.diverged = out_dir / "diverged.json"
-            if self.metrics.exists() and not self.metrics.is_file():  # before a resume announces anything
-                raise UserError(f"{self.metrics} is not a file: the run writes its metrics there",
-                                hint="move it out of the way, or choose another --out directory")
+            for path, what in ((self.metrics, "its metrics"), (self.diverged, "a divergence's record")):
+                if path.exists() and not path.is_file():  # before a resume announces anything
+                    raise UserError(f"{path} is not a file: the run writes {what} there",
+                                    hint="move it out of the way, or choose another --out directory")
             self._lock = _claim(out_dir)
 
     def close(self) -> None:
@@ -427,11 +428,13 @@ class RunDir:
             return
         keep: list[str] = []
         if resumed_step is not None and self.metrics.exists():
-            # a row the disk damaged (bytes that are not UTF-8 or JSON) is dropped, as a torn last row is
+            # a row the disk damaged (bytes that are not UTF-8 or JSON, a step that is no number) is dropped, as a
+            # torn last row is
             for line in self.metrics.read_text(errors="replace").splitlines():
                 with contextlib.suppress(ValueError, AttributeError):
                     row = json.loads(line)
-                    if row.get("step", 0) <= resumed_step and row.get("kind") != "diverged":
+                    step = row.get("step", 0)
+                    if _number(step) and step <= resumed_step and row.get("kind") != "diverged":
                         keep.append(line + "\n")
         self.pending = keep
 
