@@ -37,6 +37,16 @@ def test_parses_and_names():
     assert d.spec.dims()["dh"] == 4
 
 
+
+def test_a_header_may_be_left_out() -> None:
+    """The grammar lets an energy or a model go without `(...)`; the typed tree took the first clause for the
+    header (exit 70: 'Clause' object is not iterable)."""
+    spec = load("energy A {\n  state z[4]\n  global F = 0.5 * z . z\n}\n")
+    assert spec.energy("A").spec.dims() == {}
+    with pytest.raises(SpecError, match="model `M` needs a `vocab` dim in its header"):
+        load("energy A {\n  state z[4]\n  global F = 0.5 * z . z\n}\nmodel M {\n  embed tokens\n  layer = A\n"
+             "  head tied\n}\n").plan("M")
+
 FF = """
 energy FF(d = 8, hidden = 4 * d) {
   state   z[d]
