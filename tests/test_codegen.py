@@ -1324,3 +1324,14 @@ def test_delta_is_the_displacement_itself_when_the_step_has_several_terms() -> N
     got = single(x.float(), delta=True).double()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     torch.testing.assert_close(single(x.float()), exact(x).float())  # and the update itself, as before
+
+
+@pytest.mark.parametrize("name,cls", [("F", "F_"), ("f", "F_"), ("none", "None_"), ("true", "True_"), ("B", "B")])
+def test_a_class_name_never_shadows_the_files_functional_nor_is_a_keyword(name: str, cls: str) -> None:
+    """An energy `F` (or `f`) was `class F`, which replaced `torch.nn.functional as F` in the generated file
+    (AttributeError: type object 'F' has no attribute 'linear'); `none` was `class None`, a SyntaxError."""
+    text = (f"energy {name}(d = 4) {{\n  state z[d]\n  context h[j, d] where j <= i\n"
+            "  param W[d, d] ~ normal(0, 0.3)\n  global F = -logsumexp[j](z . (W @ h[j])) + 0.5 * z . z\n}\n")
+    layer = energydsl.load(text).module(name)
+    assert type(layer).__name__ == cls and "F.linear" in energy_source(energydsl.load(text).energy(name))
+    assert layer(layer.example_input(1, 5)).shape == (1, 5, 4)

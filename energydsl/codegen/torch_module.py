@@ -8,6 +8,7 @@ it. Parameters are registered raw, with their initialisers; constraints are appl
 
 from __future__ import annotations
 
+import keyword
 import re
 import textwrap
 from typing import Any, NamedTuple
@@ -39,8 +40,11 @@ RESERVED |= set(OPS)  # imported by name: a parameter called `inverse` must not 
 
 
 def class_name(name: str) -> str:
+    """The generated class of an energy: its name capitalised, with `_` after a Python keyword (`none` would be
+    `class None`) and after `F`, which every generated file imports as torch.nn.functional."""
     out = re.sub(r"\W", "_", name)
-    return out[0].upper() + out[1:] if out else "Energy"
+    out = out[0].upper() + out[1:] if out else "Energy"
+    return f"{out}_" if keyword.iskeyword(out) or out == "F" else out
 
 
 def _local(name: str) -> str:
