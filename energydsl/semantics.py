@@ -334,7 +334,8 @@ class _Lowering(ExpressionLowering, ParamLowering):
                     else "a size is a whole number of at least 1: choose dims that make it one")
             raise SpecError(f"{named} = {plain_number(v)} is not a positive whole number (with {given})", span, hint)
         if round(v) > MAX_SIZE:
-            raise SpecError(f"{what} = {e} = {plain_number(v)} is too large (with {given})", span, SIZE_LIMIT_HINT)
+            shown = plain_number(v) if sp.sympify(e).is_number else f"{e} = {plain_number(v)}"
+            raise SpecError(f"{what} = {shown} is too large (with {given})", span, SIZE_LIMIT_HINT)
 
     def _dims(self, nodes: list[ast.Node], what: str) -> tuple[sp.Expr, ...]:
         out = []

@@ -22,6 +22,9 @@ from .ir_nodes import Expr, IndexInfo, ShapeError, Var
 from .number_text import exact_number, plain_number
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .errors import Span
     from .semantics import _Scope
 
 FUNCTIONS = {"exp", "log", "sqrt", "abs", "sign", "relu", "gelu", "silu", "sigmoid", "tanh", "softplus", "sin", "cos"}
@@ -42,6 +45,7 @@ class ExpressionLowering:
     input: Var | None
     context: Var | None
     via: tuple[Var, Expr, str] | None
+    _check_size: Callable[[sp.Expr, Span, str], None]  # a positive whole number, not too large
 
     def expr(self, n: ast.Node) -> Expr:
         try:
@@ -323,6 +327,8 @@ class ExpressionLowering:
         if f == "eye":
             if len(vals) != 1 or not isinstance(vals[0], ir.Scalar):
                 raise SpecError("eye(n) takes a size", n.span)
+            self._check_size(vals[0].value, n.args[0].span, "eye's size")  # -3, 2.5: as a param's size
+            self._check_size(vals[0].value ** 2, n.args[0].span, "eye's number of entries")  # 1e18: n² overflows
             return ir.Identity(vals[0].value)
         raise SpecError(f"unknown function `{f}`", n.span)
 

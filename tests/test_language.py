@@ -97,6 +97,12 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . \n}", "unexpected `}`", 4, 1),
         ("energy A(d = 3, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
          "not a positive whole number", 2, 12),
+        # eye's size was never checked: -3 and 1e18 were exit 70 in energy check, 0 and 2.5 taken silently
+        *[(f"energy A(d = 2) {{\n  state z[d]\n  global F = sum(eye({n})) + z . z\n}}", message, 3, 22)
+          for n, message in (("-3", "eye's size is -3, not a positive whole number"),
+                             ("2.5", "eye's size is 2.5, not a positive whole number"),
+                             ("d / 4", "eye's size = d/4 = 0.5 is not a positive whole number (with d=2)"),
+                             ("1e18", "eye's number of entries = 1e+36 is too large (with d=2)"))],
         ("energy A(d = 3, heads = 0) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
          "d/heads is not a size with d=3, heads=0: it divides by zero", 2, 12),
         # a dim of 0: nothing divides, so "choose dims that divide evenly" was the wrong hint (below, the hint)
