@@ -105,9 +105,14 @@ class _Scope:
         self.vars: dict[str, Var] = {}
         self.params: dict[str, ParamSpec] = {}
         self.decl_spans: dict[str, Span] = {}
+        # names expressions read as positions: `i`, the token being updated, and the context's index
+        self.positions: dict[str, str] = {"i": "the position of the token being updated"}
 
     def declare(self, name: str, span: Span, attribute: bool = False) -> None:
         """`attribute`: the name becomes one of the generated nn.Module's (a parameter's)."""
+        if name in self.positions:  # `param i` silently replaced the position in abs(i - j)
+            raise SpecError(f"`{name}` is {self.positions[name]}, so it cannot name something the energy declares",
+                            span, f"rename it (`{name}{name}`, say)")
         if name in EXPRESSION_WORDS:  # the parser reads `int` in an expression as a hole, never as this name
             raise SpecError(f"`{name}` is a word of expressions ({EXPRESSION_WORDS[name]}), so it cannot name "
                             "something the energy uses", span, f"rename `{name}`")
@@ -398,6 +403,12 @@ class _Lowering(ExpressionLowering, ParamLowering):
         else:
             self.scope.declare(c.name, c.span)
         idx = x["index"]
+        if idx == "i" or idx in self.scope.decl_spans:  # `h[i, d] where i < i`; a dim or an input named j
+            taken = ("the position of the token being updated" if idx == "i" else
+                     f"already defined (at {self.scope.decl_spans[idx]})")
+            raise SpecError(f"the context's index `{idx}` is {taken}", c.span,
+                            "index the context by a name of its own: `h[j, d] where j <= i`")
+        self.scope.positions[idx] = f"the context's index (at {c.span})"
         self.context = Var(c.name, "context", shape, idx)
         self.indices[idx] = IndexInfo(idx, context=c.name, strict=x["relation"] == "<")
         self.scope.vars.setdefault(c.name, self.context)

@@ -97,6 +97,18 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
         ("energy A(d = 2) {\n  state z[d]\n  global F = z . \n}", "unexpected `}`", 4, 1),
         ("energy A(d = 3, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}",
          "not a positive whole number", 2, 12),
+        # `i` and the context's index are positions: declared as names, they were taken silently (`param i` made
+        # abs(i - j) a constant, `state i` read as the position) or printed a relation the header did not state
+        ("energy A(d = 2) {\n  state i[d]\n  global F = 0.5 * (i . i)\n}",
+         "`i` is the position of the token being updated, so it cannot name something the energy declares", 2, 3),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param i = 2 fixed\n"
+         "  global F = logsumexp[j](z . h[j] - abs(i - j))\n}", "`i` is the position of the token", 4, 3),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param j = 2 fixed\n"
+         "  global F = logsumexp[j](z . h[j]) - j * (z . z)\n}", "`j` is the context's index (at ", 4, 3),
+        ("energy A(d = 2) {\n  state z[d]\n  context h[i, d] where i < i\n  global F = logsumexp[i](z . h[i])\n}",
+         "the context's index `i` is the position of the token being updated", 3, 3),
+        ("energy A(d = 2) {\n  dim j = 2\n  state z[d]\n  context h[j, d] where j <= i\n"
+         "  global F = logsumexp[j](z . h[j])\n}", "the context's index `j` is already defined (at ", 4, 3),
         # eye's size was never checked: -3 and 1e18 were exit 70 in energy check, 0 and 2.5 taken silently
         *[(f"energy A(d = 2) {{\n  state z[d]\n  global F = sum(eye({n})) + z . z\n}}", message, 3, 22)
           for n, message in (("-3", "eye's size is -3, not a positive whole number"),
