@@ -151,6 +151,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
         self.context: Var | None = None
         self.scalar_params: dict[str, sp.Symbol] = {}
         self.untied: list[tuple[Expr, Span]] = []  # the untie rules' patterns so far, where each is written
+        self.optimizer_names: dict[str, str] = {}  # what the optimizer adds, by name (`_check_optimizer_names`)
 
     # ------------------------------------------------------------------ driver
     def run(self) -> EnergyIR:
@@ -514,6 +515,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
                  for name in PRECONDITIONER_PARAMS.get(opt.precondition, ())}
         if opt.kind in ("momentum", "nag"):
             made[f"m_{self.state.name}"] = "the momentum of the state"
+        self.optimizer_names = made  # an untie rule's new parameter may not take one either (`_untie_rule`)
         for name, span in self.scope.decl_spans.items():
             # a let is inlined and a dim is a number at each instance (`gd(eta = eta)` sets η from a dim)
             if name in made and name not in self.scope.lets and name not in self.dim_symbols:
@@ -598,10 +600,16 @@ class _Lowering(ExpressionLowering, ParamLowering):
         if name in self.scope.decl_spans:
             raise SpecError(f"`{name}` already exists (declared at {self.scope.decl_spans[name]}); untie introduces "
                             "a new parameter", rhs_node.span)
+        if name in self.optimizer_names:  # `-> opt_eta[k]` had the optimizer's scalar stand for the new weights
+            raise SpecError(f"`{name}` is also {self.optimizer_names[name]} here, and the two would be one symbol",
+                            rhs_node.span, f"rename `{name}`")
         earlier = self.scope.params.get(name)  # another rule's new parameter (untie's names are not declarations)
         if earlier is not None and earlier.origin == "untie":
             raise SpecError(f"`{name}` is already the new parameter of an untie rule (at {earlier.span})",
                             rhs_node.span, "each rule introduces a parameter of its own: give this one another name")
+        if len(set(idx)) < len(idx):  # `Wo[k, k]`: one index on two axes would be the diagonal of a weight
+            raise SpecError(f"an untie rule's new parameter has one axis per index; `{rhs_base.name}` repeats one "
+                            f"({', '.join(idx)})", rhs_node.span, "name each of its axes by another index")
         sizes = []
         for i in idx:
             info = self.indices.get(i)

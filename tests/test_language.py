@@ -109,6 +109,18 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
          "the context's index `i` is the position of the token being updated", 3, 3),
         ("energy A(d = 2) {\n  dim j = 2\n  state z[d]\n  context h[j, d] where j <= i\n"
          "  global F = logsumexp[j](z . h[j])\n}", "the context's index `j` is already defined (at ", 4, 3),
+        # an untie rule's new parameter named as the optimizer's own (it stood for the weights silently) or with an
+        # index twice (derive printed Wo_k,k; check and the module failed)
+        *[("energy A(d = 4, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+           "  param W1[heads, dh, d]\n  param W2[heads, dh, d]\n"
+           "  global F = -sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))\n"
+           f"  optimizer {optimizer}\n  untie W1[k]^T -> {target}, W2[k] -> Wv[k]\n}}", message, 9, 20)
+          for optimizer, target, message in (
+              ("momentum(eta = 0.5 learn)", "opt_eta[k]", "`opt_eta` is also the optimizer's learned `eta` here"),
+              ("gd(eta = 0.5) precondition diag", "P_d[k]", "`P_d` is also a parameter of `precondition diag`"),
+              ("gd(eta = 0.5)", "eta[k]", "`eta` is also the symbol of the optimizer's `eta`"),
+              ("gd(eta = 0.5)", "Wo[k, k]", "an untie rule's new parameter has one axis per index; `Wo` repeats one"),
+              ("gd(eta = 0.5)", "Wo[k][k]", "`Wo` repeats one (k, k)"))],
         # eye's size was never checked: -3 and 1e18 were exit 70 in energy check, 0 and 2.5 taken silently
         *[(f"energy A(d = 2) {{\n  state z[d]\n  global F = sum(eye({n})) + z . z\n}}", message, 3, 22)
           for n, message in (("-3", "eye's size is -3, not a positive whole number"),
