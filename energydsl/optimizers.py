@@ -167,6 +167,16 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
                                 "other rules do)", at or spec.untie_span or spec.span,
                                 "the left side must appear in the update exactly as written (`energy derive` shows "
                                 "the tied update); or drop the rule")
+        for n, (pattern, new) in enumerate(spec.untie_rules):
+            dropped = sorted(set(pattern.free) - set(new.free))
+            if dropped:  # `W1[k]^T -> Wo`: one weight for every head would constrain the layer, not free it
+                at = spec.untie_rule_spans[n] if n < len(spec.untie_rule_spans) else None
+                raise SpecError(f"untie: the new parameter `{_base_name(new)}` must keep this pattern's "
+                                f"{'index' if len(dropped) == 1 else 'indices'} {', '.join(dropped)}: untying gives "
+                                "each place of the pattern a weight of its own, and one shared across them would "
+                                "leave the untied layer unable to take the tied one's values",
+                                at or spec.untie_span or spec.span,
+                                f"index it too: `{_base_name(new)}[{', '.join([*sorted(new.free), *dropped])}]`")
         learned = [sym for name, sym in spec.scalar_params.items() if name in params and params[name].learn]
         learned += [h.symbol for h in opt.hyper.values() if h.learn]
         direction, untie_scales = absorb_constants(untied, [_base_name(new) for _, new in spec.untie_rules], learned)

@@ -121,6 +121,12 @@ def test_bad_dim_values_from_python_are_located_errors(value, message):
               ("gd(eta = 0.5)", "eta[k]", "`eta` is also the symbol of the optimizer's `eta`"),
               ("gd(eta = 0.5)", "Wo[k, k]", "an untie rule's new parameter has one axis per index; `Wo` repeats one"),
               ("gd(eta = 0.5)", "Wo[k][k]", "`Wo` repeats one (k, k)"))],
+        # one new weight for every head: the untied layer could not take the tied values (check's tying row crashed)
+        ("energy A(d = 4, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+         "  param W1[heads, dh, d]\n  param W2[heads, dh, d]\n"
+         "  global F = -sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))\n"
+         "  optimizer gd(eta = 0.5)\n  untie W1[k]^T -> Wo, W2[k] -> Wv[k]\n}",
+         "untie: the new parameter `Wo` must keep this pattern's index k", 9, 9),
         # eye's size was never checked: -3 and 1e18 were exit 70 in energy check, 0 and 2.5 taken silently
         *[(f"energy A(d = 2) {{\n  state z[d]\n  global F = sum(eye({n})) + z . z\n}}", message, 3, 22)
           for n, message in (("-3", "eye's size is -3, not a positive whole number"),
