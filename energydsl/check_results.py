@@ -90,7 +90,11 @@ class _Worst:
         """ok/fail with `detail`, or a failure naming the quantity that was not finite."""
         if self.not_finite is not None:
             return CheckResult(name, "fail", f"not finite: {self.not_finite}", None)
-        return CheckResult(name, "ok" if self.passed(tol) else "fail", detail, self.error)
+        if self.passed(tol):
+            return CheckResult(name, "ok", detail, self.error)
+        # `detail` states the claim; a failed row must not read as if it held
+        above = f", above the tolerance {tol:.0e}" if tol > 0 else ""
+        return CheckResult(name, "fail", f"does not hold: {detail}{above}", self.error)
 
 
 @contextmanager

@@ -344,13 +344,14 @@ def _counterexample(got: torch.Tensor, expected: torch.Tensor, shown: int = 4) -
 def run_checks(prog: UpdateProgram) -> list[CheckResult]:
     with _one_thread():
         results = [check_gradient(prog)]
-        for fn in (check_sympy, check_hessian, check_update, check_causality, check_own_token, check_descent,
-                   check_definite, check_head_maps, check_tying, check_params):
+        for row, fn in (("sympy", check_sympy), ("hessian", check_hessian), ("update", check_update),
+                        ("causality", check_causality), ("own token", check_own_token), ("descent", check_descent),
+                        ("definite", check_definite), ("head map", check_head_maps), ("tying", check_tying),
+                        ("params", check_params)):
             try:
                 r = fn(prog)
             except Exception as e:  # noqa: BLE001 -- a check that cannot run is reported, not crashed on
-                r = CheckResult(fn.__name__.removeprefix("check_"), "fail",
-                                f"could not run: {type(e).__name__}: {e}")
+                r = CheckResult(row, "fail", f"could not run: {type(e).__name__}: {e}")
             if r is not None:
                 results.append(_located(r, prog))
         results.extend(check_expect(prog))

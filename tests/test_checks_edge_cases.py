@@ -1090,3 +1090,28 @@ def test_a_damping_at_taylor_zero_is_said_to_do_nothing(damping: str, warned: bo
     said = [str(w.message) for w in caught if "damping" in str(w.message)]
     assert said == (["`damping` (at <string>:5:32) has no effect with `taylor = 0`: the series is ∇F alone, a "
                      "gradient step; drop it, or take `taylor` of 1 or more"] if warned else []), said
+
+
+def test_a_failed_row_does_not_read_as_if_its_claim_held() -> None:
+    """A failing row printed its success text ("sympy.diff of an explicit instance agrees (rel. error 3.5e+11)")
+    beside the ✗."""
+    worst = _Worst("the derived ∇F", "autograd's ∇F")
+    worst.add(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    failed = worst.result("gradient", 1e-6, "derived ∇F = autograd")
+    assert failed.status == "fail"
+    assert failed.detail == "does not hold: derived ∇F = autograd, above the tolerance 1e-06"
+    assert worst.result("gradient", 1.0, "derived ∇F = autograd").detail == "derived ∇F = autograd"
+
+
+def test_a_check_that_cannot_run_is_named_as_its_row_is(monkeypatch) -> None:
+    """Its row was named after the function (`own_token`, `head_maps`), not as the row is (`own token`)."""
+    import energydsl.checks as checks
+
+    def broken(prog):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(checks, "check_own_token", broken)
+    monkeypatch.setattr(checks, "check_head_maps", broken)
+    program = load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy("MHA").program
+    rows = {r.name: r for r in run_checks(program)}
+    assert rows["own token"].detail == "could not run: RuntimeError: boom" and rows["head map"].status == "fail"
