@@ -72,6 +72,9 @@ def check_sympy(prog: UpdateProgram) -> CheckResult:
         grads, info = sympy_instance.gradient_at(prog, seed=7, seq=seq)
     except sympy_instance.NotReal as e:
         return CheckResult("sympy", "fail", f"not real: {e}")
+    except RecursionError:  # SymPy recurses per level of nesting: tanh(tanh(...)) 140 deep (the parser takes 200)
+        return CheckResult("sympy", "skip", "skipped: the energy nests too deeply for sympy.diff (Python's recursion "
+                           "limit); the autograd checks ran")
     spec = prog.spec
     dt = torch.float64
     tensors: dict[str, torch.Tensor] = {}

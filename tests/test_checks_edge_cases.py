@@ -1115,3 +1115,15 @@ def test_a_check_that_cannot_run_is_named_as_its_row_is(monkeypatch) -> None:
     program = load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy("MHA").program
     rows = {r.name: r for r in run_checks(program)}
     assert rows["own token"].detail == "could not run: RuntimeError: boom" and rows["head map"].status == "fail"
+
+
+def test_an_energy_nested_past_sympys_recursion_skips_the_sympy_row() -> None:
+    """tanh(tanh(...)) 140 deep (the parser takes 200) derived, compiled and ran, but `energy check` failed it:
+    "sympy ✗ could not run: RecursionError"."""
+    nested = "z . z"
+    for _ in range(140):
+        nested = f"tanh({nested})"
+    deep = load(f"energy Deep(d = 2) {{\n  state z[d]\n  global F = {nested}\n}}\n").energy()
+    rows = {r.name: r for r in deep.check()}
+    assert rows["sympy"].status == "skip" and "nests too deeply for sympy.diff" in rows["sympy"].detail
+    assert all(r.status != "fail" for r in rows.values()), rows
