@@ -545,72 +545,64 @@ def test_a_resumed_run_that_fails_at_once_keeps_the_metrics_after_its_checkpoint
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2, 4, 6, 8]
 
 
-def test_an_unreadable_checkpoint_says_permission_denied() -> None:
-    """safetensors reports a file it may not read as "No such file"; the message now says why it cannot be read.
-    Root reads any file, so the reading process gives up root first (after its imports: the venv may not be
-    readable to others), in a folder others may enter (pytest's tmp_path is private to its user)."""
+def _data_error_as_nobody(imports: str, call: str) -> str:
+    """What `call` raises as a DataError (message | hint), run by a user who is not root: root reads any file, so
+    the process gives up root first (after its imports: the venv may not be readable to others)."""
     import subprocess
-    import tempfile
 
-    from safetensors.torch import save_file
+    code = (f"import os\nfrom pathlib import Path\n{imports}\nfrom energydsl.errors import DataError\n"
+            "if os.geteuid() == 0:\n    os.setuid(65534)\n"
+            f"try:\n    {call}\nexcept DataError as e:\n    print(e, '|', e.hint)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _folder_others_may_enter() -> Path:
+    """A fresh folder of mode 755 (pytest's tmp_path is private to its user)."""
+    import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="energydsl-unreadable-"))
     folder.chmod(0o755)
+    return folder
+
+
+def test_an_unreadable_checkpoint_says_permission_denied() -> None:
+    """safetensors reports a file it may not read as "No such file"; the message now says why it cannot be read."""
+    from safetensors.torch import save_file
+
+    folder = _folder_others_may_enter()
     weights = folder / "best.safetensors"
     save_file({"w": torch.zeros(2)}, str(weights))
     weights.chmod(0)
-    code = ("import os, sys\n"
-            "from energydsl.training.checkpoint import read_checkpoint\n"
-            "from energydsl.errors import DataError\n"
-            "import safetensors.torch\n"
-            "if os.geteuid() == 0:\n"
-            "    os.setuid(65534)\n"
-            "try:\n"
-            f"    read_checkpoint({str(weights)!r})\n"
-            "except DataError as e:\n"
-            "    print(e)\n")
     try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        imports = "from energydsl.training.checkpoint import read_checkpoint\nimport safetensors.torch"
+        out = _data_error_as_nobody(imports, f"read_checkpoint({str(weights)!r})")
     finally:
         shutil.rmtree(folder)
-    assert res.returncode == 0, res.stderr
-    assert f"cannot read checkpoint {weights}: Permission denied" in res.stdout and "No such file" not in res.stdout
+    assert f"cannot read checkpoint {weights}: Permission denied" in out and "No such file" not in out
 
 
 @pytest.mark.parametrize("locked", ["folder", "record"])
 def test_an_unreadable_run_directory_says_so(locked: str) -> None:
     """A run directory its user may not enter was blamed on a commit record that was not there ("cannot read the
-    checkpoint commit record ...: Permission denied", hint: remove it); root gives up root as above."""
-    import subprocess
-    import tempfile
-
-    parent = Path(tempfile.mkdtemp(prefix="energydsl-unreadable-"))
-    parent.chmod(0o755)
+    checkpoint commit record ...: Permission denied", hint: remove it)."""
+    parent = _folder_others_may_enter()
     run = parent / "run"
     run.mkdir()
     (run / ".checkpoint.commit").write_text('{"files": []}')
     (run if locked == "folder" else run / ".checkpoint.commit").chmod(0)
-    code = ("import os\n"
-            "from pathlib import Path\n"
-            "from energydsl.training.checkpoint import checkpoint_file\n"
-            "from energydsl.errors import DataError\n"
-            "if os.geteuid() == 0:\n"
-            "    os.setuid(65534)\n"
-            "try:\n"
-            f"    checkpoint_file(Path({str(run / 'best.safetensors')!r}))\n"
-            "except DataError as e:\n"
-            "    print(e, '|', e.hint)\n")
     try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        out = _data_error_as_nobody("from energydsl.training.checkpoint import checkpoint_file",
+                                    f"checkpoint_file(Path({str(run / 'best.safetensors')!r}))")
     finally:
         run.chmod(0o755)
         shutil.rmtree(parent)
-    assert res.returncode == 0, res.stderr
     if locked == "folder":
-        assert f"cannot read the run directory {run}: permission denied" in res.stdout, res.stdout
+        assert f"cannot read the run directory {run}: permission denied" in out, out
     else:
-        assert f"cannot read the checkpoint commit record {run / '.checkpoint.commit'}" in res.stdout, res.stdout
-    assert "remove it" not in res.stdout, res.stdout
+        assert f"cannot read the checkpoint commit record {run / '.checkpoint.commit'}" in out, out
+    assert "remove it" not in out, out
 
 
 def test_a_gradient_that_is_not_finite_at_step_0_names_the_parameters_not_the_lr(run, corpus):
