@@ -23,7 +23,7 @@ from . import ir, syntax
 from .calculus import substitute_var
 from .checks import CheckResult, run_checks
 from .cli_sizing import allocation_named
-from .errors import Span, SpecError, UserError
+from .errors import HoleError, Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, number_shown, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
@@ -375,36 +375,62 @@ class Spec:
 
     def derive(self, **dims: float) -> list[Derived]:
         """Every energy declared in the file itself (not its imports)."""
+        self._refuse_unknown_dims(dims)
+        return [self.energy(n, **_dims_for(self.syntax.energies[n], dims)) for n in self.energy_names]
+
+    def _refuse_unknown_dims(self, dims: dict[str, float]) -> None:
+        """Refuse a dim no energy of the file declares."""
         known = {n for e in self.energy_names for n, _ in self.syntax.energies[e].header}
         unknown = sorted(set(dims) - known)
         if unknown:
             raise SpecError(f"`{unknown[0]}` is not a dim of any energy in {self.path} (dims: "
                             f"{', '.join(sorted(known)) or 'none'})", None)
-        return [self.energy(n, **_dims_for(self.syntax.energies[n], dims)) for n in self.energy_names]
 
     def check(self, **dims: float) -> dict[str, list[CheckResult]]:
         """The checks of every energy, block, model and search declared in the file itself, by name (a pipeline
         block's stages as `B stage 2 (MLP)`). A dim goes to each energy and model that declares it (`energy check
         --set`)."""
         energy_dims, model_dims = self._split_dims(dims)
-        results = {d.name: d.check() for d in self.derive(**energy_dims)} if self.energy_names else {}
+        if self.energy_names:
+            self._refuse_unknown_dims(energy_dims)
+        results = {n: self._unless_template(lambda n=n: self.energy(
+            n, **_dims_for(self.syntax.energies[n], energy_dims)).check()) for n in self.energy_names}
+        for name in self.block_names:
+            results |= self._unless_template(lambda name=name: self._check_block(name, energy_dims, model_dims),
+                                             label=name)
+        models = {name: self._unless_template(lambda name=name: self.check_model(name, **model_dims[name]))
+                  for name in self.model_names}
+        return results | models | {name: self.check_search(name) for name in self.search_names}
+
+    def _check_block(self, name: str, energy_dims: dict[str, float],
+                     model_dims: dict[str, dict[str, float]]) -> dict[str, list[CheckResult]]:
+        """Each stage of a block, as a model's layer runs it (a sum: one energy), by label."""
         from .composition import expand_block, models_running, plan_model
 
-        for name in self.block_names:  # each stage of a block, as a model's layer runs it (a sum: one energy)
-            try:
-                stages, where = expand_block(self.syntax, name, energy_dims), ""
-            except SpecError:  # it reads a model's dims (`MLP(d, hidden = 8)`): checked at the dims of one
-                users = models_running(self.syntax, name)
-                if not users:
-                    raise
-                model = plan_model(self.syntax, users[0], model_dims.get(users[0], {}))
-                stages = expand_block(self.syntax, name, energy_dims, outer=model.dims)
-                where = f" at model {users[0]}'s dims"
-            for n, stage in enumerate(stages):
-                label = name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})"
-                results[label + where] = derive(stage.decl, stage.dims).check()
-        models = {name: self.check_model(name, **model_dims[name]) for name in self.model_names}
-        return results | models | {name: self.check_search(name) for name in self.search_names}
+        try:
+            stages, where = expand_block(self.syntax, name, energy_dims), ""
+        except SpecError:  # it reads a model's dims (`MLP(d, hidden = 8)`): checked at the dims of one
+            users = models_running(self.syntax, name)
+            if not users:
+                raise
+            model = plan_model(self.syntax, users[0], model_dims.get(users[0], {}))
+            stages = expand_block(self.syntax, name, energy_dims, outer=model.dims)
+            where = f" at model {users[0]}'s dims"
+        return {(name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})") + where:
+                derive(stage.decl, stage.dims).check() for n, stage in enumerate(stages)}
+
+    def _unless_template(self, check: Callable[[], Any], label: str | None = None) -> Any:
+        """`check()`, unless what it checks holds a search hole of this file's `search`: a template that only its
+        candidates fill, checked each before it trains (its checks as a `holes` row, under `label` for a block).
+        Without a search in the file a hole is an error, as everywhere."""
+        try:
+            return check()
+        except HoleError:
+            if not self.search_names:
+                raise
+            row = [CheckResult("holes", "skip", f"a template of this file's search ({', '.join(self.search_names)}): "
+                               "`energy search` checks each candidate before it trains it")]
+            return row if label is None else {label: row}
 
     @property
     def search_names(self) -> list[str]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import syntax as ast
 from .clause_calls import ACROSS_LAYERS
-from .errors import Span, SpecError, UserError
+from .errors import HoleError, Span, SpecError, UserError
 from .number_text import is_count
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
                 raise SpecError(f"{f}({', '.join(f'{v:g}' for v in vals)}) in {what} has no real value",
                                 node.span) from None
         case ast.Hole():
-            raise SpecError(f"a search hole in {what}: holes belong in a `search` space", node.span,
+            raise HoleError(f"a search hole in {what}: holes belong in a `search` space", node.span,
                             "run it with `energy search`, or write a number")
     raise SpecError(f"{what} must be a number built from dims", node.span)
 

@@ -97,6 +97,11 @@ class SpecError(UserError):
     """An error in a `.energy` spec: syntax, names, shapes, indices, differentiability."""
 
 
+class HoleError(SpecError):
+    """A search hole (`choice{...}`, `int a..b`, `float a..b`) where only `energy search` fills it: the declaration
+    is a template of a search space."""
+
+
 class DataError(UserError):
     """A missing or unreadable data file, an unknown dataset, an impossible size."""
 

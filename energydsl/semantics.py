@@ -20,7 +20,7 @@ from . import ir
 from . import syntax_tree as ast
 from .clause_calls import OPTIMIZER, PRECONDITIONER
 from .composition import MAX_SIZE, SIZE_LIMIT_HINT, dim_override
-from .errors import Span, SpecError
+from .errors import HoleError, Span, SpecError
 from .ir_nodes import Expr, IndexInfo, Var
 from .number_text import exact_number, plain_number
 from .python_names import name_problem
@@ -447,7 +447,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
         c = clauses[0]
         call = c.value
         if isinstance(call, ast.OptHole):
-            raise SpecError("`choice{...}` of optimizers belongs in a `search`", call.span)
+            raise HoleError("`choice{...}` of optimizers belongs in a `search`", call.span)
         OPTIMIZER.check(call.name, call.span, [(k.name, k.span) for k in call.kwargs])
         spec = OptimizerSpec(kind=call.name, span=c.span)
         given = {k.name: k for k in call.kwargs}
@@ -483,7 +483,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
         pre = mods.get("precondition")
         if pre is not None:
             if isinstance(pre, ast.OptHole):
-                raise SpecError("`choice{...}` of preconditioners belongs in a `search`", pre.span)
+                raise HoleError("`choice{...}` of preconditioners belongs in a `search`", pre.span)
             PRECONDITIONER.check(pre.name, pre.span, [(kw.name, kw.span) for kw in pre.kwargs])
             spec.precondition = pre.name
             for kw in pre.kwargs:

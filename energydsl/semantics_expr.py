@@ -16,7 +16,7 @@ import sympy as sp
 
 from . import ir
 from . import syntax_tree as ast
-from .errors import SpecError
+from .errors import HoleError, SpecError
 from .functions import antiderivative
 from .ir_nodes import Expr, IndexInfo, ShapeError, Var
 from .number_text import exact_number, plain_number
@@ -81,7 +81,7 @@ class ExpressionLowering:
             case ast.Name():
                 return self._name(n)
             case ast.Hole():
-                raise SpecError("a search hole (choice/int/float) can only be filled by `energy search`", n.span)
+                raise HoleError("a search hole (choice/int/float) can only be filled by `energy search`", n.span)
             case ast.Neg():
                 return ir.neg(self.expr(n.operand))
             case ast.Transpose():

@@ -86,6 +86,24 @@ def test_check_loads_a_files_search_as_energy_search_does(tmp_path: Path) -> Non
         search["checks"][0]["detail"]
 
 
+def test_check_passes_a_search_whose_templates_hold_holes(tmp_path: Path) -> None:
+    """The shipped attention zoo (holes in its energies' scores, steps and optimizers) was refused by `energy check`
+    at its first hole, as was a model header with one: a file's search fills them, and checks each candidate
+    before it trains. Without a search in the file a hole stays an error."""
+    proc = energy_cli("check", "--json", "search/attention-zoo.energy")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout)
+    templates = [*row["energies"], *row["models"]]
+    assert {t["name"] for t in templates} == {"Attention", "MLP", "ZooGPT"}, templates
+    assert all([c["name"] for c in t["checks"]] == ["holes"] and c["status"] == "skip"
+               for t in templates for c in t["checks"]), templates
+    assert row["searches"][0]["ok"]
+    alone = tmp_path / "alone.energy"
+    alone.write_text("energy A(d = 2) {\n  state z[d]\n  global F = choice{1, 2} * (z . z)\n}\n")
+    proc = energy_cli("check", str(alone))
+    assert proc.returncode == 2 and f"{alone}:3:14: error: a search hole" in proc.stderr, proc.stderr
+
+
 def energy_cli(*args: str) -> subprocess.CompletedProcess:
     return energy_in_process(*args, cwd=ROOT)
 
