@@ -94,7 +94,7 @@ def search(
     sets: SetOpt = None,
 ) -> None:
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
-    from energydsl.files import check_output
+    from energydsl.files import apart, check_output
     from energydsl.search import export_best, hole_rows, run_search, write_report
     from energydsl.search.report import not_an_input
     from energydsl.search.space import SpaceRef, resolve_space
@@ -105,6 +105,8 @@ def search(
         if path is not None and not holes:  # before any trial runs, not after: writable, and neither the storage
             check_output(path, flag, example)  # given nor the space searched (a default storage: below, once known)
             not_an_input(path, flag, storage, ref.spec)
+    if report is not None and export is not None and not holes:
+        apart(report, "--report", export, "--export")
     if holes:
         resolved = resolve_space(ref)
         rows = hole_rows(resolved)
@@ -127,6 +129,8 @@ def search(
         if path is not None:  # the default storage, known now (the space and its imports: checked above)
             not_an_input(path, flag, summary["storage"], None)
     report_path = Path(report) if report else default_report
+    apart(report_path, "--report" if report else "the report", Path(export) if export else default_best,
+          "--export" if export else "the best candidate")  # one of them a default: known once the storage is
     older = default_report.with_name("report.html")
     if not report and default_report != older and older.exists():  # left from when the storage held one study
         print(f"note: this storage now holds several studies, each with its own report-STUDY.html and "
@@ -169,7 +173,7 @@ def report(
                                                          "leaderboard.")] = False,
 ) -> None:
     """Write a self-contained HTML report of a study (plots, leaderboard, every trial's spec and equations)."""
-    from energydsl.files import check_output
+    from energydsl.files import apart, check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
     from energydsl.search.report import not_an_input
@@ -184,6 +188,7 @@ def report(
     if export:
         check_output(export, "--export", "best.energy")
         not_an_input(export, "--export", store, space)
+        apart(path, "-o/--output" if out else "the report", export, "--export")
     write_report(store, study_name, path, study=loaded)
     if as_json:
         from energydsl.search.report import trial_rows

@@ -107,6 +107,15 @@ def not_an_input(path: str | os.PathLike[str], what: str, inputs: list[tuple[str
                             hint=f"give another file, e.g. {example}" if example else "give another file")
 
 
+def apart(first: str | os.PathLike[str], first_what: str, second: str | os.PathLike[str], second_what: str) -> None:
+    """Refuse two outputs of one command at one file (`--export` at the report's path): the later write replaced
+    the earlier without a word."""
+    a, b = Path(first), Path(second)
+    if a.resolve() == b.resolve() or (a.is_file() and b.is_file() and _same_file(a, b)):
+        raise UserError(f"{second_what} {second} is also {first_what}: the one would replace the other",
+                        hint="give each its own file")
+
+
 def check_output(path: str | os.PathLike[str], what: str = "output", example: str = "report.html") -> Path:
     """Fail now, naming `what` (e.g. `--report`), if a file cannot be written at `path`: it is a directory,
     or its folder cannot be created or written. Call it before the work whose result goes there; the folders it

@@ -110,6 +110,12 @@ def test_search_checks_its_output_paths_before_any_trial(tmp_path: Path) -> None
                    *(["--storage", journal] if flag != "--storage" else []), flag, path, cwd=tmp_path)
         clean_exit_2(r, *([flag] if flag != "--storage" else []), message)
     assert not (tmp_path / "calls.txt").exists() and not Path(journal).exists()  # no trial ran, no study made
+    # --export at --report's file: the candidate replaced the report without a word
+    same = str(tmp_path / "same.out")
+    r = energy("search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--trials", "1",
+               "--storage", journal, "--report", same, "--export", same, cwd=tmp_path)
+    clean_exit_2(r, f"--export {same} is also --report: the one would replace the other")
+    assert not (tmp_path / "calls.txt").exists()
 
 
 def test_report_checks_its_output_paths_before_writing(tmp_path: Path) -> None:
@@ -121,6 +127,11 @@ def test_report_checks_its_output_paths_before_writing(tmp_path: Path) -> None:
     r = energy("report", str(journal), "-o", str(tmp_path / "r.html"), "--export", str(tmp_path), cwd=tmp_path)
     clean_exit_2(r, "--export", "is a directory")
     assert not (tmp_path / "r.html").exists()  # refused before writing anything
+    for out in (["-o", str(tmp_path / "r.html")], []):  # at -o's file, or at the default report's
+        target = str(tmp_path / "r.html") if out else str(journal.parent / "report.html")
+        r = energy("report", str(journal), *out, "--export", target, cwd=tmp_path)
+        clean_exit_2(r, f"--export {target} is also {'-o/--output' if out else 'the report'}")
+        assert not Path(target).exists()
     with pytest.raises(UserError, match="cannot write"):  # the API: no OSError either
         write_report(str(journal), "t", tmp_path)
 
