@@ -222,6 +222,11 @@ def test_a_float_hole_where_a_whole_number_is_needed_is_refused(tmp_path: Path) 
         with pytest.raises(SpecError, match=f"the `float` hole {re.escape(hole)} stands where a whole number") as e:
             load_search(write(tmp_path, (TINY + SEARCH).replace(old, new)))
         assert fix in e.value.hint and e.value.span.line == (TINY + SEARCH).split(old)[0].count("\n") + 1
+    # a float hole that is not its choice's first option: the check took each choice's first option, never
+    # reached it, and its candidates were pruned as invalid one by one
+    for choice in ("choice{1, float 1..2}", "choice{float 1..2, 1}"):
+        with pytest.raises(SpecError, match="the `float` hole `Tiny.layers.[12]` stands where a whole number"):
+            load_search(write(tmp_path, TINY + SEARCH.replace("Tiny(d = choice{8, 16})", f"Tiny(layers = {choice})")))
     # a float where any number will do (an initial value, a fixed scale) is a float hole as written
     text = TINY.replace("param   W1[hidden, d] ~ normal(0, 0.02)", "param   W1[hidden, d] ~ normal(0, float 0.01..0.1)")
     assert "FF.W1" in names(load_search(write(tmp_path, text + SEARCH)))
@@ -697,6 +702,10 @@ def test_an_error_in_text_no_hole_changes_is_refused_at_its_line_before_any_tria
     some = "search S { model Tiny(d = choice{6, 12}, heads = 4) }"
     load_search(write(tmp_path, TINY + some, "some.energy"))
     load_search(write(tmp_path, TINY + "search S { model Tiny(d = choice{6, 12, 10}, heads = 4) }", "mid.energy"))
+    # the first, middle and last options fail alike at a line no hole changes, the second builds: not refused
+    let = "let     v = choice{W1 @ z, z, 2 * (W1 @ z), 3 * (W1 @ z)}\n  global  F = -sum(integral(relu)(W1 @ v))"
+    probed = TINY.replace("global  F = -sum(integral(relu)(W1 @ z))", let)
+    assert "FF.v" in names(load_search(write(tmp_path, probed + SEARCH, "probed.energy")))
     # every value fails, each with its own numbers: a hole's business still, left to the trials
     load_search(write(tmp_path, TINY + "search S { model Tiny(d = choice{6, 10, 14}, heads = 4) }", "all.energy"))
 

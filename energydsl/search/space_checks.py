@@ -8,6 +8,7 @@ at the hole, when the space loads (`energydsl.search.dsl.DslSpace`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import lark
@@ -36,14 +37,14 @@ def refuse_float_holes_needing_whole_numbers(space: DslSpace) -> None:
     floats = [h for h in space.holes() if h.kind == "float" and h.high > h.low]
     if not floats:
         return
-    base = space.suggest(_AnyValues())
-    if refused(base) is not None:
-        return
-    base_text = base.source()
+    routes = _routes(space)
     for hole in floats:
-        inside = _Inside(hole)
+        base = space.suggest(_Steered(routes[hole.name]))  # the float at its low bound, where a candidate builds
+        if refused(base) is not None:
+            continue
+        inside = _Inside(hole, routes[hole.name])
         candidate = space.suggest(inside)
-        e = None if candidate.source() == base_text else refused(candidate)  # unchanged: not sampled there
+        e = None if candidate.source() == base.source() else refused(candidate)  # unchanged: not sampled there
         if e is not None and "whole number" in e.message:
             raise SpecError(f"the `float` hole `{hole.name}` stands where a whole number is needed: at "
                             f"{_fmt_float(inside.value)} the candidate is refused ({e.message})", hole.span,
@@ -55,15 +56,16 @@ def refuse_errors_no_hole_changes(space: DslSpace) -> None:
     """An error in text no hole changes (a typo in an energy every candidate uses) makes every candidate
     invalid: a study of invalid trials, exit 0, and a study that then refuses the mended text. Refused at its
     line in the space's files before any trial, when the candidates with every hole at its first, its middle
-    and its last value fail alike: one message at one line that stands unchanged in the space's files. Only the
-    composition and each stage's semantics run (no SymPy); an error of one candidate alone is a hole's, left
-    to the trials."""
+    and its last value, and those with one hole at each of its other options (`_probes`), fail alike: one
+    message at one line that stands unchanged in the space's files. Only the composition and each stage's
+    semantics run (no SymPy), and only until a candidate builds (the first, in a space that works); an error of
+    one candidate alone is a hole's, left to the trials."""
     from energydsl.composition import stage_named
     from energydsl.search.candidate import in_space
     from energydsl.semantics import lower_energy
 
     found: list[UserError] = []
-    for values in (_AnyValues(), _Middle(), _Last()):
+    for values in _probes(space):
         candidate = space.suggest(values)
         try:
             plan = candidate.spec().plan(space.model_name)
@@ -83,6 +85,27 @@ def refuse_errors_no_hole_changes(space: DslSpace) -> None:
         return
     why = "no hole changes this line: every candidate would be invalid"
     raise SpecError(first.message, first.span, f"{first.hint}; {why}" if first.hint else why)
+
+
+MAX_PROBES = 64  # candidates `refuse_errors_no_hole_changes` builds at most, each a composition and its semantics
+
+
+def _probes(space: DslSpace) -> Iterator[_AnyValues]:
+    """Values for the candidates that decide whether an error is every candidate's: every hole at its first, its
+    middle, its last value; then one hole at a time at each of its other options (a choice's) or its high bound
+    (an int's), the choices around it at the options that hold it. `let v = choice{W1 @ z, z, 2 * (W1 @ z),
+    3 * (W1 @ z)}` fails at its first, middle and last options alike, where `z` builds."""
+    yield from (_AnyValues(), _Middle(), _Last())
+    routes = _routes(space)
+    probes = 3
+    for hole in space.holes():
+        picks = ([{hole.name: index} for index in range(1, len(hole.options))] if hole.options else
+                 [{hole.name: int(hole.high)}] if hole.kind == "int" and hole.high > hole.low else [])
+        for pick in picks:
+            if probes >= MAX_PROBES:
+                return
+            probes += 1
+            yield _Steered(routes[hole.name], pick)
 
 
 class _Middle(_AnyValues):
@@ -109,10 +132,48 @@ class _Last(_AnyValues):
         return choices[-1]
 
 
-class _Inside(_AnyValues):
-    """`_AnyValues`, but one float hole takes a value inside its range, not a whole number."""
+def _routes(space: DslSpace) -> dict[str, dict[str, Any]]:
+    """For each hole, the option each enclosing choice must take for the hole to be sampled at all (`choice{1,
+    float 1..2}`'s float hole: the second option), by the choice's name."""
+    routes: dict[str, dict[str, Any]] = {}
 
-    def __init__(self, hole: _Hole):
+    def visit(hole: _Hole, route: dict[str, Any]) -> None:
+        routes[hole.name] = route
+        for option in hole.options:
+            for inner in option.holes:
+                visit(inner, {**route, hole.name: option.label})
+
+    holes = space.holes()
+    nested = {inner.name for h in holes for o in h.options for inner in o.holes}
+    for hole in holes:
+        if hole.name not in nested:
+            visit(hole, {})
+    return routes
+
+
+class _Steered(_AnyValues):
+    """`_AnyValues`, but the choices in `route` take the options given there (and a choice named in `pick` the
+    option at that index, an int hole that value)."""
+
+    def __init__(self, route: dict[str, Any], pick: dict[str, Any] | None = None):
+        self.route = route
+        self.pick = pick or {}
+
+    def suggest_int(self, name: str, low: int, high: int, **kw: Any) -> int:
+        return self.pick.get(name, low)
+
+    def suggest_categorical(self, name: str, choices: list[Any]) -> Any:
+        if name in self.pick:
+            return choices[self.pick[name]]
+        return self.route.get(name, choices[0])
+
+
+class _Inside(_Steered):
+    """One float hole takes a value inside its range, not a whole number; the choices around it take the options
+    that hold it, the other holes their first value."""
+
+    def __init__(self, hole: _Hole, route: dict[str, Any]):
+        super().__init__(route)
         self.hole = hole
         fraction = 0.381966  # the golden section: not a whole number for any range a search writes
         self.value = (hole.low * (hole.high / hole.low) ** fraction if hole.log else
