@@ -254,6 +254,8 @@ def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="a bound is larger than 2\\^53") as err:
         load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int 1..100000000000000000000") + SEARCH))
     assert err.value.span is not None
+    with pytest.raises(SpecError, match="a bound is larger than 2\\^53"):  # 2^53 + 1 read as a float is 2^53
+        load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int 1..9007199254740993") + SEARCH))
 
 
 def test_search_level_overrides_are_written_into_the_declarations(tmp_path: Path) -> None:

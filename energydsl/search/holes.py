@@ -11,6 +11,7 @@ import bisect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +150,11 @@ class _Hole:
         return out
 
 
-def _bound(node: lark.Tree) -> float:
-    """A hole's end (grammar rule `bound`): a number with an optional minus sign."""
+def _bound(node: lark.Tree, exact: bool = False) -> Any:
+    """A hole's end (grammar rule `bound`): a number with an optional minus sign; `exact`: as a Fraction."""
     sign, number = node.children
-    return -float(number) if sign is not None else float(number)
+    value = Fraction(str(number)) if exact else float(number)
+    return -value if sign is not None else value
 
 
 def _fmt_float(v: float) -> str:
@@ -196,10 +198,11 @@ class _Collector:
         s, e = _pos(node)
         span = f.span(node)
         if node.data == "int_hole":
-            lo, hi = _bound(node.children[0]), _bound(node.children[1])
-            if not (lo.is_integer() and hi.is_integer()) or lo > hi:
+            exact = [_bound(b, exact=True) for b in node.children[:2]]  # 2^53 + 1 read as a float is 2^53
+            lo, hi = (float(b) for b in exact)
+            if not all(b.denominator == 1 for b in exact) or lo > hi:
                 raise SpecError(f"`{f.slice(node)}`: need whole numbers, low <= high", span)
-            if max(abs(lo), abs(hi)) > 2**53:  # past it a float bound is no exact whole number: every trial failed
+            if max(abs(b) for b in exact) > 2**53:  # past it a float bound is no exact whole number: every trial failed
                 raise SpecError(f"`{f.slice(node)}`: a bound is larger than 2^53 (9,007,199,254,740,992), past which "
                                 "it is not an exact whole number", span, "give bounds of a size a trial can take")
             return _Hole(name, "int", f, s, e, span, lo, hi)
