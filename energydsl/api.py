@@ -405,16 +405,17 @@ class Spec:
     def _check_block(self, name: str, energy_dims: dict[str, float],
                      model_dims: dict[str, dict[str, float]]) -> dict[str, list[CheckResult]]:
         """Each stage of a block, as a model's layer runs it (a sum: one energy), by label."""
-        from .composition import expand_block, models_running, plan_model
+        from .composition import block_arguments, expand_block, models_running, plan_model
 
         try:
             stages, where = expand_block(self.syntax, name, energy_dims), ""
-        except SpecError:  # it reads a model's dims (`MLP(d, hidden = 8)`): checked at the dims of one
-            users = models_running(self.syntax, name)
+        except SpecError:  # it reads a model's dims (`MLP(d, hidden = 8)`), or the arguments the model's layer
+            users = models_running(self.syntax, name)  # gives it (`Pair(h = 4)`): checked as one model runs it
             if not users:
                 raise
             model = plan_model(self.syntax, users[0], model_dims.get(users[0], {}))
-            stages = expand_block(self.syntax, name, energy_dims, outer=model.dims)
+            outer = model.dims | block_arguments(self.syntax, users[0], name, model.dims)
+            stages = expand_block(self.syntax, name, energy_dims, outer=outer)
             where = f" at model {users[0]}'s dims"
         return {(name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})") + where:
                 derive(stage.decl, stage.dims).check() for n, stage in enumerate(stages)}

@@ -314,6 +314,16 @@ def expand_block(module: ast.Module, name: str, dims: dict[str, float],
     return [_stage(*stage) for stage in stages]
 
 
+def block_arguments(module: ast.Module, model: str, block: str, dims: dict[str, float]) -> dict[str, float]:
+    """The arguments `model`'s layer gives `block` where it names it itself (`layer = Pair(h = 4)`), at the model's
+    `dims`; none where only another block runs it."""
+    layer = next((c.value for c in module.models[model].clauses if c.kind == "layer"), [])
+    ref = next((r for summed in layer for r in summed if r.name == block), None)
+    if ref is None:
+        return {}
+    return {key: evaluate_number(node, dims, f"`{key}` of block `{block}`") for key, node in ref.args if key}
+
+
 def models_running(module: ast.Module, block: str) -> list[str]:
     """The models whose layer runs `block`, itself or within another block."""
     def reaches(pipeline: list[list[ast.StageRef]], seen: frozenset[str]) -> bool:

@@ -950,6 +950,12 @@ def test_a_block_that_reads_a_models_dims_is_checked_at_them(tmp_path: Path) -> 
     assert all(r.status != "fail" for rows in results.values() for r in rows)
     r = _run("check", str(path), "--set", "d=12")  # the model's --set reaches the block's check too
     assert r.returncode == 0 and "Inner at model M's dims" in r.stdout, r.stderr
+    # a name the model's layer gives the block (`Pair(h = 4)`) was unknown to the check alone (exit 2)
+    path.write_text(GPT_ENERGIES + "block Pair = MHA(heads = h) -> MLP\n"
+                    "model M(vocab = 11, context = 8, d = 16) {\n  layer = Pair(h = 4)\n}\n")
+    results = load(path).check()
+    assert "Pair stage 1 (MHA) at model M's dims" in results
+    assert all(r.status != "fail" for rows in results.values() for r in rows)
 
 
 @pytest.mark.parametrize("call, message", [("Pair(haeds = 4)", "did you mean `heads`?"),
