@@ -464,6 +464,11 @@ class Spec:
                             f"alone has {p.numel():,} entries), more than {MAX_INSTANCE_BYTES / 2**30:g} GiB",
                             sized.plan.span, "check it at smaller dims (--set): the checks prove the composition "
                             "and the derivations, which do not depend on the sizes")
+        if layers > MAX_CHECK_LAYERS:  # `repeat layers shared` at 1e9: small weights, days of forward
+            raise SpecError(f"model `{sized.plan.name}` is too deep to check at its dims: {layers:,} "
+                            f"layers, more than {MAX_CHECK_LAYERS:,} (the checks run it forward and backward in "
+                            "float64, about a millisecond a layer)", sized.plan.span,
+                            "check it at fewer layers (--set layers=2): every layer is the same composition")
         model = self.model(name, **dims)
         return [*check_model(model), dims_row(model.plan.name, unread_dims(self.syntax, model.plan.name))]
 
@@ -584,6 +589,7 @@ def _check_name(name: object) -> None:
 
 # ----------------------------------------------------------------------------- shared derivations
 
+MAX_CHECK_LAYERS = 10_000  # `energy check` of a model deeper than this is refused (10,000 layers: about 9 s)
 DERIVE_MEMO_SIZE = 256  # derivations kept per process (a search builds a few per trial, mostly the same)
 _DERIVED: OrderedDict[tuple[Any, ...], Derived] = OrderedDict()
 _DERIVED_LOCK = threading.Lock()  # Ray may run trials in threads of one process

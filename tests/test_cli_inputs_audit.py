@@ -463,3 +463,10 @@ def test_a_model_too_large_to_check_is_refused_at_once(monkeypatch, capsys, tmp_
     assert time.monotonic() - started < 30
     code, _, err = run_main("check", str(spec), "--set", "hidden=32")
     assert code == 0, err
+    # small weights, a billion shared layers: the checks ran the forward for days
+    spec.write_text(spec.read_text().replace("hidden = 100000000) {", "hidden = 32, layers = 1e9) {")
+                    .replace("  head tied", "  repeat layers shared\n  head tied"))
+    started = time.monotonic()
+    code, _, err = run_main("check", str(spec))
+    assert code == 2 and "model `M` is too deep to check at its dims: 1,000,000,000 layers, more than 10,000" in err
+    assert "--set layers=2" in err and time.monotonic() - started < 30
