@@ -124,6 +124,18 @@ def test_two_energies_that_would_be_one_class_are_refused(monkeypatch, capsys, t
         "`Mlp`" in err, err
 
 
+def test_a_class_named_from_dims_gives_way_to_an_energy_of_that_name(monkeypatch, capsys, tmp_path) -> None:
+    """`MLP` at hidden 8 is the class `MLP_hidden8`, which an energy of that name is too: `energy compile --name M`
+    refused the model (its hint, `--name`, was given), which info, check and train took."""
+    spec = tmp_path / "m.energy"
+    spec.write_text(f'import "{Path("examples/models/gpt.energy").resolve()}"\n'
+                    "energy MLP_hidden8(d = 8) {\n  state z[d]\n  global F = 0.5 * z . z\n}\n"
+                    "model M(vocab = 11, context = 8, d = 16) {\n"
+                    "  layer = MLP(d, hidden = 8) -> MLP(d, hidden = 16) -> MLP_hidden8(d)\n}\n")
+    code, _, err = run_main("compile", str(spec), "--name", "M", "-o", str(tmp_path / "out.py"))
+    assert code == 0 and "(MLP_hidden8_2, MLP_hidden16, MLP_hidden8, backend torch)" in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
 def test_special_files_are_refused_not_read_forever(tmp_path: Path) -> None:

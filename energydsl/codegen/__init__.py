@@ -123,6 +123,15 @@ def class_names(derived: list[Derived]) -> list[str]:
         values = (d.spec.dim_values[k] for k in apart)  # every digit: `eta0_1234567` and `eta0_1234568` stay apart
         names.append(class_name("_".join([d.name, *(f"{k}{plain_number(v) if float(v).is_integer() else repr(v)}"
                                                     for k, v in zip(apart, values, strict=True))])))
+    # a name made from dims may be another energy's own (`MLP` at hidden 8 beside an energy `MLP_hidden8`): the
+    # energy keeps its name, the made one gets a number
+    owners = {name: d for d, name in zip(derived, names, strict=True) if name == class_name(d.name)}
+    for i, (d, name) in enumerate(zip(derived, names, strict=True)):
+        if name != class_name(d.name) and owners.get(name, d) is not d:  # two energies' own names: refused below
+            n = 2
+            while f"{name}_{n}" in names:
+                n += 1
+            names[i] = f"{name}_{n}"
     return names
 
 
