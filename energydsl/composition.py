@@ -281,27 +281,38 @@ def _named(stages: list[tuple[list[Part], str | None]], block: str) -> list[tupl
     return stages
 
 
-def _block_takes(module: ast.Module, name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+def _block_takes(module: ast.Module, name: str, seen: frozenset[str] = frozenset(), free: bool = False) -> set[str]:
     """The names a block's argument can set: a dim of an energy in it, or a name its stages' arguments read (in
-    it or in a block within it)."""
+    it or in a block within it). `free`: only the dims a use in the block does not set itself (`MLP(hidden = 8)`
+    sets `hidden`, so an argument `hidden` of the block never reaches it)."""
     takes = _names_in(module.blocks[name].pipeline)
     for ref in (r for summed in module.blocks[name].pipeline for r in summed):
+        named = {k for k, _ in ref.args if k is not None} if free else set()
         if ref.name in module.energies:
-            takes |= {n for n, _ in module.energies[ref.name].header}
+            header = [n for n, _ in module.energies[ref.name].header]
+            positional = sum(k is None for k, _ in ref.args) if free else 0
+            takes |= set(header[positional:]) - named
         elif ref.name in module.blocks and ref.name not in seen:
-            takes |= _block_takes(module, ref.name, seen | {name})
+            takes |= _block_takes(module, ref.name, seen | {name}, free) - named
     return takes
 
 
 def _check_block_args(module: ast.Module, name: str, args: list[tuple[str, Span | None]]) -> None:
-    """A block's argument that nothing in it reads (`Pair(haeds = 4)`) had been dropped without a word."""
+    """A block's argument that nothing in it reads (`Pair(haeds = 4)`) had been dropped without a word, and so
+    was one that every use in the block sets itself (`block Pair = MHA(heads = 2) -> MLP` run as `Pair(heads =
+    4)`: heads stayed 2)."""
     takes = _block_takes(module, name)
+    free = _block_takes(module, name, free=True)
     for key, span in args:
         if key not in takes:
             close = difflib.get_close_matches(key, sorted(takes), n=1)
             raise SpecError(f"`{key}` is not a dim of any energy in block `{name}`", span,
                             f"did you mean `{close[0]}`?" if close else f"its energies' dims: "
                             f"{', '.join(sorted(takes)) or 'none'}")
+        if key not in free:
+            raise SpecError(f"`{key}` never reaches block `{name}`'s energies: each use of one that has that dim "
+                            "in the block gives it its own value", span,
+                            f"drop the argument, or have the block pass it on (`{key} = {key}` there)")
 
 
 def expand_block(module: ast.Module, name: str, dims: dict[str, float],

@@ -972,6 +972,22 @@ def test_a_block_argument_nothing_reads_is_an_error(tmp_path: Path, call: str, m
         assert "is not a dim of any energy in block `Pair`" in r.stderr and message in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("block, call", [("MHA(heads = 2) -> MLP", "Pair(heads = 4)"),
+                                         ("MHA -> MLP(hidden = 8)", "Pair(hidden = 4)")])
+def test_a_block_argument_the_block_sets_itself_is_an_error(tmp_path: Path, block: str, call: str) -> None:
+    """`Pair(heads = 4)` where the block writes `MHA(heads = 2)`: heads stayed 2, and `energy check`'s dims row
+    said every header dim was read."""
+    path = tmp_path / "shadow.energy"
+    path.write_text(GPT_ENERGIES + f"block Pair = {block}\n"
+                    f"model M(vocab = 11, context = 8, d = 16) {{\n  layer = {call}\n}}\n")
+    r = _run("info", str(path))
+    key = call[5:call.index(" =")]
+    assert r.returncode == 2 and f"`{key}` never reaches block `Pair`'s energies" in r.stderr, r.stderr
+    assert f"shadow.energy:4:{len('  layer = ') + call.index('4') + 1}:" in r.stderr  # at its value
+    path.write_text(path.read_text().replace(block, block.replace("2", key).replace("8", key)))  # passed on
+    assert _run("info", str(path)).returncode == 0
+
+
 def test_across_layer_values_read_the_models_dims() -> None:
     """`momentum(beta = b, eta = 2 / layers)`: the values had been evaluated with no names at all."""
     from energydsl import load
