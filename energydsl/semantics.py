@@ -339,9 +339,11 @@ class _Lowering(ExpressionLowering, ParamLowering):
                     else "choose dims that divide evenly" if fractional
                     else "a size is a whole number of at least 1: choose dims that make it one")
             raise SpecError(f"{named} = {plain_number(v)} is not a positive whole number (with {given})", span, hint)
-        if round(v) > MAX_SIZE:
-            shown = plain_number(v) if sp.sympify(e).is_number else f"{e} = {plain_number(v)}"
-            raise SpecError(f"{what} = {shown} is too large (with {given})", span, SIZE_LIMIT_HINT)
+        if round(v) > MAX_SIZE:  # `this size hidden = 1e+30`, `dim dh = d/heads = 5e+29`, `eye's size = 1e+18`
+            shown = (f"{what} = {plain_number(v)}" if sp.sympify(e).is_number else
+                     f"{what} {e} = {plain_number(v)}" if isinstance(e, sp.Symbol) else
+                     f"{what} = {e} = {plain_number(v)}")
+            raise SpecError(f"{shown} is too large (with {given})", span, SIZE_LIMIT_HINT)
 
     def _dims(self, nodes: list[ast.Node], what: str) -> tuple[sp.Expr, ...]:
         out = []

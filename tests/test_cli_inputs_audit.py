@@ -38,6 +38,8 @@ def energy(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedPr
     (["info", GPT, "--set", "context=1e17"], "the position embedding [100000000000000000, 128] has 1.28e+19 entries"),
     (["info", GPT, "--set", "d=4e9"], "a param of shape [heads, d/heads, d] has 1.6e+19 entries (with d=4000000000"),
     (["check", MHA, "--set", "d=1e30"], "dim `dh` = d/heads = 5e+29 is too large (with d=1e+30"),
+    (["check", str(ROOT / "examples/cem/mlp.energy"), "--set", "dv=1e30"],
+     "this size dv = 1e+30 is too large (with "),  # it read `this size = dv = 1e+30`
     (["derive", MHA, "--set", "d=4e9"], "has 1.6e+19 entries"),
     (["train", GPT, "--data", "shakespeare_char", "--set", "context=1e30"],
      "`context` (as set for model `GPT`) must be a whole number"),
