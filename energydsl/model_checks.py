@@ -129,9 +129,18 @@ def _params(model: torch.nn.Module, idx: torch.Tensor, generator: torch.Generato
     idle = [name for name, _ in named if name not in moved]
     if idle:
         shown = first_few([f"`{name}`" for name in idle])
+        them = "them" if len(idle) > 1 else "it"
+        why = idle_reason(idle, model.plan.layers) or (f"the `params` check of the energy that declares {them} says "
+                                                       "why, where the energy alone shows it")
         return CheckResult("params", "warn", f"{shown} got no gradient from the loss in {PARAM_STEPS} steps of "
-                           "gradient descent from initialisation, so training never moves "
-                           f"{'them' if len(idle) > 1 else 'it'} (the `params` check of the energy that declares "
-                           f"{'them' if len(idle) > 1 else 'it'} says why, where the energy alone shows it)")
+                           f"gradient descent from initialisation, so training never moves {them} ({why})")
     return CheckResult("params", "ok", f"every parameter ({len(named)}) gets a gradient from the loss within "
                        f"{PARAM_STEPS} steps from initialisation")
+
+
+def idle_reason(idle: list[str], layers: int) -> str | None:
+    """Why parameters of the model itself get no gradient, which no energy's check can say (None: not known)."""
+    if idle == ["across_beta"] and layers == 1:
+        return ("`across_beta` scales the velocity that the layers before carry across, and with one layer there is "
+                "none: declare it without `learn`, or stack more layers")
+    return None

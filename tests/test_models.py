@@ -988,6 +988,21 @@ def test_a_block_argument_the_block_sets_itself_is_an_error(tmp_path: Path, bloc
     assert _run("info", str(path)).returncode == 0
 
 
+def test_an_across_beta_one_layer_cannot_train_is_explained(tmp_path: Path) -> None:
+    """With one layer no velocity reaches `across_beta`: the warning sent the user to the check of an energy that
+    declares it, which no energy does (the model's `across layers` clause does)."""
+    from energydsl import load
+
+    path = tmp_path / "one.energy"
+    path.write_text(GPT_ENERGIES + "model M(vocab = 11, context = 8, d = 16, layers = 1) {\n"
+                    "  embed tokens, positions\n  layer = MHA(d, heads = 2) -> MLP(d)\n  repeat layers\n"
+                    "  across layers nag(beta = 0.9 learn, eta = 1 learn)\n  norm rmsnorm before each layer\n"
+                    "  final norm layernorm\n  head untied\n}\n")
+    (row,) = [r for r in load(path).check_model("M") if r.name == "params"]
+    assert row.status == "warn" and "with one layer there is none" in row.detail, row
+    assert "the energy that declares" not in row.detail
+
+
 def test_across_layer_values_read_the_models_dims() -> None:
     """`momentum(beta = b, eta = 2 / layers)`: the values had been evaluated with no names at all."""
     from energydsl import load

@@ -365,13 +365,16 @@ def _nonfinite_gradients(model: nn.Module) -> list[str]:
     return [name for (name, _), ok in zip(named, finite, strict=True) if not ok]
 
 
-def _idle_notice(idle: list[str], steps: int) -> str:
+def _idle_notice(idle: list[str], steps: int, layers: int) -> str:
     """What to say of parameters the loss does not reach."""
+    from ..model_checks import idle_reason
+
     shown = first_few(idle)
     them = "them" if len(idle) > 1 else "it"
+    why = idle_reason(idle, layers) or (f"`energy check` on the energy that declares {them} says why, in its "
+                                        f"`params` row; declare {them} `fixed`, or remove {them}")
     return (f"{len(idle)} parameter{'s' if len(idle) > 1 else ''} got no gradient in the first {steps} "
-            f"step{'s' if steps > 1 else ''} and will not train: {shown}. `energy check` on the energy that "
-            f"declares {them} says why, in its `params` row; declare {them} `fixed`, or remove {them}")
+            f"step{'s' if steps > 1 else ''} and will not train: {shown}. {why[0].upper()}{why[1:]}")
 
 
 def _warn(message: str) -> None:
@@ -538,7 +541,8 @@ def _loop(model: nn.Module, dataset: LMDataset, config: TrainConfig, device: tor
                 idle = [name for name, got in zip(idle_watch, moved, strict=True) if not got]
                 if idle:
                     with tqdm.external_write_mode():  # the line above the progress bar, not through it
-                        (notify or _warn)(_idle_notice(idle, step + 1 - start_step))
+                        layers = getattr(getattr(model, "plan", None), "layers", 0)
+                        (notify or _warn)(_idle_notice(idle, step + 1 - start_step, layers))
                 idle_watch = None
         if config.grad_clip > 0:
             scaler.unscale_(optimizer)
