@@ -378,9 +378,14 @@ def dim_override(key: str, value: object, owner: str, span: Span | None) -> floa
     """A dim set from Python or `--set`: a real, finite number (not a bool, a string or None)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SpecError(f"dim `{key}` of {owner} must be a number, got {value!r}", span)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past a float's range (10**400): math.isfinite raised it
+        raise SpecError(f"dim `{key}` of {owner} must be a finite number, got an integer of {len(str(value))} "
+                        "digits", span) from None
     if not math.isfinite(value):
         raise SpecError(f"dim `{key}` of {owner} must be a finite number, got {value}", span)
-    return float(value)
+    return value
 
 
 def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> ModelPlan:

@@ -182,7 +182,8 @@ class LatexStyle(Style):
     def sum_(self, idx, rel, body):
         return f"\\sum_{{{idx}{self._rel(rel)}}} {body}"
 
-    def op(self, name, idx, rel, body):
+    def op(self, name, idx, rel, body):  # `prod_others`: its `_` would start a subscript
+        name = name.replace("_", "\\_")
         return f"\\operatorname{{{name}}}_{{{idx}{self._rel(rel)}}}\\left({body}\\right)"
 
     def softmax(self, idx, rel, body):

@@ -77,6 +77,7 @@ def test_a_dim_default_built_from_other_dims_follows_their_overrides():
     ("16", "dim `d` of energy `FF` must be a number, got '16'"),
     (True, "dim `d` of energy `FF` must be a number, got True"),
     (None, "dim `d` of energy `FF` must be a number, got None"),
+    (10**400, "dim `d` of energy `FF` must be a finite number, got an integer of 401 digits"),  # was OverflowError
 ])
 def test_bad_dim_values_from_python_are_located_errors(value, message):
     with pytest.raises(SpecError) as err:
@@ -892,3 +893,11 @@ def test_orthogonal_initialises_each_matrix_of_a_stack() -> None:
     assert torch.isclose(module.V.norm(), torch.tensor(1.0))
     reference = init_param(spec.energy("A").spec.params["Q"], [3, 4, 4], None)  # the checks' reference instance
     assert all(torch.allclose(q @ q.T, eye.double(), atol=1e-12) for q in reference)
+
+
+def test_latex_escapes_the_underscore_of_an_operator_name() -> None:
+    """`\\operatorname{prod_others}` rendered `prod` with the subscript `o`, then `thers`."""
+    text = ("energy A(d = 4) {\n  state z[d]\n  context h[j, d] where j < i\n"
+            "  global F = 0.5 * z . z - prod[j](sigmoid(z . h[j]))\n}\n")
+    latex = load(text).energy("A").equations("latex")
+    assert "\\operatorname{prod\\_others}" in latex and "prod_others" not in latex
