@@ -85,7 +85,8 @@ class Derived:
         named.append((prog.gradient, gradient))
         # the labels P and D, unless the spec has a name of its own such (a param `D`): then Π and Δ
         taken = {x.name for x in ir.nodes(spec.energy) if isinstance(x, Var)} | {str(n) for n in spec.dims()} \
-            | set(prog.params) | {v.name for v in (spec.state, spec.context, spec.input) if v is not None}
+            | set(prog.params) | {v.name for v in (spec.state, spec.context, spec.input) if v is not None} \
+            | {spec.energy_name}  # `global D = ...`: `D = ∇_z D` read as a definition of itself
         label = {k: next(c for c in candidates if c not in taken) for k, candidates in
                  (("P", ("P", "Π", "P_precondition")), ("D", ("D", "Δ", "D_direction")))}
         if prog.preconditioner is not None:
@@ -109,6 +110,7 @@ class Derived:
         exprs = [e for _, _, e in rows[1:]]
         taken = {x.name for e in [self.spec.energy, *exprs] for x in ir.nodes(e) if isinstance(x, Var)}
         taken |= {str(name) for name in [*self.spec.dims(), *self.program.hyper_values, *self.program.params]}
+        taken.add(self.spec.energy_name)  # `global t = ...`: `where t = ...` would redefine the energy
         context = {i for i, info in self.spec.indices.items() if info.context is not None}
         exprs, lets = name_repeats(exprs, sorted(self.spec.indices, key=lambda i: i in context), context, taken)
         rows[1:] = [(label, lhs, e) for (label, lhs, _), e in zip(rows[1:], exprs)]

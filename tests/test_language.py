@@ -335,6 +335,12 @@ def test_the_direction_and_preconditioner_labels_avoid_the_specs_names() -> None
     plain = {label: lhs for label, lhs, _ in load(spec.replace("D", "A").replace("P", "B").replace("PA", "PD"))
              .energy().equation_list()}
     assert plain["direction"] == "D" and plain["preconditioner"] == "P"
+    # the energy's own name is one of the spec's: `global D = ...` printed `direction D = ∇_z D`
+    named = load("energy E(d = 4) {\n  state z[d]\n  input x[d]\n  global D = 0.5 * z . z - x . z\n}\n").energy()
+    assert {label: lhs for label, lhs, _ in named.equation_list()}["direction"] == "Δ"
+    # and a `where` name: `global t = ...` printed `∇_z t = -(1/heads) t`, `where t = ...`
+    text = Path("examples/intrinsic-optimizers/mha.energy").read_text().replace("global  F =", "global  t =")
+    assert "∇_z t = -(1/heads) t1" in load(text).energy().equations("text")
 
 
 def test_symbolic_exponents_print_in_parentheses() -> None:
