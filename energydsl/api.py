@@ -183,9 +183,7 @@ class Derived:
             parts += [f"<p>tying: {html.escape(t)}</p>" for t in tying]
             parts.append(f"<p>steps: {html.escape(self._steps())}</p>")
             return "\n".join(parts)
-        lines = []
-        if fmt == "markdown":
-            lines.append(f"### {header}\n")
+        lines = [f"### {header}\n" if fmt == "markdown" else f"% {header}"]  # latex: which energy, as a comment
         for label, lhs, e in rows:
             tex = f"{_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}"
             lines.append(f"- **{label}**: $${tex}$$" if fmt == "markdown" else f"% {label}\n{tex}")

@@ -907,3 +907,4 @@ def test_latex_escapes_the_underscore_of_an_operator_name() -> None:
             "  global F = 0.5 * z . z - prod[j](sigmoid(z . h[j]))\n}\n")
     latex = load(text).energy("A").equations("latex")
     assert "\\operatorname{prod\\_others}" in latex and "prod_others" not in latex
+    assert latex.startswith("% A  ·  state z ∈ ℝ^[d]")  # the header, as every other format has it (it had none)
