@@ -111,6 +111,10 @@ class Style:
     def func(self, name: str, a: str) -> str:
         return f"{shown_function(name)}({a})"
 
+    def position(self, back: bool, pos: str, base: str) -> str:
+        """rope's subscript: the position (`-i` for the rotation back) and a base other than RoFormer's."""
+        return f"{'-' if back else ''}{pos}{f', {base}' if base else ''}"
+
     def power(self, a: str, e: str) -> str:
         # a symbolic exponent in parentheses: `x^p - 1` would read as (x^p) - 1, and `x^T` as a transpose
         return f"{a}^{e}" if re.fullmatch(r"-?[0-9.]+", e) else f"{a}^({e})"
@@ -276,7 +280,10 @@ class MathMLStyle(Style):
         return f"<mi>{idx or 'i'}</mi>"
 
     def _range(self, idx, rel):
-        """`j ≤ i` / `j < i` under a reduction over the context, the bare index otherwise."""
+        """`j ≤ i` / `j < i` under a reduction over the context, the bare index otherwise (or rope's position,
+        markup already: `position`)."""
+        if idx.startswith("<mrow>"):
+            return idx
         if not rel:
             return f"<mi>{idx}</mi>"
         op = "≤" if rel.startswith("<=") else "&lt;"
@@ -315,8 +322,11 @@ class MathMLStyle(Style):
     def transpose(self, a):
         return f"<msup>{a}<mi>⊤</mi></msup>"
 
-    def func(self, name, a):
-        return f"<mrow><mi>{html.escape(name)}</mi><mo>(</mo>{a}<mo>)</mo></mrow>"
+    def position(self, back, pos, base):
+        return f"<mrow>{'<mo>-</mo>' if back else ''}{pos}{f'<mo>,</mo>{base}' if base else ''}</mrow>"
+
+    def func(self, name, a):  # as the text printer names it: `∫silu`, `gelu'`, not the registry's int_silu, dgelu
+        return f"<mrow><mi>{html.escape(shown_function(name))}</mi><mo>(</mo>{a}<mo>)</mo></mrow>"
 
     def power(self, a, e):
         return f"<msup>{a}{e}</msup>"
@@ -587,8 +597,8 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
             case ir.ProdOthers():  # prod's gradient: the product over the index's other values
                 return st.op("prod_others", x.index, rel.get(x.index, ""), p(x.body))
             case ir.Rope():  # the rotation by a position, or back (the gradient's transpose)
-                base = "" if x.base == 10000 else f", {st.scalar(x.base)}"  # RoFormer's base is not printed
-                return st.op("rope", ("-" if x.sign < 0 else "") + p(x.pos) + base, "", p(x.a))
+                base = "" if x.base == 10000 else st.scalar(x.base)  # RoFormer's base is not printed
+                return st.op("rope", st.position(x.sign < 0, p(x.pos), base), "", p(x.a))
             case ir.Decay():  # the product of the rate over the tokens after j up to i
                 return st.op("decay", x.index, "", p(x.body))
             case ir.StopGrad():

@@ -369,6 +369,15 @@ def test_mathml_is_well_formed_and_shows_the_context_relation() -> None:
     mathml = load(scalar).energy().equations("mathml")
     ET.fromstring(f"<root>{mathml}</root>")
     assert "&#x2147;" in mathml and "&ExponentialE;" not in mathml
+    # functions as the text names them: the registry's `int_silu` and `dsilu` printed as such
+    swiglu = load(Path("examples/models/llama.energy")).energy("SwiGLU")
+    mathml, text = swiglu.equations("mathml"), swiglu.equations("text")
+    assert "<mi>∫silu</mi>" in mathml and "int_silu" not in mathml and "∫silu" in text
+    # rope's subscript is markup: it was wrapped in <mi> again (`<mi><mi>i</mi></mi>`, `<mi>-<mi>i</mi></mi>`)
+    rope = "".join(d.equations("mathml") for d in load(Path("tests/data/rope.energy")).derive())
+    ET.fromstring(f"<root>{rope}</root>")
+    assert "<mi><mi>" not in rope and "<mi>-<mi>" not in rope
+    assert "<mrow><mo>-</mo><mi>i</mi><mo>,</mo><mn>100</mn></mrow>" in rope
 
 
 def test_load_takes_a_path_or_spec_text_and_says_so(tmp_path, monkeypatch):
