@@ -38,13 +38,17 @@ def refuse_float_holes_needing_whole_numbers(space: DslSpace) -> None:
     if not floats:
         return
     routes = _routes(space)
+    bases: dict[tuple[tuple[str, Any], ...], str | None] = {}  # by route: the base's source, None if refused
     for hole in floats:
-        base = space.suggest(_Steered(routes[hole.name]))  # the float at its low bound, where a candidate builds
-        if refused(base) is not None:
+        route = tuple(sorted(routes[hole.name].items(), key=lambda item: item[0]))
+        if route not in bases:  # the floats at their low bounds, where a candidate builds: once per route
+            base = space.suggest(_Steered(routes[hole.name]))
+            bases[route] = None if refused(base) is not None else base.source()
+        if bases[route] is None:
             continue
         inside = _Inside(hole, routes[hole.name])
         candidate = space.suggest(inside)
-        e = None if candidate.source() == base.source() else refused(candidate)  # unchanged: not sampled there
+        e = None if candidate.source() == bases[route] else refused(candidate)  # unchanged: not sampled there
         if e is not None and "whole number" in e.message:
             raise SpecError(f"the `float` hole `{hole.name}` stands where a whole number is needed: at "
                             f"{_fmt_float(inside.value)} the candidate is refused ({e.message})", hole.span,
