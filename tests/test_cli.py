@@ -98,6 +98,17 @@ def test_check_passes_a_search_whose_templates_hold_holes(tmp_path: Path) -> Non
     assert all([c["name"] for c in t["checks"]] == ["holes"] and c["status"] == "skip"
                for t in templates for c in t["checks"]), templates
     assert row["searches"][0]["ok"]
+    # a block whose stage holds a hole: one `holes` row under the block's name
+    quick = (ROOT / "search/quickstart.energy").read_text()
+    space = tmp_path / "block.energy"
+    block = "block Pair = MHA(d, heads) -> MLP(d, hidden = hidden)\n\n"
+    space.write_text(quick.replace("global  F = -sum(", "global  F = -choice{1, 2} * sum(")
+                     .replace("  layer = MHA(d, heads) -> MLP(d, hidden = 4 * d)", "  layer = Pair(hidden = 4 * d)")
+                     .replace("model TinyGPT", block + "model TinyGPT", 1))
+    proc = energy_cli("check", "--json", str(space))
+    assert proc.returncode == 0, proc.stderr
+    checks = {t["name"]: [c["name"] for c in t["checks"]] for t in json.loads(proc.stdout)["energies"]}
+    assert checks["Pair"] == ["holes"] and checks["MLP"] == ["holes"] and "gradient" in checks["MHA"], checks
     alone = tmp_path / "alone.energy"
     alone.write_text("energy A(d = 2) {\n  state z[d]\n  global F = choice{1, 2} * (z . z)\n}\n")
     proc = energy_cli("check", str(alone))

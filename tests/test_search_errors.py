@@ -116,6 +116,12 @@ def test_search_checks_its_output_paths_before_any_trial(tmp_path: Path) -> None
                "--storage", journal, "--report", same, "--export", same, cwd=tmp_path)
     clean_exit_2(r, f"--export {same} is also --report: the one would replace the other")
     assert not (tmp_path / "calls.txt").exists()
+    # --export at the default report's file, known once the search knows its storage: refused before either write
+    report = Path(journal).parent / "report.html"
+    r = energy("search", "toy", "--set", f"calls={tmp_path / 'calls.txt'}", "--set", "sleep=0", "--trials", "1",
+               "--storage", journal, "--export", str(report), cwd=tmp_path)
+    clean_exit_2(r, f"--export {report} is also the report: the one would replace the other")
+    assert not report.exists() and Path(journal).exists()  # the study is kept: `energy report` writes it later
 
 
 def test_report_checks_its_output_paths_before_writing(tmp_path: Path) -> None:
