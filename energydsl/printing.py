@@ -19,8 +19,6 @@ UPDATED = "⁺"  # the mark of a value after this step's assignment: `m_z⁺`
 GREEK = {"eta": "η", "beta": "β", "tau": "τ", "lambda": "λ", "gamma": "γ", "alpha": "α", "sigma": "σ"}
 
 
-
-
 @functools.lru_cache(maxsize=4)
 def _antiderivatives(size: int) -> dict[str, str]:
     """{f': f} over the function registry; `size` keys the cache, since derivatives are registered as first met."""
@@ -157,18 +155,17 @@ class LatexStyle(Style):
     name = "latex"
 
     def scalar(self, v: sp.Expr) -> str:
-        """A number or a scalar expression of dims and scalar params, whose longer names are upright as every
-        other name is (SymPy writes `heads` as h·e·a·d·s and `s_ff` as s with subscript ff)."""
+        """A number or a scalar expression of dims and scalar params, whose names read as every other name does
+        (SymPy writes `heads` as h·e·a·d·s, `s_ff` as s with subscript ff and `eta2` as η₂)."""
         v = readable(v)
-        names = {s: self.plain_name(s.name, []) for s in v.free_symbols  # Greek names stay SymPy's (alpha)
-                 if isinstance(s, sp.Symbol) and len(s.name) > 1 and not sp.latex(s).startswith("\\")}
+        names = {s: self.plain_name(s.name, []) for s in v.free_symbols if isinstance(s, sp.Symbol) and len(s.name) > 1}
         return sp.latex(v, symbol_names=names)
 
     def plain_name(self, n: str, sub: list[str]) -> str:
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
             point, energy = n[2:].split(" ", 1)
             return f"\\nabla_{{{self.name_(point, [])}}} {self.name_(energy, [])}"
-        base = {"eta": "\\eta", "beta": "\\beta", "tau": "\\tau", "lambda": "\\lambda"}.get(n)
+        base = "\\" + n if n in GREEK else None  # the names the text printer writes as Greek letters
         if base is None:  # `W1_{k}`, not `W_{1,k}`, which reads as an entry of W
             base = n if len(n) == 1 else "\\mathrm{" + n.replace("_", "\\_") + "}"
         return base + ("_{" + ",".join(sub) + "}" if sub else "")

@@ -835,6 +835,19 @@ def test_latex_writes_longer_names_in_scalar_factors_upright() -> None:
     assert "+ \\mathrm{bg}" in gated and "+ bg" not in gated, gated
 
 
+
+def test_latex_writes_as_greek_exactly_the_names_the_text_writes_as_greek() -> None:
+    """LaTeX knew four Greek names (`\\mathrm{gamma}` where the text has γ) and let SymPy write `eta2` as η₂ in a
+    factor (`\\mathrm{eta2}` elsewhere; the text keeps eta2)."""
+    text = ("energy G(d = 4, eta2 = 0.5, gamma = 0.3, mu = 0.2) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+            "  param W[d, d]\n  local E[j] = -gamma * mu * eta2 * (W @ z) . h[j]\n"
+            "  global F = -logsumexp[j](-E[j])\n}\n")
+    derived = load(text).energy("G")
+    latex = derived.equations("latex")
+    assert "\\mathrm{eta2} \\gamma \\mathrm{mu}" in latex, latex
+    assert "\\mathrm{gamma}" not in latex and "\\eta_{2}" not in latex and "\\mu" not in latex, latex
+    assert "eta2*γ*mu" in derived.equations("text")
+
 def _energy(body: str, head: str = "d = 4", extra: str = "") -> str:
     return f"energy E({head}) {{\n  state z[d]\n  context h[j, d] where j <= i\n{extra}  global F = {body}\n}}\n"
 
