@@ -15,6 +15,7 @@ where D is the (preconditioned) gradient ∇F, taken at u = N(x) and applied to 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -188,8 +189,10 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
                                               origin="optimizer")
     aux = [Var(f"m_{x.name}", "aux", x.shape)] if opt.kind in ("momentum", "nag") else []
     hoisted: list[Let] = []
-    assigns = [Assign(a.target, _hoist(a.value, hoisted)) for a in _step(spec, direction, aux)]
-    tied_assigns = [Assign(a.target, _hoist(a.value, hoisted)) for a in _step(spec, tied, aux)]
+    steps, tied_steps = _step(spec, direction, aux), _step(spec, tied, aux)
+    taken = _spec_names(spec) | {x.name for a in steps + tied_steps for x in ir.nodes(a.value) if isinstance(x, Var)}
+    assigns = [Assign(a.target, _hoist(a.value, hoisted, taken)) for a in steps]
+    tied_assigns = [Assign(a.target, _hoist(a.value, hoisted, taken)) for a in tied_steps]
     return UpdateProgram(spec, point, grad_full, direction, assigns, aux, hoisted, preconditioner, head, tied,
                          hits, params, hyper, tied_assigns, untie_scales)
 
@@ -428,8 +431,16 @@ def _worth_hoisting(e: Expr) -> bool:
             isinstance(x, ir.Var) and x.role == "context" for x in ir.nodes(e))
 
 
-def _hoist(e: Expr, hoisted: list[Let]) -> Expr:
-    """Name the largest state-independent sub-expressions (keys, values, gates): computed once.
+def _spec_names(spec: EnergyIR) -> set[str]:
+    """Every name the spec declares: a hoisted value named like one (`c0`, beside a `param c0`) would print as it."""
+    names = {*spec.dim_symbols, *spec.derived_dims, *spec.params, *spec.indices, *spec.scalar_params,
+             *spec.user_names.values(), spec.state.name, spec.energy_name}
+    return names | {v.name for v in (spec.input, spec.context, spec.via and spec.via[0]) if v is not None}
+
+
+def _hoist(e: Expr, hoisted: list[Let], taken: set[str]) -> Expr:
+    """Name the largest state-independent sub-expressions (keys, values, gates): computed once, as `c0`, `c1`, ...
+    (skipping `taken`, the spec's own names).
 
     Both walks are memoised per node: the IR is a DAG (a Newton direction shares its gradient between
     Taylor terms), and a tree walk of a Taylor-2 direction through a norm visited millions of nodes.
@@ -454,7 +465,9 @@ def _hoist(e: Expr, hoisted: list[Let]) -> Expr:
         if not state_dependent(x) and _worth_hoisting(x):
             out = known.get(x)
             if out is None:
-                out = known[x] = Let(f"c{len(hoisted)}", x)
+                name = next(f"c{n}" for n in itertools.count(len(hoisted)) if f"c{n}" not in taken)
+                taken.add(name)
+                out = known[x] = Let(name, x)
                 hoisted.append(out)
         else:
             out = ir.rebuild(x, [visit(c) for c in x.children])

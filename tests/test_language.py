@@ -930,3 +930,12 @@ def test_latex_escapes_the_underscore_of_an_operator_name() -> None:
     latex = load(text).energy("A").equations("latex")
     assert "\\operatorname{prod\\_others}" in latex and "prod_others" not in latex
     assert latex.startswith("% A  ·  state z ∈ ℝ^[d]")  # the header, as every other format has it (it had none)
+
+
+def test_a_value_computed_once_is_not_named_like_a_declared_name() -> None:
+    """The hoisted key `W h_j` was printed `c0 = W h_j` beside the spec's own `param c0`: two meanings of `c0`."""
+    text = ("energy C(d = 4) {\n  state z[d]\n  context h[j, d] where j <= i\n  param c0[d, d]\n  param W[d, d]\n"
+            "  local E[j] = -(c0 @ z) . (W @ h[j])\n  global F = -logsumexp[j](-E[j])\n}\n")
+    derived = load(text).energy("C")
+    assert [h.name for h in derived.program.hoisted] == ["c1"]
+    assert "computed once  c1 = W h_j" in derived.equations("text")
