@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.model_vs_reference import step_time  # noqa: E402
 from energydsl import load  # noqa: E402
-from energydsl.api import Derived  # noqa: E402
 from energydsl.codegen import module_class  # noqa: E402
+from energydsl.derived import Derived  # noqa: E402
 from energydsl.errors import UserError  # noqa: E402
 from energydsl.runtime.model import LanguageModel  # noqa: E402
 

@@ -9,9 +9,9 @@ import torch
 
 import energydsl
 from energydsl import ir
-from energydsl.api import Derived
 from energydsl.codegen import energy_source, module_class
 from energydsl.codegen.norms import Norm, affine_norm, norm_factors, norm_form
+from energydsl.derived import Derived
 from energydsl.instance import instance_from_params, run_program
 
 d = sp.Symbol("d")

@@ -1,4 +1,4 @@
-"""What a search remembers between candidates: shared derivations (`energydsl.api.derive`) and check
+"""What a search remembers between candidates: shared derivations (`energydsl.derived.derive`) and check
 verdicts (`energydsl.search.stagecheck`). Reused results must be exactly what a fresh derivation gives
 the candidate that reads them, down to the source positions its error messages cite.
 """
@@ -17,8 +17,8 @@ import optuna
 import pytest
 
 import energydsl
-from energydsl import api
-from energydsl.api import Derived, declaration_key, derive
+from energydsl import derived
+from energydsl.derived import Derived, declaration_key, derive
 from energydsl.errors import SpecError
 from energydsl.optimizers import build_program
 from energydsl.search import stagecheck
@@ -75,7 +75,7 @@ def fresh_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     where = tmp_path / "checks"
     monkeypatch.setenv("ENERGYDSL_CHECK_CACHE", str(where))
     monkeypatch.setattr(stagecheck, "_MEMORY", {})
-    monkeypatch.setattr(api, "_DERIVED", type(api._DERIVED)())
+    monkeypatch.setattr(derived, "_DERIVED", type(derived._DERIVED)())
     return where
 
 
@@ -137,7 +137,7 @@ def test_a_shared_derivation_is_what_a_fresh_one_gives(space: DslSpace) -> None:
         assert spans(shared) == spans(new)
     # the candidate's hash (what deduplication compares) does not depend on what was cached before
     warm = b.equation_hash()
-    api._DERIVED.clear()
+    derived._DERIVED.clear()
     b2 = candidate(space, lr=0.002)
     assert b2.model().derived[0] is not db[0] and b2.equation_hash() == warm
 
@@ -181,16 +181,16 @@ def test_failures_are_not_remembered_and_cite_their_own_place() -> None:
         with pytest.raises(SpecError) as e:
             derive(decl, {})
         lines.append(e.value.span.line)
-    assert lines[1] == lines[0] + 3 and not api._DERIVED
+    assert lines[1] == lines[0] + 3 and not derived._DERIVED
 
 
 def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "DERIVE_MEMO_SIZE", 2)
+    monkeypatch.setattr(derived, "DERIVE_MEMO_SIZE", 2)
     decl = energydsl.load(MIX).syntax.energies["Mix"]
     first = derive(decl, {"d": 4})
     derive(decl, {"d": 8})
     derive(decl, {"d": 16})
-    assert len(api._DERIVED) == 2 and derive(decl, {"d": 4}) is not first
+    assert len(derived._DERIVED) == 2 and derive(decl, {"d": 4}) is not first
 
 
 # ----------------------------------------------------------------------------- check verdicts

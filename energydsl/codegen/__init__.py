@@ -29,7 +29,7 @@ from ..files import write_whole
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..api import Derived
+    from ..derived import Derived
 
 BACKENDS = ("torch", "triton")
 
@@ -46,7 +46,7 @@ def generator_version() -> str:
     printers that write the derivation into each file's docstring."""
     digest = hashlib.sha256()
     here = Path(__file__).parent
-    printers = [here.parent / "printing.py", here.parent / "api.py"]
+    printers = [here.parent / "printing.py", here.parent / "derived.py"]
     for path in sorted([*here.glob("*.py"), *(here.parent / "kernels").glob("*.py"), *printers]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]

@@ -32,8 +32,8 @@ from ..composition import check_stage_state
 from ..number_text import is_count, plain_value
 
 if TYPE_CHECKING:
-    from ..api import Derived
     from ..composition import ModelPlan
+    from ..derived import Derived
 
 
 EMBEDDINGS = ("wte", "wpe", "lm_head")  # modules left out of params_non_embedding

@@ -128,7 +128,7 @@ def stage_check(decl: Any, dims: dict[str, float]) -> str | None:
     checks run with every size above 4 halved while it stays whole (then above 8, 16, 32, and last the
     real dims, when the smaller ones do not fit the energy); widths that shrink alike share one check.
     A declaration that does not derive even at its real dims raises its own `UserError`."""
-    from energydsl.api import declaration_key, derive
+    from energydsl.derived import declaration_key, derive
 
     key = declaration_key(decl)
     derived, used, digest = None, dims, ""
