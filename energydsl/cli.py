@@ -11,6 +11,7 @@ import errno
 import glob
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -84,7 +86,8 @@ def parse_betas(text: str) -> tuple[float, float]:
 def expand_files(files: list[str]) -> list[str]:
     paths: list[str] = []
     for f in files:
-        hits = sorted(glob.glob(f, recursive=True)) if any(c in f for c in "*?[") else [f]
+        pattern = any(c in f for c in "*?[") and not os.path.exists(f)  # a file named `m[1].energy` is itself
+        hits = sorted(glob.glob(f, recursive=True)) if pattern else [f]
         if not hits:
             raise UserError(f"no file matches {f}")
         paths.extend(hits)
@@ -167,7 +170,7 @@ def check(
                                   "searches": []}))
             else:
                 to_stderr(error)
-                out.print(f"[red]{path}: FAILED[/] (not checked)\n")
+                out.print(f"[red]{escape(path)}: FAILED[/] (not checked)\n")
             all_ok, status = False, max(status, 70 if internal else 2)
             continue
         file_ok = all(ok for *_, ok in report)
@@ -181,7 +184,7 @@ def check(
             print(json.dumps({"file": path, "ok": file_ok, "seconds": round(seconds, 3), **rows}))
             continue
         for kind, name, results, _ok in report:
-            title = f"{path} · {'' if kind == 'energy' else kind + ' '}{name}"
+            title = escape(f"{path} · {'' if kind == 'energy' else kind + ' '}{name}")  # a path's `[x]` as written
             table = Table(title=title, title_justify="left", show_edge=False)
             table.add_column("check")
             table.add_column("")
@@ -190,7 +193,8 @@ def check(
             for r in results:
                 table.add_row(r.name, marks[r.status], Text(r.detail))  # as written: `[m]` is not markup
             out.print(table)
-        out.print(f"[{'green' if file_ok else 'red'}]{path}: {'ok' if file_ok else 'FAILED'}[/] ({seconds:.2f} s)\n")
+        color, verdict = ("green", "ok") if file_ok else ("red", "FAILED")
+        out.print(f"[{color}]{escape(path)}: {verdict}[/] ({seconds:.2f} s)\n")
     if not all_ok:
         raise typer.Exit(status)
 
@@ -238,7 +242,7 @@ def compile_(
         print(text)
         return
     write_atomic(Path(output), text)
-    err.print(f"wrote {output} ({', '.join(class_names(derived))}, backend {backend})")
+    err.print(f"wrote {output} ({', '.join(class_names(derived))}, backend {backend})", markup=False)
 
 
 @app.command()
@@ -256,7 +260,7 @@ def info(
     if as_json:
         print(json.dumps(data))
         return
-    table = Table(title=f"{file} · {data['model']}", title_justify="left", show_edge=False, show_header=False)
+    table = Table(title=escape(f"{file} · {data['model']}"), title_justify="left", show_edge=False, show_header=False)
     for key in ("params", "params_non_embedding", "flops_per_token", "activation_bytes_per_token", "layers"):
         table.add_row(key.replace("_", " "), f"{data[key]:,}")
     table.add_row("stages", " -> ".join(data["stages"]) + (" (shared)" if data["shared"] else ""))
@@ -313,7 +317,7 @@ def graph(
         lines.append("}")
         write_atomic(Path(dot), "\n".join(lines) + "\n")
         drawn = f": {plan.layers:,} identical layers drawn once, as `layer × {plan.layers:,}`" if repeated else ""
-        err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes{drawn})")
+        err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes{drawn})", markup=False)
 
 
 def _dot_shape(data: dict) -> str:
@@ -445,7 +449,8 @@ def train_(
     if as_json:
         print(json.dumps(result, default=str))
     else:
-        out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}")
+        out.print(f"best val loss {result.get('best_val_loss', float('nan')):.4f} · checkpoints in {run_dir}",
+                  markup=False)
 
 
 def _better_best(run_dir: Path, val: float | None) -> str:

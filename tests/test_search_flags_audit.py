@@ -19,6 +19,8 @@ from conftest import energy_in_process
 from energydsl.errors import UserError
 from energydsl.search import SpaceRef, load_study, open_storage, run_search
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def toy(tmp_path: Path) -> SpaceRef:
     return SpaceRef("energydsl.search.toy:make_space", {"calls": str(tmp_path / "calls.txt"), "sleep": "0",
@@ -448,3 +450,22 @@ def test_a_second_study_in_a_storage_says_the_first_ones_report_is_older(tmp_pat
     code, err = energy(*toy_search(tmp_path, "--storage", url, "--study", "B"))
     assert code == 0 and (tmp_path / "sq/report-B.html").exists(), err
     assert f"{tmp_path / 'sq/report.html'} and best.energy beside it are older" in err, err
+
+
+def test_brackets_in_a_study_name_or_a_path_are_printed_as_written(tmp_path, monkeypatch, capsys) -> None:
+    """rich read a study named `run[/]x` as markup: the search ran its trials, then exited 70 before writing its
+    report and best candidate; `energy report` exited 70 too, before `--export`. A check of `m[1].energy`
+    read its name as a glob and found no file."""
+    monkeypatch.chdir(tmp_path)
+    flags = [a for a in toy_search(tmp_path, "--study", "run[/]x[red]", "--storage", "s.journal", "--set", "mixers=ssm")
+             if a != "--json"]
+    result = energy_in_process(*flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "run[/]x[red]: top 1 trials" in result.stderr, result.stderr
+    assert (tmp_path / "report.html").exists() and (tmp_path / "best.energy").exists()
+    result = energy_in_process("report", "s.journal", "-o", "r[/].html", "--export", "b[/].energy")
+    assert result.returncode == 0 and "run[/]x[red]: top 1 trials" in result.stdout, result.stderr[-2000:]
+    assert (tmp_path / "r[/].html").exists() and (tmp_path / "b[/].energy").exists()
+    (tmp_path / "m[1].energy").write_text((ROOT / "examples/intrinsic-optimizers/mha.energy").read_text())
+    result = energy_in_process("check", "m[1].energy")
+    assert result.returncode == 0 and "m[1].energy: ok" in result.stdout, result.stdout + result.stderr

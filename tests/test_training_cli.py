@@ -577,3 +577,11 @@ def test_the_same_data_spelled_otherwise_resumes_and_other_dims_are_not_blamed_o
     wider = [a if a != "d=16" else "d=32" for a in again]
     code, _, err = energy(*wider[:-2], "--steps", "8")
     assert code == 2 and "equation_hash" in err and "a file it imports was edited" not in err, err
+
+
+def test_brackets_in_a_run_folder_are_printed_as_written(corpus, tmp_path, monkeypatch, capsys):
+    """rich read `runs/a[/]b` as markup: the run trained and saved, then its summary line exited 70."""
+    out = tmp_path / "a[/]b[red]"
+    code, stdout, err = energy(*tiny_cli_run(corpus, out))
+    assert code == 0, err
+    assert f"checkpoints in {out}" in stdout, stdout

@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
@@ -58,7 +59,7 @@ def progress_panel(study: optuna.Study, target: int | None, started: float, note
     parts: list[Any] = [head, line, Text(_best_text(study))]
     if note:
         parts.append(Text(note, style="dim"))
-    return Panel(Group(*parts), title=f"search {study.study_name}", expand=False)
+    return Panel(Group(*parts), title=f"search {escape(study.study_name)}", expand=False)
 
 
 class LiveProgress:
@@ -120,7 +121,7 @@ def leaderboard_table(study: optuna.Study, top: int = 10, width: int | None = No
         heads.append("note")
         for number, cells in columns.items():
             cells.append(notes[number])
-    title = f"{study.study_name}: top {len(order)} trials"
+    title = f"{escape(study.study_name)}: top {len(order)} trials"  # a name's `[/]` as written
     table = Table(title=title)
     table.add_column("#", justify="right")
     for n, head in enumerate(heads):
