@@ -469,3 +469,25 @@ def test_brackets_in_a_study_name_or_a_path_are_printed_as_written(tmp_path, mon
     (tmp_path / "m[1].energy").write_text((ROOT / "examples/intrinsic-optimizers/mha.energy").read_text())
     result = energy_in_process("check", "m[1].energy")
     assert result.returncode == 0 and "m[1].energy: ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_a_report_on_a_database_without_optuna_tables_leaves_it_untouched(tmp_path, monkeypatch, capsys) -> None:
+    """`energy report sqlite:///other.db` said "holds no studies", after Optuna had created its dozen tables in
+    another program's database (an empty file grew to 112 kB)."""
+    import sqlite3
+
+    monkeypatch.chdir(tmp_path)
+    with contextlib.closing(sqlite3.connect(tmp_path / "other.db")) as db:
+        db.execute("CREATE TABLE mydata (x INTEGER)")
+        db.commit()
+    before = (tmp_path / "other.db").read_bytes()
+    (tmp_path / "empty.db").write_bytes(b"")
+    refused(energy("report", "sqlite:///other.db"), "holds no studies: it has no Optuna tables", "other.db")
+    refused(energy("report", "q", "--storage", "sqlite:///empty.db", "--study", "q"), "has no Optuna tables")
+    with pytest.raises(UserError, match="has no Optuna tables"):
+        load_study("sqlite:///other.db", "q")
+    assert (tmp_path / "other.db").read_bytes() == before and (tmp_path / "empty.db").read_bytes() == b""
+    refused(energy("report", "q", "--storage", "sqlite:///missing.db", "--study", "q"), "no study storage")
+    assert not (tmp_path / "missing.db").exists()
+    code, _ = energy(*toy_search(tmp_path, "--storage", "sqlite:///new.db"))  # a search still creates its database
+    assert code == 0 and len(load_study("sqlite:///new.db", "toy").trials) == 1

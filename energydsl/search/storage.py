@@ -254,7 +254,11 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
         if _sqlite_rest(spec) is not None:  # several processes write: wait for the lock instead of failing
             kwargs["engine_kwargs"] = {"connect_args": {"timeout": 120}}
         try:
+            if not append:
+                _check_has_studies(spec, kwargs.get("engine_kwargs", {}))
             return optuna.storages.RDBStorage(spec, **kwargs)
+        except UserError:
+            raise
         except Exception as e:  # bad URL, missing driver, unreachable server
             raise _storage_error(spec, e) from e
     path = Path(spec)
@@ -278,6 +282,24 @@ def open_storage(spec: str, append: bool = False) -> BaseStorage:
         raise UserError(f"storage {path} is not a readable Optuna journal ({where})",
                         hint="a journal is only ever appended to; if a line was damaged, the records after it "
                              "cannot be read in order: restore a copy, or start another study (--storage)") from None
+
+
+def _check_has_studies(spec: str, engine_kwargs: dict[str, Any]) -> None:
+    """Refuse a database without Optuna's tables before `RDBStorage` creates them: a report pointed at another
+    program's database (or an empty file) added a dozen tables to it."""
+    import sqlalchemy
+
+    local = local_file(spec)
+    if local is not None and not local.is_file():  # connecting would create it
+        raise UserError(f"no study storage at {spec} (no file {local.resolve()})", hint=NO_STUDIES_HINT)
+    engine = sqlalchemy.create_engine(spec, **engine_kwargs)
+    try:
+        tables = sqlalchemy.inspect(engine).get_table_names()
+    finally:
+        engine.dispose()
+    if "studies" not in tables:
+        where = spec if local is None else f"{spec} (the file {local.resolve()})"
+        raise UserError(f"the storage {where} holds no studies: it has no Optuna tables", hint=NO_STUDIES_HINT)
 
 
 # the DB-API modules SQLAlchemy imports for a URL's dialect, and the PyPI package that provides each
