@@ -117,6 +117,14 @@ def test_sample_names_an_argument_of_the_wrong_kind(gpt, data, kwargs: dict, mes
     assert len(sample(gpt, data, "to", np.int64(3))) == 3
 
 
+def test_a_prompt_of_spaces_alone_samples_as_an_empty_one(gpt) -> None:
+    """A words or ints vocabulary (ListOps, MQAR) encodes `"   "` as no tokens: the model got a (1, 0) input and
+    `energy sample --prompt "   "` exited 70."""
+    from energydsl.training.sampling import IntCodec, WordCodec
+
+    for codec in (WordCodec(["(", ")", "x"]), IntCodec(3)):
+        assert sample(gpt, codec, "   ", 4, temperature=0) == sample(gpt, codec, "", 4, temperature=0)
+
 def test_load_checkpoint_names_a_wrong_which(gpt, data, tmp_path: Path) -> None:
     train(gpt, data, tiny(), tmp_path, metadata={}, progress=False)
     with pytest.raises(ValueError, match='which must be "best" or "last" .*got \'latest\''):  # "no checkpoint in"
@@ -245,8 +253,15 @@ def test_a_plans_graph_takes_a_layer_count(unroll) -> None:
 @pytest.mark.parametrize("codec, says", [
     (None, "a codec is the dict Codec.to_json() writes, not NoneType"),  # AttributeError: 'NoneType' ... 'get'
     ({"kind": "chars"}, "is not what Codec.to_json() writes (KeyError: 'chars')"),  # a bare KeyError
-    ({"kind": "ints", "vocab_size": "x"}, "is not what Codec.to_json() writes (ValueError"),
+    ({"kind": "ints", "vocab_size": "x"}, "its vocab_size is not a whole number >= 1"),
     ({"kind": "chars", "chars": 5}, "its table is not a string or list"),  # a codec that failed when used
+    # exit 70 when sampled (an empty table; a word table of numbers), or sampling silently from a cut vocabulary
+    ({"kind": "chars", "chars": ""}, "its table is empty, repeats a token or holds one that is no text"),
+    ({"kind": "chars", "chars": "abca"}, "its table is empty, repeats a token"),
+    ({"kind": "words", "tokens": [0, 1]}, "holds one that is no text"),
+    ({"kind": "ints", "vocab_size": 0}, "its vocab_size is not a whole number >= 1"),
+    ({"kind": "ints", "vocab_size": -5}, "its vocab_size is not a whole number >= 1"),
+    ({"kind": "ints", "vocab_size": 3.7}, "its vocab_size is not a whole number >= 1"),
 ])
 def test_codec_from_json_names_a_damaged_codec(codec, says) -> None:
     from energydsl.training.sampling import codec_from_json

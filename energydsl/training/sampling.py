@@ -136,11 +136,16 @@ def codec_from_json(spec: dict[str, Any]) -> Codec:
         if kind == "bytes":
             return ByteCodec()
         if kind == "ints":
-            return IntCodec(int(spec["vocab_size"]))
+            size = spec["vocab_size"]
+            if not is_count(size):  # -5 sampled from all but the last 5 logits; 3.7 became 3
+                raise DataError(f"{damaged} (its vocab_size is not a whole number >= 1)")
+            return IntCodec(size)
         if kind in ("chars", "words"):
             table = spec["chars" if kind == "chars" else "tokens"]
             if not isinstance(table, str if kind == "chars" else list):
                 raise DataError(f"{damaged} (its table is not a string or list)")
+            if not table or len(set(table)) != len(table) or not all(isinstance(t, str) and t for t in table):
+                raise DataError(f"{damaged} (its table is empty, repeats a token or holds one that is no text)")
             codec = CharCodec(table) if kind == "chars" else WordCodec(table)
             if "vocab_size" in spec and codec.vocab_size != spec["vocab_size"]:  # a table edited by hand
                 raise DataError(f"{damaged} (its table has {codec.vocab_size} tokens, its vocab_size says "
@@ -236,7 +241,7 @@ def stream(
         raise DataError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
     if not isinstance(model, nn.Module):
         raise DataError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    ids = codec.encode(prompt) if prompt else [getattr(codec, "start_id", 0)]
+    ids = codec.encode(prompt) or [getattr(codec, "start_id", 0)]  # no tokens (`""`, or spaces between words)
     return codec, ids, _draw(model, getattr(codec, "vocab_size", None), ids, max_new_tokens, temperature, top_k,
                              generator, _context_length(model, metadata))
 
