@@ -181,14 +181,15 @@ def report(
 
     store, study_name = _locate(study, storage, name, default_storage_path)
     loaded = load_study(store, study_name)  # a missing study is refused (naming those there) before any folder is made
-    path = Path(out) if out else study_outputs(store, study_name)[0]
-    check_output(path, "-o/--output" if out else "report")
+    given = out is not None  # `-o ""` is refused as empty, not taken for the default
+    path = Path(out) if given else study_outputs(store, study_name)[0]
+    check_output(out if given else path, "-o/--output" if given else "report")
     space = str(loaded.user_attrs.get("space") or "")
-    not_an_input(path, "-o/--output" if out else "report", store, space)
-    if export:
+    not_an_input(path, "-o/--output" if given else "report", store, space)
+    if export is not None:
         check_output(export, "--export", "best.energy")
         not_an_input(export, "--export", store, space)
-        apart(path, "-o/--output" if out else "the report", export, "--export")
+        apart(path, "-o/--output" if given else "the report", export, "--export")
     write_report(store, study_name, path, study=loaded)
     if as_json:
         from energydsl.search.report import trial_rows
@@ -200,7 +201,7 @@ def report(
 
         print_leaderboard(loaded, console=Console())
     print(f"report: {path}", file=sys.stderr)
-    if export:
+    if export is not None:
         number = export_best(store, study_name, export, study=loaded)
         print(f"best candidate (trial #{number}): {export}", file=sys.stderr)
 

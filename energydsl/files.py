@@ -96,11 +96,21 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _resolved(path: str | os.PathLike[str], what: str) -> Path:
+    """`path` with its links followed; a loop of links is refused, naming `what` (it was exit 70)."""
+    try:
+        return Path(path).resolve()
+    except (RuntimeError, OSError) as e:  # a loop: RuntimeError before Python 3.13, then ELOOP
+        if isinstance(e, OSError) and e.errno != errno.ELOOP:
+            raise
+        raise UserError(f"{what} {path} is a loop of symbolic links", hint="check the path") from None
+
+
 def not_an_input(path: str | os.PathLike[str], what: str, inputs: list[tuple[str, Path | None]],
                  example: str | None = None) -> None:
     """Refuse an output path that is one of the command's inputs, given as (description, path) pairs: writing
     there replaced the input (a spec, its import, a study's storage, a search space) without a word."""
-    target = Path(path).resolve()
+    target = _resolved(path, what)
     for description, source in inputs:
         if source is not None and source.is_file() and (source.resolve() == target or _same_file(source, target)):
             raise UserError(f"{what} {path} is {description}: writing there would replace it",
@@ -111,7 +121,7 @@ def apart(first: str | os.PathLike[str], first_what: str, second: str | os.PathL
     """Refuse two outputs of one command at one file (`--export` at the report's path): the later write replaced
     the earlier without a word."""
     a, b = Path(first), Path(second)
-    if a.resolve() == b.resolve() or (a.is_file() and b.is_file() and _same_file(a, b)):
+    if _resolved(a, first_what) == _resolved(b, second_what) or (a.is_file() and b.is_file() and _same_file(a, b)):
         raise UserError(f"{second_what} {second} is also {first_what}: the one would replace the other",
                         hint="give each its own file")
 
@@ -123,6 +133,7 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     p = Path(path)
     if str(path) == "":
         raise UserError(f"{what} is empty", hint=f"give a file name, e.g. {example}")
+    _resolved(p, what)
     if p.is_dir():
         raise UserError(f"{what} {str(path)!r} is a directory, not a file",
                         hint=f"give a file name, e.g. {p / example}")

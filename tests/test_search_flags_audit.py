@@ -491,3 +491,18 @@ def test_a_report_on_a_database_without_optuna_tables_leaves_it_untouched(tmp_pa
     assert not (tmp_path / "missing.db").exists()
     code, _ = energy(*toy_search(tmp_path, "--storage", "sqlite:///new.db"))  # a search still creates its database
     assert code == 0 and len(load_study("sqlite:///new.db", "toy").trials) == 1
+
+
+def test_report_refuses_empty_outputs_and_a_loop_of_links(tmp_path, monkeypatch, capsys) -> None:
+    """`energy report S -o "" --export ""` wrote the default report and exported nothing, exit 0; an output at a
+    loop of symbolic links was exit 70 (`RuntimeError: Symlink loop`), in a search's --report too."""
+    monkeypatch.chdir(tmp_path)
+    assert energy(*toy_search(tmp_path, "--storage", "s.journal", "--report", "r.html"))[0] == 0
+    refused(energy("report", "s.journal", "-o", ""), "-o/--output is empty")
+    refused(energy("report", "s.journal", "--export", ""), "--export is empty")
+    os.symlink("loop2", "loop1")
+    os.symlink("loop1", "loop2")
+    refused(energy("report", "s.journal", "-o", "loop1"), "-o/--output loop1 is a loop of symbolic links")
+    refused(energy("report", "s.journal", "--export", "loop1"), "--export loop1 is a loop of symbolic links")
+    refused(energy(*toy_search(tmp_path, "--storage", "s.journal", "--report", "loop1")), "loop of symbolic links")
+    assert not (tmp_path / "report.html").exists() and os.path.islink("loop1") and os.path.islink("loop2")
