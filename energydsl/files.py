@@ -159,9 +159,9 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     return p
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a user's output file whole or not at all (renamed into place over any old one), making its folders;
-    a failure is a UserError naming the path."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write a user's output file (text, or bytes as they are) whole or not at all (renamed into place over any old
+    one), making its folders; a failure is a UserError naming the path."""
     try:
         make_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -169,7 +169,7 @@ def write_atomic(path: Path, text: str) -> None:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
     try:
         os.fchmod(fd, new_file_mode())  # mkstemp makes 0600: give the file the mode open() would
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException as e:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from energydsl.errors import DataError
+from energydsl.errors import DataError, UserError
 from energydsl.training import data as data_mod
 from energydsl.training.data import (
     IGNORE_INDEX,
@@ -90,6 +90,24 @@ def test_download_verifies_checksum_without_network(monkeypatch, tmp_path):
     good = download_shakespeare(tmp_path / "b.txt", sha256=hashlib.sha256(payload).hexdigest())
     assert good.read_bytes() == payload
 
+
+def test_download_refuses_a_bad_destination_or_url_before_fetching(tmp_path):
+    """A folder as `dest` fetched the whole corpus, then raised IsADirectoryError and left `dest.part` behind; a
+    URL that is none (`""`) raised a bare ValueError. Fetched here from a file:// URL: urllib itself, no network."""
+    source = tmp_path / "corpus.txt"
+    source.write_bytes(b"to be or not to be")
+    url, sha = source.as_uri(), hashlib.sha256(source.read_bytes()).hexdigest()
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "a_file").write_text("x")
+    for dest, says in ((tmp_path / "folder", "is a directory"), (tmp_path / "a_file" / "in.txt", "cannot write")):
+        with pytest.raises(UserError, match=f"the download's destination .*{says}"):
+            download_shakespeare(dest, url=url, sha256=sha)
+    for bad in ("", "http://[::1"):
+        with pytest.raises(DataError, match="cannot download"):
+            download_shakespeare(tmp_path / "c.txt", url=bad, sha256=sha)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "corpus.txt", "folder"]
+    assert not any((tmp_path / "folder").iterdir())
+    assert download_shakespeare(tmp_path / "d" / "in.txt", url=url, sha256=sha).read_bytes() == source.read_bytes()
 
 def test_bytes_dataset(tmp_path):
     path = tmp_path / "t.txt"

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from energydsl.errors import DataError
+from energydsl.files import check_output, write_atomic
 from energydsl.number_text import is_count
 
 from .sampling import ByteCodec, CharCodec, Codec, IntCodec, WordCodec, codec_from_json
@@ -310,20 +311,18 @@ def download_shakespeare(dest: str | Path | None = None, *, url: str = SHAKESPEA
     dest = Path(dest) if dest is not None else default_data_dir() / SHAKESPEARE_REL
     if dest.is_file() and hashlib.sha256(dest.read_bytes()).hexdigest() == sha256:
         return dest
+    check_output(dest, "the download's destination", "input.txt")  # before the download, not after it
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             payload = response.read()
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, ValueError) as e:  # ValueError: no URL (`""`, `http://[::1`)
         raise DataError(f"cannot download {url}: {e}",
                         hint="download it by hand and set ENERGYDSL_SHAKESPEARE") from e
     digest = hashlib.sha256(payload).hexdigest()
     if digest != sha256:
         raise DataError(f"checksum mismatch for {url}: got {digest}, expected {sha256}",
                         hint="the file changed upstream or the download was corrupted")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".part")
-    tmp.write_bytes(payload)
-    os.replace(tmp, dest)
+    write_atomic(dest, payload)
     return dest
 
 
