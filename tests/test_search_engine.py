@@ -826,3 +826,19 @@ def test_a_held_hand_back_absorbs_one_ctrl_c_and_yields_to_the_next() -> None:
         os.kill(os.getpid(), signal.SIGINT)  # stops it
         pytest.fail("the second Ctrl-C inside did not stop the held step")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_report_draws_finite_values_and_shows_a_strange_duplicate_of_as_text(tmp_path: Path) -> None:
+    """A `duplicate_of` that is no trial number (another writer's) made `energy report` exit 70; an infinite
+    objective was drawn as a gap, and a best of -inf hid the "best so far" line."""
+    from energydsl.search import open_storage
+    from energydsl.search.report import _figures
+
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "s.journal"), append=True), study_name="t")
+    for value, attrs in ((2.0, {}), (float("-inf"), {}), (1.0, {"duplicate_of": "<b>x</b>"}), (0.5, {})):
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs=attrs))
+    page = write_report(str(tmp_path / "s.journal"), "t", tmp_path / "r.html").read_text()
+    assert "same equations as &#x27;&lt;b&gt;x&lt;/b&gt;&#x27;" in page and "<b>x</b>" not in page
+    (title, history), *_ = _figures(study)
+    assert history.layout.title.text == "Optimization history (1 with a non-finite value not drawn)"
+    assert list(history.data[0].y) == [2.0, 1.0, 0.5] and list(history.data[1].y) == [2.0, 1.0, 0.5]

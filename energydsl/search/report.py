@@ -25,6 +25,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from energydsl.errors import UserError
 from energydsl.files import write_atomic
+from energydsl.number_text import is_whole
 from energydsl.search.storage import load_study
 
 # --- user attrs (what a person reads in the report) ---
@@ -313,7 +314,10 @@ def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
     objectives = objectives_of(study)
     names = [n for n, _ in objectives]
     trials = study.get_trials(deepcopy=False)
-    done = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.values]
+    done = [t for t in complete if all(finite(v) for v in t.values)]  # plotly draws inf as a gap, -inf hid the best
+    left_out = len(complete) - len(done)
+    aside = f" ({left_out} with a non-finite value not drawn)" if left_out else ""
     figs: list[tuple[str, Any]] = []
     if done and len(objectives) == 1:
         xs = [t.number for t in done]
@@ -325,7 +329,7 @@ def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
             best.append(run)
         fig = go.Figure([go.Scatter(x=xs, y=ys, mode="markers", name=names[0]),
                          go.Scatter(x=xs, y=best, mode="lines", name="best so far")])
-        fig.update_layout(title="Optimization history", xaxis_title="trial", yaxis_title=names[0])
+        fig.update_layout(title="Optimization history" + aside, xaxis_title="trial", yaxis_title=names[0])
         figs.append(("Optimization history", fig))
     elif done:
         sign = [1.0 if d == "minimize" else -1.0 for _, d in objectives]
@@ -337,7 +341,7 @@ def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
                 x=[t.values[0] for t in sel], y=[t.values[1] for t in sel], mode="markers", name=label,
                 text=[f"trial #{t.number}" for t in sel], marker={"size": 10 if on_front else 7},
             ))
-        title = "Pareto front" + (f" (first two of {len(names)} objectives)" if len(names) > 2 else "")
+        title = "Pareto front" + (f" (first two of {len(names)} objectives)" if len(names) > 2 else "") + aside
         fig.update_layout(title=title, xaxis_title=names[0], yaxis_title=names[1])
         figs.append(("Pareto front", fig))
     if done:
@@ -350,7 +354,7 @@ def _figures(study: optuna.Study) -> list[tuple[str, Any]]:
         color = [t.values[0] for t in done]
         fig = go.Figure(go.Parcoords(dimensions=dims, line={"color": color, "colorscale": "Viridis",
                                                             "showscale": True}))
-        fig.update_layout(title="Parameters (complete trials)")
+        fig.update_layout(title="Parameters (complete trials)" + aside)
         figs.append(("Parameters", fig))
     curves = [t for t in trials if t.user_attrs.get(CURVE)]
     if curves:
@@ -383,9 +387,10 @@ def _trial_section(t: FrozenTrial, names: Sequence[str]) -> str:
     parts.append(f"<table>{rows}</table>" if rows else "<p>(no parameters)</p>")
     if ua.get(REASON):
         parts.append(f"<p><b>reason:</b> {e(str(ua[REASON]))}</p>")
-    if DUPLICATE_OF in ua:
-        parts.append(f'<p>same equations as <a href="#trial-{int(ua[DUPLICATE_OF])}">#{ua[DUPLICATE_OF]}</a>;'
-                     " its result was reused.</p>")
+    if DUPLICATE_OF in ua:  # a number, as a search writes it; another writer's value is shown, not linked
+        first = ua[DUPLICATE_OF]
+        link = f'<a href="#trial-{first}">#{first}</a>' if is_whole(first) else e(repr(first))
+        parts.append(f"<p>same equations as {link}; its result was reused.</p>")
     if ua.get(METRICS):
         m = ", ".join(f"{e(str(k))}={e(_fmt(v))}" for k, v in sorted(ua[METRICS].items()) if k != NOTES)
         parts.append(f"<p><b>metrics:</b> {m}</p>")

@@ -290,7 +290,8 @@ def find_shakespeare() -> Path:
                             hint=f"set ENERGYDSL_SHAKESPEARE={inside[0]}" if inside else
                             "set it to the path of input.txt, or unset it to search the usual places")
         if not path.is_file():
-            raise DataError(f"ENERGYDSL_SHAKESPEARE points to a missing file: {path}",
+            what = "a missing file" if not path.exists() else "something that is no regular file (a device or pipe)"
+            raise DataError(f"ENERGYDSL_SHAKESPEARE points to {what}: {path}",
                             hint="fix the variable, or unset it to search the usual places")
         return path
     candidates = _shakespeare_candidates()
