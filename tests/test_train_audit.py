@@ -380,6 +380,16 @@ def test_shakespeare_variable_naming_a_directory(tmp_path, monkeypatch):
     assert err.value.hint == f"set ENERGYDSL_SHAKESPEARE={tmp_path / 'tinyshakespeare' / 'input.txt'}"
 
 
+def test_shakespeare_variable_naming_a_device_or_nothing(tmp_path, monkeypatch):
+    """`ENERGYDSL_SHAKESPEARE=/dev/null` was called "a missing file"."""
+    from energydsl.training import load_dataset
+
+    for path, says in (("/dev/null", "something that is no regular file"), (tmp_path / "no.txt", "a missing file")):
+        monkeypatch.setenv("ENERGYDSL_SHAKESPEARE", str(path))
+        with pytest.raises(DataError, match=f"ENERGYDSL_SHAKESPEARE points to {says}"):
+            load_dataset("shakespeare_char")
+
+
 # ---------------------------------------------------------------------------------- 5. file modes
 
 
