@@ -272,7 +272,8 @@ def info(
 def graph(
     file: Annotated[str, typer.Argument(metavar="FILE", help="A .energy file with a model.")],
     name: Annotated[str | None, typer.Option("--name", help="Which model.")] = None,
-    dot: Annotated[str | None, typer.Option("--dot", help="Also write the graph as Graphviz DOT here.")] = None,
+    dot: Annotated[str | None, typer.Option("--dot", help="Also write the graph as Graphviz DOT here (`-`: to "
+                                                           "stdout, the composition then to stderr).")] = None,
     sets: SetOpt = None,
 ) -> None:
     """Print a model's composition (embeddings, stages per layer, norms, head) and write it as DOT.
@@ -285,23 +286,28 @@ def graph(
     from .composition import check_stage_state, describe, stage_named
     from .semantics import lower_energy
 
-    if dot is not None:
+    to_stdout = dot == "-"  # as `compile -o -`: it wrote a file named `-`
+    if dot is not None and not to_stdout:
         check_output(dot, "--dot", "model.dot")  # before the composition is printed, not after
     spec = load(file)
-    if dot is not None:
+    if dot is not None and not to_stdout:
         not_a_source(dot, spec, "--dot", "model.dot")
     plan = spec.plan(name, **parse_sets(sets))
     for stage in plan.stages:  # each stage's declaration resolves (names, shapes, untie targets), as derive needs,
         with stage_named(stage, plan.name):  # and its state fits the stream, as training needs
             spec = lower_energy(stage.decl, stage.dims)
         check_stage_state(plan, stage, spec)
-    print(describe(plan))
+    print(describe(plan), file=sys.stderr if to_stdout else sys.stdout)
     if dot is not None:
         g = plan.graph()
         lines = [f'digraph "{plan.name}" {{', "  rankdir=TB;"]
         repeated = []
         for node, data in g.nodes(data=True):
-            line = f'  "{node}" [label="{data.get("label", node)}", shape={_dot_shape(data)}];'
+            label = data.get("label", node)
+            if data.get("weights") == "shared" and not data.get("repeat"):  # the box of a deep stack says it
+                label += "\\n(shared weights)"
+            shown = {"label": label, "shape": _dot_shape(data)} | {k: v for k, v in data.items() if k != "label"}
+            line = f'  "{node}" [{_dot_attributes(shown)}];'
             (repeated if "repeat" in data else lines).append(line)
         if repeated:  # a deep stack drawn once: its nodes in one box, labelled with the number of layers
             weights = "shared weights" if plan.shared else "weights per layer"
@@ -312,9 +318,13 @@ def graph(
                 *(f"  {line}" for line in repeated),
                 "  }",
             ]
-        for a, b in g.edges():
-            lines.append(f'  "{a}" -> "{b}";')
+        for a, b, data in g.edges(data=True):  # a stream carried across layers (momentum, nag) is labelled
+            shown = {**data, "label": data["across"]} if data.get("across", "residual") != "residual" else data
+            lines.append(f'  "{a}" -> "{b}"' + (f" [{_dot_attributes(shown)}]" if shown else "") + ";")
         lines.append("}")
+        if to_stdout:
+            print("\n".join(lines))
+            return
         write_atomic(Path(dot), "\n".join(lines) + "\n")
         drawn = f": {plan.layers:,} identical layers drawn once, as `layer × {plan.layers:,}`" if repeated else ""
         err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes{drawn})", markup=False)
@@ -322,6 +332,15 @@ def graph(
 
 def _dot_shape(data: dict) -> str:
     return "box" if data.get("kind") == "stage" else "ellipse"
+
+
+def _dot_attributes(data: dict) -> str:
+    """A node's or edge's networkx attributes as DOT's `key="value", ...` (Graphviz draws label and shape, and
+    keeps the others: kind, weights, energies, across, repeat)."""
+    def quoted(v: object) -> str:
+        return '"' + str(v).replace('"', '\\"') + '"'
+
+    return ", ".join(f"{k}={v if k == 'shape' else quoted(v)}" for k, v in data.items())
 
 
 @app.command("train")

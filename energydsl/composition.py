@@ -102,7 +102,7 @@ class ModelPlan:
                 node = f"L{layer}.{stage.label}" if labels.count(stage.label) == 1 else f"L{layer}.{s}.{stage.label}"
                 weights = "shared" if self.shared else "per layer" if collapsed else f"layer {layer}"
                 if self.norm and (self.norm[1] == "stage" or s == 0):
-                    norm = f"L{layer}.{s}.{self.norm[0]}"
+                    norm = f"L{layer}.{s}:{self.norm[0]}"  # `:`, never in a stage's name (an energy `layernorm`)
                     g.add_node(norm, kind="norm", label=self.norm[0], **repeat)
                     g.add_edge(prev, norm)
                     prev = norm

@@ -305,7 +305,8 @@ def dot_of(monkeypatch, capsys, tmp_path: Path, *sets: str) -> tuple[str, str]:
 
 def test_a_graph_of_up_to_32_layers_draws_each_layer(monkeypatch, capsys, tmp_path) -> None:
     dot, err = dot_of(monkeypatch, capsys, tmp_path, "--set", "layers=32")
-    assert '"L31.MLP" [label="MLP", shape=box];' in dot and "cluster" not in dot and "L*" not in dot
+    assert '"L31.MLP" [label="MLP", shape=box, kind="stage", weights="layer 31", energies="MLP"];' in dot
+    assert "cluster" not in dot and "L*" not in dot
     assert err.strip().endswith("(133 nodes)")  # tokens, embed, 32 x (2 norms + 2 stages), final norm, head, logits
     plan = load(GPT).plan(layers=32)
     assert list(plan.graph().nodes(data=True)) == list(plan.graph(unroll=None).nodes(data=True))
@@ -313,12 +314,41 @@ def test_a_graph_of_up_to_32_layers_draws_each_layer(monkeypatch, capsys, tmp_pa
 
 def test_a_deeper_graph_draws_its_identical_layers_once(monkeypatch, capsys, tmp_path) -> None:
     dot, err = dot_of(monkeypatch, capsys, tmp_path, "--set", "layers=33")
-    assert 'label="layer × 33 (weights per layer)";' in dot and '"L*.MHA" [label="MHA", shape=box];' in dot
-    assert '"embed" -> "L*.0.layernorm";' in dot and '"L*.MLP" -> "final_norm";' in dot and "L0." not in dot
+    assert 'label="layer × 33 (weights per layer)";' in dot and '"L*.MHA" [label="MHA", shape=box, kind="stage"' in dot
+    assert '"embed" -> "L*.0:layernorm";' in dot and '"L*.MLP" -> "final_norm";' in dot and "L0." not in dot
     assert "(9 nodes: 33 identical layers drawn once, as `layer × 33`)" in err
     g = load(MODELS / "nrgpt.energy").plan(layers=33).graph()
     assert g.graph["repeat"] == 33 and g.nodes["L*.NRGPTAttention+NRGPTFF2W"]["weights"] == "shared"
 
+
+def test_the_dot_file_says_what_the_graph_holds_and_keeps_norms_apart_from_stages(tmp_path: Path, monkeypatch) -> None:
+    """DOT wrote label and shape only: NRGPT's shared weights and MomentumGPT's momentum across layers were
+    lost. A stage whose energy is named `layernorm`, run twice in a layer, took the norm's node name: the
+    norms vanished and the stages looped onto themselves."""
+    _, _, err = run_main("graph", str(MODELS / "nrgpt.energy"), "--dot", str(tmp_path / "n.dot"))
+    dot = (tmp_path / "n.dot").read_text()
+    assert '"L0.NRGPTAttention+NRGPTFF2W" [label="NRGPTAttention+NRGPTFF2W\\n(shared weights)", shape=box, ' \
+           'kind="stage", weights="shared", energies="NRGPTAttention, NRGPTFF2W"];' in dot, dot
+    run_main("graph", str(MODELS / "momentum-gpt.energy"), "--dot", str(tmp_path / "m.dot"))
+    assert '"L0.0:layernorm" -> "L0.MHA" [across="momentum", label="momentum"];' in (tmp_path / "m.dot").read_text()
+    spec = tmp_path / "clash.energy"
+    spec.write_text("energy layernorm(d = 4) {\n  state z[d]\n  param W[d, d]\n  global F = 0.5 * z . (W @ z)\n}\n"
+                    "model M(vocab = 8, context = 4, d = 4) {\n  layer = layernorm(d) -> layernorm(d)\n"
+                    "  norm layernorm before each stage\n}\n")
+    g = load(spec).plan().graph()
+    assert [n for n, kind in g.nodes(data="kind") if kind in ("norm", "stage")] == [
+        "L0.0:layernorm", "L0.0.layernorm", "L0.1:layernorm", "L0.1.layernorm"]
+    assert nx_self_loops(g) == []
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main("graph", str(spec), "--dot", "-")  # wrote a file named `-`
+    assert code == 0 and out.startswith('digraph "M" {') and "1× [ layernorm -> layernorm ]" in err, (out, err)
+    assert not (tmp_path / "-").exists()
+
+
+def nx_self_loops(g) -> list:
+    import networkx as nx
+
+    return list(nx.selfloop_edges(g))
 
 def test_the_graph_of_a_million_layers_answers_at_once(tmp_path: Path) -> None:
     """Drawn one by one, a million layers took 75 s and 5 GiB for a 370 MB DOT file."""
