@@ -1015,3 +1015,51 @@ def test_across_layer_values_read_the_models_dims() -> None:
     spec = load(source, base="examples/models")
     assert spec.plan("MomentumGPT").across == ("momentum", {"beta": (0.8, True), "eta": (0.5, False)})
     assert spec.plan("MomentumGPT", b=0.5, layers=8).across[1] == {"beta": (0.5, True), "eta": (0.25, False)}
+
+
+def _stage_flops(text: str, **dims) -> list[tuple[str, float, float]]:
+    """(stage, counted, torch's FlopCounterMode per token) for each stage of the first layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = energydsl.load(text, base=ROOT).model(**dims)
+    T = int(model.plan.context)
+    rows = []
+    for info, stage in zip(model.stage_info, model.layers[0], strict=True):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            stage(torch.randn(1, T, int(model.d)))
+        rows.append((info.label, info.flops_per_token, counter.get_total_flops() / T))
+    return rows
+
+
+@pytest.mark.parametrize("context", [100, 256])  # at 64, one chunk: torch multiplies the 1 x 1 state sum uncounted
+def test_flops_count_what_the_chunked_and_second_order_code_runs(context: int) -> None:
+    """An audit: linear attention was counted in its recurrent form (4·dk·dv per head) while the code runs chunks
+    of 64 (q kᵀ and A v inside each, T padded to whole chunks, a (T/C)² sum of decayed states): 148,480 against
+    181,248 at T = 64. The second moment counted q kᵀ again where it reads an attention's weights (+16,384 for
+    LightMHA2nd1st at d = 128). Every op of these stages is a matmul torch's counter sees on the CPU."""
+    text = ('import "examples/models/gla.energy"\nimport "examples/intrinsic-optimizers/light-mha2nd1st.energy"\n'
+            "model L(vocab = 65, context = 64, d = 64, heads = 4) {\n  layer = LightMHA2nd1st(d, heads)\n}\n")
+    for model in ("GLA", "L"):
+        for label, counted, measured in _stage_flops(text, name=model, context=context):
+            assert counted == pytest.approx(measured, rel=1e-12), (model, label, counted, measured)
+
+
+def test_flops_of_a_value_hoisted_out_of_the_steps_are_counted_once() -> None:
+    """A line every step computes alike runs once, before the loop; it was counted once per step."""
+    text = ("energy SA(d = 32) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[d, d]\n"
+            "  local E[j] = 0.5 * (z - W @ h[j]) . (z - W @ h[j])\n  global F = -logsumexp[j](-E[j])\n"
+            "  optimizer gd(eta = 0.5) steps 3\n}\nmodel M(vocab = 65, context = 16, d = 32) {\n  layer = SA(d)\n}\n")
+    ((_, counted, measured),) = _stage_flops(text)
+    attention = 2 * 16 * (32 + 32)  # q kᵀ and p v at T = 16 per step, which torch's counter misses on the CPU
+    assert measured == 2 * 32 * 32 + 2 * 32  # the keys W h_j and their squares k·k, once: what the counter saw
+    assert counted == measured + 3 * attention
+
+
+def test_a_norm_inside_an_energy_is_not_counted_as_flops() -> None:
+    """As the model's norms are not (docs/models.md): an energy's rmsnorm(x) counted its y·y, 2·d per token."""
+    text = ("energy N(d = 16, hidden = 32) {\n  state x[d] via u = rmsnorm(x)\n  param W[hidden, d]\n"
+            "  global F = -sum(integral(gelu)(W @ u))\n}\nmodel M(vocab = 65, context = 8, d = 16) {\n"
+            "  layer = N(d)\n}\n")
+    ((_, counted, measured),) = _stage_flops(text)
+    # W u and Wᵀ gelu(W u), and the chain rule's u·g through the norm (a dot); the norm itself is no matmul
+    assert counted == measured == 2 * (2 * 16 * 32) + 2 * 16

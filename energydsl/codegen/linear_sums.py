@@ -71,7 +71,6 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
     if rank == 0:
         v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     dv = em.shape_size(e.shape[0]) if e.shape else 1
-    em.count_flops(4 * em._axes_flops(set(heads)) * width * dv)
     qc, vc = _as_bhtd(em, q, heads, POS), _as_bhtd(em, v, heads, j)
     kc = qc if coupling is None else _as_bhtd(em, k, heads, j)  # ones: the same layout
     ld = _log_decay(em, decay, heads) if gate is None else token_log_decay(em, gate, decay, heads, power)
@@ -98,11 +97,23 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
         code = f"F.pad({code}[:, :, :-1], (0, 0, 1, 0))"
         comment += ", with j < i: one token later"
     out = _from_bhtd(em, code, heads, rank, comment)
+    em.count_flops(em._axes_flops(set(heads)) * chunked_flops(em.context_len, width, dv, decayed=ld != "None"))
     if qs:
         rest = em.emit(ir.mul(*qs))
         axes = canonical(set(out.axes) | set(rest.axes))
         out = em.tmp(f"{em.align(out, axes, out.rank)} * {em.align(rest, axes, out.rank)}", axes, out.rank)
     return out
+
+
+def chunked_flops(T: int, dk: int, dv: int, decayed: bool) -> float:
+    """Per token and head, the matmul FLOPs of `ops.linear_attention` at length T: its chunks of C (T padded to
+    whole chunks) each take q kᵀ and A v (2·C·(dk + dv) per token) and kᵀ v and q S (4·dk·dv per token); with a
+    decay, the chunk states' sum over earlier chunks is a (T/C)² einsum of dk x dv states."""
+    from ..runtime.ops import LINEAR_CHUNK as C
+
+    chunks = -(-T // C)
+    flops = chunks * C * (2 * C * (dk + dv) + 4 * dk * dv) + (2 * chunks**2 * dk * dv if decayed else 0)
+    return flops / T
 
 
 def _gate_power(e: Expr, j: str) -> tuple[ir.Decay, sp.Expr] | None:

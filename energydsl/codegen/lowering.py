@@ -73,12 +73,13 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     if any(h not in em.sizes for h in heads):
         return None
     dv = _numel(em, value.shape)
-    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dv))
+    per_width = 2 * em.context_len * em._axes_flops(set(heads))  # a T-long product per head, per unit of width
     if em.backend == "triton":
         kinds = bias_kinds(em, list(sc.bias_terms), j, strict=info.strict)
         if kinds is not None:
             wide = max(sc.width, dv) > MAX_HEAD_DIM
             out = _kernel_attention(em, sc, v, kinds, heads, j, info.strict, both[0], wide)
+            em.count_flops(per_width * (sc.width + dv))
             return _unflat(em, _apply_maps(em, maps, out), e.shape)
     scale_src = em.scalar(sc.scale)
     bias, mask_bias = _torch_bias(em, sc, heads, j, info.strict)
@@ -89,12 +90,14 @@ def _softmax_attention(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None
     weights = step_cache(em).get(("softmax weights", sm, info.strict, heads))
     if weights is not None:  # a second moment over these scores already has the T x T weights
         out = _from_bhtd(em, f"({weights} @ {vc})", heads, 1, "softmax-weighted sum over j: p @ v")
+        em.count_flops(per_width * dv)  # p @ v alone: the scores were counted with the weights
         return _unflat(em, _apply_maps(em, maps, out), e.shape)
     em.used_ops.add("softmax_attention")
     code = f"softmax_attention({qc}, {kc}, {vc}, scale={scale_src}, {bias}strict={info.strict})"
     out = _from_bhtd(em, code, heads, 1, "softmax-weighted sum over j: fused attention")
     step_cache(em).setdefault(("torch attention calls", sm, info.strict), []).append(TorchAttentionCall(
         em.lines, code, qc, kc, vc, scale_src, mask_bias, heads))
+    em.count_flops(per_width * (sc.width + dv))
     return _unflat(em, _apply_maps(em, maps, out), e.shape)
 
 

@@ -10,7 +10,6 @@ the step's largest chain of element-wise passes.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import sympy as sp
@@ -151,8 +150,6 @@ def emit_norm(em: Emitter, norm: Norm) -> Val:
     x = em.emit(norm.x)
     shape = norm.x.shape
     dims = ", ".join(em._dim(s) for s in shape)
-    entries = math.prod(em.shape_size(s) for s in shape)
-    em.count_flops(2 * entries * em._axes_flops(set(x.axes)))  # y·y, as before
     args = [x.code, f"({dims},)" if len(shape) == 1 else f"({dims})"]
     for name, part in (("weight", norm.weight), ("bias", norm.bias)):
         if part is not None:

@@ -124,14 +124,14 @@ def _second_moment(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | None:
     if any(h not in em.sizes for h in heads):
         return None
     dx, dy = _numel(em, x.shape), _numel(em, value.shape)
-    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width + dx + dy))
-    out = None
+    out, scored = None, True  # scored: the scores q.k are computed here (the kernel recomputes them)
     if em.backend == "triton":
         untied = yv if x != value else None
         wide = max(sc.width, dx + (dy if untied else 0)) > MAX_HEAD_DIM
         out = _kernel_second_moment(em, sc, sm, uv, xv, untied, heads, j, info.strict, wide)
     if out is None:
-        out = _torch_second_moment(em, sc, sm, uv, xv, yv if x != value else None, heads, j, info.strict)
+        out, scored = _torch_second_moment(em, sc, sm, uv, xv, yv if x != value else None, heads, j, info.strict)
+    em.count_flops(2 * em.context_len * em._axes_flops(set(heads)) * (sc.width * scored + dx + dy))
     out = _unflat(em, out, e.shape)
     if qs:
         rest = em.emit(ir.mul(*qs))
@@ -179,25 +179,27 @@ def _kernel_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Va
 
 
 def _torch_second_moment(em: Emitter, sc: Scores, sm: ir.Softmax, u: Val, x: Val, y: Val | None,
-                         heads: tuple[str, ...], j: str, strict: bool) -> Val:
-    """(p ∘ (U Xᵀ)) Y per head: T x T weights, no T x T x d tensor. y None: y = x."""
-    p = _softmax_weights(em, sc, sm, heads, j, strict)
+                         heads: tuple[str, ...], j: str, strict: bool) -> tuple[Val, bool]:
+    """(p ∘ (U Xᵀ)) Y per head: T x T weights, no T x T x d tensor. y None: y = x. With it, whether the weights
+    were computed here (not an attention's of the same scores)."""
+    p, fresh = _softmax_weights(em, sc, sm, heads, j, strict)
     uc, xc = _as_bhtd(em, u, heads, POS), _as_bhtd(em, x, heads, j)
     yc = xc if y is None else _as_bhtd(em, y, heads, j)
     code = f"(({p} * ({uc} @ {xc}.transpose(-1, -2))) @ {yc})"
-    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.x_j) y_j: second moment from the weights")
+    return _from_bhtd(em, code, heads, 1, "sum over j of p_ij (u_i.x_j) y_j: second moment from the weights"), fresh
 
 
-def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, ...], j: str, strict: bool) -> str:
-    """p_ij as a (B, H, T, T) tensor, once per softmax (and step)."""
+def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, ...], j: str,
+                     strict: bool) -> tuple[str, bool]:
+    """p_ij as a (B, H, T, T) tensor, once per softmax (and step); and whether it was computed here."""
     key = ("softmax weights", sm, strict, heads)
     hit = step_cache(em).get(key)
     if hit is not None:
-        return hit
+        return hit, False
     shared = _weights_before_attention(em, sm, strict, heads)
     if shared is not None:
         step_cache(em)[key] = shared
-        return shared
+        return shared, False
     qc, kc = (_as_bhtd(em, t, heads, p) for t, p in ((sc.q, POS), (sc.k, j)))
     scores = f"{em.scalar(sc.scale)} * ({qc} @ {kc}.transpose(-1, -2))"
     if sc.bias_terms:
@@ -206,7 +208,7 @@ def _softmax_weights(em: Emitter, sc: Scores, sm: ir.Softmax, heads: tuple[str, 
     p = em.tmp(f"masked_softmax({scores}, {'mask_strict' if strict else 'mask'}, dim=-1)", (), 4,
                "softmax weights p_ij (B, H, T, T)")
     step_cache(em)[key] = p.code
-    return p.code
+    return p.code, True
 
 
 def _weights_before_attention(em: Emitter, sm: ir.Softmax, strict: bool, heads: tuple[str, ...]) -> str | None:

@@ -136,6 +136,9 @@ class Emitter:
         self.user_names: dict[Expr, str] = {}  # the spec's names of values (`EnergyIR.user_names`)
         self.named: dict[str, set[str]] = {}  # user name -> the locals its value was printed as
         self.flops = {"prologue": 0.0, "body": 0.0}  # matmul FLOPs per token (context at full length)
+        # a step body line -> the FLOPs of the op whose value it writes: what moves with it when hoisted
+        self.line_flops: dict[str, float] = {}
+        self._pending = 0.0  # FLOPs the value being emitted counted so far, in the step body
         self.context_len = 1  # T for FLOP counts (the model's context)
 
     # -- bookkeeping
@@ -231,6 +234,8 @@ class Emitter:
                                         is not None for a in axes):
             return
         self.flops["prologue" if self.lines is self.prologue else "body"] += flops
+        if self.lines is self.body:
+            self._pending += flops
 
     def _axes_flops(self, axes: set[str]) -> float:
         """How many times per token an op over these axes runs: a context index counts the context length
@@ -268,7 +273,13 @@ class Emitter:
         hit = self.memo.get(e)
         if hit is not None:
             return hit
-        out = self._emit(e)
+        saved, self._pending = self._pending, 0.0
+        try:
+            out = self._emit(e)
+        finally:
+            counted, self._pending = self._pending, saved
+        if counted and self.body:  # the op's own FLOPs go with the last line it wrote, the one reading the rest
+            self.line_flops[self.body[-1]] = self.line_flops.get(self.body[-1], 0.0) + counted
         self.memo[e] = out
         if e in self.user_names and not out.scalar:
             self.named.setdefault(self.user_names[e], set()).add(out.code)

@@ -248,6 +248,7 @@ class ModuleWriter:
         vectors = {_local(p.name) for p in prog.params.values() if len(p.shape) == 1}  # biases F.linear can take
 
         plain = prog.steps == 1 and not prog.aux and len(steps_body) >= 2 and delta_code is not None
+        hoisted: list[str] = []
         if prog.steps == 1:
             head, tail = (steps_body[:-2], steps_body[-2:]) if plain else (steps_body, [])
             lines += fuse_biases(fuse_projections(em.prologue + start + head, {**roots, x: "x"}, taken), vectors)
@@ -274,7 +275,8 @@ class ModuleWriter:
             if kept:
                 preamble.append(f"{', '.join(n for n, _ in kept)} = {', '.join(v for _, v in kept)}")
         lines = preamble + lines
-        self.flops_per_token = em.flops["prologue"] + prog.steps * em.flops["body"]
+        once = sum(em.line_flops.get(line, 0.0) for line in hoisted)  # moved out of the steps: counted once
+        self.flops_per_token = em.flops["prologue"] + once + prog.steps * (em.flops["body"] - once)
         self.kernel_requests = em.kernel_requests
         quadratic = sorted(em.used_ops & {"masked_softmax", "masked_reduce", "prod_of_others"})
         if self.backend == "triton" and quadratic:  # honest about memory: these hold (B, T, T, ...) tensors

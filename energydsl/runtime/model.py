@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -273,14 +274,18 @@ class LanguageModel(nn.Module):
         """Forward matmul FLOPs per token: the stages (attention at full context), times the layers (`layers`,
         default the model's), plus the head; a factorised embedding adds its rank-R writes and a factorised
         head its reads (table lookups are free)."""
-        stages = sum(s.flops_per_token for s in self.stage_info)
+        return float(self._exact_flops(layers))
+
+    def _exact_flops(self, layers: int | None) -> Fraction:
+        """`flops_per_token` without rounding: at 10^18 layers a float lost the head's FLOPs."""
+        stages = sum(Fraction(s.flops_per_token) for s in self.stage_info)
         plan = self.plan
-        embed = 2.0 * (plan.embed_rank or 0) * self.d * (2 if plan.embed_positions else 1)  # Σ_h w_h ⊗ W_h[s]
+        embed = 2 * (plan.embed_rank or 0) * self.d * (2 if plan.embed_positions else 1)  # Σ_h w_h ⊗ W_h[s]
         if plan.head_rank:  # R reads zᵀr_h, then the [vocab, R·dv] table
-            head = 2.0 * plan.head_rank * (self.d + plan.stream[1] * self.vocab_size)
+            head = 2 * plan.head_rank * (self.d + plan.stream[1] * self.vocab_size)
         else:
-            head = 2.0 * self.d * self.vocab_size
-        return self._layers(layers) * stages + embed + head
+            head = 2 * self.d * self.vocab_size
+        return self._layers(layers) * stages + Fraction(embed) + Fraction(head)
 
     def activation_floats_per_token(self, layers: int | None = None) -> int:
         """A rough activation-memory estimate: the stream and one displacement per stage, per layer."""
@@ -293,7 +298,7 @@ class LanguageModel(nn.Module):
             "dims": {k: plain_value(v) for k, v in self.plan.dims.items()},
             "params": self.num_params(layers=layers),
             "params_non_embedding": self.num_params(non_embedding=True, layers=layers),
-            "flops_per_token": int(round(self.flops_per_token(layers))),
+            "flops_per_token": round(self._exact_flops(layers)),
             "activation_bytes_per_token": 4 * self.activation_floats_per_token(layers),
             "layers": self._layers(layers),
             "shared": self.plan.shared,

@@ -187,8 +187,11 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tenso
     return out
 
 
+LINEAR_CHUNK = 64  # the chunk length of `linear_attention` (and of the Triton kernels on a GPU)
+
+
 def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float = 1.0, log_decay: Tensor | None = None,
-                     strict: bool = False, chunk: int = 64) -> Tensor:
+                     strict: bool = False, chunk: int = LINEAR_CHUNK) -> Tensor:
     """o_i = scale Σ_{j ≤ i} γ_ij (q_i·k_j) v_j in chunks of C: O(T·C·d + T·d² + (T/C)²·d²), no T x T matrix.
 
     q, k (B, H, T, Dk), v (B, H, T, Dv). log_decay: None (γ = 1); a scalar or (H,) log a (γ_ij = a^(i−j));
