@@ -280,10 +280,9 @@ def graph(
 
     Up to 32 layers are drawn one by one; a deeper stack (its layers are identical) is drawn once, in a box
     labelled `layer × N`."""
-    import networkx as nx
-
     from .api import load
     from .composition import check_stage_state, describe, stage_named
+    from .dot import dot_text
     from .semantics import lower_energy
 
     to_stdout = dot == "-"  # as `compile -o -`: it wrote a file named `-`
@@ -300,47 +299,14 @@ def graph(
     print(describe(plan), file=sys.stderr if to_stdout else sys.stdout)
     if dot is not None:
         g = plan.graph()
-        lines = [f'digraph "{plan.name}" {{', "  rankdir=TB;"]
-        repeated = []
-        for node, data in g.nodes(data=True):
-            label = data.get("label", node)
-            if data.get("weights") == "shared" and not data.get("repeat"):  # the box of a deep stack says it
-                label += "\\n(shared weights)"
-            shown = {"label": label, "shape": _dot_shape(data)} | {k: v for k, v in data.items() if k != "label"}
-            line = f'  "{node}" [{_dot_attributes(shown)}];'
-            (repeated if "repeat" in data else lines).append(line)
-        if repeated:  # a deep stack drawn once: its nodes in one box, labelled with the number of layers
-            weights = "shared weights" if plan.shared else "weights per layer"
-            lines += [
-                '  subgraph "cluster_layer" {',
-                f'    label="layer × {plan.layers:,} ({weights})";',
-                "    style=dashed;",
-                *(f"  {line}" for line in repeated),
-                "  }",
-            ]
-        for a, b, data in g.edges(data=True):  # a stream carried across layers (momentum, nag) is labelled
-            shown = {**data, "label": data["across"]} if data.get("across", "residual") != "residual" else data
-            lines.append(f'  "{a}" -> "{b}"' + (f" [{_dot_attributes(shown)}]" if shown else "") + ";")
-        lines.append("}")
+        text = dot_text(plan, g)
         if to_stdout:
-            print("\n".join(lines))
+            print(text, end="")
             return
-        write_atomic(Path(dot), "\n".join(lines) + "\n")
-        drawn = f": {plan.layers:,} identical layers drawn once, as `layer × {plan.layers:,}`" if repeated else ""
-        err.print(f"wrote {dot} ({nx.number_of_nodes(g)} nodes{drawn})", markup=False)
-
-
-def _dot_shape(data: dict) -> str:
-    return "box" if data.get("kind") == "stage" else "ellipse"
-
-
-def _dot_attributes(data: dict) -> str:
-    """A node's or edge's networkx attributes as DOT's `key="value", ...` (Graphviz draws label and shape, and
-    keeps the others: kind, weights, energies, across, repeat)."""
-    def quoted(v: object) -> str:
-        return '"' + str(v).replace('"', '\\"') + '"'
-
-    return ", ".join(f"{k}={v if k == 'shape' else quoted(v)}" for k, v in data.items())
+        write_atomic(Path(dot), text)
+        repeat = g.graph["repeat"]
+        drawn = f": {repeat:,} identical layers drawn once, as `layer × {repeat:,}`" if repeat > 1 else ""
+        err.print(f"wrote {dot} ({g.number_of_nodes()} nodes{drawn})", markup=False)
 
 
 @app.command("train")
