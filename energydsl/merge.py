@@ -87,7 +87,11 @@ def merge_energies(parts: list[tuple[ast.EnergyDecl, dict[str, float]]], refs: l
             if c.kind == "global":
                 globals_.append(c)
             elif c.kind == "optimizer":
-                if optimizer is None:
+                if n > 0 and optimizer is None:  # the first has none: the sum takes its default, gd(eta = 1)
+                    warnings.warn(f"`{decl.name}`'s optimizer (at {c.span}) is not used in `{summed}`: a sum takes "
+                                  f"one step, with `{first.name}`'s optimizer, the default gd(eta = 1) (it declares "
+                                  f"none); declare the optimizer in `{first.name}` too to silence this", stacklevel=3)
+                elif optimizer is None:
                     optimizer, owner = c, decl.name
                 elif not _same(optimizer, c):  # one step on the sum: this one is not taken, and it says so
                     warnings.warn(f"`{decl.name}`'s optimizer (at {c.span}) is not used in `{summed}`: a sum takes "

@@ -454,6 +454,18 @@ def test_a_sum_whose_energies_differ_in_optimizer_warns_which_it_takes(tmp_path:
     assert "steps  1 × gd (η = 1)\n" in r.stdout, r.stdout  # A's, not B's η = 1/2
 
 
+def test_a_sum_whose_first_energy_declares_no_optimizer_takes_the_default(tmp_path: Path) -> None:
+    """A sum takes its first energy's optimizer: one that declares none (the default gd(eta = 1)) silently took
+    the second's `gd(eta = 0.5)` (an audit of the docs)."""
+    path = tmp_path / "sum.energy"
+    path.write_text(SUMMED.replace("  optimizer gd(eta = 1)\n", "", 1).replace("OPTIMIZER", "optimizer gd(eta = 0.5)"))
+    r = _run("derive", str(path), "--name", "AB")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"warning: `B`'s optimizer (at {path}:10:3) is not used in `A + B`: a sum takes one step, "
+                        "with `A`'s optimizer, the default gd(eta = 1) (it declares none); declare the optimizer in "
+                        "`A` too to silence this\n"), r.stderr
+    assert "steps  1 × gd (η = 1)\n" in r.stdout, r.stdout
+
 def test_train_cli_runs_and_resumes(tmp_path: Path) -> None:
     text = tmp_path / "tiny.txt"
     text.write_text("to be or not to be, that is the question. " * 200)

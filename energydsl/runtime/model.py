@@ -288,7 +288,8 @@ class LanguageModel(nn.Module):
         return self._layers(layers) * stages + Fraction(embed) + Fraction(head)
 
     def activation_floats_per_token(self, layers: int | None = None) -> int:
-        """A rough activation-memory estimate: the stream and one displacement per stage, per layer."""
+        """A rough activation-memory estimate: per stage of each layer the stream and its displacement, plus the
+        embedded and final streams and the logits."""
         return (2 * len(self.stage_info) * self._layers(layers) + 2) * self.d + self.vocab_size
 
     def info(self, layers: int | None = None) -> dict:
