@@ -294,7 +294,7 @@ class ModuleWriter:
         dims = ", ".join(f"{k}={plain_number(v)}" for k, v in spec.dim_values.items())
         state_shape = self._sizes(spec.state)
         if self.equations is None:  # a program without its Derived (module_source): derive's printer
-            from ..derived import Derived  # api imports codegen
+            from ..derived import Derived  # here, not at the top: derived.py uses codegen
 
             self.equations = Derived(spec, prog).equations("text")
         equations = self.equations.split("\n", 1)[1]  # below the header, which the first doc line replaces
