@@ -587,6 +587,7 @@ def test_ray_two_node_cluster(tmp_path: Path, ray_started_here) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     try:
+        cluster.wait_for_nodes()  # on a loaded machine the second raylet registered late: every trial ran on one
         s = search(tmp_path, toy(tmp_path, mixers="ssm,attn", sleep=0.3), backend="ray", trials=4, workers=2,
                    address=cluster.address, pruner="none")
     finally:

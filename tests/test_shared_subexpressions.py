@@ -83,7 +83,7 @@ def test_codegen_and_hoisting_passes_visit_a_deep_dag_once_per_node():
         w = ir.Var("W", "param", (sp.Integer(4), sp.Integer(4)))
         weights = ir.matmul(w, _deep(ir.Var("c", "param", (sp.Integer(4),)), DEPTH))
         hoisted: list[ir.Let] = []
-        out = _hoist(ir.mul(weights, e), hoisted)  # the parameters' part is named, once
+        out = _hoist(ir.mul(weights, e), hoisted, set())  # the parameters' part is named, once
         assert len(hoisted) == 1 and ir.fingerprint(hoisted[0].body) == ir.fingerprint(weights)
         assert hoisted[0] in set(ir.nodes(out))
 
