@@ -451,6 +451,24 @@ def test_ray_backend_local_runtime(tmp_path: Path) -> None:
     assert write_report(str(tmp_path / "study.journal"), "t", tmp_path / "r.html").exists()
 
 
+def test_ray_does_not_prune_a_python_spaces_trial_at_its_final_step(tmp_path: Path) -> None:
+    """The last step was known only from a DSL candidate's settings: a Python space's trial (the toy's) that
+    trained every step was stopped at its final evaluation when that step was an ASHA rung (3), and recorded
+    pruned where the local backend records it complete."""
+    pytest.importorskip("ray")
+    states = {}
+    for backend in ("local", "ray"):
+        d = tmp_path / backend
+        d.mkdir()
+        search(d, toy(d, mixers="ssm", depth=3, steps=3, sleep=0), backend=backend, workers=1, trials=12,
+               sampler="random", seed=4, **({"cpus_per_trial": 1} if backend == "ray" else {}))
+        ordered = sorted(trials(d), key=lambda t: t.number)
+        states[backend] = [(t.state.name, t.user_attrs.get("reason")) for t in ordered]
+    assert states["ray"] == states["local"]
+    assert not any("at step 3" in str(reason) for _, reason in states["ray"]), states["ray"]
+    assert ("PRUNED", "pruned at step 1") in states["ray"]  # ASHA does prune: at its first rung
+
+
 @pytest.mark.slow
 def test_ray_trains_a_candidate_once_while_its_twin_runs(tmp_path: Path) -> None:
     """As on the local backend: a candidate drawn while another Ray trial trains the same equations waits for it

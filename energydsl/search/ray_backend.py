@@ -122,7 +122,8 @@ def _trainable(config: dict[str, Any], ref: SpaceRef, fingerprint: dict[str, str
             _SPACES[key] = resolve_as(ref, fingerprint)
         space = _SPACES[key]
         cand = space.suggest(optuna.trial.FixedTrial(config[PARAMS]))
-        own_steps = getattr(cand, "settings", {}).get("steps")
+        # its own steps (a DSL candidate's settings), else the space's (`budget["steps"]`, as a Python space's)
+        own_steps = getattr(cand, "settings", {}).get("steps") or space.budget.get("steps")
         last_step = int(own_steps) if own_steps else math.inf
         metrics = {str(k): plain(v) for k, v in dict(space.evaluate(cand, report, device)).items()}
         final["_energy_metrics"] = json.dumps(metrics)
