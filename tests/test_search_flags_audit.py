@@ -103,6 +103,9 @@ def test_the_legal_storage_forms_still_work(tmp_path, monkeypatch) -> None:
     (["--cpus-per-trial", "0"], ["--cpus-per-trial must be a number above 0, not 0", "cpus_per_trial > 0"]),
     (["--cpus-per-trial", "-2"], ["--cpus-per-trial must be a number above 0, not -2"]),
     (["--cpus-per-trial", "nan"], ["--cpus-per-trial must be a number above 0, not nan"]),
+    # Ray's "precision ... cannot go beyond 0.0001" came from inside tuner.fit(): exit 70
+    (["--backend", "ray", "--cpus-per-trial", "0.00001"], ["--cpus-per-trial 1e-05: Ray counts resources in steps"]),
+    (["--backend", "ray", "--gpus-per-trial", "0.33333"], ["--gpus-per-trial 0.33333: Ray counts resources in steps"]),
     (["--study", ""], ["--study is empty"]),
     (["--study", "  "], ["--study is empty"]),
     (["--address", "auto"], ["--address 'auto' names a Ray cluster", "local backend", "hint: add --backend ray"]),

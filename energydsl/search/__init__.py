@@ -309,6 +309,9 @@ def check_options(*, backend: str, trials: int | None, timeout: float | None, wo
         raise UserError(f"--gpus-per-trial must be a number at least 0, not {gpus_per_trial:g}", hint=resources)
     if cpus_per_trial is not None and not (math.isfinite(cpus_per_trial) and cpus_per_trial > 0):
         raise UserError(f"--cpus-per-trial must be a number above 0, not {cpus_per_trial:g}", hint=resources)
+    for flag, value in (("--gpus-per-trial", gpus_per_trial), ("--cpus-per-trial", cpus_per_trial)):
+        if value is not None and round(value, 4) != value:  # Ray's own error came from inside tuner.fit(): exit 70
+            raise UserError(f"{flag} {value!r}: Ray counts resources in steps of 0.0001", hint=resources)
     if address is not None and backend != "ray":
         raise UserError(f"--address {address!r} names a Ray cluster, and the {backend} backend does not use one",
                         hint="add --backend ray to run the trials on that cluster, or leave --address out to run "
