@@ -12,9 +12,12 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -167,17 +170,39 @@ def test_bad_ray_resources_are_refused_before_ray_starts(tmp_path: Path) -> None
     assert not (tmp_path / "s.journal").exists()
 
 
+@pytest.fixture
+def not_ray() -> Iterator[str]:
+    """HOST:PORT of a TCP server that is not Ray's (a web server's answer): a wrong port that answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
 @pytest.mark.parametrize("address, message", [
     ("127.0.0.1:1", "cannot reach the Ray cluster at --address 127.0.0.1:1"),  # a wrong port: no hang
-    ("garbage", "cannot join the Ray cluster at --address garbage"),
+    ("NOT_RAY", "something answers there that is not a Ray cluster"),  # Ray's retries hung for minutes
+    ("garbage", "--address 'garbage' is not a Ray cluster's address"),  # the study was created first
+    ("localhost:notaport", "--address 'localhost:notaport' is not a Ray cluster's address"),
 ])
-def test_a_ray_address_that_cannot_be_joined_exits_2(tmp_path: Path, address: str, message: str) -> None:
+def test_a_ray_address_that_cannot_be_joined_exits_2(tmp_path: Path, not_ray: str, address: str,
+                                                     message: str) -> None:
     pytest.importorskip("ray")
+    address = address.replace("NOT_RAY", not_ray)
     r = energy("search", "toy", "--backend", "ray", "--address", address, "--trials", "1",
                "--storage", str(tmp_path / "s.journal"), cwd=tmp_path)
-    clean_exit_2(r, message, "hint: start it with `ray start --head`")
-    if address == "127.0.0.1:1":  # said before the study is created: no empty study, lock or Ray log behind
-        assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    clean_exit_2(r, message.replace("NOT_RAY", not_ray), "hint: ")
+    # said before the study is created: no empty study, lock or Ray log behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
 def test_more_gpus_per_trial_than_a_local_ray_runtime_has_exits_2(tmp_path: Path) -> None:

@@ -540,17 +540,39 @@ def _init_ray(ray: Any, address: str | None, workers: int, cpus_per_trial: float
             from None
 
 
+# an HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with a
+# SETTINGS frame of its own (frame type 4, the fourth byte of its 9-byte header)
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def check_reachable(address: str) -> None:
-    """A cluster's HOST:PORT that does not answer is the user's to fix, said before a storage opens or Ray starts
-    (Ray's own retries last many minutes); `auto` and `ray://` addresses are left to `ray.init`."""
+    """A cluster's HOST:PORT that does not answer, or where something other than a gRPC server (Ray's GCS)
+    answers, is the user's to fix, said before a storage opens or Ray starts (Ray's own retries last many
+    minutes, printing C++ warnings); `auto` and `ray://` addresses are left to `ray.init`. A malformed address
+    is refused."""
+    hint = ("start it with `ray start --head` there, or give the head's address and port (default 6379); "
+            "`--address auto` finds a cluster started on this machine")
+    if address == "auto" or address.startswith("ray://"):
+        return
     host, sep, port = address.rpartition(":")
-    if sep and host and "://" not in address and port.isdigit():
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise UserError(f"--address {address!r} is not a Ray cluster's address",
+                        hint="give auto (on a node of the cluster), HEAD_IP:6379, or ray://HEAD_IP:10001 (Ray Client)")
+    try:
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S)
+    except OSError as e:
+        raise UserError(f"cannot reach the Ray cluster at --address {address}: {e}", hint=hint) from None
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return  # a TLS server waits for a TLS hello: the plain probe below would fail it
         try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-        except OSError as e:
-            raise UserError(f"cannot reach the Ray cluster at --address {address}: {e}",
-                            hint="start it with `ray start --head` there, or give the head's address and port "
-                                 "(default 6379); `--address auto` finds a cluster started on this machine") from None
+            conn.sendall(_HTTP2_HELLO)
+            answer = conn.recv(9)
+        except OSError:  # silence until the timeout, or a reset: no gRPC server there
+            answer = b""
+    if answer[3:4] != b"\x04":
+        raise UserError(f"--address {address}: something answers there that is not a Ray cluster (no gRPC "
+                        "server: a wrong port?)", hint=hint)
 
 
 def check_local_gpus(gpus_per_trial: float) -> None:
