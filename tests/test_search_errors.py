@@ -316,6 +316,35 @@ def test_sigterm_hands_the_trials_back_writes_the_report_and_exits_143(tmp_path:
     assert (s["finished"], s["completed"], s["lost"]) == (workers, workers, workers)
 
 
+def test_sigterm_while_ray_starts_exits_143_and_the_rerun_continues(tmp_path: Path) -> None:
+    """SIGTERM in the first seconds, while ray.init ran (the study is there, no trial yet), met Ray's handler:
+    exit 15 with no word, or 1; the runtime it had begun was not shut down (it was not yet "initialized")."""
+    pytest.importorskip("ray")
+    journal = tmp_path / "s.journal"
+    args = ["search", "toy", "--set", "mixers=ssm", "--set", "sleep=0", "--trials", "1", "--storage", str(journal),
+            "--backend", "ray", "--json"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not journal.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        time.sleep(0.5)  # into ray.init, which takes seconds
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert "interrupted: run the same command again" in err and "Traceback" not in err, err[-2000:]
+    deadline = time.time() + 10  # Ray's agents may outlive an interrupted start by a minute; its core goes now
+    while any("raylet" in p or "gcs_server" in p for p in session_processes(proc.pid)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any("raylet" in p or "gcs_server" in p for p in session_processes(proc.pid))
+    r = energy(*args, cwd=tmp_path)
+    assert r.returncode == 0 and json.loads(r.stdout)["finished"] == 1, r.stderr[-2000:]
+
 # ----------------------------------------------------------------------------- 7. storage strings, locks
 
 

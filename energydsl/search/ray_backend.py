@@ -468,11 +468,19 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
     # ray.init to ray.shutdown, and Ray's loggers write notices and a lost worker's traceback to stderr: keep them
     # off stdout (JSON), off the terminal and off the live panel; the study records what happened
     with open(base / "ray" / "tune-output.log", "a") as log, contextlib.redirect_stdout(log), _ray_logs_to(log):
+        main = threading.current_thread() is threading.main_thread()
         try:
             if started_ray:
-                _init_ray(ray, address, workers, cpus_per_trial)
-            if threading.current_thread() is threading.main_thread():
-                # SIGTERM as the local backend takes it (Ray's handler, set by ray.init, exits with status 1)
+                if main:  # SIGTERM as the local backend takes it, from the start
+                    signal.signal(signal.SIGTERM, on_sigterm)
+                try:
+                    _init_ray(ray, address, workers, cpus_per_trial)
+                except SystemExit as e:  # Ray's own handler, set for the span of ray.init: sys.exit(SIGTERM)
+                    if e.code != signal.SIGTERM:
+                        raise
+                    sigterm.append(signal.SIGTERM)
+                    raise Terminated(signal.SIGTERM) from None
+            if main:  # again: ray.init set Ray's handler (which exits with status 1 after it)
                 signal.signal(signal.SIGTERM, on_sigterm)
             searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
                                    make_pruner(pruner, space.budget) if prune else None, deadline)
@@ -500,7 +508,7 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
         finally:
             tune_log.setLevel(level)
             requeued = searcher.abandon_unfinished() if searcher is not None else 0
-            if started_ray and ray.is_initialized():
+            if started_ray:  # also after a ray.init cut short, whose processes were already started
                 ray.shutdown()
     return {"recovered": recovered, "requeued": requeued, "workers": workers}
 
