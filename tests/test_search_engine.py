@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -616,6 +617,26 @@ def test_ray_two_node_cluster(tmp_path: Path, ray_started_here) -> None:
     nodes = {t.user_attrs["ray"]["node"] for t in ts if "ray" in t.user_attrs}
     assert len(nodes) == 2  # 1 CPU per node and 2 concurrent trials: both nodes trained
 
+
+def test_a_trial_larger_than_every_node_of_the_cluster_is_warned_of(ray_started_here) -> None:
+    """Tune waited forever, without a word, for a node with --cpus-per-trial 2 on a cluster of 1-CPU nodes."""
+    ray = ray_started_here
+    from ray.cluster_utils import Cluster
+
+    from energydsl.search.ray_backend import _warn_unless_a_node_fits
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        with pytest.warns(UserWarning, match="no node of the cluster at A has 2 CPUs and 0 GPUs for a trial "
+                                             r"\(the largest has 1 and 0\): the trials wait"):
+            _warn_unless_a_node_fits(ray, "A", 2, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _warn_unless_a_node_fits(ray, "A", 1, 0)  # fits: no word
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 @pytest.mark.slow
 def test_ray_local_search_starts_its_own_runtime_beside_a_running_cluster(tmp_path: Path, ray_started_here) -> None:

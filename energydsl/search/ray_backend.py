@@ -482,6 +482,8 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
                     raise Terminated(signal.SIGTERM) from None
             if main:  # again: ray.init set Ray's handler (which exits with status 1 after it)
                 signal.signal(signal.SIGTERM, on_sigterm)
+            if address is not None:
+                _warn_unless_a_node_fits(ray, address, cpus_per_trial, gpus_per_trial)
             searcher = StudySearch(space, study, storage, target, make_sampler(sampler, len(objectives), seed),
                                    make_pruner(pruner, space.budget) if prune else None, deadline)
             # no time budget for Tune: at the deadline `suggest` starts no new trial and the running ones finish,
@@ -581,6 +583,17 @@ def check_reachable(address: str) -> None:
     if answer[3:4] != b"\x04":
         raise UserError(f"--address {address}: something answers there that is not a Ray cluster (no gRPC "
                         "server: a wrong port?)", hint=hint)
+
+
+def _warn_unless_a_node_fits(ray: Any, address: str, cpus: float, gpus: float) -> None:
+    """A trial larger than every node of the cluster waits, silently, until one that fits joins (which an
+    autoscaler may do): say so."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    if nodes and not any(r.get("CPU", 0) >= cpus and r.get("GPU", 0) >= gpus for r in nodes):
+        largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)))
+        warnings.warn(f"no node of the cluster at {address} has {cpus:g} CPUs and {gpus:g} GPUs for a trial (the "
+                      f"largest has {largest.get('CPU', 0):g} and {largest.get('GPU', 0):g}): the trials wait until "
+                      "such a node joins (an autoscaler may add one); Ctrl-C to stop", stacklevel=2)
 
 
 def check_local_gpus(gpus_per_trial: float) -> None:
