@@ -525,6 +525,8 @@ def test_ray_records_a_lost_attempt_as_the_local_backend_does(tmp_path: Path,
     failed = next(t for t in ts if t.user_attrs.get("kind") == "error")
     assert len(lost) == 2 and all(t.params == failed.params for t in lost)
     assert all(f"retried as trial #{failed.number}" in t.user_attrs["reason"] for t in lost)
+    # Ray's error as the reason (it read "its worker failed": Tune's error file was read before it was written)
+    assert all("The actor died unexpectedly before finishing this task." in t.user_attrs["reason"] for t in lost)
     assert "given up after 3 lost attempts" in failed.user_attrs["reason"]
 
 

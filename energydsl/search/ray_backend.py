@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -410,9 +411,19 @@ if OptunaSearch is not None:
             self._searcher = searcher
 
         def on_trial_recover(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-            error = trial.get_error()
-            why = f"{type(error).__name__}: {error}".splitlines()[0] if error is not None else "its worker failed"
+            why = _last_failure(trial.error_file) or "its worker failed"
             self._searcher.record_lost(trial.trial_id, f"Ray attempt {trial.num_failures} failed ({why[:300]})")
+
+
+def _last_failure(error_file: str | None) -> str | None:
+    """Ray's words for a trial's latest failure, from the error file Tune has just written beside the trial
+    (`trial.get_error()` reads the copy in the run's storage, not there yet): its lines, without the actor's
+    ids and Ray's list of common causes."""
+    if not error_file or not os.path.isfile(error_file):
+        return None
+    block = Path(error_file).read_text(errors="replace").rsplit("Failure # ", 1)[-1].splitlines()[1:]
+    text = " ".join(line.strip() for line in block if line.strip() and not line.startswith("\t"))
+    return text.split(" Some common causes")[0] or None
 
 
 # the signals Ray and Tune set handlers for (SIGUSR1 is Tune's "stop the run"; Windows has none)
