@@ -249,9 +249,8 @@ def antiderivative(name: str) -> str:
 
 _SP_TORCH: dict[type, Callable] = {
     sp.exp: torch.exp, sp.log: torch.log, sp.tanh: torch.tanh, sp.erf: torch.erf, sp.Abs: torch.abs,
-    sp.sign: torch.sign, sp.cosh: torch.cosh, sp.sinh: torch.sinh, sp.sqrt: torch.sqrt, sp.sin: torch.sin,
-    sp.cos: torch.cos,
-}
+    sp.sign: torch.sign, sp.cosh: torch.cosh, sp.sinh: torch.sinh, sp.sin: torch.sin, sp.cos: torch.cos,
+}  # (a square root is a Pow in SymPy; `sp.sqrt`, a function, made `isinstance` raise for sin and cos)
 
 
 def sympy_to_torch(expr: sp.Expr, values: dict[sp.Symbol, torch.Tensor | float]):
@@ -260,6 +259,10 @@ def sympy_to_torch(expr: sp.Expr, values: dict[sp.Symbol, torch.Tensor | float])
         return values[expr]
     if expr.is_Number or expr is sp.pi or expr is sp.E:
         return float(expr)
+    if not expr.free_symbols:  # a constant (`integral(silu)(2)`, whose quadrature has its own variable): evalf
+        value = expr.evalf()
+        if value.is_real and value.is_finite:
+            return float(value)
     if isinstance(expr, sp.Symbol):
         raise KeyError(f"no value for `{expr}`")
     args = [sympy_to_torch(a, values) for a in expr.args]

@@ -249,6 +249,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
                                 f"the first is at {expects[c.name][1]}; keep the one you mean")
             expects[c.name] = (claim, c.span)
         self._check_dims_named_like_hypers(opt, energy)
+        _refuse_a_reduction_inside_its_own_index(energy, gclause.span)
         return EnergyIR(
             name=d.name, span=d.span, dim_symbols=self.dim_symbols, dim_values=self.dim_values,
             derived_dims=self.derived, state=self.state, via=self.via, input=self.input, context=self.context,
@@ -633,3 +634,17 @@ PRECONDITIONER_PARAMS = {"scalar": ("P_s",), "diag": ("P_d",), "dplr": ("P_d", "
 
 def _hyper_symbol(name: str) -> sp.Symbol:
     return sp.Symbol({"eta": "eta", "beta": "beta", "damping": "lambda", "taylor": "taylor"}[name], real=True)
+
+
+def _refuse_a_reduction_inside_its_own_index(energy: Expr, span: Span) -> None:
+    """`logsumexp[j](z·h_j + 0.1 sum[j](z·h_j))`: the derivation takes the two j for one, and its gradient came
+    out 1.1 m where it is m + 0.1 Σ_j h_j (`energy check` caught it). Refused until the calculus renames bound
+    indices; `expect` claims, which are only evaluated, may nest them."""
+    for outer in ir.nodes(energy):
+        if isinstance(outer, ir.Reduce):
+            inner = next((x for x in ir.nodes(outer.body) if isinstance(x, ir.Reduce) and x.index == outer.index),
+                         None)
+            if inner is not None:
+                raise SpecError(f"the energy reduces over `{outer.index}` inside a reduction over `{outer.index}` "
+                                f"({inner.op}[{outer.index}] within {outer.op}[{outer.index}], written so or through "
+                                "a `let`): not supported yet", span)

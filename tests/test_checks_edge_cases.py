@@ -1127,3 +1127,24 @@ def test_an_energy_nested_past_sympys_recursion_skips_the_sympy_row() -> None:
     rows = {r.name: r for r in deep.check()}
     assert rows["sympy"].status == "skip" and "nests too deeply for sympy.diff" in rows["sympy"].detail
     assert all(r.status != "fail" for r in rows.values()), rows
+
+
+@pytest.mark.parametrize("extra, energy", [
+    ("  param s = 0.5\n", "sin(s) * (z . z)"),  # `isinstance(expr, sp.sqrt)`: sqrt is no class (exit 70)
+    ("", "integral(silu)(2) * (z . z)"),  # the quadrature's own variable had no value (exit 70)
+])
+def test_scalar_functions_of_params_and_numbers_are_checked(extra: str, energy: str) -> None:
+    text = f"energy E(d = 4) {{\n  state z[d]\n{extra}  global F = {energy}\n}}\n"
+    results = load(text).energy("E").check()
+    assert all(r.ok for r in results), [(r.name, r.detail) for r in results if not r.ok]
+
+
+@pytest.mark.parametrize("body", ["-logsumexp[j](z . h[j] + 0.1 * sum[j](z . h[j]))",
+                                  "-logsumexp[j](z . h[j] + 0.1 * m)"])
+def test_a_reduction_inside_another_over_its_index_is_refused(body: str) -> None:
+    """Derived as one index, its gradient was 1.1 m where it is m + 0.1 Σ_j h_j (the check caught it)."""
+    text = (f"energy E(d = 4) {{\n  state z[d]\n  context h[j, d] where j <= i\n  let m = sum[j](z . h[j])\n"
+            f"  global F = {body}\n}}\n")
+    with pytest.raises(SpecError, match=r"reduces over `j` inside a reduction over `j` \(sum\[j\] within "
+                                        r"logsumexp\[j\].*not supported yet"):
+        load(text).energy("E")

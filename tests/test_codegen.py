@@ -1335,3 +1335,34 @@ def test_a_class_name_never_shadows_the_files_functional_nor_is_a_keyword(name: 
     layer = energydsl.load(text).module(name)
     assert type(layer).__name__ == cls and "F.linear" in energy_source(energydsl.load(text).energy(name))
     assert layer(layer.example_input(1, 5)).shape == (1, 5, 4)
+
+
+_FUZZED = {  # specs a fuzzer found, each one `energy check` accepts
+    # a scalar context sum lowered with value 1 came back one per token *and* entry: (B, T, T, d) out, or a crash
+    "scalar sum in a function": "global F = -exp(0.3 * sum[j](z . h[j]))",
+    "scalar decayed sum": "global F = -exp(0.3 * sum[j](0.9^(i - j) * (z . h[j])))",
+    "scalar sum times a state term": "global F = -(z . z) * exp(0.1 * sum[j](z . h[j]))",
+    # a factor of the key's position j: the value was per pair (i, j), and lowering raised an AssertionError
+    "key position factor": "global F = -0.5 * sum[j](j * (z . h[j])^2)",
+    "key position decay": "global F = -sum[j](0.9^(i - j) * (j + 1) * (z . h[j]))",
+    # a scalar function of a number was computed in float32 (torch.as_tensor(0.3)) in a float64 module
+    "function of a number": "global F = exp(stopgrad(0.3)) * 0.5 * (z . z)",
+}
+
+
+@pytest.mark.parametrize("body", list(_FUZZED.values()), ids=list(_FUZZED))
+def test_fuzzed_specs_match_the_interpreter(body: str) -> None:
+    text = (f"energy E(d = 4) {{\n  state z[d]\n  context h[j, d] where j <= i\n  {body}\n"
+            "  optimizer gd(eta = 0.5)\n}\n")
+    derived = energydsl.load(text).energy("E")
+    assert all(r.ok for r in derived.check())
+    for T in (1, 2, 5):
+        _matches_interpreter(derived, T=T)
+
+
+def test_a_step_that_simplifies_to_zero_returns_its_displacement() -> None:
+    """(1 - λ) u with λ = 1 is 0: the generated forward returned `t1` with delta=True before assigning it."""
+    text = ("energy E(d = 4) {\n  state z[d] via u = rmsnorm(z)\n  global F = 0.5 * (u . u)\n"
+            "  optimizer newton(eta = 0.5, taylor = 1, damping = 1) wrt u\n}\n")
+    module, x, ref = _matches_interpreter(energydsl.load(text).energy("E"), T=3)
+    assert torch.equal(module(x, delta=True), torch.zeros_like(x))

@@ -59,17 +59,19 @@ def linear_attention_sum(em: Emitter, e: ir.Reduce, info: IndexInfo) -> Val | No
         q, k = em.emit(qe), em.emit(ke)
         width = em.shape_size(qe.shape[0])
     v = em.emit(ir.mul(*ks)) if ks else Val("1.0", scalar=True)
+    if POS in v.axes:  # a value of the pair, not of the key alone (a factor of the key's position j): generic
+        return None
+    rank = 0 if v.scalar else v.rank  # a scalar sum comes back a scalar per token
     if v.scalar:
         v = em.tmp(f"torch.ones_like({k.code}[..., :1]) * {v.code}", k.axes, 1)
+    elif rank == 0:
+        v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     # a decay or gate per head with q, k and v shared by the heads: those are spread over the heads
     per_head = (token_axes(decay, em.indices) if decay is not None else set()) | \
         (gate.body.free - {j} if gate is not None else set())
     heads = tuple(sorted(set(_heads(q, k, v, j=j)) | per_head))
     if any(h not in em.sizes for h in heads):  # (a decay over a token axis among them)
         return None
-    rank = v.rank
-    if rank == 0:
-        v = em.tmp(f"{v.code}[..., None]", v.axes, 1)
     dv = em.shape_size(e.shape[0]) if e.shape else 1
     qc, vc = _as_bhtd(em, q, heads, POS), _as_bhtd(em, v, heads, j)
     kc = qc if coupling is None else _as_bhtd(em, k, heads, j)  # ones: the same layout

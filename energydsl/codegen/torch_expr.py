@@ -371,9 +371,10 @@ class Emitter:
                 return gate_log_weights(self, ir.bare(e.arg))
             case ir.Func():
                 a = self.emit(e.arg)
-                if a.scalar:
-                    return Val(sympy_src(REGISTRY[e.name].formula.subs(X, sp.Symbol("_a")),
-                                         {sp.Symbol("_a"): f"torch.as_tensor({a.code})"}), scalar=True)
+                if a.scalar:  # of a number: folded here, in float64 (torch.as_tensor of it was float32)
+                    arg = a.code if is_number(a.code) else f"torch.as_tensor({a.code})"
+                    return Val(sympy_src(REGISTRY[e.name].formula.subs(X, sp.Symbol("_a")), {sp.Symbol("_a"): arg}),
+                               scalar=True)
                 return self.tmp(function_src(e.name, a.code), a.axes, a.rank, e.name)
             case ir.SumAll():
                 a = self.emit(e.a)

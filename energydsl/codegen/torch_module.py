@@ -8,6 +8,7 @@ it. Parameters are registered raw, with their initialisers; constraints are appl
 
 from __future__ import annotations
 
+import ast
 import keyword
 import re
 import textwrap
@@ -21,7 +22,7 @@ from ..instance import unconstrain
 from ..number_text import plain_number
 from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
-from .hoist import hoist_invariants
+from .hoist import hoist_invariants, line_names
 from .projections import fuse_biases, fuse_projections
 from .scalar_src import is_number, sympy_src
 from .second_order import collect_expanded_sums
@@ -250,7 +251,12 @@ class ModuleWriter:
         plain = prog.steps == 1 and not prog.aux and len(steps_body) >= 2 and delta_code is not None
         hoisted: list[str] = []
         if prog.steps == 1:
-            head, tail = (steps_body[:-2], steps_body[-2:]) if plain else (steps_body, [])
+            # the displacement returns right after the last line its names need (the two lines after it were
+            # assumed: a step that simplified to `z = z` returned a name assigned after the return)
+            needs = set(re.findall(r"\b[A-Za-z_]\w*\b", delta_code or ""))
+            cut = max((n + 1 for n, line in enumerate(steps_body)
+                       if line_names(ast.parse(line.strip()).body)[1] & needs), default=0)
+            head, tail = (steps_body[:cut], steps_body[cut:]) if plain else (steps_body, [])
             lines += fuse_biases(fuse_projections(em.prologue + start + head, {**roots, x: "x"}, taken), vectors)
             if plain:  # one plain step x + Δ: the displacement is available before the final add
                 lines += ["if delta:", f"    return {delta_code}"]
