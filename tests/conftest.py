@@ -15,6 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# A suite started in the background by a shell without job control (`pytest &` in a script, `nohup`) inherits
+# SIGINT ignored, and Python then keeps it so. The Ctrl-C tests send SIGINT and check that the handler the run
+# found is given back, so they start from Python's own, as in a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def energy_in_process(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """`energy ARGS` run in this process, as `subprocess.run` of `python -m energydsl.cli` reports it (exit

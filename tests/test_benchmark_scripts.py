@@ -59,6 +59,12 @@ def test_precision_script_prints_each_magnitude() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("max|s|")]
     assert len(rows) == 2 and all(f" {name} " in rows[0] for name in ("out", "dq", "dk", "dv", "du"))
+    assert "[" not in rows[0]  # the second moment has no peer
+    first = _run("benchmarks/precision.py", "--op", "attention", "--magnitudes", "1", "--shape", "1,1,9,8",
+                 interpret=True)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    row = next(line for line in first.stdout.splitlines() if line.startswith("max|s|"))
+    assert len(re.findall(r"=\d+\.\dx \[\d+\.\dx\]", row)) == 4, row  # out, dq, dk, dv: ours and SDPA's ratio
     if not torch.cuda.is_available():  # and not interpreted: says how, and exits 0 as the other GPU scripts do
         skipped = _run("benchmarks/precision.py")
         assert skipped.returncode == 0 and "no GPU" in skipped.stdout and "TRITON_INTERPRET=1" in skipped.stdout

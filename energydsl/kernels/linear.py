@@ -26,8 +26,11 @@ after chunk n of exp(log decay from chunk n's end to i) q_i dO_i^T:
     d log_decay_s = sum_{t >= s} (q_t . dq_t - k_t . dk_t)
 The last identity: g_s enters every pair (i >= s > j), and sum_j P_ij = q_i . dq_i, sum_i P_ij = k_j . dk_j
 for P_ij = M_ij (q_i . k_j)(dO_i . v_j). `_bwd_dqk_kernel` writes the row terms q_t . dq_t - k_t . dk_t per
-Dk-block; their sum and the reverse cumulative sum over time are done in torch. The states are recomputed in
-the backward, not kept from the forward: O(T Dk Dv / C) memory each, alive only inside one call.
+Dk-block; their sum and the reverse cumulative sum over time are done in torch. The two row terms cancel where
+the decay is strong, so the decay's gradient loses digits there: the gated-linear-attention example with
+a = 0.01 at T = 200, interpreted, is off by 1.8e-3 relative against the float32 torch backend's 3.3e-4 (at
+a = 0.9 the two agree). The states are recomputed in the backward, not kept from the forward: O(T Dk Dv / C)
+memory each, alive only inside one call.
 
 Products are taken in the inputs' dtype (bf16 on tensor cores) with fp32 accumulation; states are stored in
 the inputs' dtype, as flash-linear-attention does. The ops are registered and launched as every family's
