@@ -244,6 +244,8 @@ def directional(e: Expr, wrt: Var, v: Expr) -> Expr:
             case Diag():
                 t = tangent(x.a)
                 return ZERO if is_zero(t) else Diag(t)
+            case ProdOthers():
+                raise NotDifferentiable(f"`prod[{x.index}]` has no directional derivative")
             case _:
                 raise NotDifferentiable(f"no directional derivative rule for {type(x).__name__}")
 

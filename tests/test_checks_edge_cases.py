@@ -731,23 +731,29 @@ def test_a_stack_of_psd_matrices_checks_and_keeps_each_positive_definite():
 PROD_OF_SIGMOIDS = """energy P(d = 2) {
   state z[d]
   context c[j, d] where j <= i
-  global F = -log(1 + prod[j](sigmoid(z . c[j])))
+  global F = PROD
   optimizer newton(taylor = TAYLOR)
 }
 """
 
 
-def test_newton_taylor_zero_needs_no_hessian_and_taylor_one_says_why_it_is_refused(tmp_path):
+@pytest.mark.parametrize("energy, named", [
+    ("-log(1 + prod[j](sigmoid(z . c[j])))", "`prod`"),
+    # differentiated once, prod's gradient is a product over the other tokens: the message named its IR class
+    ("-prod[j](sigmoid(z . c[j])) + 0.5 * z . z", "`prod[j]`"),
+])
+def test_newton_taylor_zero_needs_no_hessian_and_taylor_one_says_why_it_is_refused(energy, named):
     """(found by generating energies) With taylor 0, Newton is gd and takes no Hessian-vector product, yet the
     hessian row failed ("`prod` has no directional derivative"); taylor 1 was refused with the hint that only
     constructs that do not depend on the state may lack a derivative, though gd takes the same energy."""
-    layer = load(PROD_OF_SIGMOIDS.replace("TAYLOR", "0")).energy()
+    spec = PROD_OF_SIGMOIDS.replace("PROD", energy)
+    layer = load(spec.replace("TAYLOR", "0")).energy()
     results = {r.name: r for r in layer.check()}
     assert "hessian" not in results and all(r.ok for r in results.values()), results
     with pytest.raises(SpecError) as err:
-        load(PROD_OF_SIGMOIDS.replace("TAYLOR", "1")).energy()
-    assert "newton's Hessian-vector products differentiate the gradient once more, and `prod` has no " \
-           "directional derivative" in err.value.message
+        load(spec.replace("TAYLOR", "1")).energy()
+    assert "newton's Hessian-vector products differentiate the gradient once more, and " \
+           f"{named} has no directional derivative" in err.value.message
     assert "newton(taylor = 0), needs no second derivative" in err.value.hint
 
 
