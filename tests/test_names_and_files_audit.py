@@ -167,6 +167,39 @@ def test_a_search_factory_that_fails_is_named(monkeypatch, capsys, target: str, 
     assert code == 2 and says in err and "Traceback" not in err, err
 
 
+SPACE_CLASS = """class Space:
+    name = "half"
+    objectives = [("loss", "minimize")]
+    budget = {"trials": 1}
+    def suggest(self, trial): ...
+    def evaluate(self, candidate, report): ...
+"""
+
+
+@pytest.mark.parametrize("module,says", [
+    ("def f(:\n", "importing the search space 'MOD:space' failed: SyntaxError: invalid syntax (MOD.py, line 1)"),
+    ("raise RuntimeError('import boom')\n", "importing the search space 'MOD:space' failed: RuntimeError: import boom"),
+    ("import sys\nsys.exit(3)\n", "importing the search space 'MOD:space' failed: SystemExit: 3"),
+    (SPACE_CLASS + "class Half(Space):\n    budget = 1\nspace = Half()\n",
+     "search space 'half': budget must be a dict, not int"),
+    (SPACE_CLASS + "class Bad(Space):\n    objectives = [1, 2]\nspace = Bad()\n",
+     "search space 'half': objectives must be (name, direction) pairs, not [1, 2]"),
+    (SPACE_CLASS + "class Bad(Space):\n    name = 3\nspace = Bad()\n", "its name must be a non-empty string, not 3"),
+    (SPACE_CLASS + "class Bad(Space):\n    evaluate = 3\nspace = Bad()\n",
+     "search space 'half': evaluate must be a method, not int"),
+])
+def test_a_python_search_space_that_fails_to_import_or_is_malformed_is_named(monkeypatch, tmp_path: Path,
+                                                                             module: str, says: str) -> None:
+    """A module that failed as it was imported (a SyntaxError, a raise) and a space whose budget was no dict were
+    internal errors (exit 70); only a missing module or attribute was the user's."""
+    name = f"space_{abs(hash(module))}"
+    (tmp_path / f"{name}.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    code, _, err = run_main("search", f"{name}:space", "--holes")
+    assert code == 2 and says.replace("MOD", name) in err and "Traceback" not in err, err
+
+
 def test_graph_refuses_a_stage_whose_state_does_not_fit_the_stream(monkeypatch, capsys, tmp_path) -> None:
     """`graph` drew a model that `info` and `train` refuse."""
     spec = tmp_path / "model.energy"

@@ -145,6 +145,11 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as e:
             raise UserError(f"cannot import search space {spec!r}: {e}") from e
+        except (Exception, SystemExit) as e:  # the module's own code failed as it ran: a SyntaxError, a raise
+            said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise UserError(f"importing the search space {spec!r} failed: {said[:300]}",
+                            hint=f"`{module_name}` is imported to find `{attr}`: run `python -c \"import "
+                                 f"{module_name}\"` to see the traceback") from None
         space = _call_factory(obj, spec, ref.sets) if callable(obj) else obj
     else:
         if not Path(spec).exists():
@@ -200,7 +205,17 @@ def check_space(space: Any) -> None:
         raise UserError(f"{space!r} is not a search space: it has no {', '.join(missing)}",
                         hint="a search space has name, objectives, budget, suggest and evaluate "
                              "(energydsl.search.space.SearchSpace)")
-    objectives = list(space.objectives)
+    if not isinstance(space.name, str) or not space.name:
+        raise UserError(f"{space!r} is not a search space: its name must be a non-empty string, not {space.name!r}")
+    for method in ("suggest", "evaluate"):
+        if not callable(getattr(space, method)):
+            raise UserError(f"search space {space.name!r}: {method} must be a method, not "
+                            f"{type(getattr(space, method)).__name__}")
+    try:
+        objectives = [(name, direction) for name, direction in space.objectives]
+    except (TypeError, ValueError):
+        raise UserError(f"search space {space.name!r}: objectives must be (name, direction) pairs, not "
+                        f"{space.objectives!r}") from None
     if not objectives:
         raise UserError(f"search space {space.name!r} declares no objective")
     names = [name for name, _ in objectives]
@@ -210,7 +225,8 @@ def check_space(space: Any) -> None:
         if direction not in DIRECTIONS:
             raise UserError(f"objective {name!r}: direction must be minimize or maximize, not {direction!r}")
     if not isinstance(space.budget, dict):
-        raise TypeError(f"search space {space.name!r}: budget must be a dict")
+        raise UserError(f"search space {space.name!r}: budget must be a dict, not {type(space.budget).__name__}",
+                        hint="the search's defaults, such as {\"trials\": 20, \"steps\": 300} (docs/search.md)")
 
 
 # ----------------------------------------------------------------------------- reading what a space returns
