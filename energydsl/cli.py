@@ -28,7 +28,7 @@ from .cli_output import broken_pipe, closed_streams_to_devnull, to_stderr, usage
 from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, not_an_input, writable_dir, write_atomic
-from .signal_handlers import Terminated, sigterm_interrupts
+from .signal_handlers import CTRL_C, Terminated, sigterm_interrupts
 
 if TYPE_CHECKING:
     from .api import Spec
@@ -548,6 +548,8 @@ def _main() -> None:
     try:
         code = app(standalone_mode=False)
         sys.stdout.flush()  # a reader gone away (`| head`) shows here, not in Python's flush at exit
+        if CTRL_C.received and code in (None, 0, 1):  # a Ctrl-C came and something swallowed it: not a result
+            code = 130
         if isinstance(code, int) and code:
             if code == 130:  # Typer turns a Ctrl-C in a command into this status, silently
                 err.print("interrupted")
@@ -593,6 +595,9 @@ def _main() -> None:
             except BrokenPipeError:
                 to_stderr("")
             sys.exit(e.exit_code)  # type: ignore[attr-defined]
+        if CTRL_C.received:  # an error that a Ctrl-C let loose (a module left half-imported), not a bug
+            err.print("interrupted")
+            sys.exit(130)
         first = (str(e).strip().splitlines() or [""])[0]  # one line: torch appends pages of C++ frames
         to_stderr(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
                    "(please report this with the spec)")

@@ -3,9 +3,12 @@ handlers), so that what runs next in the process gets its own handlers."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -74,3 +77,68 @@ def sigterm_interrupts() -> Iterator[None]:
         if previous is not None:
             signal.signal(signal.SIGTERM, _terminated)
         yield
+
+
+class CtrlC:
+    """The `energy` command's SIGINT handler: KeyboardInterrupt, as Python's own, except while another package
+    is being imported.
+
+    A Ctrl-C in `import torch` was lost or fatal: torch clears an exception raised while it loads NumPy (the
+    command then ran to its end and exited 0), and one raised in a pybind11 callback aborts the process. While
+    another package is imported, it is sent again every 20 ms (a daemon timer and `signal.pthread_kill`) until
+    that import is done; `received` says that one came, for an interrupt something swallowed all the same."""
+
+    RETRY_S = 0.02
+    HOLD_AT_MOST_S = 5.0  # an import that hangs is interrupted all the same
+
+    def __init__(self) -> None:
+        self.received = False
+        self.held_since: float | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received = True
+        now = time.monotonic()
+        self.held_since = self.held_since or now
+        if _inside_an_import(frame) and now - self.held_since < self.HOLD_AT_MOST_S:
+            timer = threading.Timer(self.RETRY_S, _interrupt_main_thread)
+            timer.daemon = True
+            timer.start()
+            return
+        self.held_since = None
+        raise KeyboardInterrupt
+
+
+def _interrupt_main_thread() -> None:
+    """SIGINT to the main thread: a real signal, which wakes a sleep or a wait (`interrupt_main` waits for them)."""
+    if hasattr(signal, "pthread_kill"):
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+    else:
+        _thread.interrupt_main(signal.SIGINT)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _inside_an_import(frame: Any) -> bool:
+    """Whether a module of another package (torch, NumPy, ...) is being imported here. One of ours lets a
+    KeyboardInterrupt through the import as Python's handler does, so a Ctrl-C waits only for the other's."""
+    running_other = False  # the innermost module whose top level runs, so far, is another package's
+    while frame is not None:
+        where = frame.f_code.co_filename
+        if where.startswith("<frozen importlib._bootstrap"):
+            if running_other:
+                return True
+        elif frame.f_code.co_name == "<module>":
+            running_other = not os.path.abspath(where).startswith(_PACKAGE)
+        frame = frame.f_back
+    return False
+
+
+CTRL_C = CtrlC()
+
+
+def install_ctrl_c() -> None:
+    """`CTRL_C` as the process's SIGINT handler, unless SIGINT is ignored (`nohup`, a background job of a
+    script): that stays as the parent asked."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, CTRL_C)
