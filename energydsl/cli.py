@@ -66,9 +66,14 @@ def parse_sets(items: list[str] | None) -> dict[str, float]:
         if not eq or not name.strip().isidentifier():
             raise UserError(f"--set {item!r}: expected NAME=VALUE, e.g. --set d=64")
         try:
-            dims[name.strip()] = float(value)
+            number = float(value)
         except ValueError:
             raise UserError(f"--set {item!r}: `{value}` is not a number") from None
+        if not math.isfinite(number):  # as the spec would be blamed for it: `dim d must be finite, got inf`
+            literal = value.strip().lstrip("+-").lower() in ("inf", "infinity", "nan")
+            raise UserError(f"--set {item!r}: `{value.strip()}` is "
+                            + ("not a finite number" if literal else "too large for a float (at most about 1.8e308)"))
+        dims[name.strip()] = number
     return dims
 
 

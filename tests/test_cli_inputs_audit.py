@@ -53,6 +53,17 @@ def test_a_size_too_large_for_a_tensor_is_exit_2_naming_it(monkeypatch, capsys, 
     assert err.splitlines()[0].count(":") >= 3  # file:line:col: error: ...
 
 
+@pytest.mark.parametrize("command,value,says", [
+    ("derive", "1e400", "--set 'd=1e400': `1e400` is too large for a float (at most about 1.8e308)"),
+    ("check", "nan", "--set 'd=nan': `nan` is not a finite number"),
+    ("info", "-inf", "--set 'd=-inf': `-inf` is not a finite number"),
+])
+def test_a_set_value_that_is_no_finite_number_blames_the_flag(capsys, command: str, value: str, says: str) -> None:
+    """It was blamed on the spec, as `dim d ... must be a finite number, got inf` under its header."""
+    code, _, err = run_main(command, MHA if command != "info" else GPT, "--set", f"d={value}")
+    assert code == 2 and err.startswith(f"error: {says}"), err
+
+
 @pytest.mark.parametrize("flags,says", [
     (["--batch-size", "99999999999999999999"], "--batch-size must be at most 2**60 - 1, got 99999999999999999999"),
     (["--batch-size", "2000000000000", "--block-size", "2000000000"], "--batch-size x --block-size = 4000000"),
