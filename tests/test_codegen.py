@@ -1187,12 +1187,25 @@ _DELTA_RULE = """energy Delta(d = 8, dk = 4, dv = 3) {
 }"""
 
 
+_DELTANET = {  # DeltaNet's write strength β_j, a weight of the key alone; a mean over j
+    "plain": {},
+    "beta": {"  global F = 0.5 * sum[j](r[j] . r[j])": "  param wb[d] ~ normal(0, 0.3)\n"
+             "  global F = 0.5 * sum[j](sigmoid(wb . h[j]) * r[j] . r[j])"},
+    "mean": {"sum[j]": "mean[j]"},
+}
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("relation", ["j <= i", "j < i"])
-def test_the_delta_rule_runs_on_prefix_sums(backend: str, relation: str) -> None:
+@pytest.mark.parametrize("variant", sorted(_DELTANET))
+def test_the_delta_rule_runs_on_prefix_sums(backend: str, relation: str, variant: str) -> None:
     """Σ_j (Zᵀ k_j − v_j) k_jᵀ, the delta rule's gradient, was a (B, T, T, dv, dk) tensor of pair products. It is
-    Zᵀ (Σ_j k_j k_jᵀ) − Σ_j v_j k_jᵀ now: two prefix sums along j and a matrix product per token."""
-    derived = energydsl.load(_DELTA_RULE.replace("j <= i", relation)).energy()
+    Zᵀ (Σ_j k_j k_jᵀ) − Σ_j v_j k_jᵀ now: two prefix sums along j and a matrix product per token. With a weight
+    β_j on each key, or a mean, it was the pair products again (found by a user trying DeltaNet)."""
+    spec = _DELTA_RULE.replace("j <= i", relation)
+    for old, new in _DELTANET[variant].items():
+        spec = spec.replace(old, new)
+    derived = energydsl.load(spec).energy()
     source = energy_source(derived, backend)
     assert source.count("prefix_reduce(") == 2 and "masked_reduce" not in source
     for T in (7, 1):

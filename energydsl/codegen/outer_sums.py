@@ -12,7 +12,9 @@ two sums of key-only values, which the emitter turns into prefix sums along j ((
 
     Σ_j outer(Q c_j, b_j) = Q (Σ_j outer(c_j, b_j))        Σ_j outer(a_j, Q c_j) = (Σ_j outer(a_j, c_j)) Qᵀ
 
-and a term that is neither leaves the sum as it was (None).
+and a term that is neither leaves the sum as it was (None). Scalar factors are distributed first, so that a
+per-key weight (DeltaNet's write strength β_j) goes with the key: Σ_j β_j (Zᵀ k_j − v_j) k_jᵀ =
+Zᵀ (Σ_j β_j k_j k_jᵀ) − Σ_j β_j v_j k_jᵀ; a scalar of the query alone (a mean's 1/|j|) leaves the sum.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def query_factored_sum(e: ir.Reduce, side: Callable[[Expr], str | None]) -> Expr
     out: list[Expr] = []
     moved = False
     for coef, a, b in terms:
+        ca, a = _query_scalars_out(a, side)
+        cb, b = _query_scalars_out(b, side)
+        coef, a, b = ir.mul(coef, ca, cb), _matrix_in_front(a), _matrix_in_front(b)
         if side(a) == "key" and side(b) == "key":
             out.append(ir.mul(coef, ir.reduce("sum", j, ir.outer(a, b))))
         elif side(a) == "query" and side(b) == "key":  # Σ_j outer(q, b_j) = outer(q, Σ_j b_j)
@@ -54,6 +59,39 @@ def query_factored_sum(e: ir.Reduce, side: Callable[[Expr], str | None]) -> Expr
     return ir.add(*out) if moved else None
 
 
+def _query_scalars_out(x: Expr, side: Callable[[Expr], str | None]) -> tuple[Expr, Expr]:
+    """(c, y) with x = c · y and c the scalar factors that do not vary with j (a mean's 1/|j|), which leave the
+    sum."""
+    if isinstance(x, ir.Mul):
+        out = [f for f in x.factors if f.shape == () and side(f) == "query"]
+        rest = [f for f in x.factors if not any(f is o for o in out)]
+        if out and rest:
+            return ir.mul(*out), ir.mul(*rest)
+    return ir.ONE, x
+
+
+def _matrix_in_front(x: Expr) -> Expr:
+    """s · (Q @ c), with s scalars, as Q @ (s · c): the form whose matrix leaves the sum (s a key's weight)."""
+    if isinstance(x, ir.Mul):
+        matrices = [f for f in x.factors if isinstance(f, ir.MatMul) and len(f.a.shape) == 2]
+        scalars = [f for f in x.factors if f.shape == ()]
+        if len(matrices) == 1 and len(scalars) == len(x.factors) - 1:
+            return ir.matmul(matrices[0].a, ir.mul(*scalars, matrices[0].b))
+    return x
+
+
+def _terms(x: Expr) -> list[Expr]:
+    """The terms of x, with scalar factors distributed over a sum: s (u + v) is [s u, s v]."""
+    if isinstance(x, ir.Add):
+        return list(x.terms)
+    if isinstance(x, ir.Mul):
+        sums = [f for f in x.factors if isinstance(f, ir.Add)]
+        if len(sums) == 1 and all(f.shape == () for f in x.factors if f is not sums[0]):
+            others = [f for f in x.factors if f is not sums[0]]
+            return [ir.mul(*others, t) for t in sums[0].terms]
+    return [x]
+
+
 def _outer_terms(body: Expr) -> list[tuple[Expr, Expr, Expr]] | None:
     """`body` as Σ c · outer(a, b) with every sum inside an outer product distributed: (c, a, b) triples (c a
     scalar without tokens), or None if it is not of that form."""
@@ -69,8 +107,7 @@ def _outer_terms(body: Expr) -> list[tuple[Expr, Expr, Expr]] | None:
         inner = _outer_terms(body.factors[1])
         return None if inner is None else [(ir.mul(body.factors[0], c), a, b) for c, a, b in inner]
     if isinstance(body, ir.Outer):
-        lefts = body.a.terms if isinstance(body.a, ir.Add) else (body.a,)
-        rights = body.b.terms if isinstance(body.b, ir.Add) else (body.b,)
+        lefts, rights = _terms(body.a), _terms(body.b)
         out = []
         for (ca, a), (cb, b) in ((_split_scalar(a), _split_scalar(b)) for a in lefts for b in rights):
             out.append((ir.mul(ca, cb), a, b))
