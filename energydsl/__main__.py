@@ -3,7 +3,7 @@
 The CLI's imports take a fraction of a second; a Ctrl-C that arrives then would print Python's
 KeyboardInterrupt traceback, so this entry point imports the CLI under the same rule as its commands:
 Ctrl-C prints `interrupted` and exits 130. Its SIGINT handler (`signal_handlers.CtrlC`) holds a Ctrl-C back
-while a module is imported, where torch would lose it.
+while another package is imported, where torch would lose it.
 """
 
 from __future__ import annotations
