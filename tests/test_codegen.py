@@ -1216,6 +1216,16 @@ def test_the_delta_rule_runs_on_prefix_sums(backend: str, relation: str, variant
     assert largest <= 2 * 64 * 8 * 8, largest  # (B, T, dk, dk) and the context's own: no T x T
 
 
+def test_compile_says_which_torch_modules_hold_t_by_t_tensors() -> None:
+    """Only `--backend triton` said so: a user found a DeltaNet layer's (B, T, T, dk, dv) tensors by measuring."""
+    notes: list[str] = []
+    mha = energydsl.load("examples/intrinsic-optimizers/mha.energy").energy()
+    second = energydsl.load("examples/intrinsic-optimizers/mha2nd1st.energy").energy()
+    energy_source([mha, second], "torch", notes)
+    assert notes == ["MHA2nd1st computes a context sum with T x T tensors (masked_softmax): its memory grows as T² "
+                     "(docs/models.md, the lowering table)"], notes
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_generated_numbers_are_rounded_once(backend):
     """sqrt(heads)/sqrt(d) at d=8, heads=2 is 0.5: the dims go in exactly and the result is rounded once

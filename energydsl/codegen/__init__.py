@@ -77,6 +77,7 @@ def check_backend(backend: object) -> None:
 def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfused: list[str] | None = None,
                   lowering: bool = True) -> str:
     """The generated source for one derived energy, or one file with the modules of several. With the
+    torch backend, a note in `unfused` for each module that builds T x T tensors; with the
     triton backend, a note for each module no kernel family fuses (its forward is the torch path) is appended to
     `unfused`, with the reason where a form nearly took a kernel, and one for each that runs partly on torch ops
     that build T x T tensors. `lowering=False` (torch backend only) writes the generic form: every context sum
@@ -99,13 +100,15 @@ def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfu
     writers = [ModuleWriter(d.program, d.equation_hash(), backend, lowering, equations=d.equations(), cls=cls)
                for d, cls in zip(many, names, strict=True)]
     text = file_source(writers)
-    if backend == "triton" and unfused is not None:
-        for d, w in zip(many, writers):
-            why = f": {'; '.join(w.misses)}" if w.misses else ""
-            if not w.kernel_requests:
-                unfused.append(f"no kernel family matches {d.name}'s update{why}; its forward is the torch backend's")
-            elif w.misses:
-                unfused.append(f"{d.name} runs on the kernels, but not all of it{why}")
+    for d, w in zip(many, writers) if unfused is not None else ():
+        why = f": {'; '.join(w.misses)}" if w.misses else ""
+        if backend == "torch" and w.quadratic:  # the ops a user cannot see from the spec: memory in T²
+            unfused.append(f"{d.name} computes a context sum with T x T tensors ({', '.join(w.quadratic)}): its "
+                           "memory grows as T² (docs/models.md, the lowering table)")
+        elif backend == "triton" and not w.kernel_requests:
+            unfused.append(f"no kernel family matches {d.name}'s update{why}; its forward is the torch backend's")
+        elif backend == "triton" and w.misses:
+            unfused.append(f"{d.name} runs on the kernels, but not all of it{why}")
     return text
 
 

@@ -285,7 +285,8 @@ class ModuleWriter:
         self.flops_per_token = em.flops["prologue"] + once + prog.steps * (em.flops["body"] - once)
         self.kernel_requests = em.kernel_requests
         quadratic = sorted(em.used_ops & {"masked_softmax", "masked_reduce", "prod_of_others"})
-        if self.backend == "triton" and quadratic:  # honest about memory: these hold (B, T, T, ...) tensors
+        self.quadratic = quadratic  # honest about memory: these hold (B, T, T, ...) tensors
+        if self.backend == "triton" and quadratic:
             em.misses.append(f"a context sum no kernel takes is computed with T x T tensors ({', '.join(quadratic)})")
         self.misses = list(dict.fromkeys(em.misses))
         return lines, em.used_ops
