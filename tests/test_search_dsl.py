@@ -324,6 +324,19 @@ def test_imports_are_inlined(tmp_path: Path) -> None:
     assert energydsl.load(src).model_names == ["Tiny"]
 
 
+def test_without_a_model_clause_the_files_own_model_is_trained(tmp_path: Path) -> None:
+    """`energy info` and `train` take the file's own model; the search counted an imported one too and refused."""
+    write(tmp_path, TINY, "parts.energy")
+    own = "model Own(vocab = 65, context = 16, d = 8) {\n  embed tokens\n  layer = FF(d)\n  head tied\n}\n"
+    search = SEARCH.replace("  model Tiny(d = choice{8, 16})\n", "").replace("trials 4", "trials 1")
+    space = load_search(write(tmp_path, 'import "parts.energy"\n' + own + search))
+    assert space.model_name == "Own"
+    only_imported = load_search(write(tmp_path, 'import "parts.energy"\n' + search, "imports.energy"))
+    assert only_imported.model_name == "Tiny"  # none of its own: the one its imports declare
+    with pytest.raises(energydsl.SpecError, match=r"must name the model it trains \(it declares Own, Two\)"):
+        load_search(write(tmp_path, 'import "parts.energy"\n' + own + own.replace("Own", "Two") + search, "two.energy"))
+
+
 @pytest.mark.parametrize("bad, message", [
     ("objective minimize accuracy", "unknown objective `accuracy`"),
     ("model Tiny(width = 4)", "`width` is not a dim of model `Tiny`"),

@@ -202,13 +202,18 @@ class DslSpace:
                 raise SpecError(f"no model named `{self.model_name}`", sf.span(model_ref),
                                 f"models: {', '.join(models) or 'none'}")
             overrides += header_override(sf, model_ref, "model_decl", decls, col)
-        elif len(models) == 1:
-            self.model_name = models[0]
         else:
-            raise SpecError(f"search `{self.name}` must name the model it trains" if models else
-                            f"search `{self.name}`: the file declares no `model` to train",
-                            sf.span(search.children[0]), "add `model NAME` to the search" if models else
-                            "declare a `model` (see docs/language.md)")
+            # the file's own model, as `energy info` and `train` take it; with none of its own, an import's
+            own = [n for n in models if decls[n][0] is sf]
+            candidates = own or models
+            if len(candidates) != 1:
+                found = f" (it declares {', '.join(own)})" if own else \
+                    f" (its imports declare {', '.join(models)})" if models else ""
+                raise SpecError(f"search `{self.name}` must name the model it trains{found}" if models else
+                                f"search `{self.name}`: the file declares no `model` to train",
+                                sf.span(search.children[0]), "add `model NAME` to the search" if models else
+                                "declare a `model` (see docs/language.md)")
+            self.model_name = candidates[0]
         if across is not None:
             overrides.append(across_override(across, decls[self.model_name], col))
         for energy in dict.fromkeys([*opt_over, *pre_over]):
