@@ -655,6 +655,20 @@ def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Pat
     open_study(journal, "T", load_search(path))  # not compared: the study never recorded them
 
 
+def test_a_rerun_whose_set_replaces_a_choice_names_only_the_setting(tmp_path: Path) -> None:
+    """`--set batch=8` over `batch = choice{4, 8}` also said the choice's options were edited, with a hint to
+    restore a space file that nobody had touched."""
+    from energydsl.search import open_study
+
+    path = write(tmp_path, TINY + SEARCH.replace("batch = 4", "batch = choice{4, 8}"))
+    journal = str(tmp_path / "s.journal")
+    open_study(journal, "T", load_search(path)).add_trial(optuna.trial.create_trial(value=1.0))
+    with pytest.raises(UserError) as e:
+        open_study(journal, "T", load_search(path, batch="8"))
+    assert "batch_size: choice{4, 8} → 8; its trials" in e.value.message, e.value.message
+    assert "options" not in e.value.message and "restore the space file" not in (e.value.hint or ""), e.value
+
+
 def test_cli_bad_settings_exit_2_located(tmp_path: Path) -> None:
     path = write(tmp_path, TINY + SEARCH.replace("batch = 4", "batch = 0"))
     r = energy("search", path, "--trials", "1", cwd=tmp_path)

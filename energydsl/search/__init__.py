@@ -150,8 +150,10 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     if "text" in changed:
         diffs.append(f"the space's text outside its holes was edited{edited_declarations(old, now)}")
     where = None
+    holes = edited_option_holes(old, now) if OPTIONS in changed else []
+    if OPTIONS in changed and holes is not None and not holes and diffs:
+        changed.remove(OPTIONS)  # only holes a --set replaced (or the text added): the diffs above say so
     if OPTIONS in changed:
-        holes = edited_option_holes(old, now)
         named = f" (the options of {', '.join(f'`{h}`' for h in holes)})" if holes else ""
         diffs.append("what a choice's options fix was edited (an optimizer's or preconditioner's arguments, say)"
                      + named)

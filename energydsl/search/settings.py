@@ -155,13 +155,14 @@ def fingerprint(files: Sequence[_File], search: lark.Tree, settings: dict[str, _
     return out
 
 
-def edited_option_holes(old: dict[str, str], now: dict[str, str]) -> list[str]:
-    """The choices whose options differ between two fingerprints, by hole name ([] when either fingerprint
-    has no per-hole hashes: a study recorded before they were)."""
+def edited_option_holes(old: dict[str, str], now: dict[str, str]) -> list[str] | None:
+    """The choices in both fingerprints whose options differ, by hole name; None when either fingerprint has
+    no per-hole hashes (a study recorded before they were). A hole in one only (a `--set` that replaced it, a
+    hole added to the text) is not an edit of its options: the settings or the text say what changed."""
     if OPTION_HOLES not in old or OPTION_HOLES not in now:
-        return []
+        return None
     before, after = (dict(p.split("=") for p in f[OPTION_HOLES].split(";") if p) for f in (old, now))
-    return [n for n in dict.fromkeys([*before, *after]) if before.get(n) != after.get(n)]
+    return [n for n in before if n in after and before[n] != after[n]]
 
 
 def edited_declarations(old: dict[str, str], now: dict[str, str]) -> str:
