@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, energy_in_process
 
 from energydsl import signal_handlers
-from energydsl.signal_handlers import CtrlC, handlers_restored, install_ctrl_c
+from energydsl.signal_handlers import CtrlC, _inside_an_import, handlers_restored, install_ctrl_c
 
 
 def test_the_previous_handlers_come_back_even_after_an_error() -> None:
@@ -97,3 +97,27 @@ def test_an_import_that_hangs_is_interrupted_all_the_same(tmp_path, monkeypatch)
         with pytest.raises(KeyboardInterrupt):
             import hangs_on_import  # noqa: F401
     assert time.monotonic() - started < 5 and "hangs_on_import" not in sys.modules
+
+
+def _frames(*files: tuple[str, str]):
+    """A chain of stand-in frames, innermost first: (file, code name) each."""
+    from types import SimpleNamespace
+
+    frame = None
+    for where, name in reversed(files):
+        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=where, co_name=name), f_back=frame)
+    return frame
+
+
+def test_only_another_packages_import_holds_a_ctrl_c() -> None:
+    """A module of ours lets the KeyboardInterrupt through its import, as Python's handler does (torch's does not:
+    it swallowed it); the script's own top level, which no import runs, holds nothing."""
+    ours = signal_handlers.__file__.replace("signal_handlers.py", "checks.py")
+    boot = "<frozen importlib._bootstrap>"
+    script = ("/usr/bin/energy", "<module>")
+    assert _inside_an_import(_frames(("/site-packages/torch/__init__.py", "<module>"), (boot, "_call"),
+                                     (ours, "<module>"), (boot, "_call"), script))
+    assert _inside_an_import(_frames(("/site-packages/numpy/lib.py", "add_newdoc"),
+                                     ("/site-packages/numpy/_add_newdocs.py", "<module>"), (boot, "_call"), script))
+    assert not _inside_an_import(_frames((ours, "<module>"), (boot, "_call"), script))
+    assert not _inside_an_import(_frames((ours, "check"), script))

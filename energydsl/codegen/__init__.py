@@ -76,12 +76,12 @@ def check_backend(backend: object) -> None:
 
 def energy_source(derived: Derived | list[Derived], backend: str = "torch", unfused: list[str] | None = None,
                   lowering: bool = True) -> str:
-    """The generated source for one derived energy, or one file with the modules of several. With the
-    torch backend, a note in `unfused` for each module that builds T x T tensors; with the
-    triton backend, a note for each module no kernel family fuses (its forward is the torch path) is appended to
-    `unfused`, with the reason where a form nearly took a kernel, and one for each that runs partly on torch ops
-    that build T x T tensors. `lowering=False` (torch backend only) writes the generic form: every context sum
-    as the einsums of its IR, no attention ops (`docs/models.md`, "Generated modules")."""
+    """The generated source for one derived energy, or one file with the modules of several. Notes are appended
+    to `unfused`: with the torch backend, one for each module that builds T x T tensors; with the triton backend,
+    one for each module no kernel family fuses (its forward is the torch path), with the reason where a form
+    nearly took a kernel, and one for each that runs partly on torch ops that build T x T tensors.
+    `lowering=False` (torch backend only) writes the generic form: every context sum as the einsums of its IR,
+    no attention ops (`docs/models.md`, "Generated modules")."""
     from ..errors import SpecError, UserError
     from .torch_module import ModuleWriter, file_source
 

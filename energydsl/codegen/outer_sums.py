@@ -63,8 +63,10 @@ def _query_scalars_out(x: Expr, side: Callable[[Expr], str | None]) -> tuple[Exp
     """(c, y) with x = c · y and c the scalar factors that do not vary with j (a mean's 1/|j|), which leave the
     sum."""
     if isinstance(x, ir.Mul):
-        out = [f for f in x.factors if f.shape == () and side(f) == "query"]
-        rest = [f for f in x.factors if not any(f is o for o in out)]
+        out: list[Expr] = []
+        rest: list[Expr] = []
+        for f in x.factors:
+            (out if f.shape == () and side(f) == "query" else rest).append(f)
         if out and rest:
             return ir.mul(*out), ir.mul(*rest)
     return ir.ONE, x

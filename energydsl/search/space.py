@@ -146,8 +146,7 @@ def resolve_space(ref: SpaceRef | str) -> SearchSpace:
         except (ImportError, AttributeError) as e:
             raise UserError(f"cannot import search space {spec!r}: {e}") from e
         except (Exception, SystemExit) as e:  # the module's own code failed as it ran: a SyntaxError, a raise
-            said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise UserError(f"importing the search space {spec!r} failed: {said[:300]}",
+            raise UserError(f"importing the search space {spec!r} failed: {_said(e)}",
                             hint=f"`{module_name}` is imported to find `{attr}`: run `python -c \"import "
                                  f"{module_name}\"` to see the traceback") from None
         space = _call_factory(obj, spec, ref.sets) if callable(obj) else obj
@@ -170,10 +169,14 @@ def _call_factory(factory: Any, spec: str, sets: dict[str, Any]) -> Any:
     except UserError:
         raise
     except (Exception, SystemExit) as e:
-        said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise UserError(f"building the search space {spec!r} failed: {said[:300]}",
+        raise UserError(f"building the search space {spec!r} failed: {_said(e)}",
                         hint="the attribute after `:` is called with the --set values as keywords and must return "
                              "a search space (see docs/search.md)") from None
+
+
+def _said(e: BaseException) -> str:
+    """The user's code's failure in a line: `RuntimeError: boom`, or the bare type (`SystemExit`)."""
+    return (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:300]
 
 
 def space_fingerprint(space: SearchSpace) -> dict[str, str] | None:
