@@ -7,10 +7,12 @@ import torch
 
 from . import ir
 from .check_results import CheckResult, _non_finite
-from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
+from .evaluate import evaluate
+from .instance import Instance, bind_input, eval_tokens, evaluate_on, make_env, random_instance, run_program
 from .number_text import plain_number
 from .optimizers import UpdateProgram
 from .replay import covariances, energy_at_point, energy_of_state, point_value
+from .semantics import EnergyIR
 
 
 def check_descent(prog: UpdateProgram) -> CheckResult:
@@ -41,7 +43,7 @@ def check_descent(prog: UpdateProgram) -> CheckResult:
         where = _non_finite(t)
         if where is not None:
             return CheckResult("descent", "fail", f"not finite: {what} is {where}")
-    decreased = bool(((f1 - f0) <= 1e-12 * torch.maximum(f0.abs(), f1.abs())).all())
+    decreased = bool(_descends(spec, energy, inst, d, f1 - f0, torch.maximum(f0.abs(), f1.abs())).all())
     # curvature along random directions: all negative = concave, unbounded below
     curv = []
     for s in range(4):
@@ -111,6 +113,24 @@ def _overshoot(prog: UpdateProgram, inst: Instance, energy: ir.Expr, f0: torch.T
     return CheckResult("descent", "warn", f"small steps descend, but the update as taken ({opt.steps} × "
                        f"{opt.kind}, η = {plain_number(float(opt.hyper['eta'].value))}) raises F for every token "
                        "here: the step overshoots (a smaller η descends)")
+
+
+def _descends(spec: EnergyIR, energy: ir.Expr, inst: Instance, d: torch.Tensor, rise: torch.Tensor,
+              size_of_f: torch.Tensor) -> torch.Tensor:
+    """Per token: does a small step x − εD lower F? By the slope dF/dε = −∇F·D (autograd, through `stopgrad`:
+    descent is judged on F itself) where it is clear, and by the finite difference `rise` where D is about
+    orthogonal to ∇F. The difference alone drowned in F's rounding once F was large: `1e8 + 2 (z − x)·(z − x)`
+    hid a Newton step that climbs."""
+    x = inst.x.detach().clone().requires_grad_(True)
+    env = make_env(spec, inst, {spec.state.name: x})
+    env.detach_stopgrad = False
+    f = evaluate(bind_input(spec, inst, energy)[0], env).tensor
+    (grad,) = torch.autograd.grad(f.sum(), x, allow_unused=True) if f.requires_grad else (None,)
+    if grad is None:  # F does not depend on the state
+        return rise <= 1e-12 * size_of_f
+    slope = -(grad * d).flatten(2).sum(-1) if d.dim() > 2 else -(grad * d)
+    clear = slope.abs() > 1e-9 * _token_norms(grad) * _token_norms(d)
+    return torch.where(clear, slope < 0, rise <= 1e-12 * size_of_f)
 
 
 def _token_norms(t: torch.Tensor) -> torch.Tensor:

@@ -979,6 +979,17 @@ def test_a_newton_step_that_climbs_a_convex_F_fails(taylor, damping, status):
     assert ("(`optimizer` at " in row.detail and row.detail.endswith(":2:3)")) is (status == "fail")  # located
 
 
+@pytest.mark.parametrize("offset", ["1e8", "1e12"])
+@pytest.mark.parametrize(("taylor", "status"), [(1, "fail"), (2, "warn")])
+def test_a_constant_in_F_hides_no_climb(offset, taylor, status):
+    """The rise of a small step was judged against 1e-12 |F|: a constant of 1e8 in F made the climbing Newton
+    step (−2∇F here) pass as descending, and then warned that η overshoots (exit 0). The slope decides now."""
+    row = checks_of(QUAD.format(energy=f"{offset} + 2 * (z - h) . (z - h)",
+                                opt=f"newton(eta = 0.1, taylor = {taylor})"))["descent"]
+    assert row.status == status, row.detail
+    assert ("Neumann series does not converge" in row.detail) is (status == "fail")
+
+
 def test_a_full_preconditioner_is_described_as_its_matrix():
     row = checks_of(QUAD.format(energy="0.5 * (z - h) . (z - h)", opt="gd(eta = 0.5) precondition full"))
     assert "dplr" not in row["definite"].detail and "softplus" not in row["definite"].detail
