@@ -467,11 +467,12 @@ class _Lowering(ExpressionLowering, ParamLowering):
             t = spec.hyper["taylor"].value
             where = given["taylor"].span if "taylor" in given else c.span
             if spec.hyper["taylor"].learn:
-                raise SpecError("`taylor` cannot be learned: it is the number of Neumann-series terms, which fixes "
-                                "the shape of the derived update", where, "drop `learn` from `taylor`")
+                raise SpecError("`taylor` cannot be learned: it is the order of the Neumann series (taylor + 1 "
+                                "terms), which fixes the shape of the derived update", where,
+                                "drop `learn` from `taylor`")
             if not (t.is_integer and 0 <= int(t) <= 4):
-                raise SpecError(f"`taylor` is the number of Neumann-series terms: a whole number 0..4, got "
-                                f"{plain_number(float(t))}", where)
+                raise SpecError(f"`taylor` is the order of the Neumann series (taylor + 1 terms): a whole number "
+                                f"0..4, got {plain_number(float(t))}", where)
             if t == 0 and damping is not None and "damping" in given and (damping.learn or damping.value != 0):
                 warnings.warn(f"`damping` (at {given['damping'].span}) has no effect with `taylor = 0`: the series is "
                               "∇F alone, a gradient step; drop it, or take `taylor` of 1 or more", stacklevel=2)

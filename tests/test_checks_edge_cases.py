@@ -253,8 +253,8 @@ BASE = "energy A(d = 4) {{\n  state   z[d]\n  input   h[d]\n  global  F = 0.5 * 
     ("optimizer gd precondition dplr(rank = 2 learn)", "`rank` cannot be learned: it is the width", 34, "^" * 14),
     ("optimizer gd precondition psd(rank = 1 fixed)", "`rank` cannot be fixed", 33, "^" * 14),
     ("optimizer gd(eta = 1) steps 20 * d", "`steps` must be a whole number from 1 to 64, got 80", 3, "^" * 34),
-    ("optimizer newton(taylor = 2 * d)", "`taylor` is the number of Neumann-series terms: a whole number 0..4, got 8",
-     20, "^" * 14),
+    ("optimizer newton(taylor = 2 * d)",
+     "`taylor` is the order of the Neumann series (taylor + 1 terms): a whole number 0..4, got 8", 20, "^" * 14),
     # a name that is no constant: said what it is (a state's had read "undefined name `z`, did you mean `d`?")
     ("optimizer gd(eta = z)", "`eta` must be a constant, of numbers and dims; `z` is the state", 22, "^"),
     ("optimizer gd(eta = h)", "`eta` must be a constant, of numbers and dims; `h` is the input", 22, "^"),
