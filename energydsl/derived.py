@@ -78,8 +78,8 @@ class Derived:
             out.append(("norm", spec.via[0].name, spec.via[1]))
             named.append((spec.via[1], spec.via[0]))
         gradient = f"∇_{point} {spec.energy_name}"
-        out.append(("gradient", gradient, prog.gradient))
-        named.append((prog.gradient, gradient))
+        out.append(("gradient", gradient, folded(prog.gradient)))  # the norm as `u`, as the direction has it
+        named.append((out[-1][2], gradient))
         # the labels P and D, unless the spec has a name of its own such (a param `D`): then Π and Δ
         taken = {x.name for x in ir.nodes(spec.energy) if isinstance(x, Var)} | {str(n) for n in spec.dims()} \
             | set(prog.params) | {v.name for v in (spec.state, spec.context, spec.input) if v is not None} \

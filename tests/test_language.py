@@ -445,6 +445,23 @@ def test_later_equations_show_earlier_ones_by_name() -> None:
                     assert ir.substitute(fold(e, body, name), {ir.Var(name, NAME, body.shape): body}) == e
 
 
+def test_the_gradient_through_a_norm_names_it_as_the_direction_does() -> None:
+    """Without `wrt u`, the gradient was printed with the norm written out, so its softmax was a second one
+    (`p2` beside `p1`), the norm row read `u = t8` and D was written out in full instead of `∇_x F`."""
+    text = load("""energy Chain(d = 4) {
+  state x[d] via u = layernorm(x)
+  context h[j, d] where j <= i
+  param W[d, d] ~ normal(0, 0.5)
+  global F = -logsumexp[j](u . (W @ h[j])) + 0.3 * (x . x)
+  optimizer gd(eta = 0.5)
+}""").energy().equations("text")
+    assert "direction  D = ∇_x F\n" in text, text
+    assert text.count("softmax") == 1 and "p_j = softmax_j(⟨u, W h_j⟩)" in text, text
+    norm = next(line for line in text.splitlines() if line.strip().startswith("norm"))
+    defined = set(re.findall(r"where  (\w+) =", text))
+    assert set(re.findall(r"\bt\d+\b", norm)) <= defined, (norm, defined)
+
+
 def test_repeated_parts_are_named_once_in_where_rows() -> None:
     """Eq 23 written out repeated the softmax weights and the first moment a dozen times; the rows name
     them (`where p_k,j = softmax_j(...)`), and putting the definitions back gives the rows as derived."""
