@@ -152,7 +152,7 @@ def mul(*factors: Expr) -> Expr:
     for s in shapes[1:]:
         if not same_shape(s, shapes[0]):
             raise ShapeError(f"element-wise product of shapes {fmt_shape(shapes[0])} and {fmt_shape(s)}")
-    flat = _drop_steps_under_relus(_cancel_reciprocals(flat))
+    flat = _drop_steps_under_relus(cancel_reciprocals(flat))
     if shapes and len(flat) > 1:
         flat = [u for u in flat if not isinstance(u, Ones)] or flat  # ones times x is x
     if shapes and not any(u.shape for u in flat):
@@ -164,7 +164,7 @@ def mul(*factors: Expr) -> Expr:
     return flat[0] if len(flat) == 1 else Mul(tuple(flat))
 
 
-def _cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
+def cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
     """Drop each pair of factors `x^p`, `x^-p` (`tau * (1/tau)` from differentiating `tau * lse(s / tau)`), as
     SymPy does for its symbols; other powers of one base are left apart (lowering matches products as written)."""
     def split(u: Expr) -> tuple[Expr, sp.Expr]:

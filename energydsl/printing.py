@@ -502,6 +502,20 @@ def by_name(v: sp.Expr) -> sp.Expr:
     return v.xreplace({s: sp.Symbol(s.name) for s in v.free_symbols if s.is_Symbol})
 
 
+def _counts_cancelled(factors: list[ir.Expr], rel: dict[str, str]) -> list[ir.Expr]:
+    """A mean's divisor max(|k|, 1) is |k| where k's range is never empty (heads, `j <= i`), as `count` prints
+    it; there it cancels the count of a sum it multiplies: `3 |k| (|k|)^-1 z` reads `3 z`."""
+    def plain(u: ir.Expr) -> ir.Expr:
+        if isinstance(u, ir.Pow) and isinstance(u.base, ir.Count):
+            return ir.Pow(plain(u.base), u.exponent)
+        if isinstance(u, ir.Count) and u.at_least_one and rel.get(u.index) != "<i":
+            return ir.Count(u.index)
+        return u
+
+    out = ir.cancel_reciprocals([plain(u) for u in factors])
+    return factors if len(out) == len(factors) else out
+
+
 def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | None = None) -> str:
     """Print an IR expression. `relations` maps context indices to their relation text (e.g. '<=i')."""
     st = STYLES[style] if isinstance(style, str) else style
@@ -554,7 +568,9 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
             case ir.Add():
                 return st.add([p(t) for t in x.terms])
             case ir.Mul():
-                factors = list(x.factors)
+                factors = _counts_cancelled(list(x.factors), rel)
+                if len(factors) < 2:
+                    return p(factors[0]) if factors else st.scalar(sp.Integer(1))
                 sign = ""
                 if isinstance(factors[0], ir.Scalar) and factors[0].value.could_extract_minus_sign():
                     sign = "-"

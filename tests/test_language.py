@@ -462,6 +462,22 @@ def test_the_gradient_through_a_norm_names_it_as_the_direction_does() -> None:
     assert set(re.findall(r"\bt\d+\b", norm)) <= defined, (norm, defined)
 
 
+@pytest.mark.parametrize(("relation", "gradient"), [
+    ("j <= i", "∇_z F = 3 z − 3 ((|j|)^-1) (Σ_{j<=i} h_j)"),
+    # a strict context is empty at the first token: |j| / max(|j|, 1) is 0 there, not 1
+    ("j < i", "∇_z F = 3 (|j|) ((max(|j|, 1))^-1) z − 3 ((max(|j|, 1))^-1) (Σ_{j<i} h_j)"),
+])
+def test_a_means_divisor_cancels_a_count_where_the_range_is_never_empty(relation: str, gradient: str) -> None:
+    """Docs §6: a factor times its reciprocal cancels; the mean's max(|k|, 1) printed as |k| did not."""
+    text = load(f"""energy S(d = 4) {{
+  state z[d]
+  context h[j, d] where {relation}
+  global F = 3 * mean[j](0.5 * (z . z) - z . h[j])
+  optimizer gd(eta = 0.2)
+}}""").energy().equations("text")
+    assert f"gradient  {gradient}\n" in text, text
+
+
 def test_repeated_parts_are_named_once_in_where_rows() -> None:
     """Eq 23 written out repeated the softmax weights and the first moment a dozen times; the rows name
     them (`where p_k,j = softmax_j(...)`), and putting the definitions back gives the rows as derived."""
