@@ -518,6 +518,20 @@ def test_a_file_dataset_is_written_quoted_in_the_data_clause(tmp_path: Path, mon
     assert load_search(write(tmp_path, TINY + listops, "l.energy")).settings["data"].fixed == "listops"
 
 
+def test_a_set_file_dataset_is_read_from_where_the_command_runs(tmp_path: Path, monkeypatch) -> None:
+    """`--set data=chars:../corpus.txt` was recorded as written: from another folder it named another corpus,
+    and the study took it; the same file from a third folder was refused as a change."""
+    from energydsl.search.space import SpaceRef, absolute
+
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    for given, made in (("chars:../corpus.txt", f"chars:{tmp_path / 'corpus.txt'}"),
+                        (f"bytes:{tmp_path}/c.txt", f"bytes:{tmp_path}/c.txt"), ("listops", "listops")):
+        assert absolute(SpaceRef("toy", {"data": given})).sets["data"] == made
+        assert absolute(SpaceRef(str(tmp_path / "s.energy"), {"data": given, "d": "8"})).sets == {"data": made,
+                                                                                                   "d": "8"}
+
+
 def test_a_device_the_trials_cannot_use_is_refused_before_any_trial(tmp_path: Path) -> None:
     import torch
 

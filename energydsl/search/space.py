@@ -123,10 +123,18 @@ def is_import_path(spec: str) -> bool:
 
 
 def absolute(ref: SpaceRef) -> SpaceRef:
-    """The same space with a `.energy` path made absolute, so that it resolves from any working directory."""
+    """The same space with a `.energy` path made absolute, so that it resolves from any working directory, and
+    a `--set data=chars:PATH` read from here, as the `data` clause's path is from its file: recorded as
+    written, `chars:../corpus.txt` named another corpus from another directory in the same study."""
+    from energydsl.training.data import file_dataset
+
+    sets = ref.sets
+    kind, rest = file_dataset(str(sets.get("data", ""))) or ("", "")
+    if rest and not Path(rest).expanduser().is_absolute():
+        sets = {**sets, "data": f"{kind}:{os.path.abspath(rest)}"}
     if ref.spec in _REGISTRY or is_import_path(ref.spec) or not Path(ref.spec).exists():
-        return ref
-    return SpaceRef(str(Path(ref.spec).resolve()), ref.sets)
+        return SpaceRef(ref.spec, sets)
+    return SpaceRef(str(Path(ref.spec).resolve()), sets)
 
 
 def resolve_space(ref: SpaceRef | str) -> SearchSpace:
