@@ -96,9 +96,9 @@ def search(
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
     from energydsl.files import apart, check_output
     from energydsl.search import export_best, hole_rows, run_search, write_report
-    from energydsl.search.report import not_an_input
+    from energydsl.search.report import not_an_input, study_dataset
     from energydsl.search.space import SpaceRef, resolve_space
-    from energydsl.search.storage import study_outputs
+    from energydsl.search.storage import load_study, study_outputs
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
@@ -125,9 +125,10 @@ def search(
                          address=address, gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial,
                          seed=seed)
     default_report, default_best = study_outputs(summary["storage"], summary["study"])
+    data = study_dataset(load_study(summary["storage"], summary["study"])) if report or export else None
     for flag, path in (("--report", report), ("--export", export)):
-        if path is not None:  # the default storage, known now (the space and its imports: checked above)
-            not_an_input(path, flag, summary["storage"], None)
+        if path is not None:  # the default storage and the dataset, known now (the space, its imports: above)
+            not_an_input(path, flag, summary["storage"], None, data)
     report_path = Path(report) if report else default_report
     apart(report_path, "--report" if report else "the report", Path(export) if export else default_best,
           "--export" if export else "the best candidate")  # one of them a default: known once the storage is
@@ -176,7 +177,7 @@ def report(
     from energydsl.files import apart, check_output
     from energydsl.search import export_best, load_study, write_report
     from energydsl.search.display import print_leaderboard
-    from energydsl.search.report import not_an_input
+    from energydsl.search.report import not_an_input, study_dataset
     from energydsl.search.storage import default_storage_path, study_outputs
 
     store, study_name = _locate(study, storage, name, default_storage_path)
@@ -185,10 +186,10 @@ def report(
     path = Path(out) if given else study_outputs(store, study_name)[0]
     check_output(out if given else path, "-o/--output" if given else "report")
     space = str(loaded.user_attrs.get("space") or "")
-    not_an_input(path, "-o/--output" if given else "report", store, space)
+    not_an_input(path, "-o/--output" if given else "report", store, space, study_dataset(loaded))
     if export is not None:
         check_output(export, "--export", "best.energy")
-        not_an_input(export, "--export", store, space)
+        not_an_input(export, "--export", store, space, study_dataset(loaded))
         apart(path, "-o/--output" if given else "the report", export, "--export")
     write_report(store, study_name, path, study=loaded)
     if as_json:

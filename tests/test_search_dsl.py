@@ -532,6 +532,21 @@ def test_a_set_file_dataset_is_read_from_where_the_command_runs(tmp_path: Path, 
                                                                                                    "d": "8"}
 
 
+def test_an_output_over_the_dataset_is_refused(tmp_path: Path) -> None:
+    """`--export corpus.txt` (and `energy report -o corpus.txt`) replaced the corpus the space trains on with
+    a candidate's source (HTML), exit 0; every later run then refused the 68-token dataset."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    text = SEARCH.replace("data shakespeare_char", 'data "chars:corpus.txt"').replace("trials 4", "trials 1")
+    path, journal = write(tmp_path, TINY + text.replace("d = choice{8, 16}", "d = 8, vocab = 29")), tmp_path / "j"
+    before = corpus.read_bytes()
+    r = energy_in_process("search", path, "--storage", journal, "--json", "--export", corpus)
+    assert r.returncode == 2 and f"--export {corpus} is the dataset the trials train on" in r.stderr, r.stderr
+    r = energy_in_process("report", journal, "-o", corpus)
+    assert r.returncode == 2 and f"-o/--output {corpus} is the dataset the trials train on" in r.stderr, r.stderr
+    assert corpus.read_bytes() == before
+
+
 def test_a_device_the_trials_cannot_use_is_refused_before_any_trial(tmp_path: Path) -> None:
     import torch
 

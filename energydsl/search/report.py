@@ -473,17 +473,30 @@ def _strict(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def not_an_input(path: str | os.PathLike[str], flag: str, storage: str | None, space: str | None) -> None:
+def study_dataset(study: optuna.Study) -> str | None:
+    """The dataset a study's trials train on, as its settings record it (`chars:/abs/corpus.txt`)."""
+    from . import SETTINGS
+
+    settings = study.user_attrs.get(SETTINGS)
+    return str(settings["data"]) if isinstance(settings, dict) and "data" in settings else None
+
+
+def not_an_input(path: str | os.PathLike[str], flag: str, storage: str | None, space: str | None,
+                 data: str | None = None) -> None:
     """Refuse an output path (a report, an exported candidate) that is the study's storage file, its search
-    space (a study records it as `space`) or a file the space imports: `-o runs/S/optuna.journal` replaced the
-    study with HTML, and `--export search/quickstart.energy` the space with one of its candidates."""
+    space (a study records it as `space`), a file the space imports or the dataset its trials train on:
+    `-o runs/S/optuna.journal` replaced the study with HTML, `--export search/quickstart.energy` the space
+    with one of its candidates, and `--export corpus.txt` the corpus."""
     from ..errors import UserError as SpaceUnread
     from ..files import not_an_input as refuse
     from ..syntax import parse_module
+    from ..training.data import file_dataset
     from .storage import local_file
 
+    _, corpus = file_dataset(data or "") or ("", "")
     inputs = [("the study's storage", local_file(storage) if storage else None),
-              ("the search space", Path(space) if space else None)]
+              ("the search space", Path(space) if space else None),
+              ("the dataset the trials train on", Path(corpus).expanduser() if corpus else None)]
     if space and space.endswith(".energy") and Path(space).is_file():
         try:  # and what it imports: `--export` over one replaced an energy the space searches
             inputs += [("a file the search space imports", Path(f)) for f in parse_module(Path(space)).files[1:]]
@@ -512,7 +525,7 @@ def export_best(storage: str | BaseStorage, study_name: str, path: str | os.Path
     source = chosen.user_attrs.get(SOURCE)
     if not source:
         raise UserError(f"trial #{chosen.number} recorded no source")
-    not_an_input(path, "the export", None, str(study.user_attrs.get("space") or ""))
+    not_an_input(path, "the export", None, str(study.user_attrs.get("space") or ""), study_dataset(study))
     text = str(source)  # as-is: the comment syntax of .energy is the DSL's business, not the engine's
     write_atomic(Path(path), text if text.endswith("\n") else text + "\n")
     return chosen.number
