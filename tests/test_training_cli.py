@@ -406,6 +406,24 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 
+def test_a_full_disk_while_writing_a_record_names_the_file(tmp_path, monkeypatch):
+    """A write (not the open) that fails carries no file name: a full disk in the commit record or a sidecar
+    read `error: cannot write: No space left on device`, naming nothing."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from energydsl.training import checkpoint
+
+    def full(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as e:
+        checkpoint._write_text(tmp_path / ".next.last.json", "{}")
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / ".next.last.json")
+
+
 @pytest.mark.parametrize("failure", ["full disk in the optimizer state", "read-only run folder"])
 def test_a_failed_save_is_exit_2_and_leaves_no_staged_files(failure, corpus, tmp_path, monkeypatch, capsys):
     """torch.save on a full disk raises RuntimeError ("unexpected pos"), with the OSError only as its context, and

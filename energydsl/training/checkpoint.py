@@ -88,7 +88,13 @@ def _write_resume_state(path: Path, state: Mapping[str, Any]) -> None:
 
 
 def _write_text(path: Path, text: str) -> None:
-    path.write_text(text)
+    """`Path.write_text`, naming the file where a write (not the open) fails: a full disk said `cannot write:`."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror or os.strerror(e.errno), str(path)) from e
 
 
 def _read_commit(out_dir: Path) -> dict[str, Any] | None:
