@@ -406,6 +406,17 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 
+def test_a_checkpoint_that_is_a_directory_is_named_so(corpus, tmp_path):
+    """A `last.safetensors` that is a folder was taken for a run directory: "no checkpoint in
+    run/last.safetensors (expected best.safetensors)"."""
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
+    assert code == 0, err
+    (tmp_path / "last.safetensors").unlink()
+    (tmp_path / "last.safetensors").mkdir()
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "8"))
+    assert code == 2 and f"{tmp_path}/last.safetensors is a directory, not a checkpoint file" in err, err
+
+
 def test_a_full_disk_while_writing_a_record_names_the_file(tmp_path, monkeypatch):
     """A write (not the open) that fails carries no file name: a full disk in the commit record or a sidecar
     read `error: cannot write: No space left on device`, naming nothing."""

@@ -235,6 +235,9 @@ def checkpoint_paths(path_or_dir: str | Path, which: str) -> tuple[Path, Path]:
     if str(path_or_dir) == "":  # Path("") is the working directory
         raise DataError("the checkpoint path is empty", hint="give a run directory or a .safetensors file")
     path = Path(path_or_dir).expanduser()
+    if path.is_dir() and path.suffix in (".safetensors", ".json"):  # it read "no checkpoint in c/last.safetensors"
+        raise DataError(f"{path} is a directory, not a checkpoint file",
+                        hint="a run directory keeps last.safetensors and best.safetensors as files")
     if path.is_dir():
         weights = path / f"{which}.safetensors"
         if checkpoint_file(weights) is None and which == "best":
