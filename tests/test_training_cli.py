@@ -406,6 +406,35 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 
+def test_a_fresh_run_killed_after_its_first_commit_keeps_none_of_the_old_runs_metrics(corpus, tmp_path):
+    """`--fresh` wrote its metrics only after its first checkpoint's commit: a kill between them left the old
+    run's metrics (and divergence record) beside the new checkpoint, and the resume kept the old step-0 row.
+    The metrics and the record's removal are now in the commit itself."""
+    import subprocess
+    import sys
+
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--set", "d=8"))
+    assert code == 0, err
+    (tmp_path / "diverged.json").write_text('{"step": 3}')  # as a diverged attempt of the old run leaves it
+    killer = ("import os, sys\nimport energydsl.training.checkpoint as c\nfinish, calls = c.finish_commit, []\n"
+              "def killed(d):\n    calls.append(d)\n    if len(calls) == 2:\n        os._exit(9)  # after the commit\n"
+              "    finish(d)\nc.finish_commit = killed\nfrom energydsl.__main__ import main\n"
+              "sys.argv = ['energy'] + sys.argv[1:]\nmain()\n")
+    args = tiny_cli_run(corpus, tmp_path, "--fresh", "--steps", "6")
+    proc = subprocess.run([sys.executable, "-c", killer, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr
+    code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "6"))
+    assert code == 0 and "resuming" in err, err
+    resumed = (tmp_path / "metrics.jsonl").read_text()
+    assert not (tmp_path / "diverged.json").exists()
+    fresh = tmp_path / "fresh"
+    code, _, err = energy(*tiny_cli_run(corpus, fresh, "--steps", "6"))
+    assert code == 0, err
+    assert [json.loads(r)["val_loss"] for r in resumed.splitlines() if json.loads(r).get("kind") == "eval"] == \
+        [json.loads(r)["val_loss"] for r in (fresh / "metrics.jsonl").read_text().splitlines()
+         if json.loads(r).get("kind") == "eval"]
+
+
 def test_a_checkpoint_that_is_a_directory_is_named_so(corpus, tmp_path):
     """A `last.safetensors` that is a folder was taken for a run directory: "no checkpoint in
     run/last.safetensors (expected best.safetensors)"."""

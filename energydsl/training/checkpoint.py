@@ -26,7 +26,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,7 @@ def checkpoint_file(path: Path) -> Path | None:
     return path if path.exists() else None
 
 
-def _finish(out_dir: Path) -> None:
+def finish_commit(out_dir: Path) -> None:
     """Complete a committed save: move its staged files into place, then drop the record."""
     record = _read_commit(out_dir)
     if record is None:
@@ -163,11 +163,13 @@ def _weights_for_saving(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, 
 
 
 def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dict[str, Any]],
-                     resume_state: Mapping[str, Any] | None = None) -> None:
+                     resume_state: Mapping[str, Any] | None = None, texts: Mapping[str, str] | None = None,
+                     drop: Sequence[str] = ()) -> None:
     """Save `model` (and `resume_state`) under each stem of `sidecars` with that stem's sidecar, as one
-    transaction: after a kill at any point, every stem reads either all old or all new (module docstring)."""
+    transaction: after a kill at any point, every stem reads either all old or all new (module docstring).
+    `texts` (file name: content) are written and `drop` removed in the same transaction."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    _finish(out_dir)  # an earlier save that was killed after its commit
+    finish_commit(out_dir)  # an earlier save that was killed after its commit
     for debris in out_dir.glob(".next.*"):
         if debris.is_dir() and not debris.is_symlink():  # not a staged file: someone's folder, left alone
             raise DataError(f"{debris} is a folder, where a checkpoint is staged before it is committed",
@@ -175,9 +177,12 @@ def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dic
         debris.unlink(missing_ok=True)
     tensors, aliases = _weights_for_saving(model)
     files: list[str] = []
-    drop: list[str] = []
+    drop = list(drop)
     tmp = out_dir / f"{COMMIT}.tmp"
     try:
+        for name, text in (texts or {}).items():
+            _write_text(_staged(out_dir / name), text)
+            files.append(name)
         _stage(out_dir, tensors, aliases, sidecars, resume_state, files, drop)
         _write_text(tmp, json.dumps({"files": files, "drop": drop}))
         _fsync(tmp)
@@ -188,7 +193,7 @@ def save_checkpoints(out_dir: Path, model: nn.Module, sidecars: Mapping[str, dic
         raise
     os.replace(tmp, out_dir / COMMIT)  # the commit: from here on, readers see the new files
     _fsync(out_dir)
-    _finish(out_dir)
+    finish_commit(out_dir)
 
 
 def _stage(out_dir: Path, tensors: dict[str, Tensor], aliases: dict[str, str],

@@ -24,7 +24,7 @@ from energydsl.errors import UserError, first_few
 from energydsl.files import writable_dir
 from energydsl.syntax import same_source
 
-from .checkpoint import checkpoint_file, read_checkpoint, read_resume_state, save_checkpoints
+from .checkpoint import checkpoint_file, finish_commit, read_checkpoint, read_resume_state, save_checkpoints
 from .data import LMDataset
 
 if TYPE_CHECKING:
@@ -301,6 +301,7 @@ class RunDir:
                     raise UserError(f"{path} is not a file: the run writes {what} there",
                                     hint="move it out of the way, or choose another --out directory")
             self._lock = _claim(out_dir)
+            finish_commit(out_dir)  # a save killed after its commit: its metrics and records as it left them
 
     def close(self) -> None:
         """Release the directory for the next run (the lock also goes with the process)."""
@@ -472,10 +473,16 @@ class RunDir:
             }
             return {**self.metadata, "training": training}
 
-        save_checkpoints(self.out_dir, model, {stem: sidecar(stem) for stem in stems}, resume_state)
+        begins = "last" in stems and self.pending is not None
+        # the attempt's first `last` begins it in the same transaction: its metrics replace the previous run's
+        # and the divergence record goes with the commit (after it, a kill mixed the old run's rows into these)
+        texts = {self.metrics.name: "".join(self.pending or [])} if begins else None
+        save_checkpoints(self.out_dir, model, {stem: sidecar(stem) for stem in stems}, resume_state, texts,
+                         [self.diverged.name] if begins else [])
         if "last" in stems:
             self.good = (state.step, state.val_loss)
-            self.begin()  # after the commit: a kill before it leaves the previous run whole
+            if begins:
+                self.pending = None
 
     def best_is_stale(self, state: RunState) -> bool:
         """Whether `best.*` lags behind a resumed `last` that the run state names the best: left so by a kill

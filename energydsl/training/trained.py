@@ -91,8 +91,9 @@ def divergence_note(checkpoint: str, meta: dict[str, Any]) -> str | None:
     import json
 
     weights, _ = checkpoint_paths(checkpoint, "best")
+    found = checkpoint_file(weights.parent / "diverged.json")  # gone with a commit not yet completed
     try:
-        record = json.loads((weights.parent / "diverged.json").read_text())
+        record = json.loads(found.read_text()) if found is not None else None
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict):
