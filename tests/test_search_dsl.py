@@ -657,6 +657,30 @@ def test_a_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Pat
                                        "0.001..0.005 log) is outside the edited space\n")
 
 
+def test_a_killed_trials_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Path, capsys) -> None:
+    """A trial whose worker was killed (-9) is put back only when a run recovers it, which came after the refit:
+    its retry trained outside the narrowed range, with Optuna's raw warning and no note."""
+    import subprocess
+
+    from energydsl.search import open_study
+    from energydsl.search.report import OWNER, owner_info
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    study = open_study(journal, "T", load_search(path))
+    trial = study.ask()
+    load_search(path).suggest(trial)
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER, {**owner_info(), "pid": gone.pid})
+    study._storage.set_trial_param(trial._trial_id, "train.lr", 8e-3,
+                                   optuna.distributions.FloatDistribution(1e-3, 1e-2, log=True))
+    write(tmp_path, TINY + SEARCH.replace("1e-3..1e-2", "1e-3..5e-3"))
+    study = open_study(journal, "T", load_search(path))
+    assert "`train.lr` = 0.008 (now float 0.001..0.005 log) is outside the edited space" in capsys.readouterr().err
+    (waiting,) = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert "train.lr" not in waiting.system_attrs["fixed_params"]
+
+
 def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Path) -> None:
     """`momentum(beta = 0.5, eta = 1)` edited to `beta = 0.9`: Optuna records the option as `momentum` either way,
     and the text hash leaves the whole choice out, so trials of two optimizers were ranked as one. A study

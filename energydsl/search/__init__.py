@@ -93,6 +93,9 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
             f"{names} ({', '.join(directions)})",
             hint="pick another --study name or --storage for a different search")
     with study_lock(storage, study_name):  # two commands starting at once: one records, the other compares
+        from .local import recover_stale  # a trial whose worker was killed (-9) is put back before the refit
+
+        recover_stale(study, study._storage)
         trials = study.get_trials(deepcopy=False)  # once: on an RDB storage a listing is a full query
         listed = getattr(space, "distributions", None)  # name -> (distribution, where), if the space lists them
         holes = listed() if callable(listed) else None
