@@ -186,10 +186,11 @@ def report(
     path = Path(out) if given else study_outputs(store, study_name)[0]
     check_output(out if given else path, "-o/--output" if given else "report")
     space = str(loaded.user_attrs.get("space") or "")
-    not_an_input(path, "-o/--output" if given else "report", store, space, study_dataset(loaded))
+    data = study_dataset(loaded)
+    not_an_input(path, "-o/--output" if given else "report", store, space, data)
     if export is not None:
         check_output(export, "--export", "best.energy")
-        not_an_input(export, "--export", store, space, study_dataset(loaded))
+        not_an_input(export, "--export", store, space, data)
         apart(path, "-o/--output" if given else "the report", export, "--export")
     write_report(store, study_name, path, study=loaded)
     if as_json:
