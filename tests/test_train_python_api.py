@@ -68,6 +68,7 @@ def test_whole_numbers_of_other_types_are_taken_as_ints(gpt, data) -> None:
     said `must be a whole number in [0, 2**64), got 1`."""
     config = tiny(block_size=16 / 2, seed=np.int64(1), steps=np.int32(2), lr=np.float32(1e-3), betas=[0.8, 0.9])
     assert train(gpt, data, config, None, metadata={}, progress=False)["steps"] == 2
+    config.validate()  # train() validates a copy: the caller's config is theirs
     assert (config.block_size, config.seed, config.steps, config.betas) == (8, 1, 2, (0.8, 0.9))
     assert all(type(v) is int for v in (config.block_size, config.seed, config.steps)) and type(config.lr) is float
 
@@ -392,3 +393,14 @@ def test_the_default_block_size_is_the_models_context(gpt, data, tmp_path) -> No
         train(gpt, data, tiny(block_size=16), tmp_path / "other", progress=False)
     with pytest.raises(UserError, match="block_size must be at least 1, got 0"):
         tiny(block_size=0).validate()
+
+
+def test_train_leaves_the_callers_config_as_it_was(gpt, data) -> None:
+    """With block_size given, `train` validated the caller's own config, which wrote `min_lr = lr / 10` into it: the
+    config reused with a lower lr kept the first run's min_lr, and was refused as above the new lr."""
+    config = tiny()
+    before = repr(config)
+    train(gpt, data, config, None, metadata={}, progress=False)
+    assert repr(config) == before and config.min_lr is None
+    config.lr = 1e-5
+    assert train(gpt, data, config, None, metadata={}, progress=False)["steps"] == 2

@@ -164,9 +164,10 @@ def train(
         metadata = dict(getattr(model, "run_metadata", None) or {})
     check_arguments(model, dataset, config, metadata, out_dir=out_dir, resume=resume, progress=progress,
                     on_eval=on_eval, notify=notify, names=names)
+    config = dataclasses.replace(config)  # validate() normalizes in place (min_lr, dtype): not the caller's config
     if config.block_size is None:  # the model's context, as `energy train` defaults it
         context = getattr(model, "block_size", None)
-        config = dataclasses.replace(config, block_size=context if isinstance(context, int) else 256)
+        config.block_size = context if isinstance(context, int) else 256
     config.validate(names)
     device = config.resolve_device(names)
     dataset.check_block_size(config.block_size)
