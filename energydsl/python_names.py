@@ -23,7 +23,8 @@ MODULE_ATTRIBUTES = frozenset({
     "requires_grad_", "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty", "train",
     "training", "type", "xpu", "zero_grad",
     # the generated class's own
-    "context_shape", "equation_hash", "example_input", "input_shape", "reset_parameters", "state_shape", "steps",
+    "context_shape", "equation_hash", "example_input", "example_inputs", "input_shape", "reset_parameters",
+    "state_shape", "steps",
 })
 
 

@@ -222,6 +222,25 @@ OTHER_SHAPES = """energy InOther(d = 4, e = 3, f = 5) {
 """
 
 
+def test_a_layers_example_inputs_are_ones_it_takes(tmp_path) -> None:
+    """`example_input()` was float32 on the CPU whatever the module's dtype (a float64 layer refused it), left out a
+    context or input of its own shape (the forward then refused x alone), and `example_input(-1)` failed in torch."""
+    spec = tmp_path / "other.energy"
+    spec.write_text(OTHER_SHAPES)
+    layer = energydsl.load(spec).module("InOther").double()
+    inputs = layer.example_inputs(3, 5)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in inputs.items()} == {
+        "x": ((3, 5, 4), torch.float64), "context": ((3, 5, 5), torch.float64), "input": ((3, 5, 3), torch.float64)}
+    assert layer(**inputs).shape == (3, 5, 4)
+    x = layer.example_input(2, 7)
+    assert x.shape == (2, 7, 4) and x.dtype == torch.float64
+    same = energydsl.load(ROOT / "examples/cem/tied-attention.energy").module(d=8).double()
+    assert list(same.example_inputs(1, 3)) == ["x"] and same(same.example_input(1, 3)).dtype == torch.float64
+    for batch, seq in ((-1, 3), (2, 0), (2.5, 3), (2, "3")):
+        with pytest.raises(ValueError, match=r"example_input: (batch|seq) must be a whole number of at least 1"):
+            layer.example_input(batch, seq)
+
+
 def test_an_input_and_context_of_their_own_shapes(monkeypatch, capsys, tmp_path) -> None:
     """`energy check` reshaped the input to the state's shape (its sympy row failed on a valid spec); the module
     failed deep in a matmul when context or input were left to default to x; a model stage with such a context

@@ -353,6 +353,21 @@ def test_studies_sharing_a_storage_keep_their_own_report_and_best(tmp_path, monk
     assert (tmp_path / "best.energy").read_text() == a_best
 
 
+def test_studies_whose_names_read_alike_as_files_keep_their_own_outputs(tmp_path) -> None:
+    """Studies `x y` and `x_y` in one storage shared report-x_y.html, best-x_y.energy and the lock file."""
+    import optuna
+
+    from energydsl.search.storage import lock_path, study_outputs
+
+    journal = str(tmp_path / "zoo.journal")
+    for name in ("x y", "x_y", "x/y"):
+        optuna.create_study(study_name=name, storage=open_storage(journal))
+    outputs = {name: study_outputs(journal, name) for name in ("x y", "x_y", "x/y")}
+    files = [f.name for pair in outputs.values() for f in pair] + [lock_path(journal, n).name for n in outputs]
+    assert len(set(files)) == len(files), files
+    assert outputs["x_y"] == (tmp_path / "report-x_y.html", tmp_path / "best-x_y.energy")  # a plain name's as before
+
+
 def test_report_json_lists_every_trial_as_strict_json(tmp_path, monkeypatch, capsys) -> None:
     """No machine-readable dump of a study's trials existed: `--json` of a search gives its summary only."""
     from conftest import strict_json

@@ -32,7 +32,8 @@ from .triton_source import KernelRequest, kernel_imports, kernel_source
 from .weight_products import weights_first
 
 RESERVED = {"B", "T", "pos", "mask", "mask_strict", "count", "count_strict", "dev", "dt", "self", "torch", "F",
-            "math", "nn", "x", "context", "input", "step", "delta", "kernels", "check_inputs", "triton", "tl",
+            "math", "nn", "x", "context", "input", "step", "delta", "kernels", "check_inputs", "random_inputs",
+            "triton", "tl",
             "causal_masks", "alibi_slopes", "attention_ops", "linear_attention_ops", "gated_activation_ops",
             "momentum_ops", "nesterov_ops", "pointwise_ops"}  # the last: the generated file's imports
 OPS = ("softmax_attention", "linear_attention", "masked_reduce", "masked_softmax", "prefix_reduce", "inverse",
@@ -308,7 +309,7 @@ class ModuleWriter:
         code = "\n".join(fwd)  # an op whose call a later rewrite removed (attention turned p @ v) is not imported
         ops = sorted(op for op in used & (set(OPS) | {"causal_masks"}) if re.search(rf"\b{op}\(", code))
         imports = ["import torch", "import torch.nn.functional as F", "from torch import nn",
-                   "from energydsl.runtime.inputs import check_inputs"]
+                   "from energydsl.runtime.inputs import check_inputs, random_inputs"]
         if ops:
             imports.insert(3, f"from energydsl.runtime.ops import {', '.join(ops)}")
         # the fused Triton kernels, written below specialised for this energy, and their op-set constructors
@@ -344,7 +345,12 @@ class ModuleWriter:
                f"        return {f'{dims}, backend={self.backend}'!r}",
                "",
                "    def example_input(self, batch: int = 2, seq: int = 16) -> torch.Tensor:",
-               "        return torch.randn(batch, seq, *self.state_shape)",
+               '        """Random states x (batch, seq, *state_shape) on the parameters\' device, in their dtype."""',
+               '        return random_inputs(self, batch, seq)["x"]',
+               "",
+               "    def example_inputs(self, batch: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:",
+               '        """x, and a context or input that cannot default to x: `module(**module.example_inputs())`."""',
+               "        return random_inputs(self, batch, seq)",
                "",
                "    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,",
                "                input: torch.Tensor | None = None, delta: bool = False) -> torch.Tensor:",

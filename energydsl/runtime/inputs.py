@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..number_text import is_count
+
 
 def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Tensor | None,
                  delta: bool = False) -> None:
@@ -49,6 +51,25 @@ def check_inputs(module: nn.Module, x: Tensor, context: Tensor | None, input: Te
         raise ValueError(f"{type(module).__name__}: x is {x.dtype} but the parameters are "
                          f"{_parameter_dtype(module, x.dtype)}; convert one (module.to(x.dtype)) or run under "
                          "torch.autocast")
+
+
+def random_inputs(module: nn.Module, batch: int = 2, seq: int = 16) -> dict[str, Tensor]:
+    """Standard-normal inputs a generated layer takes, as keyword arguments: `x` (batch, seq, *state_shape), and a
+    `context` or `input` where the layer has one whose tokens are not x's shape (it cannot default to x); on the
+    parameters' device and in their dtype (float32 CPU for a layer without parameters), so `module(**inputs)` runs."""
+    for name, value in (("batch", batch), ("seq", seq)):
+        if not is_count(value):
+            raise ValueError(f"{type(module).__name__}.example_input: {name} must be a whole number of at least 1, "
+                             f"not {value!r}")
+    weight = _first_parameter(module)
+    dtype = _parameter_dtype(module, torch.get_default_dtype())
+    device = weight.device if weight is not None else torch.device("cpu")
+    inputs = {"x": torch.randn(batch, seq, *module.state_shape, dtype=dtype, device=device)}
+    for what in ("context", "input"):
+        shape = getattr(module, f"{what}_shape")
+        if shape is not None and tuple(shape) != tuple(module.state_shape):
+            inputs[what] = torch.randn(batch, seq, *shape, dtype=dtype, device=device)
+    return inputs
 
 
 def _first_parameter(module: nn.Module) -> Tensor | None:

@@ -65,7 +65,7 @@ from energydsl.search.space import (
     resolve_as,
     space_fingerprint,
 )
-from energydsl.search.storage import open_storage, safe_name, study_dir, study_lock
+from energydsl.search.storage import file_tag, open_storage, study_dir, study_lock
 from energydsl.signal_handlers import Terminated, handlers_restored
 
 try:  # this module is imported only for the ray backend (and by Ray workers)
@@ -458,7 +458,7 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
     prune, _ = pruning_plan(objectives, pruner)
     base = study_dir(storage_spec, study.study_name)
     seed = worker_seed(seed, len(study.get_trials(deepcopy=False)), 1)  # the local backend's first worker's
-    cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", safe_name(study.study_name))
+    cache_root = os.path.join(tempfile.gettempdir(), "energydsl-compile-cache", file_tag(study.study_name))
     # each worker rebuilds the space and must find this one (`resolve_as`)
     trainable = tune.with_parameters(_trainable, ref=ref, fingerprint=space_fingerprint(space),
                                      device="cuda" if gpus_per_trial > 0 else device, objectives=objectives,
@@ -504,7 +504,7 @@ def _run_ray(ref: SpaceRef, space: SearchSpace, study: optuna.Study, storage_spe
                 tune_config=tune.TuneConfig(search_alg=searcher, scheduler=StudyPruning(searcher), num_samples=-1,
                                             max_concurrent_trials=workers,
                                             reuse_actors=True),  # a worker pays the import of torch & co once
-                run_config=tune.RunConfig(name=f"{safe_name(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
+                run_config=tune.RunConfig(name=f"{file_tag(study.study_name)}-{time.strftime('%Y%m%d-%H%M%S')}",
                                           storage_path=str((base / "ray").resolve()), verbose=0,
                                           callbacks=[LostAttempts(searcher)],
                                           failure_config=tune.FailureConfig(max_failures=MAX_RETRIES)),

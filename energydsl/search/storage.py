@@ -29,7 +29,15 @@ from energydsl.files import make_dirs
 
 
 def safe_name(name: str) -> str:
+    """A study's name as a file or folder name: runs of other characters become `_`."""
     return re.sub(r"[^\w.-]+", "_", name).strip("._") or "study"
+
+
+def file_tag(name: str) -> str:
+    """A study's own part of a file name: `safe_name`, with a hash of the name where that changed it, so that
+    `x y` and `x_y` (one file name, two studies) do not share a report, a best candidate or a lock."""
+    safe = safe_name(name)
+    return safe if safe == name else f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def default_storage_path(study_name: str) -> str:
@@ -64,7 +72,7 @@ def study_outputs(spec: str, study_name: str) -> tuple[Path, Path]:
 
     where = study_dir(spec, study_name).absolute()  # as a journal's: a sqlite URL's folder was relative
     shared = len(optuna.get_all_study_names(storage=open_storage(spec))) > 1
-    tag = f"-{safe_name(study_name)}" if shared else ""
+    tag = f"-{file_tag(study_name)}" if shared else ""
     return where / f"report{tag}.html", where / f"best{tag}.energy"
 
 
@@ -368,7 +376,7 @@ def _lock_dir(storage_spec: str) -> Path:
 
 def lock_path(storage_spec: str, study_name: str) -> Path:
     """The lock file of a study (see `_lock_dir`)."""
-    return _lock_dir(storage_spec) / f".{safe_name(study_name)}.lock"
+    return _lock_dir(storage_spec) / f".{file_tag(study_name)}.lock"
 
 
 @contextlib.contextmanager
