@@ -623,6 +623,29 @@ def test_a_rerun_with_other_training_settings_is_refused(tmp_path: Path) -> None
         open_study(journal, "T", load_search(path, steps="3"))
 
 
+def test_a_run_with_other_settings_is_refused_while_a_trial_trains(tmp_path: Path) -> None:
+    """A second `energy search` with other settings was accepted while the first one's first trial was still
+    RUNNING (only COMPLETE and PRUNED trials counted): it overwrote the recorded settings, and trials of 3 and of 2
+    steps were ranked together. A trial whose worker died does not hold the settings."""
+    import subprocess
+
+    from energydsl.search import open_study
+    from energydsl.search.report import OWNER, owner_info
+
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    study = open_study(journal, "T", load_search(path, steps="3"))
+    trial = study.ask()
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER, owner_info())  # this process: alive
+    with pytest.raises(UserError) as e:
+        open_study(journal, "T", load_search(path, steps="2"))
+    assert "steps: 3 → 2" in e.value.message and "(trial #0 is training with them now)" in e.value.message
+    assert load_study(journal, "T").user_attrs["settings"]["steps"] == "3"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER, {**owner_info(), "pid": gone.pid})
+    assert open_study(journal, "T", load_search(path, steps="2")).user_attrs["settings"]["steps"] == "2"
+
+
 def test_a_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Path, capsys, recwarn) -> None:
     """A lost trial is put back with its parameters; after the range was narrowed the retry trained outside it,
     and Optuna printed its raw UserWarning. It keeps the parameters the edited space can still sample."""

@@ -137,7 +137,9 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
     if now is None:
         return None
     old = study.user_attrs.get(SETTINGS)
-    trained = any(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    # a RUNNING trial here has a live worker (`recover_stale` ran first): it trains with the recorded settings
+    running = [t.number for t in trials if t.state == TrialState.RUNNING]
+    trained = running or any(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
     if not isinstance(old, dict) or not trained:
         return now  # a study from before fingerprints, or nothing trained yet (only waiting or failed trials)
     # options: not compared with a study recorded before they were hashed; declarations: they only name what an
@@ -168,7 +170,9 @@ def check_settings_unchanged(study: optuna.Study, trials: list[FrozenTrial], spa
         hints.append(f"give the study's settings again ({back})")
     raise UserError(
         f"study {study.study_name!r} in {storage} was searched with other settings: {'; '.join(diffs)}; "
-        "its trials would not be comparable with these", where,
+        "its trials would not be comparable with these"
+        + (f" (trial{'s' if len(running) > 1 else ''} {', '.join(f'#{n}' for n in running)} "
+           f"{'are' if len(running) > 1 else 'is'} training with them now)" if running else ""), where,
         hint="to search with these settings, start a new study (another --study name or --storage); to "
              f"continue this one, {' and '.join(hints)}")
 
