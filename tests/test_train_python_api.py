@@ -404,3 +404,16 @@ def test_train_leaves_the_callers_config_as_it_was(gpt, data) -> None:
     assert repr(config) == before and config.min_lr is None
     config.lr = 1e-5
     assert train(gpt, data, config, None, metadata={}, progress=False)["steps"] == 2
+
+
+def test_a_batch_that_fits_this_machine_is_not_refused(gpt) -> None:
+    """The estimate is a lower one: the batch the examples train with is well within it."""
+    from energydsl.cli_sizing import available_memory
+    from energydsl.training.arguments import check_batch_fits
+
+    if available_memory() is None:
+        pytest.skip("this system does not say how much memory is available")
+    check_batch_fits(gpt, TrainConfig(batch_size=64, block_size=8), torch.device("cpu"))
+    tokens = available_memory() // (4 * gpt.activation_floats_per_token()) + 1
+    with pytest.raises(UserError, match="out of memory while training on cpu"):
+        check_batch_fits(gpt, TrainConfig(batch_size=tokens, block_size=1), torch.device("cpu"))

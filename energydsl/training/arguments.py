@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from energydsl.errors import UserError
@@ -68,3 +69,33 @@ def check_fits(model: nn.Module, dataset: LMDataset, config: TrainConfig) -> Non
     if isinstance(context, int) and config.block_size > context:
         raise UserError(f"block_size {config.block_size} is longer than the model's context {context}",
                         hint=f"set block_size <= {context}, or build the model with a longer context")
+
+
+def check_batch_fits(model: nn.Module, config: TrainConfig, device: torch.device,
+                     names: dict[str, str] | None = None) -> None:
+    """A batch too large for host memory, refused before training: Linux grants an allocation larger than what
+    is free and kills the process when the pages are touched (exit 137, no message), so the out-of-memory error
+    the training loop turns into advice never comes. The estimate is a lower one (token ids, a language model's
+    `activation_floats_per_token` for the backward pass, the gradients and AdamW's two moments): what is refused
+    here could not have run. On a GPU the allocator raises, and the loop says so."""
+    from ..cli_sizing import available_memory, size_text
+
+    per_token = getattr(model, "activation_floats_per_token", None)
+    available = available_memory() if device.type == "cpu" and callable(per_token) else None
+    if available is None:
+        return
+    tokens = config.batch_size * config.block_size
+    width = 4 if config.dtype == "float32" else 2  # autocast keeps bfloat16 / float16 activations
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    needed = tokens * (2 * 8 + per_token() * width) + 3 * trained  # x and y ids; a gradient and two moments
+    if needed > available:
+        def name(field: str) -> str:
+            return (names or {}).get(field, field)
+
+        raise UserError(
+            f"out of memory while training on cpu: a batch of {config.batch_size:,} sequences of "
+            f"{config.block_size:,} tokens keeps at least {size_text(needed)} (the token ids, the activations for "
+            f"the backward pass, the gradients and AdamW's moments); {available / 2**30:,.1f} GiB are available",
+            hint=f"train with a smaller {name('batch_size')} (now {config.batch_size}) or {name('block_size')} (now "
+                 f"{config.block_size}), or a smaller model; nothing was trained or written (Linux would have "
+                 "granted the memory and killed the run when it used it)")

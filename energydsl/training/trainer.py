@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from energydsl.errors import TrainingDiverged, TrainingInterrupted, UserError, first_few
 from energydsl.signal_handlers import handlers_restored
 
-from .arguments import check_arguments, check_fits
+from .arguments import check_arguments, check_batch_fits, check_fits
 from .config import DTYPES, TRAIN_FLAGS, TrainConfig
 from .data import IGNORE_INDEX, LMDataset
 from .run_dir import START_OVER_HINT, RunDir, RunState, changed_settings, describe_changes, finite_or_none
@@ -172,6 +172,7 @@ def train(
     device = config.resolve_device(names)
     dataset.check_block_size(config.block_size)
     check_fits(model, dataset, config)
+    check_batch_fits(model, config, device, names)
     metadata = _jsonable(metadata)
     if "training" in metadata:
         raise UserError("metadata must not use the key 'training': the trainer writes it")
