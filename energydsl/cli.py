@@ -534,6 +534,7 @@ register_search(app)
 
 # a full disk, an exhausted quota, a file system turned read-only while a command writes
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+_KEPT = "files saved before are as they were (each is replaced whole, never written over in place)"  # a first save too
 
 
 def main() -> None:
@@ -575,15 +576,15 @@ def _main() -> None:
         err.print("interrupted")
         sys.exit(130)
     except Exception as e:
-        if isinstance(e, OSError) and e.errno in _FULL:  # the machine's state, not a bug: what was saved is kept
+        if isinstance(e, OSError) and e.errno in _FULL:  # the machine's state, not a bug: saved files are intact
             where = f" {e.filename}" if e.filename else ""
             to_stderr(f"error: cannot write{where}: {e.strerror}\n"
-                       "hint: what was saved is kept: make room (or a writable place) and rerun the same command")
+                       f"hint: {_KEPT}: make room (or a writable place) and rerun the same command")
             sys.exit(2)
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):  # a folder made read-only mid-run
             where = f" {e.filename}" if e.filename else ""
             to_stderr(f"error: cannot access{where}: {e.strerror}\n"
-                       "hint: what was saved is kept: restore the permissions (or choose another place) and rerun "
+                       f"hint: {_KEPT}: restore the permissions (or choose another place) and rerun "
                        "the same command")
             sys.exit(2)
         if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # pathlib's exists() and is_dir() raise it

@@ -402,7 +402,7 @@ def test_a_full_disk_is_exit_2_and_keeps_what_was_saved(corpus, tmp_path, monkey
     monkeypatch.setattr(checkpoint, "save_file", full)
     code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "8"))
     assert code == 2 and f"\nerror: cannot write {tmp_path}/" in err and ".safetensors: No space left on device" in err
-    assert "hint: what was saved is kept" in err and "internal error" not in err, err
+    assert "hint: files saved before are as they were" in err and "internal error" not in err, err
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
 
@@ -493,7 +493,7 @@ def test_a_failed_save_is_exit_2_and_leaves_no_staged_files(failure, corpus, tmp
         monkeypatch.setattr(checkpoint.torch, "save", full)
         expected = f"error: cannot write {tmp_path}/.next.last.optim.pt: No space left on device"
     code, _, err = energy(*tiny_cli_run(corpus, tmp_path, "--steps", "8"))
-    assert code == 2 and expected in err and "hint: what was saved is kept" in err, err
+    assert code == 2 and expected in err and "hint: files saved before are as they were" in err, err
     assert not list(tmp_path.glob(".next.*")), list(tmp_path.glob(".next.*"))
     assert json.loads((tmp_path / "last.json").read_text())["training"]["step"] == 4  # the last save is intact
 
