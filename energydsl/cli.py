@@ -534,7 +534,7 @@ register_search(app)
 
 # a full disk, an exhausted quota, a file system turned read-only while a command writes
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
-_KEPT = "files saved before are as they were (each is replaced whole, never written over in place)"  # a first save too
+_KEPT = "files saved before are as they were"  # true of a first save too: "what was saved is kept" was not
 
 
 def main() -> None:
