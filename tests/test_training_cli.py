@@ -373,6 +373,19 @@ def test_sample_reads_imports_next_to_the_spec_and_refuses_a_changed_model(corpu
     assert code == 2 and "is not the one trained, its equations changed" in err, err
     code, _, err = energy(*args)  # resuming it: the spec's text is the same, an import not
     assert code == 2 and "(the spec's text is the same: a file it imports was edited" in err, err
+    # an import broken or gone was called damaged metadata, without its location, and sent the user to the other
+    # checkpoint (which fails alike) or to train again
+    good = parts.read_text()
+    parts.write_text(good + "oops\n")
+    code, _, err = energy("sample", str(tmp_path / "run"), "--tokens", "3")
+    line = good.count("\n") + 1
+    assert code == 2 and f"{parts}:{line}:1: error: unexpected `oops`\n  oops\n  ^^^^\n" in err, err
+    assert "damaged" not in err and f"the spec kept in {tmp_path / 'run'} imports this file" in err, err
+    parts.rename(tmp_path / "moved.energy")
+    code, _, err = energy("sample", str(tmp_path / "run"), "--tokens", "3")
+    assert code == 2 and f"{tmp_path / 'run'}'s spec_source:1:1: error: no such file: {parts}" in err, err
+    assert "damaged" not in err and "restore the spec files as they were" in err, err
+    parts.write_text(good)
     # a checkpoint without an equation hash (written by hand, or by an older version): weights that no longer
     # fit the model its spec builds are exit 2, not an internal error
     parts.write_text(parts.read_text().replace("integral(silu)", "integral(gelu)")

@@ -22,7 +22,8 @@ _OTHER = "sample the run's other checkpoint if it is whole, or train again"
 
 def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
     """(model with the trained weights, the codec it was trained with, the checkpoint's metadata)."""
-    from energydsl.api import load
+    from energydsl.api import Spec, load
+    from energydsl.syntax import parse_module
     from energydsl.training import load_dataset
 
     state, meta = load_checkpoint(checkpoint)
@@ -54,11 +55,15 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
     # path is used only while it still holds that text, so that its imports resolve next to it)
     path = Path(path)
     unchanged = path.is_file() and (source is None or read_text(str(path)) == source)
+    kept = f"{checkpoint}'s spec_source"  # how the spec's own spans name the text the checkpoint keeps
     try:
-        spec = load(path) if unchanged or not source else load(source, base=path.parent)
+        spec = load(path) if unchanged or not source else Spec(parse_module(source, name=kept, base=path.parent))
     except SpecError as e:
         if unchanged or not source:
             raise
+        if _in_an_import(e, kept, source):  # the files it imports are read as they are now: not damage
+            raise SpecError(e.message, e.span, hint=f"the spec kept in {checkpoint} imports this file, read from "
+                            f"where it was trained ({path.parent}): {_RESTORE}") from None
         raise UserError(f"the metadata of {checkpoint} is damaged: the spec it holds (spec_source) does not load: "
                         f"{e.message}", hint=_OTHER) from None
     model = spec.model(meta["model"], **meta["dims"])
@@ -83,6 +88,17 @@ def load_trained(checkpoint: str) -> tuple[Any, Codec, dict[str, Any]]:
         return model, codec_from_json(dataset["codec"]), meta
     except UserError as e:
         raise UserError(f"the metadata of {checkpoint} is damaged: its {e.message}", hint=_OTHER) from None
+
+
+def _in_an_import(e: SpecError, kept: str, source: str) -> bool:
+    """Is a spec error of the kept text about a file it imports: in that file, or at an `import` line that names
+    one missing or unreadable?"""
+    if e.span is None:
+        return False
+    if e.span.file != kept:
+        return True
+    lines = source.split("\n")
+    return 1 <= e.span.line <= len(lines) and lines[e.span.line - 1].lstrip().startswith("import")
 
 
 def divergence_note(checkpoint: str, meta: dict[str, Any]) -> str | None:
