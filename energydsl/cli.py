@@ -105,19 +105,21 @@ def no_energy(path: str, spec, command: str = "derive") -> UserError:
     syntax = spec.syntax
     imported = [n for n in syntax.energies if n not in spec.energy_names]
     does = {"derive": "derives", "compile": "compiles"}.get(command, "takes")
-    if syntax.blocks:
+    if syntax.blocks and not spec.model_names:
         hint = f"it has blocks ({', '.join(syntax.blocks)}): `energy {command} {path} --name " \
                f"{next(iter(syntax.blocks))}` {does} one"
-    elif syntax.models:
-        model = (spec.model_names or list(syntax.models))[0]  # its own first
-        hint = f"it declares models: `energy {command} {path} --name {model}` {does} a " \
-               "model's layer; `energy graph`, `info` and `train` take them"
+    elif syntax.models:  # its own first: a model gives its blocks the dims they read (`heads = h`)
+        model = (spec.model_names or list(syntax.models))[0]
+        blocks = f", and its blocks ({', '.join(syntax.blocks)}) take --name too" if syntax.blocks else ""
+        hint = f"it declares models: `energy {command} {path} --name {model}` {does} a model's layers{blocks}; " \
+               "`energy graph`, `info` and `train` take models"
     elif imported:
         hint = f"it imports energies ({', '.join(imported)}): `energy {command} {path} --name {imported[0]}` " \
                f"{does} one"
     else:
         hint = "an energy is `energy Name(d = 8) { state z[d] ... }` (docs/language.md)"
-    return UserError(f"{path} declares no energy", hint=hint)
+    own = " of its own" if imported else ""  # `--name` takes an imported one
+    return UserError(f"{path} declares no energy{own}", hint=hint)
 
 
 @app.command()

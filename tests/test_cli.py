@@ -191,7 +191,16 @@ def test_a_file_without_an_energy_of_its_own_names_what_it_has(tmp_path: Path) -
     model.write_text(f'import "{ROOT / "examples/models/gpt.energy"}"\nmodel M(vocab = 11, context = 8, d = 16) '
                      '{\n  layer = MLP\n}\n')
     proc = energy_cli("compile", str(model))
-    assert proc.returncode == 2 and f"`energy compile {model} --name M` compiles a model's layer" in proc.stderr
+    assert proc.returncode == 2 and f"`energy compile {model} --name M` compiles a model's layers" in proc.stderr
+    assert f"{model} declares no energy of its own" in proc.stderr, proc.stderr
+    # a block that reads its model's dims cannot be derived alone: the model comes first (the block was suggested,
+    # and the suggested command failed on the unknown `h`)
+    model.write_text(f'import "{ROOT / "examples/models/gpt.energy"}"\nblock Pair = MHA(heads = h) -> MLP\n'
+                     'model M(vocab = 11, context = 8, d = 16, h = 2) {\n  layer = Pair(h = h)\n}\n')
+    proc = energy_cli("derive", str(model))
+    assert proc.returncode == 2 and f"`energy derive {model} --name M` derives a model's layers, and its blocks " \
+        "(Pair) take --name too" in proc.stderr, proc.stderr
+    assert energy_cli("derive", str(model), "--name", "M").returncode == 0
     two = tmp_path / "two.energy"
     two.write_text((ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8").replace("model GPT(", "model A(")
                    + "\nmodel B(vocab = 65, context = 8, d = 8, layers = 1) {\n embed tokens\n layer = MLP\n"
