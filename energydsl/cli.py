@@ -398,7 +398,7 @@ def train_(
                 spec, model = load_model(file, name, parse_sets(sets), backend, train_on=train_on,
                                          block_size=block_size, dtype=dtype)
             run_dir = Path(out_dir or Path("runs") / model.plan.name.lower())
-            writable_dir(run_dir, "--out")
+            writable_dir(run_dir, "--out", keep=False)  # made when the run claims it, after the data's checks
             config.block_size = block_size or model.block_size
             if config.block_size > model.block_size:
                 raise UserError(f"--block-size {config.block_size} is longer than the model's context "

@@ -180,17 +180,23 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         raise
 
 
-def writable_dir(path: Path, flag: str) -> None:
+def writable_dir(path: Path, flag: str, *, keep: bool = True) -> None:
     """Create `path` as a directory we can write into, or say why not (before any work is done); `flag` names
-    the setting that gave it (`--out`)."""
+    the setting that gave it (`--out`). `keep=False` only finds out: the folders made to do so are removed again
+    (a command refused later, for its data say, leaves no empty tree behind; the work makes them)."""
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file, not a directory", hint=f"choose another {flag}")
+    made = [] if keep else [a for a in (path.absolute(), *path.absolute().parents) if not a.exists()]
     try:
         make_dirs(path)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"cannot write into {flag} {path}: permission denied")
     except OSError as e:
         raise UserError(f"cannot create {flag} {path}: {e.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write into {flag} {path}: permission denied")
+    finally:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def read_text(path: str | os.PathLike[str]) -> str:

@@ -248,6 +248,22 @@ def test_cli_training_flags_are_named_in_errors(flags, message, corpus, tmp_path
     assert not (tmp_path / "run").exists()  # refused before anything was built or written
 
 
+@pytest.mark.parametrize("flags, says", [
+    (("--data", "no-such-dataset"), "no-such-dataset"),
+    (("--block-size", "99"), "--block-size 99 is longer than the model's context 16"),
+    (("--set", "vocab=10"), "tokens but the model's vocab is 10"),
+])
+def test_a_run_refused_for_its_data_leaves_no_empty_out_folders(flags, says, corpus, tmp_path):
+    """The --out tree was made before the data, block and vocab were checked: a refused run left it behind."""
+    args = tiny_cli_run(corpus, tmp_path / "new" / "deep" / "run", *flags)
+    if flags[0] == "--data":
+        args[args.index("--data") + 1] = flags[1]
+        args = args[:-2]
+    code, _, err = energy(*args)
+    assert code == 2 and says in err, err
+    assert not (tmp_path / "new").exists()
+
+
 def test_cli_resuming_with_changed_settings(corpus, tmp_path, monkeypatch, capsys):
     code, _, err = energy(*tiny_cli_run(corpus, tmp_path))
     assert code == 0, err
