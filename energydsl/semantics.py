@@ -25,7 +25,7 @@ from .ir_nodes import Expr, IndexInfo, Var
 from .number_text import exact_number, plain_number
 from .python_names import name_problem
 from .semantics_expr import ExpressionLowering
-from .semantics_params import ParamLowering, ParamSpec
+from .semantics_params import ParamLowering, ParamSpec, check_fits_float32
 
 
 @dataclass
@@ -458,6 +458,8 @@ class _Lowering(ExpressionLowering, ParamLowering):
             kw = given.get(name)
             value = sp.sympify(default) if kw is None else exact_number(self._constant(kw.value, f"`{name}`"))
             learn = kw is not None and kw.flag == "learn"
+            if learn:  # a parameter of the module
+                check_fits_float32(float(value), f"the learned `{name}`", None, kw.value.span)
             spec.hyper[name] = Hyper(_hyper_symbol(name), value, learn)
         damping = spec.hyper.get("damping")
         if damping is not None and damping.value.is_number and damping.value < 0:
@@ -498,6 +500,8 @@ class _Lowering(ExpressionLowering, ParamLowering):
                 if kw.name == "rank" and (value < 1 or value != int(value)):
                     raise SpecError(f"`rank` must be a positive whole number, not {plain_number(value)}", kw.value.span,
                                     "the number of columns of the low-rank factor: 1, 2, ...")
+                if kw.flag != "fixed" and kw.name != "rank":  # learned: a parameter of the module
+                    check_fits_float32(value, f"the learned `{kw.name}`", None, kw.value.span)
                 spec.precondition_options[kw.name] = (value, kw.flag != "fixed")
             for key, default in PRECONDITIONER.takes[pre.name].items():
                 spec.precondition_options.setdefault(key, (float(default), True))

@@ -68,6 +68,12 @@ class ParamLowering:
                 if lo >= hi:
                     raise SpecError(f"the interval ({plain_number(lo)}, {plain_number(hi)}) is empty: its lower "
                                     "bound must be below its upper bound", opt[3])
+                for bound, node in ((lo, opt[1]), (hi, opt[2])):  # the module computes lo + (hi - lo) sigmoid(raw)
+                    check_fits_float32(bound, "a bound of the interval", c.name, node.span)
+                if hi - lo > FLOAT32_MAX:
+                    raise SpecError(f"the interval ({plain_number(lo)}, {plain_number(hi)}) is wider than float32's "
+                                    "range (at most about 3.4e38), in which a module's parameters are built", opt[3],
+                                    "narrow it")
                 spec.constraint = ("interval", lo, hi)
             elif kind == "flag":
                 if opt[1] == "fixed":
@@ -84,6 +90,7 @@ class ParamLowering:
             else:  # numbers and dims (`= sqrt(dh)`), evaluated at this instance's dims
                 spec.init = ("value", [self._constant(
                     node, "a param's initial value", "numbers and dims (`= sqrt(dh)`), or `= alibi_slopes(heads)`")])
+                check_fits_float32(spec.init[1][0], "the initial value", c.name, node.span)
                 self._check_in_constraint(spec, spec.init[1][0], node.span)
         elif spec.init and spec.init[0] == "ones":
             init_span = next(o[3] for o in c.extra["options"] if o[0] == "init")
@@ -124,6 +131,8 @@ class ParamLowering:
             raise SpecError(f"`{name}` takes {took}, but {len(args)} {'is' if len(args) == 1 else 'are'} given",
                             span, f"write `~ {usage}`")
         values = [self._constant(a, "an initialiser argument") for a in args]
+        for value, arg in zip(values, args, strict=True):
+            check_fits_float32(value, f"`{name}`'s argument", None, arg.span)
         if name == "normal" and values[1] < 0:
             raise SpecError("the standard deviation of `normal(mean, std)` must be >= 0, not "
                             f"{plain_number(values[1])}", args[1].span)
@@ -147,3 +156,15 @@ class ParamLowering:
         elif spec.constraint and spec.constraint[0] == "positive" and value <= 0:
             raise SpecError(f"the initial value{what} {plain_number(value)} of `{spec.name}` is not positive", span,
                             "a `positive` param can only take values > 0")
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: a module's parameters are built in float32
+
+
+def check_fits_float32(value: float, what: str, name: str | None, span: Span) -> None:
+    """A param's value (or an initialiser's argument) that float32 cannot hold: the module failed to build
+    (`fill_(1e308)`: "value cannot be converted to type float without overflow") or drew infinities."""
+    if abs(value) > FLOAT32_MAX:
+        of = f" of `{name}`" if name else ""
+        raise SpecError(f"{what}{of}, {plain_number(value)}, is beyond float32's range (at most about 3.4e38), in "
+                        "which a module's parameters are built", span, "give a smaller number")

@@ -738,6 +738,15 @@ BAD_VALUES_BASE = """energy A(d = 2) {
     ("a = 0.5", "a = 0.5 in (1, 0)", (3, 19), "the interval (1, 0) is empty"),
     ("a = 0.5", "a = 0 positive", (3, 15), "initial value 0 of `a` is not positive"),
     ("a = 0.5", "a ~ ones() in (0, 1)", (3, 13), "initial value (`ones()`) 1 of `a` is outside"),
+    # 6. what a module's float32 parameters cannot hold (the module printed `inf`, or failed to build with torch's
+    # "value cannot be converted to type float without overflow")
+    ("a = 0.5", "a in (-3e38, 3e38)", (3, 13), "the interval (-3e+38, 3e+38) is wider than float32's range"),
+    ("a = 0.5", "a in (0, 1e39)", (3, 20), "a bound of the interval of `a`, 1e+39, is beyond float32's range"),
+    ("a = 0.5", "a = 1e308", (3, 15), "the initial value of `a`, 1e+308, is beyond float32's range"),
+    ("normal(0, 0.02)", "normal(0, 1e39)", (4, 31), "`normal`'s argument, 1e+39, is beyond float32's range"),
+    ("eta = 0.1", "eta = 1e300 learn", (6, 22), "the learned `eta`, 1e+300, is beyond float32's range"),
+    ("gd(eta = 0.1)", "gd(eta = 0.1) precondition covariance(tau = 1e39)", (6, 57),
+     "the learned `tau`, 1e+39, is beyond float32's range"),
 ])
 def test_bad_values_are_located_errors(tmp_path, old, new, where, message):
     """Out-of-range numbers in a spec are user errors (exit 2, file:line:col, a caret under the value),
@@ -753,6 +762,20 @@ def test_bad_values_are_located_errors(tmp_path, old, new, where, message):
     assert lines[0].startswith(f"{path}:{line}:{col}: error: "), lines[0]
     assert message in lines[0], lines[0]
     assert lines[2].index("^") == col + 1, lines[:3]  # the source line is printed indented by two
+
+
+def test_an_update_whose_folded_numbers_overflow_a_float_is_located(tmp_path):
+    """`1e300 * (z . z)` stepped with η = 1e300: SymPy keeps -2e600 exactly, and the generated module printed it as
+    `inf` (NameError when it ran), exit 0. Refused at the optimizer; `energy check` fails its update row."""
+    path = tmp_path / "big.energy"
+    path.write_text("energy A(d = 4) {\n  state z[d]\n  param a = 0.5 positive\n  global F = 1e200 * a * (z . z)\n"
+                    "  optimizer gd(eta = 1e200)\n}\n")
+    res = run_cli("compile", str(path), "-o", str(tmp_path / "out.py"))
+    assert res.returncode == 2 and not (tmp_path / "out.py").exists(), res.stderr
+    assert res.stderr.startswith(f"{path}:5:3: error: the derived update of `A` holds the number -2.00e+400, too "
+                                 "large for a float"), res.stderr
+    res = run_cli("check", str(path))
+    assert res.returncode == 1 and "not finite: the derived update is infinite" in res.stdout, res.stdout
 
 
 def test_valid_values_still_check(tmp_path):

@@ -36,7 +36,7 @@ from ..ir import Expr, IndexInfo
 from ..kernels import MAX_HEAD_DIM  # no triton imported: the kernels' package entry is light
 from .bias_kinds import bias_kinds
 from .gates import log_rate_prefix
-from .scalar_src import exact_number
+from .scalar_src import exact_number, float_src
 from .torch_expr import BATCH, POS, TOKEN_ROLES, Val, canonical, token_axes
 from .triton_source import KernelRequest
 
@@ -482,7 +482,7 @@ def _number(e: sp.Expr, scalars: dict[sp.Symbol, str]) -> float | None:
             values[sym] = exact_number(scalars[sym])
         except (KeyError, ValueError):
             return None
-    return float(sp.sympify(e).subs(values).evalf(30))
+    return float(float_src(sp.sympify(e).subs(values).evalf(30)))  # FloatOverflow beyond a float's range
 
 
 def _scaled(em: Emitter, a: Val, c: sp.Expr) -> Val:

@@ -29,7 +29,7 @@ from ..calculus import NotDifferentiable, gradient
 from ..functions import REGISTRY, X
 from ..ir import Expr
 from .lowering import _number
-from .scalar_src import function_src, is_number
+from .scalar_src import float_src, function_src, is_number
 
 if TYPE_CHECKING:
     from .torch_expr import Emitter
@@ -173,7 +173,7 @@ class _SympyTritonPrinter:
         elif e.is_number:
             if not e.is_real:
                 raise _Unprintable
-            code = repr(float(e))
+            code = float_src(e)
         elif isinstance(e, (sp.Add, sp.Mul)):  # its numbers folded into one (SymPy keeps sqrt(2) / 2 apart)
             numbers = [a for a in e.args if a.is_number]
             parts = [a for a in e.args if not a.is_number]

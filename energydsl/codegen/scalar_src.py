@@ -14,6 +14,26 @@ _SP_FUNCS = {sp.exp: "exp", sp.log: "log", sp.tanh: "tanh", sp.erf: "erf", sp.Ab
              sp.cosh: "cosh", sp.sinh: "sinh", sp.sin: "sin", sp.cos: "cos"}
 
 
+class FloatOverflow(ValueError):
+    """A number of the derived update that no float holds (`1e300 * (z . z)` stepped with η = 1e300: -2e600 z):
+    SymPy keeps it exactly, the generated Python cannot (it printed `inf`, a NameError when the module ran)."""
+
+    def __init__(self, value: sp.Expr) -> None:
+        super().__init__(str(sp.Float(value, 3)).lower())  # -2.00e+600
+        self.value = value
+
+
+def float_src(value: sp.Expr) -> str:
+    """A number as a Python float literal; FloatOverflow where it is beyond a float's range."""
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise FloatOverflow(value)
+    return repr(out)
+
+
 def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
     """Python source for a SymPy scalar; `names` maps symbols to the tensors or numbers they stand for.
 
@@ -26,7 +46,7 @@ def sympy_src(expr: sp.Expr, names: dict[sp.Symbol, str]) -> str:
     if not (expr.free_symbols & set(names)):
         if expr.free_symbols:
             raise KeyError(f"no value for {sorted(map(str, expr.free_symbols))}")
-        return repr(float(expr))
+        return float_src(expr)
     if expr in names:
         return names[expr]
     if isinstance(expr, sp.Add):

@@ -18,13 +18,14 @@ import sympy as sp
 import torch
 
 from .. import ir
+from ..errors import SpecError
 from ..instance import unconstrain
 from ..number_text import plain_number
 from ..optimizers import UpdateProgram
 from ..semantics import ParamSpec
 from .hoist import hoist_invariants, line_names
 from .projections import fuse_biases, fuse_projections
-from .scalar_src import is_number, sympy_src
+from .scalar_src import FloatOverflow, is_number, sympy_src
 from .second_order import collect_expanded_sums
 from .simplify import simplify
 from .torch_expr import Emitter, coefficient
@@ -171,6 +172,18 @@ class ModuleWriter:
         return names
 
     def forward_lines(self) -> tuple[list[str], set[str]]:
+        """The forward's lines and the ops it calls; a number of the update beyond a float's range is a SpecError
+        at the optimizer (its η times the energy's constants, say), not an `inf` in the generated file."""
+        try:
+            return self._forward_lines()
+        except FloatOverflow as e:
+            spec = self.spec
+            raise SpecError(f"the derived update of `{spec.name}` holds the number {e}, too large for a float "
+                            "(at most about 1.8e308)", spec.optimizer.span or spec.energy_span or spec.span,
+                            "the energy's constants times the optimizer's step size overflow: scale one down "
+                            "(`energy derive` shows the update)") from None
+
+    def _forward_lines(self) -> tuple[list[str], set[str]]:
         spec, prog = self.spec, self.prog
         sizes = {k: self.size(info.size) for k, info in spec.indices.items() if info.size is not None}
         names = self._token_names()
