@@ -704,6 +704,25 @@ def test_a_killed_trials_retry_outside_a_narrowed_range_samples_that_hole_afresh
     assert "train.lr" not in waiting.system_attrs["fixed_params"]
 
 
+def test_a_reruns_summary_counts_the_killed_trials_it_put_back(tmp_path: Path) -> None:
+    """The trials of a killed run are put back as the rerun opens the study, before its backend counts what it
+    recovers: the summary said `"recovered": 0` while the rerun retried them."""
+    import subprocess
+
+    from energydsl.search import open_study
+    from energydsl.search.report import OWNER, owner_info
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
+    study = open_study(journal, "T", load_search(path))
+    trial = study.ask()
+    load_search(path).suggest(trial)
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER, {**owner_info(), "pid": gone.pid})
+    summary = run_search(path, storage=journal, study_name="T", trials=1, progress=False, json=True)
+    assert summary["recovered"] == 1 and summary["lost"] == 1, summary
+
+
 def test_a_rerun_that_edits_what_a_choices_option_fixes_is_refused(tmp_path: Path) -> None:
     """`momentum(beta = 0.5, eta = 1)` edited to `beta = 0.9`: Optuna records the option as `momentum` either way,
     and the text hash leaves the whole choice out, so trials of two optimizers were ranked as one. A study

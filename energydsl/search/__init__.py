@@ -79,6 +79,12 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
                ref: SpaceRef | None = None) -> optuna.Study:
     """Create the study, or load it when it exists (a rerun continues it) after checking it is the same
     search: same objectives, same directions."""
+    return _open_study(storage, study_name, space, ref)[0]
+
+
+def _open_study(storage: str, study_name: str, space: SearchSpace,
+                ref: SpaceRef | None = None) -> tuple[optuna.Study, int]:
+    """`open_study`, and how many trials of a killed run it put back (the run's summary counts them)."""
     quiet_optuna()
     names = [n for n, _ in space.objectives]
     directions = [d for _, d in space.objectives]
@@ -95,7 +101,7 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
     with study_lock(storage, study_name):  # two commands starting at once: one records, the other compares
         from .local import recover_stale  # a trial whose worker was killed (-9) is put back before the refit
 
-        recover_stale(study, study._storage)
+        recovered = recover_stale(study, study._storage)
         trials = study.get_trials(deepcopy=False)  # once: on an RDB storage a listing is a full query
         listed = getattr(space, "distributions", None)  # name -> (distribution, where), if the space lists them
         holes = listed() if callable(listed) else None
@@ -111,7 +117,7 @@ def open_study(storage: str, study_name: str, space: SearchSpace,
         for key, value in wanted.items():
             if study.user_attrs.get(key) != value:
                 study.set_user_attr(key, value)
-    return study
+    return study, recovered
 
 
 def _compared(value: str | None) -> str | None:
@@ -412,7 +418,7 @@ def run_search(
         check_device(device, local=backend == "local")
     make_sampler(sampler, len(objectives), seed)  # unknown/unusable sampler: fail before any work
     _, note = pruning_plan(objectives, pruner)
-    study = open_study(storage_spec, name, space, ref)
+    study, recovered = _open_study(storage_spec, name, space, ref)
     notes = [note] if note else []
     held = ledger(study.get_trials(deepcopy=False)).finished
     if held >= target:  # the panel would show `6/3 trials` and nothing would say why none ran
@@ -442,6 +448,7 @@ def run_search(
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM to the local backend (`Terminated`)
         interrupted = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
     elapsed = round(time.time() - started, 3)
+    extra["recovered"] = recovered + int(extra.get("recovered", 0))  # put back on opening, and while it ran
     summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=elapsed,
                         interrupted=interrupted is not None, notes=notes, **extra)
     if interrupted:
