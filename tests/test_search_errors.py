@@ -205,6 +205,44 @@ def test_a_ray_address_that_cannot_be_joined_exits_2(tmp_path: Path, not_ray: st
     assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+def test_a_cluster_with_token_authentication_says_how_to_join_it(tmp_path: Path) -> None:
+    """A cluster started with token authentication (Ray's default for `ray start` since 2.59) refused a search
+    joining by HOST:PORT without RAY_AUTH_MODE=token; the hint said to start a cluster, which was running."""
+    pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    ray_cli = Path(sys.executable).with_name("ray")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    head = subprocess.Popen([str(ray_cli), "start", "--head", "--block", "--port", str(port), "--num-cpus", "1",
+                             "--include-dashboard=false", "--disable-usage-stats", "--temp-dir", temp],
+                            env={**env, "RAY_AUTH_MODE": "token"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the head's GCS listens once it is up
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and head.poll() is None, "the Ray head did not start"
+                time.sleep(0.5)
+        r = energy("search", "toy", "--backend", "ray", "--address", f"127.0.0.1:{port}", "--trials", "1",
+                   "--storage", str(tmp_path / "s.journal"), cwd=tmp_path, env={"RAY_AUTH_MODE": ""})
+        clean_exit_2(r, f"cannot join the Ray cluster at --address 127.0.0.1:{port}",
+                     "needs RAY_AUTH_MODE=token here, and its token")
+        assert "start it with `ray start --head`" not in r.stderr
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
+        head.wait(timeout=60)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 def test_more_gpus_per_trial_than_a_local_ray_runtime_has_exits_2(tmp_path: Path) -> None:
     """Tune would wait forever for a GPU this machine does not have."""
     pytest.importorskip("ray")

@@ -555,10 +555,25 @@ def _init_ray(ray: Any, address: str | None, workers: int, cpus_per_trial: float
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"cannot join the Ray cluster at --address {address}: {first}",
-                        hint="start it with `ray start --head` (then `--address auto` on that machine, or "
-                             "HEAD_IP:6379 elsewhere), or leave --address out for a Ray runtime on this machine") \
+        raise UserError(f"cannot join the Ray cluster at --address {address}: {first}", hint=_join_hint(address)) \
             from None
+
+
+def _join_hint(address: str) -> str:
+    """Why a cluster that answered the probe (`check_reachable`) may still refuse this process: most often its
+    token authentication (on by default for `ray start` since Ray 2.59), which a process joining by HOST:PORT
+    takes part in only with RAY_AUTH_MODE=token and the cluster's token; `auto` finds a local head's token."""
+    start = "start it with `ray start --head` (then `--address auto` on that machine, or HEAD_IP:6379 elsewhere)"
+    if address == "auto" or address.startswith("ray://"):
+        return f"{start}, or leave --address out for a Ray runtime on this machine"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        return ("a Ray cluster answers there but did not let this process join: one with token authentication (`ray "
+                "start` says 'Token authentication is enabled') needs RAY_AUTH_MODE=token here, and its token in "
+                "RAY_AUTH_TOKEN or in ~/.ray/auth_token (`ray get-auth-token` on the head prints it); on the head "
+                "itself `--address auto` finds it")
+    return ("a Ray cluster answers there but did not let this process join: check that RAY_AUTH_TOKEN (or "
+            "RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) holds the token the cluster was started with (`ray "
+            "get-auth-token` on the head), and that this machine's Ray version is the cluster's")
 
 
 # an HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with a
