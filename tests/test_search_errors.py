@@ -193,6 +193,8 @@ def not_ray() -> Iterator[str]:
     ("NOT_RAY", "something answers there that is not a Ray cluster"),  # Ray's retries hung for minutes
     ("garbage", "--address 'garbage' is not a Ray cluster's address"),  # the study was created first
     ("localhost:notaport", "--address 'localhost:notaport' is not a Ray cluster's address"),
+    # a scheme Ray does not take read as a host name: "Name or service not known"
+    ("http://127.0.0.1:6379", "--address 'http://127.0.0.1:6379' is not a Ray cluster's address"),
 ])
 def test_a_ray_address_that_cannot_be_joined_exits_2(tmp_path: Path, not_ray: str, address: str,
                                                      message: str) -> None:

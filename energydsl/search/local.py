@@ -432,6 +432,8 @@ def _worker_entry(kwargs: dict[str, Any]) -> None:
     except UserError as e:  # the driver stops the search on this status, the message above it
         print(e.render(), file=sys.stderr)
         sys.exit(USER_ERROR)
+    finally:  # a SIGTERM during the interpreter's shutdown (the driver killed, PR_SET_PDEATHSIG) ends it quietly:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # raised in an atexit callback, it printed a traceback
 
 
 # The worker reads the parent's sys.path (one JSON line), then its pickled arguments, from stdin. A plain

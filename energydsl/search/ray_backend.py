@@ -591,7 +591,7 @@ def check_reachable(address: str) -> None:
     if address == "auto" or address.startswith("ray://"):
         return
     host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+    if "://" in address or not (sep and host and port.isdigit() and 0 < int(port) < 65536):  # http://: no
         raise UserError(f"--address {address!r} is not a Ray cluster's address",
                         hint="give auto (on a node of the cluster), HEAD_IP:6379, or ray://HEAD_IP:10001 (Ray Client)")
     try:
