@@ -39,11 +39,13 @@ def alibi_slopes(n: int) -> torch.Tensor:
 
 def init_param(p: ParamSpec, sizes: list[int], generator: torch.Generator | None, dtype=torch.float64,
                check_scale: float | None = None) -> torch.Tensor:
-    """A parameter's initial value (or a random value of moderate size when `check_scale` is set)."""
+    """A parameter's initial value (or, for a learned one, a random value of moderate size when `check_scale` is
+    set: it moves away from its initialiser as it trains; a `fixed` one keeps what its initialiser draws, as in
+    the module, so `zeros() fixed` is checked at zero and `uniform(0.5, 0.9) fixed` inside its range)."""
     shape = tuple(sizes)
     init = p.init or ("normal", [0.0, 0.02])
     kind, args = init
-    if check_scale is not None and kind in ("normal", "zeros", "orthogonal", "uniform"):
+    if check_scale is not None and p.learn and kind in ("normal", "zeros", "orthogonal", "uniform"):
         return torch.randn(shape, generator=generator, dtype=dtype) * check_scale
     if kind == "normal":
         return torch.randn(shape, generator=generator, dtype=dtype) * args[1] + args[0]

@@ -11,8 +11,12 @@ def plain_value(v: float) -> int | float:
 
 
 def plain_number(v: float) -> str:
-    """`8`, `0.5`, `1e+30` (not its 31 digits): a number in a message, a header or a generated docstring."""
-    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"
+    """`8`, `0.5`, `1e+30` (not its 31 digits): a number in a message, a header or a generated docstring; every
+    digit a short form would drop kept (`0.1234567`, which `g` rounded to 0.123457)."""
+    if float(v).is_integer() and abs(v) < 1e16:
+        return str(int(v))
+    short = f"{v:g}"
+    return short if float(short) == float(v) else repr(float(v))
 
 
 def is_whole(value: object) -> bool:

@@ -211,6 +211,9 @@ def _covariance_definite(prog: UpdateProgram) -> CheckResult:
     found = f"at τ = {float(tau):g} (min eigenvalue {worst_min:.3g} over 8 draws)"
     if worst_min <= 0:
         return CheckResult("definite", "fail", f"I + τ·Cov_p(v) is not positive-definite {found}: τ must be ≥ 0")
+    if float(tau) < 0:  # Cov_p(v) grows as |v|²: large enough values break I + τ C, whatever these draws held
+        return CheckResult("definite", "fail", f"I + τ·Cov_p(v) is positive-definite {found}, but not for values "
+                           "large enough (Cov_p(v) grows as |v|², and τ < 0 subtracts it): τ must be ≥ 0")
     caveat = "; a learned τ < 0 may break it" if learned else ""
     return CheckResult("definite", "ok", f"I + τ·Cov_p(v) positive-definite {found}{caveat}")
 

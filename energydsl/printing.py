@@ -39,16 +39,31 @@ def shown_function(name: str) -> str:
 
 
 def readable(v: sp.Expr) -> sp.Expr:
-    """A spec's decimal as written: 0.8224670334241132 is kept exact as 822467033424113/10^15, which prints as
-    that fraction; a fraction whose denominator is over a million prints as a decimal (1/3 and 1/1000000 stay)."""
-    def decimal(r: sp.Rational) -> sp.Float:
+    """A spec's decimal as written: a fraction whose denominator is over a million prints as a decimal (1/3 and
+    1/1000000 stay), and a Float (a long literal, `0.8224670334241132`) with every digit it holds, not SymPy's 15."""
+    def decimal(r: sp.Rational | sp.Float) -> sp.Float:
         shortest = repr(float(r))  # Python's shortest round-trip digits, as many as SymPy then prints
         digits = len(re.sub(r"\D", "", shortest.split("e")[0]).lstrip("0")) or 1
-        return sp.Float(r, digits)
+        return sp.Float(float(r) if isinstance(r, sp.Float) else r, digits)
 
     v = sp.sympify(v)
     big = {r: decimal(r) for r in v.atoms(sp.Rational) if r.q > 10**6}
-    return v.xreplace(big) if big else v
+    big |= {f: decimal(f) for f in v.atoms(sp.Float) if f.is_finite}
+    v = v.xreplace(big) if big else v
+    # softplus of a scalar is SymPy's log(exp(x) + 1): named as the preconditioner tables (and a tensor's) write it
+    return v.replace(lambda e: isinstance(e, sp.log) and _softplus_arg(e.args[0]) is not None,
+                     lambda e: _SOFTPLUS(_softplus_arg(e.args[0])))
+
+
+_SOFTPLUS = sp.Function("softplus")
+
+
+def _softplus_arg(e: sp.Expr) -> sp.Expr | None:
+    """x where `e` is exp(x) + 1, else None."""
+    if isinstance(e, sp.Add) and len(e.args) == 2 and sp.S.One in e.args:
+        other = e.args[0] if e.args[1] == sp.S.One else e.args[1]
+        return other.args[0] if isinstance(other, sp.exp) else None
+    return None
 
 class Style:
     name = "text"
@@ -261,7 +276,9 @@ class MathMLStyle(Style):
     def scalar(self, v):
         # SymPy writes HTML entities (&InvisibleTimes;, &ExponentialE; of exp(x), &ImaginaryI;) that XML does not
         # define: their code points parse
-        return _XML_UNDEFINED_ENTITY.sub(_code_points, sp.mathml(readable(v), printer="presentation"))
+        # a name whole, as the other formats write it: `s_ff`, not s with subscript ff, and `eta2`, not η₂
+        return _XML_UNDEFINED_ENTITY.sub(_code_points, sp.mathml(readable(v), printer="presentation",
+                                                                 disable_split_super_sub=True))
 
     def plain_name(self, n, sub):
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
@@ -383,6 +400,12 @@ STYLES = {"text": Style(), "latex": LatexStyle(), "mathml": MathMLStyle(), "mark
 NAME = "name"  # the role of a variable that stands for an earlier equation's right-hand side
 
 
+def _flat_parts(e: ir.Add | ir.Mul) -> list[ir.Expr]:
+    """A sum's terms (a product's factors), through sums (products) nested in it: a gradient built as
+    `a + (z − h)` reads as the flat `a + z − h` a later equation holds."""
+    return [p for c in e.children for p in (_flat_parts(c) if type(c) is type(e) else [c])]
+
+
 def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Expr) -> ir.Expr:
     """`e` with every occurrence of `body` replaced by a variable called `name` (or by the expression `name`: a
     norm's own variable, which the gradient is written in, or NAG's call `D(z − β m_z)`), for reading only.
@@ -393,7 +416,7 @@ def fold(e: ir.Expr, body: ir.Expr, name: str | ir.Expr) -> ir.Expr:
         return e  # `∇ = z`: renaming every z would mislead (a name for a name, `D = ∇_z F`, folds)
     named = ir.Var(name, NAME, body.shape) if isinstance(name, str) else name
     negated = ir.neg(body)  # the constructors pull signs out: P (−g) is built as −(P g)
-    parts = body.children if isinstance(body, (ir.Add, ir.Mul)) else None
+    parts = _flat_parts(body) if isinstance(body, (ir.Add, ir.Mul)) else None
     memo: dict[int, ir.Expr] = {}
 
     def visit(x: ir.Expr) -> ir.Expr:

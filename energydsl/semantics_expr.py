@@ -171,8 +171,9 @@ class ExpressionLowering:
                 param.constraint and param.constraint[0] == "interval" and param.constraint[1] >= 0):
             return
         if not param.learn and param.init is not None and (
-                param.init[0] == "alibi_slopes" or param.init[0] == "value" and param.init[1][0] > 0):
-            return  # fixed positive numbers
+                param.init[0] in ("alibi_slopes", "ones") or param.init[0] == "value" and param.init[1][0] > 0
+                or param.init[0] == "uniform" and param.init[1][0] > 0):
+            return  # fixed positive numbers (a uniform(a, b) draw with a > 0 among them)
         what = "a learned param that nothing keeps positive" if param.learn else "a fixed param that is not positive"
         raise SpecError(f"the base of a power with a non-constant exponent must be positive, and `{node.name}` "
                         f"is {what}", base.span,

@@ -51,6 +51,28 @@ def _param_value(rng: random.Random, shape: tuple[int, ...], constraint: tuple |
     return _tensor(shape, lambda _i: _in_constraint(rng, constraint))
 
 
+def _fixed_draw(rng: random.Random, p) -> Callable[[], sp.Expr] | None:
+    """Entries as a `fixed` param's initialiser makes them (it keeps them, as in the module): `zeros() fixed` is
+    0 and `uniform(0.5, 0.9) fixed` inside its range, where a free draw made log(a) complex. None for a learned
+    param, an unconstrained one drawn otherwise, or a constrained one (`_in_constraint` draws inside it)."""
+    if p.learn or not p.init or p.constraint is not None:
+        return None
+    kind, args = p.init
+    if kind == "zeros":
+        return lambda: sp.Integer(0)
+    if kind == "ones":
+        return lambda: sp.Integer(1)
+    if kind == "value" and args and isinstance(args[0], float | int):
+        return lambda: exact_number(args[0])
+    if kind == "uniform":
+        lo, hi = (exact_number(a) for a in args)
+        return lambda: lo + (hi - lo) * sp.Rational(rng.randint(1, 9), 10)
+    if kind == "normal":
+        mean, std = (exact_number(a) for a in args)
+        return lambda: mean + std * _rand(rng)
+    return None
+
+
 def _shape(prog: UpdateProgram, shape) -> tuple[int, ...]:
     return tuple(prog.spec.size(s) for s in shape)
 
@@ -94,13 +116,15 @@ def build(prog: UpdateProgram, seed: int, seq: int, position: int,
     scal: dict[sp.Symbol, sp.Expr] = {spec.dim_symbols[k]: exact_number(v) for k, v in spec.dim_values.items()}
     scal.update({s: v for s, v in prog.hyper_values.items()})
     for name, p in prog.params.items():
+        fixed = _fixed_draw(rng, p)
         if not p.shape:
             sym = spec.scalar_params.get(name)
             if sym is not None:
                 inside = _in_constraint(rng, p.constraint)
-                scal[sym] = inside if inside is not None else _rand(rng) + 1
+                scal[sym] = fixed() if fixed else inside if inside is not None else _rand(rng) + 1
             continue
-        values[name] = _param_value(rng, _shape(prog, p.shape), p.constraint)
+        values[name] = _tensor(_shape(prog, p.shape), lambda _i, f=fixed: f()) if fixed else \
+            _param_value(rng, _shape(prog, p.shape), p.constraint)
     point = prog.point
     syms = state_symbols(prog)
     values[point.name] = syms if state is None else _map_state(syms, state)

@@ -329,8 +329,11 @@ def test_covariance_on_a_matrix_state_says_why_it_is_refused():
     assert info.value.hint == "a matrix state's gradient weights matrices (outer products), not vectors"
 
 
-def test_a_negative_tau_fails_the_definite_check():
-    opt = "gd(eta = 1), precondition covariance(tau = -50)"
+@pytest.mark.parametrize("tau", ["-50", "-0.005 fixed"])
+def test_a_negative_tau_fails_the_definite_check(tau: str):
+    """A small τ < 0 held on the 8 draws (`positive-definite at τ = -0.005`), yet I + τ C turns indefinite once
+    the values are large: any fixed τ < 0 fails."""
+    opt = f"gd(eta = 1), precondition covariance(tau = {tau})"
     results = {r.name: r for r in run_checks(load(PER_HEAD.format(reduce="sum", opt=opt)).energy().program)}
     assert results["definite"].status == "fail" and "τ must be ≥ 0" in results["definite"].detail
 

@@ -59,6 +59,39 @@ def test_nan_expect_is_refuted_not_proved():
     assert r.detail.startswith("`expect update` at <string>:5:3: not finite: the expected update is NaN"), r.detail
 
 
+def test_one_huge_token_does_not_hide_a_claim_wrong_at_the_others():
+    """The relative error was measured against the instance's largest value: exp(100 h·z) at one token (about
+    1e43) hid that the claim leaves out `+ z` everywhere else, and the expect "held" to 1e-10. Each token is now
+    measured against its own size; the correct claim still holds."""
+    spec = ("energy Mask(d = 4) {\n  state z[d]\n  input h[d]\n  global F = 0.01 * exp(100 * (h . z)) + 0.5 * (z . z)\n"
+            "  optimizer gd(eta = 0.5)\n  expect gradient = exp(100 * (h . z)) * h\n}\n")
+    (r,) = [r for r in run_checks(load(spec).energy().program) if r.name == "expect"]
+    assert r.status == "fail" and "is refuted" in r.detail, r.detail
+    right = spec.replace("exp(100 * (h . z)) * h\n", "exp(100 * (h . z)) * h + z\n")
+    results = run_checks(load(right).energy().program)
+    assert all(r.ok for r in results), [(r.name, r.detail) for r in results if not r.ok]
+
+
+def test_a_fixed_param_is_checked_at_what_its_initialiser_makes():
+    """A `fixed` param keeps its value, as in the module, but the checks redrew it at random: `zeros() fixed`
+    refuted a true expect (and hid that `a` never trains), `uniform(0.5, 0.9) fixed` under a log failed five
+    rows with NaN and complex numbers, and as a decay's base it was refused as "not positive"."""
+    zero = ("energy FixedZero(d = 4) {\n  state z[d]\n  input h[d]\n  param b[d] ~ zeros() fixed\n"
+            "  param a[d] ~ normal(0, 0.02)\n  global F = 0.5 * (z . z) - (a * b) . z - (h . z)\n"
+            "  expect gradient = z - h\n}\n")
+    rows = {r.name: r for r in run_checks(load(zero).energy().program)}
+    assert rows["expect"].status == "ok", rows["expect"].detail
+    assert rows["params"].status == "warn" and "`a` gets no gradient" in rows["params"].detail
+    ranged = ("energy FixedUni(d = 4) {\n  state z[d]\n  input h[d]\n  param a[d] ~ uniform(0.5, 0.9) fixed\n"
+              "  global F = 0.5 * (log(a) * z) . z - (h . z)\n}\n")
+    failed = [(r.name, r.detail) for r in run_checks(load(ranged).energy().program) if not r.ok]
+    assert not failed, failed
+    decay = ("energy FixedDecay(d = 4) {\n  state z[d]\n  context h[j, d] where j <= i\n"
+             "  param a ~ uniform(0.5, 0.9) fixed\n  global F = 0.5 * (z . z) - sum[j](a^(i - j) * (z . h[j]))\n}\n")
+    failed = [(r.name, r.detail) for r in run_checks(load(decay).energy().program) if not r.ok]
+    assert not failed, failed
+
+
 # sqrt(z) is NaN wherever an entry of z is negative: derived and autograd values alike
 NAN_ENERGY = """energy NanF(d = 4) {{
   state   z[d]

@@ -1208,6 +1208,7 @@ def test_the_delta_rule_runs_on_prefix_sums(backend: str, relation: str, variant
     derived = energydsl.load(spec).energy()
     source = energy_source(derived, backend)
     assert source.count("prefix_reduce(") == 2 and "masked_reduce" not in source
+    assert source.count(f"over {relation} as a prefix") == 2  # the comment said `j <= i` of a strict sum too
     for T in (7, 1):
         _matches_interpreter(derived, T, backend, context=(8,))
     module = module_class(derived, backend)()

@@ -650,4 +650,4 @@ class Emitter:
         code = f"prefix_reduce({body.code}, dim={axis}, op={e.op!r}, strict={strict})"
         if axes != out_axes:
             code += f".movedim({axis}, {out_axes.index(POS)})"
-        return self.tmp(code, out_axes, body.rank, f"{e.op} over j <= i as a prefix")
+        return self.tmp(code, out_axes, body.rank, f"{e.op} over {e.index} {'<' if strict else '<='} i as a prefix")
