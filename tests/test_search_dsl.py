@@ -680,9 +680,8 @@ def test_a_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Pat
                                        "0.001..0.005 log) is outside the edited space\n")
 
 
-def test_a_killed_trials_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Path, capsys) -> None:
-    """A trial whose worker was killed (-9) is put back only when a run recovers it, which came after the refit:
-    its retry trained outside the narrowed range, with Optuna's raw warning and no note."""
+def a_trial_whose_worker_died(tmp_path: Path) -> tuple[str, str, optuna.Study, optuna.Trial]:
+    """Study `T` of TINY + SEARCH in a journal, with one RUNNING trial whose owner process is gone (a kill -9)."""
     import subprocess
 
     from energydsl.search import open_study
@@ -695,6 +694,15 @@ def test_a_killed_trials_retry_outside_a_narrowed_range_samples_that_hole_afresh
     trial = study.ask()
     load_search(path).suggest(trial)
     study._storage.set_trial_system_attr(trial._trial_id, OWNER, {**owner_info(), "pid": gone.pid})
+    return path, journal, study, trial
+
+
+def test_a_killed_trials_retry_outside_a_narrowed_range_samples_that_hole_afresh(tmp_path: Path, capsys) -> None:
+    """A trial whose worker was killed (-9) is put back only when a run recovers it, which came after the refit:
+    its retry trained outside the narrowed range, with Optuna's raw warning and no note."""
+    from energydsl.search import open_study
+
+    path, journal, study, trial = a_trial_whose_worker_died(tmp_path)
     study._storage.set_trial_param(trial._trial_id, "train.lr", 8e-3,
                                    optuna.distributions.FloatDistribution(1e-3, 1e-2, log=True))
     write(tmp_path, TINY + SEARCH.replace("1e-3..1e-2", "1e-3..5e-3"))
@@ -707,18 +715,7 @@ def test_a_killed_trials_retry_outside_a_narrowed_range_samples_that_hole_afresh
 def test_a_reruns_summary_counts_the_killed_trials_it_put_back(tmp_path: Path) -> None:
     """The trials of a killed run are put back as the rerun opens the study, before its backend counts what it
     recovers: the summary said `"recovered": 0` while the rerun retried them."""
-    import subprocess
-
-    from energydsl.search import open_study
-    from energydsl.search.report import OWNER, owner_info
-
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    path, journal = write(tmp_path, TINY + SEARCH), str(tmp_path / "s.journal")
-    study = open_study(journal, "T", load_search(path))
-    trial = study.ask()
-    load_search(path).suggest(trial)
-    study._storage.set_trial_system_attr(trial._trial_id, OWNER, {**owner_info(), "pid": gone.pid})
+    path, journal, _, _ = a_trial_whose_worker_died(tmp_path)
     summary = run_search(path, storage=journal, study_name="T", trials=1, progress=False, json=True)
     assert summary["recovered"] == 1 and summary["lost"] == 1, summary
 
