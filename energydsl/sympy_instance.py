@@ -54,7 +54,7 @@ def _param_value(rng: random.Random, shape: tuple[int, ...], constraint: tuple |
 def _fixed_draw(rng: random.Random, p) -> Callable[[], sp.Expr] | None:
     """Entries as a `fixed` param's initialiser makes them (it keeps them, as in the module): `zeros() fixed` is
     0 and `uniform(0.5, 0.9) fixed` inside its range, where a free draw made log(a) complex. None for a learned
-    param, an unconstrained one drawn otherwise, or a constrained one (`_in_constraint` draws inside it)."""
+    param, a constrained one (`_in_constraint` draws inside it), and the other initialisers (drawn freely)."""
     if p.learn or not p.init or p.constraint is not None:
         return None
     kind, args = p.init
