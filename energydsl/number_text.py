@@ -65,4 +65,13 @@ def number_shown(value: object) -> str:
         v = exact_number(v)
     if v.is_Rational and v.q > 1000:
         return repr(float(v))
+    if v.is_Integer and is_round_and_long(int(v)):
+        return plain_number(float(v))  # `1e300` as written, not its 301 digits
     return str(v)
+
+
+def is_round_and_long(n: int) -> bool:
+    """An integer such as the spec's `1e300` (kept exact): more than 16 digits, at most 15 before its trailing
+    zeros. Printed as 1e+300 rather than its 301 digits; 12345678901234567890 keeps every digit."""
+    digits = str(abs(n))
+    return len(digits) > 16 and len(digits.rstrip("0")) <= 15

@@ -362,6 +362,10 @@ def test_printed_equations_keep_names_digits_and_the_gradients_name() -> None:
     assert "<mi>s_ff</mi>" in mathml and "<msub><mi>s</mi>" not in mathml and "<mi>P_s</mi>" in mathml
     header = load(spec).energy(eta=0.1234567).equations("text").split("\n", 1)[0]
     assert header.endswith("d=8, eta=0.1234567"), header
+    # `1e300` is kept exact: it printed as its 301 digits in the update and the steps line
+    huge = load("energy H(d = 4) {\n  state z[d]\n  global F = 1e300 * (z . z)\n  optimizer gd(eta = 1e300)\n}\n")
+    text = huge.energy().equations("text")
+    assert "z⁺ = -(2.0e+300*η - 1) z" in text and "gd (η = 1e+300)" in text and "000000" not in text, text
 
 
 def test_symbolic_exponents_print_in_parentheses() -> None:
