@@ -221,7 +221,8 @@ def _covariance_definite(prog: UpdateProgram) -> CheckResult:
 def check_head_maps(prog: UpdateProgram) -> CheckResult | None:
     """A per-head Newton step inverts A_k A_kᵀ for each head's map A_k. A map the spec starts at zeros, ones or one
     value has rank below the head's width (above 1): the module's first forward fails. The other checks draw
-    every weight at random, so only its initialiser shows it."""
+    every learned weight at random, so only its initialiser shows it (a `fixed` map keeps its initialiser there,
+    and those rows cannot run: this one says why)."""
     inverted = [n for n in ir.nodes(prog.direction) if isinstance(n, ir.Inverse)]
     if not inverted:
         return None
