@@ -96,9 +96,9 @@ def search(
     """Search a space of compositions: sample, check, deduplicate, train; report the best."""
     from energydsl.files import apart, check_output
     from energydsl.search import export_best, hole_rows, run_search, write_report
-    from energydsl.search.report import not_an_input, study_dataset
+    from energydsl.search.report import not_an_input
     from energydsl.search.space import SpaceRef, resolve_space
-    from energydsl.search.storage import load_study, study_outputs
+    from energydsl.search.storage import study_outputs
 
     ref = SpaceRef(space_spec(space), parse_sets(sets))
     for flag, path, example in (("--report", report, "report.html"), ("--export", export, "best.energy")):
@@ -125,10 +125,9 @@ def search(
                          address=address, gpus_per_trial=gpus_per_trial, cpus_per_trial=cpus_per_trial,
                          seed=seed)
     default_report, default_best = study_outputs(summary["storage"], summary["study"])
-    data = study_dataset(load_study(summary["storage"], summary["study"])) if report or export else None
     for flag, path in (("--report", report), ("--export", export)):
         if path is not None:  # the default storage and the dataset, known now (the space, its imports: above)
-            not_an_input(path, flag, summary["storage"], None, data)
+            not_an_input(path, flag, summary["storage"], None, summary.get("dataset"))
     report_path = Path(report) if report else default_report
     apart(report_path, "--report" if report else "the report", Path(export) if export else default_best,
           "--export" if export else "the best candidate")  # one of them a default: known once the storage is

@@ -33,7 +33,7 @@ from energydsl.search.local import (
     quiet_optuna,
     run_local,
 )
-from energydsl.search.report import RETRY_OF, export_best, ledger, summarize, write_report
+from energydsl.search.report import RETRY_OF, export_best, ledger, study_dataset, summarize, write_report
 from energydsl.search.settings import (
     DECLARATIONS,
     HOLE,
@@ -449,6 +449,7 @@ def run_search(
         interrupted = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
     elapsed = round(time.time() - started, 3)
     extra["recovered"] = recovered + int(extra.get("recovered", 0))  # put back on opening, and while it ran
+    extra["dataset"] = study_dataset(study)  # what the trials train on (the CLI keeps outputs off it)
     summary = summarize(study, storage_spec, target, backend=backend, elapsed_s=elapsed,
                         interrupted=interrupted is not None, notes=notes, **extra)
     if interrupted:
