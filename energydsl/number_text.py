@@ -65,13 +65,15 @@ def number_shown(value: object) -> str:
         v = exact_number(v)
     if v.is_Rational and v.q > 1000:
         return repr(float(v))
-    if v.is_Integer and is_round_and_long(int(v)):
+    if v.is_Integer and round_digits(int(v)) is not None:
         return plain_number(float(v))  # `1e300` as written, not its 301 digits
     return str(v)
 
 
-def is_round_and_long(n: int) -> bool:
-    """An integer such as the spec's `1e300` (kept exact): more than 16 digits, at most 15 before its trailing
-    zeros. Printed as 1e+300 rather than its 301 digits; 12345678901234567890 keeps every digit."""
+def round_digits(n: int) -> int | None:
+    """The digits before the trailing zeros of an integer such as the spec's `1e300` (kept exact): more than 16
+    digits, at most 15 before its zeros; printed as 1e+300 rather than its 301 digits. None for any other
+    (12345678901234567890 keeps every digit)."""
     digits = str(abs(n))
-    return len(digits) > 16 and len(digits.rstrip("0")) <= 15
+    mantissa = digits.rstrip("0")
+    return len(mantissa) if len(digits) > 16 and len(mantissa) <= 15 else None

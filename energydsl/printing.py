@@ -14,7 +14,7 @@ import sympy as sp
 
 from . import ir
 from .functions import REGISTRY
-from .number_text import is_round_and_long
+from .number_text import round_digits
 
 UPDATED = "⁺"  # the mark of a value after this step's assignment: `m_z⁺`
 GREEK = {"eta": "η", "beta": "β", "tau": "τ", "lambda": "λ", "gamma": "γ", "alpha": "α", "sigma": "σ"}
@@ -50,8 +50,8 @@ def readable(v: sp.Expr) -> sp.Expr:
     v = sp.sympify(v)
     big = {r: decimal(r) for r in v.atoms(sp.Rational) if r.q > 10**6}
     big |= {f: decimal(f) for f in v.atoms(sp.Float) if f.is_finite}
-    big |= {n: sp.Float(n, max(len(str(abs(int(n))).rstrip("0")), 2)) for n in v.atoms(sp.Integer)
-            if is_round_and_long(int(n))}  # `1e300`: 1.0e+300, not 301 digits
+    big |= {n: sp.Float(n, max(digits, 2)) for n in v.atoms(sp.Integer)
+            if (digits := round_digits(int(n))) is not None}  # `1e300`: 1.0e+300, not 301 digits
     v = v.xreplace(big) if big else v
     # softplus of a scalar is SymPy's log(exp(x) + 1): named as the preconditioner tables (and a tensor's) write it
     return v.replace(lambda e: isinstance(e, sp.log) and _softplus_arg(e.args[0]) is not None,
