@@ -15,11 +15,11 @@ from typing import Any
 
 from . import syntax
 from .checks import CheckResult
-from .cli_sizing import allocation_named
 from .derived import Derived, declaration_key, derive, derive_stage, placed
 from .errors import HoleError, SpecError
 from .optimizers import build_program
 from .semantics import lower_energy
+from .sizing import allocation_named
 
 MAX_CHECK_LAYERS = 10_000  # `energy check` of a model deeper than this is refused (10,000 layers: about 9 s)
 
@@ -174,10 +174,10 @@ class Spec:
     def check_model(self, name: str | None = None, **dims: float) -> list[CheckResult]:
         """A model's own checks (`energydsl.model_checks`): causality of the composed model and parameters that
         never get a gradient, in float64 on the torch backend; and header dims that nothing reads."""
-        from .cli_sizing import sized_model
         from .composition import unread_dims
         from .instance import MAX_INSTANCE_BYTES
         from .model_checks import check_model, dims_row
+        from .sizing import sized_model
 
         sized, layers = sized_model(self, name, "torch", dims)  # on the meta device: sized before it is built
         needed = sized.num_params(layers=layers) * 8  # float64

@@ -25,10 +25,10 @@ from rich.table import Table
 from rich.text import Text
 
 from .cli_output import broken_pipe, closed_streams_to_devnull, to_stderr, usage_error, warning_line
-from .cli_sizing import load_model, sized_model
 from .errors import TrainingDiverged, TrainingInterrupted, UserError
 from .files import PATH_LIMITS, check_output, not_an_input, writable_dir, write_atomic
 from .signal_handlers import CTRL_C, Terminated, sigterm_interrupts
+from .sizing import load_model, sized_model
 
 if TYPE_CHECKING:
     from .api import Spec

@@ -19,13 +19,13 @@ from typing import Any
 from . import ir, syntax
 from .calculus import substitute_var
 from .checks import CheckResult, run_checks
-from .cli_sizing import allocation_named
 from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, number_shown, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
 from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show, shown_function
 from .semantics import EnergyIR, lower_energy
+from .sizing import allocation_named
 
 
 @dataclass

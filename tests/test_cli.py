@@ -131,17 +131,17 @@ def test_info_sizes_a_model_without_building_its_weights_and_train_refuses_one_t
 def test_train_refuses_a_model_larger_than_free_memory_before_building_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """With overcommit, building a too-large model can succeed and the kernel kills the process once the
     initialisation touches the pages: the size is checked against the available memory first."""
-    from energydsl import cli_sizing
+    from energydsl import sizing
     from energydsl.errors import UserError
 
-    monkeypatch.setattr(cli_sizing, "available_memory", lambda: 2**20)  # 1 MiB free
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2**20)  # 1 MiB free
     built = []
-    monkeypatch.setattr(cli_sizing, "free_gpu_memory", lambda device: built.append("asked") or None)
+    monkeypatch.setattr(sizing, "free_gpu_memory", lambda device: built.append("asked") or None)
     with pytest.raises(UserError, match=r"does not fit in host memory here: [\d,]+ parameters need about"):
-        cli_sizing.load_model(GPT, None, {})
+        sizing.load_model(GPT, None, {})
     assert not built  # a CPU run does not ask the GPU
-    monkeypatch.setattr(cli_sizing, "available_memory", lambda: 2**40)
-    assert cli_sizing.load_model(GPT, None, {})[1].num_params() > 0
+    monkeypatch.setattr(sizing, "available_memory", lambda: 2**40)
+    assert sizing.load_model(GPT, None, {})[1].num_params() > 0
 
 
 def test_an_empty_energy_name_is_not_all_energies() -> None:

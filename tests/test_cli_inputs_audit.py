@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import run_main
 
-from energydsl import cli, cli_sizing, load
+from energydsl import cli, load, sizing
 from energydsl.errors import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_info_counts_every_layer_from_the_first(model: str, dims: dict) -> None:
     spec = load(MODELS / model)
     with torch.device("meta"):
         full = spec.model(**dims).info()
-    shallow, layers = cli_sizing.sized_model(spec, None, "torch", dims)
+    shallow, layers = sizing.sized_model(spec, None, "torch", dims)
     assert len(shallow.layers) == 1 and layers == 3
     assert shallow.info(layers=layers) == full
 
@@ -402,13 +402,13 @@ def test_train_refuses_a_billion_shared_layers_for_their_activations(monkeypatch
 def test_the_activation_check_counts_the_block_and_the_dtype(monkeypatch) -> None:
     from energydsl.errors import UserError
 
-    monkeypatch.setattr(cli_sizing, "available_memory", lambda: 100 * 2**20)  # 100 MiB
+    monkeypatch.setattr(sizing, "available_memory", lambda: 100 * 2**20)  # 100 MiB
     # 2,000 shared layers: 2.9 MiB of weights; one sequence of 64 tokens keeps at least 125.1 MiB in float32
     for block in (None, 64, 10**6):  # a block longer than the context is counted as the context (refused later)
         with pytest.raises(UserError, match=r"one sequence of 64 tokens \(--batch-size 1\) keeps at least 125\.1 MiB"):
-            cli_sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype="float32")
+            sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype="float32")
     for block, dtype in ((None, "bfloat16"), (16, "float32"), (None, None)):  # 62.5 MiB, 31.3 MiB, unchecked
-        _, model = cli_sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype=dtype)
+        _, model = sizing.load_model(NRGPT, None, {"layers": 2000}, block_size=block, dtype=dtype)
         assert model.plan.layers == 2000 and len(model.layers) == 1
 
 

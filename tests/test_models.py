@@ -653,7 +653,7 @@ def test_a_model_whose_params_start_at_a_constrained_value_is_sized_on_the_meta_
     """`energy train` and `energy info` size a model on the meta device; generating its module there computed a
     constrained param's raw initial value (softplus⁻¹(1) for `t ~ ones() positive`) as a meta tensor: an
     internal error ("Tensor.item() cannot be called on meta tensors") the first time a spec was sized."""
-    from energydsl.cli_sizing import sized_model
+    from energydsl.sizing import sized_model
 
     monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path / "fresh"))  # nothing generated yet
     spec = energydsl.load(f'''import "{ROOT / 'tests/data/learned-temperature.energy'}"

@@ -408,7 +408,7 @@ def test_train_leaves_the_callers_config_as_it_was(gpt, data) -> None:
 
 def test_a_batch_that_fits_this_machine_is_not_refused(gpt) -> None:
     """The estimate is a lower one: the batch the examples train with is well within it."""
-    from energydsl.cli_sizing import available_memory
+    from energydsl.sizing import available_memory
     from energydsl.training.arguments import check_batch_fits
 
     if available_memory() is None:

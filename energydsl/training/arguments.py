@@ -78,7 +78,7 @@ def check_batch_fits(model: nn.Module, config: TrainConfig, device: torch.device
     the training loop turns into advice never comes. The estimate is a lower one (token ids, a language model's
     `activation_floats_per_token` for the backward pass, the gradients and AdamW's two moments): what is refused
     here could not have run. On a GPU the allocator raises, and the loop says so."""
-    from ..cli_sizing import available_memory, size_text
+    from ..sizing import available_memory, size_text
 
     per_token = getattr(model, "activation_floats_per_token", None)
     available = available_memory() if device.type == "cpu" and callable(per_token) else None

@@ -3,7 +3,8 @@
 The model is built on the meta device with one layer (every layer has the first one's shapes), so a billion
 layers are counted at once; `energy train` then refuses what cannot fit: the weights with their gradients and
 AdamW's moments, and the activations one sequence keeps for the backward pass (which grow with depth even when
-the weights are shared). Kept apart from `cli.py`, which parses flags and prints.
+the weights are shared). Shared by the CLI, the Python API and training; kept apart from `cli.py`, which parses
+flags and prints.
 """
 
 from __future__ import annotations
