@@ -341,7 +341,7 @@ if OptunaSearch is not None:
             elif trial_id not in self._energy_pruned:
                 self._completed_trials.discard(trial_id)  # stopped otherwise (the run ended): left for abandon()
             else:  # pruned on its last result: recorded as a local pruned trial is (value, timing)
-                at = f" at step {curve[-1][0]}" if curve else ""
+                at = f" at step {curve[-1][0]} (val_loss {curve[-1][1]:.4f})" if curve else ""  # as the local one
                 self._report_last(ot_trial, curve)
                 evaluate_s = result.get("time_total_s")  # Tune's clock of the trainable, start to that report
                 timing = {"evaluate_s": round(float(evaluate_s), 6) if finite(evaluate_s) else None,

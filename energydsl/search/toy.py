@@ -102,7 +102,7 @@ class ToySpace:
                 os._exit(137)  # as if the OOM killer took the worker
             val = base + 1.0 / step
             if report(step, val) and step < self.steps:  # a trial that ran all its steps completed
-                raise optuna.TrialPruned(f"pruned at step {step}")
+                raise optuna.TrialPruned(f"pruned at step {step} (val_loss {val:.4f})")
         size = p["depth"] * (1000.0 if candidate.mixer == "attn" else 600.0)
         return {"val_loss": val, "params": size, "base": base}
 
