@@ -543,6 +543,11 @@ def _counts_cancelled(factors: list[ir.Expr], rel: dict[str, str]) -> list[ir.Ex
     return factors if len(out) == len(factors) else out
 
 
+def _applied(value: sp.Expr) -> bool:
+    """A scalar printed as one function application, `softplus(P_s)`: no parentheses needed around it."""
+    return isinstance(value, sp.Function) and not isinstance(value, sp.Piecewise)
+
+
 def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | None = None) -> str:
     """Print an IR expression. `relations` maps context indices to their relation text (e.g. '<=i')."""
     st = STYLES[style] if isinstance(style, str) else style
@@ -551,7 +556,7 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
     def atomic(x: ir.Expr) -> bool:
         return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.ProdOthers, ir.Decay, ir.Rope, ir.Func, ir.Let,
                               ir.Transpose, ir.Dot, ir.Ones, ir.Identity)) or (
-            isinstance(x, ir.Scalar) and (x.value.is_Atom))
+            isinstance(x, ir.Scalar) and (x.value.is_Atom or _applied(x.value)))
 
     def wrap(x: ir.Expr) -> str:
         s = p(x)
@@ -604,8 +609,7 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
                     factors[0] = ir.Scalar(-factors[0].value)
                     if factors[0].value == 1:
                         factors = factors[1:]
-                parts = [wrap(f) if not isinstance(f, ir.Scalar) or f.value.is_Atom else st.paren(p(f))
-                         for f in factors if not f.shape]
+                parts = [wrap(f) for f in factors if not f.shape]
                 tensors = [wrap(f) for f in factors if f.shape]
                 if len(tensors) > 1:
                     tensors = [st.hadamard(tensors)]

@@ -346,15 +346,15 @@ def test_the_direction_and_preconditioner_labels_avoid_the_specs_names() -> None
 def test_printed_equations_keep_names_digits_and_the_gradients_name() -> None:
     """Found reading the four formats side by side: a nested gradient (`a + (z − h)`) was not folded into ∇_z F
     in the direction, which held it flat (and a learned factor added a `where t3 = t1` row); softplus of a scalar
-    printed as log(exp(P_s) + 1); MathML split `s_ff` into s with subscript ff and `eta2` into η₂; the header
-    rounded `--set eta=0.1234567` to 0.123457."""
+    printed as log(exp(P_s) + 1), then in parentheses of its own; MathML split `s_ff` into s with subscript ff and
+    `eta2` into η₂; the header rounded `--set eta=0.1234567` to 0.123457."""
     import xml.etree.ElementTree as ET
 
     spec = ("energy Scal(d = 8, eta = 0.5) {\n  state z[d]\n  input h[d]\n  param W[d, d] ~ normal(0, 0.02)\n"
             "  param s_ff = 0.5 learn\n  global F = -s_ff * sum(integral(silu)(W @ z)) + 0.5 * (z - h) . (z - h)\n"
             "  optimizer gd(eta = eta), precondition scalar\n}\n")
     text = load(spec).energy().equations("text")
-    assert "direction  D = (softplus(P_s)) ∇_z F" in text and "update  z⁺ = z − (η*softplus(P_s)) ∇_z F" in text
+    assert "direction  D = softplus(P_s) ∇_z F" in text and "update  z⁺ = z − (η*softplus(P_s)) ∇_z F" in text
     assert "where" not in text and "log(" not in text, text
     assert "\\operatorname{softplus}" in load(spec).energy().equations("latex")
     mathml = load(spec).energy().equations("mathml")
