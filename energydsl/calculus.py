@@ -333,6 +333,11 @@ def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:
         return [t for term in e.terms for t in _terms(term, coef)]
     if isinstance(e, Mul) and isinstance(e.factors[0], Scalar):
         return _terms(mul(*e.factors[1:]), coef * e.factors[0].value)
+    if isinstance(e, Reduce) and e.op in ("sum", "mean"):  # Σ_k (c X_k + c Y_k) = c Σ_k (X_k + Y_k): per head
+        inner = _terms(e.body)
+        if len({c for c, _ in inner}) == 1:
+            return [(coef * inner[0][0], reduce(e.op, e.index, add(*(t for _, t in inner))))]
+        return [(coef * c, reduce(e.op, e.index, t)) for c, t in inner]
     return [(coef, e)]
 
 

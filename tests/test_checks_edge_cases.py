@@ -516,6 +516,51 @@ def test_untie_keeps_a_learned_scalar_factor_so_that_it_trains():
     assert str(fixed.program.untie_scales["B"]) == "c/2" and all(r.ok for r in fixed.check())
 
 
+PER_HEAD = """energy U(d = 4, heads = 2) {
+  dim     dh = d / heads
+  state   z[d]
+  context h[j, d] where j < i
+  param   W1[heads, dh, d] ~ normal(0, 0.4)
+  param   W2[heads, dh, d] ~ normal(0, 0.4)
+  param   c = 0.7 learn
+  global  F = -0.5 * C * sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))
+  optimizer OPT
+  untie   value W1[k]^T -> Wo[k], W2[k] -> Wv[k]
+}
+"""
+
+
+@pytest.mark.parametrize("opt", ["gd(eta = 0.4) per head, precondition psd(rank = 1)",
+                                 "gd(eta = 0.4) per head, precondition dplr(rank = 1)",
+                                 "nag(beta = 0.5, eta = 0.4) steps 2 per head, precondition dplr(rank = 1)",
+                                 "gd(eta = 0.4) per head, precondition diag"])
+@pytest.mark.parametrize("learned", [False, True])
+def test_untie_absorbs_the_factor_inside_a_per_head_sum(opt: str, learned: bool) -> None:
+    """A per-head psd or dplr direction holds its -½ inside Σ_k: untie saw one term with factor 1, kept the -½
+    and negated the rest, so the untied update was the tied one at Wo = -W1ᵀ (its sign flipped against the docs'
+    `z + η Σ_k …`, and the tying check agreed, using the same scale). Now the -½ is absorbed as for diag."""
+    text = PER_HEAD.replace("OPT", opt).replace("C * ", "c * " if learned else "")
+    if not learned:
+        text = text.replace("  param   c = 0.7 learn\n", "")
+    layer = load(text).energy()
+    untied = [line for line in layer.equations("text").splitlines() if "untied update" in line]
+    assert untied and not any("1/2" in line for line in untied), untied
+    if opt.startswith("gd"):
+        tail = untied[0].split("z⁺ = z + ", 1)[-1]
+        assert tail != untied[0] and "-" not in tail and "−" not in tail, untied  # `+ η (Σ_k …)`, c kept if learned
+    assert {k: float(v) for k, v in layer.program.untie_scales.items()} == {"Wo": 0.5}
+    module = load(text).module().double()
+    tied = load(text.replace("  untie", "  # untie")).module().double()
+    with torch.no_grad():
+        for p in tied.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        state = dict(tied.state_dict(), Wo=0.5 * tied.W1.transpose(-1, -2), Wv=tied.W2.clone())
+        module.load_state_dict({k: v for k, v in state.items() if k not in ("W1", "W2")} | {
+            k: v for k, v in state.items() if k in dict(module.named_parameters())})
+        inputs = tied.example_inputs(2, 5)
+        torch.testing.assert_close(module(**inputs), tied(**inputs))
+
+
 def test_a_summed_block_untied_steps_as_each_part_does():
     """MHA + MLP summed: each part alone is `z + η (…)`; summed, the whole untied update was negated."""
     text = (ROOT / "examples/models/gpt.energy").read_text(encoding="utf-8").replace(
