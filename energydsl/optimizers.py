@@ -63,24 +63,33 @@ class UpdateProgram:
         return self.spec.optimizer.steps
 
 
-def head_split(f: Expr) -> tuple[Expr, str, Expr] | None:
+def head_split(f: Expr, point: Var) -> tuple[Expr, str, Expr] | None:
     """Write F = Σ_k F_k (returns (1, k, F_k)) or F = mean_k F_k (returns (1/|k|, k, F_k)).
 
-    The per-head energy F_k keeps every constant factor of the summand, so Newton per head runs on
-    the head's own energy: seed 004's F = (1/H) Σ_h F_h is written `mean[k](F_k)`.
+    The per-head energy F_k keeps every factor of the summand, so Newton per head runs on the head's own
+    energy: seed 004's F = (1/H) Σ_h F_h is written `mean[k](F_k)`. A factor the simplifier took out of the
+    sum goes back into each F_k when it does not read the point the optimizer moves (a constant, a learned
+    scalar, a per-token step size of the input, `sigmoid(w . x)`); one that reads it is not a head's own.
     """
-    coef = sp.Integer(1)
-    if isinstance(f, ir.Mul) and len(f.factors) == 2 and isinstance(f.factors[0], ir.Scalar):
-        coef, f = f.factors[0].value, f.factors[1]
-    if isinstance(f, ir.Reduce) and f.op in ("sum", "mean"):
-        outer = ir.ONE if f.op == "sum" else ir.power(ir.Count(f.index), -1)
-        return outer, f.index, ir.mul(ir.Scalar(coef), f.body)
-    return None
+    factors = f.factors if isinstance(f, ir.Mul) else (f,)
+    sums = [x for x in factors if isinstance(x, ir.Reduce) and x.op in ("sum", "mean")]
+    if len(sums) != 1:
+        return None
+    (head_sum,) = sums
+    rest = [x for x in factors if x is not head_sum]
+    if any(head_sum.index in x.free or _reads(x, point) for x in rest):
+        return None
+    outer = ir.ONE if head_sum.op == "sum" else ir.power(ir.Count(head_sum.index), -1)
+    return outer, head_sum.index, ir.mul(*rest, head_sum.body)
 
 
-def _not_a_head_sum(f: Expr) -> str | None:
+def _reads(e: Expr, v: Var) -> bool:
+    return any(isinstance(x, Var) and x.name == v.name and x.role == v.role for x in ir.nodes(e))
+
+
+def _not_a_head_sum(f: Expr, point: Var) -> str | None:
     """Why an energy is not a sum over heads: a term beside the sum (`mean[k](...) + c (z . z)`), or a factor
-    that does not depend on the head, taken out of the sum (sum[k](G_k * H) is (sum[k] G_k) * H)."""
+    that reads the state but not the head, taken out of the sum (sum[k](G_k * H(z)) is (sum[k] G_k) * H(z))."""
     def head_sum(e: Expr) -> bool:
         parts = e.factors if isinstance(e, ir.Mul) else (e,)
         return any(isinstance(x, ir.Reduce) and x.op in ("sum", "mean") for x in parts)
@@ -94,8 +103,8 @@ def _not_a_head_sum(f: Expr) -> str | None:
                 "(sum[k](... + c / heads) or mean[k](... + c)), or drop `per head`")
     if not isinstance(f, ir.Mul) or not head_sum(f):
         return None
-    return (f"this energy reads F = {show(f)}: a factor that does not depend on the head is taken out of the "
-            "sum over heads, which leaves a product, not a sum of the heads' own energies")
+    return (f"this energy reads F = {show(f)}: a factor that reads `{point.name}` but not the head is taken out "
+            "of the sum over heads, and a head's own energy would hold the others' terms through it")
 
 
 def build_program(spec: EnergyIR) -> UpdateProgram:
@@ -126,12 +135,12 @@ def _build_program(spec: EnergyIR) -> UpdateProgram:
             return substitute_var(e, point.name, point.role, spec.via[1])
         return e
 
-    split = head_split(energy)
+    split = head_split(energy, point)
     head = split[1] if split else None
     needs_heads = opt.per_head
     if needs_heads and split is None:
         raise SpecError("`per head` needs a global energy of the form c * sum[k](...) or mean[k](...)",
-                        opt.span, _not_a_head_sum(energy))
+                        opt.span, _not_a_head_sum(energy, point))
     if needs_heads and spec.indices[split[1]].size is None:  # `sum[j]` over the context: no heads to split into
         raise SpecError(f"`per head` needs a sum over heads, an index with a size (k over heads), but the global "
                         f"energy sums over `{split[1]}`, which runs over the context", opt.span,

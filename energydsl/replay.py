@@ -107,7 +107,7 @@ def _replayed_per_head(prog: UpdateProgram, inst: Instance, x: torch.Tensor, at:
     Hessian follow from autograd's in z, ∇_q = M A ∇_z and H_q = M A H_z Aᵀ M (A of full row rank), and the
     Neumann series in q is mapped back by Aᵀ M. Each head's preconditioner multiplies its own term."""
     spec, opt = prog.spec, prog.spec.optimizer
-    split = head_split(energy_at_point(prog))
+    split = head_split(energy_at_point(prog), prog.point)
     assert split is not None  # build_program refused the spec otherwise
     coef, k, body = split
     p = at.clone().requires_grad_(True)
@@ -165,7 +165,7 @@ def _replayed_covariance(prog: UpdateProgram, inst: Instance, x: torch.Tensor, a
     spec, opt = prog.spec, prog.spec.optimizer
     plain = prog.gradient
     if opt.per_head:
-        coef, k, body = head_split(energy_at_point(prog))
+        coef, k, body = head_split(energy_at_point(prog), prog.point)
         plain = ir.mul(coef, ir.reduce("sum", k, gradient(body, prog.point, keep=frozenset([k]))))
     tensors = {spec.state.name: x, prog.point.name: at}
     mapping: dict[ir.Expr, ir.Expr] = {}
