@@ -318,8 +318,7 @@ def load_search(path: str | Path, **sets: object):
 def model_of_plan(plan: Any, backend: str = "torch"):
     """The `LanguageModel` of a composition plan (`Spec.plan`). Every layer's weights have the first layer's
     shapes, so a plan with `layers=1` sizes a model of any depth (`LanguageModel.info(layers=...)`)."""
-    from .codegen import module_class
-    from .kernels import use_triton
+    from .codegen import module_class, runnable_backend
     from .runtime.model import LanguageModel, StageInfo
 
     classes, infos = [], []
@@ -327,5 +326,5 @@ def model_of_plan(plan: Any, backend: str = "torch"):
         derived = derive_stage(stage, plan.name)
         classes.append(module_class(derived, backend))
         infos.append(StageInfo(stage.label, derived, derived.flops_per_token(plan.context)))
-    fused = backend == "triton" and use_triton()  # as module_class: no kernels here means plain torch
+    fused = runnable_backend(backend) == "triton"  # as module_class: no kernels here means plain torch
     return LanguageModel(plan, classes, infos, fused_momentum=fused)

@@ -569,6 +569,31 @@ def test_without_gpu_or_interpreter_falls_back_to_torch(tmp_path: Path) -> None:
     assert len(notice) == 1, proc.stderr
 
 
+def test_interpret_set_after_triton_was_imported_falls_back_and_says_why(tmp_path: Path) -> None:
+    """TRITON_INTERPRET=1 set in Python after `import triton`: Triton's own jit functions were built for the
+    compiler at import, so the triton backend's kernels failed inside ("Cannot call @triton.jit'd outside of the
+    scope of a kernel"). It falls back to torch, saying why, and the model (fused momentum too) runs."""
+    if CUDA:
+        pytest.skip("a CUDA device is present: the kernels run")
+    script = textwrap.dedent(f"""
+        import os, torch, triton
+        from energydsl import load
+        os.environ["TRITON_INTERPRET"] = "1"
+        m = load({str(ROOT / "examples/cem/alibi.energy")!r}).module(backend="triton")
+        print(m, m(torch.randn(1, 5, 8)).shape)
+        model = load({str(ROOT / "examples/models/momentum-gpt.energy")!r}).model(
+            backend="triton", vocab=11, context=8, d=8, layers=2, heads=2)
+        print(model(torch.zeros(1, 4, dtype=torch.long)).shape)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ENERGYDSL_CACHE"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "backend=torch) torch.Size([1, 5, 8])" in proc.stdout, proc.stdout
+    notice = [ln for ln in proc.stderr.splitlines() if "falls back to torch" in ln]
+    assert len(notice) == 1 and "TRITON_INTERPRET was set after triton was imported" in notice[0], proc.stderr
+
+
 @pytest.mark.parametrize("path", ["models/momentum-gpt.energy", "models/nag-gpt.energy"])
 def test_momentum_across_layers_is_one_fused_step(path: str) -> None:
     """`across layers momentum|nag`: each stage's step m = beta m + f, x = x + eta m is one kernel call (and

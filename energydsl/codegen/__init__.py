@@ -231,12 +231,17 @@ _NOTICE_SHOWN = False
 def _triton_runs() -> bool:
     """Whether Triton kernels can run here; prints the fallback notice once per process when not."""
     global _NOTICE_SHOWN
-    from ..kernels import triton_available, use_triton
+    from ..kernels import interpreter_missed, triton_available, use_triton
 
-    if use_triton():
+    late = interpreter_missed()
+    if use_triton() and not late:
         return True
     if not _NOTICE_SHOWN:
         _NOTICE_SHOWN = True
-        why = "triton is not installed" if not triton_available() else "no CUDA device and TRITON_INTERPRET is off"
+        if late:
+            why = ("TRITON_INTERPRET was set after triton was imported, and Triton reads it once, at import "
+                   "(set it before Python starts)")
+        else:
+            why = "triton is not installed" if not triton_available() else "no CUDA device and TRITON_INTERPRET is off"
         print(f"energydsl: {why}: the triton backend falls back to torch", file=sys.stderr)
     return False

@@ -35,6 +35,7 @@ __all__ = [
     "energy_attention_with_lse",
     "gated_activation",
     "interpret_requested",
+    "interpreter_missed",
     "kernels_take",
     "linear_attention",
     "momentum_update",
@@ -88,6 +89,16 @@ _ON = ("1", "true", "on", "yes", "y")
 def interpret_requested() -> bool:
     """Whether TRITON_INTERPRET asks for the interpreter, read as Triton reads it."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _ON
+
+
+def interpreter_missed() -> bool:
+    """TRITON_INTERPRET asks for the interpreter, but triton was imported before it was set: Triton builds its own
+    jit functions (`tl.cdiv`, `tl.sigmoid`) for the compiler or the interpreter once, at import, so kernels built
+    now would fail inside ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    language = sys.modules.get("triton.language")
+    if language is None or not interpret_requested():
+        return False
+    return type(getattr(language, "cdiv", None)).__name__ == "JITFunction"
 
 
 def kernels_take(t: Tensor) -> bool:
