@@ -207,7 +207,40 @@ def test_cache_reuses_generated_file(tmp_path, monkeypatch) -> None:
     mtime = files[0].stat().st_mtime_ns
     assert module_class(energydsl.load("examples/cem/mlp.energy").energy(d=6, dv=10)) is a
     assert files[0].stat().st_mtime_ns == mtime
-    assert energy_source(derived) == files[0].read_text()
+    assert energy_source(derived) + "# energydsl cache checksum: " in files[0].read_text()
+
+
+@pytest.mark.parametrize("damage", ["cut short", "emptied", "edited"])
+def test_a_damaged_cache_entry_is_generated_again(tmp_path, monkeypatch, damage: str) -> None:
+    """A cache file cut short (a full disk, a killed copy) or emptied was imported as it was: a SyntaxError (or
+    "module has no attribute") in every later process, until someone found and deleted the file."""
+    import sys
+
+
+    monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
+    spec = energydsl.load("examples/cem/mlp.energy")
+    dv = {"cut short": 13, "emptied": 14, "edited": 15}[damage]  # dims no other test uses: generated here
+    cls = module_class(spec.energy(d=5, dv=dv))
+    (path,) = tmp_path.glob("*.py")
+    whole = path.read_text()
+    path.write_text({"cut short": whole[: len(whole) // 2], "emptied": "",
+                     "edited": whole.replace("def forward", "def forward_", 1)}[damage])
+    monkeypatch.delitem(sys.modules, cls.__module__)  # as a fresh process finds it
+    layer = module_class(spec.energy(d=5, dv=dv))()
+    assert layer(torch.randn(1, 2, 5)).shape == (1, 2, 5) and path.read_text() == whole
+
+
+def test_a_generated_file_that_fails_to_import_is_not_left_half_imported(tmp_path, monkeypatch) -> None:
+    """The module was put in sys.modules before it ran: after a failure, the next call in the process returned
+    that empty module ("has no attribute"), whatever the cache held by then."""
+    import sys
+
+    from energydsl import codegen
+
+    monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
+    with pytest.raises(ZeroDivisionError):
+        codegen._generated_module("broken_0123abcd.py", lambda: "x = 1 / 0\n")
+    assert "energydsl_generated_0123abcd" not in sys.modules
 
 
 def test_a_cache_that_cannot_be_written_builds_in_a_private_folder_and_says_so(tmp_path, monkeypatch, capsys):

@@ -164,8 +164,8 @@ def _generated_module(file_name: str, source: Callable[[], str]) -> ModuleType:
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     path = cache_dir() / file_name
-    if not path.is_file():
-        text = source()
+    if not _intact(path):  # absent, or cut short or changed since it was written: written (again)
+        text = _stamped(source())
         try:  # whole or not at all: concurrent workers never import a half-written file
             write_whole(path, text, quiet=False)
         except OSError as e:  # a read-only home, a cache path that is a file: build anyway, and say where
@@ -175,7 +175,11 @@ def _generated_module(file_name: str, source: Callable[[], str]) -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]  # not a half-run module for the next call to return
+        raise
     from torch import nn
 
     for value in vars(module).values():
@@ -192,10 +196,33 @@ def _reduce_generated(self: nn.Module) -> tuple[Any, ...]:
     return _rebuild_generated, (file.name, _file_text(file), type(self).__name__), self.__getstate__()
 
 
+_CHECKSUM = "# energydsl cache checksum: "
+
+
+def _stamped(text: str) -> str:
+    """A cache entry's text with the SHA-256 of the code as its last line: an entry cut short (a full disk, a
+    killed copy) or edited by hand is generated again, never imported (it failed with a SyntaxError for good)."""
+    return f"{text}{_CHECKSUM}{hashlib.sha256(text.encode()).hexdigest()}\n"
+
+
+def _unstamped(text: str) -> str | None:
+    """The code of a cache entry's text, or None where its checksum line is missing or does not match."""
+    code, stamp, digest = text.rpartition(_CHECKSUM)
+    return code if stamp and digest == hashlib.sha256(code.encode()).hexdigest() + "\n" else None
+
+
+def _intact(path: Path) -> bool:
+    try:
+        return _unstamped(path.read_text()) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 @functools.cache
 def _file_text(path: Path) -> str:
-    """A generated file's text, read once per process (a deepcopy pickles it too); its key names its content."""
-    return path.read_text()
+    """A generated file's code, read once per process (a deepcopy pickles it too); its key names its content."""
+    text = path.read_text()
+    return _unstamped(text) or text
 
 
 def _rebuild_generated(file_name: str, text: str, class_name: str) -> nn.Module:
