@@ -216,7 +216,6 @@ def test_a_damaged_cache_entry_is_generated_again(tmp_path, monkeypatch, damage:
     "module has no attribute") in every later process, until someone found and deleted the file."""
     import sys
 
-
     monkeypatch.setenv("ENERGYDSL_CACHE", str(tmp_path))
     spec = energydsl.load("examples/cem/mlp.energy")
     dv = {"cut short": 13, "emptied": 14, "edited": 15}[damage]  # dims no other test uses: generated here
