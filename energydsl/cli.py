@@ -519,13 +519,19 @@ def sample(
     separator = " " if codec.kind in ("words", "ints") else ""
 
     def emit(piece: str) -> None:
-        sys.stdout.write(piece)
+        try:
+            sys.stdout.write(piece)
+        except UnicodeEncodeError as e:
+            raise UserError(f"standard output's encoding ({e.encoding}) cannot write {e.object[e.start:e.end]!r}, "
+                            "a character of the text", hint="set PYTHONIOENCODING=utf-8 (or a UTF-8 locale, "
+                            "LANG=C.UTF-8) and sample again: the same --seed draws the same text") from None
         sys.stdout.flush()
 
-    if prompt:
+    prompted = bool(codec.encode(prompt))  # spaces alone encode to no words: the start token is drawn from, unshown
+    if prompted:
         emit(utf8.decode(bytes(ids)) if utf8 else codec.decode(ids))
     for n, token in enumerate(new):
-        emit(utf8.decode(bytes([token])) if utf8 else (separator if prompt or n else "") + codec.decode([token]))
+        emit(utf8.decode(bytes([token])) if utf8 else (separator if prompted or n else "") + codec.decode([token]))
     emit((utf8.decode(b"", final=True) if utf8 else "") + "\n")
 
 

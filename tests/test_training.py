@@ -713,6 +713,28 @@ def test_sample_length_determinism_and_cropping(text_dataset, tmp_path):
     assert fresh.training, "sampling restores the training mode"
 
 
+def test_top_k_keeps_exactly_k_tokens_when_logits_tie():
+    """Two tokens tie for the largest logit: `top_k=1` drew from both (nanoGPT's `logits < kth` keeps ties),
+    where the docs say it keeps the K likeliest."""
+    from torch import nn
+
+    from energydsl.training.sampling import CharCodec
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            logits = torch.zeros(*idx.shape, 5)
+            logits[..., :3] = 1.0  # a, b and c tie
+            return logits + 0 * self.w
+
+    drawn = {k: set(sample(Tied(), CharCodec("abcde"), "a", 200, temperature=1.0, top_k=k,
+                           generator=torch.Generator().manual_seed(0))) for k in (1, 2, 3, 4)}
+    assert [len(d) for d in drawn.values()] == [1, 2, 3, 4] and drawn[3] == set("abc"), drawn
+
+
 def test_sampling_reads_no_further_back_than_the_trained_block(text_dataset, tmp_path):
     """Trained on blocks of 8 in a context of 32: positions 8..31 never had a gradient, so the sampler feeds the
     model the last 8 tokens, not 32 (a run's metadata without a training block keeps the context)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -559,11 +560,34 @@ def test_sample_streams_and_a_bytes_model_takes_a_prompt_that_is_not_utf8(corpus
     assert proc.returncode == 0 and b"internal error" not in proc.stderr, proc.stderr
     text = proc.stdout.decode("utf-8")  # strict: the output is text
     assert text.startswith("ab\ufffd") and text.endswith("\n")
+    ascii_out = subprocess.run([sys.executable, "-m", "energydsl.cli", "sample", str(tmp_path / "run"), "--prompt",
+                                b"ab\xff", "--tokens", "7"], capture_output=True, timeout=300, cwd=ROOT,
+                               env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    message = ascii_out.stderr.decode()  # was "internal error ... UnicodeEncodeError", exit 70
+    assert ascii_out.returncode == 2 and "error: standard output's encoding (ascii) cannot write '\\ufffd'" in message
+    assert "hint: set PYTHONIOENCODING=utf-8" in message and ascii_out.stdout == b"", message
     prompt = b"ab\xff".decode("utf-8", errors="surrogateescape")  # as Python read it from argv
     model, codec, meta = load_trained(tmp_path / "run")
     _, ids, new = stream(model, codec, prompt, 10**12, 0.8, None, torch.Generator().manual_seed(0), metadata=meta)
     assert ids == [97, 98, 255]
     assert len(list(itertools.islice(new, 7))) == 7  # drawn one at a time: 10**12 asked, 7 taken
+
+
+def test_sample_shows_no_start_token_for_a_prompt_of_spaces(tmp_path, monkeypatch, capsys):
+    """A words codec encodes " " to no tokens, so sampling starts from its start token: that was printed as the
+    prompt (`<pad> 8 8 8`), where "" prints only what was drawn."""
+    code, _, err = energy("train", str(ROOT / "examples/models/gpt.energy"), "--data", "listops", "--set", "d=16",
+                          "--set", "layers=1", "--set", "heads=2", "--set", "context=65", "--steps", "2",
+                          "--eval-interval", "2", "--eval-iters", "1", "--batch-size", "2", "--out",
+                          str(tmp_path / "run"))
+    assert code == 0, err
+    outputs = []
+    for prompt in ("", " ", "   "):
+        code, out, err = energy("sample", str(tmp_path / "run"), "--prompt", prompt, "--tokens", "3",
+                                "--temperature", "0")
+        assert code == 0, err
+        outputs.append(out)
+    assert len(outputs[0].split()) == 3 and outputs == [outputs[0]] * 3, outputs
 
 
 @pytest.mark.parametrize("damage", ["truncated weights", "steps disagree", "sidecar missing", "last missing"])

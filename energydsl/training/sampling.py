@@ -266,9 +266,9 @@ def _draw(model: nn.Module, vocab: int | None, ids: list[int], max_new_tokens: i
                 # shifted so the largest is 0, in float64 (where 1e-300 is not 0): a tiny temperature then gives
                 # 0 and -inf, never inf - inf
                 logits = (logits - logits.max(dim=-1, keepdim=True).values).double() / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                if top_k is not None:  # exactly K kept, ties at the K-th value too (nanoGPT's `< kth` kept them all)
+                    kept = torch.topk(logits, min(top_k, logits.size(-1))).indices
+                    logits = torch.full_like(logits, float("-inf")).scatter(-1, kept, logits.gather(-1, kept))
                 probs = torch.softmax(logits, dim=-1)
                 if generator is not None and generator.device != probs.device:
                     probs = probs.to(generator.device)
