@@ -519,12 +519,7 @@ def sample(
     separator = " " if codec.kind in ("words", "ints") else ""
 
     def emit(piece: str) -> None:
-        try:
-            sys.stdout.write(piece)
-        except UnicodeEncodeError as e:
-            raise UserError(f"standard output's encoding ({e.encoding}) cannot write {e.object[e.start:e.end]!r}, "
-                            "a character of the text", hint="set PYTHONIOENCODING=utf-8 (or a UTF-8 locale, "
-                            "LANG=C.UTF-8) and sample again: the same --seed draws the same text") from None
+        sys.stdout.write(piece)
         sys.stdout.flush()
 
     prompted = bool(codec.encode(prompt))  # spaces alone encode to no words: the start token is drawn from, unshown
@@ -595,6 +590,10 @@ def _main() -> None:
                        f"hint: {_KEPT}: restore the permissions (or choose another place) and rerun "
                        "the same command")
             sys.exit(2)
+        if isinstance(e, UnicodeEncodeError) and _an_output_encoding(e.encoding):  # PYTHONIOENCODING=ascii
+            to_stderr(f"error: the output encoding ({e.encoding}) cannot write {e.object[e.start:e.end]!r}\n"
+                      "hint: set PYTHONIOENCODING=utf-8 (or a UTF-8 locale, LANG=C.UTF-8) and rerun the same command")
+            sys.exit(2)
         if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:  # pathlib's exists() and is_dir() raise it
             to_stderr(f"error: a path is too long: {e.filename or '?'} ({e.strerror})\nhint: {PATH_LIMITS}")
             sys.exit(2)
@@ -616,6 +615,18 @@ def _main() -> None:
         to_stderr(f"internal error while processing {spec_name}: {type(e).__name__}: {first} "
                    "(please report this with the spec)")
         sys.exit(70)
+
+
+def _an_output_encoding(encoding: str) -> bool:
+    """Whether `encoding` is standard output's or error's, and not UTF-8: the math, `·` and `→` cannot be written."""
+    def name(e: str | None) -> str | None:
+        try:
+            return codecs.lookup(e).name if e else None
+        except LookupError:
+            return None
+
+    ours = {name(getattr(stream, "encoding", None)) for stream in (sys.stdout, sys.stderr)}
+    return name(encoding) in ours - {None, "utf-8"}
 
 
 if __name__ == "__main__":

@@ -231,3 +231,15 @@ def test_a_file_that_only_imports_its_model_names_it_for_graph_and_info(tmp_path
         proc = energy_cli(command, str(imports))
         assert proc.returncode == 2 and f"error: {imports} declares no model" in proc.stderr, proc.stderr
         assert "hint: it imports GPT: `--name GPT`" in proc.stderr, proc.stderr
+
+
+def test_an_output_encoding_that_cannot_write_the_math_is_a_clear_error() -> None:
+    """`PYTHONIOENCODING=ascii energy derive` (or check, sample): an internal error, exit 70, "please report"."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "energydsl.cli", "derive", "examples/cem/alibi.energy"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("error: the output encoding (ascii) cannot write '\\xb7'\nhint: set PYTHONIOENCODING=utf-8 "
+                           "(or a UTF-8 locale, LANG=C.UTF-8) and rerun the same command\n"), proc.stderr

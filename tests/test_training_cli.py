@@ -564,7 +564,7 @@ def test_sample_streams_and_a_bytes_model_takes_a_prompt_that_is_not_utf8(corpus
                                 b"ab\xff", "--tokens", "7"], capture_output=True, timeout=300, cwd=ROOT,
                                env={**os.environ, "PYTHONIOENCODING": "ascii"})
     message = ascii_out.stderr.decode()  # was "internal error ... UnicodeEncodeError", exit 70
-    assert ascii_out.returncode == 2 and "error: standard output's encoding (ascii) cannot write '\\ufffd'" in message
+    assert ascii_out.returncode == 2 and "error: the output encoding (ascii) cannot write '\\ufffd'" in message
     assert "hint: set PYTHONIOENCODING=utf-8" in message and ascii_out.stdout == b"", message
     prompt = b"ab\xff".decode("utf-8", errors="surrogateescape")  # as Python read it from argv
     model, codec, meta = load_trained(tmp_path / "run")
