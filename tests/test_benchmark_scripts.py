@@ -282,3 +282,14 @@ def test_op_counts_names_a_bad_spec_or_compare_file_and_exits_2(tmp_path) -> Non
         out = _run("benchmarks/op_counts.py", "--compare", str(compare), "examples/hopfield/modern.energy")
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert f"error: --compare {compare}: not a --json file" in out.stderr, out.stderr
+
+
+def test_activation_memory_prints_autograds_bytes_against_the_estimate_a_floor() -> None:
+    """The estimate `energy train` checks a batch against is a floor of what autograd keeps per layer (above it,
+    a batch that fits would be refused); the docs quote this script's ratios."""
+    out = _run_here("benchmarks/activation_memory.py", "examples/models/gpt.energy", "examples/models/nrgpt.energy",
+                    "--batch", "2", "--context", "16")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = re.findall(r"^(GPT|NRGPT)\s+(\d+)\s+(\d+)\s+([\d.]+)x$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["GPT", "NRGPT"], out.stdout
+    assert all(int(kept) >= int(estimate) > 0 for _, kept, estimate, _ in rows), rows
