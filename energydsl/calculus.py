@@ -335,6 +335,8 @@ def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:
         return _terms(mul(*e.factors[1:]), coef * e.factors[0].value)
     if isinstance(e, Reduce) and e.op in ("sum", "mean"):  # Σ_k (c X_k + c Y_k) = c Σ_k (X_k + Y_k): per head
         inner = _terms(e.body)
+        if len(inner) == 1 and inner[0][0] == 1:
+            return [(coef, e)]  # nothing to take out: the node as it is (shared with the tied direction)
         if len({c for c, _ in inner}) == 1:
             return [(coef * inner[0][0], reduce(e.op, e.index, add(*(t for _, t in inner))))]
         return [(coef * c, reduce(e.op, e.index, t)) for c, t in inner]
