@@ -32,6 +32,10 @@ class Spec:
     def __init__(self, module: syntax.Module):
         self.syntax = module
         self.path = module.path
+        # where the spec is, absolute now: a notebook's os.chdir must not move it (a run records it; a search
+        # file is read again). Spec text: `<string>` in the folder its imports resolve against.
+        self._file = Path(module.path).resolve() if Path(module.path).is_file() else None
+        self._source = self._file or (Path(module.base) / "<string>").resolve()
 
     @property
     def names(self) -> list[str]:
@@ -88,13 +92,14 @@ class Spec:
                 check_stage_state(plan, stage, seen[key].spec)  # it fits the stream, as training needs
         return list(seen.values())
 
-    def block(self, name: str, **dims: float) -> list[Derived]:
+    def block(self, name: str | None = None, **dims: float) -> list[Derived]:
         """Each stage of a block, derived: its energies summed under the first one's optimizer. `dims` go to
-        every energy that declares them, as a block's named arguments do in a model."""
+        every energy that declares them, as a block's named arguments do in a model; `name` may be left out when
+        the file declares one block."""
         from .composition import expand_block
 
         _check_name(name)
-        self._pick(name, [], ("block", "blocks"), self.syntax.blocks)
+        name = self._pick(name, self.block_names, ("block", "blocks"), self.syntax.blocks)
         return [derive(stage.decl, stage.dims) for stage in expand_block(self.syntax, name, dims)]
 
     def derive(self, **dims: float) -> list[Derived]:
@@ -165,7 +170,8 @@ class Spec:
         """A `search` declaration loads as `energy search` loads it: the model and energies it names, its holes
         and settings, its data against the model, and the text no hole changes (a located `SpecError` if not).
         The candidates' own checks are left to the search, which runs them on each before it trains."""
-        space = load_search(self.path, search=name)
+        here = Path(self.path).resolve() == self._file  # as given, unless the working directory has changed
+        space = load_search(self.path if here else self._file or self.path, search=name)
         holes = space.holes()
         return [CheckResult("space", "ok", f"model {space.model_name}, {len(holes)} hole"
                             f"{'' if len(holes) == 1 else 's'} ({', '.join(h.name for h in holes) or 'none'}); "
@@ -231,8 +237,7 @@ class Spec:
         from .codegen import runnable_backend
         from .number_text import plain_value
 
-        source = Path(self.syntax.base) / (Path(self.path).name if Path(self.path).is_file() else "<string>")
-        return {"spec_path": str(source.resolve()), "spec_source": self.syntax.text, "model": model.plan.name,
+        return {"spec_path": str(self._source), "spec_source": self.syntax.text, "model": model.plan.name,
                 "dims": {k: plain_value(v) for k, v in model.plan.dims.items()}, "context": model.block_size,
                 "equation_hash": model.equation_hash(), "backend": runnable_backend(backend)}
 
@@ -252,6 +257,8 @@ class Spec:
         return self.energy(name, **dims).module(backend, device=device, dtype=dtype)
 
     def plan(self, name: str | None = None, **dims: float):
+        """A model declaration resolved at these dims (`composition.ModelPlan`): its stages, stream, layers and
+        what `.model(...)` builds from them, before any weight is."""
         from .composition import plan_model
 
         _check_name(name)

@@ -153,6 +153,7 @@ class Derived:
                 for name, forms in sorted(on_path.items()) if name in inside]
 
     def equations(self, fmt: str = "text") -> str:
+        """What `energy derive` prints, in `fmt`: text, latex, markdown or mathml (computed once per format)."""
         if fmt not in ("text", "latex", "markdown", "mathml"):
             raise SpecError(f"unknown format `{fmt}`", None, "use text, latex, markdown or mathml")
         if fmt not in self._formatted:
@@ -233,6 +234,7 @@ class Derived:
             return placed(module_class(self, backend)(), device, dtype)
 
     def check(self) -> list[CheckResult]:
+        """`energy check`'s rows for this energy, run once (float64, against autograd): `CheckResult`s."""
         if self._checks is None:
             self._checks = run_checks(self.program)
         return self._checks
@@ -310,8 +312,10 @@ def placed(module: Any, device: Any, dtype: Any) -> Any:
     given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
-    if given is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise UserError(f"dtype must be a floating torch dtype (torch.float32, \"float64\", ...), got {given!r}")
+    if given is not None and dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise UserError(f"dtype must be a floating torch dtype a layer computes in (float32, float64, bfloat16, "
+                        f"float16), got {given!r}", hint="float8 types hold weights for scaled matmuls; torch "
+                        "computes no normalisation or initialiser in them" if "float8" in str(given) else None)
     return module if device is None and dtype is None else module.to(device=device, dtype=dtype)
 
 

@@ -28,6 +28,11 @@ MODULE_ATTRIBUTES = frozenset({
 })
 
 
+# the Python API's own keyword arguments beside a declaration's dims (`.module(name, backend, device=, dtype=,
+# **dims)`, `.energy(name, **dims)`): a dim by one of these names could never be set from Python
+API_ARGUMENTS = frozenset({"self", "name", "backend", "device", "dtype"})
+
+
 def name_problem(name: str, attribute: bool = False) -> tuple[str, str] | None:
     """(what is wrong, a hint) when `name` cannot be a name of the generated Python; None when it can.
     `attribute`: the name becomes an attribute of the generated nn.Module (a parameter)."""

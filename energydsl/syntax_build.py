@@ -14,6 +14,7 @@ from typing import Any
 from lark import Transformer, v_args
 
 from .errors import Span, SpecError
+from .python_names import API_ARGUMENTS
 from .syntax_tree import (
     BinOp,
     BlockDecl,
@@ -136,6 +137,11 @@ class _ToAst(Transformer):
     def header(self, children):
         items = [c for c in children if c is not None]
         _refuse_repeats([(name, span) for name, _, span in items], "in the header")
+        for name, _, span in items:
+            if name in API_ARGUMENTS:
+                raise SpecError(f"`{name}` is an argument of the Python API's calls beside the dims "
+                                f"(`.module(name, backend, device=..., dtype=..., **dims)`), so a dim cannot take it",
+                                span, f"rename it (`n_{name}`, say)")
         return [(name, value) for name, value, _ in items]
 
     def dims(self, children):

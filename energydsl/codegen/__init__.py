@@ -164,8 +164,10 @@ def _generated_module(file_name: str, source: Callable[[], str]) -> ModuleType:
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     path = cache_dir() / file_name
-    if not _intact(path):  # absent, or cut short or changed since it was written: written (again)
-        text = _stamped(source())
+    code = _cached_code(path)
+    if code is None:  # absent, or cut short or changed since it was written: written (again)
+        code = source()
+        text = _stamped(code)
         try:  # whole or not at all: concurrent workers never import a half-written file
             write_whole(path, text, quiet=False)
         except OSError as e:  # a read-only home, a cache path that is a file: build anyway, and say where
@@ -180,6 +182,7 @@ def _generated_module(file_name: str, source: Callable[[], str]) -> ModuleType:
     except BaseException:
         del sys.modules[mod_name]  # not a half-run module for the next call to return
         raise
+    _CODE[mod_name] = (file_name, code)
     from torch import nn
 
     for value in vars(module).values():
@@ -188,12 +191,16 @@ def _generated_module(file_name: str, source: Callable[[], str]) -> ModuleType:
     return module
 
 
+_CODE: dict[str, tuple[str, str]] = {}  # each generated module imported: its file's name and its code
+
+
 def _reduce_generated(self: nn.Module) -> tuple[Any, ...]:
-    """A generated module pickles (and deep-copies) with its file's text, so a fresh process (another machine,
+    """A generated module pickles (and deep-copies) with its file's code, so a fresh process (another machine,
     an empty cache) loads it: by reference, its class was the module `energydsl_generated_<key>`, which only a
-    process that had built the same spec could import."""
-    file = Path(sys.modules[type(self).__module__].__file__)
-    return _rebuild_generated, (file.name, _file_text(file), type(self).__name__), self.__getstate__()
+    process that had built the same spec could import. The code is the one imported, kept in memory: the cache
+    may have been cleared since."""
+    file_name, code = _CODE[type(self).__module__]
+    return _rebuild_generated, (file_name, code, type(self).__name__), self.__getstate__()
 
 
 _CHECKSUM = "# energydsl cache checksum: "
@@ -211,18 +218,12 @@ def _unstamped(text: str) -> str | None:
     return code if stamp and digest == hashlib.sha256(code.encode()).hexdigest() + "\n" else None
 
 
-def _intact(path: Path) -> bool:
+def _cached_code(path: Path) -> str | None:
+    """The code of the cache entry at `path`; None where there is none, or not as it was written."""
     try:
-        return _unstamped(path.read_text()) is not None
+        return _unstamped(path.read_text())
     except (OSError, UnicodeDecodeError):
-        return False
-
-
-@functools.cache
-def _file_text(path: Path) -> str:
-    """A generated file's code, read once per process (a deepcopy pickles it too); its key names its content."""
-    text = path.read_text()
-    return _unstamped(text) or text
+        return None
 
 
 def _rebuild_generated(file_name: str, text: str, class_name: str) -> nn.Module:

@@ -325,4 +325,9 @@ class LanguageModel(nn.Module):
             if not is_count(value) or (most is not None and value > most):
                 within = f" and at most the context, {most}" if most is not None else ""
                 raise ValueError(f"example_input: {name} must be a whole number of at least 1{within}, not {value!r}")
-        return torch.randint(0, self.vocab_size, (batch, seq))
+        weight = next(self.parameters(), None)  # on the model's device, as a layer's example_input is
+        return torch.randint(0, self.vocab_size, (batch, seq), device=None if weight is None else weight.device)
+
+    def example_inputs(self, batch: int = 2, seq: int | None = None) -> dict[str, Tensor]:
+        """`example_input` by the forward's argument name, as a layer's `example_inputs`: `model(**inputs)`."""
+        return {"idx": self.example_input(batch, seq)}
