@@ -134,7 +134,7 @@ class Spec:
     def _check_block(self, name: str, energy_dims: dict[str, float],
                      model_dims: dict[str, dict[str, float]]) -> dict[str, list[CheckResult]]:
         """Each stage of a block, as a model's layer runs it (a sum: one energy), by label."""
-        from .composition import block_arguments, expand_block, models_running, plan_model
+        from .composition import block_arguments, blocks_running, expand_block, models_running, plan_model
 
         try:
             stages, where = expand_block(self.syntax, name, energy_dims), ""
@@ -142,10 +142,15 @@ class Spec:
             users = models_running(self.syntax, name)  # gives it (`Pair(h = 4)`): checked as one model runs it
             if not users:
                 raise
-            model = plan_model(self.syntax, users[0], model_dims.get(users[0], {}))
-            outer = model.dims | block_arguments(self.syntax, users[0], name, model.dims)
-            stages = expand_block(self.syntax, name, energy_dims, outer=outer)
-            where = f" at model {users[0]}'s dims"
+            plans = {user: plan_model(self.syntax, user, model_dims.get(user, {})) for user in users}
+            given = {user: block_arguments(self.syntax, user, name, plan.dims) for user, plan in plans.items()}
+            user = next((u for u in users if given[u] is not None), None)
+            if user is None:  # only other blocks run it, with arguments of their own: their checks run its stages
+                outers = ", ".join(f"`{b}`" for b in blocks_running(self.syntax, name))
+                return {name: [CheckResult("stages", "skip", f"it reads arguments that block {outers} gives it "
+                                           "(in model " + ", ".join(users) + "): checked there, with them")]}
+            stages = expand_block(self.syntax, name, energy_dims, outer=plans[user].dims | given[user])
+            where = f" at model {user}'s dims"
         return {(name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})") + where:
                 derive(stage.decl, stage.dims).check() for n, stage in enumerate(stages)}
 

@@ -325,14 +325,20 @@ def expand_block(module: ast.Module, name: str, dims: dict[str, float],
     return [_stage(*stage) for stage in stages]
 
 
-def block_arguments(module: ast.Module, model: str, block: str, dims: dict[str, float]) -> dict[str, float]:
+def block_arguments(module: ast.Module, model: str, block: str, dims: dict[str, float]) -> dict[str, float] | None:
     """The arguments `model`'s layer gives `block` where it names it itself (`layer = Pair(h = 4)`), at the model's
-    `dims`; none where only another block runs it."""
+    `dims`; None where only another block runs it (with arguments of its own: `blocks_running`)."""
     layer = next((c.value for c in module.models[model].clauses if c.kind == "layer"), [])
     ref = next((r for summed in layer for r in summed if r.name == block), None)
     if ref is None:
-        return {}
+        return None
     return {key: evaluate_number(node, dims, f"`{key}` of block `{block}`") for key, node in ref.args if key}
+
+
+def blocks_running(module: ast.Module, block: str) -> list[str]:
+    """The blocks whose own pipeline names `block`."""
+    return [name for name, decl in module.blocks.items()
+            if any(r.name == block for summed in decl.pipeline for r in summed)]
 
 
 def models_running(module: ast.Module, block: str) -> list[str]:

@@ -968,6 +968,15 @@ def test_a_block_that_reads_a_models_dims_is_checked_at_them(tmp_path: Path) -> 
     results = load(path).check()
     assert "Pair stage 1 (MHA) at model M's dims" in results
     assert all(r.status != "fail" for rows in results.values() for r in rows)
+    # a block that only another block gives its arguments (`Twice = Outer(hh = 3) -> Outer(hh = 5)`) was refused
+    # (exit 2, "unknown name `hh`") though info, graph and train took the file: its stages are checked in Twice's
+    path.write_text(GPT_ENERGIES + "block Outer = MLP(hidden = hh)\nblock Twice = Outer(hh = 3) -> Outer(hh = 5)\n"
+                    "model M(vocab = 11, context = 8, d = 16) {\n  layer = Twice\n}\n")
+    results = load(path).check()
+    assert [(r.name, r.status) for r in results["Outer"]] == [("stages", "skip")], results["Outer"]
+    assert "block `Twice` gives it (in model M): checked there" in results["Outer"][0].detail
+    assert {"Twice stage 1 (MLP)", "Twice stage 2 (MLP)", "M"} <= set(results), sorted(results)
+    assert all(r.status != "fail" for rows in results.values() for r in rows)
 
 
 @pytest.mark.parametrize("call, message", [("Pair(haeds = 4)", "did you mean `heads`?"),
