@@ -811,7 +811,13 @@ def test_an_error_in_text_no_hole_changes_is_refused_at_its_line_before_any_tria
     with pytest.raises(SpecError, match="undefined name `q`") as e:
         load_search(write(tmp_path, typo + SEARCH))
     assert (e.value.span.file, e.value.span.line) == (str(tmp_path / "space.energy"), 17), e.value.span
-    assert "no hole changes this line" in e.value.hint
+    assert "no hole changes this line up to here" in e.value.hint
+    # a hole after the error on its line (`W1 @ q)) * float 1..2`) changes none of the text up to it: refused too
+    # (every trial was invalid, exit 0, where `energy check` refused the file)
+    late = typo.replace("(W1 @ q))", "(W1 @ q)) * float 1..2")
+    with pytest.raises(SpecError, match="undefined name `q`") as e:
+        load_search(write(tmp_path, late + SEARCH, "late.energy"))
+    assert (e.value.span.file, e.value.span.line) == (str(tmp_path / "late.energy"), 17), e.value.span
     (tmp_path / "lib.energy").write_text(textwrap.dedent(typo))  # in an imported file: located there
     with pytest.raises(SpecError, match="undefined name `q`") as e:
         load_search(write(tmp_path, 'import "lib.energy"\n' + SEARCH, "imports.energy"))

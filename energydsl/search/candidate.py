@@ -21,18 +21,22 @@ from energydsl.search.stagecheck import stage_check
 _CANDIDATE_PLACE = re.compile(r"<string>:(\d+):(\d+)")  # a place in a candidate's text, as composition cites it
 
 
-def space_location(text: str, line: int, column: int, sources: list[tuple[str, str]]) -> Span | None:
+def space_location(text: str, line: int, column: int, sources: list[tuple[str, str]],
+                   end_column: int | None = None) -> Span | None:
     """Where line `line` of a candidate's `text` stands in the space's files ((path, text) each), when no hole
-    changed it: the file line equal to it whose neighbours agree best with the candidate's (a `state z[d]` line
-    is in every energy); None for a line a hole changed, or where two places agree as well."""
+    changed it (or, given the place's `end_column`, none changed the line up to there: `W1 @ q) * float 1..2`'s
+    `q`): the file line that agrees whose neighbours agree best with the candidate's (a `state z[d]` line is in
+    every energy); None for a place a hole changed, or where two places agree as well."""
     lines = text.split("\n")
     if not 1 <= line <= len(lines) or not lines[line - 1].strip():
         return None
+    wanted = lines[line - 1]
+    upto = end_column - 1 if end_column and end_column > column else None  # the place's text, and what is before it
     found: list[tuple[int, str, int, str]] = []  # (neighbours that agree, path, line, file text)
     for path, source in sources:
         file_lines = source.split("\n")
         for n, same in enumerate(file_lines):
-            if same != lines[line - 1]:
+            if same != wanted and (upto is None or len(same) < upto or same[:upto] != wanted[:upto]):
                 continue
             agree = sum(1 for k in range(-6, 7) if k and 0 <= line - 1 + k < len(lines)
                         and 0 <= n + k < len(file_lines) and lines[line - 1 + k] == file_lines[n + k])
@@ -41,7 +45,7 @@ def space_location(text: str, line: int, column: int, sources: list[tuple[str, s
     if not found or (len(found) > 1 and found[1][0] == found[0][0]):
         return None
     _, path, number, source = found[0]
-    return Span(path, number, column, source)
+    return Span(path, number, column, source, end_column)
 
 
 def in_space(e: UserError, sources: list[tuple[str, str]]) -> UserError:
@@ -58,7 +62,7 @@ def in_space(e: UserError, sources: list[tuple[str, str]]) -> UserError:
     out.args = (out.message,)
     out.hint = _CANDIDATE_PLACE.sub(moved, e.hint) if e.hint else e.hint
     if e.span is not None and text:
-        out.span = space_location(text, e.span.line, e.span.column, sources) or e.span
+        out.span = space_location(text, e.span.line, e.span.column, sources, e.span.end_column) or e.span
     return out
 
 

@@ -87,7 +87,7 @@ def refuse_errors_no_hole_changes(space: DslSpace) -> None:
         return
     if any((e.message, str(e.span)) != (first.message, str(first.span)) for e in found[1:]):
         return
-    why = "no hole changes this line: every candidate would be invalid"
+    why = "no hole changes this line up to here: every candidate would be invalid"
     raise SpecError(first.message, first.span, f"{first.hint}; {why}" if first.hint else why)
 
 
