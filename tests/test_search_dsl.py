@@ -250,6 +250,13 @@ def test_hole_bounds_may_be_negative_and_land_as_atoms(tmp_path: Path) -> None:
     assert "F = 9/2 (" in ff.equations()  # -(-1.5)^2 * (-2); the unparenthesised text would give -9/2
     with pytest.raises(SpecError, match="need whole numbers, low <= high"):
         load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int -1..-3") + SEARCH))
+    # a choice of signed numbers records numbers (`-1` was the text '-1' beside the int 2), filled as atoms
+    signed = load_search(write(tmp_path, text.replace("let     c = int -3..-1", "let     c = choice{-1, 2, -0.5}")
+                               + SEARCH, "signed.energy"))
+    assert [o.label for h in signed.holes() if h.name == "FF.c" for o in h.options] == [-1, 2, -0.5]
+    filled = fill(signed, **{"Tiny.d": 8, "Mix.optimizer": "gd", "train.lr": 1e-3, "FF.a": -0.5, "FF.c": -1,
+                             "FF.F": -1.5})
+    assert "let     c = (-1)" in filled.source() and filled.params["FF.c"] == -1
     # accepted, and then every trial was invalid (`got 1.12441e+19`)
     with pytest.raises(SpecError, match="a bound is larger than 2\\^53") as err:
         load_search(write(tmp_path, TINY.replace("layers = 1", "layers = int 1..100000000000000000000") + SEARCH))

@@ -215,10 +215,8 @@ class _Collector:
         options: list[_Option] = []
         for i, opt in enumerate(_kids(node), start=1):
             os_, oe = _pos(opt)
-            if opt.data == "number":
-                v = float(opt.children[0])
-                label: Any = int(v) if v.is_integer() and "." not in str(opt.children[0]) else v
-            else:
+            label: Any = _number_label(opt)
+            if label is None:
                 label = _norm(f.slice(opt))
             if any(_same_text(o.label, label) for o in options):
                 raise SpecError(f"`{label}` is listed twice in this choice", span)
@@ -360,6 +358,19 @@ class _Filler:
             s, e = h.outer
             text = h.file.text[s : h.start] + text + h.file.text[h.end : e]
         return text
+
+
+def _number_label(opt: lark.Tree) -> int | float | None:
+    """A choice's option that is a number, `2`, `0.5` or `-1`, as that number (a whole one as an int): recorded
+    as numbers alike (`-1` was the text '-1' beside the int 2); None for any other option."""
+    sign = 1
+    if opt.data == "neg" and isinstance(opt.children[0], lark.Tree):
+        sign, opt = -1, opt.children[0]
+    if opt.data != "number":
+        return None
+    text = str(opt.children[0])
+    value = sign * float(text)
+    return int(value) if value.is_integer() and "." not in text else value
 
 
 def _render(file: _File, start: int, end: int, holes: list[_Hole], filler: _Filler) -> str:
