@@ -476,15 +476,14 @@ def plan_model(module: ast.Module, name: str, overrides: dict[str, float]) -> Mo
 
 
 def unread_dims(module: ast.Module, name: str) -> list[str]:
-    """The header dims of model `name` that nothing reads: no clause, no other dim's default, no stage's energy
+    """The header dims of model `name` that nothing reads: no clause, no read dim's default, no stage's energy
     (which takes a model dim of its own dim's name) and no block. `layers = 8` without `repeat layers` built one
-    layer, and said nothing."""
+    layer, and said nothing; a dim read only by an unread dim's default (`a = 2, b = 4 * a`) is unread too."""
     decl = module.models[name]
     clauses = {c.kind for c in decl.clauses}
     layer = next((c.value for c in decl.clauses if c.kind == "layer"), [])
     others = [c for c in decl.clauses if c.kind != "layer"]
     read = {"vocab", "context"} | (set() if "stream" in clauses else {"d"}) | _names_in(others)
-    read |= _names_in([node for _, node in decl.header])
     # each stage reference, with the names an enclosing block's arguments set in its place (shadowed)
     refs: list[tuple[ast.StageRef, frozenset[str]]] = [(ref, frozenset()) for summed in layer for ref in summed]
     seen: set[tuple[str, frozenset[str]]] = set()
@@ -501,6 +500,12 @@ def unread_dims(module: ast.Module, name: str) -> list[str]:
         elif ref.name in module.blocks:
             inner = shadowed | {k for k, _ in ref.args if k}
             refs += [(r, inner) for summed in module.blocks[ref.name].pipeline for r in summed]
+    defaults = dict(decl.header)
+    pending = [k for k in read if k in defaults]
+    while pending:  # what a read dim's default reads is read
+        for name_read in _names_in(defaults[pending.pop()]) - read:
+            read.add(name_read)
+            pending.append(name_read)
     return [k for k, _ in decl.header if k not in read]
 
 

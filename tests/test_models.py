@@ -782,6 +782,11 @@ def test_a_model_check_warns_of_header_dims_nothing_reads(tmp_path: Path) -> Non
                     "model M(vocab = 11, context = 8, d = 8, heads = 2, hidden = 99, h2 = 16) {\n  embed tokens\n"
                     "  layer = MHA -> MLP(d, hidden = 32) -> B(hidden = h2)\n  head tied\n}\n")
     assert unread_dims(energydsl.load(spec).syntax, "M") == ["hidden"]
+    # a dim only an unread dim's default reads (`m` in `hidden = m * d`, hidden given in every place) is unread too
+    spec.write_text(f'import "{ROOT}/examples/models/gpt.energy"\n'
+                    "model M(vocab = 11, context = 8, d = 8, heads = 2, m = 2, hidden = m * d, n = 2, k = n) {\n"
+                    "  embed tokens\n  layer = MHA -> MLP(d, hidden = 32 * k)\n  head tied\n}\n")
+    assert unread_dims(energydsl.load(spec).syntax, "M") == ["m", "hidden"]  # k reads n, and a stage reads k
 
 
 @pytest.mark.parametrize(("clause", "status", "detail"), [
