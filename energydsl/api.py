@@ -144,12 +144,16 @@ class Spec:
                 raise
             plans = {user: plan_model(self.syntax, user, model_dims.get(user, {})) for user in users}
             given = {user: block_arguments(self.syntax, user, name, plan.dims) for user, plan in plans.items()}
-            user = next((u for u in users if given[u] is not None), None)
-            if user is None:  # only other blocks run it, with arguments of their own: their checks run its stages
+            user = next((u for u in users if given[u] is not None), users[0])  # one that names it, if any does
+            try:
+                stages = expand_block(self.syntax, name, energy_dims, outer=plans[user].dims | (given[user] or {}))
+            except SpecError:
+                if given[user] is not None:
+                    raise
+                # only other blocks run it, with arguments of their own: their checks run its stages with them
                 outers = ", ".join(f"`{b}`" for b in blocks_running(self.syntax, name))
                 return {name: [CheckResult("stages", "skip", f"it reads arguments that block {outers} gives it "
                                            "(in model " + ", ".join(users) + "): checked there, with them")]}
-            stages = expand_block(self.syntax, name, energy_dims, outer=plans[user].dims | given[user])
             where = f" at model {user}'s dims"
         return {(name if len(stages) == 1 else f"{name} stage {n + 1} ({stage.label})") + where:
                 derive(stage.decl, stage.dims).check() for n, stage in enumerate(stages)}

@@ -333,6 +333,11 @@ def _terms(e: Expr, coef: object = 1) -> list[tuple[object, Expr]]:
         return [t for term in e.terms for t in _terms(term, coef)]
     if isinstance(e, Mul) and isinstance(e.factors[0], Scalar):
         return _terms(mul(*e.factors[1:]), coef * e.factors[0].value)
+    if isinstance(e, Mul):  # a constant that is not a number (mean[k]'s |k|⁻¹) stays with each term of the rest
+        fixed = [f for f in e.factors if not f.shape and not any(isinstance(v, Var) for v in nodes(f))]
+        rest = [f for f in e.factors if all(f is not c for c in fixed)]
+        if fixed and rest:
+            return [(c, mul(*fixed, t)) for c, t in _terms(mul(*rest), coef)]
     if isinstance(e, Reduce) and e.op in ("sum", "mean"):  # Σ_k (c X_k + c Y_k) = c Σ_k (X_k + Y_k): per head
         inner = _terms(e.body)
         if len(inner) == 1 and inner[0][0] == 1:

@@ -522,7 +522,7 @@ def sample(
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    prompted = bool(codec.encode(prompt))  # spaces alone encode to no words: the start token is drawn from, unshown
+    prompted = bool(ids)  # no tokens (`""`, spaces alone for words): drawn after the start token, not shown
     if prompted:
         emit(utf8.decode(bytes(ids)) if utf8 else codec.decode(ids))
     for n, token in enumerate(new):

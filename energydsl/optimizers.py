@@ -73,6 +73,8 @@ def head_split(f: Expr, point: Var) -> tuple[Expr, str, Expr] | None:
     """
     factors = f.factors if isinstance(f, ir.Mul) else (f,)
     sums = [x for x in factors if isinstance(x, ir.Reduce) and x.op in ("sum", "mean")]
+    if len(sums) > 1:  # the heads' sum reads the point; another (`sum[j](sigmoid(w . h[j]))`) is a step size
+        sums = [x for x in sums if _reads(x, point)]
     if len(sums) != 1:
         return None
     (head_sum,) = sums

@@ -244,14 +244,16 @@ def test_per_head_on_a_product_with_the_heads_sum_says_what_the_energy_became():
 @pytest.mark.parametrize("opt", ["nag(beta = 0.5, eta = 0.4) steps 2 per head, precondition dplr(rank = 1)",
                                  "newton(taylor = 2, damping = 0.5) per head",
                                  "gd(eta = 0.4) per head, precondition covariance(tau = 0.1)"])
-def test_per_head_keeps_a_per_token_step_size_in_each_heads_energy(opt: str) -> None:
+@pytest.mark.parametrize("size", ["sigmoid(w . x)", "sum[j](sigmoid(w . h[j]))"])
+def test_per_head_keeps_a_per_token_step_size_in_each_heads_energy(opt: str, size: str) -> None:
     """sum[k](-sigmoid(w . x) * G_k): the token's step size (docs: a factor of the input) is taken out of the sum
     by the simplifier, and `per head` refused the energy as "not a sum of the heads' own energies". A factor that
-    does not read the state goes back into each head's energy; the update replays on autograd per head."""
+    does not read the state goes back into each head's energy; the update replays on autograd per head. A step
+    size that is a reduction over the context itself (`sum[j](...)`) is one too, not a second sum over heads."""
     text = ("energy S(d = 4, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  input x[d]\n"
             "  context h[j, d] where j < i\n  param W1[heads, dh, d] ~ normal(0, 0.4)\n"
             "  param W2[heads, dh, d] ~ normal(0, 0.4)\n  param w[d] ~ normal(0, 0.5)\n"
-            "  global F = sum[k](-sigmoid(w . x) * logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))\n"
+            f"  global F = sum[k](-{size} * logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))\n"
             f"  optimizer {opt}\n}}\n")
     layer = load(text).energy()
     rows = {r.name: r for r in layer.check()}

@@ -523,7 +523,7 @@ PER_HEAD = """energy U(d = 4, heads = 2) {
   param   W1[heads, dh, d] ~ normal(0, 0.4)
   param   W2[heads, dh, d] ~ normal(0, 0.4)
   param   c = 0.7 learn
-  global  F = -0.5 * C * sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))
+  global  F = -0.5 * C * REDUCE[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ h[j])))
   optimizer OPT
   untie   value W1[k]^T -> Wo[k], W2[k] -> Wv[k]
 }
@@ -535,18 +535,20 @@ PER_HEAD = """energy U(d = 4, heads = 2) {
                                  "nag(beta = 0.5, eta = 0.4) steps 2 per head, precondition dplr(rank = 1)",
                                  "gd(eta = 0.4) per head, precondition diag"])
 @pytest.mark.parametrize("learned", [False, True])
-def test_untie_absorbs_the_factor_inside_a_per_head_sum(opt: str, learned: bool) -> None:
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_untie_absorbs_the_factor_inside_a_per_head_sum(opt: str, learned: bool, reduce: str) -> None:
     """A per-head psd or dplr direction holds its -½ inside Σ_k: untie saw one term with factor 1, kept the -½
     and negated the rest, so the untied update was the tied one at Wo = -W1ᵀ (its sign flipped against the docs'
-    `z + η Σ_k …`, and the tying check agreed, using the same scale). Now the -½ is absorbed as for diag."""
-    text = PER_HEAD.replace("OPT", opt).replace("C * ", "c * " if learned else "")
+    `z + η Σ_k …`, and the tying check agreed, using the same scale). Now the -½ is absorbed as for diag; under
+    mean[k] too, behind its |k|⁻¹."""
+    text = PER_HEAD.replace("OPT", opt).replace("C * ", "c * " if learned else "").replace("REDUCE", reduce)
     if not learned:
         text = text.replace("  param   c = 0.7 learn\n", "")
     layer = load(text).energy()
     untied = [line for line in layer.equations("text").splitlines() if "untied update" in line]
     assert untied and not any("1/2" in line for line in untied), untied
     if opt.startswith("gd"):
-        tail = untied[0].split("z⁺ = z + ", 1)[-1]
+        tail = untied[0].split("z⁺ = z + ", 1)[-1].replace("(|k|)^-1", "")  # mean's 1/|k| stays
         assert tail != untied[0] and "-" not in tail and "−" not in tail, untied  # `+ η (Σ_k …)`, c kept if learned
     assert {k: float(v) for k, v in layer.program.untie_scales.items()} == {"Wo": 0.5}
     module = load(text).module().double()

@@ -982,6 +982,11 @@ def test_a_block_that_reads_a_models_dims_is_checked_at_them(tmp_path: Path) -> 
     assert "block `Twice` gives it (in model M): checked there" in results["Outer"][0].detail
     assert {"Twice stage 1 (MLP)", "Twice stage 2 (MLP)", "M"} <= set(results), sorted(results)
     assert all(r.status != "fail" for rows in results.values() for r in rows)
+    # run only inside another block that gives it nothing (`Outer = Inner -> Inner`): checked at the model's dims
+    path.write_text(GPT_ENERGIES + "block Inner = MLP(d, hidden = 8)\nblock Outer = Inner -> Inner\n"
+                    "model M(vocab = 11, context = 8, d = 16) {\n  layer = Outer\n}\n")
+    results = load(path).check()
+    assert "Inner at model M's dims" in results and "Inner" not in results, sorted(results)
 
 
 @pytest.mark.parametrize("call, message", [("Pair(haeds = 4)", "did you mean `heads`?"),

@@ -735,6 +735,30 @@ def test_top_k_keeps_exactly_k_tokens_when_logits_tie():
     assert [len(d) for d in drawn.values()] == [1, 2, 3, 4] and drawn[3] == set("abc"), drawn
 
 
+def test_a_prompt_that_encodes_to_no_tokens_is_not_returned_as_the_start_token():
+    """`sample(..., include_prompt=True)` of " " on a words codec returned '<pad> b b b': the start token drawn from
+    as if it were the prompt ("" gave 'b b b'); `stream` gives such a prompt no ids."""
+    from torch import nn
+
+    from energydsl.training.sampling import WordCodec, stream
+
+    class Constant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            logits = torch.zeros(*idx.shape, 4)
+            logits[..., 2] = 1.0
+            return logits + 0 * self.w
+
+    codec = WordCodec(["<pad>", "a", "b", "c"])
+    for prompt in ("", " ", "   "):
+        assert sample(Constant(), codec, prompt, 3, temperature=0, include_prompt=True) == "b b b", prompt
+        assert stream(Constant(), codec, prompt, 3, temperature=0)[1] == []
+    assert sample(Constant(), codec, "a", 2, temperature=0, include_prompt=True) == "a b b"
+
+
 def test_sampling_reads_no_further_back_than_the_trained_block(text_dataset, tmp_path):
     """Trained on blocks of 8 in a context of 32: positions 8..31 never had a gradient, so the sampler feeds the
     model the last 8 tokens, not 32 (a run's metadata without a training block keeps the context)."""

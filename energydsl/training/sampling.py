@@ -207,7 +207,7 @@ def sample(
     codec, ids, new = stream(model, dataset_or_codec, prompt, max_new_tokens, temperature, top_k, generator,
                              metadata=metadata)
     out = list(new)
-    return codec.decode(ids + out if include_prompt and prompt else out)
+    return codec.decode(ids + out if include_prompt else out)
 
 
 def stream(
@@ -221,7 +221,8 @@ def stream(
     *,
     metadata: Mapping[str, Any] | None = None,
 ) -> tuple[Any, list[int], Iterator[int]]:
-    """`sample`'s work one token at a time: the codec, the prompt's ids, and an iterator of the new ids as they are
+    """`sample`'s work one token at a time: the codec, the prompt's ids (none for a prompt that encodes to no
+    tokens, which is continued from the codec's start token), and an iterator of the new ids as they are
     drawn (what `energy sample` prints as they come). The arguments are checked here, before any is drawn."""
     codec = getattr(dataset_or_codec, "codec", dataset_or_codec)
     if not callable(getattr(codec, "encode", None)) or not callable(getattr(codec, "decode", None)):
@@ -241,8 +242,9 @@ def stream(
         raise DataError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
     if not isinstance(model, nn.Module):
         raise DataError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    ids = codec.encode(prompt) or [getattr(codec, "start_id", 0)]  # no tokens (`""`, or spaces between words)
-    return codec, ids, _draw(model, getattr(codec, "vocab_size", None), ids, max_new_tokens, temperature, top_k,
+    ids = codec.encode(prompt)
+    start = ids or [getattr(codec, "start_id", 0)]  # no tokens (`""`, or spaces between words): the start token's
+    return codec, ids, _draw(model, getattr(codec, "vocab_size", None), start, max_new_tokens, temperature, top_k,
                              generator, _context_length(model, metadata))
 
 
