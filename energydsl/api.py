@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,11 @@ class Spec:
         _check_name(name)
         if name is None:
             return self.derive(**dims)
+        every = [*self.syntax.energies, *self.syntax.blocks, *self.syntax.models]
+        if name not in every:  # any of the three may be named here: the error lists them all
+            close = difflib.get_close_matches(name, every, n=1, cutoff=0.6)
+            raise SpecError(f"no energy, block or model named `{name}` in {self.path} (it has: "
+                            f"{', '.join(every) or 'none'})", None, f"did you mean `{close[0]}`?" if close else None)
         if name in self.syntax.models:
             return self.stages(name, **dims)
         return self.block(name, **dims) if name in self.syntax.blocks else [self.energy(name, **dims)]

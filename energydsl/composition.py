@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from . import syntax as ast
 from .clause_calls import ACROSS_LAYERS
 from .errors import HoleError, Span, SpecError, UserError
-from .number_text import is_count
+from .number_text import is_count, plain_number
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -184,9 +184,10 @@ def _dim_place(decl: ast.ModelDecl, key: str, overrides: dict[str, Any]) -> tupl
 
 def _whole(v: float, what: str, span: Span | None, low: int = 1) -> int:
     if not math.isfinite(v) or abs(v - round(v)) > 1e-9 or round(v) < low:
-        raise SpecError(f"{what} must be a whole number ≥ {low}, got {v:g}", span)
+        raise SpecError(f"{what} must be a whole number ≥ {low}, got {plain_number(v)}", span)  # 128.000001, not 128
     if round(v) > MAX_SIZE:
-        raise SpecError(f"{what} must be a whole number from {low} to 2**60 - 1, got {v:g}", span, SIZE_LIMIT_HINT)
+        raise SpecError(f"{what} must be a whole number from {low} to 2**60 - 1, got {plain_number(v)}", span,
+                        SIZE_LIMIT_HINT)
     return int(round(v))
 
 

@@ -134,7 +134,7 @@ def check_output(path: str | os.PathLike[str], what: str = "output", example: st
     if str(path) == "":
         raise UserError(f"{what} is empty", hint=f"give a file name, e.g. {example}")
     _resolved(p, what)
-    if p.is_dir():
+    if p.is_dir() or str(path).endswith(os.sep):  # `out.py/` names a folder, which pathlib's Path drops
         raise UserError(f"{what} {str(path)!r} is a directory, not a file",
                         hint=f"give a file name, e.g. {p / example}")
     if p.exists() and not p.is_file():  # writing to a pipe blocks until someone reads it

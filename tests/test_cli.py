@@ -146,7 +146,42 @@ def test_train_refuses_a_model_larger_than_free_memory_before_building_it(monkey
 
 def test_an_empty_energy_name_is_not_all_energies() -> None:
     proc = energy_cli("derive", str(ROOT / "examples/intrinsic-optimizers/mha.energy"), "--name", "")
-    assert proc.returncode == 2 and "no energy named ``" in proc.stderr and "(it has: MHA)" in proc.stderr
+    assert proc.returncode == 2 and "no energy, block or model named ``" in proc.stderr, proc.stderr
+    assert "(it has: MHA)" in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["derive", "compile"])
+def test_an_unknown_name_lists_the_energies_blocks_and_models_the_command_takes(command: str) -> None:
+    """`--name NRGPTblock` said "no energy named … (it has: NRGPTAttention, NRGPTFF2W)", hiding the block and the
+    model both commands take."""
+    proc = energy_cli(command, str(ROOT / "examples/models/nrgpt.energy"), "--name", "NRGPTblock")
+    assert proc.returncode == 2, proc.stderr
+    assert ("no energy, block or model named `NRGPTblock` in " in proc.stderr
+            and "(it has: NRGPTAttention, NRGPTFF2W, NRGPTBlock, NRGPT)\nhint: did you mean `NRGPTBlock`?"
+            in proc.stderr), proc.stderr
+
+
+def test_a_spec_path_with_backslashes_or_quotes_compiles_to_a_file_that_imports(tmp_path: Path) -> None:
+    """The path went into the generated file's docstring as written: `a\\Nb.energy` (a \\N escape) or
+    `q\"\"\"x.energy` wrote a file that did not import, and `energy compile` said it wrote it (exit 0)."""
+    import shutil
+
+    for name in ("a\\Nb.energy", 'q"""x.energy'):
+        spec = tmp_path / name
+        shutil.copy(ROOT / "examples/intrinsic-optimizers/mha.energy", spec)
+        out = tmp_path / "out.py"
+        proc = energy_cli("compile", str(spec), "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        script = f"import runpy; print(runpy.run_path({str(out)!r})['__doc__'])"
+        imported = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert imported.returncode == 0 and f"from {spec}, backend torch" in imported.stdout, imported.stderr
+
+
+def test_an_output_path_ending_in_a_slash_names_a_folder(tmp_path: Path) -> None:
+    """`-o new.py/` wrote a file `new.py` and said so; an existing folder was refused."""
+    proc = energy_cli("compile", str(ROOT / "examples/intrinsic-optimizers/mha.energy"), "-o", f"{tmp_path}/new.py/")
+    assert proc.returncode == 2 and "is a directory, not a file" in proc.stderr, proc.stderr
+    assert not (tmp_path / "new.py").exists()
 
 
 def test_ctrl_c_while_the_cli_is_imported_exits_130_without_a_traceback() -> None:

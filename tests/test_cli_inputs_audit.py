@@ -53,6 +53,12 @@ def test_a_size_too_large_for_a_tensor_is_exit_2_naming_it(monkeypatch, capsys, 
     assert err.splitlines()[0].count(":") >= 3  # file:line:col: error: ...
 
 
+def test_a_size_that_is_not_whole_is_quoted_as_given(capsys) -> None:
+    """`--set d=128.000001` was refused with "must be a whole number ≥ 1, got 128": rounded, a contradiction."""
+    code, _, err = run_main("info", GPT, "--set", "d=128.000001")
+    assert code == 2 and "`d` (as set for model `GPT`) must be a whole number ≥ 1, got 128.000001\n" in err, err
+
+
 @pytest.mark.parametrize("command,value,says", [
     ("derive", "1e400", "--set 'd=1e400': `1e400` is too large for a float (at most about 1.8e308)"),
     ("check", "nan", "--set 'd=nan': `nan` is not a finite number"),
