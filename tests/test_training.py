@@ -713,24 +713,27 @@ def test_sample_length_determinism_and_cropping(text_dataset, tmp_path):
     assert fresh.training, "sampling restores the training mode"
 
 
+class FixedLogits(torch.nn.Module):
+    """Logits 1 for the `favoured` token ids and 0 for the rest of a `vocab`, at every position: what a sampler
+    draws from it is known."""
+
+    def __init__(self, vocab: int, favoured: list[int]) -> None:
+        super().__init__()
+        self.logits = torch.zeros(vocab)
+        self.logits[favoured] = 1.0
+        self.w = torch.nn.Parameter(torch.zeros(1))  # the sampler reads the device off a parameter
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(*idx.shape, -1) + 0 * self.w
+
+
 def test_top_k_keeps_exactly_k_tokens_when_logits_tie():
     """Two tokens tie for the largest logit: `top_k=1` drew from both (nanoGPT's `logits < kth` keeps ties),
     where the docs say it keeps the K likeliest."""
-    from torch import nn
-
     from energydsl.training.sampling import CharCodec
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(1))
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            logits = torch.zeros(*idx.shape, 5)
-            logits[..., :3] = 1.0  # a, b and c tie
-            return logits + 0 * self.w
-
-    drawn = {k: set(sample(Tied(), CharCodec("abcde"), "a", 200, temperature=1.0, top_k=k,
+    tied = FixedLogits(5, [0, 1, 2])  # a, b and c tie
+    drawn = {k: set(sample(tied, CharCodec("abcde"), "a", 200, temperature=1.0, top_k=k,
                            generator=torch.Generator().manual_seed(0))) for k in (1, 2, 3, 4)}
     assert [len(d) for d in drawn.values()] == [1, 2, 3, 4] and drawn[3] == set("abc"), drawn
 
@@ -738,25 +741,13 @@ def test_top_k_keeps_exactly_k_tokens_when_logits_tie():
 def test_a_prompt_that_encodes_to_no_tokens_is_not_returned_as_the_start_token():
     """`sample(..., include_prompt=True)` of " " on a words codec returned '<pad> b b b': the start token drawn from
     as if it were the prompt ("" gave 'b b b'); `stream` gives such a prompt no ids."""
-    from torch import nn
-
     from energydsl.training.sampling import WordCodec, stream
 
-    class Constant(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(1))
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            logits = torch.zeros(*idx.shape, 4)
-            logits[..., 2] = 1.0
-            return logits + 0 * self.w
-
-    codec = WordCodec(["<pad>", "a", "b", "c"])
+    codec, model = WordCodec(["<pad>", "a", "b", "c"]), FixedLogits(4, [2])  # always b
     for prompt in ("", " ", "   "):
-        assert sample(Constant(), codec, prompt, 3, temperature=0, include_prompt=True) == "b b b", prompt
-        assert stream(Constant(), codec, prompt, 3, temperature=0)[1] == []
-    assert sample(Constant(), codec, "a", 2, temperature=0, include_prompt=True) == "a b b"
+        assert sample(model, codec, prompt, 3, temperature=0, include_prompt=True) == "b b b", prompt
+        assert stream(model, codec, prompt, 3, temperature=0)[1] == []
+    assert sample(model, codec, "a", 2, temperature=0, include_prompt=True) == "a b b"
 
 
 def test_sampling_reads_no_further_back_than_the_trained_block(text_dataset, tmp_path):
