@@ -102,11 +102,18 @@ class Spec:
         """Each stage of a block, derived: its energies summed under the first one's optimizer. `dims` go to
         every energy that declares them, as a block's named arguments do in a model; `name` may be left out when
         the file declares one block."""
-        from .composition import expand_block
+        from .composition import expand_block, given_by_running_blocks
 
         _check_name(name)
         name = self._pick(name, self.block_names, ("block", "blocks"), self.syntax.blocks)
-        return [derive(stage.decl, stage.dims) for stage in expand_block(self.syntax, name, dims)]
+        try:
+            stages = expand_block(self.syntax, name, dims)
+        except SpecError as e:
+            given = given_by_running_blocks(self.syntax, name, e.message)
+            if given is None:
+                raise
+            raise SpecError(e.message, e.span, given) from None
+        return [derive(stage.decl, stage.dims) for stage in stages]
 
     def derive(self, **dims: float) -> list[Derived]:
         """Every energy declared in the file itself (not its imports)."""

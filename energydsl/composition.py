@@ -18,6 +18,7 @@ import difflib
 import math
 import numbers
 import operator
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -340,6 +341,21 @@ def blocks_running(module: ast.Module, block: str) -> list[str]:
     """The blocks whose own pipeline names `block`."""
     return [name for name, decl in module.blocks.items()
             if any(r.name == block for summed in decl.pipeline for r in summed)]
+
+
+def given_by_running_blocks(module: ast.Module, block: str, message: str) -> str | None:
+    """A hint for `unknown name `hh`` in a block derived alone whose `hh` another block gives it (`Twice =
+    Outer(hh = 3) -> …`): where it comes from, and the `--set` that stands in for it. None for any other error."""
+    unknown = re.match(r"unknown name `([^`]+)`", message)
+    if unknown is None:
+        return None
+    givers = [name for name in blocks_running(module, block)
+              if any(r.name == block and unknown[1] in dict(r.args) for summed in module.blocks[name].pipeline
+                     for r in summed)]
+    if not givers:
+        return None
+    return (f"block `{givers[0]}` gives `{block}` its `{unknown[1]}`: derive `{givers[0]}` (`--name {givers[0]}`),"
+            f" or give it here (`--set {unknown[1]}=N`)")
 
 
 def models_running(module: ast.Module, block: str) -> list[str]:

@@ -982,6 +982,12 @@ def test_a_block_that_reads_a_models_dims_is_checked_at_them(tmp_path: Path) -> 
     assert "block `Twice` gives it (in model M): checked there" in results["Outer"][0].detail
     assert {"Twice stage 1 (MLP)", "Twice stage 2 (MLP)", "M"} <= set(results), sorted(results)
     assert all(r.status != "fail" for rows in results.values() for r in rows)
+    for command in ("derive", "compile"):  # alone, its `hh` is unknown: the hint says where it comes from
+        output = ["-o", str(tmp_path / "o.py")] if command == "compile" else []
+        r = _run(command, str(path), "--name", "Outer", *output)
+        assert r.returncode == 2 and "unknown name `hh`" in r.stderr, r.stderr
+        assert "block `Twice` gives `Outer` its `hh`" in r.stderr and "--set hh=N" in r.stderr, r.stderr
+    assert "hidden=3" in _run("derive", str(path), "--name", "Outer", "--set", "hh=3").stdout
     # run only inside another block that gives it nothing (`Outer = Inner -> Inner`): checked at the model's dims
     path.write_text(GPT_ENERGIES + "block Inner = MLP(d, hidden = 8)\nblock Outer = Inner -> Inner\n"
                     "model M(vocab = 11, context = 8, d = 16) {\n  layer = Outer\n}\n")
