@@ -278,6 +278,13 @@ def parse_module(source: str | Path, *, name: str | None = None, base: Path | No
     return module
 
 
+def shown_path(base: Path, rel: str) -> str:
+    """How messages name `rel` read from `base`: `examples/models/gpt.energy`, not `bad/../examples/...`, unless
+    a linked folder before a `..` makes the shorter path another file."""
+    shown = os.path.normpath(base / rel)
+    return shown if Path(shown).resolve() == (base / rel).resolve() else str(base / rel)
+
+
 def _load(text: str, file: str, base: Path, module: Module, stack: list[str], seen: set[str], top: bool) -> None:
     items = parse_text(text, file)
     for item in items:
@@ -291,9 +298,7 @@ def _load(text: str, file: str, base: Path, module: Module, stack: list[str], se
                 continue
             seen.add(str(target))
             module.files.append(str(target))
-            shown = os.path.normpath(base / rel)  # `examples/models/gpt.energy`, not `bad/../examples/...`,
-            if Path(shown).resolve() != target:  # unless a linked folder before a `..` made that another file
-                shown = str(base / rel)
+            shown = shown_path(base, rel)
             sub = _read(target, span, shown)
             _load(sub, shown, target.parent, module, stack + [str(target)], seen, top=False)
             continue

@@ -331,6 +331,22 @@ def test_imports_are_inlined(tmp_path: Path) -> None:
     assert energydsl.load(src).model_names == ["Tiny"]
 
 
+def test_paths_through_an_import_are_shown_normalised(tmp_path: Path) -> None:
+    """An error in a space imported as `sub/../parts.energy`, and a dataset `chars:sub/../c.txt`, were named with
+    the `sub/..` (the spec's own imports were already shown as `parts.energy`)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "c.txt").write_text("abc abd\n" * 40)
+    write(tmp_path, TINY.replace("choice{", "").replace("d = 8,", "d = choice{8, 8},"), "parts.energy")
+    path = write(tmp_path, 'import "sub/../parts.energy"\n' + SEARCH)
+    with pytest.raises(SpecError) as e:
+        load_search(path)
+    assert str(e.value.span) == f"{tmp_path / 'parts.energy'}:21:42", e.value.render()
+    write(tmp_path, TINY, "parts.energy")
+    space = load_search(write(tmp_path, 'import "sub/../parts.energy"\n'
+                              + SEARCH.replace("data shakespeare_char", 'data "chars:sub/../c.txt"')))
+    assert space.settings["data"].fixed == f"chars:{tmp_path / 'c.txt'}"
+
+
 def test_without_a_model_clause_the_files_own_model_is_trained(tmp_path: Path) -> None:
     """`energy info` and `train` take the file's own model; the search counted an imported one too and refused."""
     write(tmp_path, TINY, "parts.energy")

@@ -36,6 +36,7 @@ from typing import Any
 
 import lark
 
+from energydsl import syntax
 from energydsl.errors import Span, SpecError, UserError
 from energydsl.search.candidate import DslCandidate
 from energydsl.search.holes import (  # source files, holes and filling them
@@ -475,7 +476,7 @@ def _dataset_name(token: lark.Token, file: str) -> str:
     name = str(token)[1:-1]
     kind, rest = file_dataset(name) or ("", "")
     if rest and not Path(rest).expanduser().is_absolute():
-        return f"{kind}:{Path(file).parent / rest}"
+        return f"{kind}:{syntax.shown_path(Path(file).parent, rest)}"
     return name
 
 

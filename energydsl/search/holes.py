@@ -97,7 +97,7 @@ def _read_files(path: Path) -> list[_File]:
         for item in _kids(f.tree):
             if item.data == "import_decl":
                 rel = str(item.children[0])[1:-1]
-                visit(p.parent / rel, str(Path(shown).parent / rel))
+                visit(p.parent / rel, syntax.shown_path(Path(shown).parent, rel))
 
     visit(path, str(path))
     return files
