@@ -23,7 +23,7 @@ from .errors import Span, SpecError, UserError
 from .ir import Expr, Var
 from .number_text import is_count, number_shown, plain_number
 from .optimizers import Assign, UpdateProgram, build_program, unhoist
-from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show, shown_function
+from .printing import NAME, STYLES, fold, mathml_block, name_repeats, show, shown_function, tex_greek
 from .semantics import EnergyIR, lower_energy
 from .sizing import allocation_named
 
@@ -183,7 +183,7 @@ class Derived:
             return "\n".join(parts)
         lines = [f"### {header}\n" if fmt == "markdown" else f"% {header}"]  # latex: which energy, as a comment
         for label, lhs, e in rows:
-            tex = f"{_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}"
+            tex = tex_greek(f"{_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}")
             lines.append(f"- **{label}**: $${tex}$$" if fmt == "markdown" else f"% {label}\n{tex}")
         for t in tying:
             lines.append(f"- **tying**: {t}" if fmt == "markdown" else f"% tying: {t}")
@@ -213,15 +213,16 @@ class Derived:
         shape = ", ".join(str(s) for s in spec.state.shape)
         ctx = ""
         if spec.context is not None:
-            rel = "j < i" if spec.indices[spec.context.index].strict else "j ≤ i"
+            index = spec.context.index
+            rel = f"{index} < i" if spec.indices[index].strict else f"{index} ≤ i"
             ctx = f"  ·  context {spec.context.name}_{spec.context.index}, {rel}"
         dims = ", ".join(f"{k}={plain_number(v)}" for k, v in spec.dim_values.items())
         return f"{spec.name}  ·  state {spec.state.name} ∈ ℝ^[{shape}]{ctx}  ·  {dims}"
 
     def _repr_latex_(self) -> str:
         rel = self.relations()
-        body = " \\\\ ".join(f"\\text{{{label}}}: & {_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}"
-                             for label, lhs, e in self.equation_list())
+        body = tex_greek(" \\\\ ".join(f"\\text{{{label}}}: & {_lhs(lhs, 'latex')} = {show(e, 'latex', rel)}"
+                                       for label, lhs, e in self.equation_list()))
         return f"$$\\begin{{aligned}}{body}\\end{{aligned}}$$"
 
     def module(self, backend: str = "torch", *, device: Any = None, dtype: Any = None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import html
 import re
+import unicodedata
 
 import sympy as sp
 
@@ -261,6 +262,28 @@ class LatexStyle(Style):
 
     def assign(self, lhs, rhs):
         return f"{lhs} \\leftarrow {rhs}"
+
+
+_TEX_CAPITALS = {"GAMMA", "DELTA", "THETA", "LAMDA", "XI", "PI", "SIGMA", "UPSILON", "PHI", "PSI", "OMEGA"}
+_LATIN_LOOKALIKES = {"ALPHA": "A", "BETA": "B", "EPSILON": "E", "ZETA": "Z", "ETA": "H", "IOTA": "I", "KAPPA": "K",
+                     "MU": "M", "NU": "N", "OMICRON": "O", "RHO": "P", "TAU": "T", "CHI": "X"}
+
+
+def _tex_letter(letter: re.Match) -> str:
+    name = unicodedata.name(letter[0], "").removeprefix("GREEK ")
+    small, word = name.startswith("SMALL LETTER "), name.split(" LETTER ")[-1]
+    word = {"LAMDA": "LAMBDA", "FINAL SIGMA": "VARSIGMA"}.get(word, word) if small else word
+    if small:
+        return "o" if word == "OMICRON" else "{\\" + word.lower() + "}"
+    if word in _TEX_CAPITALS:
+        return "{\\" + ("Lambda" if word == "LAMDA" else word.capitalize()) + "}"
+    return "\\mathrm{" + _LATIN_LOOKALIKES.get(word, letter[0]) + "}"
+
+
+def tex_greek(tex: str) -> str:
+    """A Greek letter a spec names a dim, param or index with (`τ`, `Λ`) as its LaTeX command (`{\\tau}`,
+    `{\\Lambda}`): pdflatex stops at a raw `τ` in math mode."""
+    return re.sub("[\u0391-\u03a9\u03b1-\u03c9]", _tex_letter, tex)
 
 
 _XML_UNDEFINED_ENTITY = re.compile(r"&(?!(?:amp|lt|gt|quot|apos);)([A-Za-z][A-Za-z0-9]*;)")

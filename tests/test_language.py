@@ -1014,6 +1014,24 @@ def test_latex_escapes_the_underscore_of_an_operator_name() -> None:
     assert latex.startswith("% A  ·  state z ∈ ℝ^[d]")  # the header, as every other format has it (it had none)
 
 
+def test_latex_writes_greek_names_as_commands_and_the_header_names_the_context_index() -> None:
+    """A dim `τ`, a param `Wσ` and an index `ι` were written raw inside LaTeX math (pdflatex stops there), and every
+    format's header said `context h_ι, j ≤ i`."""
+    from energydsl.printing import tex_greek
+
+    text = ("energy G(d = 4, τ = 0.5, Λ = 2) {\n  state z[d]\n  context h[ι, d] where ι < i\n"
+            "  param Wσ[d, d]\n  global F = -τ * Λ * logsumexp[ι]((Wσ @ z) . h[ι])\n}\n")
+    derived = load(text).energy("G")
+    latex = derived.equations("latex")
+    assert latex.startswith("% G  ·  state z ∈ ℝ^[d]  ·  context h_ι, ι < i")
+    assert derived.equations("text").startswith("G  ·  state z ∈ ℝ^[d]  ·  context h_ι, ι < i")
+    maths = [line for line in latex.splitlines() if not line.startswith("%")]
+    assert maths and not any(c in line for line in maths for c in "τΛσι"), maths
+    assert "{\\Lambda} {\\tau}" in latex and "\\mathrm{W{\\sigma}}" in latex and "_{{\\iota} < i}" in latex
+    assert "τ" not in derived._repr_latex_()
+    assert tex_greek("αΑΩως") == "{\\alpha}\\mathrm{A}{\\Omega}{\\omega}{\\varsigma}"
+
+
 def test_a_value_computed_once_is_not_named_like_a_declared_name() -> None:
     """The hoisted key `W h_j` was printed `c0 = W h_j` beside the spec's own `param c0`: two meanings of `c0`."""
     text = ("energy C(d = 4) {\n  state z[d]\n  context h[j, d] where j <= i\n  param c0[d, d]\n  param W[d, d]\n"
