@@ -81,3 +81,19 @@ def test_a_dtype_no_layer_computes_in_is_refused(dtype) -> None:
     with pytest.raises(UserError, match="dtype must be a floating torch dtype a layer computes in") as info:
         energydsl.load(ROOT / "examples/cem/mlp.energy").module(d=4, dv=8, dtype=dtype)
     assert "float8 types hold weights for scaled matmuls" in info.value.hint
+
+
+def test_the_subpackages_the_docs_name_in_full_work_after_import_energydsl() -> None:
+    """`energydsl.search.register_space` (docs/search.md), `energydsl.training.data.download_shakespeare`
+    (README) and `energydsl.codegen.module_class` (docs/models.md) were AttributeErrors after `import energydsl`."""
+    import subprocess
+    import sys
+
+    names = ["search.register_space", "training.data.download_shakespeare", "codegen.module_class",
+             "codegen.energy_source", "kernels.sigmoid_attention", "runtime"]
+    code = "import energydsl\n" + "".join(f"energydsl.{n}\n" for n in names) + "print(sorted(dir(energydsl)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)  # a fresh import
+    assert r.returncode == 0, r.stderr
+    assert {"search", "training", "codegen", "kernels", "runtime", "load"} <= set(eval(r.stdout))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        energydsl.nope  # noqa: B018
