@@ -189,7 +189,10 @@ def check_own_token(prog: UpdateProgram) -> CheckResult | None:
             bad = _non_finite(run_program(prog, at, x0=x, tied=tied))
             if bad is not None:
                 return CheckResult("own token", "fail", f"the {label} is {bad} {where}: the energy is not "
-                                   "differentiable there (a norm of a difference that is not squared?)")
+                                   "differentiable there, or its derivation is not finite there (a norm of a "
+                                   "difference: `norm(z - h)` has no gradient at 0, and `huber(norm(z - h), 1)`, "
+                                   "smooth there, is derived through it, 0/0; write such energies in "
+                                   "`(z - h) . (z - h)`)")
     places = " and ".join(what for what, _, _ in starts[:2])
     return CheckResult("own token", "ok", f"energy and update finite where the state is {places} {first_step}")
 

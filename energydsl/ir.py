@@ -152,7 +152,7 @@ def mul(*factors: Expr) -> Expr:
     for s in shapes[1:]:
         if not same_shape(s, shapes[0]):
             raise ShapeError(f"element-wise product of shapes {fmt_shape(shapes[0])} and {fmt_shape(s)}")
-    flat = _drop_steps_under_relus(cancel_reciprocals(flat))
+    flat = _drop_steps_under_relus(_square_roots_squared(cancel_reciprocals(flat)))
     if shapes and len(flat) > 1:
         flat = [u for u in flat if not isinstance(u, Ones)] or flat  # ones times x is x
     if shapes and not any(u.shape for u in flat):
@@ -179,6 +179,23 @@ def cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
             i += 1
         else:
             del out[partner], out[i]
+    return out
+
+
+def _square_roots_squared(flat: list[Expr]) -> list[Expr]:
+    """`sqrt(x) ∘ sqrt(x)` as `x`, as `power` takes `sqrt(x)^2`: `norm(v) * norm(v)` is `v . v`, whose gradient
+    is finite at v = 0 (the chain rule through each norm is 0/0 there)."""
+    out = list(flat)
+    i = 0
+    while i < len(out):
+        u = out[i]
+        partner = next((j for j in range(i + 1, len(out)) if out[j] == u), None) \
+            if isinstance(u, Func) and u.name == "sqrt" else None
+        if partner is None:
+            i += 1
+        else:
+            del out[partner]
+            out[i] = u.arg
     return out
 
 

@@ -400,6 +400,12 @@ def test_a_kink_where_the_state_meets_its_input_fails_the_own_token_check():
     assert own.status == "fail" and "the update is NaN" in own.detail and "its own input" in own.detail
     fine = checks_of(text.replace("ENERGY", "0.5 * (z - h) . (z - h)"))["own token"]
     assert fine.status == "ok" and "its own input" in fine.detail
+    # a norm times itself is the dot product, as a squared norm is (its update was NaN there, and check said the
+    # energy was not differentiable); a smooth function of a norm is derived through the norm: said so
+    assert checks_of(text.replace("ENERGY", "norm(z - h) * norm(z - h)"))["own token"].status == "ok"
+    assert "sqrt" not in load(text.replace("ENERGY", "norm(z - h) * norm(z - h)")).energy().equations("text")
+    huber = checks_of(text.replace("ENERGY", "huber(norm(z - h), 1)"))["own token"]
+    assert huber.status == "fail" and "`huber(norm(z - h), 1)`, smooth there, is derived through it" in huber.detail
     # a context shaped like the state and an input: both places are visited
     both = checks_of(L2.replace("context h[j, d]", "input g[d]\n  context h[j, d]")
                      .replace("-logsumexp[j](-E[j])", "-logsumexp[j](-E[j]) + norm(z - g)"))["own token"]
