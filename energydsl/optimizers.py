@@ -266,6 +266,7 @@ def linear_map(e: Expr, point: Var) -> Expr | None:
         nonlocal bare
         if isinstance(x, ir.MatMul) and x.b == point and len(x.a.shape) == 2:
             found.add(x.a)
+            visit(x.a)  # a map that reads the point itself (`outer(W z, z) @ z`) is not linear in it
             return
         if x == point:
             bare = True

@@ -225,6 +225,20 @@ def test_per_head_newton_needs_heads_no_wider_than_the_state():
     assert load(text.replace("dq = 2 * d", "dq = d")).energy()  # as wide as the state: allowed
 
 
+def test_per_head_newton_refuses_a_head_map_that_reads_the_state():
+    """`outer(W[k] @ z, z) @ z` sees z through A = (W_k z) zᵀ, which reads z itself: the step inverted that A Aᵀ
+    as if it were linear, and only the update check's error of 1.0 showed it."""
+    from energydsl.errors import SpecError
+
+    text = ("energy R(d = 4, heads = 2) { dim dh = d / heads  state z[d]  context h[j, d] where j <= i\n"
+            "  param W1[heads, dh, d]  param W2[heads, dh, d]\n"
+            "  local E[k, j] = -(outer(W1[k] @ z, z) @ z) . (W2[k] @ h[j])\n"
+            "  global F = sum[k](-logsumexp[j](-E[k, j]))  optimizer newton(taylor = 1) per head }")
+    with pytest.raises(SpecError, match="only through one linear map"):
+        load(text).energy()
+    assert load(text.replace("outer(W1[k] @ z, z) @ z", "W1[k] @ z")).energy()  # linear in z: allowed
+
+
 def test_per_head_on_a_product_with_the_heads_sum_says_what_the_energy_became():
     """sum[k](G_k * (z . z)) is a sum over heads as written, but the shared factor is taken out of the sum:
     the refusal shows the energy as it became, since "needs the form c * sum[k](...)" alone reads as wrong."""
