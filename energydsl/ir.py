@@ -219,10 +219,22 @@ def power(a: Expr, exponent) -> Expr:
     if exponent == 0:
         return ONE if not a.shape else Ones(a.shape)
     if isinstance(a, Pow):
+        # (b^p)^q is b^(pq) but where an even p has hidden b's sign and q is not whole: (x^2)^0.5 is |x|
+        if _even(a.exponent) and not _whole(exponent):
+            return power(func("abs", a.base), a.exponent * exponent)
         return power(a.base, a.exponent * exponent)
     if isinstance(a, Func) and a.name == "sqrt":  # norm(v)^2 is v.v: its gradient is finite at v = 0
-        return power(a.arg, exponent / 2)
+        return power(a.arg, exponent / 2)  # (sqrt's argument is not negative where it is real)
     return Pow(a, exponent)
+
+
+def _whole(e: sp.Expr) -> bool:
+    """A whole number (`2`, `2.0`); not a symbol such as a learned exponent, whose value may be any."""
+    return bool(e.is_number and e.is_real and e == sp.floor(e))
+
+
+def _even(e: sp.Expr) -> bool:
+    return _whole(e) and int(e) % 2 == 0
 
 
 def matmul(a: Expr, b: Expr) -> Expr:

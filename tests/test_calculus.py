@@ -225,6 +225,30 @@ def test_per_head_newton_needs_heads_no_wider_than_the_state():
     assert load(text.replace("dq = 2 * d", "dq = d")).energy()  # as wide as the state: allowed
 
 
+@pytest.mark.parametrize("written, by_hand", [
+    ("sum(((W @ z)^2)^0.5)", lambda z, h, W: (z @ W.T).abs().sum(-1)),
+    ("sum(h * (z^2)^(-0.5))", lambda z, h, W: (h / z.abs()).sum(-1)),
+    ("sum(h * sqrt(z^2)^3)", lambda z, h, W: (h * z.abs() ** 3).sum(-1)),
+    ("sum(h * (z^4)^0.25)", lambda z, h, W: (h * z.abs()).sum(-1)),
+    ("((z . h)^2)^0.5 - z . h", lambda z, h, W: (z * h).sum(-1).abs() - (z * h).sum(-1)),
+    ("sum(h * (z^2)^c)", lambda z, h, W: (h * z.abs() ** 1.5).sum(-1)),  # a learned exponent, 0.75
+    ("sum(h * (z^2)^3)", lambda z, h, W: (h * z ** 6).sum(-1)),  # a whole one keeps the sign: z^6
+])
+def test_a_power_of_an_even_power_keeps_the_absolute_value(written: str, by_hand) -> None:
+    """`(x^2)^0.5` was built as `x` (and `(x^2)^c` as x^(2c), NaN for x < 0): the energy, hence every check's
+    autograd of it, was another than the spec wrote, and every check passed. The layer's one gd step against
+    autograd of the energy as written, in float64."""
+    text = ("energy A(d = 4) {\n  state z[d]\n  input h[d]\n  param W[d, d]\n  param c = 0.75 learn\n"
+            f"  global F = {written} + 0.5 * z . z\n  optimizer gd(eta = 1)\n}}\n")
+    module = load(text).module(dtype=torch.float64)
+    torch.manual_seed(0)
+    x, h = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    z = x.clone().requires_grad_()
+    energy = by_hand(z, h, module.W.detach()) + 0.5 * (z * z).sum(-1)
+    (grad,) = torch.autograd.grad(energy.sum(), z)
+    assert torch.allclose(module(x, input=h), x - grad, rtol=1e-10, atol=1e-12)
+
+
 def test_per_head_newton_refuses_a_head_map_that_reads_the_state():
     """`outer(W[k] @ z, z) @ z` sees z through A = (W_k z) zᵀ, which reads z itself: the step inverted that A Aᵀ
     as if it were linear, and only the update check's error of 1.0 showed it."""
