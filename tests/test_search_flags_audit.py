@@ -507,6 +507,8 @@ def test_a_report_on_a_database_without_optuna_tables_leaves_it_untouched(tmp_pa
     assert (tmp_path / "other.db").read_bytes() == before and (tmp_path / "empty.db").read_bytes() == b""
     refused(energy("report", "q", "--storage", "sqlite:///missing.db", "--study", "q"), "no study storage")
     assert not (tmp_path / "missing.db").exists()
+    (tmp_path / "folder").mkdir()  # said "no file" of a directory that is there
+    refused(energy("report", "sqlite:///folder"), "names a directory", "not an SQLite database file")
     code, _ = energy(*toy_search(tmp_path, "--storage", "sqlite:///new.db"))  # a search still creates its database
     assert code == 0 and len(load_study("sqlite:///new.db", "toy").trials) == 1
 

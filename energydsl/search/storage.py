@@ -298,6 +298,8 @@ def _check_has_studies(spec: str, engine_kwargs: dict[str, Any]) -> None:
     import sqlalchemy
 
     local = local_file(spec)
+    if local is not None and local.is_dir():
+        raise UserError(f"storage {spec} names a directory ({local.resolve()}), not an SQLite database file")
     if local is not None and not local.is_file():  # connecting would create it
         raise UserError(f"no study storage at {spec} (no file {local.resolve()})", hint=NO_STUDIES_HINT)
     engine = sqlalchemy.create_engine(spec, **engine_kwargs)
