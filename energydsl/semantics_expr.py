@@ -191,6 +191,11 @@ class ExpressionLowering:
                     raise SpecError(f"`{name}` takes {takes}, got {len(n.indices)}", n.span)
                 for old, new in zip(idx, n.indices):
                     self._rename_index(name, old, new, n.span)
+                captured = _captured(body, dict(zip(idx, n.indices)))
+                if captured is not None:
+                    raise SpecError(f"`{name}[{', '.join(n.indices)}]` puts `{captured}` where `{name}` reduces over "
+                                    f"an index `{captured}` of its own: the reduction would take it for its own",
+                                    n.span, f"name the index `let {name}` reduces over something else")
                 return _rename(body, dict(zip(idx, n.indices)))
             v = self.scope.vars.get(name)
             if v is not None and v.role == "context" or (self.context is not None and name == self.context.name):
@@ -413,6 +418,20 @@ def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
     if not e.children:
         return e
     return ir.rebuild(e, [_rename(c, mapping) for c in e.children])
+
+
+def _captured(e: Expr, mapping: dict[str, str]) -> str | None:
+    """The index a reduction in `e` binds that `_rename` would give an index it reads: `let s[k] = sum[m](W[k] …)`
+    used as `s[m]` (the sum would run over W's index too, and change what the spec wrote). None if there is none."""
+    mapping = {k: v for k, v in mapping.items() if k != v}
+    if not mapping:
+        return None
+    if isinstance(e, ir.Reduce | ir.Softmax):
+        inner = {k: v for k, v in mapping.items() if k != e.index}
+        if any(v == e.index and k in e.body.free for k, v in inner.items()):
+            return e.index
+        return _captured(e.body, inner)
+    return next((c for c in (_captured(child, mapping) for child in e.children) if c is not None), None)
 
 
 def _fits_a_float(value: sp.Expr) -> bool:

@@ -688,6 +688,20 @@ def test_entries_of_frozen_values_derive_print_and_check() -> None:
     assert "{\\left(W x\\right)}_{k}" in layer.equations("latex") and "h_{j,k}" in layer.equations("latex")
 
 
+def test_an_indexed_let_called_with_the_index_it_reduces_over_is_refused() -> None:
+    """`let s[k] = sum[m](… W[k] …)` used as `s[m]`: the renamed W[m] fell inside the let's own sum[m], which took
+    it for its own; the energy was another than written, and every check passed (it checks the IR's energy)."""
+    text = ("energy A(d = 4, heads = 2) {\n  state z[d]\n  input h[d]\n  param W[heads, d]\n  param V[heads, d]\n"
+            "  param u[heads]\n  let s[k] = sum[m](exp(0.3 * (W[k] . z) + V[m] . h))\n"
+            "  global F = sum[m](u[m] * s[m]) + 0.5 * z . z\n}\n")
+    with pytest.raises(SpecError, match=r"`s\[m\]` puts `m` where `s` reduces over an index `m` of its own") as e:
+        load(text).energy()
+    assert (e.value.span.line, e.value.span.column) == (8, 28)
+    # `s[a]` with `a` a name the let does not bind, or the let's own index renamed: the sum as written
+    fine = load(text.replace("sum[m](exp", "sum[n](exp").replace("V[m]", "V[n]")).energy().equations("text")
+    assert "Σ_{m} (u_m (Σ_{n} exp(3/10 ⟨W_m, z⟩ + ⟨V_n, h⟩)))" in fine, fine
+
+
 def test_an_indexed_local_may_be_renamed_in_a_reduction(tmp_path) -> None:
     """`E[head, j]` for `local E[k, j]` (as docs/language.md promises): `head` ranges over what `k` does, and
     the derived layer is the same as with `k`, down to the fused kernels it gets."""
