@@ -327,6 +327,27 @@ def test_across_layer_optimizers_reduce_to_gpt_when_beta_is_zero(variant: str) -
     assert not torch.allclose(model(idx), plain(idx))
 
 
+@pytest.mark.parametrize("variant", ["momentum", "nag"])
+def test_a_fixed_across_layer_beta_and_eta_are_exact_in_float64(variant: str) -> None:
+    """`across layers momentum(beta = 0.8, eta = 0.6)` computed in a float64 model with 0.800000011920929 (its
+    buffer was built in float32, then moved): the same model with them learned and set to the exact numbers
+    differed by 1e-7 in the logits."""
+    text = (ROOT / f"examples/models/{variant}-gpt.energy").read_text()
+    fixed_text = text.replace(f"{variant}(beta = 0.9 learn, eta = 1 learn)", f"{variant}(beta = 0.8, eta = 0.6)")
+    assert fixed_text != text
+    dims = dict(vocab=11, context=8, d=8, layers=3, heads=2)
+    learned = _perturbed(energydsl.load(text).model(**dims)).double()
+    fixed = energydsl.load(fixed_text).model(**dims, dtype="float64")
+    assert fixed.across_beta.dtype == torch.float64  # still a buffer in the state dict: checkpoints carry it
+    with torch.no_grad():
+        learned.across_beta.fill_(0.8)
+        learned.across_eta.fill_(0.6)
+    weights = {k: v for k, v in learned.state_dict().items() if not k.startswith("across_")}
+    assert fixed.load_state_dict(weights, strict=False).missing_keys == ["across_beta", "across_eta"]
+    idx = torch.randint(0, 11, (2, 8))
+    torch.testing.assert_close(fixed(idx), learned(idx), rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.parametrize("across", ["", "momentum(beta = 0.7, eta = 0.9)", "nag(beta = 0.7, eta = 0.9)"])
 def test_a_norm_before_each_layer_of_one_stage_is_a_norm_before_each_stage(across: str) -> None:
     """A one-stage layer has one place for its norm: `before each layer` and `before each stage` agree, across

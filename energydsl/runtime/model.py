@@ -158,11 +158,11 @@ class LanguageModel(nn.Module):
         self.across = plan.across[0] if plan.across else None
         if plan.across:
             for name, (value, learn) in plan.across[1].items():
-                t = torch.tensor(float(value))
                 if learn:
-                    self.register_parameter(f"across_{name}", nn.Parameter(t))
-                else:
-                    self.register_buffer(f"across_{name}", t)
+                    self.register_parameter(f"across_{name}", nn.Parameter(torch.tensor(float(value))))
+                else:  # a number of the spec, exact in a float64 model (built in float32 and moved, 0.8 was
+                    # 0.800000011920929); beside float32 values it multiplies as a float32 (a 0-dim tensor)
+                    self.register_buffer(f"across_{name}", torch.tensor(float(value), dtype=torch.float64))
         for table in (self.wte, self.wpe, self.lm_head):
             if table is not None and not isinstance(table, FactorisedTable):
                 nn.init.normal_(table.weight, 0.0, 0.02)
