@@ -19,6 +19,7 @@ errors are measured, in `check_results.py`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
 import sympy as sp
@@ -27,7 +28,7 @@ import torch
 from . import ir, sympy_instance
 from .calculus import directional
 from .check_results import SEEDS, TOL, CheckResult, _abs, _non_finite, _one_thread, _Worst, token_errors
-from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
+from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program, unconstrain
 from .optimizer_checks import check_definite, check_descent, check_head_maps
 from .optimizers import UpdateProgram
 from .replay import (
@@ -350,10 +351,41 @@ def _counterexample(got: torch.Tensor, expected: torch.Tensor, shown: int = 4) -
     return f"{entries}derived [{', '.join(fa)}] vs expected [{', '.join(fb)}]"
 
 
-def run_checks(prog: UpdateProgram) -> list[CheckResult]:
+def check_compiled(prog: UpdateProgram, build: Callable[[], torch.nn.Module]) -> CheckResult:
+    """The layer `energy compile` writes (the torch backend, its fused forms) against the derived program, on the
+    checks' instance in float64: the rows above prove the program, and this one carries the proof to the module
+    that trains (whose code generation the examples' tests alone had covered)."""
+    module = build()
+    inst = random_instance(prog, seed=0)
+    values = {**{str(k): v for k, v in inst.scalars.items()}, **inst.params}
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name not in values or name not in prog.params:
+                return CheckResult("compiled", "skip", f"the module's parameter `{name}` is not one of the program's")
+            p.copy_(unconstrain(prog.params[name], torch.as_tensor(values[name], dtype=p.dtype)).reshape(p.shape))
+        given = {"context": inst.context} if inst.context is not None else {}
+        if inst.input is not None and inst.input is not inst.context:
+            given["input"] = inst.input
+        got = module(inst.x, **given)
+    want = run_program(prog, inst)
+    if not torch.equal(got.isfinite(), want.isfinite()):
+        return CheckResult("compiled", "fail", "the module is not finite where the derived program is, or the other "
+                           "way round (please report this with the spec)")
+    ok = got.isfinite()
+    error = float((got[ok] - want[ok]).abs().max() / want[ok].abs().max().clamp_min(1e-300)) if ok.any() else 0.0
+    status = "ok" if error <= TOL else "fail"
+    detail = f"the generated module (torch backend) = the derived program (rel. error {error:.1e})"
+    return CheckResult("compiled", status, detail if status == "ok" else f"{detail}: please report this with the "
+                       "spec; `energydsl.codegen.module_class(derived, lowering=False)` builds the unfused form",
+                       error)
+
+
+def run_checks(prog: UpdateProgram, build: Callable[[], torch.nn.Module] | None = None) -> list[CheckResult]:
+    """Every row of `energy check` for one energy; `build` makes its layer in float64 (the `compiled` row)."""
+    compiled = (("compiled", lambda prog: check_compiled(prog, build)),) if build is not None else ()
     with _one_thread():
         results = [check_gradient(prog)]
-        for row, fn in (("sympy", check_sympy), ("hessian", check_hessian), ("update", check_update),
+        for row, fn in (("sympy", check_sympy), ("hessian", check_hessian), ("update", check_update), *compiled,
                         ("causality", check_causality), ("own token", check_own_token), ("descent", check_descent),
                         ("definite", check_definite), ("head map", check_head_maps), ("tying", check_tying),
                         ("params", check_params)):

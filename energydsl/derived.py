@@ -237,7 +237,7 @@ class Derived:
     def check(self) -> list[CheckResult]:
         """`energy check`'s rows for this energy, run once (float64, against autograd): `CheckResult`s."""
         if self._checks is None:
-            self._checks = run_checks(self.program)
+            self._checks = run_checks(self.program, build=lambda: self.module(dtype="float64"))
         return self._checks
 
     def equation_hash(self) -> str:

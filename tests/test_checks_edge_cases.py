@@ -1269,3 +1269,26 @@ def test_a_reduction_inside_another_over_its_index_is_refused(body: str) -> None
     with pytest.raises(SpecError, match=r"reduces over `j` inside a reduction over `j` \(sum\[j\] within "
                                         r"logsumexp\[j\].*not supported yet"):
         load(text).energy("E")
+
+
+def test_the_compiled_row_runs_the_generated_layer_against_the_program() -> None:
+    """The checks proved the derived program; the module `energy compile` writes (its fused forms) was compared
+    with it only in the examples' tests: a spec of the user's own had no row for it. One that differs fails."""
+    from energydsl.checks import check_compiled
+
+    text = ("energy L(d = 4) {\n  state z[d]\n  input h[d]\n  param W[d, d]\n  param a in (0, 1) = 0.5 learn\n"
+            "  global F = 0.5 * (z - h) . (z - h) + a * sum(softplus(W @ z))\n"
+            "  optimizer momentum(beta = 0.9 learn, eta = 0.5 learn) steps 2, precondition diag\n}\n")
+    rows = {r.name: r for r in load(text).energy().check()}
+    assert rows["compiled"].status == "ok" and rows["compiled"].max_error < 1e-12, rows["compiled"]
+    mha = load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy()  # a fused form: SDPA
+    assert {r.name: r for r in mha.check()}["compiled"].status == "ok"
+    # a layer that computes another update from the program's parameters (eta 0.4 for 0.5): a failure
+    learned = load(text).energy().program
+    other = load(text.replace("eta = 0.5 learn", "eta = 0.4")).energy()
+    row = check_compiled(learned, lambda: other.module(dtype="float64"))
+    assert row.status == "fail" and "please report this with the spec" in row.detail and row.max_error > 1e-3, row
+    # one with a parameter the program has not: skipped, saying which
+    fixed = load(text.replace("eta = 0.5 learn", "eta = 0.5")).energy().program
+    row = check_compiled(fixed, lambda: load(text).energy().module(dtype="float64"))
+    assert row.status == "skip" and "`opt_eta` is not one of the program's" in row.detail, row
