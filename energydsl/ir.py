@@ -219,10 +219,13 @@ def power(a: Expr, exponent) -> Expr:
     if exponent == 0:
         return ONE if not a.shape else Ones(a.shape)
     if isinstance(a, Pow):
-        # (b^p)^q is b^(pq) but where an even p has hidden b's sign and q is not whole: (x^2)^0.5 is |x|
-        if _even(a.exponent) and not _whole(exponent):
+        # (b^p)^q is b^(pq) but where an even p has hidden b's sign and q is not whole: (x^2)^0.5 is |x|; an
+        # exponent that is a name (a param, a dim) may be even, so the power stays as written then: (z^a)^0.5
+        if _whole(exponent) or a.exponent.is_number and not _even(a.exponent):
+            return power(a.base, a.exponent * exponent)
+        if _even(a.exponent):
             return power(func("abs", a.base), a.exponent * exponent)
-        return power(a.base, a.exponent * exponent)
+        return Pow(a, exponent)
     if isinstance(a, Func) and a.name == "sqrt":  # norm(v)^2 is v.v: its gradient is finite at v = 0
         return power(a.arg, exponent / 2)  # (sqrt's argument is not negative where it is real)
     return Pow(a, exponent)

@@ -233,12 +233,16 @@ def test_per_head_newton_needs_heads_no_wider_than_the_state():
     ("((z . h)^2)^0.5 - z . h", lambda z, h, W: (z * h).sum(-1).abs() - (z * h).sum(-1)),
     ("sum(h * (z^2)^c)", lambda z, h, W: (h * z.abs() ** 1.5).sum(-1)),  # a learned exponent, 0.75
     ("sum(h * (z^2)^3)", lambda z, h, W: (h * z ** 6).sum(-1)),  # a whole one keeps the sign: z^6
+    ("sum(h * (z^a)^0.5)", lambda z, h, W: (h * z.abs()).sum(-1)),  # a fixed param a = 2: z^(a/2) was z
+    ("sum(h * (z^e)^0.5)", lambda z, h, W: (h * z.abs()).sum(-1)),  # a dim e = d / 2 = 2, as well
+    ("sum(h * sqrt(z^a)^3)", lambda z, h, W: (h * z.abs() ** 3).sum(-1)),
 ])
 def test_a_power_of_an_even_power_keeps_the_absolute_value(written: str, by_hand) -> None:
     """`(x^2)^0.5` was built as `x` (and `(x^2)^c` as x^(2c), NaN for x < 0): the energy, hence every check's
     autograd of it, was another than the spec wrote, and every check passed. The layer's one gd step against
     autograd of the energy as written, in float64."""
-    text = ("energy A(d = 4) {\n  state z[d]\n  input h[d]\n  param W[d, d]\n  param c = 0.75 learn\n"
+    text = ("energy A(d = 4) {\n  dim e = d / 2\n  state z[d]\n  input h[d]\n  param W[d, d]\n  param c = 0.75 learn\n"
+            "  param a = 2 fixed\n"
             f"  global F = {written} + 0.5 * z . z\n  optimizer gd(eta = 1)\n}}\n")
     module = load(text).module(dtype=torch.float64)
     torch.manual_seed(0)
