@@ -392,6 +392,7 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
     kept: list[Expr] = []
     free: list[Expr] = []  # the terms whose factor is absorbed, without it
     absorbed: dict[str, object] = {}
+    factors: dict[str, object] = {}  # the factor of every new parameter's terms, absorber or not: one each
     for coef, rest in _terms(direction):
         names = {v.name for v in nodes(rest) if isinstance(v, Var)}
         absorber = next((n for n in new_params if n in names), None)
@@ -399,7 +400,9 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
             kept.append(mul(scalar(coef), rest))
             continue
         constant, learned_part = sp.sympify(coef).as_independent(*learned, as_Add=False) if learned else (coef, 1)
-        if absorbed.setdefault(absorber, constant) != constant or not _linear_in(rest, absorber):
+        absorbed.setdefault(absorber, constant)
+        if any(factors.setdefault(n, constant) != constant for n in new_params if n in names) \
+                or not _linear_in(rest, absorber):
             return direction, {}
         free.append(mul(scalar(learned_part), rest))
     return add(neg(add(*free)), *kept), {name: -coef for name, coef in absorbed.items()}

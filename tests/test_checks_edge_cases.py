@@ -464,6 +464,22 @@ def test_untie_keeps_the_factors_when_one_param_cannot_absorb_them_all():
     assert all(r.ok for r in layer.check())
 
 
+def test_untie_keeps_the_factors_when_a_param_that_does_not_absorb_has_two():
+    """Wv in a term with factor 2 (absorbed by Wo, the term's first new param) and in one with factor 3 (its
+    own): only each term's absorber was compared, so both were dropped and the untied update was another than the
+    tied one at Wv = s·W2 for any s (the tying row failed, rel. error 0.69)."""
+    text = ("energy A(d = 4, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context c[j, d] where j <= i\n"
+            "  param W1[heads, dh, d]\n  param W2[heads, dh, d]\n  param B[heads, d, dh]\n"
+            "  global F = -2 * sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ c[j])))"
+            " - 3 * sum[k](logsumexp[j](z . (B[k] @ (W2[k] @ c[j]))))\n"
+            "  untie value W1[k]^T -> Wo[k], W2[k] -> Wv[k]\n}\n")
+    layer = load(text).energy()
+    assert layer.program.untie_scales == {}
+    untied = next(line for line in layer.equations("text").splitlines() if "untied update" in line)
+    assert "-2 (Σ_{k}" in untied and "3 (Σ_{k}" in untied, untied
+    assert {r.name: r for r in layer.check()}["tying"].status == "ok"
+
+
 UNTIE_NOT_LINEAR = {  # the new parameter's term also holds a part without it
     "L2Score": """energy U(d = 2) {
   state z[d]
