@@ -28,7 +28,7 @@ import torch
 from . import ir, sympy_instance
 from .calculus import directional
 from .check_results import SEEDS, TOL, CheckResult, _abs, _non_finite, _one_thread, _Worst, token_errors
-from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program, unconstrain
+from .instance import Instance, eval_tokens, evaluate_on, random_instance, run_program
 from .optimizer_checks import check_definite, check_descent, check_head_maps
 from .optimizers import UpdateProgram
 from .replay import (
@@ -357,12 +357,11 @@ def check_compiled(prog: UpdateProgram, build: Callable[[], torch.nn.Module]) ->
     that trains (whose code generation the examples' tests alone had covered)."""
     module = build()
     inst = random_instance(prog, seed=0)
-    values = {**{str(k): v for k, v in inst.scalars.items()}, **inst.params}
     with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name not in values or name not in prog.params:
+        for name, p in module.named_parameters():  # the raw values the instance's constrained ones come from
+            if name not in inst.raw:
                 return CheckResult("compiled", "skip", f"the module's parameter `{name}` is not one of the program's")
-            p.copy_(unconstrain(prog.params[name], torch.as_tensor(values[name], dtype=p.dtype)).reshape(p.shape))
+            p.copy_(inst.raw[name].reshape(p.shape))
         given = {"context": inst.context} if inst.context is not None else {}
         if inst.input is not None and inst.input is not inst.context:
             given["input"] = inst.input

@@ -7,7 +7,7 @@ derived program and autograd on them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy as sp
 import torch
@@ -30,6 +30,7 @@ class Instance:
     context: torch.Tensor | None  # (B, T, *context)
     input: torch.Tensor | None
     seq_len: int
+    raw: dict[str, torch.Tensor] = field(default_factory=dict)  # what a generated module holds (`random_instance`)
 
 
 def alibi_slopes(n: int) -> torch.Tensor:
@@ -121,6 +122,7 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
     g = torch.Generator().manual_seed(seed)
     scalars = _base_scalars(prog)
     params: dict[str, torch.Tensor] = {}
+    raws: dict[str, torch.Tensor] = {}
     for name, p in prog.params.items():
         sizes = [spec.size(s) for s in p.shape]
         raw = raw_param(p, init_param(p, sizes, g, dtype, check_scale=scale))
@@ -131,6 +133,7 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
             # its initial value would prove nothing, so move it (in raw space, where constraints still hold)
             raw = raw + 0.3 * (1 + raw.abs()) * torch.randn(tuple(sizes), generator=g, dtype=dtype)
         _place(prog, name, constrain(p, raw), params, scalars)
+        raws[name] = raw
     shape = lambda s: tuple(spec.size(e) for e in s)  # noqa: E731
     x = torch.randn((batch, seq) + shape(spec.state.shape), generator=g, dtype=dtype) * scale
     ctx = None
@@ -141,7 +144,7 @@ def random_instance(prog: UpdateProgram, *, batch: int = 2, seq: int = 5, seed: 
         inp = ctx  # one stream: each token's own input is its context token (the module's default)
     elif spec.input is not None:
         inp = torch.randn((batch, seq) + shape(spec.input.shape), generator=g, dtype=dtype) * scale
-    return Instance(params, scalars, x, ctx, inp, seq)
+    return Instance(params, scalars, x, ctx, inp, seq, raws)
 
 
 # The most memory one random instance may take: the checks run the update, autograd and second derivatives on

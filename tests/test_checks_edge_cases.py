@@ -1299,6 +1299,10 @@ def test_the_compiled_row_runs_the_generated_layer_against_the_program() -> None
     assert rows["compiled"].status == "ok" and rows["compiled"].max_error < 1e-12, rows["compiled"]
     mha = load(ROOT / "examples/intrinsic-optimizers/mha.energy").energy()  # a fused form: SDPA
     assert {r.name: r for r in mha.check()}["compiled"].status == "ok"
+    # a `psd` param: the module holds L, the energy sees L Lᵀ + εI (the row had loaded L Lᵀ + εI as L: a ✗)
+    psd = load("energy M(d = 6) {\n  state z[d]\n  param S[d, d] ~ normal(0, 0.3) psd\n"
+               "  global F = 0.5 * z . (S @ z)\n  optimizer gd(eta = 1)\n}\n").energy()
+    assert {r.name: r for r in psd.check()}["compiled"].status == "ok"
     # a layer that computes another update from the program's parameters (eta 0.4 for 0.5): a failure
     learned = load(text).energy().program
     other = load(text.replace("eta = 0.5 learn", "eta = 0.4")).energy()
