@@ -412,9 +412,11 @@ def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
             return ir.Pos(mapping[e.index])
         case ir.Index():
             return ir.Index(_rename(e.base, mapping), mapping.get(e.index, e.index))
-        case ir.Reduce() | ir.Softmax() if e.index in mapping:
+        case ir.Reduce() if e.index in mapping:  # binds its index: the same name outside is another index
             inner = {k: v for k, v in mapping.items() if k != e.index}
             return ir.rebuild(e, [_rename(e.body, inner)])
+        case ir.Softmax():  # keeps its index free: `a[m]` for `let a[k] = softmax[k](…)` is softmax over m
+            return ir.Softmax(mapping.get(e.index, e.index), _rename(e.body, mapping))
     if not e.children:
         return e
     return ir.rebuild(e, [_rename(c, mapping) for c in e.children])
@@ -426,7 +428,7 @@ def _captured(e: Expr, mapping: dict[str, str]) -> str | None:
     mapping = {k: v for k, v in mapping.items() if k != v}
     if not mapping:
         return None
-    if isinstance(e, ir.Reduce | ir.Softmax):
+    if isinstance(e, ir.Reduce):  # a softmax keeps its index free: renamed with it, nothing to capture
         inner = {k: v for k, v in mapping.items() if k != e.index}
         if any(v == e.index and k in e.body.free for k, v in inner.items()):
             return e.index

@@ -702,6 +702,24 @@ def test_an_indexed_let_called_with_the_index_it_reduces_over_is_refused() -> No
     assert "Σ_{m} (u_m (Σ_{n} exp(3/10 ⟨W_m, z⟩ + ⟨V_n, h⟩)))" in fine, fine
 
 
+def test_a_softmax_in_an_indexed_let_is_renamed_with_its_index() -> None:
+    """`let a[k] = softmax[k](z . W[k])` used as `a[m]` kept `softmax[k]` (a softmax keeps its index free; the
+    renaming treated it as a reduction, which binds it), so an outer `sum[k]` took it: another energy, every check
+    passed. The let's use is the energy written without the let."""
+    import torch
+
+    head = ("energy A(d = 4, heads = 2) {\n  state z[d]\n  param W[heads, d]\n  param V[heads, d]\n"
+            "  param U[heads, d]\n")
+    with_let = head + ("  let a[k] = softmax[k](z . W[k])\n"
+                       "  global F = sum[k](sum[m](a[m] * (z . V[m])) * (z . U[k])) + 0.5 * z . z\n}\n")
+    written = head + ("  global F = sum[k](sum[m](softmax[m](z . W[m]) * (z . V[m])) * (z . U[k]))"
+                      " + 0.5 * z . z\n}\n")
+    a, b = load(with_let).module(dtype=torch.float64), load(written).module(dtype=torch.float64)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    torch.testing.assert_close(a(x), b(x), rtol=1e-12, atol=1e-12)
+
+
 def test_an_indexed_local_may_be_renamed_in_a_reduction(tmp_path) -> None:
     """`E[head, j]` for `local E[k, j]` (as docs/language.md promises): `head` ranges over what `k` does, and
     the derived layer is the same as with `k`, down to the fused kernels it gets."""
