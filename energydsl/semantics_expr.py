@@ -182,6 +182,10 @@ class ExpressionLowering:
 
     def _index(self, n: ast.Index) -> Expr:
         base = n.base
+        twice = next((i for k, i in enumerate(n.indices) if i in n.indices[:k]), None)
+        if twice is not None:  # the diagonal: no index in the IR runs over two axes at once (it crashed when run)
+            raise SpecError(f"the index `{twice}` is written twice in one indexing: each axis takes an index of its "
+                            "own", n.span, "a diagonal entry has no indexed form here; write one index per axis")
         if isinstance(base, ast.Name):
             name = base.name
             if name in self.scope.lets:

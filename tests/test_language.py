@@ -702,6 +702,18 @@ def test_an_indexed_let_called_with_the_index_it_reduces_over_is_refused() -> No
     assert "Σ_{m} (u_m (Σ_{n} exp(3/10 ⟨W_m, z⟩ + ⟨V_n, h⟩)))" in fine, fine
 
 
+@pytest.mark.parametrize("use", ["B[m, m]", "a[m, m]"])
+def test_an_index_written_twice_in_one_indexing_is_refused(use: str) -> None:
+    """`B[m, m]` (a param's diagonal, or a two-index let's) loaded, then crashed in every run of the energy (a
+    size mismatch; `energy check` said "internal error")."""
+    text = ("energy A(d = 4, heads = 2) {\n  state z[d]\n  param W[heads, d]\n  param B[heads, heads]\n"
+            "  let a[k, n] = B[k, n] * (z . W[k])\n"
+            f"  global F = sum[m]({use} * (z . W[m])) + 0.5 * z . z\n}}\n")
+    with pytest.raises(SpecError, match="the index `m` is written twice in one indexing") as e:
+        load(text).energy()
+    assert (e.value.span.line, e.value.span.column) == (6, len("  global F = sum[m](") + 1)
+
+
 def test_a_softmax_in_an_indexed_let_is_renamed_with_its_index() -> None:
     """`let a[k] = softmax[k](z . W[k])` used as `a[m]` kept `softmax[k]` (a softmax keeps its index free; the
     renaming treated it as a reduction, which binds it), so an outer `sum[k]` took it: another energy, every check
