@@ -347,6 +347,45 @@ def test_paths_through_an_import_are_shown_normalised(tmp_path: Path) -> None:
     assert space.settings["data"].fixed == f"chars:{tmp_path / 'c.txt'}"
 
 
+def test_a_filled_hole_means_what_was_sampled(tmp_path: Path) -> None:
+    """A float rounded to six digits left its range (0.9999996 in `float 0.9..0.9999999` trained as beta = 1, a
+    momentum that never decays); a name option `T` after `^` landed as a transpose, and one named like a reduction
+    before `[` as that reduction (a syntax error)."""
+    energy = """
+    energy E(d = 8) {
+      state z[d]
+      param W[d, d] ~ normal(0, 0.02)
+      param v[d] ~ normal(0, 0.02)
+      let T = 2
+      param a = 0.5
+      let max = 2 * v
+      let s[n] = choice{max, v}[n]
+      global F = -sum((W @ z) * (W @ z)) * sum[n](s[n]) * a^choice{T, 3}
+      optimizer momentum(beta = float 0.9..0.9999999)
+    }
+    model M(vocab = 65, context = 16, d = 8, layers = 1, heads = 2) {
+      embed tokens, positions
+      layer = E(d)
+      head tied
+    }
+    search S {
+      model M
+      data shakespeare_char, steps 4
+      train batch = 4, eval_interval = 2, eval_iters = 1
+    }
+    """
+    space = load_search(write(tmp_path, energy))
+    assert set(names(space)) == {"E.s", "E.F", "E.optimizer.beta"}, names(space)
+    candidate = fill(space, **{"E.s": "max", "E.F": "T", "E.optimizer.beta": 0.9999996})
+    text = candidate.source()
+    assert "beta = 0.9999996" in text and "(max)[n]" in text and "a^(T)" in text, text
+    # `max`, a name no indexing can take, is now refused for what it is rather than as a syntax error
+    assert "`max` takes 0 indices" in candidate.invalid_reason(), candidate.invalid_reason()
+    valid = fill(space, **{"E.s": "v", "E.F": "T", "E.optimizer.beta": 0.9999996})
+    assert valid.invalid_reason() is None, valid.invalid_reason()
+    assert "a^2" in energydsl.load(valid.source()).energy("E").equations("text").replace("(a^2)", "a^2")
+
+
 def test_without_a_model_clause_the_files_own_model_is_trained(tmp_path: Path) -> None:
     """`energy info` and `train` take the file's own model; the search counted an imported one too and refused."""
     write(tmp_path, TINY, "parts.energy")

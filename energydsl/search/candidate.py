@@ -15,7 +15,8 @@ import shlex
 from typing import Any
 
 from energydsl.errors import Span, UserError
-from energydsl.search.holes import _fmt_float, _norm
+from energydsl.number_text import plain_number
+from energydsl.search.holes import _norm
 from energydsl.search.stagecheck import stage_check
 
 _CANDIDATE_PLACE = re.compile(r"<string>:(\d+):(\d+)")  # a place in a candidate's text, as composition cites it
@@ -115,7 +116,7 @@ class DslCandidate:
     def source(self) -> str:
         """The filled spec, ending with how its trial trains it and the `energy train` command that trains it so."""
         s = self.trained_settings()
-        train = ", ".join(f"{k} = {_fmt_float(v) if isinstance(v, float) else v}"
+        train = ", ".join(f"{k} = {plain_number(v) if isinstance(v, float) else v}"  # as trained, every digit
                           for k, v in sorted(s.items()) if k not in ("data", "steps"))
         return (f"{self.text}\n\n# trained with: data {s['data']}, steps {s['steps']}; {train}\n"
                 f"# train it again so: {retrain_command(s)}\n")

@@ -25,6 +25,9 @@ INT_SETTINGS = {"steps", "batch_size", "block_size", "warmup_steps", "eval_inter
 STR_SETTINGS = {"data", "dtype"}
 DEFAULT_OPTIMIZER = "gd(eta = 1)"  # what `none` means in an optimizer choice (the language's default)
 _EXPR_ATOMS = {"number", "name", "call", "reduce", "index", "integral", "choice_hole", "int_hole", "float_hole"}
+# names that land parenthesised all the same: beside the text around them they lex as another token (`a^T` is a
+# transpose, `max[i]` a reduction), where `a^(T)` and `(max)[i]` are what the option means
+_NAMES_LEXED_OTHERWISE = {"T", "sum", "logsumexp", "mean", "prod", "max", "softmax"}
 
 
 # ----------------------------------------------------------------------------- source files and positions
@@ -157,8 +160,13 @@ def _bound(node: lark.Tree, exact: bool = False) -> Any:
     return -value if sign is not None else value
 
 
-def _fmt_float(v: float) -> str:
-    text = f"{v:.6g}"
+def _fmt_float(v: float, low: float | None = None, high: float | None = None) -> str:
+    """`v` with six significant digits, or as many more as keep it inside [low, high] when given: rounded to six, a
+    momentum sampled at 0.9999996 in `float 0.9..0.9999999` trained as 1, a value the hole does not hold."""
+    for digits in range(6, 18):
+        text = f"{v:.{digits}g}"
+        if low is None or low <= float(text) <= high:
+            break
     return text if re.fullmatch(r"-?\d+(\.\d+)?([eE][+-]?\d+)?", text) else repr(float(v))
 
 
@@ -220,8 +228,8 @@ class _Collector:
                 label = _norm(f.slice(opt))
             if any(_same_text(o.label, label) for o in options):
                 raise SpecError(f"`{label}` is listed twice in this choice", span)
-            options.append(_Option(label, os_, oe, self.holes(opt, f"{name}.{i}"),
-                                   wrap=opt.data not in _EXPR_ATOMS))
+            wrap = opt.data not in _EXPR_ATOMS or opt.data == "name" and f.slice(opt) in _NAMES_LEXED_OTHERWISE
+            options.append(_Option(label, os_, oe, self.holes(opt, f"{name}.{i}"), wrap=wrap))
         return _Hole(name, "choice", f, s, e, span, options=options)
 
     def clause_hole(self, node: lark.Tree, name: str, outer: tuple[int, int] | None,
@@ -342,7 +350,7 @@ class _Filler:
         if h.kind == "float":
             v = t.suggest_float(h.name, h.low, h.high, log=h.log)
             self.params[h.name] = v
-            return _signed(_fmt_float(float(v)))
+            return _signed(_fmt_float(float(v), h.low, h.high))
         label = t.suggest_categorical(h.name, [o.label for o in h.options])
         self.params[h.name] = label
         opt = next(o for o in h.options if o.label == label and isinstance(o.label, str) == isinstance(label, str))
