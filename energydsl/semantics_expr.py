@@ -182,10 +182,6 @@ class ExpressionLowering:
 
     def _index(self, n: ast.Index) -> Expr:
         base = n.base
-        twice = next((i for k, i in enumerate(n.indices) if i in n.indices[:k]), None)
-        if twice is not None:  # the diagonal: no index in the IR runs over two axes at once (it crashed when run)
-            raise SpecError(f"the index `{twice}` is written twice in one indexing: each axis takes an index of its "
-                            "own", n.span, "a diagonal entry has no indexed form here; write one index per axis")
         if isinstance(base, ast.Name):
             name = base.name
             if name in self.scope.lets:
@@ -193,6 +189,7 @@ class ExpressionLowering:
                 if len(idx) != len(n.indices):
                     takes = f"{len(idx)} {'index' if len(idx) == 1 else 'indices'}"
                     raise SpecError(f"`{name}` takes {takes}, got {len(n.indices)}", n.span)
+                _refuse_an_index_twice(n)
                 for old, new in zip(idx, n.indices):
                     self._rename_index(name, old, new, n.span)
                 captured = _captured(body, dict(zip(idx, n.indices)))
@@ -218,6 +215,8 @@ class ExpressionLowering:
             what = name if out is moving else f"a value of {name}"
             raise SpecError(f"cannot index {what} by `{n.indices[0]}`: indexing by a name takes the leading axis of a "
                             "param (or of a value of params and the frozen tokens)", n.span, _state_index_hint(out))
+        if len(n.indices) <= len(out.shape):
+            _refuse_an_index_twice(n)
         for i in n.indices:
             if not out.shape:
                 raise SpecError("too many indices: this is a scalar", n.span)
@@ -424,6 +423,14 @@ def _rename(e: Expr, mapping: dict[str, str]) -> Expr:
     if not e.children:
         return e
     return ir.rebuild(e, [_rename(c, mapping) for c in e.children])
+
+
+def _refuse_an_index_twice(n: ast.Index) -> None:
+    """`B[m, m]`, a diagonal: no index in the IR runs over two axes at once (it loaded, then crashed when run)."""
+    twice = next((i for k, i in enumerate(n.indices) if i in n.indices[:k]), None)
+    if twice is not None:
+        raise SpecError(f"the index `{twice}` is written twice in one indexing: each axis takes an index of its own",
+                        n.span, "a diagonal entry has no indexed form here; write one index per axis")
 
 
 def _captured(e: Expr, mapping: dict[str, str]) -> str | None:
