@@ -17,7 +17,7 @@ from typing import Any
 from . import syntax
 from .checks import CheckResult
 from .derived import Derived, declaration_key, derive, derive_stage, placed
-from .errors import HoleError, SpecError
+from .errors import HoleError, SpecError, UnknownName
 from .optimizers import build_program
 from .semantics import lower_energy
 from .sizing import allocation_named
@@ -108,8 +108,8 @@ class Spec:
         name = self._pick(name, self.block_names, ("block", "blocks"), self.syntax.blocks)
         try:
             stages = expand_block(self.syntax, name, dims)
-        except SpecError as e:
-            given = given_by_running_blocks(self.syntax, name, e.message)
+        except UnknownName as e:
+            given = given_by_running_blocks(self.syntax, name, e.name)
             if given is None:
                 raise
             raise SpecError(e.message, e.span, given) from None

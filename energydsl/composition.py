@@ -18,14 +18,13 @@ import difflib
 import math
 import numbers
 import operator
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import syntax as ast
 from .clause_calls import ACROSS_LAYERS
-from .errors import HoleError, Span, SpecError, UserError
+from .errors import HoleError, Span, SpecError, UnknownName, UserError
 from .number_text import is_count, plain_number
 
 if TYPE_CHECKING:
@@ -140,8 +139,8 @@ def evaluate_number(node: ast.Node, env: dict[str, float], what: str) -> float:
             return float(v)
         case ast.Name(name=n):
             if n not in env:
-                raise SpecError(f"unknown name `{n}` in {what}", node.span,
-                                f"known here: {', '.join(sorted(env)) or 'nothing'}")
+                raise UnknownName(f"unknown name `{n}` in {what}", node.span,
+                                  f"known here: {', '.join(sorted(env)) or 'nothing'}", n)
             return env[n]
         case ast.Neg(operand=a):
             return -evaluate_number(a, env, what)
@@ -343,19 +342,15 @@ def blocks_running(module: ast.Module, block: str) -> list[str]:
             if any(r.name == block for summed in decl.pipeline for r in summed)]
 
 
-def given_by_running_blocks(module: ast.Module, block: str, message: str) -> str | None:
-    """A hint for `unknown name `hh`` in a block derived alone whose `hh` another block gives it (`Twice =
-    Outer(hh = 3) -> …`): where it comes from, and the `--set` that stands in for it. None for any other error."""
-    unknown = re.match(r"unknown name `([^`]+)`", message)
-    if unknown is None:
-        return None
-    givers = [name for name in blocks_running(module, block)
-              if any(r.name == block and unknown[1] in dict(r.args) for summed in module.blocks[name].pipeline
-                     for r in summed)]
+def given_by_running_blocks(module: ast.Module, block: str, name: str) -> str | None:
+    """A hint for an unknown `name` in a block derived alone, where another block gives it (`Twice = Outer(hh = 3)
+    -> …`): that block, and the `--set` that stands in for it. None where no block gives the block that name."""
+    givers = [b for b in blocks_running(module, block)
+              if any(r.name == block and name in dict(r.args) for summed in module.blocks[b].pipeline for r in summed)]
     if not givers:
         return None
-    return (f"block `{givers[0]}` gives `{block}` its `{unknown[1]}`: derive `{givers[0]}` (`--name {givers[0]}`),"
-            f" or give it here (`--set {unknown[1]}=N`)")
+    return (f"block `{givers[0]}` gives `{block}` its `{name}`: derive `{givers[0]}` (`--name {givers[0]}`),"
+            f" or give it here (`--set {name}=N`)")
 
 
 def models_running(module: ast.Module, block: str) -> list[str]:

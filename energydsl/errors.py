@@ -102,6 +102,15 @@ class HoleError(SpecError):
     is a template of a search space."""
 
 
+class UnknownName(SpecError):
+    """A size expression reads a name nothing gives it (`hidden = hh`); `name` is that name, for the hint a caller
+    that knows where it could come from adds."""
+
+    def __init__(self, message: str, span: Span | None, hint: str | None, name: str):
+        super().__init__(message, span, hint)
+        self.name = name
+
+
 class DataError(UserError):
     """A missing or unreadable data file, an unknown dataset, an impossible size."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 
 import sympy as sp
 
@@ -170,32 +171,30 @@ def cancel_reciprocals(flat: list[Expr]) -> list[Expr]:
     def split(u: Expr) -> tuple[Expr, sp.Expr]:
         return (u.base, u.exponent) if isinstance(u, Pow) else (u, sp.Integer(1))
 
-    out = list(flat)
-    i = 0
-    while i < len(out):
-        base, exponent = split(out[i])
-        partner = next((j for j in range(i + 1, len(out)) if split(out[j]) == (base, -exponent)), None)
-        if partner is None:
-            i += 1
-        else:
-            del out[partner], out[i]
-    return out
+    def reciprocal(u: Expr, w: Expr) -> list[Expr] | None:
+        base, exponent = split(u)
+        return [] if split(w) == (base, -exponent) else None
+
+    return _merge_pairs(flat, reciprocal)
 
 
 def _square_roots_squared(flat: list[Expr]) -> list[Expr]:
     """`sqrt(x) ∘ sqrt(x)` as `x`, as `power` takes `sqrt(x)^2`: `norm(v) * norm(v)` is `v . v`, whose gradient
     is finite at v = 0 (the chain rule through each norm is 0/0 there)."""
+    return _merge_pairs(flat, lambda u, w: [u.arg] if isinstance(u, Func) and u.name == "sqrt" and w == u else None)
+
+
+def _merge_pairs(flat: list[Expr], merge: Callable[[Expr, Expr], list[Expr] | None]) -> list[Expr]:
+    """Each factor with the first later one `merge` pairs it with, replaced by what `merge` gives (none: both go)."""
     out = list(flat)
     i = 0
     while i < len(out):
-        u = out[i]
-        partner = next((j for j in range(i + 1, len(out)) if out[j] == u), None) \
-            if isinstance(u, Func) and u.name == "sqrt" else None
-        if partner is None:
+        found = next(((j, m) for j in range(i + 1, len(out)) if (m := merge(out[i], out[j])) is not None), None)
+        if found is None:
             i += 1
         else:
-            del out[partner]
-            out[i] = u.arg
+            del out[found[0]]
+            out[i:i + 1] = found[1]
     return out
 
 
