@@ -374,8 +374,13 @@ def log_rate(r: Expr) -> Expr | None:
 
 
 def rope(a: Expr, pos: Expr, base: sp.Expr, sign: int = 1) -> Expr:
-    """`a` rotated by its position (`Rope`); the rotation of 0 is 0."""
-    return ZERO if is_zero(a) else Rope(a, pos, base, sign)
+    """`a` rotated by its position (`Rope`); the rotation of 0 is 0. A rotation is linear: a constant factor
+    goes in front (`rope(c x) = c rope(x)`), where `untie` and the printers find it."""
+    if is_zero(a):
+        return ZERO
+    if isinstance(a, Mul) and isinstance(a.factors[0], Scalar) and len(a.factors) > 1:
+        return mul(a.factors[0], rope(mul(*a.factors[1:]), pos, base, sign))
+    return Rope(a, pos, base, sign)
 
 
 def sum_all(a: Expr) -> Expr:

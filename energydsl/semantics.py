@@ -335,7 +335,7 @@ class _Lowering(ExpressionLowering, ParamLowering):
                 raise SpecError(f"{what} is {plain_number(v)}, not a positive whole number", span,
                                 "a size is a whole number of at least 1")
             named = f"{what} {e}" if isinstance(e, sp.Symbol) else f"{what} = {e}"  # `this size d`, not `= d`
-            fractional = math.isfinite(v) and abs(v - round(v)) > 1e-9
+            fractional = math.isfinite(v) and v > 0 and abs(v - round(v)) > 1e-9  # a negative one: not a division
             hint = (f"`{e}` is used as a size here: give it a whole number of at least 1" if isinstance(e, sp.Symbol)
                     else "choose dims that divide evenly" if fractional
                     else "a size is a whole number of at least 1: choose dims that make it one")

@@ -57,6 +57,35 @@ def test_modules_match_the_interpreter(name: str, T: int) -> None:
     _matches_interpreter(load(FILE).energy(name), T)
 
 
+@pytest.mark.parametrize("file, name, strict, scaled",
+                         [(FILE, "RopeUntiedStrict", True, False),
+                          ("examples/models/rope-llama.energy", "RopeMHA", False, True)])
+def test_the_untied_update_is_the_papers_form(file: str, name: str, strict: bool, scaled: bool) -> None:
+    """z + Σ_k Wo_k R_iᵀ Σ_j softmax_j(⟨R_i q_k, R_j k_kj⟩ / T) R_j Wv_k h_j, written out here: the gradient's
+    constant (−1/heads, −1) is Wo's to absorb, as in llama's MHA, even where it stands inside the rotation."""
+    energy = load(file).energy(name)
+    module = energy.module(dtype=torch.float64)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(0.5 * torch.randn_like(p))
+    params = dict(module.named_parameters())
+    heads, dh, d = params["W1"].shape
+    base = 100.0 if file == FILE else 10000.0
+    x = torch.randn(2, 6, d, dtype=torch.float64)
+    scale = dh ** -0.5 if scaled else 1.0
+    q = rope(torch.einsum("kad,btd->btka", params["W1"], x), 1, base=base)
+    k = rope(torch.einsum("kad,btd->btka", params["W2"], x), 1, base=base)
+    v = rope(torch.einsum("kad,btd->btka", params["Wv"], x), 1, base=base)
+    scores = torch.einsum("bika,bjka->bkij", q, k) * scale
+    T = x.shape[1]
+    allowed = torch.ones(T, T).tril(-1 if strict else 0).bool()
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num()
+    read = rope(torch.einsum("bkij,bjka->bika", weights, v), 1, base=base, sign=-1)
+    want = torch.einsum("kda,bika->bid", params["Wo"], read)
+    torch.testing.assert_close(module(x, delta=True), want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name, op", [("RopeMHA", "softmax_attention("), ("RopeUntiedStrict", "softmax_attention("),
                                       ("RopeMomentum", "softmax_attention("), ("RopeLinear", "linear_attention(")])
 def test_rotated_scores_lower_with_the_rotation_back_after_the_sum(name: str, op: str) -> None:
