@@ -1008,9 +1008,10 @@ def test_a_misused_construct_is_named_at_its_place(text: str, located: str) -> N
 
 
 def test_a_size_below_one_is_not_told_to_divide_evenly() -> None:
-    with pytest.raises(SpecError) as err:
-        load("energy A(d = 0, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}").energy()
-    assert err.value.hint == "a size is a whole number of at least 1: choose dims that make it one"
+    for d in (0, -1):  # -1 / 2 = -0.5 does not divide evenly, but dividing evenly would not mend it
+        with pytest.raises(SpecError) as err:
+            load("energy A(d = 0, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  global F = z . z\n}").energy(d=d)
+        assert err.value.hint == "a size is a whole number of at least 1: choose dims that make it one"
     for value in (0, 2.5):  # a dim used as a size as it is: nothing divides (`--set d=2.5`)
         with pytest.raises(SpecError) as err:
             load("energy A(d = 2) {\n  state z[d]\n  global F = z . z\n}").energy(d=value)
