@@ -386,13 +386,15 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
 
     Returns the direction and, for each absorbing parameter, `scale` with which the untied update equals
     the tied one when the parameter is `scale` × its tied value. A term's first new parameter (in rule
-    order) absorbs; when one parameter's terms have different factors, or a term is not linear in it (part of it
-    holds no new parameter: `t (z - Wv c)`), nothing is absorbed."""
+    order) absorbs; when one parameter's terms have different factors, a parameter absorbs a term's factor and
+    rides in another's term, or a term is not linear in it (part of it holds no new parameter: `t (z - Wv c)`),
+    nothing is absorbed."""
     learned = tuple(learned)
     kept: list[Expr] = []
     free: list[Expr] = []  # the terms whose factor is absorbed, without it
     absorbed: dict[str, object] = {}
     factors: dict[str, object] = {}  # the factor of every new parameter's terms, absorber or not: one each
+    riders: set[str] = set()  # new parameters in a term another one absorbs: they keep their tied scale, 1
     for coef, rest in _terms(direction):
         names = {v.name for v in nodes(rest) if isinstance(v, Var)}
         absorber = next((n for n in new_params if n in names), None)
@@ -405,6 +407,9 @@ def absorb_constants(direction: Expr, new_params: list[str], learned: Iterable[s
                 or not _linear_in(rest, absorber):
             return direction, {}
         free.append(mul(scalar(learned_part), rest))
+        riders.update(n for n in new_params if n in names and n != absorber)
+    if riders & absorbed.keys():  # `Wo … Wv` beside `Wv` alone: Wv's scale would reach the first term twice
+        return direction, {}
     return add(neg(add(*free)), *kept), {name: -coef for name, coef in absorbed.items()}
 
 

@@ -480,6 +480,19 @@ def test_untie_keeps_the_factors_when_a_param_that_does_not_absorb_has_two():
     assert {r.name: r for r in layer.check()}["tying"].status == "ok"
 
 
+def test_untie_keeps_the_factors_when_a_param_rides_in_a_term_another_absorbs() -> None:
+    """Wv beside Wo under −2 (Wo absorbs it) and alone under −2 too (Wv absorbs it): the factors agree, but at
+    Wo = 2·W1ᵀ, Wv = 2·W2 the first term is scaled twice (the tying row failed, rel. error 0.45)."""
+    text = ("energy A(d = 4, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context c[j, d] where j <= i\n"
+            "  param W1[heads, dh, d]\n  param W2[heads, dh, d]\n  param W3[heads, dh, d]\n"
+            "  global F = -2 * sum[k](logsumexp[j]((W1[k] @ z) . (W2[k] @ c[j])))"
+            " - 2 * sum[k](sum[j]((W2[k] @ z) . (W3[k] @ c[j])))\n"
+            "  untie value W1[k]^T -> Wo[k], W2[k] -> Wv[k]\n}\n")
+    layer = load(text).energy()
+    assert layer.program.untie_scales == {}
+    assert {r.name: r for r in layer.check()}["tying"].status == "ok"
+
+
 UNTIE_NOT_LINEAR = {  # the new parameter's term also holds a part without it
     "L2Score": """energy U(d = 2) {
   state z[d]
