@@ -252,11 +252,12 @@ class Derived:
                       for p in prog.params.values()]
             values = [unhoist(a.value) for a in prog.assigns]
             if ir.tree_size(values) <= ir.TEXT_NODES:  # the text every checkpoint and search result holds
-                text = repr([(a.target.name, v.key) for a, v in zip(prog.assigns, values)])
+                text = ir.key_text([(a.target.name, v.key) for a, v in zip(prog.assigns, values)])
             else:  # written out, the text would take minutes (a Taylor-2 Newton direction through a norm)
                 text = repr([(a.target.name, ir.fingerprint(v)) for a, v in zip(prog.assigns, values)])
             text += repr((prog.steps, sorted(self.relations().items()), params,
-                          sorted((str(k), str(v)) for k, v in prog.hyper_values.items())))
+                          sorted((str(k), str(v) if isinstance(v, str) else ir.key_text(v))
+                                 for k, v in prog.hyper_values.items())))
             text += repr(sorted(self.spec.dims().items()))
             self._hash = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._hash

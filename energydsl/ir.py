@@ -18,6 +18,9 @@ from collections import Counter
 from collections.abc import Callable
 
 import sympy as sp
+from mpmath.libmp import repr_dps
+from mpmath.libmp import to_str as mlib_to_str
+from sympy.printing.str import StrPrinter
 
 from .ir_nodes import (
     Add,
@@ -473,11 +476,36 @@ def occurrences(roots: list[Expr]) -> Counter[Expr]:
 TEXT_NODES = 20_000  # an expression up to this size written out is keyed by its text (`stable_text`)
 
 
+class _ExactPrinter(StrPrinter):
+    """SymPy's `str`, except for a Float its 15 digits do not give back: written with the digits that do."""
+
+    def _print_Float(self, expr: sp.Float) -> str:
+        shown = super()._print_Float(expr)
+        if sp.Float(shown, precision=expr._prec)._mpf_ == expr._mpf_:
+            return shown
+        return mlib_to_str(expr._mpf_, repr_dps(expr._prec))
+
+
+def key_text(value: object) -> str:
+    """`repr(value)` of a key (nested tuples of names, numbers and SymPy values) in which no two constants read
+    alike: `repr` rounds a SymPy Float to 15 digits, so `0.1234567890123456` and `…457` keyed one cached layer
+    (the second ran the first's code). Where 15 digits hold a Float, the text is `repr`'s, and so are the hashes
+    that checkpoints and search results recorded before."""
+    if isinstance(value, tuple):
+        inner = ", ".join(key_text(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    if isinstance(value, list):
+        return "[" + ", ".join(key_text(v) for v in value) + "]"
+    if isinstance(value, sp.Basic):
+        return _ExactPrinter({"order": None}).doprint(value)
+    return repr(value)
+
+
 def stable_text(e: Expr) -> str:
-    """A text for content hashes (cache keys, equation hashes), the same in every process: `repr(e.key)` for
+    """A text for content hashes (cache keys, equation hashes), the same in every process: `key_text(e.key)` for
     an expression of at most `TEXT_NODES` nodes written out (the form hashes held before), its DAG's
     `fingerprint` beyond (written out, a Taylor-2 Newton direction through a norm took minutes)."""
-    return repr(e.key) if e.tree_size <= TEXT_NODES else f"dag:{fingerprint(e)}"
+    return key_text(e.key) if e.tree_size <= TEXT_NODES else f"dag:{fingerprint(e)}"
 
 
 def tree_size(roots: list[Expr]) -> int:
@@ -494,7 +522,7 @@ def fingerprint(e: Expr) -> str:
         hit = memo.get(id(x))
         if hit is None:
             fields = [digest(c) if isinstance(c, Expr) else [digest(y) for y in c] if isinstance(c, tuple)
-                      and c and isinstance(c[0], Expr) else repr(c) for c in x._fields()]
+                      and c and isinstance(c[0], Expr) else key_text(c) for c in x._fields()]
             hit = memo[id(x)] = hashlib.sha256(repr((type(x).__name__, fields)).encode()).hexdigest()
         return hit
 

@@ -249,23 +249,30 @@ class ExpressionLowering:
     def _reduce(self, n: ast.Reduce) -> Expr:
         body = self.expr(n.body)
         for i in reversed(n.indices):
-            if i not in self.indices:
-                raise SpecError(f"unknown index `{i}` in {n.op}[{i}]", n.span,
-                                "an index comes from a context (`context h[j, d]`) or from indexing a param (`W[k]`)")
-            if i not in body.free:
-                zero = ir.is_zero(body)  # `0 * E[k, j]`: simplified away with everything it used
-                raise SpecError(f"{n.op}[{i}] over an expression that does not use `{i}`", n.span,
-                                "the expression is 0 (a factor 0 removed every term), so it uses no index; drop "
-                                "the sum" if zero else None)
-            if n.op == "softmax":
-                if body.shape:
-                    raise SpecError("softmax[...] takes a scalar score", n.span)
-                body = ir.Softmax(i, body)
-            else:
-                if n.op in ("logsumexp", "max") and body.shape:
-                    raise SpecError(f"{n.op}[{i}] takes a scalar body", n.span)
-                body = ir.reduce(n.op, i, body)
+            self._check_reduced_index(n, i, body)
+        if n.op == "softmax":
+            if body.shape:
+                raise SpecError("softmax[...] takes a scalar score", n.span)
+            if len(n.indices) > 1:  # nested softmaxes would be another function; the joint one needs its own node
+                raise SpecError(f"softmax[{', '.join(n.indices)}] over several indices is not supported yet", n.span,
+                                "the joint weights exp(s) / Σ exp(s) over every pair are not nested softmaxes; "
+                                "a softmax takes one index (`softmax[j]` per head)")
+            return ir.Softmax(n.indices[0], body)
+        if n.op in ("logsumexp", "max") and body.shape:
+            raise SpecError(f"{n.op}[{n.indices[-1]}] takes a scalar body", n.span)
+        for i in reversed(n.indices):
+            body = ir.reduce(n.op, i, body)
         return body
+
+    def _check_reduced_index(self, n: ast.Reduce, i: str, body: Expr) -> None:
+        if i not in self.indices:
+            raise SpecError(f"unknown index `{i}` in {n.op}[{i}]", n.span,
+                            "an index comes from a context (`context h[j, d]`) or from indexing a param (`W[k]`)")
+        if i not in body.free:
+            zero = ir.is_zero(body)  # `0 * E[k, j]`: simplified away with everything it used
+            raise SpecError(f"{n.op}[{i}] over an expression that does not use `{i}`", n.span,
+                            "the expression is 0 (a factor 0 removed every term), so it uses no index; drop "
+                            "the sum" if zero else None)
 
     def _call(self, n: ast.Call) -> Expr:
         f, args = n.func, n.args
@@ -488,3 +495,4 @@ def _sum_of(x: ir.Expr) -> ir.Expr:
         if len(tensors) == 2 and ir.same_shape(tensors[0].shape, tensors[1].shape):
             return ir.mul(*(f for f in x.factors if not f.shape), ir.dot(*tensors))
     return ir.sum_all(x)
+

@@ -481,6 +481,23 @@ def test_a_parameter_named_like_a_runtime_op_does_not_shadow_it() -> None:
     assert layer(layer.example_input(1, 3)).shape == (1, 3, 8)
 
 
+@pytest.mark.parametrize("use", ["C * (x . x)", "huber(x . x, C)"])
+def test_constants_that_agree_to_fifteen_digits_are_told_apart(use: str) -> None:
+    """`repr` of a SymPy Float keeps 15 digits: `0.1234567890123456` and `…457` had one equation hash and one
+    cache key, and the second energy ran the first's generated code."""
+    from energydsl.codegen import cache_key
+
+    text = "energy A(d = 3) {\n  state x[d]\n  param S[d, d]\n  global F = 0.5 * (S @ x) . (S @ x) + USE\n}\n"
+    a, b = (energydsl.load(text.replace("USE", use.replace("C", c))).energy()
+            for c in ("0.1234567890123456", "0.1234567890123457"))
+    assert a.equation_hash() != b.equation_hash() and cache_key(a, "torch") != cache_key(b, "torch")
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    layer_a, layer_b = a.module(dtype=torch.float64), b.module(dtype=torch.float64)
+    layer_b.load_state_dict(layer_a.state_dict())
+    assert not torch.equal(layer_a(x), layer_b(x))
+    assert ir.key_text(sp.Float(0.5) * sp.Symbol("d")) == repr(sp.Float(0.5) * sp.Symbol("d"))  # hashes held before
+
+
 def test_the_cache_tells_apart_energies_whose_updates_agree() -> None:
     """A constant in the energy changes no update (nor the equation hash) but the file's docstring shows it."""
     from energydsl.codegen import cache_key

@@ -1084,3 +1084,14 @@ def test_a_value_computed_once_is_not_named_like_a_declared_name() -> None:
     derived = load(text).energy("C")
     assert [h.name for h in derived.program.hoisted] == ["c1"]
     assert "computed once  c1 = W h_j" in derived.equations("text")
+
+
+@pytest.mark.parametrize("order", ["k, j", "j, k"])
+def test_a_softmax_over_several_indices_is_refused_where_written(order: str) -> None:
+    """`softmax[k, j](s)` was built as softmax over k of the softmax over j, another function than the joint
+    weights (with `sum[k, j](softmax[k, j](s)) * (z . z)`, F was (i + 1) z·z, not z·z)."""
+    text = ("energy S(d = 3, heads = 2) {\n  state z[d]\n  context h[j, d] where j <= i\n  param W[heads, d, d]\n"
+            f"  global F = sum[k, j](softmax[{order}](z . (W[k] @ h[j])) * (z . h[j]))\n}}\n")
+    with pytest.raises(SpecError, match=rf"softmax\[{order}\] over several indices is not supported yet") as e:
+        load(text).energy()
+    assert (e.value.span.line, e.value.span.column) == (5, len("  global F = sum[k, j](") + 1)

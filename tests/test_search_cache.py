@@ -294,3 +294,11 @@ def test_real_dims_that_do_not_derive_raise_with_the_candidates_place() -> None:
         with pytest.raises(SpecError) as e:
             stagecheck.stage_check(decl, {"d": 3.0, "heads": 2.0})
         assert e.value.span is not None and e.value.span.line == line_of("\n\n" + MIX, "dim     dh")
+
+
+def test_a_verdict_depends_on_the_code_generator() -> None:
+    """The `compiled` row runs the generated layer: a verdict read back after a change to the code generator or
+    the ops its layers call would be one the new compiler never gave (only the top level was hashed)."""
+    names = {path.relative_to(Path(stagecheck.__file__).parent.parent).as_posix()
+             for path in stagecheck.verdict_sources()}
+    assert {"codegen/torch_module.py", "runtime/ops.py", "checks.py", "search/stagecheck.py"} <= names

@@ -48,19 +48,26 @@ def cache_dir() -> Path | None:
 
 @functools.cache
 def code_version() -> str:
-    """A hash of what a verdict depends on besides the declaration: the modules that parse, derive and
-    check (the package's top level; codegen, runtime, training and search play no part), this module,
-    the grammar, and the torch and SymPy versions."""
+    """A hash of what a verdict depends on besides the declaration (`verdict_sources`) and the torch and
+    SymPy versions."""
     import sympy
     import torch
 
+    digest = hashlib.sha256(f"{FORMAT}|{torch.__version__}|{sympy.__version__}".encode())
+    for path in verdict_sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def verdict_sources() -> list[Path]:
+    """The files a verdict depends on: the modules that parse, derive and check (the package's top level), the
+    code generator and the runtime ops its layers call (the `compiled` row runs the generated layer), this
+    module and the grammar. Training and the rest of the search play no part."""
     from energydsl.syntax import GRAMMAR_PATH
 
     root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256(f"{FORMAT}|{torch.__version__}|{sympy.__version__}".encode())
-    for path in [*sorted(root.glob("*.py")), Path(__file__).resolve(), GRAMMAR_PATH]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+    generated = [*sorted((root / "codegen").glob("*.py")), *sorted((root / "runtime").glob("*.py"))]
+    return [*sorted(root.glob("*.py")), *generated, Path(__file__).resolve(), GRAMMAR_PATH]
 
 
 def forget() -> None:
