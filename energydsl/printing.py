@@ -140,6 +140,10 @@ class Style:
     def inverse(self, a: str) -> str:
         return f"({a})⁻¹"
 
+    def reciprocal(self, a: str) -> str:
+        """Each entry's reciprocal (Hadamard inverse): `⁻¹` alone reads as a matrix inverse."""
+        return f"({a})^∘-1"
+
     def add(self, terms: list[str]) -> str:
         out = terms[0]
         for t in terms[1:]:
@@ -239,6 +243,9 @@ class LatexStyle(Style):
     def inverse(self, a):
         return f"\\left({a}\\right)^{{-1}}"
 
+    def reciprocal(self, a):
+        return f"\\left({a}\\right)^{{\\circ -1}}"
+
     def neg(self, s):
         return "-" + s
 
@@ -310,7 +317,7 @@ class MathMLStyle(Style):
     def plain_name(self, n, sub):
         if n.startswith("∇_"):  # a gradient folded into a later equation: ∇_u E
             point, energy = n[2:].split(" ", 1)
-            return f"<msub><mi>∇</mi>{self.name_(point, [])}</msub>{self.name_(energy, [])}"
+            return f"<mrow><msub><mi>∇</mi>{self.name_(point, [])}</msub>{self.name_(energy, [])}</mrow>"
         base = f"<mi>{html.escape(GREEK.get(n, n))}</mi>"
         return f"<msub>{base}<mrow><mi>{','.join(sub)}</mi></mrow></msub>" if sub else base
 
@@ -374,6 +381,9 @@ class MathMLStyle(Style):
 
     def inverse(self, a):
         return f"<msup>{self.paren(a)}<mn>-1</mn></msup>"
+
+    def reciprocal(self, a):
+        return f"<msup>{self.paren(a)}<mrow><mo>∘</mo><mn>-1</mn></mrow></msup>"
 
     NEG = "<mrow><mo>−</mo>"  # how `neg` opens; `add` writes such a term as a subtraction
 
@@ -576,14 +586,17 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
     st = STYLES[style] if isinstance(style, str) else style
     rel = relations or {}
 
-    def atomic(x: ir.Expr) -> bool:
+    def atomic(x: ir.Expr, postfix: bool = False) -> bool:
+        if postfix and isinstance(x, ir.Var) and x.name.startswith("∇_"):  # two symbols: `(∇_Z F)ᵀ`, not `∇_Z Fᵀ`
+            return False
         return isinstance(x, (ir.Var, ir.Index, ir.Pos, ir.Softmax, ir.ProdOthers, ir.Decay, ir.Rope, ir.Func, ir.Let,
                               ir.Transpose, ir.Dot, ir.Ones, ir.Identity)) or (
             isinstance(x, ir.Scalar) and (x.value.is_Atom or _applied(x.value)))
 
-    def wrap(x: ir.Expr) -> str:
+    def wrap(x: ir.Expr, postfix: bool = False) -> str:
+        """`x` in parentheses unless it reads as one symbol; `postfix`: before a transpose or a power."""
         s = p(x)
-        return s if atomic(x) else st.paren(s)
+        return s if atomic(x, postfix) else st.paren(s)
 
     memo: dict[int, tuple[ir.Expr, str]] = {}  # x kept alive with its text: `printed` makes temporary nodes
 
@@ -641,16 +654,17 @@ def show(e: ir.Expr, style: Style | str = "text", relations: dict[str, str] | No
                 return st.neg(out) if sign else out
             case ir.Pow():
                 if x.exponent == -1:
-                    return st.inverse(p(x.base)) if x.base.shape else st.power(wrap(x.base), st.scalar(sp.Integer(-1)))
-                return st.power(wrap(x.base), st.scalar(by_name(x.exponent)))
+                    return (st.reciprocal(p(x.base)) if x.base.shape
+                            else st.power(wrap(x.base, postfix=True), st.scalar(sp.Integer(-1))))
+                return st.power(wrap(x.base, postfix=True), st.scalar(by_name(x.exponent)))
             case ir.MatMul():
                 return st.matmul(wrap(x.a), wrap(x.b))
             case ir.Dot():
                 return st.dot(p(x.a), p(x.b))
             case ir.Outer():
-                return st.outer(wrap(x.a), wrap(x.b))
+                return st.outer(wrap(x.a), wrap(x.b, postfix=True))
             case ir.Transpose():
-                return st.transpose(wrap(x.a))
+                return st.transpose(wrap(x.a, postfix=True))
             case ir.Func():
                 return st.func(x.name, p(x.arg))
             case ir.SumAll():

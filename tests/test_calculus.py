@@ -1,5 +1,7 @@
 """Derived updates against torch.autograd in float64, and checks that catch wrong claims."""
 
+import re
+
 import pytest
 import torch
 
@@ -639,3 +641,23 @@ def test_norms_and_means_step_as_torchs(body: str, reference) -> None:
     x.requires_grad_(True)
     (grad,) = torch.autograd.grad(reference(x).sum(), x)
     torch.testing.assert_close(step, -0.5 * grad, rtol=1e-12, atol=1e-12)
+
+
+def test_an_entrywise_reciprocal_and_a_folded_gradient_print_as_computed() -> None:
+    """`1 / (W * W + 1)` of a matrix printed `(…)⁻¹`, a matrix inverse, where the program takes each entry's
+    reciprocal; `A (∇_Z F)ᵀ` printed `A ∇_Z Fᵀ` (LaTeX `\\nabla_{Z} F^{\\top}`, and MathML an `msup` of 3 children)."""
+    import xml.etree.ElementTree as ET
+
+    reciprocal = load("energy Q(d = 3) {\n  state x[d]\n  param W[d, d]\n"
+                      "  global F = 0.5 * x . ((1 / (W * W + 1)) @ x)\n}\n").energy()
+    assert "(W ⊙ W + 𝟙)^∘-1" in reciprocal.equations("text") and "⁻¹" not in reciprocal.equations("text")
+    assert "\\right)^{\\circ -1}" in reciprocal.equations("latex")
+    folded = load("energy R(d = 3) {\n  state Z[d, d]\n  param A[d, d]\n"
+                  "  global F = sum((A @ Z^T) * Z) + sum(Z * Z * Z) / 3\n  optimizer newton(eta = 0.5)\n}\n").energy()
+    assert "A (∇_Z F)ᵀ" in folded.equations("text") and "λ ∇_Z F" in folded.equations("text")
+    assert "A \\left(\\nabla_{Z} F\\right)^{\\top}" in folded.equations("latex")
+    for energy in (reciprocal, folded):
+        for block in re.findall(r"<math.*?</math>", energy.equations("mathml"), flags=re.S):
+            for node in ET.fromstring(block).iter():
+                if node.tag.endswith(("msup", "msub")):
+                    assert len(node) == 2, ET.tostring(node, encoding="unicode")
