@@ -365,6 +365,7 @@ def train_(
     that fails);
     70 an internal error;
     130 interrupted (Ctrl-C: the run is saved first; a second Ctrl-C stops at once);
+    141 stdout's reader went away (`| head`: the last evaluation's checkpoint is kept);
     143 stopped by SIGTERM (saved first, as for Ctrl-C).
 
     With --fresh, the previous run's files in --out are replaced only once the new run writes its first checkpoint.
