@@ -240,8 +240,12 @@ def check_tying(prog: UpdateProgram) -> CheckResult | None:
                 base = base.base
             val = evaluate_on(spec, pattern, inst, tensors)
             t = val.tensor[0, 0]
-            order = [val.idx.index(i) for i in idx]
-            t = t.permute(*order, *range(len(val.idx), t.dim())) if idx else t
+            order = [val.idx.index(i) for i in idx if i in val.idx]
+            t = t.permute(*order, *range(len(val.idx), t.dim()))
+            for axis, i in enumerate(idx):  # an index the rule adds (`W2 -> Wv[k]`): the tied value in each
+                if i not in val.idx:
+                    t = t.unsqueeze(axis)
+            t = t.expand(inst.params[base.name].shape).contiguous()
             scale = evaluate_on(spec, ir.scalar(prog.untie_scales.get(base.name, 1)), inst, tensors).tensor
             inst.params[base.name] = t * scale.reshape(())
         worst.add(run_program(prog, inst), run_program(prog, inst, tied=True), seed)

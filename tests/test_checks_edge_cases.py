@@ -493,6 +493,20 @@ def test_untie_keeps_the_factors_when_a_param_rides_in_a_term_another_absorbs() 
     assert {r.name: r for r in layer.check()}["tying"].status == "ok"
 
 
+def test_the_tying_check_copies_the_tied_value_along_an_index_the_rule_adds() -> None:
+    """`W2 -> Wv[k]` (allowed: a new param may add indices) made the row "could not run: ValueError"; the tied
+    value is W2 in every head."""
+    text = ("energy A(d = 6, heads = 2) {\n  dim dh = d / heads\n  state z[d]\n  context h[j, d] where j <= i\n"
+            "  param W1[heads, dh, d] ~ normal(0, 0.3)\n  param W2[d, d] ~ normal(0, 0.3)\n"
+            "  local E[k, j] = (W1[k] @ z) . (W1[k] @ (W2 @ h[j]))\n"
+            "  global F = -(1 / heads) * sum[k](logsumexp[j](E[k, j]))\n"
+            "  untie value W1[k]^T -> Wo[k], W2 -> Wv[k]\n}\n")
+    layer = load(text).energy()
+    assert layer.module().Wv.shape == (2, 6, 6)
+    tying = {r.name: r for r in layer.check()}["tying"]
+    assert tying.status == "ok", tying.detail
+
+
 UNTIE_NOT_LINEAR = {  # the new parameter's term also holds a part without it
     "L2Score": """energy U(d = 2) {
   state z[d]
