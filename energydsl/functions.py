@@ -127,10 +127,10 @@ for _f in [
     # antiderivatives in stable forms (`integral(tanh)`, `integral(sigmoid)`): SymPy's closed forms,
     # x - log(1 + tanh x) and log(1 + e^x) - log 2, are inf where tanh x rounds to -1 (x < -9 in float32, -19 in
     # float64) or e^x overflows (x > 88 in float32); same constants (0 at x = 0)
-    Function("int_tanh", sp.log(sp.cosh(X)), _log_cosh, "tanh", latex="\\textstyle\\int tanh",
+    Function("int_tanh", sp.log(sp.cosh(X)), _log_cosh, "tanh", latex="{\\textstyle\\int}\\tanh",
              torch_src="(torch.abs({x}) + F.softplus(-2 * torch.abs({x})) - 0.6931471805599453)"),
     Function("int_sigmoid", sp.log(1 + sp.exp(X)) - sp.log(2),
-             lambda x: torch.nn.functional.softplus(x) - math.log(2), "sigmoid", latex="\\textstyle\\int \\sigma",
+             lambda x: torch.nn.functional.softplus(x) - math.log(2), "sigmoid", latex="{\\textstyle\\int}\\sigma",
              torch_src="(F.softplus({x}) - 0.6931471805599453)"),
     Function("square", X**2, torch.square, None, torch_src="torch.square({x})"),
     Function("identity", X, lambda x: x, "one", torch_src="{x}"),
@@ -236,7 +236,8 @@ def antiderivative(name: str) -> str:
         return iname
     f = REGISTRY[name]
     closed = _closed_form_integral(f.formula)
-    latex = f"\\textstyle\\int {f.latex or name}"
+    head = f.latex or f"\\operatorname{{{name}}}"
+    latex = "{\\textstyle\\int}" + head  # the braces keep \textstyle to the sign
     if _torchable(closed) and not closed.has(sp.Integral):
         fn = Function(iname, closed, None, name, latex=latex)
     else:

@@ -265,7 +265,7 @@ class LatexStyle(Style):
         return f"\\operatorname{{sg}}\\left({a}\\right)"
 
     def sumall(self, a):
-        return f"\\textstyle\\sum\\left({a}\\right)"
+        return f"{{\\textstyle\\sum}}\\left({a}\\right)"
 
     def assign(self, lhs, rhs):
         return f"{lhs} \\leftarrow {rhs}"

@@ -661,3 +661,11 @@ def test_an_entrywise_reciprocal_and_a_folded_gradient_print_as_computed() -> No
             for node in ET.fromstring(block).iter():
                 if node.tag.endswith(("msup", "msub")):
                     assert len(node) == 2, ET.tostring(node, encoding="unicode")
+
+
+def test_latex_keeps_textstyle_to_its_sign_and_names_tanh() -> None:
+    """`\\textstyle\\int tanh` set t·a·n·h in italics and left the rest of its group in text style."""
+    latex = load("energy A(d = 3) {\n  state z[d]\n  param W[d, d]\n"
+                 "  global F = sum(integral(tanh)(W @ z)) + sum(integral(relu)(z))\n}\n").energy().equations("latex")
+    assert "{\\textstyle\\int}\\tanh\\left(" in latex and "{\\textstyle\\int}\\operatorname{relu}" in latex, latex
+    assert "\\textstyle\\int " not in latex
