@@ -248,6 +248,10 @@ class ExpressionLowering:
 
     def _reduce(self, n: ast.Reduce) -> Expr:
         body = self.expr(n.body)
+        twice = next((i for i in n.indices if n.indices.count(i) > 1), None)
+        if twice is not None:  # reduced once, the body no longer uses it: `sum[j, j]` would count |j| times
+            raise SpecError(f"the index `{twice}` is written twice in {n.op}[{', '.join(n.indices)}]", n.span,
+                            f"reduce over `{twice}` once")
         for i in reversed(n.indices):
             self._check_reduced_index(n, i, body)
         if n.op == "softmax":
@@ -495,4 +499,3 @@ def _sum_of(x: ir.Expr) -> ir.Expr:
         if len(tensors) == 2 and ir.same_shape(tensors[0].shape, tensors[1].shape):
             return ir.mul(*(f for f in x.factors if not f.shape), ir.dot(*tensors))
     return ir.sum_all(x)
-

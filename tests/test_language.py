@@ -1095,3 +1095,12 @@ def test_a_softmax_over_several_indices_is_refused_where_written(order: str) -> 
     with pytest.raises(SpecError, match=rf"softmax\[{order}\] over several indices is not supported yet") as e:
         load(text).energy()
     assert (e.value.span.line, e.value.span.column) == (5, len("  global F = sum[k, j](") + 1)
+
+
+@pytest.mark.parametrize("op", ["sum", "softmax", "logsumexp"])
+def test_an_index_written_twice_in_one_reduction_is_refused(op: str) -> None:
+    """`sum[j, j]` said the sum's body does not use `j`; reducing each index of the list against the whole body
+    would have taken it as |j| Σ_j."""
+    body = f"{op}[j, j](z . h[j])" if op != "softmax" else "sum[j](softmax[j, j](z . h[j]))"
+    with pytest.raises(SpecError, match=rf"the index `j` is written twice in {op}\[j, j\]"):
+        load(_energy(body)).energy()
