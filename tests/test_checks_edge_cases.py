@@ -1339,3 +1339,13 @@ def test_the_compiled_row_runs_the_generated_layer_against_the_program() -> None
     fixed = load(text.replace("eta = 0.5 learn", "eta = 0.5")).energy().program
     row = check_compiled(fixed, lambda: load(text).energy().module(dtype="float64"))
     assert row.status == "skip" and "`opt_eta` is not one of the program's" in row.detail, row
+
+
+def test_the_compiled_row_gives_the_module_the_input_that_shares_the_contexts_name() -> None:
+    """`input x[d]` beside `context x[j, d]`: one stream. The row passed the module only its context, so the
+    module's input fell back to the state and the row failed a correct layer (rel. error 1.4)."""
+    text = ("energy A(d = 4) {\n  state z[d]\n  input x[d]\n  context x[j, d] where j <= i\n"
+            "  param W[d, d] ~ normal(0, 1)\n"
+            "  global F = 0.5 * ((z - x) . (z - x)) - logsumexp[j](z . (W @ x[j]))\n}\n")
+    compiled = {r.name: r for r in load(text).energy().check()}["compiled"]
+    assert compiled.status == "ok", compiled.detail
