@@ -575,7 +575,7 @@ def test_an_entry_of_the_differentiated_variable_has_no_silent_zero_derivative()
     # a gain per channel, element-wise; a / a alone is a vector of ones, not the scalar 1
     ("state z[d]\n input h[d]\n param W[d, d]\n param a[d] positive\n"
      " global F = -sum(a * softplus((W @ z) / a)) - sum(a * (z / a)) - h . z",
-     "∇_z F = -(Wᵀ sigmoid((W z) ⊙ ((a)⁻¹))) − 𝟙 − h"),
+     "∇_z F = -(Wᵀ sigmoid((W z) ⊙ ((a)^∘-1))) − 𝟙 − h"),  # each entry's reciprocal, not an inverse
 ])
 def test_a_factor_times_its_reciprocal_cancels_and_stays_verified(body: str, want: str) -> None:
     """`x x^-1` dropped from a product (SymPy does it for scalar coefficients, the tensor IR did not): the
